@@ -1,0 +1,420 @@
+"""The typed config tree: dataclasses whose field docs become ``--help``.
+
+Precedence is CLI > TOML > model preset > defaults. Every component receives only its own
+section (``ModelConfig`` for the model, ``OptimConfig`` for the optimizer, ...).
+
+The machinery here is generic (any dataclass tree of scalar/list fields) so other commands, such as
+``scaletrain prepare --config data.toml``, reuse it for their own trees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config problem a person can fix; the CLI prints it as one line and exits with code 2."""
+
+
+def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
+        gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
+    """A documented config field. ``help`` is shown by ``--help`` and written by ``--print-config``."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------------
+# The training job's tree
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    preset: str = opt("", "named size from scaletrain.model.presets (nano, micro, small, gpt2-124m, "
+                          "llama-1b, llama-8b, llama-70b); fields set here override the preset")
+    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the prepared data's tokenizer", ge=0)
+    dim: int = opt(128, "model width (embedding / residual size)", ge=1)
+    n_layers: int = opt(4, "number of transformer blocks", ge=1)
+    n_heads: int = opt(4, "attention (query) heads; must divide dim", ge=1)
+    n_kv_heads: int = opt(0, "key/value heads for grouped-query attention; 0 = n_heads (plain MHA)", ge=0)
+    ffn_hidden_dim: int = opt(0, "SwiGLU hidden size; 0 = 8/3*dim*ffn_dim_multiplier rounded up to multiple_of", ge=0)
+    ffn_dim_multiplier: float = opt(1.0, "scales the computed SwiGLU hidden size (Llama 3 8B uses 1.3)", gt=0)
+    multiple_of: int = opt(64, "SwiGLU hidden size is rounded up to a multiple of this", ge=1)
+    max_seq_len: int = opt(256, "longest sequence the rotary tables cover; data.seq_len must not exceed it", ge=1)
+    rope_theta: float = opt(10000.0, "rotary position embedding base", gt=0)
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
+    tie_embeddings: bool = opt(False, "share the input embedding and the output projection")
+    init_std: float = opt(0.02, "standard deviation of the normal weight init", gt=0)
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("builtin:tinyshakespeare",
+                    "prepared dataset folder (with manifest.json), or a raw text file/folder that is "
+                    "prepared on the fly, or builtin:tinyshakespeare (bundled)")
+    tokenizer: str = opt("char", "when preparing raw text: 'char', 'bpe' (byte-level BPE trained on "
+                                  "the text) or a path to a tokenizer.json")
+    vocab_size: int = opt(2048, "BPE vocabulary size when the tokenizer is trained here", ge=260)
+    val_fraction: float = opt(0.1, "fraction of the text held out for validation", ge=0.0, lt=1.0)
+    seq_len: int = opt(128, "tokens per training sequence (context length)", ge=1)
+    cache_dir: str = opt("", "where raw text is prepared; empty = <train.run_dir>/data")
+    shuffle: bool = opt(True, "shuffle sequences each epoch (deterministic in train.seed and the epoch)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(1e-3, "peak learning rate", gt=0)
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay for matrices (norms, biases and "
+                                    "embeddings get none)", ge=0)
+    beta1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = opt(0.95, "AdamW beta2", ge=0, lt=1)
+    eps: float = opt(1e-8, "AdamW epsilon", gt=0)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping", ge=0)
+    implementation: str = opt("auto", "AdamW kernel: auto (fused on GPU, foreach on CPU), fused, foreach, loop",
+                              choices=("auto", "fused", "foreach", "loop"))
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = opt("cosine", "learning-rate schedule after warmup: cosine, wsd (warmup-stable-decay), "
+                              "linear or constant", choices=("cosine", "wsd", "linear", "constant"))
+    warmup_steps: int = opt(100, "linear warmup from 0 to optim.lr over this many steps", ge=0)
+    decay_steps: int = opt(0, "step at which the decay reaches min_lr; 0 = train.steps", ge=0)
+    min_lr: float = opt(1e-4, "learning rate at the end of the decay", ge=0)
+    wsd_decay_fraction: float = opt(0.2, "wsd: fraction of the steps spent in the final decay", gt=0, le=1)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(1500, "optimizer steps to train", ge=1)
+    batch_size: int = opt(16, "sequences per micro-batch (per data-parallel rank)", ge=1)
+    grad_accum_steps: int = opt(1, "micro-batches accumulated per optimizer step", ge=1)
+    seed: int = opt(1337, "seed for init, data order and sampling")
+    device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", choices=("auto", "cpu", "cuda"))
+    precision: str = opt("auto", "auto (bf16 on a GPU that supports it, else fp32), fp32, bf16 or fp16 "
+                                 "(autocast; fp16 uses a gradient scaler)", choices=("auto", "fp32", "bf16", "fp16"))
+    compile: bool = opt(False, "torch.compile the model (cold compile takes ~20 s on CPU)")
+    threads: int = opt(0, "CPU threads for torch; 0 = torch's default", ge=0)
+    eval_interval: int = opt(250, "evaluate val loss every N steps (and at the end); 0 = only at the end", ge=0)
+    eval_batches: int = opt(20, "batches per evaluation", ge=1)
+    sample_tokens: int = opt(200, "tokens of text sampled at each evaluation; 0 = none", ge=0)
+    sample_prompt: str = opt("\n", "prompt for those samples")
+    run_dir: str = opt("runs/default", "folder for checkpoints, metrics and the resolved config")
+    resume: bool = opt(False, "continue from the latest checkpoint in run_dir")
+    stop_at_step: int = opt(0, "save and stop at this step (the schedule still follows steps); 0 = run to the end", ge=0)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = opt(500, "save every N steps (and always at the end); 0 = only at the end", ge=0)
+    keep_last: int = opt(2, "checkpoints to keep (oldest are deleted)", ge=1)
+    enabled: bool = opt(True, "write checkpoints at all")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = opt(10, "print and record metrics every N steps", ge=1)
+    progress: str = opt("auto", "auto (a bar on a terminal, plain lines otherwise), bar, plain or off",
+                        choices=("auto", "bar", "plain", "off"))
+    tensorboard: bool = opt(True, "write TensorBoard events when tensorboard is installed")
+
+
+@dataclass
+class ParallelConfig:
+    """How the job is split over ranks. Degrees multiply to the world size (see docs/parallelism.md)."""
+
+    dp_replicate: int = opt(1, "replicated data-parallel degree (DDP, or HSDP's replicate dim); -1 = the ranks "
+                               "left over by the other degrees", ge=-1)
+    dp_shard: int = opt(1, "sharded data-parallel degree (FSDP2); -1 = the ranks left over", ge=-1)
+    tp: int = opt(1, "tensor-parallel degree (heads and MLP columns split across ranks)", ge=1)
+    pp: int = opt(1, "pipeline-parallel degree (blocks split into stages)", ge=1)
+    cp: int = opt(1, "context-parallel degree (sequence split; GPU only)", ge=1)
+    zero_stage: int = opt(-1, "-1 = auto (3 with dp_shard > 1, else 0); 0 plain DDP, 1 ZeroRedundancyOptimizer "
+                              "over DDP, 2 FSDP2 keeping params after forward, 3 FSDP2 resharding after forward",
+                          ge=-1, le=3)
+    sequence_parallel: bool = opt(True, "with tp > 1, also shard norms/activations along the sequence")
+    pp_schedule: str = opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    pp_microbatches: int = opt(0, "micro-batches per pipeline step; 0 = 2 x pp", ge=0)
+    pp_virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved_1f1b needs >= 2)", ge=1)
+    activation_checkpointing: str = opt("none", "recompute activations in backward: none, selective (every "
+                                                "ac_every-th block) or full (every block)",
+                                        choices=("none", "selective", "full"))
+    ac_every: int = opt(2, "selective activation checkpointing wraps every k-th block", ge=1)
+    param_dtype: str = opt("fp32", "FSDP2 mixed precision: dtype of gathered params (gradients reduce in fp32)",
+                           choices=("fp32", "bf16"))
+    cpu_offload: bool = opt(False, "FSDP2: keep sharded params, grads and optimizer states on the CPU")
+    low_comm: str = opt("none", "low-communication data parallelism over dp ranks: none, local_sgd or diloco",
+                        choices=("none", "local_sgd", "diloco"))
+    sync_every: int = opt(16, "local_sgd / diloco: inner steps between synchronisations (H)", ge=1)
+    outer_lr: float = opt(0.7, "diloco: outer Nesterov learning rate", gt=0)
+    outer_momentum: float = opt(0.9, "diloco: outer Nesterov momentum", ge=0, lt=1)
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+# Generic machinery: walk, coerce, validate, load, dump, argparse
+# --------------------------------------------------------------------------------------------------
+
+
+def _sections(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp)
+
+
+def iter_fields(cls: type, prefix: str = ""):
+    """Yield ``(dotted_name, type, dataclasses.Field)`` for every leaf field of a config tree."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_section(tp):
+            yield from iter_fields(tp, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", tp, f
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Turn a TOML value or a CLI string into ``tp``; raise ConfigError naming the key otherwise."""
+    origin = typing.get_origin(tp)
+    from_cli = isinstance(value, str) and tp is not str and origin is not list
+    try:
+        if origin is list:
+            (item_tp,) = typing.get_args(tp)
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, list):
+                raise TypeError
+            return [coerce(v, item_tp, key, where) for v in value]
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if from_cli and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if from_cli and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise TypeError
+        if tp is int:
+            if isinstance(value, bool):
+                raise TypeError
+            if isinstance(value, int):
+                return value
+            if from_cli:
+                return int(value.replace("_", ""))
+            raise TypeError
+        if tp is float:
+            if isinstance(value, bool):
+                raise TypeError
+            if isinstance(value, (int, float)):
+                return float(value)
+            if from_cli:
+                return float(value)
+            raise TypeError
+        if tp is str:
+            if isinstance(value, str):
+                return value
+            raise TypeError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be {_type_name(tp)} (got {value!r}){where}") from None
+    raise ConfigError(f"{key}: unsupported field type {tp}{where}")
+
+
+def check_field(key: str, value: Any, f: dataclasses.Field, where: str = "") -> None:
+    """Apply the range/choice limits declared with ``opt``."""
+    m = f.metadata
+    if m.get("choices") and value not in m["choices"]:
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, m['choices']))} (got {value!r}){where}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number (got {value!r}){where}")
+        for bound, ok, text in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                                ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
+            b = m.get(bound)
+            if b is not None and not ok(value, b):
+                raise ConfigError(f"{key} must be {text} {b} (got {value!r}){where}")
+
+
+def read_toml(path: str | Path) -> dict:
+    """Read a TOML file; missing files and syntax errors become one-line ConfigErrors."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        with p.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def build(cls: type, raw: dict, where: str = "", prefix: str = "", presets: dict | None = None) -> Any:
+    """Construct a config tree ``cls`` from a nested dict, checking names, types and limits."""
+    hints = typing.get_type_hints(cls)
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in by_name:
+            known = ", ".join(sorted(by_name))
+            raise ConfigError(f"unknown key {prefix}{key}{where} (known in {prefix.rstrip('.') or 'top level'}: {known})")
+    kwargs = {}
+    layered = dict(raw)
+    if presets is not None and layered.get("preset"):
+        name = layered["preset"]
+        if name not in presets:
+            raise ConfigError(f"{prefix}preset: unknown preset {name!r}{where} (known: {', '.join(presets)})")
+        layered = {**presets[name], **layered}
+    for name, f in by_name.items():
+        tp = hints[name]
+        key = f"{prefix}{name}"
+        if _is_section(tp):
+            sub = layered.get(name, {})
+            if not isinstance(sub, dict):
+                raise ConfigError(f"{key} must be a [section]{where}")
+            kwargs[name] = build(tp, sub, where, f"{key}.", _presets_for(tp))
+        elif name in layered:
+            value = coerce(layered[name], tp, key, where)
+            check_field(key, value, f, where)
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _presets_for(tp: type) -> dict | None:
+    if tp is ModelConfig:
+        from scaletrain.model.presets import PRESETS
+
+        return PRESETS
+    return None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None,
+                cls: type = None) -> Any:
+    """Load ``cls`` (JobConfig by default) from an optional TOML file plus dotted overrides."""
+    cls = cls or JobConfig
+    raw = read_toml(path) if path else {}
+    where = f" in {path}" if path else ""
+    # Check TOML first so its errors name the file; then layer CLI overrides on top.
+    build(cls, raw, where, presets=None)
+    merged = _deep_merge(raw, _nest(overrides or {}))
+    cfg = build(cls, merged, where if not overrides else "", presets=None)
+    if cls is JobConfig:
+        validate_job(cfg)
+    return cfg
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def validate_job(cfg: JobConfig) -> None:
+    """Cross-field checks that no single field can make."""
+    m = cfg.model
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"model.dim / model.n_heads must be even for rotary embeddings (got {m.dim // m.n_heads})")
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({kv})")
+    if cfg.data.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be <= model.max_seq_len ({m.max_seq_len})")
+    if cfg.schedule.warmup_steps > cfg.train.steps:
+        raise ConfigError(f"schedule.warmup_steps ({cfg.schedule.warmup_steps}) must be <= train.steps ({cfg.train.steps})")
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    return f'"{s}"'
+
+
+def to_toml(cfg: Any, comments: bool = True) -> str:
+    """Dump a config tree as TOML (with each field's help as a comment); reloading gives the same tree."""
+    lines: list[str] = []
+
+    def emit(obj: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(type(obj))
+        scalars = [f for f in dataclasses.fields(obj) if not _is_section(hints[f.name])]
+        sections = [f for f in dataclasses.fields(obj) if _is_section(hints[f.name])]
+        if prefix and (scalars or not sections):
+            lines.append(f"[{prefix}]")
+        for f in scalars:
+            if comments:
+                lines.append(f"# {f.metadata.get('help', '')}")
+            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}")
+        if prefix:
+            lines.append("")
+        for f in sections:
+            emit(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+
+    emit(cfg, "")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type = None) -> None:
+    """Add one ``--section.field`` option per leaf field, with its documentation as help."""
+    cls = cls or JobConfig
+    group = parser.add_argument_group("config fields (override the TOML; CLI > TOML > preset > default)")
+    for key, tp, f in iter_fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        choices = f.metadata.get("choices")
+        extra = f" {{{','.join(map(str, choices))}}}" if choices else ""
+        group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar=_type_name(tp).upper(), default=argparse.SUPPRESS,
+                           help=f"{f.metadata.get('help', '')}{extra} (default: {default!r})")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:
+    return {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}

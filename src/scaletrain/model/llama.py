@@ -1,0 +1,162 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention via SDPA.
+
+Pure PyTorch: nothing here knows about distribution. Blocks live in a ``ModuleDict`` keyed "0".."L-1" so
+pipeline splitting can delete blocks and keep parameter names stable; the embedding, final norm and
+output head may be set to ``None`` on a pipeline stage that does not own them.
+
+Build on the meta device, then materialize and call ``init_weights()`` once (see ``build_model``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.config import ModelConfig
+from scaletrain.model.presets import ffn_hidden_dim, kv_heads
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables, each (max_seq_len, head_dim), in the rotate-half layout Hugging Face Llama uses."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + hd/2) of x: (B, n_heads, T, hd) by position-dependent angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = kv_heads(cfg)
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:  # grouped-query attention: each KV head serves n_rep query heads
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # e.g. causal *and* confined to each packed document
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, T, H*hd)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (> 0) before building the model")
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        # Not persistent: derived from the config, so checkpoints hold only learned weights.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The one place weights are initialised (after materializing from the meta device).
+
+        Normal(0, init_std) everywhere; the residual-stream output projections (wo, w2) are scaled by
+        1/sqrt(2 * n_layers) as in GPT-2 so the residual variance does not grow with depth.
+        """
+        std = self.cfg.init_std
+        depth_std = std / math.sqrt(2 * self.cfg.n_layers)
+        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta,
+                               device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_residual_out = name.endswith("attention.wo") or name.endswith("feed_forward.w2")
+                nn.init.normal_(module.weight, mean=0.0, std=depth_std if is_residual_out else std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        self.tie_weights()
+
+    def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab). On a middle pipeline stage, hidden in / hidden out."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)
+        seqlen = h.shape[1]
+        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]  # (T, hd)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, attn_mask)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:
+    """Build on the meta device (no memory), materialize on ``device``, and initialise once.
+
+    Converters and parallelism are applied between these steps by the caller when needed; this helper
+    is the single-device path.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model.init_weights()
+    return model

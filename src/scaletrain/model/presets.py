@@ -1,0 +1,83 @@
+"""Named model sizes, and parameter / FLOP counts computed from a ModelConfig alone.
+
+The counts are closed-form so the planner can use them for a 70B model without building it; the tests
+check them against ``sum(p.numel())`` of real modules.
+"""
+
+from __future__ import annotations
+
+from scaletrain.config import ModelConfig
+
+# Each preset sets only what differs from ModelConfig's defaults. vocab_size 0 means "from the data".
+PRESETS: dict[str, dict] = {
+    # ~0.8M parameters: the nanoGPT "baby GPT" shape (4 x 128, 4 heads).
+    "nano": dict(dim=128, n_layers=4, n_heads=4, ffn_hidden_dim=344, max_seq_len=256),
+    # ~3.2M: a few minutes per thousand steps on a laptop CPU.
+    "micro": dict(dim=256, n_layers=4, n_heads=4, ffn_hidden_dim=688, max_seq_len=512),
+    # ~18M: the largest size that trains usefully on 2 CPU cores within an hour.
+    "small": dict(dim=512, n_layers=6, n_heads=8, n_kv_heads=4, ffn_hidden_dim=1408, max_seq_len=1024),
+    # GPT-2 small class: 12 x 768, 12 heads, tied embeddings, 50304 vocab -> 123.6M parameters.
+    "gpt2-124m": dict(dim=768, n_layers=12, n_heads=12, ffn_hidden_dim=2048, vocab_size=50304,
+                      max_seq_len=1024, tie_embeddings=True),
+    # Llama 3.2 1B shape.
+    "llama-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+                     vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
+    # Llama 3 8B shape.
+    "llama-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+                     vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    # Llama 3 70B shape.
+    "llama-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+                      vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+}
+
+
+def ffn_hidden_dim(cfg: ModelConfig) -> int:
+    """SwiGLU hidden size: explicit, or Llama's 8/3*dim*multiplier rounded up to multiple_of."""
+    if cfg.ffn_hidden_dim:
+        return cfg.ffn_hidden_dim
+    hidden = int(2 * 4 * cfg.dim / 3)
+    hidden = int(cfg.ffn_dim_multiplier * hidden)
+    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    return cfg.n_kv_heads or cfg.n_heads
+
+
+def num_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
+    """Parameter count.
+
+    per block: attention d*(d + 2*kv*hd) + d*d, SwiGLU 3*d*h, two RMSNorm weights 2*d;
+    plus embedding V*d, final norm d, output V*d (unless tied). ``exclude_embedding`` drops the
+    input embedding table (the lookup costs no FLOPs), following Kaplan et al.
+    """
+    d, v = cfg.dim, cfg.vocab_size
+    hd = d // cfg.n_heads
+    attn = d * (d + 2 * kv_heads(cfg) * hd) + d * d
+    mlp = 3 * d * ffn_hidden_dim(cfg)
+    per_block = attn + mlp + 2 * d
+    total = cfg.n_layers * per_block + d + v * d + (0 if cfg.tie_embeddings else v * d)
+    if exclude_embedding:  # the V x d table (shared with the head when tied)
+        total -= v * d
+    return total
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: every Linear in the blocks plus the output head."""
+    d, v = cfg.dim, cfg.vocab_size
+    hd = d // cfg.n_heads
+    per_block = d * (d + 2 * kv_heads(cfg) * hd) + d * d + 3 * d * ffn_hidden_dim(cfg)
+    return cfg.n_layers * per_block + v * d
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward).
+
+    ``6 * N_matmul + 12 * n_layers * seq_len * dim`` where N_matmul counts the weights of every matmul
+    (blocks + output head, not the embedding lookup or norms) and the second term is attention's
+    QK^T and AV (2 matmuls x 2 FLOPs x seq_len x dim per layer, times 3 for fwd+bwd). Following the
+    PaLM / nanoGPT / torchtitan convention we do *not* halve the attention term for the causal mask,
+    so our MFU is comparable with theirs. Activation recomputation is not counted (it is overhead,
+    not useful work).
+    """
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * seq_len * cfg.dim
