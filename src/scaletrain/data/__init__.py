@@ -1,0 +1,1 @@
+"""Data: sources -> clean -> filter -> dedup -> tokenize -> shards -> loader. One stage a module."""

@@ -1,0 +1,132 @@
+"""Tokenizers: character-level (nanoGPT-comparable) and byte-level BPE (Hugging Face ``tokenizers``).
+
+Both are saved as one ``tokenizer.json`` and loaded with ``load_tokenizer``; a char tokenizer's file is
+tagged ``"type": "scaletrain.char"`` so the two formats cannot be confused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+
+
+class DataError(ValueError):
+    """A data problem a person can fix; printed as one line naming the file."""
+
+
+class CharTokenizer:
+    """One token per distinct character of the training text (no special tokens, like nanoGPT)."""
+
+    def __init__(self, chars: list[str]):
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.eos_id: int | None = None
+        self.bos_id: int | None = None
+
+    @classmethod
+    def train(cls, texts: Iterable[str]) -> CharTokenizer:
+        seen: set[str] = set()
+        for text in texts:
+            seen.update(text)
+        return cls(sorted(seen))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as exc:
+            raise DataError(f"character {exc.args[0]!r} is not in the char tokenizer's vocabulary") from None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.chars[i] for i in ids if 0 <= i < len(self.chars))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"type": "scaletrain.char", "chars": self.chars}, ensure_ascii=False))
+
+
+class BPETokenizer:
+    """Byte-level BPE from Hugging Face ``tokenizers`` (any text encodes; no unknown tokens)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos_id = tok.token_to_id(EOS)
+        self.bos_id = tok.token_to_id(BOS)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, special_tokens: tuple[str, ...] = (BOS, EOS, PAD)) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids))
+
+    def save(self, path: str | Path) -> None:
+        self.tok.save(str(path))
+
+
+Tokenizer = CharTokenizer | BPETokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load either kind from a ``tokenizer.json``."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"tokenizer file not found: {p}")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise DataError(f"{p}: not a tokenizer.json (invalid JSON)") from None
+    if isinstance(data, dict) and data.get("type") == "scaletrain.char":
+        return CharTokenizer(list(data["chars"]))
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        return BPETokenizer(HFTokenizer.from_file(str(p)))
+    except Exception as exc:  # tokenizers raises its own Exception type
+        raise DataError(f"{p}: cannot load as a Hugging Face tokenizer ({exc})") from None
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def iter_batches(items: Iterable, size: int) -> Iterator[list]:
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
