@@ -362,8 +362,6 @@ def validate_job(cfg: JobConfig) -> None:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({kv})")
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be <= model.max_seq_len ({m.max_seq_len})")
-    if cfg.schedule.warmup_steps > cfg.train.steps:
-        raise ConfigError(f"schedule.warmup_steps ({cfg.schedule.warmup_steps}) must be <= train.steps ({cfg.train.steps})")
 
 
 def to_dict(cfg: Any) -> dict:

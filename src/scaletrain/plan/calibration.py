@@ -96,3 +96,244 @@ def peak_flops(device: torch.device | str = "cpu", dtype: str = "fp32") -> float
         except OSError:
             pass  # a read-only home still gets a (re-measured) number
     return float(entry[f"matmul_flops_{dtype}"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Full calibration (``scaletrain doctor``): the rates the CPU time model multiplies by.
+#
+# Each rate comes from its own microbenchmark, never from the configurations the planner is later
+# checked against (benchmarks/planner_accuracy.py): GEMM throughput at transformer shapes, attention
+# (SDPA) throughput, cross-entropy cost per logit, AdamW cost per parameter, per-op dispatch overhead,
+# and the elementwise cost per saved activation element of one reference block.
+# --------------------------------------------------------------------------------------------------
+
+# GEMM widths (sqrt(n*k)) and attention shapes the curves are sampled at; the time model interpolates.
+GEMM_WIDTHS = (64, 128, 256, 512, 1024, 2048)
+ATTN_HEAD_DIMS = (32, 64, 128)
+ATTN_SEQ_LENS = (64, 256, 1024)
+CE_VOCABS = (256, 2048, 16384)
+OPT_SIZES = (1 << 18, 1 << 21, 1 << 24)  # parameters
+
+
+def _median_time(fn, reps: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` (medians, not means: other work shares these cores)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_gemm_curve(m: int = 1024) -> list[list[float]]:
+    """[[width, FLOP/s], ...] for (m x w) @ (w x w) GEMMs: what transformer linears really reach."""
+    out = []
+    for w in GEMM_WIDTHS:
+        a, b = torch.randn(m, w), torch.randn(w, w)
+        reps = max(3, min(40, int(2e9 / (2 * m * w * w))))
+        t = _median_time(lambda: a @ b, reps)
+        out.append([float(w), 2.0 * m * w * w / t])
+    return out
+
+
+def measure_attention_curve(batch_heads: int = 16) -> dict[str, list[list[float]]]:
+    """{head_dim: [[seq_len, fwd FLOP/s, bwd FLOP/s], ...]} of causal SDPA, counting 4*T^2*hd per head
+    forward (QK^T and AV, no causal halving: the same convention as ``flops_per_token``)."""
+    import torch.nn.functional as F
+
+    out: dict[str, list[list[float]]] = {}
+    for hd in ATTN_HEAD_DIMS:
+        rows = []
+        for seq in ATTN_SEQ_LENS:
+            q, k, v = (torch.randn(1, batch_heads, seq, hd, requires_grad=True) for _ in range(3))
+            fwd_flops = 4.0 * batch_heads * seq * seq * hd
+            reps = max(3, min(20, int(1e9 / fwd_flops)))
+            t_fwd = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
+            grad = torch.randn(1, batch_heads, seq, hd)
+
+            def fwd_bwd():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+            t_both = _median_time(fwd_bwd, reps)
+            rows.append([float(seq), fwd_flops / t_fwd, 2 * fwd_flops / max(t_both - t_fwd, 1e-9)])
+        out[str(hd)] = rows
+    return out
+
+
+def measure_cross_entropy_curve(rows: int = 1024) -> list[list[float]]:
+    """[[vocab, seconds per logit element], ...] for cross-entropy forward + backward (log-softmax is
+    transcendental-bound on CPU, not bandwidth-bound)."""
+    import torch.nn.functional as F
+
+    out = []
+    for vocab in CE_VOCABS:
+        logits = torch.randn(rows, vocab, requires_grad=True)
+        target = torch.randint(0, vocab, (rows,))
+        t = _median_time(lambda: F.cross_entropy(logits, target).backward(), 5)
+        out.append([float(vocab), t / (rows * vocab)])
+    return out
+
+
+def measure_optimizer_curve() -> list[list[float]]:
+    """[[params, seconds per parameter], ...] of AdamW(foreach) step + clip_grad_norm_ + zero_grad, the
+    trainer's defaults, over transformer-like tensors (cost per parameter grows once states leave cache)."""
+    out = []
+    for n in OPT_SIZES:
+        shapes = [(n // 8 // 256, 256)] * 8
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+        def step():
+            for p in params:
+                p.grad = torch.randn_like(p) if p.grad is None else p.grad
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            opt.step()
+
+        step()
+        for p in params:
+            p.grad = torch.randn_like(p)
+        t = _median_time(step, 5)  # grads are reused: the step itself, not randn, is timed
+        out.append([float(n), t / n])
+    return out
+
+
+def measure_op_overhead() -> float:
+    """Seconds of dispatch per (tiny) aten op: the floor every op pays on CPU."""
+    x = torch.randn(8)
+    return _median_time(lambda: [torch.add(x, x) for _ in range(100)], 21) / 100
+
+
+def measure_memory_bandwidth(n_bytes: int = 1 << 28) -> float:
+    """Bytes/s of a large in-place copy (read + write), the STREAM 'copy' kernel."""
+    a = torch.empty(n_bytes // 4)
+    b = torch.randn(n_bytes // 4)
+    t = _median_time(lambda: a.copy_(b), 5)
+    return 2.0 * n_bytes / t
+
+
+def measure_block_elementwise(entry: dict) -> tuple[float, float]:
+    """Seconds per saved-activation element of a reference block's non-GEMM, non-attention work, and the
+    number of aten ops one block runs in forward + backward.
+
+    The reference block (dim 384, 6 heads, SwiGLU 1024, B=4, T=192) is not one of the accuracy benchmark's
+    rows. Its measured fwd+bwd time minus the GEMM and attention time the curves predict, minus per-op
+    dispatch, divided by its saved activation elements, is the cost every other shape is charged.
+    """
+    from scaletrain.config import ModelConfig
+    from scaletrain.model.llama import TransformerBlock, rope_tables
+    from scaletrain.plan import timing  # late import: timing reads this module's curves
+    from scaletrain.plan.memory import block_activation_elements
+
+    cfg = ModelConfig(dim=384, n_layers=1, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, max_seq_len=192)
+    batch, seq = 4, 192
+    block = TransformerBlock(cfg)
+    cos, sin = rope_tables(cfg.dim // cfg.n_heads, seq, cfg.rope_theta)
+    x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
+    grad = torch.randn(batch, seq, cfg.dim)
+
+    def fwd_bwd():
+        block(x, cos, sin).backward(grad)
+        block.zero_grad(set_to_none=True)
+
+    n_ops = count_aten_ops(fwd_bwd)
+    t = _median_time(fwd_bwd, 9, warmup=2)
+    predicted = timing.block_gemm_attention_seconds(cfg, batch, seq, entry, recompute=False)
+    units = block_activation_elements(cfg, batch, seq)
+    rest = t - predicted - n_ops * entry["op_overhead_s"]
+    # Never let a noisy measurement make the elementwise cost vanish: keep at least 5% of the block.
+    return max(rest, 0.05 * t) / units, float(n_ops)
+
+
+def count_aten_ops(fn) -> int:
+    """Number of aten ops ``fn`` dispatches (forward and autograd backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return _Count.n
+
+
+def calibrate(device: torch.device | str = "cpu", dtypes: tuple[str, ...] = ("fp32", "bf16"),
+              log=print) -> dict:
+    """Measure every rate the planner uses for ``device`` and cache it under its fingerprint (~30 s on CPU)."""
+    device = torch.device(device)
+    entry: dict = {}
+    for dtype in dtypes:
+        # bf16 on an AVX2 CPU is ~100x slower: measure a smaller matmul so doctor stays quick.
+        n = 1024 if (device.type == "cuda" or dtype == "fp32") else 256
+        entry[f"matmul_flops_{dtype}"] = measure_matmul_flops(device, dtype, n=n, min_seconds=0.3)
+        log(f"matmul {dtype}: {entry[f'matmul_flops_{dtype}'] / 1e9:,.1f} GFLOP/s")
+    if device.type == "cpu":
+        entry["op_overhead_s"] = measure_op_overhead()
+        entry["memory_bandwidth"] = measure_memory_bandwidth()
+        log(f"memory bandwidth (copy): {entry['memory_bandwidth'] / 1e9:.1f} GB/s; "
+            f"op dispatch {entry['op_overhead_s'] * 1e6:.1f} us")
+        entry["gemm_curve"] = measure_gemm_curve()
+        entry["gemm_efficiency"] = sorted(r[1] for r in entry["gemm_curve"])[len(GEMM_WIDTHS) // 2] / entry[
+            "matmul_flops_fp32"]
+        log("GEMM at transformer shapes: " + ", ".join(f"w{int(w)} {f / 1e9:.0f}" for w, f in entry["gemm_curve"])
+            + " GFLOP/s")
+        entry["attention_curve"] = measure_attention_curve()
+        entry["cross_entropy_curve"] = measure_cross_entropy_curve()
+        entry["optimizer_curve"] = measure_optimizer_curve()
+        entry["elementwise_s_per_element"], entry["block_ops"] = measure_block_elementwise(entry)
+        log(f"elementwise: {entry['elementwise_s_per_element'] * 1e9:.2f} ns per saved activation element; "
+            f"{entry['block_ops']:.0f} ops per block fwd+bwd")
+        entry["cores"] = torch.get_num_threads()
+        entry["memory_bytes"] = _total_ram()
+    entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    key = device_fingerprint(device)
+    data = load_calibration()
+    data[key] = {**data.get(key, {}), **entry}
+    save_calibration(data)
+    return data[key]
+
+
+def _total_ram() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def calibration_entry(device: torch.device | str = "cpu", measure_if_missing: bool = True, log=print) -> dict:
+    """This machine's full calibration, measuring it (~30 s) when the cache lacks it."""
+    entry = load_calibration().get(device_fingerprint(device), {})
+    if "elementwise_s_per_element" not in entry and torch.device(device).type == "cpu":
+        if not measure_if_missing:
+            return entry
+        log("no calibration for this machine yet: measuring (~30 s; `scaletrain doctor` does this too)")
+        entry = calibrate(device, log=log)
+    return entry
+
+
+def hardware_from_calibration():
+    """The ``auto`` hardware: a GPU entry matched by name, or the generic CPU, with measured numbers."""
+    from scaletrain.plan.hardware import CATALOG, with_calibration
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower()
+        match = next((CATALOG[k] for k in ("h200", "h100-sxm", "a100-80gb", "l40s", "rtx-4090")
+                      if k.split("-")[0].replace("rtx", "4090") in name.replace(" ", "")), None)
+        if match is None:
+            match = CATALOG["h100-pcie"] if "h100" in name else CATALOG["a100-40gb"] if "a100" in name else None
+        if match is None:
+            from scaletrain.config import ConfigError
+
+            raise ConfigError(f"--hardware auto: GPU {name!r} is not in the catalog; pass a catalog name instead")
+        entry = load_calibration().get(device_fingerprint("cuda"), {})
+        return with_calibration(match, entry, name=f"auto ({match.name})")
+    return with_calibration(CATALOG["cpu"], calibration_entry("cpu"), name="auto (this cpu)")

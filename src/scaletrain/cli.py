@@ -1,0 +1,175 @@
+"""One dispatcher: ``scaletrain <command>`` -> one function per command.
+
+Every error a person can fix (config, data, checkpoint) is printed as one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from scaletrain.config import ConfigError, JobConfig, add_config_arguments, load_config, overrides_from_args, to_toml
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model (default: the tiny CPU recipe on bundled Tiny Shakespeare)",
+                       description="Train a model. Settings come from --config TOML, overridden by --section.field flags.")
+    p.add_argument("--config", help="TOML recipe (see configs/)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.run_dir")
+    add_config_arguments(p, JobConfig)
+    p.set_defaults(func=cmd_train)
+
+
+def resolve_job_config(args: argparse.Namespace) -> JobConfig:
+    """TOML (or, when resuming without --config, the run's saved config.toml) + CLI overrides."""
+    overrides = overrides_from_args(args)
+    if getattr(args, "resume", False):
+        overrides["train.resume"] = "true"
+    base = args.config
+    if base is None and overrides.get("train.resume", "").lower() in ("true", "1", "yes", "on"):
+        saved = Path(overrides.get("train.run_dir", JobConfig().train.run_dir)) / "config.toml"
+        base = str(saved) if saved.is_file() else None
+    return load_config(base, overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = resolve_job_config(args)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    from scaletrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    if cfg.train.resume and not trainer.resume():
+        print(f"no checkpoint in {cfg.train.run_dir}; starting from scratch", flush=True)
+    n = trainer.cfg
+    print(f"model: {trainer.summary()['parameters'] / 1e6:.2f}M parameters ({n.model.n_layers} layers x {n.model.dim}), "
+          f"vocab {n.model.vocab_size}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
+          f"{trainer.precision}; run folder {trainer.run_dir}", flush=True)
+    summary = trainer.train()
+    final = summary["final_val_loss"]
+    print(f"done: {summary['steps']} steps, median {summary['median_step_ms']:.1f} ms/step, "
+          f"{summary['tokens_per_second']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}%, "
+          f"peak memory {summary['peak_memory_mb']:.0f} MB" + (f", final val loss {final:.4f}" if final else ""))
+    return 0
+
+
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="loss and perplexity of a run's latest checkpoint")
+    p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
+    p.add_argument("--text", help="a UTF-8 text file to score instead of the run's validation split")
+    p.add_argument("--batches", type=int, default=0, help="validation batches to score; 0 = the whole split")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from scaletrain.data.loader import TokenStream
+    from scaletrain.data.prepare import read_text_file
+    from scaletrain.data.tokenizer import DataError
+    from scaletrain.train.inference import load_run, perplexity, token_loss
+    from scaletrain.train.trainer import prepare_data
+
+    cfg, model, tokenizer, ckpt = load_run(args.run)
+    if args.text:
+        path = Path(args.text)
+        if not path.is_file():
+            raise DataError(f"text file not found: {path}")
+        tokens = torch.tensor(tokenizer.encode(read_text_file(path)), dtype=torch.long)
+        source = str(path)
+    else:
+        stream = TokenStream(str(prepare_data(cfg)), "val")
+        n = stream.total if not args.batches else min(stream.total, args.batches * cfg.train.batch_size * cfg.data.seq_len + 1)
+        tokens = torch.from_numpy(stream.read(0, n).astype("int64"))
+        source = "validation split"
+    loss, count = token_loss(model, tokens, cfg.data.seq_len, cfg.train.batch_size)
+    print(f"{source}: loss {loss:.4f}, perplexity {perplexity(loss):.2f} over {count:,} tokens ({ckpt.name})")
+    return 0
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
+    p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from scaletrain.train.inference import load_run
+    from scaletrain.train.sampling import generate
+
+    if args.max_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise ConfigError("--max-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
+    cfg, model, tokenizer, _ = load_run(args.run)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ConfigError("--prompt must not be empty")
+    new = generate(model, prompt, args.max_tokens, max_seq_len=cfg.model.max_seq_len, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
+                   stop_id=tokenizer.eos_id)
+    print(args.prompt + tokenizer.decode(new))
+    return 0
+
+
+def _plugin_parser(sub, name: str, module: str, add: str, run: str, help: str) -> None:
+    """Commands implemented in their own package (data, plan), imported only when used."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    p = sub.add_parser(name, help=help)
+    getattr(mod, add)(p)
+    p.set_defaults(func=getattr(mod, run))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scaletrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _train_parser(sub)
+    _eval_parser(sub)
+    _generate_parser(sub)
+    for name, module, add, run, help in PLUGINS:
+        try:
+            _plugin_parser(sub, name, module, add, run, help)
+        except (ImportError, AttributeError):
+            pass  # a command whose package is not installed is simply not offered
+    return parser
+
+
+PLUGINS = [
+    ("prepare", "scaletrain.data.cli", "add_prepare_arguments", "run_prepare",
+     "clean, deduplicate and tokenize raw text into sharded token files"),
+    ("plan", "scaletrain.plan.cli", "add_plan_arguments", "run_plan",
+     "predict memory, time and cost of a training job and pick the parallel plan"),
+    ("doctor", "scaletrain.plan.cli", "add_doctor_arguments", "run_doctor",
+     "describe this machine and measure its FLOP/s and bandwidths for the planner"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from scaletrain.checkpoint import CheckpointError
+    from scaletrain.data.tokenizer import DataError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ConfigError, DataError, CheckpointError) as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""Sources: turn files, folders and datasets into a stream of ``Document``s (stage 1).
+
+Supported: folders (recursive, include/exclude globs), plain text, ``.jsonl``/``.json`` (a text field),
+``.parquet`` and ``.arrow`` (a text column, read batch by batch), any of them compressed with
+``.gz``/``.zst``/``.xz``/``.bz2``, a folder saved with ``datasets.save_to_disk`` (read with pyarrow, no
+``datasets`` needed) and ``hf:NAME`` through ``datasets.load_dataset(..., streaming=True)``.
+
+Everything streams: a file is read line by line or batch by batch, and a plain-text file larger than
+``max_document_mb`` is cut at blank lines into several documents, so memory is bounded by one document,
+not by the corpus. Every file that yields nothing (unreadable, binary, empty, a bad JSON line) is counted
+in the report with a message naming the file and line; ``encoding_errors='fail'`` and a missing path are
+the only hard errors.
+"""
+
+from __future__ import annotations
+
+import bz2
+import fnmatch
+import gzip
+import io
+import json
+import lzma
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import BinaryIO
+
+from scaletrain.data.prepare_config import SourceConfig
+from scaletrain.data.report import Report
+from scaletrain.data.tokenizer import DataError
+
+BUILTIN = {"tinyshakespeare": "assets/tinyshakespeare/input.txt"}
+COMPRESSED = {".gz", ".zst", ".xz", ".bz2"}
+BINARY_MAGIC = (b"\x89PNG", b"%PDF", b"PK\x03\x04", b"\x7fELF", b"GIF8", b"\xff\xd8\xff", b"PAR1")
+
+
+@dataclass
+class Document:
+    """One unit of text: the cleaning, filtering and dedup stages keep or drop it whole."""
+
+    text: str
+    source: str        # where it came from: "path", "path:LINE", "path#partK", "hf:name[i]"
+    n_bytes: int       # raw UTF-8 size as read (the report's "bytes in")
+
+
+# -- paths ------------------------------------------------------------------------------------------
+
+def resolve_source(source: str) -> Path:
+    """``builtin:NAME`` -> the bundled file; anything else -> an existing path."""
+    if source.startswith("builtin:"):
+        name = source.split(":", 1)[1]
+        if name not in BUILTIN:
+            raise DataError(f"unknown builtin dataset {name!r} (known: {', '.join(BUILTIN)})")
+        return Path(str(resources.files("scaletrain").joinpath(BUILTIN[name])))
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"data path not found: {path}")
+    return path
+
+
+def _base_suffix(path: Path) -> tuple[str, str]:
+    """(format suffix, compression suffix): ``a.jsonl.zst`` -> ('.jsonl', '.zst')."""
+    suffixes = [s.lower() for s in path.suffixes]
+    comp = suffixes[-1] if suffixes and suffixes[-1] in COMPRESSED else ""
+    rest = suffixes[:-1] if comp else suffixes
+    return (rest[-1] if rest else ""), comp
+
+
+def _name_without_compression(path: Path) -> str:
+    _, comp = _base_suffix(path)
+    return path.name[: -len(comp)] if comp else path.name
+
+
+def is_saved_hf_dataset(path: Path) -> bool:
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def list_files(folder: Path, include: list[str], exclude: list[str]) -> list[Path]:
+    """Files under ``folder`` (recursive, sorted, so the order is the same on every machine)."""
+    out = []
+    for p in sorted(folder.rglob("*")):
+        if not p.is_file() or any(part.startswith(".") for part in p.relative_to(folder).parts):
+            continue  # hidden files and folders (.git, .cache) are never corpus
+        name = _name_without_compression(p)
+        rel = str(p.relative_to(folder))
+        if include and not any(fnmatch.fnmatch(name, pat) for pat in include):
+            continue
+        if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(p.name, pat) for pat in exclude):
+            continue
+        out.append(p)
+    return out
+
+
+def expand_sources(cfg: SourceConfig) -> list[str | Path]:
+    """Every input as a file path, a saved-dataset folder, or an ``hf:NAME`` string."""
+    items: list[str | Path] = []
+    for raw in cfg.paths:
+        if raw.startswith("hf:"):
+            items.append(raw)
+            continue
+        path = resolve_source(raw)
+        if is_saved_hf_dataset(path):
+            items.append(path)
+        elif path.is_dir():
+            files = list_files(path, cfg.include, cfg.exclude)
+            if not files:
+                raise DataError(f"{path}: no files match source.include {cfg.include}")
+            items.extend(files)
+        else:
+            items.append(path)
+    return items
+
+
+def fingerprint_items(cfg: SourceConfig) -> list[str]:
+    """What identifies the input: each file's path, size and mtime (or the dataset name)."""
+    out = []
+    for item in expand_sources(cfg):
+        if isinstance(item, str):
+            out.append(f"{item}|{cfg.hf_config}|{cfg.hf_split}")
+        else:
+            files = sorted(item.rglob("*")) if item.is_dir() else [item]
+            for f in files:
+                if f.is_file():
+                    st = f.stat()
+                    out.append(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}")
+    return out
+
+
+# -- opening and decoding ---------------------------------------------------------------------------
+
+def open_binary(path: Path) -> BinaryIO:
+    """Open a file for reading bytes, decompressing by suffix."""
+    _, comp = _base_suffix(path)
+    if comp == ".gz":
+        return gzip.open(path, "rb")
+    if comp == ".xz":
+        return lzma.open(path, "rb")
+    if comp == ".bz2":
+        return bz2.open(path, "rb")
+    if comp == ".zst":
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+
+def looks_binary(head: bytes) -> bool:
+    """NUL bytes or a known binary file signature in the first bytes: not text."""
+    return b"\x00" in head[:8192] or head.startswith(BINARY_MAGIC)
+
+
+def decode(raw: bytes, where: str, policy: str, report: Report) -> str | None:
+    """UTF-8 decode under the ``encoding_errors`` policy; ``None`` means skip this document."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        where_line = f"{where}:{line}" if ":" not in where.rsplit("/", 1)[-1] else where
+        if policy == "fail":
+            raise DataError(f"{where_line}: not valid UTF-8 at byte {exc.start}; fix the file or set "
+                            "source.encoding_errors = 'replace' or 'skip'") from None
+        if policy == "skip":
+            report.issue("not_utf8_skipped", f"{where_line}: not valid UTF-8 at byte {exc.start}; document skipped")
+            report.remove("source", "not UTF-8", len(raw))
+            return None
+        text = raw.decode("utf-8", errors="replace")
+        replaced = text.count("\ufffd") - raw.count("\ufffd".encode())
+        report.issue("not_utf8_replaced", f"{where_line}: not valid UTF-8 at byte {exc.start}; "
+                                          f"{replaced} invalid byte sequence(s) replaced with U+FFFD")
+        report.modify("utf8_sequences_replaced", replaced)
+        return text
+
+
+def _skip_file(path: Path, kind: str, message: str, n_bytes: int, report: Report) -> None:
+    report.document_in(n_bytes)
+    report.issue(kind, f"{path}: {message}")
+    report.remove("source", kind.replace("_", " "), n_bytes)
+
+
+# -- readers ----------------------------------------------------------------------------------------
+
+def read_text(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    """One document per file; a file over ``max_document_mb`` becomes several, cut at blank lines."""
+    limit = int(cfg.max_document_mb * 1e6)
+    with open_binary(path) as fh:
+        buf = fh.read(limit + 1)
+        if looks_binary(buf):
+            _skip_file(path, "binary_file", "looks binary (NUL bytes or a binary signature); skipped", len(buf), report)
+            return
+        part = 0
+        while True:
+            more = len(buf) > limit
+            if more:
+                cut = _cut_point(buf, limit)
+                piece, buf = buf[:cut], buf[cut:]
+            else:
+                piece = buf
+            name = f"{path}#part{part}" if (more or part) else str(path)
+            yield from _text_document(piece, name, cfg, report)
+            if not more:
+                return
+            part += 1
+            buf += fh.read(limit + 1 - len(buf))
+
+
+def _cut_point(buf: bytes, limit: int) -> int:
+    """Cut at the last blank line (else newline, else a UTF-8 character boundary) before ``limit``."""
+    for sep in (b"\n\n", b"\n"):
+        i = buf.rfind(sep, 0, limit)
+        if i > 0:
+            return i + len(sep)
+    i = limit
+    while i > 0 and (buf[i] & 0xC0) == 0x80:  # never split inside a multi-byte character
+        i -= 1
+    return i or limit
+
+
+def _text_document(raw: bytes, name: str, cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    if not raw.strip():
+        _skip_file(Path(name), "empty_file", "empty (or only whitespace); skipped", len(raw), report)
+        return
+    text = decode(raw, name, cfg.encoding_errors, report)
+    report.document_in(len(raw))
+    if text is not None:
+        yield Document(text, name, len(raw))
+
+
+def _record_text(record: object, where: str, field: str, report: Report, n_bytes: int) -> str | None:
+    if not isinstance(record, dict) or field not in record:
+        report.issue("missing_text_field", f"{where}: no {field!r} field; record skipped (set source.text_field)")
+        report.remove("source", "missing text field", n_bytes)
+        return None
+    value = record[field]
+    if not isinstance(value, str):
+        report.issue("missing_text_field", f"{where}: field {field!r} is {type(value).__name__}, not text; skipped")
+        report.remove("source", "missing text field", n_bytes)
+        return None
+    return value
+
+
+def read_jsonl(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    """One document per line's ``text_field``; a bad line is counted and named (file:line), not fatal."""
+    with open_binary(path) as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            report.document_in(len(raw))
+            line = decode(raw, where, cfg.encoding_errors, report)
+            if line is None:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                report.issue("bad_json_line", f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); line skipped")
+                report.remove("source", "bad JSON line", len(raw))
+                continue
+            text = _record_text(record, where, cfg.text_field, report, len(raw))
+            if text is not None:
+                yield Document(text, where, len(text.encode("utf-8")))
+
+
+def read_json(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    """A ``.json`` file: a list of records, or an object with one list of records (loaded whole:
+    use ``.jsonl`` for large data). JSON Lines saved as ``.json`` is read as JSONL."""
+    with open_binary(path) as fh:
+        raw = fh.read()
+    try:
+        data = json.loads(raw.decode("utf-8-sig", errors="replace"))
+    except ValueError as exc:
+        if "Extra data" in str(exc):
+            yield from read_jsonl(path, cfg, report)
+            return
+        _skip_file(path, "bad_json_file", f"not valid JSON ({exc}); skipped", len(raw), report)
+        return
+    if isinstance(data, dict):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        data = lists[0] if len(lists) == 1 else [data]
+    if not isinstance(data, list):
+        _skip_file(path, "bad_json_file", "holds neither records nor a list of records; skipped", len(raw), report)
+        return
+    for i, record in enumerate(data):
+        where = f"{path}[{i}]"
+        n = len(json.dumps(record, ensure_ascii=False).encode()) if not isinstance(record, dict) else \
+            len(str(record.get(cfg.text_field, "")).encode())
+        report.document_in(n)
+        text = _record_text(record, where, cfg.text_field, report, n)
+        if text is not None:
+            yield Document(text, where, len(text.encode("utf-8")))
+
+
+def _iter_record_batches(batches, where: str, field: str, report: Report) -> Iterator[Document]:
+    row = 0
+    for batch in batches:
+        if field not in batch.schema.names:
+            report.issue("missing_text_field", f"{where}: no column {field!r} (have: {', '.join(batch.schema.names)}); "
+                                               "file skipped (set source.text_field)")
+            return
+        for value in batch.column(field).to_pylist():
+            n = len(value.encode("utf-8")) if isinstance(value, str) else 0
+            report.document_in(n)
+            if not isinstance(value, str):
+                report.issue("missing_text_field", f"{where}[{row}]: {field!r} is {type(value).__name__}; skipped")
+                report.remove("source", "missing text field", n)
+            else:
+                yield Document(value, f"{where}[{row}]", n)
+            row += 1
+
+
+def read_parquet(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    """Stream a parquet file's text column, 1024 rows at a time."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid and friends
+        _skip_file(path, "unreadable_file", f"not a readable parquet file ({exc}); skipped", path.stat().st_size, report)
+        return
+    if cfg.text_field not in pf.schema_arrow.names:
+        _skip_file(path, "missing_text_field", f"no column {cfg.text_field!r} (have: {', '.join(pf.schema_arrow.names)}); "
+                                               "file skipped (set source.text_field)", path.stat().st_size, report)
+        return
+    yield from _iter_record_batches(pf.iter_batches(batch_size=1024, columns=[cfg.text_field]), str(path),
+                                    cfg.text_field, report)
+
+
+def read_arrow(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    """An Arrow IPC file (stream format, as ``datasets.save_to_disk`` writes, or file format)."""
+    import pyarrow as pa
+
+    try:
+        reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+    except pa.ArrowInvalid:
+        try:
+            f = pa.ipc.open_file(pa.memory_map(str(path)))
+            reader = (f.get_batch(i) for i in range(f.num_record_batches))
+        except pa.ArrowInvalid as exc:
+            _skip_file(path, "unreadable_file", f"not an Arrow file ({exc}); skipped", path.stat().st_size, report)
+            return
+    yield from _iter_record_batches(reader, str(path), cfg.text_field, report)
+
+
+def read_saved_dataset(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    """A folder written by ``Dataset.save_to_disk`` (or a ``DatasetDict``: ``source.hf_split`` picks)."""
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if cfg.hf_split not in splits:
+            raise DataError(f"{path}: no split {cfg.hf_split!r} (have: {', '.join(splits)}); set source.hf_split")
+        path = path / cfg.hf_split
+    state = json.loads((path / "state.json").read_text())
+    for entry in state.get("_data_files", []):
+        yield from read_arrow(path / entry["filename"], cfg, report)
+
+
+def _network_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def read_hf(name: str, cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    """``hf:NAME`` via ``datasets.load_dataset(streaming=True)``. Offline never hangs: unless
+    HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is already set, a 3 s probe decides, and when the hub is
+    unreachable the offline mode is switched on so only the local cache is used."""
+    offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+    if not offline and not _network_reachable():
+        os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+        offline = True
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "30")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"hf:{name}: the `datasets` package is not installed (pip install datasets), or save the "
+                        "dataset to disk / parquet and give that path") from None
+    if offline:
+        datasets.config.HF_DATASETS_OFFLINE = True  # the env var is read at import; set both
+    try:
+        ds = datasets.load_dataset(name, cfg.hf_config or None, split=cfg.hf_split, streaming=not offline)
+    except Exception as exc:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+        mode = "offline (no network; only the local cache is searched)" if offline else "online"
+        raise DataError(f"hf:{name}: cannot load ({mode}): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    for i, record in enumerate(ds):
+        where = f"hf:{name}[{i}]"
+        text = record.get(cfg.text_field) if isinstance(record, dict) else None
+        n = len(text.encode("utf-8")) if isinstance(text, str) else 0
+        report.document_in(n)
+        text = _record_text(record, where, cfg.text_field, report, n)
+        if text is not None:
+            yield Document(text, where, n)
+
+
+READERS = {".jsonl": read_jsonl, ".ndjson": read_jsonl, ".json": read_json, ".parquet": read_parquet,
+           ".arrow": read_arrow}
+
+
+def iter_documents(cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    """Every document of every source, in a deterministic order."""
+    for item in expand_sources(cfg):
+        if isinstance(item, str):
+            yield from read_hf(item[3:], cfg, report)
+        elif item.is_dir():
+            yield from read_saved_dataset(item, cfg, report)
+        else:
+            fmt, comp = _base_suffix(item)
+            if fmt == ".parquet" and comp:
+                _skip_file(item, "unreadable_file", "compressed parquet is not supported (parquet compresses "
+                                                    "internally); skipped", item.stat().st_size, report)
+                continue
+            try:
+                yield from READERS.get(fmt, read_text)(item, cfg, report)
+            except (OSError, EOFError, lzma.LZMAError) as exc:
+                # unreadable, a truncated .gz, a corrupt .zst: name it, count it, go on with the rest
+                _skip_file(item, "unreadable_file", f"cannot be read ({type(exc).__name__}: {exc}); skipped", 0, report)
+            except Exception as exc:
+                if type(exc).__module__.startswith("zstandard"):
+                    _skip_file(item, "unreadable_file", f"cannot be decompressed ({exc}); skipped", 0, report)
+                else:
+                    raise

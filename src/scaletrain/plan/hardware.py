@@ -1,0 +1,214 @@
+"""The hardware catalog: peak dense FLOP/s per dtype, memory, bandwidth and interconnect, each with its source.
+
+Values are *dense* (no 2:4 sparsity) datasheet figures. NVIDIA datasheets list tensor-core peaks "with
+sparsity"; we halve those. Every entry names where its numbers come from so a reader can check them.
+
+A ``Cluster`` is ``count`` devices per node x ``nodes``. ``parse_hardware("h100-sxm:8x2")`` builds one;
+``auto`` reads this machine's calibration (``scaletrain doctor``) instead of a datasheet.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, replace
+
+from scaletrain.config import ConfigError
+
+GB = 1e9
+GiB = 2**30
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Link:
+    """One interconnect: unidirectional bandwidth per device (bytes/s) and what fraction collectives reach."""
+
+    name: str
+    bandwidth: float  # bytes/s per device, one direction
+    efficiency: float  # achievable bus-bandwidth fraction for large collectives
+    source: str
+
+
+LINKS: dict[str, Link] = {
+    "nvlink4": Link("NVLink 4 (18 links)", 450 * GB, 0.80,
+                    "NVIDIA H100 datasheet: 900 GB/s bidirectional per GPU; 0.80 = nccl-tests all-reduce busbw "
+                    "~360 GB/s on 8x H100 SXM (NVIDIA DGX H100 user guide / nccl-tests README figures)"),
+    "nvlink3": Link("NVLink 3 (12 links)", 300 * GB, 0.80,
+                    "NVIDIA A100 datasheet: 600 GB/s bidirectional per GPU; 0.80 assumed as for NVLink 4"),
+    "nvlink-bridge-h100pcie": Link("NVLink bridge (H100 PCIe pairs)", 300 * GB, 0.80,
+                                   "NVIDIA H100 PCIe datasheet: 600 GB/s bidirectional NVLink bridge, pairs only"),
+    "pcie5": Link("PCIe Gen5 x16", 64 * GB, 0.70,
+                  "PCI-SIG Gen5: 32 GT/s x16 = 64 GB/s per direction; 0.70 assumed for NCCL over PCIe/host bridges"),
+    "pcie4": Link("PCIe Gen4 x16", 32 * GB, 0.70,
+                  "PCI-SIG Gen4: 16 GT/s x16 = 32 GB/s per direction; 0.70 assumed"),
+    "ib-ndr": Link("InfiniBand NDR 400 Gb/s, one port per GPU", 50 * GB, 0.90,
+                   "NVIDIA ConnectX-7 / DGX H100: 8x 400 Gb/s ports per 8-GPU node = 50 GB/s per GPU; 0.90 assumed"),
+    "ib-hdr": Link("InfiniBand HDR 200 Gb/s, one port per GPU", 25 * GB, 0.90,
+                   "NVIDIA DGX A100: 8x 200 Gb/s HDR ports per node = 25 GB/s per GPU; 0.90 assumed"),
+    "eth-100g": Link("Ethernet 100 Gb/s per node", 12.5 * GB, 0.80, "100 Gb/s line rate; 0.80 assumed for TCP/RoCE"),
+    "eth-10g": Link("Ethernet 10 Gb/s per node", 1.25 * GB, 0.80, "10 Gb/s line rate; 0.80 assumed for TCP (gloo)"),
+    "shm": Link("shared memory (gloo, same host)", 2 * GB, 1.0,
+                "placeholder; `scaletrain doctor` under torchrun measures the real all-reduce bus bandwidth"),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator (or one CPU host) as the planner sees it."""
+
+    name: str
+    kind: str  # "gpu" or "cpu"
+    peak_flops: dict[str, float]  # dense matmul FLOP/s per dtype: fp32 (non-tensor), tf32, bf16, fp16, fp8
+    memory_bytes: float
+    memory_bandwidth: float  # bytes/s
+    intra_node: str  # key of LINKS
+    inter_node: str  # key of LINKS
+    utilisation: float  # achievable model-FLOPs utilisation (MFU) of a well-tuned training step
+    utilisation_source: str
+    source: str
+    devices_per_node: int = 8
+    cores: int = 0  # CPU only: physical cores the calibration used
+    calibration: dict = field(default_factory=dict)  # CPU / auto: measured rates (see calibration.py)
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ConfigError(f"{self.name} has no {dtype} matmul peak in the catalog "
+                              f"(has: {', '.join(self.peak_flops)})")
+        return self.peak_flops[dtype]
+
+
+_H100_MFU = ("0.40: torchtitan Llama 3.1 8B on 8x H100 bf16 FSDP reaches 5,762 tok/s/GPU eager (~34% MFU) and "
+             "6,667 compiled (~39%); Megatron-LM reports up to 47% on H100 (docs/BASELINES); 0.40 sits between")
+_A100_MFU = ("0.50: torchtitan Llama 3 8B on 64x A100 80GB FSDP2 reports 58.2% MFU at batch 1; Megatron-LM "
+             "(Narayanan et al. 2021) 52% for GPT-3 175B; 0.50 is the conservative end")
+_ADA_MFU = ("0.35: assumed (no published scaletrain-class MFU for Ada cards); lower than H100 because PCIe-only "
+            "cards lose more to communication and GeForce bf16 runs at half rate with fp32 accumulate")
+
+CATALOG: dict[str, Hardware] = {
+    "h100-sxm": Hardware(
+        "h100-sxm", "gpu",
+        {"fp32": 66.9 * TFLOPS, "tf32": 494.7 * TFLOPS, "bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS,
+         "fp8": 1978.9 * TFLOPS},
+        80 * GB, 3.35e12, "nvlink4", "ib-ndr", 0.40, _H100_MFU,
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB), sparsity figures halved"),
+    "h100-pcie": Hardware(
+        "h100-pcie", "gpu",
+        {"fp32": 51.2 * TFLOPS, "tf32": 378.0 * TFLOPS, "bf16": 756.0 * TFLOPS, "fp16": 756.0 * TFLOPS,
+         "fp8": 1513.0 * TFLOPS},
+        80 * GB, 2.0e12, "pcie5", "ib-ndr", 0.40, _H100_MFU,
+        "NVIDIA H100 datasheet (PCIe 80GB), sparsity figures halved; NVLink bridge pairs only, so pcie5 assumed"),
+    "h200": Hardware(
+        "h200", "gpu",
+        {"fp32": 66.9 * TFLOPS, "tf32": 494.7 * TFLOPS, "bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS,
+         "fp8": 1978.9 * TFLOPS},
+        141 * GB, 4.8e12, "nvlink4", "ib-ndr", 0.40, _H100_MFU,
+        "NVIDIA H200 datasheet (SXM 141GB HBM3e, 4.8 TB/s), same compute as H100 SXM; sparsity halved"),
+    "a100-40gb": Hardware(
+        "a100-40gb", "gpu",
+        {"fp32": 19.5 * TFLOPS, "tf32": 156.0 * TFLOPS, "bf16": 312.0 * TFLOPS, "fp16": 312.0 * TFLOPS},
+        40 * GB, 1.555e12, "nvlink3", "ib-hdr", 0.50, _A100_MFU,
+        "NVIDIA A100 datasheet (SXM4 40GB HBM2, 1,555 GB/s), dense tensor-core figures"),
+    "a100-80gb": Hardware(
+        "a100-80gb", "gpu",
+        {"fp32": 19.5 * TFLOPS, "tf32": 156.0 * TFLOPS, "bf16": 312.0 * TFLOPS, "fp16": 312.0 * TFLOPS},
+        80 * GB, 2.039e12, "nvlink3", "ib-hdr", 0.50, _A100_MFU,
+        "NVIDIA A100 datasheet (SXM4 80GB HBM2e, 2,039 GB/s), dense tensor-core figures"),
+    "l40s": Hardware(
+        "l40s", "gpu",
+        {"fp32": 91.6 * TFLOPS, "tf32": 183.0 * TFLOPS, "bf16": 362.05 * TFLOPS, "fp16": 362.05 * TFLOPS,
+         "fp8": 733.0 * TFLOPS},
+        48 * GB, 864e9, "pcie4", "eth-100g", 0.35, _ADA_MFU,
+        "NVIDIA L40S datasheet (48GB GDDR6, 864 GB/s, PCIe Gen4, no NVLink), sparsity figures halved"),
+    "rtx-4090": Hardware(
+        "rtx-4090", "gpu",
+        {"fp32": 82.6 * TFLOPS, "tf32": 82.6 * TFLOPS, "bf16": 165.2 * TFLOPS, "fp16": 165.2 * TFLOPS,
+         "fp8": 330.3 * TFLOPS},
+        24 * GB, 1008e9, "pcie4", "eth-10g", 0.35, _ADA_MFU,
+        "NVIDIA Ada Lovelace architecture whitepaper (GeForce RTX 4090): bf16/fp16 with fp32 accumulate "
+        "165.2 TFLOPS dense, 24GB GDDR6X 1,008 GB/s, PCIe Gen4, no NVLink", devices_per_node=4),
+    "cpu": Hardware(
+        "cpu", "cpu",
+        # The reference developer machine (2 vCPU AMD EPYC, AVX2), measured by `scaletrain doctor`.
+        {"fp32": 172e9, "bf16": 1.4e9},
+        24 * GiB, 20e9, "shm", "eth-10g", 0.85,
+        "measured: GEMM throughput at transformer shapes / 1024^3 matmul peak on the reference machine "
+        "(run `scaletrain doctor` to measure yours)",
+        "generic CPU host: scaletrain doctor on the reference machine (2 vCPU AMD EPYC AVX2, torch 2.13, "
+        "2 threads); bf16 ~120x slower than fp32 on AVX2 (docs/PLATFORM)", devices_per_node=1, cores=2),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``devices_per_node`` devices in each of ``nodes`` nodes (a CPU "device" is one rank's share of a host)."""
+
+    hardware: Hardware
+    devices_per_node: int
+    nodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    def describe(self) -> str:
+        nodes = f" x {self.nodes} nodes" if self.nodes > 1 else ""
+        return f"{self.devices_per_node} x {self.hardware.name}{nodes}"
+
+
+def catalog_listing() -> str:
+    return ", ".join(sorted(CATALOG)) + ", auto"
+
+
+_SPEC = re.compile(r"^(?P<name>[a-z0-9\-]+?)(?:[:@x*](?P<count>\d+))?(?:[x*](?P<nodes>\d+))?$")
+
+
+def parse_hardware(spec: str, count: int | None = None, nodes: int | None = None) -> Cluster:
+    """``h100-sxm``, ``h100-sxm:8`` (8 per node) or ``h100-sxm:8x4`` (8 per node, 4 nodes); ``auto`` = this machine.
+
+    Raises ConfigError listing the catalog when the name is unknown.
+    """
+    text = spec.strip().lower()
+    m = _SPEC.match(text)
+    name = m.group("name") if m else text
+    if name == "auto":
+        from scaletrain.plan.calibration import hardware_from_calibration
+
+        hw = hardware_from_calibration()
+    elif name in CATALOG:
+        hw = CATALOG[name]
+    else:
+        raise ConfigError(f"unknown hardware {spec!r}; the catalog has: {catalog_listing()} "
+                          f"(write NAME, NAME:COUNT or NAME:COUNTxNODES)")
+    per_node = count if count is not None else int(m.group("count")) if m and m.group("count") else None
+    n_nodes = nodes if nodes is not None else int(m.group("nodes")) if m and m.group("nodes") else 1
+    if per_node is None:
+        per_node = 1 if hw.kind == "cpu" else hw.devices_per_node
+    if per_node < 1 or n_nodes < 1:
+        raise ConfigError(f"hardware count and nodes must be >= 1 (got {per_node} x {n_nodes} nodes)")
+    if hw.kind == "cpu" and hw.cores and per_node > hw.cores:
+        raise ConfigError(f"{per_node} ranks per node but this CPU has {hw.cores} cores: ranks would share cores")
+    return Cluster(hw, per_node, n_nodes)
+
+
+def with_calibration(hw: Hardware, entry: dict, name: str | None = None) -> Hardware:
+    """Replace datasheet numbers by measured ones (keys written by ``calibration.calibrate``)."""
+    peak = dict(hw.peak_flops)
+    for dtype in ("fp32", "tf32", "bf16", "fp16"):
+        if f"matmul_flops_{dtype}" in entry:
+            peak[dtype] = float(entry[f"matmul_flops_{dtype}"])
+    changes = dict(peak_flops=peak, calibration=dict(entry), name=name or hw.name)
+    if "memory_bandwidth" in entry:
+        changes["memory_bandwidth"] = float(entry["memory_bandwidth"])
+    if "memory_bytes" in entry:
+        changes["memory_bytes"] = float(entry["memory_bytes"])
+    if "cores" in entry:
+        changes["cores"] = int(entry["cores"])
+    if hw.kind == "cpu" and "gemm_efficiency" in entry:
+        changes["utilisation"] = float(entry["gemm_efficiency"])
+        changes["utilisation_source"] = "measured by `scaletrain doctor` on this machine (GEMM / matmul peak)"
+    return replace(hw, **changes)
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

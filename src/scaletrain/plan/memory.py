@@ -1,0 +1,220 @@
+"""Memory per device: model states (the ZeRO paper's accounting) plus activations, transients and buffers.
+
+Two layers:
+
+* ``model_states`` is the textbook accounting of Rajbhandari et al. 2020 (ZeRO), exact and tested:
+  mixed-precision Adam keeps 2Psi params + 2Psi grads + 12Psi optimizer (4Psi fp32 master + 4Psi m + 4Psi v);
+  stage 1 shards the 12Psi, stage 2 also the grads, stage 3 also the params.
+* ``memory_breakdown`` follows one training step of scaletrain's Llama in time (forward, loss, backward
+  block by block, optimizer) and reports the breakdown at its peak. The activation counts are the tensors
+  autograd saves in ``scaletrain.model.llama`` (checked against ``saved_tensors_hooks`` in the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from scaletrain.config import ModelConfig
+from scaletrain.model.presets import ffn_hidden_dim, kv_heads, num_params
+from scaletrain.plan.spec import Plan, Workload
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Bytes per parameter of each model state, and bytes per activation element."""
+
+    param: int
+    grad: int
+    master: int  # fp32 copy kept by the optimizer when params are low precision
+    optimizer: int  # Adam m and v
+    activation: int
+
+
+RECIPES = {
+    # Plain fp32 (the CPU default): no master copy, Adam m and v in fp32.
+    "fp32": Recipe(param=4, grad=4, master=0, optimizer=8, activation=4),
+    # Mixed precision as in the ZeRO paper (bf16/fp16 params and grads, fp32 master, m, v).
+    "bf16": Recipe(param=2, grad=2, master=4, optimizer=8, activation=2),
+}
+RECIPES["mixed"] = RECIPES["bf16"]
+RECIPES["fp16"] = RECIPES["bf16"]
+
+# Stated margins on top of tensor bytes: the CUDA caching allocator fragments (~10% is what torchtitan /
+# PyTorch memory snapshots commonly show); a CUDA context + NCCL takes ~1 GiB; a CPU rank's Python +
+# torch libraries take ~0.4 GiB of RSS. Tensor bytes (what the accuracy benchmark checks) exclude them.
+ALLOCATOR_MARGIN = {"gpu": 0.10, "cpu": 0.0}
+RUNTIME_BYTES = {"gpu": 1.0 * 2**30, "cpu": 0.4 * 2**30}
+
+
+def model_states(psi: float, stage: int, shards: int, recipe: Recipe) -> dict[str, float]:
+    """Bytes of params, grads, fp32 master and optimizer states per rank for ZeRO ``stage`` over ``shards``."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3 (got {stage})")
+    n = max(1, shards)
+    return {
+        "params": psi * recipe.param / (n if stage >= 3 else 1),
+        "grads": psi * recipe.grad / (n if stage >= 2 else 1),
+        "master": psi * recipe.master / (n if stage >= 1 else 1),
+        "optimizer": psi * recipe.optimizer / (n if stage >= 1 else 1),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations of scaletrain's Llama block (elements), from the tensors autograd saves
+# --------------------------------------------------------------------------------------------------
+
+
+def block_activation_elements(cfg: ModelConfig, batch: int, seq: int, tp: int = 1,
+                              sequence_parallel: bool = False) -> float:
+    """Elements one TransformerBlock saves for backward.
+
+    Per block: the two RMSNorms each save their input, the normalized x and the weighted output (6*BTd);
+    SDPA saves q, k and v (after GQA repeat: full heads), its output (4*BTd) and the log-sum-exp (B*H*T);
+    SwiGLU saves w1 out, silu out, w3 out and their product (4*BTh); the norms' rstd (2*BT).
+    Tensor parallelism splits heads and the SwiGLU hidden; sequence parallelism also splits the norm
+    region except the all-gathered inputs of the column-parallel linears (y, y2), which stay full.
+    """
+    bt = batch * seq
+    d, h = cfg.dim, ffn_hidden_dim(cfg)
+    sharded = (4 * bt * d + 4 * bt * h + batch * cfg.n_heads * seq) / tp
+    norm_region = (4 * bt * d + 2 * bt) / tp + 2 * bt * d if sequence_parallel and tp > 1 else 6 * bt * d + 2 * bt
+    return sharded + norm_region
+
+
+def block_params(cfg: ModelConfig) -> int:
+    """Parameters of one block (attention, SwiGLU, two norms)."""
+    d = cfg.dim
+    hd = d // cfg.n_heads
+    return d * (d + 2 * kv_heads(cfg) * hd) + d * d + 3 * d * ffn_hidden_dim(cfg) + 2 * d
+
+
+def stage_params(cfg: ModelConfig, pp: int, tp: int) -> float:
+    """Parameters held by the busiest pipeline stage, per tensor-parallel rank."""
+    blocks = -(-cfg.n_layers // pp)  # ceil: the first stages get the extra block
+    embed = cfg.vocab_size * cfg.dim
+    if pp == 1:
+        return num_params(cfg) / tp if tp > 1 else float(num_params(cfg))
+    # The first stage holds the embedding, the last the final norm + head (tied weights are duplicated).
+    return (blocks * block_params(cfg) + embed + cfg.dim) / tp
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per device at the step's peak, by what holds them (the parts sum to ``tensor_total``)."""
+
+    params: float
+    grads: float
+    master: float
+    optimizer: float
+    activations: float  # saved activations live at the peak
+    transients: float  # logits / backward temporaries / optimizer temporaries live at the peak
+    comm_buffers: float
+    tensor_total: float
+    allocator_margin: float
+    runtime: float
+    total: float
+    peak_phase: str
+    saved_activations: float  # at the end of the forward, for reference
+    offloaded: float  # bytes moved to host memory by cpu_offload
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
+                     foreach_optimizer: bool | None = None) -> MemoryBreakdown:
+    """Simulate the live bytes of one step and return the breakdown at its peak.
+
+    ``foreach_optimizer``: AdamW's foreach kernel (the CPU default) allocates one temporary the size of
+    the largest parameter group for sqrt(v); the fused GPU kernel does not.
+    """
+    cfg, rec = workload.model, _recipe(workload)
+    foreach = device_kind == "cpu" if foreach_optimizer is None else foreach_optimizer
+    tp, pp = plan.tp, plan.pp
+    psi = stage_params(cfg, pp, tp)
+    shards = plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate
+    states = model_states(psi, plan.zero_stage, shards, rec)
+    offloaded = 0.0
+    if plan.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded params, grads and states live in host memory
+        offloaded = sum(states.values())
+        states = {k: 0.0 for k in states}
+
+    a = rec.activation
+    b, t = plan.micro_batch, workload.seq_len // plan.cp
+    d, v = cfg.dim, cfg.vocab_size
+    layers = -(-cfg.n_layers // pp)
+    blk = block_activation_elements(cfg, b, t, tp, plan.sequence_parallel) * a
+    ckpt_input = b * t * d * a / (tp if plan.sequence_parallel and tp > 1 else 1)
+    n_ckpt = {"none": 0, "full": layers, "selective": layers // plan.ac_every}[plan.activation_checkpointing]
+    in_flight = 1 if pp == 1 else (plan.microbatches if plan.pp_schedule == "gpipe" else min(pp, plan.microbatches))
+    saved_blocks = ((layers - n_ckpt) * blk + n_ckpt * ckpt_input) * in_flight
+    # Final norm (input, normalized, output) and log-softmax output; logits in fp32 for the loss.
+    bt = b * t
+    tail = 3 * bt * d * a + bt * v / tp * 4
+    logits = bt * v / tp * 4
+
+    block_p = block_params(cfg) / tp
+    head_p = psi - layers * block_p
+    unsharded_p = psi * rec.param if plan.zero_stage >= 2 else 0.0  # FSDP gathers to full size on use
+    comm = _comm_buffers(plan, rec, psi, block_p, bt, d)
+
+    # At-rest bytes (before a step): params, master, optimizer; grads are None between steps.
+    base = states["params"] + states["master"] + states["optimizer"] + comm
+    # reshard_after_forward=False (stage 2) keeps every gathered param from forward to backward.
+    held_params = unsharded_p - states["params"] if plan.zero_stage == 2 else 0.0
+    grad_scale = states["grads"] / psi if psi else 0.0  # bytes per local param of (possibly sharded) grads
+    full_grad_bytes = 0.0 if plan.cpu_offload else states["grads"]
+    bwd_tmp = (2 * bt * d + 3 * bt * ffn_hidden_dim(cfg) / tp) * a  # grad of hidden + SwiGLU grads
+    recompute = blk if n_ckpt else 0.0  # one checkpointed block re-materialised during its backward
+
+    phases: list[tuple[str, dict]] = []
+    # End of forward: every saved activation plus logits and log-softmax output side by side.
+    phases.append(("forward (loss)", dict(activations=saved_blocks + tail, transients=logits, held=held_params)))
+    # Loss backward: grad of log-probs and grad of logits next to the saved log-softmax output.
+    phases.append(("backward (loss)", dict(activations=saved_blocks + tail, transients=2 * logits,
+                                           held=held_params, grads=head_p * grad_scale)))
+    # Backward of each block, last first: saved activations shrink as gradients grow.
+    for i in range(layers, 0, -1):
+        done = head_p + (layers - i + 1) * block_p
+        live_ckpt = min(i, n_ckpt)  # checkpointed blocks are the first layers // ac_every ... (worst case)
+        live = ((i - live_ckpt) * blk + live_ckpt * ckpt_input) * in_flight
+        phases.append((f"backward (block {i})", dict(activations=live, transients=bwd_tmp + recompute,
+                                                      held=held_params, grads=done * grad_scale)))
+    # Optimizer: all grads present; foreach AdamW allocates sqrt(v) for the largest param group.
+    opt_tmp = (layers * block_p + (0 if cfg.tie_embeddings else v * d / tp)) * 4 / max(1, shards if
+                                                                                       plan.zero_stage >= 1 else 1)
+    phases.append(("optimizer step", dict(activations=0.0, transients=opt_tmp if foreach and not plan.cpu_offload
+                                          else 0.0, held=0.0, grads=full_grad_bytes)))
+
+    best_name, best, best_total = "", {}, -1.0
+    for name, ph in phases:
+        total = base + ph["activations"] + ph["transients"] + ph.get("held", 0.0) + ph.get("grads", 0.0)
+        if total > best_total:
+            best_name, best, best_total = name, ph, total
+    margin = best_total * ALLOCATOR_MARGIN[device_kind]
+    runtime = RUNTIME_BYTES[device_kind]
+    return MemoryBreakdown(
+        params=states["params"] + best.get("held", 0.0), grads=best.get("grads", 0.0), master=states["master"],
+        optimizer=states["optimizer"], activations=best["activations"], transients=best["transients"],
+        comm_buffers=comm, tensor_total=best_total, allocator_margin=margin, runtime=runtime,
+        total=best_total + margin + runtime, peak_phase=best_name, saved_activations=saved_blocks + tail,
+        offloaded=offloaded)
+
+
+def _comm_buffers(plan: Plan, rec: Recipe, psi: float, block_p: float, bt: int, d: int) -> float:
+    """Persistent or step-long communication buffers per rank."""
+    total = 0.0
+    if plan.dp_replicate > 1 and plan.zero_stage <= 1:
+        total += psi * rec.grad  # DDP gradient buckets (gradient_as_bucket_view=False, torch's default)
+    if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1:
+        # FSDP2: all-gather of the current and the prefetched block, reduce-scatter input of one block.
+        total += 2 * block_p * rec.param + block_p * rec.grad
+    if plan.pp > 1:
+        total += 2 * bt * d * rec.activation  # send + receive buffers of one micro-batch's hidden states
+    if plan.cp > 1:
+        total += 2 * bt * plan.cp * d * rec.activation  # ring attention's full-sequence K and V of one layer
+    return total
+
+
+def _recipe(workload: Workload) -> Recipe:
+    return RECIPES[workload.precision]

@@ -1,0 +1,1 @@
+"""Training: optimizer and parameter groups, LR schedule, precision, metrics, the trainer."""

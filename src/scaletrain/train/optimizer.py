@@ -1,0 +1,36 @@
+"""AdamW with parameter groups: weight decay on matrices only."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from scaletrain.config import OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay 2-D weights of Linear layers; never norms or embeddings (decaying the embedding table
+    pulls rare tokens' vectors to zero, and norm gains towards zero, neither of which helps)."""
+    decay, no_decay, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue  # a tied weight is listed once
+            seen.add(id(p))
+            (decay if isinstance(module, nn.Linear) and p.ndim >= 2 else no_decay).append(p)
+    # The tied output head is an nn.Linear whose weight *is* the embedding: keep it undecayed.
+    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    no_decay += [p for p in decay if id(p) in emb_ids]
+    decay = [p for p in decay if id(p) not in emb_ids]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "loop" else {"foreach": False}
+    if impl == "fused":
+        kwargs.pop("foreach")
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, **kwargs)

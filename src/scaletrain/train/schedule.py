@@ -1,0 +1,34 @@
+"""Learning-rate schedules as pure functions of the step: nothing to checkpoint but the step itself."""
+
+from __future__ import annotations
+
+import math
+
+from scaletrain.config import ScheduleConfig
+
+
+def lr_at(step: int, peak_lr: float, total_steps: int, cfg: ScheduleConfig) -> float:
+    """Learning rate for the update that takes the model from ``step`` to ``step + 1`` completed steps.
+
+    warmup: linear from peak/warmup up to peak over ``warmup_steps`` (never 0, so step 0 learns);
+    cosine: half-cosine from peak to min_lr by ``decay_steps`` (default: total), then min_lr;
+    linear: straight line from peak to min_lr; constant: peak;
+    wsd (warmup-stable-decay): peak until the last ``wsd_decay_fraction`` of the steps, then linear to min_lr.
+    """
+    if step < cfg.warmup_steps:
+        return peak_lr * (step + 1) / cfg.warmup_steps
+    decay_end = cfg.decay_steps or total_steps
+    if cfg.name == "constant":
+        return peak_lr
+    if cfg.name == "wsd":
+        decay_start = max(cfg.warmup_steps, int(decay_end * (1 - cfg.wsd_decay_fraction)))
+        if step < decay_start:
+            return peak_lr
+        progress = min(1.0, (step - decay_start) / max(1, decay_end - decay_start))
+        return peak_lr + (cfg.min_lr - peak_lr) * progress
+    if step >= decay_end:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_steps) / max(1, decay_end - cfg.warmup_steps)
+    if cfg.name == "linear":
+        return peak_lr + (cfg.min_lr - peak_lr) * progress
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak_lr - cfg.min_lr)
