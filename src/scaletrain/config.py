@@ -51,7 +51,7 @@ class ModelConfig:
     n_layers: int = opt(4, "number of transformer blocks", ge=1)
     n_heads: int = opt(4, "attention (query) heads; must divide dim", ge=1)
     n_kv_heads: int = opt(0, "key/value heads for grouped-query attention; 0 = n_heads (plain MHA)", ge=0)
-    ffn_hidden_dim: int = opt(0, "SwiGLU hidden size; 0 = 8/3*dim*ffn_dim_multiplier rounded up to multiple_of", ge=0)
+    ffn_hidden_dim: int = opt(344, "SwiGLU hidden size; 0 = 8/3*dim*ffn_dim_multiplier rounded up to multiple_of", ge=0)
     ffn_dim_multiplier: float = opt(1.0, "scales the computed SwiGLU hidden size (Llama 3 8B uses 1.3)", gt=0)
     multiple_of: int = opt(64, "SwiGLU hidden size is rounded up to a multiple of this", ge=1)
     max_seq_len: int = opt(256, "longest sequence the rotary tables cover; data.seq_len must not exceed it", ge=1)
@@ -81,7 +81,7 @@ class OptimConfig:
     weight_decay: float = opt(0.1, "AdamW decoupled weight decay for matrices (norms, biases and "
                                     "embeddings get none)", ge=0)
     beta1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
-    beta2: float = opt(0.95, "AdamW beta2", ge=0, lt=1)
+    beta2: float = opt(0.99, "AdamW beta2 (0.99 suits small data; large runs use 0.95)", ge=0, lt=1)
     eps: float = opt(1e-8, "AdamW epsilon", gt=0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping", ge=0)
     implementation: str = opt("auto", "AdamW kernel: auto (fused on GPU, foreach on CPU), fused, foreach, loop",

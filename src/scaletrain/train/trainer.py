@@ -91,7 +91,9 @@ class Trainer:
         self.cfg = cfg = resolve_vocab(cfg, manifest)
         self.tokenizer = load_tokenizer(self.data_dir / manifest["tokenizer"]["file"])
         self.tokenizer.save(self.run_dir / "tokenizer.json")  # the run folder is self-contained
-        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        # Saved without this invocation's controls, so `train --resume` runs on to train.steps.
+        saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False))
+        (self.run_dir / "config.toml").write_text(to_toml(saved))
 
         self.model = build_model(cfg.model, self.device, seed=cfg.train.seed)
         self.forward = torch.compile(self.model) if cfg.train.compile else self.model

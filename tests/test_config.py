@@ -1,0 +1,98 @@
+"""The config tree: TOML + dotted overrides, precedence, documentation, and one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from scaletrain.cli import main
+from scaletrain.config import ConfigError, JobConfig, load_config, to_toml
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_are_the_nano_preset():
+    from scaletrain.config import ModelConfig, build
+    from scaletrain.model.presets import PRESETS
+
+    nano = build(ModelConfig, {"preset": "nano"}, presets=PRESETS)
+    default = JobConfig().model
+    for key in ("dim", "n_layers", "n_heads", "ffn_hidden_dim"):
+        assert getattr(nano, key) == getattr(default, key)
+
+
+def test_precedence_cli_over_toml_over_preset(tmp_path):
+    p = write(tmp_path, '[model]\npreset = "small"\nn_layers = 3\n[optim]\nlr = 0.002\n')
+    cfg = load_config(p, {"optim.lr": "3e-4"})
+    assert cfg.model.dim == 512  # from the preset
+    assert cfg.model.n_layers == 3  # TOML beats preset
+    assert cfg.optim.lr == 3e-4  # CLI beats TOML
+    assert cfg.model.n_kv_heads == 4
+
+
+def test_print_config_round_trips(tmp_path):
+    cfg = load_config(None, {"train.steps": "7", "data.path": 'a "quoted"\npath', "model.tie_embeddings": "true"})
+    text = to_toml(cfg)
+    assert "# optimizer steps to train" in text
+    again = load_config(write(tmp_path, text))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("text,overrides,message", [
+    ("[optim]\nlrr = 1\n", {}, "unknown key optim.lrr in"),
+    ("[optimizer]\nlr = 1\n", {}, "unknown key optimizer"),
+    ("[optim]\nlr = 'fast'\n", {}, "optim.lr must be float (got 'fast') in"),
+    ("[optim]\nlr = -1.0\n", {}, "optim.lr must be > 0 (got -1.0) in"),
+    ("[train]\nsteps = 1.5\n", {}, "train.steps must be int"),
+    ("[train]\ncompile = 1\n", {}, "train.compile must be bool"),
+    ("[schedule]\nname = 'exp'\n", {}, "schedule.name must be one of cosine, wsd, linear, constant"),
+    ("[model]\npreset = 'huge'\n", {}, "unknown preset 'huge'"),
+    ("[model]\ndim = 100\nn_heads = 3\n", {}, "model.dim (100) must be divisible by model.n_heads (3)"),
+    ("", {"optim.lr": "abc"}, "optim.lr must be float (got 'abc')"),
+    ("", {"train.steps": "0"}, "train.steps must be >= 1 (got 0)"),
+    ("", {"data.seq_len": "512"}, "data.seq_len (512) must be <= model.max_seq_len"),
+    ("optim = [", {}, "invalid TOML"),
+])
+def test_bad_config_is_one_clear_error(tmp_path, text, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text), overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="config file not found: nope.toml"):
+        load_config("nope.toml")
+
+
+def test_cli_error_exit_code_and_one_line(tmp_path, capsys):
+    p = write(tmp_path, "[optim]\nlr = -1.0\n")
+    assert main(["train", "--config", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ConfigError: optim.lr must be > 0") and "\n" not in err
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    assert main(["train", "--optim.lr=nan"]) == 2
+    assert "finite" in capsys.readouterr().err
+
+
+def test_help_documents_every_field():
+    out = subprocess.run([sys.executable, "-m", "scaletrain", "train", "--help"], capture_output=True, text=True).stdout
+    from scaletrain.config import iter_fields
+
+    for key, _, f in iter_fields(JobConfig):
+        assert f"--{key}" in out, key
+        assert f.metadata["help"], f"{key} has no documentation"
+    assert "peak learning rate" in out
+
+
+def test_print_config_cli(capsys):
+    assert main(["train", "--print-config", "--optim.lr=3e-4", "--model.preset=micro"]) == 0
+    out = capsys.readouterr().out
+    assert "lr = 0.0003" in out and "dim = 256" in out

@@ -1,0 +1,149 @@
+"""Training end to end on tiny models: the loss falls, resume is bitwise exact, commands run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scaletrain.cli import main
+from scaletrain.config import ScheduleConfig, load_config
+from scaletrain.train.schedule import lr_at
+from scaletrain.train.trainer import Trainer
+
+
+def args(overrides: dict) -> list[str]:
+    return ["train"] + [f"--{k}={v}" for k, v in overrides.items()]
+
+
+def losses(run_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    last = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    return load_file(last / "model.safetensors")
+
+
+def test_loss_falls(tmp_path, tiny):
+    cfg = load_config(None, tiny(tmp_path / "run", **{"train.steps": 60, "train.eval_interval": 30}))
+    trainer = Trainer(cfg, log=False)
+    first = trainer.evaluate()
+    summary = trainer.train()
+    assert first == pytest.approx(math.log(65), rel=0.05)  # an untrained model is ~uniform
+    assert summary["final_val_loss"] < first - 0.7
+    assert [e["step"] for e in summary["evals"]] == [0, 30, 60]
+
+
+def test_resume_is_bitwise_exact(tmp_path, tiny):
+    straight = tmp_path / "straight"
+    split = tmp_path / "split"
+    common = {"logging.log_interval": 1, "train.eval_interval": 10, "checkpoint.interval": 15}
+    assert main(args(tiny(straight, **common))) == 0
+    assert main(args(tiny(split, **common, **{"train.stop_at_step": 20}))) == 0
+    assert max(losses(split)) == 20
+    assert main(args(tiny(split, **common)) + ["--resume"]) == 0
+    a, b = losses(straight), losses(split)
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    assert all(a[s] == b[s] for s in a), "per-step losses differ after resume"
+    wa, wb = final_weights(straight), final_weights(split)
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), "final parameters differ after resume"
+
+
+def test_resume_uses_saved_config_and_skips_corrupt_checkpoint(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    over = tiny(run, **{"checkpoint.interval": 10, "checkpoint.keep_last": 3, "train.stop_at_step": 30})
+    assert main(args(over)) == 0
+    ckpts = sorted((run / "checkpoints").glob("step-*"))
+    assert [c.name for c in ckpts] == ["step-00000010", "step-00000020", "step-00000030"]
+    # Flip a byte in the newest checkpoint: resume must report it and fall back to step 20.
+    f = ckpts[-1] / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["train", "--resume", f"--train.run_dir={run}", "--train.stop_at_step=25"]) == 0
+    out = capsys.readouterr().out
+    assert "checksum mismatch" in out and "resumed from" in out and "(step 20)" in out
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny):
+    big = Trainer(load_config(None, tiny(tmp_path / "a", **{"train.batch_size": 8})), log=False)
+    acc = Trainer(load_config(None, tiny(tmp_path / "b", **{"train.batch_size": 4, "train.grad_accum_steps": 2})),
+                  log=False)
+    for _ in range(3):
+        la, lb = big.train_step()["loss"], acc.train_step()["loss"]
+        assert la == pytest.approx(lb, rel=1e-5)
+    for (n, p), (_, q) in zip(big.model.named_parameters(), acc.model.named_parameters()):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), n
+
+
+def test_schedules_are_pure_functions_of_the_step():
+    cos = ScheduleConfig(name="cosine", warmup_steps=100, min_lr=1e-4)
+    assert lr_at(0, 1e-3, 2000, cos) == pytest.approx(1e-5)
+    assert lr_at(99, 1e-3, 2000, cos) == pytest.approx(1e-3)
+    assert lr_at(1050, 1e-3, 2000, cos) == pytest.approx(5.5e-4)
+    assert lr_at(2000, 1e-3, 2000, cos) == pytest.approx(1e-4)
+    wsd = ScheduleConfig(name="wsd", warmup_steps=10, min_lr=0.0, wsd_decay_fraction=0.2)
+    assert lr_at(500, 1.0, 1000, wsd) == 1.0 and lr_at(799, 1.0, 1000, wsd) == 1.0
+    assert lr_at(900, 1.0, 1000, wsd) == pytest.approx(0.5)
+    assert lr_at(1000, 1.0, 1000, wsd) == pytest.approx(0.0)
+
+
+def test_eval_and_generate_commands(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    assert main(args(tiny(run))) == 0
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "validation split: loss" in out and "perplexity" in out
+    text = tmp_path / "t.txt"
+    text.write_text("ROMEO:\nWhat light through yonder window breaks?\n" * 20)
+    assert main(["eval", "--run", str(run), "--text", str(text)]) == 0
+    assert f"{text}: loss" in capsys.readouterr().out
+    assert main(["generate", "--run", str(run), "--prompt", "ROMEO:", "--max-tokens", "30", "--top-p", "0.9"]) == 0
+    sample = capsys.readouterr().out
+    assert sample.startswith("ROMEO:") and len(sample) > 30
+    greedy = [main(["generate", "--run", str(run), "--prompt", "A", "--temperature", "0", "--max-tokens", "10"])
+              for _ in range(2)]
+    outs = capsys.readouterr().out.splitlines()
+    assert greedy == [0, 0] and outs[0] == outs[-1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["eval", "--run", "nowhere"], "not a run folder"),
+    (["generate", "--run", "nowhere"], "not a run folder"),
+    (["train", "--data.path=missing.txt"], "data path not found: missing.txt"),
+])
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_eval_text_errors(tmp_path, tiny, capsys):
+    run = tmp_path / "run"
+    assert main(args(tiny(run, **{"train.steps": 2}))) == 0
+    assert main(["eval", "--run", str(run), "--text", str(tmp_path / "none.txt")]) == 2
+    assert "text file not found" in capsys.readouterr().err
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    assert main(["eval", "--run", str(run), "--text", str(bad)]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+def test_default_recipe_smoke(tmp_path, capsys):
+    """The README's default command, shortened: progress, a sample and the final val loss appear."""
+    run = tmp_path / "default"
+    assert main(["train", f"--train.run_dir={run}", "--train.steps=12", "--train.eval_interval=6",
+                 "--logging.log_interval=3", "--train.sample_tokens=40", "--schedule.warmup_steps=2",
+                 "--train.eval_batches=2"]) == 0
+    out = capsys.readouterr().out
+    assert "step      3 | loss" in out and "--- sample ---" in out and "final val loss" in out
+    assert (run / "metrics.jsonl").is_file() and (run / "config.toml").is_file()
+    assert (run / "tensorboard").is_dir()
