@@ -121,6 +121,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_parser(sub) -> None:
+    p = sub.add_parser("export", help="export a run's latest checkpoint (Hugging Face Llama folder)")
+    p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
+    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + model.safetensors + tokenizer")
+    p.add_argument("--out", help="output folder (default: <run>/export-hf)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from scaletrain.checkpoint.export import export_hf
+    from scaletrain.train.inference import load_run
+
+    cfg, model, tokenizer, ckpt = load_run(args.run)
+    out = export_hf(model, cfg.model, tokenizer, args.out or Path(args.run) / "export-hf")
+    print(f"exported {ckpt.name} to {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
+    return 0
+
+
 def _plugin_parser(sub, name: str, module: str, add: str, run: str, help: str) -> None:
     """Commands implemented in their own package (data, plan), imported only when used."""
     import importlib
@@ -137,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _eval_parser(sub)
     _generate_parser(sub)
+    _export_parser(sub)
     for name, module, add, run, help in PLUGINS:
         try:
             _plugin_parser(sub, name, module, add, run, help)

@@ -1,0 +1,105 @@
+"""Export a run to a Hugging Face Llama folder (config.json, model.safetensors, tokenizer files).
+
+Our rotary layout is Hugging Face's rotate-half, so the weights map one to one by name; no permutation.
+``transformers.LlamaForCausalLM.from_pretrained(folder)`` gives the same logits (tested to 1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import nn
+
+from scaletrain.config import ModelConfig
+from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
+from scaletrain.model.presets import ffn_hidden_dim, kv_heads
+
+# scaletrain name suffix -> Hugging Face Llama name suffix, per block.
+_BLOCK = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    head_dim = cfg.dim // cfg.n_heads
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": ffn_hidden_dim(cfg),
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": kv_heads(cfg),
+        "head_dim": head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # transformers < 5
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers >= 5
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_state_dict(model: nn.Module, cfg: ModelConfig) -> dict:
+    """Our parameter names -> Hugging Face Llama names (contiguous CPU tensors, tied head omitted)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == "tok_embeddings.weight":
+            key = "model.embed_tokens.weight"
+        elif name == "norm.weight":
+            key = "model.norm.weight"
+        elif name == "output.weight":
+            if cfg.tie_embeddings:
+                continue
+            key = "lm_head.weight"
+        elif name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            key = f"model.layers.{index}.{_BLOCK[rest]}"
+        else:
+            raise KeyError(f"no Hugging Face name for parameter {name!r}")
+        out[key] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def _char_tokenizer_as_hf(tok: CharTokenizer):
+    """A character vocabulary as a Hugging Face WordLevel tokenizer that splits every character."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    hf = Tokenizer(models.WordLevel(vocab=dict(tok.stoi), unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    hf.decoder = decoders.Fuse()
+    return hf
+
+
+def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
+    """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+    save_file(hf_state_dict(model, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_tok = tokenizer.tok if isinstance(tokenizer, BPETokenizer) else _char_tokenizer_as_hf(tokenizer)
+    hf_tok.save(str(out / "tokenizer.json"))
+    special = {}
+    if tokenizer.eos_id is not None:
+        special["eos_token"] = hf_tok.id_to_token(tokenizer.eos_id)
+    if tokenizer.bos_id is not None:
+        special["bos_token"] = hf_tok.id_to_token(tokenizer.bos_id)
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+         "clean_up_tokenization_spaces": False, **special}, indent=2))
+    return out
