@@ -1,39 +1,335 @@
-"""Turn raw text into a prepared token folder (manifest + shards + tokenizer.json).
+"""``prepare``: raw text -> cleaned -> filtered -> deduplicated -> tokenized -> shards + manifest.
 
-This is the minimal path used by ``scaletrain train`` on raw text and by ``scaletrain prepare FILE``:
-read -> normalise line endings -> train or load a tokenizer -> split train/val -> write shards.
+The stages are plain functions in their own modules; this file only strings them together:
+
+    pass 1  sources.iter_documents -> [workers: clean.clean_text, filters.check, dedup.signature]
+            -> dedup.Deduplicator (in order, this process) -> .work/cleaned.zst (the kept documents)
+    pass 2  split plan (train/val by document, seeded) and the tokenizer (BPE trained on a sample)
+    pass 3  .work/cleaned.zst -> augment.fim (train only, optional) -> encode.encode_stream
+            -> shards.ShardWriter per split -> manifest.json (last) -> report.json
+
+Memory is bounded by the batches in flight plus what dedup must remember per kept document (see
+dedup.py), never by the corpus. Resuming: pass 1's output is kept with a fingerprint of its inputs and
+settings, so an interrupted or re-configured run (new tokenizer, new split) skips it; the shards are
+always rewritten as a whole. The old manifest is deleted before the first shard is written and the new
+one is written last, so a manifest never describes a half-written shard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import random
+import io
+import json
+import struct
 import time
-from importlib import resources
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from scaletrain.data.shards import MANIFEST, ShardWriter, dtype_for_vocab, read_manifest, write_manifest
-from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, DataError, Tokenizer, file_sha256, load_tokenizer
+import numpy as np
 
-BUILTIN = {"tinyshakespeare": "assets/tinyshakespeare/input.txt"}
+from scaletrain.data import augment, clean, dedup, filters
+from scaletrain.data.encode import build_tokenizer, encode_stream
+from scaletrain.data.ngrams import mix64, words
+from scaletrain.data.prepare_config import PrepareConfig, minimal_config, validate
+from scaletrain.data.report import Report
+from scaletrain.data.shards import MANIFEST, ShardWriter, dtype_for_vocab, read_manifest, remove_stale, write_manifest
+from scaletrain.data.sources import Document, fingerprint_items, iter_documents, resolve_source
+from scaletrain.data.tokenizer import CharTokenizer, DataError, file_sha256
+from scaletrain.data.workers import ordered_map, resolve_workers
+
+PIPELINE_VERSION = 2           # bump when a stage's output changes for the same config
+WORK = ".work"                 # pass-1 output and markers, inside the output folder
+BATCH_BYTES = 1 << 20          # documents per worker task: about 1 MB of text (amortises pickling)
+BATCH_DOCS = 256
+WARMUP_BATCHES = 4             # the first ~4 MB run in this process; the worker pool starts after that
+_RECORD = struct.Struct("<IQ")  # cleaned-corpus record header: name length, text length (bytes)
+
+__all__ = ["prepare", "prepare_text", "ensure_prepared", "resolve_source", "read_text_file", "source_fingerprint"]
 
 
-def resolve_source(source: str) -> Path:
-    """``builtin:NAME`` -> the bundled file; anything else -> an existing path."""
-    if source.startswith("builtin:"):
-        name = source.split(":", 1)[1]
-        if name not in BUILTIN:
-            raise DataError(f"unknown builtin dataset {name!r} (known: {', '.join(BUILTIN)})")
-        return Path(str(resources.files("scaletrain").joinpath(BUILTIN[name])))
-    path = Path(source)
-    if not path.exists():
-        raise DataError(f"data path not found: {path}")
-    return path
+# -- pass 1: clean, filter, signature (workers) and dedup (here) --------------------------------------
 
+_STAGE_CFG: PrepareConfig | None = None
+
+
+def _init_stage_worker(cfg: PrepareConfig) -> None:
+    global _STAGE_CFG
+    _STAGE_CFG = cfg
+
+
+def _process_batch(batch: list[Document]) -> list[tuple]:
+    """Worker: (source, n_bytes, text|None, removal (stage, reason)|None, counts, digest, signature)."""
+    cfg = _STAGE_CFG
+    out = []
+    for doc in batch:
+        text, counts = clean.clean_text(doc.text, cfg.clean)
+        if not text.strip():
+            out.append((doc.source, doc.n_bytes, None, ("clean", "empty after cleaning"), counts, None, None))
+            continue
+        tokens = words(text) if (cfg.dedup.near or filters.needs_words(cfg.filter)) else None
+        reason, _ = filters.check(text, cfg.filter, tokens)
+        if reason is not None:
+            out.append((doc.source, doc.n_bytes, None, ("filter", reason), counts, None, None))
+            continue
+        sig = dedup.signature(text, cfg.dedup, tokens) if cfg.dedup.near else None
+        out.append((doc.source, doc.n_bytes, text, None, counts, dedup.content_hash(text), sig))
+    return out
+
+
+def _batches(docs: Iterable[Document]) -> Iterator[list[Document]]:
+    batch, size = [], 0
+    for doc in docs:
+        batch.append(doc)
+        size += doc.n_bytes
+        if size >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def clean_corpus(cfg: PrepareConfig, spill: Path, report: Report) -> np.ndarray:
+    """Pass 1: write every kept document to ``spill``; return their content keys (uint64, in order)."""
+    import zstandard
+
+    dedupper = dedup.Deduplicator(cfg.dedup)
+    keys: list[int] = []
+    tmp = spill.with_suffix(".tmp")
+    with open(tmp, "wb") as raw, zstandard.ZstdCompressor(level=1).stream_writer(raw) as out:
+        results = ordered_map(_process_batch, _batches(iter_documents(cfg.source, report)),
+                              workers=resolve_workers(cfg.workers), initializer=_init_stage_worker,
+                              initargs=(cfg,), warmup=WARMUP_BATCHES)
+        for batch in results:
+            for source, n_bytes, text, removal, counts, digest, sig in batch:
+                for what, n in counts.items():
+                    report.modify(what, n)
+                if removal is not None:
+                    report.remove(removal[0], removal[1], n_bytes)
+                    continue
+                reason = dedupper.check(len(keys), source, digest, sig)
+                if reason is not None:
+                    report.remove("dedup", reason, n_bytes)
+                    continue
+                name, data = source.encode(), text.encode("utf-8")
+                out.write(_RECORD.pack(len(name), len(data)) + name + data)
+                keys.append(int.from_bytes(digest[:8], "little"))
+    tmp.replace(spill)
+    report.clusters = dedupper.cluster_report()
+    return np.array(keys, dtype=np.uint64)
+
+
+def read_cleaned(spill: Path) -> Iterator[tuple[str, str]]:
+    """(source, text) of every kept document, in order (streaming)."""
+    import zstandard
+
+    with open(spill, "rb") as raw:
+        reader = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw), buffer_size=1 << 20)
+        while header := reader.read(_RECORD.size):
+            n_name, n_text = _RECORD.unpack(header)
+            name = reader.read(n_name).decode()
+            yield name, reader.read(n_text).decode("utf-8")
+
+
+# -- pass 2: split plan and tokenizer ----------------------------------------------------------------
+
+def _keyed(keys: np.ndarray, salt: str) -> np.ndarray:
+    """A seeded, order-independent pseudo-random value per document (from its content hash)."""
+    s = int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little")
+    return mix64(keys ^ np.uint64(s))
+
+
+def plan_split(keys: np.ndarray, cfg: PrepareConfig) -> tuple[str, np.ndarray]:
+    """('tail' | 'document', val mask per document). Document mode puts the ``round(n * val_fraction)``
+    documents with the smallest seeded hash in val: deterministic, and independent of document order."""
+    n = keys.size
+    by = cfg.split.by if cfg.split.by != "auto" else ("tail" if n == 1 else "document")
+    val = np.zeros(n, dtype=bool)
+    if by == "document" and cfg.split.val_fraction > 0:
+        n_val = max(1, round(n * cfg.split.val_fraction))
+        if n_val >= n:
+            raise DataError(f"only {n} document(s) left after filtering: too few for a document split with "
+                            f"val_fraction {cfg.split.val_fraction}; use split.by = 'tail' or add text")
+        val[np.argsort(_keyed(keys, f"split:{cfg.split.seed}"), kind="stable")[:n_val]] = True
+    return by, val
+
+
+def _split_texts(spill: Path, by: str, val: np.ndarray, fraction: float) -> Iterator[tuple[int, str, str]]:
+    """(document index, split, text) in order; in tail mode each document yields its two parts."""
+    for i, (_, text) in enumerate(read_cleaned(spill)):
+        if by == "tail":
+            cut = int(len(text) * (1 - fraction))
+            yield i, "train", text[:cut]
+            if fraction > 0:
+                yield i, "val", text[cut:]
+        else:
+            yield i, ("val" if val[i] else "train"), text
+
+
+def make_tokenizer(cfg: PrepareConfig, spill: Path, keys: np.ndarray, by: str, val: np.ndarray,
+                   kept_bytes: int, out: Path):
+    """Train or load the tokenizer and save it as ``out/tokenizer.json``."""
+    rate = min(1.0, cfg.tokenizer.train_sample_mb * 1e6 / max(kept_bytes, 1))
+    picked = _keyed(keys, "tokenizer-sample") <= np.uint64(min(rate * 2**64, 2**64 - 1))
+
+    def sample() -> Iterator[str]:
+        for i, split, text in _split_texts(spill, by, val, cfg.split.val_fraction):
+            if split == "train" and picked[i] and text:
+                yield text
+
+    def everything() -> Iterator[str]:
+        for _, text in read_cleaned(spill):
+            yield text
+
+    tok = build_tokenizer(cfg.tokenizer, sample(), everything(), need_fim=cfg.augment.fim_rate > 0)
+    tmp = out / "tokenizer.json.tmp"
+    tok.save(tmp)
+    tmp.replace(out / "tokenizer.json")
+    return tok
+
+
+# -- pass 3: encode and write --------------------------------------------------------------------------
+
+def write_shards(cfg: PrepareConfig, spill: Path, keys: np.ndarray, by: str, val: np.ndarray, tok, out: Path,
+                 report: Report) -> dict:
+    """Encode every document into per-split shards; returns the manifest's ``splits``."""
+    dtype = dtype_for_vocab(tok.vocab_size, cfg.output.dtype)
+    shard_tokens = max(1, int(cfg.output.shard_mb * 1e6) // dtype.itemsize)
+    writers = {s: ShardWriter(out, s, dtype, shard_tokens) for s in ("train", "val")}
+    stats = {s: {"documents": 0, "bytes": 0} for s in writers}
+    labels: deque[list[str]] = deque()
+    batch_bytes = int(cfg.tokenizer.batch_mb * 1e6)
+
+    def batches() -> Iterator[list[list[str]]]:
+        batch, names, size = [], [], 0
+        for i, split, text in _split_texts(spill, by, val, cfg.split.val_fraction):
+            if not text:
+                continue
+            stats[split]["documents"] += 1
+            stats[split]["bytes"] += len(text.encode("utf-8"))
+            pieces = augment.fim(text, int(keys[i]).to_bytes(8, "little"), cfg.augment) if split == "train" else [text]
+            batch.append(pieces)
+            names.append(split)
+            size += len(text)
+            if size >= batch_bytes:
+                labels.append(names)
+                yield batch
+                batch, names, size = [], [], 0
+        if batch:
+            labels.append(names)
+            yield batch
+
+    t0 = time.perf_counter()
+    for arrays in encode_stream(batches(), tok, out / "tokenizer.json", dtype, cfg.tokenizer.encode_workers):
+        for split, ids in zip(labels.popleft(), arrays):
+            writers[split].add(ids)
+    report.timings["encode_and_write"] = time.perf_counter() - t0
+    splits = {}
+    for split, writer in writers.items():
+        if split == "val" and cfg.split.val_fraction == 0:
+            continue
+        shards = writer.close()
+        splits[split] = {"tokens": writer.tokens, **stats[split], "shards": shards,
+                         "doc_index": writer.write_doc_index()}
+    if splits["train"]["tokens"] == 0:
+        raise DataError("the train split is empty after cleaning and filtering (see report.json)")
+    return splits
+
+
+# -- the whole run ---------------------------------------------------------------------------------------
+
+def _digest(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def fingerprints(cfg: PrepareConfig) -> tuple[str, str]:
+    """(pass-1 fingerprint, whole-run fingerprint): inputs (paths, sizes, mtimes) and the settings
+    that change each pass's output. Worker counts and the output folder are not part of them."""
+    files = fingerprint_items(cfg.source)
+    c = dataclasses.asdict(cfg)
+    stage1 = _digest([PIPELINE_VERSION, files, c["source"], c["clean"], c["filter"], c["dedup"]])
+    tok = c["tokenizer"] | {"encode_workers": None, "batch_mb": None}
+    tok_file = Path(cfg.tokenizer.kind)
+    if cfg.tokenizer.kind not in ("bpe", "char") and tok_file.is_file():
+        tok["sha256"] = file_sha256(tok_file)
+    whole = _digest([stage1, tok, c["augment"], c["split"], c["output"]["dtype"], c["output"]["shard_mb"]])
+    return stage1, whole
+
+
+def prepare(cfg: PrepareConfig, report: Report | None = None, log: Callable[[str], None] = lambda s: None) -> dict:
+    """Run the pipeline into ``cfg.output.dir``; returns the manifest (also written there)."""
+    validate(cfg)
+    report = report or Report()
+    out = Path(cfg.output.dir)
+    work = out / WORK
+    work.mkdir(parents=True, exist_ok=True)
+    fp_clean, fp_all = fingerprints(cfg)
+    if not cfg.output.force and (out / MANIFEST).is_file():
+        try:
+            manifest = read_manifest(out)
+            if manifest.get("fingerprint") == fp_all:
+                log(f"{out}: up to date (same inputs and settings); output.force=true rebuilds")
+                return manifest
+        except DataError:
+            pass  # a broken output is rebuilt
+    spill, marker = work / "cleaned.zst", work / "cleaned.json"
+
+    # pass 1, or its saved result
+    t0 = time.perf_counter()
+    saved = json.loads(marker.read_text()) if marker.is_file() else {}
+    if not cfg.output.force and saved.get("fingerprint") == fp_clean and spill.is_file():
+        keys = np.load(work / "keys.npy")
+        report.restore(saved["report"])
+        log(f"pass 1 (clean/filter/dedup): reusing {spill} ({keys.size:,} documents)")
+    else:
+        marker.unlink(missing_ok=True)
+        keys = clean_corpus(cfg, spill, report)
+        np.save(work / "keys.npy", keys)
+        marker.write_text(json.dumps({"fingerprint": fp_clean, "report": report.counters()}))
+    report.timings["clean_filter_dedup"] = time.perf_counter() - t0
+    if keys.size == 0:
+        raise DataError(f"no document left after cleaning, filtering and deduplication "
+                        f"({report.documents_in:,} in; see {out / 'report.json'})")
+    kept_bytes = report.bytes_in - report.removed_total()[1]
+
+    # pass 2
+    t0 = time.perf_counter()
+    by, val = plan_split(keys, cfg)
+    (out / MANIFEST).unlink(missing_ok=True)  # from here on the folder is being rewritten
+    tok = make_tokenizer(cfg, spill, keys, by, val, kept_bytes, out)
+    report.timings["tokenizer"] = time.perf_counter() - t0
+
+    # pass 3
+    splits = write_shards(cfg, spill, keys, by, val, tok, out, report)
+    report.splits = {s: {k: v for k, v in info.items() if k in ("documents", "bytes", "tokens")} | {"shards": len(info["shards"])}
+                     for s, info in splits.items()}
+    manifest = {
+        "dtype": dtype_for_vocab(tok.vocab_size, cfg.output.dtype).str,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "bos_id": getattr(tok, "bos_id", None),
+        "tokenizer": {"file": "tokenizer.json", "sha256": file_sha256(out / "tokenizer.json"),
+                      "kind": "char" if isinstance(tok, CharTokenizer) else "bpe"},
+        "source": {"path": cfg.source.paths[0] if len(cfg.source.paths) == 1 else cfg.source.paths,
+                   "paths": cfg.source.paths, "fingerprint": fp_all},
+        "fingerprint": fp_all,
+        "split": {"by": by, "val_fraction": cfg.split.val_fraction, "seed": cfg.split.seed},
+        "splits": splits,
+        "stats": {k: v for k, v in report.to_dict().items() if k != "messages"},
+        "config": dataclasses.asdict(cfg),
+    }
+    report.write(out / "report.json")
+    write_manifest(out, manifest)
+    remove_stale(out, manifest)
+    return read_manifest(out)
+
+
+# -- the trainer's entry points (kept signatures) -----------------------------------------------------
 
 def read_text_file(path: Path) -> str:
     """UTF-8 (a BOM is dropped), CRLF/CR -> LF. Undecodable bytes are an error naming the file."""
-    raw = path.read_bytes()
+    raw = Path(path).read_bytes()
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -42,100 +338,25 @@ def read_text_file(path: Path) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def read_documents(path: Path) -> list[tuple[str, str]]:
-    """(name, text) for one file, or every ``*.txt`` under a folder (sorted, recursive)."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*.txt") if p.is_file())
-    if not files:
-        raise DataError(f"{path}: no .txt files found")
-    docs = [(str(f), read_text_file(f)) for f in files]
-    docs = [(n, t) for n, t in docs if t.strip()]
-    if not docs:
-        raise DataError(f"{path}: every file is empty")
-    return docs
-
-
-def split_documents(docs: list[tuple[str, str]], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """One document: split by characters (train first, like nanoGPT). Several: a seeded choice of whole
-    documents goes to val, so no document is in both splits."""
-    if len(docs) == 1:
-        text = docs[0][1]
-        cut = int(len(text) * (1 - val_fraction))
-        return [text[:cut]], ([text[cut:]] if val_fraction > 0 else [])
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)
-    n_val = max(1, round(len(docs) * val_fraction)) if val_fraction > 0 else 0
-    val_idx = set(order[:n_val])
-    train = [t for i, (_, t) in enumerate(docs) if i not in val_idx]
-    val = [t for i, (_, t) in enumerate(docs) if i in val_idx]
-    return train, val
-
-
-def build_tokenizer(kind: str, texts: list[str], vocab_size: int) -> Tokenizer:
-    if kind == "char":
-        return CharTokenizer.train(texts)
-    if kind == "bpe":
-        return BPETokenizer.train(texts, vocab_size)
-    return load_tokenizer(kind)
-
-
 def prepare_text(source: str, out_dir: str | Path, *, tokenizer: str = "char", vocab_size: int = 2048,
                  val_fraction: float = 0.1, seed: int = 1337) -> dict:
-    """Prepare ``source`` into ``out_dir``; returns the manifest. Documents are joined with EOS when the
-    tokenizer has one (BPE), so the model learns where a text ends."""
-    t0 = time.perf_counter()
-    src = resolve_source(source)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    docs = read_documents(src)
-    train_docs, val_docs = split_documents(docs, val_fraction, seed)
-    # The char vocabulary comes from all text so val never has an unknown character (as nanoGPT does).
-    tok = build_tokenizer(tokenizer, train_docs + val_docs if tokenizer == "char" else train_docs, vocab_size)
-    dtype = dtype_for_vocab(tok.vocab_size)
-    tok.save(out / "tokenizer.json")
-    splits = {}
-    for split, texts in (("train", train_docs), ("val", val_docs)):
-        writer = ShardWriter(out, split, dtype)
-        for ids in tok.encode_batch(texts):
-            writer.add(ids + ([tok.eos_id] if tok.eos_id is not None else []))
-        shards = writer.close()
-        splits[split] = {"tokens": sum(s["tokens"] for s in shards), "documents": len(texts), "shards": shards}
-    n_bytes = sum(len(t.encode("utf-8")) for _, t in docs)
-    manifest = write_manifest(out, {
-        "dtype": dtype.str,
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "tokenizer": {"file": "tokenizer.json", "sha256": file_sha256(out / "tokenizer.json"),
-                      "kind": "char" if isinstance(tok, CharTokenizer) else "bpe"},
-        "source": {"path": source, "fingerprint": source_fingerprint(source, tokenizer, vocab_size, val_fraction, seed)},
-        "splits": splits,
-        "stats": {"documents": len(docs), "bytes": n_bytes, "seconds": round(time.perf_counter() - t0, 3)},
-    })
-    return read_manifest(manifest.parent)
+    """Prepare ``source`` (a file, a folder of .txt, or builtin:NAME) as given - normalised, Gutenberg
+    boilerplate removed, no filters, no dedup - into ``out_dir``; returns the manifest."""
+    cfg = minimal_config(source, str(out_dir), tokenizer=tokenizer, vocab_size=vocab_size,
+                         val_fraction=val_fraction, seed=seed)
+    return prepare(cfg)
 
 
 def source_fingerprint(source: str, tokenizer: str, vocab_size: int, val_fraction: float, seed: int) -> str:
     """Changes when the input files or the preparation settings change (so caches are not reused wrongly)."""
-    src = resolve_source(source)
-    files = [src] if src.is_file() else sorted(p for p in src.rglob("*.txt") if p.is_file())
-    h = hashlib.sha256(f"{tokenizer}|{vocab_size}|{val_fraction}|{seed}".encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
+    return fingerprints(minimal_config(source, "", tokenizer=tokenizer, vocab_size=vocab_size,
+                                       val_fraction=val_fraction, seed=seed))[1]
 
 
 def ensure_prepared(source: str, cache_dir: str | Path, **kwargs) -> Path:
-    """Use ``source`` if it is already a prepared folder; otherwise prepare it into ``cache_dir`` (once)."""
+    """Use ``source`` if it is already a prepared folder; otherwise prepare it into ``cache_dir`` (once:
+    a cache whose fingerprint matches is reused)."""
     if not source.startswith("builtin:") and (Path(source) / MANIFEST).is_file():
         return Path(source)
-    cache = Path(cache_dir)
-    fp = source_fingerprint(source, kwargs.get("tokenizer", "char"), kwargs.get("vocab_size", 2048),
-                            kwargs.get("val_fraction", 0.1), kwargs.get("seed", 1337))
-    if (cache / MANIFEST).is_file():
-        try:
-            if read_manifest(cache).get("source", {}).get("fingerprint") == fp:
-                return cache
-        except DataError:
-            pass  # a broken cache is simply rebuilt
-    prepare_text(source, cache, **kwargs)
-    return cache
+    prepare_text(source, cache_dir, **kwargs)
+    return Path(cache_dir)

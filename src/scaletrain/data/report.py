@@ -61,6 +61,25 @@ class Report:
         n_bytes = sum(v[1] for reasons in self.removed.values() for v in reasons.values())
         return docs, n_bytes
 
+    # -- saving the pass-1 counters with its output, for a resumed run -------------------------------
+    def counters(self) -> dict:
+        """What pass 1 counted, JSON-able (``restore`` puts it back)."""
+        return {"documents_in": self.documents_in, "bytes_in": self.bytes_in,
+                "removed": {st: {r: list(v) for r, v in rs.items()} for st, rs in self.removed.items()},
+                "modified": dict(self.modified), "issues": dict(self.issues),
+                "messages": {k: list(v) for k, v in self.messages.items()}, "clusters": self.clusters}
+
+    def restore(self, saved: dict) -> None:
+        self.documents_in, self.bytes_in = saved["documents_in"], saved["bytes_in"]
+        for stage, reasons in saved["removed"].items():
+            for reason, v in reasons.items():
+                self.removed[stage][reason] = list(v)
+        self.modified.update(saved["modified"])
+        self.issues.update(saved["issues"])
+        for k, v in saved["messages"].items():
+            self.messages[k] = list(v)
+        self.clusters = list(saved["clusters"])
+
     # -- output ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         seconds = time.perf_counter() - self.started

@@ -3,9 +3,12 @@
     <dir>/manifest.json        format, dtype, vocab, tokenizer hash, splits -> shards (tokens, sha256)
     <dir>/tokenizer.json
     <dir>/train-00000.bin ...  np.memmap-able, documents separated by EOS (when the tokenizer has one)
+    <dir>/train-docs.bin       uint64 cumulative token count at the end of each document (optional;
+                               lets the loader confine attention to a document even without EOS)
 
-Every file is written to ``*.tmp`` and renamed into place; the manifest is written last, so a manifest
-never points at a half-written shard.
+Every file is written to ``*.tmp`` and renamed into place; ``prepare`` deletes an old manifest before
+it writes any shard and writes the new manifest last, so a manifest never points at a half-written
+(or a previous run's) shard.
 """
 
 from __future__ import annotations
@@ -25,13 +28,18 @@ VERSION = 1
 MANIFEST = "manifest.json"
 
 
-def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype that holds every token id."""
-    if vocab_size <= 2**16:
-        return np.dtype("<u2")
-    if vocab_size <= 2**32:
-        return np.dtype("<u4")
-    raise DataError(f"vocabulary of {vocab_size} tokens does not fit a uint32 shard")
+def dtype_for_vocab(vocab_size: int, requested: str = "auto") -> np.dtype:
+    """The smallest unsigned dtype that holds every token id, or ``requested`` ('uint16'/'uint32')
+    after checking that the vocabulary fits it."""
+    if requested == "auto":
+        if vocab_size <= 2**16:
+            return np.dtype("<u2")
+        requested = "uint32"
+    dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[requested])
+    if vocab_size > np.iinfo(dtype).max + 1:
+        raise DataError(f"a vocabulary of {vocab_size:,} tokens does not fit {requested} shards "
+                        f"(at most {np.iinfo(dtype).max + 1:,} ids); use uint32 or a smaller vocabulary")
+    return dtype
 
 
 @dataclass
@@ -43,15 +51,25 @@ class ShardWriter:
     dtype: np.dtype
     shard_tokens: int = 1 << 26
     shards: list[dict] = field(default_factory=list)
+    doc_ends: list[int] = field(default_factory=list)
+    tokens: int = 0
     _buffer: list[np.ndarray] = field(default_factory=list)
     _buffered: int = 0
 
-    def add(self, ids: Iterable[int] | np.ndarray) -> None:
-        arr = np.asarray(ids, dtype=np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() >= np.iinfo(self.dtype).max + 1):
-            raise DataError(f"token id {int(arr.max())} does not fit the {self.dtype.name} shard dtype")
-        self._buffer.append(arr.astype(self.dtype))
+    def add(self, ids: Iterable[int] | np.ndarray, end_of_document: bool = True) -> None:
+        """Append one document's ids (or a piece of one, with ``end_of_document=False``)."""
+        if isinstance(ids, np.ndarray) and ids.dtype == self.dtype:
+            arr = ids  # produced by the encoder for this dtype: already range-checked
+        else:
+            wide = np.asarray(ids, dtype=np.int64)
+            if wide.size and (wide.min() < 0 or wide.max() >= np.iinfo(self.dtype).max + 1):
+                raise DataError(f"token id {int(wide.max())} does not fit the {self.dtype.name} shard dtype")
+            arr = wide.astype(self.dtype)
+        self._buffer.append(arr)
         self._buffered += arr.size
+        self.tokens += arr.size
+        if end_of_document:
+            self.doc_ends.append(self.tokens)
         while self._buffered >= self.shard_tokens:
             self._flush(self.shard_tokens)
 
@@ -73,6 +91,15 @@ class ShardWriter:
         if self._buffered:
             self._flush(self._buffered)
         return self.shards
+
+    def write_doc_index(self) -> dict:
+        """Write ``<split>-docs.bin`` (cumulative document ends, uint64) and return its manifest entry."""
+        name = f"{self.split}-docs.bin"
+        path = self.out_dir / name
+        tmp = path.with_suffix(".bin.tmp")
+        np.asarray(self.doc_ends, dtype="<u8").tofile(tmp)
+        tmp.replace(path)
+        return {"file": name, "documents": len(self.doc_ends), "sha256": file_sha256(path)}
 
 
 def write_manifest(out_dir: Path, manifest: dict) -> Path:
@@ -108,14 +135,55 @@ def read_manifest(data_dir: str | Path) -> dict:
     return manifest
 
 
-def verify_checksums(data_dir: str | Path) -> None:
-    """Recompute every shard's sha256 (slow on big corpora; sizes are always checked by read_manifest)."""
+def verify_checksums(data_dir: str | Path) -> int:
+    """Recompute every shard's (and doc index's) sha256; returns the number of files checked.
+    Slow on big corpora, so it is explicit (``scaletrain prepare --verify DIR``); sizes are always
+    checked by read_manifest."""
     manifest = read_manifest(data_dir)
+    checked = 0
     for info in manifest["splits"].values():
-        for shard in info["shards"]:
-            f = Path(data_dir) / shard["file"]
-            if file_sha256(f) != shard["sha256"]:
-                raise DataError(f"{f}: checksum does not match the manifest; the shard is corrupt, re-run prepare")
+        for entry in info["shards"] + ([info["doc_index"]] if info.get("doc_index") else []):
+            f = Path(data_dir) / entry["file"]
+            if not f.is_file():
+                raise DataError(f"{f}: listed in the manifest but missing; re-run prepare")
+            if file_sha256(f) != entry["sha256"]:
+                raise DataError(f"{f}: checksum does not match the manifest; the file is corrupt, re-run prepare")
+            checked += 1
+    tok = manifest.get("tokenizer", {})
+    if tok.get("file") and tok.get("sha256"):
+        f = Path(data_dir) / tok["file"]
+        if not f.is_file() or file_sha256(f) != tok["sha256"]:
+            raise DataError(f"{f}: tokenizer missing or its checksum does not match the manifest; re-run prepare")
+        checked += 1
+    return checked
+
+
+def open_doc_index(data_dir: str | Path, split: str, manifest: dict) -> np.ndarray | None:
+    """The split's cumulative document ends (memory-mapped), or None for data prepared without one."""
+    entry = manifest["splits"].get(split, {}).get("doc_index")
+    if not entry:
+        return None
+    path = Path(data_dir) / entry["file"]
+    if not path.is_file() or path.stat().st_size != 8 * entry["documents"]:
+        raise DataError(f"{path}: document index missing or of the wrong size; re-run prepare")
+    if entry["documents"] == 0:
+        return np.zeros(0, dtype="<u8")
+    return np.memmap(path, dtype="<u8", mode="r")
+
+
+def remove_stale(out_dir: Path, manifest: dict) -> list[str]:
+    """Delete ``*.bin`` files of earlier runs that the (new) manifest does not list."""
+    listed = {e["file"] for info in manifest["splits"].values()
+              for e in info["shards"] + ([info["doc_index"]] if info.get("doc_index") else [])}
+    removed = []
+    for f in out_dir.glob("*.bin"):
+        if f.name not in listed and (f.name.split("-")[0] in ("train", "val")):
+            f.unlink()
+            removed.append(f.name)
+    for f in out_dir.glob("*.tmp"):
+        f.unlink()
+        removed.append(f.name)
+    return removed
 
 
 def open_split(data_dir: str | Path, split: str, manifest: dict | None = None) -> list[np.memmap]:

@@ -11,6 +11,8 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
 
@@ -22,8 +24,11 @@ class CharTokenizer:
     """One token per distinct character of the training text (no special tokens, like nanoGPT)."""
 
     def __init__(self, chars: list[str]):
+        if any(len(c) != 1 for c in chars):
+            raise DataError("a char tokenizer's vocabulary must be single characters")
         self.chars = chars
         self.stoi = {c: i for i, c in enumerate(chars)}
+        self._table: np.ndarray | None = None
         self.eos_id: int | None = None
         self.bos_id: int | None = None
 
@@ -46,6 +51,27 @@ class CharTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def encode_array(self, text: str, dtype: str = "<u2") -> np.ndarray:
+        """Vectorised ``encode``: code points -> ids with one searchsorted (~100x faster than a dict
+        lookup per character, which matters for the multi-MB texts of ``prepare``)."""
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        table = self._code_table()
+        idx = np.searchsorted(table, codes)
+        idx_clipped = np.minimum(idx, len(table) - 1)
+        bad = table[idx_clipped] != codes
+        if bad.any():
+            raise DataError(f"character {chr(int(codes[np.argmax(bad)]))!r} is not in the char tokenizer's vocabulary")
+        # chars are sorted by code point (see train), so the searchsorted index is the id; a loaded
+        # tokenizer file in another order goes through the permutation
+        return self._order[idx].astype(dtype)
+
+    def _code_table(self) -> np.ndarray:
+        if getattr(self, "_table", None) is None:
+            codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)
+            self._order = np.argsort(codes, kind="stable").astype(np.int64)
+            self._table = codes[self._order]
+        return self._table
 
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(self.chars[i] for i in ids if 0 <= i < len(self.chars))
