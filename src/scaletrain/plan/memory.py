@@ -164,7 +164,8 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     held_params = unsharded_p - states["params"] if plan.zero_stage == 2 else 0.0
     grad_scale = states["grads"] / psi if psi else 0.0  # bytes per local param of (possibly sharded) grads
     full_grad_bytes = 0.0 if plan.cpu_offload else states["grads"]
-    bwd_tmp = (2 * bt * d + 3 * bt * ffn_hidden_dim(cfg) / tp) * a  # grad of hidden + SwiGLU grads
+    # Gradient of the hidden state plus SwiGLU gradients while the block's own saved tensors are being freed.
+    bwd_tmp = (2 * bt * d + 1.5 * bt * ffn_hidden_dim(cfg) / tp) * a
     recompute = blk if n_ckpt else 0.0  # one checkpointed block re-materialised during its backward
 
     phases: list[tuple[str, dict]] = []
@@ -172,7 +173,7 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     phases.append(("forward (loss)", dict(activations=saved_blocks + tail, transients=logits, held=held_params)))
     # Loss backward: grad of log-probs and grad of logits next to the saved log-softmax output.
     phases.append(("backward (loss)", dict(activations=saved_blocks + tail, transients=2 * logits,
-                                           held=held_params, grads=head_p * grad_scale)))
+                                           held=held_params)))
     # Backward of each block, last first: saved activations shrink as gradients grow.
     for i in range(layers, 0, -1):
         done = head_p + (layers - i + 1) * block_p

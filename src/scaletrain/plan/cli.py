@@ -1,0 +1,218 @@
+"""``scaletrain plan`` and ``scaletrain doctor``: argparse wiring, input checks, output.
+
+The dispatcher (scaletrain/cli.py) calls ``add_plan_arguments`` / ``run_plan`` and ``add_doctor_arguments``
+/ ``run_doctor``. Bad input is one line on stderr and exit code 2; until the dispatcher is wired, run
+``python -m scaletrain.plan.cli plan ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+from scaletrain.config import ConfigError, JobConfig, ModelConfig, build, load_config
+from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str, what: str) -> float:
+    """'300B', '1.5e9', '2_000_000', '10M' -> a number; ConfigError otherwise."""
+    m = re.fullmatch(r"\s*([0-9_.]+(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*", text.lower())
+    try:
+        if not m:
+            raise ValueError
+        value = float(m.group(1).replace("_", "")) * _SUFFIX.get(m.group(2), 1)
+    except ValueError:
+        raise ConfigError(f"{what} must be a number like 300B, 1.5e9 or 20M (got {text!r})") from None
+    if value <= 0:
+        raise ConfigError(f"{what} must be > 0 (got {text!r})")
+    return value
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``scaletrain plan``."""
+    src = parser.add_argument_group("model and data")
+    src.add_argument("--model", default="", help="preset name (nano, micro, small, gpt2-124m, llama-1b, llama-8b, "
+                                                 "llama-70b); or use --config")
+    src.add_argument("--config", default="", help="a job TOML: its [model], data.seq_len, train batch and "
+                                                  "precision are the defaults of this plan")
+    src.add_argument("--vocab-size", type=int, default=0, help="vocabulary size (needed when the preset has none)")
+    src.add_argument("--tokens", default="chinchilla",
+                     help=f"tokens to train: a number (300B, 1.5e9) or 'chinchilla' = {CHINCHILLA_TOKENS_PER_PARAM} "
+                          "per parameter (a convention)")
+    src.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the config's, else 1024 "
+                                                            "capped at model.max_seq_len)")
+    src.add_argument("--global-batch", type=int, default=0,
+                     help="sequences per optimizer step across all ranks (default: ~0.5M tokens on GPUs, 16 on CPU)")
+    src.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                     help="auto = bf16 mixed precision on GPUs, fp32 on CPU")
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--hardware", default="auto", help="catalog NAME, NAME:COUNT or NAME:COUNTxNODES "
+                                                       "(e.g. h100-sxm:8x4), or auto (this machine, from doctor)")
+    hw.add_argument("--count", type=int, default=None, help="devices per node (overrides NAME:COUNT)")
+    hw.add_argument("--nodes", type=int, default=None, help="nodes (overrides NAME:COUNTxNODES)")
+    hw.add_argument("--prices", default="", help="TOML price table overriding the built-in one")
+    pin = parser.add_argument_group("pin part of the plan (the search varies the rest)")
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "micro_batch", "zero_stage"):
+        pin.add_argument(f"--{name.replace('_', '-')}", dest=f"pin_{name}", type=int, default=None)
+    pin.add_argument("--ac", dest="pin_activation_checkpointing", choices=("none", "selective", "full"), default=None)
+    pin.add_argument("--offload", dest="pin_cpu_offload", choices=("true", "false"), default=None)
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=5, help="plans to show")
+    out.add_argument("--json", default="", help="write everything as JSON to this file ('-' = stdout)")
+    out.add_argument("--emit", default="", help="write the best plan as a runnable job TOML to this file")
+
+
+def workload_from_args(args: argparse.Namespace, device_kind: str) -> tuple[Workload, bool]:
+    """The workload and whether its token count is the Chinchilla convention."""
+    job = load_config(args.config) if args.config else None
+    if args.model:
+        model = build(ModelConfig, {"preset": args.model}, presets=_presets())
+    elif job is not None:
+        model = job.model
+    else:
+        raise ConfigError("give a model: --model PRESET (" + ", ".join(_presets()) + ") or --config job.toml")
+    if args.vocab_size:
+        model = dataclasses.replace(model, vocab_size=args.vocab_size)
+    if model.vocab_size <= 0:
+        raise ConfigError(f"the model has no vocab_size (preset {model.preset or '-'!r} takes it from the data): "
+                          "pass --vocab-size")
+    seq = args.seq_len or (job.data.seq_len if job else min(1024, model.max_seq_len))
+    if seq > model.max_seq_len:
+        raise ConfigError(f"--seq-len {seq} exceeds the model's max_seq_len ({model.max_seq_len})")
+    precision = args.precision if args.precision != "auto" else ("bf16" if device_kind == "gpu" else "fp32")
+    if args.global_batch:
+        batch = args.global_batch
+    elif job is not None and not args.model:
+        batch = job.train.batch_size * job.train.grad_accum_steps
+    else:
+        batch = max(1, round(524288 / seq)) if device_kind == "gpu" else 16
+    if batch < 1:
+        raise ConfigError(f"--global-batch must be >= 1 (got {batch})")
+    from scaletrain.model.presets import num_params
+
+    chinchilla = args.tokens.strip().lower() in ("chinchilla", "chinchilla-optimal")
+    tokens = CHINCHILLA_TOKENS_PER_PARAM * num_params(model) if chinchilla else parse_count(args.tokens, "--tokens")
+    return Workload(model, seq, batch, tokens, precision), chinchilla
+
+
+def _presets() -> dict:
+    from scaletrain.model.presets import PRESETS
+
+    return PRESETS
+
+
+def _pins(args: argparse.Namespace) -> dict:
+    pins = {k[4:]: v for k, v in vars(args).items() if k.startswith("pin_") and v is not None}
+    if "cpu_offload" in pins:
+        pins["cpu_offload"] = pins["cpu_offload"] == "true"
+    return pins
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Predict, search, print; exit 0 with a plan, 2 on bad input or when nothing fits."""
+    from rich.console import Console
+
+    from scaletrain.plan.cost import load_prices, training_cost
+    from scaletrain.plan.emit import write_config
+    from scaletrain.plan.hardware import parse_hardware
+    from scaletrain.plan.report import plan_dict, print_report, workload_dict
+    from scaletrain.plan.search import search, what_would_fit
+    from scaletrain.plan.spec import Plan
+
+    console = Console(stderr=args.json == "-", width=max(120, Console().width))
+    try:
+        cluster = parse_hardware(args.hardware, args.count, args.nodes)
+        workload, chinchilla = workload_from_args(args, cluster.hardware.kind)
+        prices, as_of = load_prices(args.prices)
+        if args.top < 1:
+            raise ConfigError(f"--top must be >= 1 (got {args.top})")
+        result = search(workload, cluster, _pins(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    hosts = cluster.nodes if cluster.hardware.kind == "cpu" else None
+    costs = [training_cost(cluster.hardware.name, cluster.world_size, c.time.step * workload.steps, prices, as_of,
+                           hosts) for c in result.ranked[: args.top]]
+    print_report(console, workload, cluster, result, costs, chinchilla, args.top)
+    doc = {"workload": workload_dict(workload, chinchilla),
+           "hardware": {"name": cluster.hardware.name, "devices_per_node": cluster.devices_per_node,
+                        "nodes": cluster.nodes, "peak_flops": cluster.hardware.peak_flops,
+                        "memory_bytes": cluster.hardware.memory_bytes, "utilisation": cluster.hardware.utilisation,
+                        "utilisation_source": cluster.hardware.utilisation_source, "source": cluster.hardware.source},
+           "plans": [plan_dict(c, workload, cost) for c, cost in zip(result.ranked[: args.top], costs)],
+           "rejected": [c.as_dict() for c in result.rejected[: args.top]], "considered": result.considered}
+    status = 0
+    if not result.ranked:
+        closest = result.rejected[0] if result.rejected else None
+        if closest is None:
+            print("error: no plan can be built for these degrees on this hardware", file=sys.stderr)
+            return 2
+        advice = what_would_fit(workload, closest.plan, cluster)
+        doc["advice"] = advice
+        print(f"error: nothing fits: the leanest plan ({closest.plan.label()}) {closest.reason}; {advice}",
+              file=sys.stderr)
+        status = 2
+    if args.json:
+        text = json.dumps(doc, indent=2, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text)
+    if args.emit and result.ranked:
+        best = result.ranked[0]
+        path = write_config(args.emit, workload, best.plan, cluster.hardware.kind,
+                            header=f"written by `scaletrain plan` for {cluster.describe()}: {best.plan.label()}, "
+                                   f"predicted {best.time.tokens_per_second:,.0f} tokens/s")
+        console.print(f"wrote {path}")
+    return status
+
+
+def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``scaletrain doctor``."""
+    parser.add_argument("--json", default="", help="also write the report as JSON to this file ('-' = stdout)")
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Print what this machine is and measure it; the calibration file feeds ``plan --hardware auto``."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from scaletrain.plan.doctor import run_doctor as doctor
+
+    console = Console(stderr=args.json == "-")
+    report = doctor(log=lambda s: console.print(s))
+    if "system" in report:
+        table = Table(title="This machine", show_header=False)
+        for k, v in report["system"].items():
+            if k.endswith("_bytes") and isinstance(v, (int, float)):
+                v = f"{v / 2**30:.1f} GiB"
+            table.add_row(k, str(v))
+        console.print(table)
+        console.print(f"calibration written to {report['calibration_file']}")
+    if args.json:
+        text = json.dumps(report, indent=2, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry: ``python -m scaletrain.plan.cli {plan,doctor} ...``."""
+    parser = argparse.ArgumentParser(prog="scaletrain")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_arguments(sub.add_parser("plan", help="predict memory, time and cost; search the parallel plan"))
+    add_doctor_arguments(sub.add_parser("doctor", help="describe and calibrate this machine"))
+    args = parser.parse_args(argv)
+    return run_plan(args) if args.command == "plan" else run_doctor(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""``scaletrain doctor``: what this machine is, and how fast it really is (the planner's calibration).
+
+Run plainly for the compute and memory rates; run under ``torchrun --nproc-per-node N`` to add the
+all-reduce bus bandwidth between those N ranks (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import time
+
+import torch
+
+from scaletrain.plan import calibration
+
+
+def system_info() -> dict:
+    """CPU, RAM, disk, GPUs (name, memory, driver, NVLink via nvidia-ml-py when installed), versions."""
+    info = {
+        "cpu": calibration._cpu_name(), "cpu_cores": os.cpu_count(),
+        "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_bytes": calibration._total_ram(), "disk_free_bytes": shutil.disk_usage(os.getcwd()).free,
+        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "torch_threads": torch.get_num_threads(), "gpus": [],
+    }
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            info["gpus"].append({"name": props.name, "memory_bytes": props.total_memory,
+                                 "capability": f"{props.major}.{props.minor}"})
+        info.update(_nvml())
+    return info
+
+
+def _nvml() -> dict:
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return {"nvml": "nvidia-ml-py not installed (pip install nvidia-ml-py for driver and NVLink details)"}
+    pynvml.nvmlInit()
+    try:
+        out = {"driver": pynvml.nvmlSystemGetDriverVersion(), "nvlink_links": []}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            active = 0
+            for link in range(18):  # NVML_NVLINK_MAX_LINKS on Hopper
+                try:
+                    active += pynvml.nvmlDeviceGetNvLinkState(handle, link) == 1
+                except pynvml.NVMLError:
+                    break
+            out["nvlink_links"].append(active)
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def measure_allreduce_busbw(n_bytes: int = 1 << 25, reps: int = 5) -> float:
+    """All-reduce bus bandwidth (bytes/s, nccl-tests' definition 2(n-1)/n * size / time) of the initialised
+    default process group."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    x = torch.ones(n_bytes // 4, device=device)
+    dist.all_reduce(x)  # warm-up: connection setup
+    best = float("inf")
+    for _ in range(reps):
+        dist.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * (world - 1) / world * n_bytes / best
+
+
+def run_doctor(log=print) -> dict:
+    """System info plus calibration; under torchrun only the all-reduce (rank 0 saves it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        try:
+            busbw = measure_allreduce_busbw()
+            result = {"allreduce_busbw": busbw, "allreduce_world_size": dist.get_world_size()}
+            if dist.get_rank() == 0:
+                device = "cuda" if backend == "nccl" else "cpu"
+                key = calibration.device_fingerprint(device)
+                data = calibration.load_calibration()
+                data[key] = {**data.get(key, {}), **result}
+                calibration.save_calibration(data)
+                log(f"all-reduce bus bandwidth over {dist.get_world_size()} ranks ({backend}): "
+                    f"{busbw / 1e9:.2f} GB/s -> {calibration.calibration_path()}")
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        return result
+    info = system_info()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtypes = ("fp32", "tf32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
+    entry = calibration.calibrate(device, dtypes=tuple(d for d in dtypes if d != "tf32"), log=log)
+    return {"system": info, "calibration": entry, "calibration_file": str(calibration.calibration_path())}

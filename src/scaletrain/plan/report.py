@@ -1,0 +1,135 @@
+"""Present a plan: the readable tables (rich) and the JSON document (same numbers)."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+from scaletrain.plan.cost import Cost
+from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.search import Candidate, SearchResult
+from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
+
+FLOPS_FORMULA = ("6 * N_matmul + 12 * n_layers * seq_len * dim per token (forward + backward = 3x forward; "
+                 "N_matmul = weights of every matmul incl. the output head, not the embedding lookup; attention "
+                 "QK^T and AV not halved for the causal mask, as PaLM / nanoGPT / torchtitan; recomputation not counted)")
+
+
+def human(x: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (SI prefixes, 3 significant digits)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}{unit}"
+    for div, suffix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{suffix}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB" if x >= 2**28 else f"{x / 2**20:.1f} MiB"
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def workload_dict(w: Workload, chinchilla: bool) -> dict:
+    return {
+        "params_total": w.params, "params_non_embedding": w.params_non_embedding,
+        "flops_per_token": w.flops_per_token, "flops_formula": FLOPS_FORMULA,
+        "seq_len": w.seq_len, "global_batch_sequences": w.global_batch, "tokens_per_step": w.tokens_per_step,
+        "train_tokens": w.train_tokens, "steps": w.steps, "total_flops": w.total_flops, "precision": w.precision,
+        "tokens_convention": (f"Chinchilla-optimal: {CHINCHILLA_TOKENS_PER_PARAM} tokens per parameter (a convention "
+                              f"rounding Hoffmann et al. 2022)" if chinchilla else "given"),
+    }
+
+
+def plan_dict(c: Candidate, w: Workload, cost: Cost | None) -> dict:
+    out = c.as_dict()
+    if c.time:
+        out["total_seconds"] = c.time.step * w.steps
+    if cost:
+        out["cost"] = cost.as_dict()
+    return out
+
+
+def print_report(console: Console, w: Workload, cluster: Cluster, result: SearchResult, costs: list[Cost],
+                 chinchilla: bool, top: int) -> None:
+    """Summary, ranked plans, the winner's memory and time breakdown, and a few rejected plans with why."""
+    hw = cluster.hardware
+    summary = Table(title=f"Workload on {cluster.describe()}", show_header=False)
+    summary.add_row("parameters", f"{human(w.params)} total, {human(w.params_non_embedding)} non-embedding")
+    summary.add_row("FLOPs / token", f"{human(w.flops_per_token)}  [{FLOPS_FORMULA.split(' per token')[0]}]")
+    summary.add_row("tokens", f"{human(w.train_tokens)}"
+                    + (f"  (Chinchilla-optimal: {CHINCHILLA_TOKENS_PER_PARAM}/param, a convention)" if chinchilla else ""))
+    summary.add_row("batch", f"{w.global_batch} x {w.seq_len} = {human(w.tokens_per_step)} tokens/step, {w.steps:,} steps")
+    summary.add_row("total FLOPs", human(w.total_flops))
+    summary.add_row("precision", f"{w.precision}; compute at {human(hw.flops(_dtype(w)), 'FLOP/s')} peak x "
+                                 f"{hw.utilisation:.2f} utilisation")
+    summary.add_row("utilisation source", hw.utilisation_source)
+    console.print(summary)
+
+    table = Table(title=f"Top plans (of {result.considered} considered, {len(result.ranked)} fit)")
+    for col in ("#", "plan", "mem/device", "tokens/s", "step", "MFU", "wall time", "device-h", "on-demand $",
+                "spot $"):
+        table.add_column(col, no_wrap=col == "plan")
+    for i, (c, cost) in enumerate(zip(result.ranked[:top], costs)):
+        table.add_row(str(i + 1), c.plan.label(), gib(c.memory.total), human(c.time.tokens_per_second),
+                      duration(c.time.step), f"{c.time.mfu:.0%}", duration(c.time.step * w.steps),
+                      f"{cost.device_hours:,.1f}", _money(cost.on_demand_usd), _money(cost.spot_usd))
+    console.print(table)
+    for i, c in enumerate(result.ranked[:top]):
+        console.print(f"  #{i + 1} {c.plan.label()}: {c.reason}")
+    if result.ranked:
+        best = result.ranked[0]
+        console.print(breakdown_table(best))
+        if costs:
+            console.print(f"prices: {costs[0].price_on_demand:.2f} $/h on-demand, {costs[0].price_spot:.2f} $/h spot "
+                          f"(table of {costs[0].prices_as_of}: {costs[0].price_source})")
+    if result.rejected:
+        rej = Table(title="Closest plans that do not fit")
+        rej.add_column("plan")
+        rej.add_column("why not")
+        for c in result.rejected[:3]:
+            rej.add_row(c.plan.label(), c.reason)
+        console.print(rej)
+
+
+def _money(x: float) -> str:
+    return f"{x:,.2f}" if x < 100 else f"{x:,.0f}"
+
+
+def breakdown_table(c: Candidate) -> Table:
+    m, t = c.memory, c.time
+    table = Table(title=f"Plan #1 ({c.plan.label()}): memory per device at its peak ({m.peak_phase}) and step time")
+    table.add_column("memory")
+    table.add_column("bytes", justify="right")
+    table.add_column("time")
+    table.add_column("seconds", justify="right")
+    mem_rows = [("parameters", m.params), ("gradients", m.grads), ("optimizer states (m, v)", m.optimizer),
+                ("fp32 master weights", m.master), ("activations (saved)", m.activations),
+                ("transients (logits, backward temps)", m.transients), ("communication buffers", m.comm_buffers),
+                ("allocator margin", m.allocator_margin), ("runtime (context, libraries)", m.runtime),
+                ("total", m.total)]
+    time_rows = [("compute (fwd + bwd + recompute)", t.compute), ("optimizer step", t.optimizer),
+                 ("pipeline bubble", t.bubble)] + [(f"comm {k} (total)", v) for k, v in t.comm_detail.items()] + [
+                 ("comm exposed", t.comm_exposed), ("step", t.step)]
+    for i in range(max(len(mem_rows), len(time_rows))):
+        a = mem_rows[i] if i < len(mem_rows) else ("", None)
+        b = time_rows[i] if i < len(time_rows) else ("", None)
+        table.add_row(a[0], gib(a[1]) if a[1] is not None else "", b[0], f"{b[1]:.4g}" if b[1] is not None else "")
+    return table
+
+
+def _dtype(w: Workload) -> str:
+    from scaletrain.plan.timing import DTYPE_OF_PRECISION
+
+    return DTYPE_OF_PRECISION[w.precision]

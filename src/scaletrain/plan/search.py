@@ -1,0 +1,182 @@
+"""Plan search: every way to split the job that can be built and fits, ranked by predicted throughput.
+
+Enumerates dp_replicate x dp_shard x tp x pp x cp factorizations of the world size, the ZeRO stage that
+goes with them, the per-rank micro-batch, activation checkpointing and (GPU) CPU offload. Each candidate
+is checked (``spec.check_plan``), its memory simulated (``memory``) and, if it fits, its step timed
+(``timing``). The result keeps the failures too, each with its reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from scaletrain.config import ConfigError
+from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.memory import MemoryBreakdown, memory_breakdown
+from scaletrain.plan.spec import Plan, Workload, check_plan
+from scaletrain.plan.timing import TimeBreakdown, step_time
+
+GiB = 2**30
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    memory: MemoryBreakdown | None = None
+    time: TimeBreakdown | None = None
+    fits: bool = False
+    reason: str = ""  # why it fails, or why it ranks where it does
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return {"plan": {k: v for k, v in asdict(self.plan).items() if k != "notes"}, "label": self.plan.label(),
+                "fits": self.fits, "reason": self.reason,
+                "memory": self.memory.as_dict() if self.memory else None,
+                "time": self.time.as_dict() if self.time else None}
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]  # fitting plans, fastest first
+    rejected: list[Candidate] = field(default_factory=list)  # built but too big, with the shortfall
+    considered: int = 0
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_plans(workload: Workload, cluster: Cluster, fixed: dict | None = None) -> list[Plan]:
+    """Every buildable plan (``check_plan`` passes); ``fixed`` pins fields (e.g. {"tp": 2})."""
+    fixed = fixed or {}
+    world, gpu = cluster.world_size, cluster.hardware.kind == "gpu"
+    plans = []
+    for tp, pp, cp in itertools.product(_divisors(world), repeat=3):
+        if world % (tp * pp * cp) or tp > cluster.devices_per_node:
+            continue  # tensor parallelism stays inside a node: its traffic is per layer
+        dp = world // (tp * pp * cp)
+        for dp_shard in _divisors(dp):
+            dp_rep = dp // dp_shard
+            stages = [2, 3] if dp_shard > 1 else [0, 1] if dp_rep > 1 else [0]
+            per_rank = workload.global_batch // dp if workload.global_batch % dp == 0 else 0
+            micro = [m for m in _divisors(per_rank) if m & (m - 1) == 0 or m == per_rank] if per_rank else [1]
+            for zero, mb, ac, offload in itertools.product(stages, micro, ("none", "selective", "full"),
+                                                           (False, True) if gpu else (False,)):
+                if offload and zero < 2:
+                    continue
+                plan = Plan(dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, micro_batch=mb,
+                            zero_stage=zero, activation_checkpointing=ac, cpu_offload=offload)
+                if any(getattr(plan, k) != v for k, v in fixed.items()):
+                    continue
+                try:
+                    check_plan(workload, plan, world, cluster.hardware.kind)
+                except ConfigError:
+                    continue
+                plans.append(plan)
+    return plans
+
+
+def evaluate(workload: Workload, plan: Plan, cluster: Cluster) -> Candidate:
+    """Memory, and time when it fits."""
+    mem = memory_breakdown(workload, plan, cluster.hardware.kind)
+    budget = cluster.hardware.memory_bytes / (cluster.devices_per_node if cluster.hardware.kind == "cpu" else 1)
+    if mem.total > budget:
+        return Candidate(plan, mem, None, False, f"needs {mem.total / GiB:.2f} GiB per device, has "
+                                                 f"{budget / GiB:.2f} GiB: short by {(mem.total - budget) / GiB:.2f} GiB")
+    return Candidate(plan, mem, step_time(workload, plan, cluster), True)
+
+
+def search(workload: Workload, cluster: Cluster, fixed: dict | None = None) -> SearchResult:
+    """Rank every fitting plan by predicted tokens/s (ties: less memory first) and explain each."""
+    plans = enumerate_plans(workload, cluster, fixed)
+    if not plans and fixed:
+        # Say why the pinned degrees are impossible instead of "nothing found".
+        probe = Plan(**{"dp_shard": max(1, cluster.world_size // _prod(fixed)), **fixed})
+        check_plan(workload, probe, cluster.world_size, cluster.hardware.kind)
+    results = [evaluate(workload, p, cluster) for p in plans]
+    ranked = sorted((c for c in results if c.fits), key=_rank_key)
+    rejected = sorted((c for c in results if not c.fits), key=lambda c: c.memory.total)
+    for c in ranked:
+        c.reason = explain(c, ranked[0], cluster)
+    return SearchResult(ranked, rejected, len(plans))
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Throughput first (to 3 significant digits: the model is not more precise than that); among equals the
+    simpler plan (fewer parallel dimensions, no recomputation or offload), then the one with more headroom."""
+    p = c.plan
+    simpler = sum(d > 1 for d in (p.tp, p.pp, p.cp)) + (p.activation_checkpointing != "none") + p.cpu_offload
+    return (-float(f"{c.time.tokens_per_second:.3g}"), simpler, c.memory.total)
+
+
+def _prod(fixed: dict) -> int:
+    out = 1
+    for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+        out *= int(fixed.get(k, 1))
+    return max(1, out)
+
+
+def explain(c: Candidate, best: Candidate, cluster: Cluster) -> str:
+    """Why a plan ranks where it does: its memory headroom and where its step time goes, versus the best."""
+    t, budget = c.time, cluster.hardware.memory_bytes / (cluster.devices_per_node if cluster.hardware.kind == "cpu"
+                                                            else 1)
+    used = f"uses {c.memory.total / budget:.0%} of memory"
+    parts = {"compute": t.compute, "optimizer": t.optimizer, "bubble": t.bubble, "exposed comm": t.comm_exposed}
+    top = max(parts, key=parts.get)
+    split = f"{top} {parts[top] / t.step:.0%} of the step"
+    if c is best:
+        return f"fastest that fits; {used}; {split}"
+    slower = best.time.tokens_per_second / t.tokens_per_second - 1
+    if slower < 0.005:
+        return (f"as fast as #1 within the model's precision; ranked after it as "
+                f"{'more complex' if _rank_key(c)[1] > _rank_key(best)[1] else 'using more memory'}; {used}")
+    diffs = []
+    if c.plan.activation_checkpointing != "none" and best.plan.activation_checkpointing == "none":
+        diffs.append("recomputes activations")
+    if t.comm_exposed > best.time.comm_exposed * 1.05 + 1e-9:
+        worst = max(t.comm_detail, key=t.comm_detail.get) if t.comm_detail else "comm"
+        diffs.append(f"more exposed communication ({worst})")
+    if t.bubble > best.time.bubble + 1e-9:
+        diffs.append("pipeline bubble")
+    if t.optimizer > best.time.optimizer * 1.05:
+        diffs.append("slower optimizer step" + (" (offloaded)" if c.plan.cpu_offload else ""))
+    if c.plan.micro_batch < best.plan.micro_batch and not diffs:
+        diffs.append("smaller micro-batch (less efficient kernels, more per-op overhead)")
+    why = ", ".join(diffs) or "smaller per-kernel efficiency"
+    return f"{slower:+.0%} slower than #1: {why}; {used}"
+
+
+def what_would_fit(workload: Workload, plan: Plan, cluster: Cluster) -> str:
+    """For a plan that does not fit: the single knob that makes it fit, tried from cheapest to dearest."""
+    tries: list[tuple[str, Plan]] = []
+    if plan.activation_checkpointing != "full":
+        tries.append(("activation_checkpointing = full", replace(plan, activation_checkpointing="full")))
+    if plan.micro_batch > 1:
+        tries.append(("micro_batch = 1 (more gradient accumulation)", replace(plan, micro_batch=1)))
+    if plan.dp_replicate > 1 or (plan.dp_shard > 1 and plan.zero_stage < 3):
+        tries.append(("zero_stage 3 over all data-parallel ranks (dp_shard = dp)",
+                      replace(plan, dp_shard=plan.dp, dp_replicate=1, zero_stage=3)))
+    if cluster.hardware.kind == "gpu" and plan.zero_stage >= 2 and not plan.cpu_offload:
+        tries.append(("cpu_offload = true", replace(plan, cpu_offload=True)))
+    budget = cluster.hardware.memory_bytes / (cluster.devices_per_node if cluster.hardware.kind == "cpu" else 1)
+    for text, variant in tries:
+        try:
+            check_plan(workload, variant, cluster.world_size, cluster.hardware.kind)
+        except ConfigError:
+            continue
+        mem = memory_breakdown(workload, variant, cluster.hardware.kind)
+        if mem.total <= budget:
+            return f"{text} would fit ({mem.total / GiB:.2f} GiB of {budget / GiB:.2f} GiB)"
+    # Nothing on this hardware: how many devices ZeRO-3 + full AC + micro-batch 1 would need.
+    lean = replace(plan, activation_checkpointing="full", micro_batch=1, zero_stage=3, dp_replicate=1,
+                   dp_shard=plan.dp, cpu_offload=False)
+    for scale in (2, 4, 8, 16, 32, 64):
+        n = lean.dp_shard * scale
+        more = replace(lean, dp_shard=n)
+        if memory_breakdown(workload, more, cluster.hardware.kind).total <= budget:
+            return (f"no knob on {cluster.world_size} devices fits; with activation_checkpointing=full, micro_batch=1 "
+                    f"and zero_stage 3 it needs about {n * plan.tp * plan.pp * plan.cp} devices "
+                    f"(or a device with more memory)")
+    return "it does not fit even fully sharded over 64x the devices: use a device with more memory or a smaller model"

@@ -1,0 +1,232 @@
+"""Step time: compute at a calibrated rate, plus communication from link bandwidths, plus pipeline bubbles.
+
+GPU: ``model FLOPs executed / (peak FLOP/s of the dtype x achievable utilisation)``; the utilisation is a
+published MFU (named in the catalog) and already contains the elementwise work, so nothing is added.
+
+CPU: every term is a measured rate from ``scaletrain doctor`` (calibration.py), charged per operation of
+scaletrain's Llama block: GEMMs at the throughput measured for their width, causal SDPA at the rate
+measured for its head_dim and length, elementwise work at the measured cost per saved activation element,
+aten dispatch at the measured per-op overhead, cross-entropy per logit and AdamW per parameter.
+Recomputation (activation checkpointing) pays the forward again. Nothing is fitted to the checked rows.
+
+Communication: ring collectives, ``2(n-1)/n`` of the bytes for all-reduce and ``(n-1)/n`` for all-gather /
+reduce-scatter, over the slowest link the group spans (NVLink/PCIe within a node, InfiniBand/Ethernet
+across). On GPUs data-parallel traffic overlaps the backward (FSDP: forward too); tensor-, pipeline- and
+context-parallel traffic is exposed. On CPU (gloo) the same cores compute and communicate: none overlaps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import asdict, dataclass
+
+from scaletrain.config import ModelConfig
+from scaletrain.model.presets import ffn_hidden_dim, kv_heads
+from scaletrain.plan.hardware import LINKS, Cluster
+from scaletrain.plan.memory import RECIPES, block_activation_elements, stage_params
+from scaletrain.plan.spec import Plan, Workload
+
+# aten ops one scaletrain block dispatches in forward + backward (calibration.count_aten_ops; 206 on
+# torch 2.13) and the host-side cost of launching one CUDA kernel (a few microseconds, per NVIDIA's CUDA
+# C++ Best Practices Guide; 5 us is typical of eager PyTorch).
+OPS_PER_BLOCK = 206
+GPU_LAUNCH_SECONDS = 5e-6
+
+DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16", "fp16": "fp16"}
+
+
+def _interp(curve: list[list[float]], x: float, column: int = 1, log_y: bool = True) -> float:
+    """Piecewise-linear interpolation in log(x) (clamped at the ends) of a measured curve."""
+    xs = [row[0] for row in curve]
+    ys = [row[column] for row in curve]
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, x)
+    w = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+    if log_y:
+        return math.exp((1 - w) * math.log(ys[i - 1]) + w * math.log(ys[i]))
+    return (1 - w) * ys[i - 1] + w * ys[i]
+
+
+def gemm_seconds(m: int, n: int, k: int, entry: dict) -> float:
+    """One (m x k) @ (k x n) on CPU at the throughput measured for width sqrt(n*k)."""
+    return 2.0 * m * n * k / _interp(entry["gemm_curve"], math.sqrt(n * k))
+
+
+def attention_seconds(batch_heads: int, seq: int, head_dim: int, entry: dict) -> tuple[float, float]:
+    """(forward, backward) seconds of causal SDPA, from the curve of the nearest measured head_dim."""
+    curves = entry["attention_curve"]
+    nearest = min(curves, key=lambda hd: abs(math.log(int(hd)) - math.log(head_dim)))
+    flops = 4.0 * batch_heads * seq * seq * head_dim
+    return flops / _interp(curves[nearest], seq, 1), 2 * flops / _interp(curves[nearest], seq, 2)
+
+
+def _block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    d, hd, h = cfg.dim, cfg.dim // cfg.n_heads, ffn_hidden_dim(cfg)
+    q, kv = cfg.n_heads * hd // tp, kv_heads(cfg) * hd // tp
+    return [(tokens, q, d), (tokens, kv, d), (tokens, kv, d), (tokens, d, q),
+            (tokens, h // tp, d), (tokens, h // tp, d), (tokens, d, h // tp)]
+
+
+def block_gemm_attention_seconds(cfg: ModelConfig, batch: int, seq: int, entry: dict, recompute: bool,
+                                 tp: int = 1) -> float:
+    """CPU seconds of one block's GEMMs (forward 1x, backward 2x, +1x if recomputed) and its attention."""
+    fwd = sum(gemm_seconds(m, n, k, entry) for m, n, k in _block_gemms(cfg, batch * seq, tp))
+    att_f, att_b = attention_seconds(batch * cfg.n_heads // tp, seq, cfg.dim // cfg.n_heads, entry)
+    return (3 + recompute) * fwd + (2 if recompute else 1) * att_f + att_b
+
+
+@dataclass
+class TimeBreakdown:
+    """Seconds per optimizer step on one device, and what they are spent on."""
+
+    compute: float  # forward + backward (+ recomputation) of all micro-batches
+    optimizer: float
+    bubble: float  # pipeline fill/drain
+    comm_total: float  # all communication, overlapped or not
+    comm_exposed: float  # the part that adds to the step
+    step: float
+    tokens_per_second: float  # whole job
+    mfu: float  # model FLOPs (flops_per_token convention) / (devices x peak of the dtype)
+    comm_detail: dict
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_time(workload: Workload, plan: Plan, cluster: Cluster) -> TimeBreakdown:
+    """Predicted seconds per optimizer step of ``plan`` on ``cluster``."""
+    hw = cluster.hardware
+    micro_steps = plan.grad_accum(workload) * (plan.microbatches if plan.pp > 1 else 1)
+    if hw.kind == "cpu":
+        per_micro, optimizer = _cpu_micro_seconds(workload, plan, cluster)
+    else:
+        per_micro, optimizer = _gpu_micro_seconds(workload, plan, cluster)
+    compute = per_micro * micro_steps
+    bubble = 0.0
+    if plan.pp > 1:
+        virtual = 2 if plan.pp_schedule == "interleaved_1f1b" else 1
+        bubble = per_micro * (plan.pp - 1) / virtual * plan.grad_accum(workload)
+    comm, exposed = communication(workload, plan, cluster, compute)
+    step = compute + optimizer + bubble + exposed
+    tokens_per_second = workload.tokens_per_step / step
+    dtype = DTYPE_OF_PRECISION[workload.precision]
+    mfu = tokens_per_second * workload.flops_per_token / (cluster.world_size * hw.flops(dtype))
+    return TimeBreakdown(compute, optimizer, bubble, sum(comm.values()), exposed, step, tokens_per_second, mfu,
+                         comm)
+
+
+def _cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[float, float]:
+    """(seconds per micro-batch on one stage, optimizer seconds) from the measured CPU rates."""
+    cfg, entry = workload.model, cluster.hardware.calibration
+    if "elementwise_s_per_element" not in entry:
+        from scaletrain.config import ConfigError
+
+        raise ConfigError("the CPU time model needs this machine's calibration: run `scaletrain doctor` "
+                          "(or plan with --hardware auto)")
+    # Ranks on one host share its cores: every rate but the per-op dispatch slows down accordingly.
+    share = max(1, cluster.devices_per_node) if cluster.hardware.cores else 1
+    b, t, tp = plan.micro_batch, workload.seq_len // plan.cp, plan.tp
+    layers = -(-cfg.n_layers // plan.pp)
+    n_ckpt = {"none": 0, "full": layers, "selective": layers // plan.ac_every}[plan.activation_checkpointing]
+    units = block_activation_elements(cfg, b, t, tp, plan.sequence_parallel)
+    ops, elem = entry["block_ops"], entry["elementwise_s_per_element"]
+
+    def block(recompute: bool) -> float:
+        rate_bound = block_gemm_attention_seconds(cfg, b, t, entry, recompute, tp) + units * elem * (
+            1 + recompute / 3)  # the forward is about a third of a block's elementwise work
+        return rate_bound * share + ops * (1 + recompute / 3) * entry["op_overhead_s"]
+
+    blocks = (layers - n_ckpt) * block(False) + n_ckpt * block(True)
+    tokens, vocab = b * t, cfg.vocab_size // tp
+    head = 3 * gemm_seconds(tokens, vocab, cfg.dim, entry) + tokens * vocab * _interp(
+        entry["cross_entropy_curve"], vocab) + 3 * tokens * cfg.dim * elem
+    psi = stage_params(cfg, plan.pp, tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
+                                            plan.dp_replicate if plan.zero_stage == 1 else 1)
+    optimizer = psi * _interp(entry["optimizer_curve"], psi) * share
+    return blocks + head * share, optimizer
+
+
+def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[float, float]:
+    """(seconds per micro-batch on one stage, optimizer seconds) at peak x published utilisation."""
+    cfg, hw = workload.model, cluster.hardware
+    layers = -(-cfg.n_layers // plan.pp)
+    n_ckpt = {"none": 0, "full": layers, "selective": layers // plan.ac_every}[plan.activation_checkpointing]
+    tokens = plan.micro_batch * workload.seq_len
+    # Model FLOPs of this device's share; recomputed blocks pay their forward (a third) again.
+    model_flops = workload.flops_per_token * tokens / (plan.tp * plan.pp * plan.cp)
+    block_share = 1.0 - 6.0 * cfg.vocab_size * cfg.dim / workload.flops_per_token  # all but the head
+    executed = model_flops * (1 + block_share * (n_ckpt / layers) / 3)
+    rate = hw.flops(DTYPE_OF_PRECISION[workload.precision]) * hw.utilisation
+    # Kernels run asynchronously, but a micro-batch cannot finish faster than the host launches its kernels:
+    # eager PyTorch issues ~OPS_PER_BLOCK aten ops per block (counted on scaletrain's block, fwd + bwd).
+    launches = (layers + n_ckpt / 3) * OPS_PER_BLOCK * GPU_LAUNCH_SECONDS
+    psi = stage_params(cfg, plan.pp, plan.tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
+                                                 plan.dp_replicate if plan.zero_stage == 1 else 1)
+    # Adam reads/writes params, grads, m, v (+ master): ~3 passes of 16-20 bytes per parameter.
+    opt_bytes = psi * 3 * 20
+    if plan.cpu_offload:
+        # Offloaded states: the step runs on the host (~20 GB/s of DRAM per GPU's share), and params go
+        # back and forth over PCIe every step.
+        optimizer = opt_bytes / 20e9 + psi * 6 / (LINKS["pcie4"].bandwidth * LINKS["pcie4"].efficiency)
+    else:
+        optimizer = opt_bytes / hw.memory_bandwidth
+    return max(executed / rate, launches), optimizer
+
+
+def _group_link(cluster: Cluster, degree: int, inner: int) -> tuple[float, str]:
+    """Bus bandwidth (bytes/s) of a process group of ``degree`` ranks whose stride is ``inner``."""
+    hw = cluster.hardware
+    spans_nodes = degree * inner > cluster.devices_per_node
+    if hw.kind == "cpu" and not spans_nodes and "allreduce_busbw" in hw.calibration:
+        return float(hw.calibration["allreduce_busbw"]), "measured gloo all-reduce"
+    link = LINKS[hw.inter_node if spans_nodes else hw.intra_node]
+    return link.bandwidth * link.efficiency, link.name
+
+
+def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: float) -> tuple[dict, float]:
+    """({collective: seconds per step}, exposed seconds). Mesh order outer->inner: pp, dp_rep, dp_shard, cp, tp."""
+    cfg, rec = workload.model, RECIPES[workload.precision]
+    gpu = cluster.hardware.kind == "gpu"
+    psi = stage_params(cfg, plan.pp, plan.tp)
+    accum = plan.grad_accum(workload)
+    micro = accum * (plan.microbatches if plan.pp > 1 else 1)
+    tokens = plan.micro_batch * workload.seq_len // plan.cp
+    act = tokens * cfg.dim * rec.activation
+    out: dict[str, float] = {}
+    exposed = 0.0
+    inner_tp, inner_cp = plan.tp, plan.tp * plan.cp
+    if plan.tp > 1:
+        bw, _ = _group_link(cluster, plan.tp, 1)
+        layers = -(-cfg.n_layers // plan.pp)
+        # 2 collectives forward + 2 backward per block, each moving an all-reduce's worth of activations.
+        out["tp"] = micro * layers * 4 * 2 * (plan.tp - 1) / plan.tp * act / bw
+        exposed += out["tp"]
+    if plan.cp > 1:
+        bw, _ = _group_link(cluster, plan.cp, inner_tp)
+        kv = tokens * kv_heads(cfg) * (cfg.dim // cfg.n_heads) * 2 * rec.activation / plan.tp
+        out["cp"] = micro * cfg.n_layers / plan.pp * 3 * (plan.cp - 1) * kv / bw
+        exposed += max(0.0, out["cp"] - 0.5 * compute) if gpu else out["cp"]
+    shard = plan.dp_shard * plan.cp
+    if plan.zero_stage >= 2 and shard > 1:
+        bw, _ = _group_link(cluster, plan.dp_shard, inner_cp)
+        gathers = 2 if plan.zero_stage == 3 else 1  # stage 3 gathers again for backward
+        frac = (shard - 1) / shard
+        out["fsdp"] = micro * (gathers * psi * rec.param + psi * max(rec.grad, 4)) * frac / bw
+        exposed += max(0.0, out["fsdp"] - compute) if gpu else out["fsdp"]
+    if plan.dp_replicate > 1:
+        bw, _ = _group_link(cluster, plan.dp_replicate, plan.dp_shard * inner_cp)
+        n = plan.dp_replicate
+        grads = psi / (shard if plan.zero_stage >= 2 else 1) * max(rec.grad, 4 if plan.zero_stage >= 2 else 0)
+        out["dp"] = 2 * (n - 1) / n * grads / bw
+        if plan.zero_stage == 1:  # ZeroRedundancyOptimizer broadcasts the updated shards
+            out["dp"] += (n - 1) / n * psi * rec.param / bw
+        exposed += max(0.0, out["dp"] - compute * 2 / 3) if gpu else out["dp"]
+    if plan.pp > 1:
+        bw, _ = _group_link(cluster, plan.pp, plan.dp * inner_cp)
+        out["pp"] = micro * 2 * act / bw
+        exposed += out["pp"]
+    return out, exposed

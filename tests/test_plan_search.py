@@ -1,0 +1,152 @@
+"""Plan search, time model and cost: only fitting plans, ranked by throughput, runnable when emitted."""
+
+import dataclasses
+
+import pytest
+
+from scaletrain.config import ConfigError, ModelConfig, build, load_config
+from scaletrain.model.presets import PRESETS
+from scaletrain.plan.cost import PRICES, load_prices, training_cost
+from scaletrain.plan.emit import write_config
+from scaletrain.plan.hardware import CATALOG, Cluster, parse_hardware
+from scaletrain.plan.memory import memory_breakdown
+from scaletrain.plan.search import enumerate_plans, search, what_would_fit
+from scaletrain.plan.spec import Plan, Workload, check_plan
+from scaletrain.plan.timing import communication, step_time
+
+# A made-up but self-consistent CPU calibration, so these tests neither measure nor depend on the machine.
+CALIBRATION = {
+    "matmul_flops_fp32": 1e11, "gemm_curve": [[64, 5e10], [2048, 1e11]], "op_overhead_s": 2e-6,
+    "attention_curve": {"64": [[64, 4e10, 4e10], [1024, 6e10, 6e10]]}, "cross_entropy_curve": [[256, 1e-9]],
+    "optimizer_curve": [[1e5, 2e-9], [1e7, 4e-9]], "elementwise_s_per_element": 1e-9, "block_ops": 200,
+    "allreduce_busbw": 1e9,
+}
+CPU = dataclasses.replace(CATALOG["cpu"], calibration=CALIBRATION, memory_bytes=8 * 2**30)
+
+
+def gpt2(batch=512, tokens=2.5e9, precision="bf16"):
+    return Workload(build(ModelConfig, {"preset": "gpt2-124m"}, presets=PRESETS), 1024, batch, tokens, precision)
+
+
+def test_search_returns_only_fitting_plans_fastest_first():
+    cluster = parse_hardware("a100-40gb:8")
+    result = search(gpt2(), cluster)
+    assert result.ranked and result.rejected  # some large micro-batches do not fit in 40 GB
+    for c in result.ranked:
+        assert c.fits and c.memory.total <= cluster.hardware.memory_bytes
+    for c in result.rejected:
+        assert c.memory.total > cluster.hardware.memory_bytes and "short by" in c.reason
+    speeds = [c.time.tokens_per_second for c in result.ranked]
+    assert all(float(f"{a:.3g}") >= float(f"{b:.3g}") for a, b in zip(speeds, speeds[1:]))
+
+
+def test_every_enumerated_plan_is_buildable_and_covers_the_world():
+    w = gpt2()
+    cluster = parse_hardware("h100-sxm:8x2")
+    plans = enumerate_plans(w, cluster)
+    assert {p.tp for p in plans} >= {1, 2, 4}
+    for p in plans:
+        check_plan(w, p, 16, "gpu")
+        assert p.world_size == 16 and p.tp <= 8
+
+
+def test_pinned_impossible_degree_is_rejected_with_the_reason():
+    with pytest.raises(ConfigError, match="must divide n_heads"):
+        search(gpt2(), parse_hardware("h100-sxm:5"), {"tp": 5})
+    with pytest.raises(ConfigError, match="GPU only"):
+        check_plan(gpt2(), Plan(cp=2, dp_shard=1), 2, "cpu")
+    with pytest.raises(ConfigError, match="more stages than n_layers"):
+        check_plan(gpt2(), Plan(pp=16), 16, "gpu")
+
+
+def test_what_would_fit_names_a_knob():
+    cluster = parse_hardware("rtx-4090:1")
+    w = gpt2(batch=64)
+    plan = Plan(micro_batch=64)
+    assert memory_breakdown(w, plan).total > cluster.hardware.memory_bytes
+    advice = what_would_fit(w, plan, cluster)
+    assert "would fit" in advice
+
+
+def test_emitted_config_loads_and_runs_the_plan(tmp_path):
+    w = gpt2()
+    best = search(w, parse_hardware("h100-sxm:8")).ranked[0]
+    path = write_config(tmp_path / "job.toml", w, best.plan, "gpu", header="test")
+    job = load_config(path)
+    assert job.parallel.dp_shard == best.plan.dp_shard and job.parallel.tp == best.plan.tp
+    assert job.parallel.zero_stage == best.plan.zero_stage
+    assert job.train.batch_size * job.train.grad_accum_steps * best.plan.dp == w.global_batch
+    assert job.model.dim == 768 and job.model.vocab_size == 50304 and job.data.seq_len == 1024
+
+
+def test_gpu_compute_bound_step_runs_at_the_stated_utilisation():
+    cluster = parse_hardware("h100-sxm:1")
+    w = gpt2(batch=64)
+    t = step_time(w, Plan(micro_batch=16), cluster)
+    assert t.comm_total == 0
+    assert t.mfu == pytest.approx(cluster.hardware.utilisation, rel=0.02)  # the optimizer is the 2% left
+
+
+def test_recomputation_costs_a_third_of_the_forward_backward():
+    cluster = parse_hardware("h100-sxm:1")
+    w = gpt2(batch=16)
+    none = step_time(w, Plan(micro_batch=16), cluster).compute
+    full = step_time(w, Plan(micro_batch=16, activation_checkpointing="full"), cluster).compute
+    assert 1.2 < full / none < 1.34
+
+
+def test_ddp_allreduce_volume_is_the_ring_formula():
+    w = gpt2(batch=64, precision="fp32")
+    cluster = Cluster(CPU, 2, 1)
+    comm, exposed = communication(w, Plan(dp_replicate=2, micro_batch=32), cluster, compute=1.0)
+    grads_bytes = w.params * 4
+    assert comm["dp"] == pytest.approx(2 * (2 - 1) / 2 * grads_bytes / CALIBRATION["allreduce_busbw"])
+    assert exposed == comm["dp"]  # gloo on shared CPU cores: nothing overlaps
+
+
+def test_cpu_time_grows_with_tokens_and_recompute():
+    cfg = ModelConfig(dim=128, n_layers=4, n_heads=2, ffn_hidden_dim=344, vocab_size=256, max_seq_len=256)
+    cluster = Cluster(CPU, 1, 1)
+    w = Workload(cfg, 128, 8, 1e6)
+    small = step_time(w, Plan(micro_batch=4), cluster).step
+    large = step_time(Workload(cfg, 128, 16, 1e6), Plan(micro_batch=16), cluster).step
+    ac = step_time(w, Plan(micro_batch=4, activation_checkpointing="full"), cluster).step
+    assert large > small and ac > small
+
+
+def test_cost_is_device_hours_times_price():
+    prices, as_of = load_prices()
+    cost = training_cost("h100-sxm", 8, 3600.0, prices, as_of)
+    assert cost.device_hours == 8
+    assert cost.on_demand_usd == pytest.approx(8 * PRICES["h100-sxm"]["on_demand"])
+    assert cost.spot_usd < cost.on_demand_usd and as_of
+
+
+def test_price_table_override(tmp_path):
+    path = tmp_path / "prices.toml"
+    path.write_text('as_of = "2030-01"\n[h100-sxm]\non_demand = 1.0\nspot = 0.5\n')
+    prices, as_of = load_prices(str(path))
+    assert as_of == "2030-01" and prices["h100-sxm"]["on_demand"] == 1.0
+    path.write_text("[h100-sxm]\nspot = 0.5\n")
+    with pytest.raises(ConfigError, match="on_demand"):
+        load_prices(str(path))
+
+
+def test_unknown_hardware_lists_the_catalog():
+    with pytest.raises(ConfigError) as err:
+        parse_hardware("tpu-v5")
+    for name in ("h100-sxm", "h100-pcie", "h200", "a100-40gb", "a100-80gb", "l40s", "rtx-4090", "cpu"):
+        assert name in str(err.value)
+
+
+def test_hardware_spec_forms():
+    assert parse_hardware("h100-sxm").world_size == 8
+    assert parse_hardware("h100-sxm:4").world_size == 4
+    c = parse_hardware("a100-80gb:8x4")
+    assert (c.devices_per_node, c.nodes, c.world_size) == (8, 4, 32)
+
+
+def test_every_catalog_value_has_a_source():
+    for hw in CATALOG.values():
+        assert hw.source and hw.utilisation_source and hw.peak_flops["bf16"] > 0
+        assert hw.memory_bytes > 0 and hw.memory_bandwidth > 0
