@@ -1,0 +1,159 @@
+"""Parallel degrees -> one DeviceMesh.
+
+``ParallelDims`` turns the ``[parallel]`` section into resolved degrees, checks them against the world
+size and the model *before* any process-group work (so a bad config fails with one line, on every rank,
+without hanging), and builds the single DeviceMesh every technique takes its sub-mesh from.
+
+Mesh dimension order (outermost first): ``pp, dp_replicate, dp_shard, cp, tp``. TP is innermost because it
+communicates on every matmul and wants the fastest links (ranks on the same node); PP is outermost because
+it only sends activations between neighbours. Only dimensions of size > 1 are put in the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from scaletrain.config import ConfigError, ModelConfig, ParallelConfig
+from scaletrain.model.presets import ffn_hidden_dim, kv_heads
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees (no -1 left) whose product is the world size, plus the resolved ZeRO stage."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+    zero_stage: int
+
+    # -- construction and validation --------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+        """Fill a -1 degree with the ranks left over and check that the degrees multiply to ``world_size``."""
+        degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "cp": cfg.cp, "tp": cfg.tp,
+                   "pp": cfg.pp}
+        fill = [name for name, d in degrees.items() if d == -1]
+        if len(fill) > 1:
+            raise ConfigError(f"only one of parallel.dp_replicate / parallel.dp_shard may be -1 (got both)")
+        for name, d in degrees.items():
+            if d == 0 or d < -1:
+                raise ConfigError(f"parallel.{name} must be >= 1 or -1 (got {d})")
+        known = 1
+        for name, d in degrees.items():
+            if d != -1:
+                known *= d
+        if fill:
+            if world_size % known:
+                raise ConfigError(f"parallel.{fill[0]}=-1: the other degrees multiply to {known}, which does not "
+                                  f"divide the world size {world_size}")
+            degrees[fill[0]] = world_size // known
+        product = degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"] * degrees["pp"]
+        if product != world_size:
+            raise ConfigError(
+                f"parallel degrees dp_replicate={degrees['dp_replicate']} x dp_shard={degrees['dp_shard']} x "
+                f"cp={degrees['cp']} x tp={degrees['tp']} x pp={degrees['pp']} = {product}, but the world size is "
+                f"{world_size}; set them to multiply to {world_size} (e.g. --parallel.dp_shard=-1)")
+        zero = cfg.zero_stage if cfg.zero_stage != -1 else (3 if degrees["dp_shard"] > 1 else 0)
+        dims = cls(world_size=world_size, zero_stage=zero, **degrees)
+        dims._check_combination(cfg)
+        return dims
+
+    def _check_combination(self, cfg: ParallelConfig) -> None:
+        """Combinations this project supports, each refusal with the reason and the alternative."""
+        if self.zero_stage in (2, 3) and self.dp_shard == 1 and self.world_size > 1:
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage} shards with FSDP2 over parallel.dp_shard, "
+                              f"which is 1; set parallel.dp_shard > 1")
+        if self.zero_stage in (0, 1) and self.dp_shard > 1:
+            raise ConfigError(f"parallel.dp_shard={self.dp_shard} uses FSDP2 (ZeRO-2/3); parallel.zero_stage="
+                              f"{self.zero_stage} asks for DDP: set zero_stage to -1, 2 or 3, or use dp_replicate")
+        if self.zero_stage == 1 and (self.tp > 1 or self.pp > 1 or self.cp > 1):
+            raise ConfigError("parallel.zero_stage=1 (ZeroRedundancyOptimizer over DDP) is data parallel only; "
+                              "combine tp/pp/cp with FSDP2 (dp_shard > 1, zero_stage 2 or 3) instead")
+        if self.dp_replicate > 1 and self.dp_shard == 1 and (self.tp > 1 or self.cp > 1):
+            raise ConfigError("DDP (dp_replicate without dp_shard) cannot wrap tensor/context-parallel DTensor "
+                              "parameters; use parallel.dp_shard for the data-parallel degree")
+        if cfg.low_comm != "none":
+            if self.dp_replicate < 2 or self.dp_shard > 1 or self.tp > 1 or self.pp > 1 or self.cp > 1:
+                raise ConfigError(f"parallel.low_comm={cfg.low_comm} averages whole replicas over dp_replicate > 1 "
+                                  f"ranks and cannot be combined with dp_shard, tp, pp or cp")
+            if cfg.zero_stage not in (-1, 0):
+                raise ConfigError(f"parallel.low_comm={cfg.low_comm} keeps full optimizer states per replica; "
+                                  f"leave parallel.zero_stage at -1 or 0")
+        if cfg.pp_schedule == "interleaved_1f1b" and self.pp > 1 and cfg.pp_virtual_stages < 2:
+            raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2")
+        if cfg.pp_schedule != "interleaved_1f1b" and cfg.pp_virtual_stages != 1:
+            raise ConfigError(f"parallel.pp_virtual_stages={cfg.pp_virtual_stages} needs "
+                              f"parallel.pp_schedule=interleaved_1f1b (gpipe and 1f1b run one stage per rank)")
+
+    def check_model(self, cfg: ParallelConfig, model: ModelConfig, seq_len: int, batch_size: int) -> None:
+        """Divisibility the model and batch must satisfy for these degrees (vocab checked when known)."""
+        if self.tp > 1:
+            for name, value in (("model.n_heads", model.n_heads), ("model.n_kv_heads", kv_heads(model)),
+                                ("the SwiGLU hidden size", ffn_hidden_dim(model))):
+                if value % self.tp:
+                    raise ConfigError(f"{name} ({value}) must be divisible by parallel.tp ({self.tp})")
+            if model.vocab_size and model.vocab_size % self.tp:
+                raise ConfigError(f"model.vocab_size ({model.vocab_size}) must be divisible by parallel.tp "
+                                  f"({self.tp}) for the vocabulary-parallel output; set model.vocab_size to a "
+                                  f"multiple of {self.tp} that covers the tokenizer")
+            if model.tie_embeddings:
+                raise ConfigError("model.tie_embeddings is not supported with parallel.tp > 1 (the embedding is "
+                                  "row-split and the output column-split)")
+            if cfg.sequence_parallel and seq_len % self.tp:
+                raise ConfigError(f"data.seq_len ({seq_len}) must be divisible by parallel.tp ({self.tp}) with "
+                                  f"parallel.sequence_parallel")
+        if self.pp > 1:
+            stages = self.pp * cfg.pp_virtual_stages
+            if model.n_layers % stages:
+                raise ConfigError(f"model.n_layers ({model.n_layers}) must be divisible by the pipeline stages "
+                                  f"parallel.pp x parallel.pp_virtual_stages = {stages}")
+            if model.tie_embeddings:
+                raise ConfigError("model.tie_embeddings is not supported with parallel.pp > 1 (the embedding and "
+                                  "the output head live on different stages)")
+            micro = self.pp_microbatches(cfg)
+            if batch_size % micro:
+                raise ConfigError(f"train.batch_size ({batch_size}) must be divisible by the pipeline "
+                                  f"micro-batches ({micro}; parallel.pp_microbatches, 0 = 2 x pp)")
+            if cfg.pp_schedule == "interleaved_1f1b" and micro % self.pp:
+                raise ConfigError(f"interleaved_1f1b needs pipeline micro-batches ({micro}) divisible by "
+                                  f"parallel.pp ({self.pp})")
+            if micro < self.pp and cfg.pp_schedule != "gpipe":
+                raise ConfigError(f"parallel.pp_schedule={cfg.pp_schedule} needs at least parallel.pp ({self.pp}) "
+                                  f"micro-batches (got {micro})")
+        if self.cp > 1:
+            if seq_len % (2 * self.cp):
+                raise ConfigError(f"data.seq_len ({seq_len}) must be divisible by 2 x parallel.cp ({2 * self.cp}) "
+                                  f"for load-balanced context parallelism")
+            if seq_len != model.max_seq_len:
+                raise ConfigError(f"parallel.cp > 1 shards the rotary tables with the sequence: set model.max_seq_len "
+                                  f"({model.max_seq_len}) equal to data.seq_len ({seq_len})")
+
+    # -- derived quantities -------------------------------------------------------------------------
+    def pp_microbatches(self, cfg: ParallelConfig) -> int:
+        return cfg.pp_microbatches or 2 * self.pp
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different data (the loader's world size)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """The mesh's named dimensions (size > 1 only), outermost first."""
+        sizes = dataclasses.asdict(self)
+        return {name: sizes[name] for name in MESH_ORDER if sizes[name] > 1}
+
+    def build_mesh(self, device_type: str):
+        """The one DeviceMesh of the job (None for a single process). Needs the process group."""
+        shape = self.mesh_shape
+        if not shape:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))

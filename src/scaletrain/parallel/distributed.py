@@ -1,0 +1,71 @@
+"""Process-group lifecycle for runs launched by ``torchrun`` (or SLURM via torchrun).
+
+``world_size_from_env`` is read *before* any process-group work so degrees can be validated first.
+``init_distributed`` creates the default group from the environment torchrun sets (gloo on CPU, nccl on
+GPU) and ``destroy_distributed`` shuts it down cleanly: a barrier first, because on gloo a rank that
+exits while its peer still talks to it can die with SIGABRT (see PLATFORM.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def world_size_from_env() -> int:
+    """WORLD_SIZE as set by torchrun; 1 when launched as a plain process."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: global rank, world size, the rank on its node, and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_process_group: bool  # True when init_distributed created it (so it must also destroy it)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str, timeout_s: float = 600.0) -> DistEnv:
+    """Create the default process group from torchrun's environment when WORLD_SIZE > 1.
+
+    Reuses an existing group (e.g. a test harness that already initialised one). On CUDA each process
+    takes GPU ``LOCAL_RANK``.
+    """
+    world = world_size_from_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device(device_type)
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    if world == 1 and not dist.is_initialized():
+        return DistEnv(0, 1, 0, device, owns_process_group=False)
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device_type == "cuda" else None)
+        owns = True
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, owns_process_group=owns)
+
+
+def barrier() -> None:
+    """A barrier over all ranks; a no-op in a single process."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy_distributed(env: DistEnv) -> None:
+    """Barrier, then destroy the process group (only if ``init_distributed`` created it)."""
+    if env.owns_process_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,98 @@
+"""Low-communication data parallelism for slow interconnects: local SGD and DiLoCo.
+
+Each replica trains on its own data with its own AdamW ("inner" steps) and *no* gradient all-reduce.
+Every ``sync_every`` (H) steps the replicas are brought back together with a single all-reduce of the
+flattened weights:
+
+- local SGD: the weights are averaged.
+- DiLoCo (Douillard et al., 2023): the *pseudo-gradient* (global weights - local weights) is averaged and
+  applied to the global weights by an outer SGD step with Nesterov momentum (lr 0.7, momentum 0.9 in the
+  paper); every replica then restarts from the new global weights.
+
+Communication is one all-reduce of the model's size every H steps instead of one every step (DDP).
+Inner optimizer states stay local and are not averaged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.parallel.ddp import CommCounter
+
+
+class LowCommSync:
+    """Call ``after_step(step)`` after every inner optimizer step; it synchronises when ``step % H == 0``."""
+
+    def __init__(self, model: nn.Module, mode: str, sync_every: int, group: dist.ProcessGroup | None = None,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, counter: CommCounter | None = None):
+        if mode not in ("local_sgd", "diloco"):
+            raise ValueError(f"unknown low-communication mode {mode!r}")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.mode, self.sync_every, self.group = mode, sync_every, group
+        self.counter = counter if counter is not None else CommCounter()
+        self.world = dist.get_world_size(group)
+        # The replicas must start identical: average once (they were initialised from the same seed,
+        # so this is also a cheap consistency check that costs one all-reduce at start).
+        self._average_weights()
+        self.outer_opt = None
+        if mode == "diloco":
+            # Global (outer) weights: an fp32 copy the outer optimizer updates; local params restart from it.
+            self.global_params = [p.detach().clone().float() for p in self.params]
+            self.outer_opt = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum,
+                                             nesterov=True)
+
+    def _all_reduce_mean(self, flat: torch.Tensor) -> None:
+        self.counter.add(flat)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        flat.div_(self.world)
+
+    @torch.no_grad()
+    def _average_weights(self) -> None:
+        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        self._all_reduce_mean(flat)
+        self._unflatten_into(flat, self.params)
+
+    @staticmethod
+    def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        offset = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+    @torch.no_grad()
+    def after_step(self, step: int) -> bool:
+        """Synchronise if ``step`` is a multiple of H; returns True when it did."""
+        if step % self.sync_every:
+            return False
+        if self.mode == "local_sgd":
+            self._average_weights()
+            return True
+        # Pseudo-gradient: how far the global weights are from where the local replica went.
+        delta = torch.cat([(g - p.float()).reshape(-1) for g, p in zip(self.global_params, self.params)])
+        self._all_reduce_mean(delta)
+        offset = 0
+        for g in self.global_params:
+            g.grad = delta[offset:offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+        self.outer_opt.step()
+        self.outer_opt.zero_grad(set_to_none=True)
+        for p, g in zip(self.params, self.global_params):
+            p.copy_(g)
+        return True
+
+    def state_dict(self) -> dict:
+        if self.outer_opt is None:
+            return {}
+        return {"global_params": [g.detach().clone() for g in self.global_params],
+                "outer_opt": self.outer_opt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.outer_opt is None or not state:
+            return
+        with torch.no_grad():
+            for g, saved in zip(self.global_params, state["global_params"]):
+                g.copy_(saved)
+        self.outer_opt.load_state_dict(state["outer_opt"])

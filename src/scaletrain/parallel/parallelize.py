@@ -1,0 +1,220 @@
+"""``parallelize``: apply every configured technique to an unmodified model, in one fixed order.
+
+Order (each step's reason in brackets):
+  1. pipeline split     [cut the meta model into stages first: everything below applies per stage]
+  2. tensor/sequence    [DTensor plans need the plain nn.Linear/RMSNorm modules, before any wrapping]
+  3. activation ckpt    [wraps block forwards; must see the TP-converted blocks]
+  4. torch.compile      [per block, after AC so recomputation is compiled too, before FSDP hooks]
+  5. FSDP2 / HSDP       [shards the (possibly TP-sharded) parameters over the data-parallel mesh]
+  6. materialize + init [to_empty + the single-process weights, identical for every layout]
+  7. DDP / ZeRO-1 / low-communication   [DDP broadcasts real weights, so it comes after init]
+  8. pipeline schedule  [PipelineStage needs materialized stage modules]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.config import ModelConfig, OptimConfig, ParallelConfig
+from scaletrain.parallel.activation_checkpoint import apply_ac
+from scaletrain.parallel.compile import apply_compile
+from scaletrain.parallel.context import context_parallel_context
+from scaletrain.parallel.ddp import CommCounter, apply_ddp, build_zero1_optimizer, grad_sync_context
+from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.fsdp import apply_fsdp
+from scaletrain.parallel.init import materialize
+from scaletrain.parallel.low_comm import LowCommSync
+from scaletrain.parallel.pipeline import Pipeline, build_pipeline, split_model, stage_ids
+from scaletrain.parallel.tensor import apply_tp, cross_entropy, loss_context
+from scaletrain.train.optimizer import build_optimizer
+
+
+@dataclass
+class ParallelModel:
+    """The result of ``parallelize``: this rank's model part(s) and how to drive them."""
+
+    parts: list[nn.Module]  # what to call (DDP-wrapped when DDP is on); one entry unless pipelined
+    dims: ParallelDims
+    mesh: object | None
+    pipeline: Pipeline | None = None
+    low_comm: LowCommSync | None = None
+    comm: CommCounter = field(default_factory=CommCounter)
+    dp_rank: int = 0
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The parts without a DDP wrapper (for state dicts, optimizer groups, sampling)."""
+        return [p.module if isinstance(p, nn.parallel.DistributedDataParallel) else p for p in self.parts]
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.dims.tp > 1
+
+    @property
+    def sharded(self) -> bool:
+        """True when no rank holds the whole model as plain tensors (FSDP, TP or PP)."""
+        return self.dims.dp_shard > 1 or self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of one mesh dimension (None when that degree is 1)."""
+        if self.mesh is None or name not in self.dims.mesh_shape:
+            return None
+        return self.mesh[name].get_group()
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, targets)
+
+    def loss_context(self):
+        return loss_context(self.tp_enabled)
+
+
+def _dp_mesh(mesh, dims: ParallelDims):
+    """The sub-mesh FSDP shards over: dp_shard (x cp, whose ranks must also average gradients),
+    with dp_replicate in front for HSDP."""
+    shard_dims = [d for d in ("dp_shard", "cp") if d in dims.mesh_shape]
+    if len(shard_dims) == 2:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        shard_dims = ["dp_shard_cp"]
+    names = (["dp_replicate"] if "dp_replicate" in dims.mesh_shape else []) + shard_dims
+    return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+
+
+def _dp_rank(mesh, dims: ParallelDims) -> int:
+    rank = 0
+    for name in ("dp_replicate", "dp_shard"):
+        if name in dims.mesh_shape:
+            rank = rank * dims.mesh_shape[name] + mesh[name].get_local_rank()
+    return rank
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, mesh, model_cfg: ModelConfig,
+                device: torch.device, seed: int, compile: bool = False, grad_accum_steps: int = 1) -> ParallelModel:
+    """Apply the configured parallelism to ``model`` (built on the meta device) and materialize it."""
+    pp_ids = [0]
+    parts = [model]
+    if dims.pp > 1:  # 1. pipeline split
+        num_stages = dims.pp * cfg.pp_virtual_stages
+        pp_ids = stage_ids(mesh["pp"].get_local_rank(), dims.pp, cfg.pp_virtual_stages)
+        parts = [split_model(model, i, num_stages) for i in pp_ids]
+    for part in parts:
+        if dims.tp > 1:  # 2. tensor (+ sequence) parallel
+            apply_tp(part, mesh["tp"], sequence_parallel=cfg.sequence_parallel)
+        apply_ac(part, cfg.activation_checkpointing, cfg.ac_every)  # 3.
+        if compile:  # 4.
+            apply_compile(part)
+        if dims.dp_shard > 1 or dims.cp > 1:  # 5. FSDP2 (HSDP with dp_replicate > 1)
+            apply_fsdp(part, _dp_mesh(mesh, dims), reshard_after_forward=dims.zero_stage == 3,
+                       param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload)
+    materialize(parts, model_cfg, device, seed, distributed=dims.world_size > 1)  # 6.
+
+    pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, dp_rank=_dp_rank(mesh, dims) if mesh is not None else 0)
+    replicate = pm.group("dp_replicate")
+    if replicate is not None and dims.dp_shard == 1:  # 7. replicated data parallel
+        if cfg.low_comm != "none":
+            pm.low_comm = LowCommSync(parts[0], cfg.low_comm, cfg.sync_every, replicate, cfg.outer_lr,
+                                      cfg.outer_momentum, counter=pm.comm)
+        else:
+            pm.parts = [apply_ddp(part, replicate, device, counter=pm.comm) for part in parts]
+    if dims.pp > 1:  # 8. pipeline schedule
+        n_micro = dims.pp_microbatches(cfg)
+        scale = 1.0 / (n_micro * grad_accum_steps)
+
+        def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return cross_entropy(logits, targets) * scale
+
+        pm.pipeline = build_pipeline(pm.parts, pp_ids, dims.pp * cfg.pp_virtual_stages, pm.group("pp"), device,
+                                     cfg.pp_schedule, n_micro, scaled_loss)
+    return pm
+
+
+def build_parallel_optimizer(pm: ParallelModel, cfg: OptimConfig, device: torch.device, zero_stage: int):
+    """AdamW over this rank's parameters (all parts), or ZeRO-1 (``ZeroRedundancyOptimizer``) around it."""
+    adamw = build_optimizer(nn.ModuleList(pm.modules), cfg, device)
+    if zero_stage != 1 or pm.dims.dp_replicate == 1:
+        return adamw
+    accepted = inspect.signature(torch.optim.AdamW.__init__).parameters
+    kwargs = {k: v for k, v in adamw.defaults.items() if k in accepted and k not in ("weight_decay", "params")}
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups]
+    return build_zero1_optimizer(groups, pm.group("dp_replicate"), **kwargs)
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                    foreach: bool = True) -> torch.Tensor:
+    """Global gradient-norm clipping across any mix of plain and DTensor gradients and pipeline stages.
+
+    DTensor gradients on different meshes (e.g. TP weights on dp x tp, replicated norms on dp) cannot be
+    combined in one foreach call, so the norm is computed per mesh, made full, then combined; pipeline
+    stages hold disjoint parameters, so their squared norms are summed over the pp group.
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    norms = []
+    for key, ps in groups.items():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0, foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=params[0].device)
+    if pp_group is not None:
+        total = total ** 2
+        dist.all_reduce(total, group=pp_group)
+        total = total.sqrt()
+    for ps in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=foreach)
+    return total
+
+
+def global_mean(value: torch.Tensor | None, dims: ParallelDims, device: torch.device) -> torch.Tensor:
+    """The loss averaged over data-parallel ranks, on every rank. Pipeline ranks without the last stage
+    contribute 0; every other degree holds copies, so dividing the world sum by world / pp is the mean."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    value = torch.zeros((), device=device) if value is None else value.detach().float()
+    if dims.world_size == 1:
+        return value
+    total = value.clone()
+    dist.all_reduce(total)
+    return total / (dims.world_size // dims.pp)
+
+
+def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *, accum: int, sync: bool,
+                     autocast=contextlib.nullcontext, scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+                     ) -> torch.Tensor | None:
+    """Forward and backward of one micro-batch; gradients accumulate in the parameters.
+
+    Returns this micro-batch's loss divided by ``accum`` (None on pipeline ranks without the last stage).
+    ``sync=False`` on non-final accumulation micro-steps skips DDP's all-reduce (``no_sync``).
+    ``scale`` is the fp16 gradient scaler's ``scale`` (identity otherwise).
+    """
+    if pm.pipeline is not None:
+        with autocast(), pm.loss_context():
+            return pm.pipeline.step(inputs, targets)
+    model = pm.parts[0]
+    with grad_sync_context(model, sync), _cp_context(pm, inputs, targets), pm.loss_context():
+        with autocast():
+            loss = pm.loss_fn(model(inputs), targets) / accum
+        scale(loss).backward()
+    return loss.detach()
+
+
+def _cp_context(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor):
+    """Shard the batch and the rotary tables along the sequence for context parallelism (GPU only)."""
+    if pm.dims.cp == 1:
+        return contextlib.nullcontext()
+    module = pm.modules[0]
+    return context_parallel_context(pm.mesh["cp"], [inputs, targets, module.rope_cos, module.rope_sin], [1, 1, 0, 0])

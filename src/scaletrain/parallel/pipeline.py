@@ -1,0 +1,91 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: split by layers, run a schedule.
+
+The model (on the meta device) is cut into ``pp x pp_virtual_stages`` stages of equal numbers of blocks.
+Stage 0 keeps the embedding, the last stage the final norm and output head; the model itself handles
+missing pieces (``None``), so a stage is just the same ``Transformer`` class with fewer blocks and the
+parameter names stay those of the full model (checkpoints and initialisation need no mapping).
+
+Rank r of the pipeline owns stages r, r + pp, r + 2 pp, ... (the "loop" placement Interleaved 1F1B
+expects; with one virtual stage it is simply stage r).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Stages owned by ``pp_rank`` (loop placement)."""
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def split_model(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """A copy of ``model`` holding only the blocks of ``stage`` (call on the meta device: copies are free)."""
+    part = copy.deepcopy(model)
+    n_layers = len(part.layers)
+    per_stage = n_layers // num_stages
+    keep = {str(i) for i in range(stage * per_stage, (stage + 1) * per_stage)}
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != num_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that drives them."""
+
+    schedule: object
+    stages: list[PipelineStage]
+    has_first_stage: bool
+    has_last_stage: bool
+    losses: list = field(default_factory=list)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward + backward of one batch split into micro-batches. Returns this rank's summed
+        (already scaled) micro-batch losses if it owns the last stage, else None."""
+        self.losses.clear()
+        args = (inputs,) if self.has_first_stage else ()
+        target = targets if self.has_last_stage else None
+        self.schedule.step(*args, target=target, losses=self.losses if self.has_last_stage else None)
+        return torch.stack([l.detach() for l in self.losses]).sum() if self.has_last_stage else None
+
+    @torch.no_grad()
+    def eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward only (no gradients), same return convention as ``step``."""
+        self.losses.clear()
+        args = (inputs,) if self.has_first_stage else ()
+        target = targets if self.has_last_stage else None
+        self.schedule.eval(*args, target=target, losses=self.losses if self.has_last_stage else None)
+        return torch.stack([l.detach() for l in self.losses]).sum() if self.has_last_stage else None
+
+
+def build_pipeline(parts: list[nn.Module], ids: list[int], num_stages: int, pp_group, device: torch.device,
+                   schedule_name: str, n_microbatches: int, loss_fn: Callable) -> Pipeline:
+    """Wrap materialized stage modules in ``PipelineStage`` and build the schedule.
+
+    ``loss_fn`` must already include the 1 / (micro-batches x accumulation) scale: the schedule's own
+    ``scale_grads`` is turned off because it rescales *all* accumulated gradients at the end of each step,
+    which would be wrong with gradient accumulation across steps.
+    """
+    stages = [PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=pp_group)
+              for part, i in zip(parts, ids)]
+    cls = SCHEDULES[schedule_name]
+    if cls is ScheduleInterleaved1F1B:
+        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return Pipeline(schedule, stages, has_first_stage=0 in ids, has_last_stage=num_stages - 1 in ids)

@@ -1,0 +1,106 @@
+"""Tensor parallelism (Megatron-style, via DTensor ``parallelize_module``) and sequence parallelism.
+
+Per block: q/k/v and the SwiGLU w1/w3 are split by output columns (each rank owns a slice of the heads
+and of the hidden units), ``wo`` and ``w2`` by input rows, so each attention / MLP costs one reduction.
+The embedding is split by vocabulary rows; the output head by vocabulary columns, and its logits stay
+sharded for ``loss_parallel`` (the softmax is computed without ever gathering the full vocabulary).
+
+With sequence parallelism the norms (and the residual stream between blocks) are split along the
+sequence: the reductions become reduce-scatter + all-gather pairs, and activation memory drops by tp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
+    """Split ``model`` (a full model or one pipeline stage) over ``tp_mesh`` in place."""
+    residual = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream (B, T, d)
+    top: dict = {}
+    if model.tok_embeddings is not None:
+        # Output stays a DTensor so the model reads the *global* sequence length for its rotary tables.
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
+                                                use_local_output=False)
+    elif sequence_parallel:
+        # A later pipeline stage receives its sequence shard as a plain tensor: view it as the DTensor
+        # it is, again so the model sees the global sequence length.
+        top[""] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                     use_local_output=False)
+    if model.norm is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    for name, style in top.items():
+        parallelize_module(model if name == "" else model.get_submodule(name), tp_mesh, style)
+
+    for block in model.layers.values():
+        plan: dict = {
+            # Enter each block with a plain local tensor (the residual stream then stays local; mixing a
+            # DTensor residual with local branch outputs would fail). PLATFORM.md: use_local_output=True.
+            "": PrepareModuleInput(input_layouts=(residual, None, None, None),
+                                   desired_input_layouts=(residual, None, None, None), use_local_output=True),
+            "attention": PrepareModuleInput(input_layouts=(residual, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        for name, style in plan.items():
+            parallelize_module(block if name == "" else block.get_submodule(name), tp_mesh, style)
+        if not sequence_parallel:
+            _replicate(block.attention_norm, tp_mesh)
+            _replicate(block.ffn_norm, tp_mesh)
+    if model.norm is not None and not sequence_parallel:
+        _replicate(model.norm, tp_mesh)
+    return model
+
+
+def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make a module's parameters Replicate DTensors that compute on plain full inputs.
+
+    Without sequence parallelism the norms are not split, but their weights must still be DTensors:
+    optimizers' foreach kernels and FSDP cannot mix DTensor and plain parameters in one model.
+    """
+
+    def to_replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(mod.named_parameters(recurse=False)):
+            dparam = DTensor.from_local(param.data, mesh, [Replicate()], run_check=False)
+            mod.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+    def inputs_as_dtensor(mod, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor)
+                     and not isinstance(x, DTensor) else x for x in inputs)
+
+    def output_as_local(mod, output, mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    distribute_module(module, tp_mesh, to_replicate, inputs_as_dtensor, output_as_local)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss; logits (B, T, V) may be a vocabulary-sharded DTensor (inside ``loss_context``)."""
+    if isinstance(logits, DTensor):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def loss_context(tp_enabled: bool):
+    """``loss_parallel`` when the logits are vocabulary-sharded; must enclose the loss *and* backward."""
+    return loss_parallel() if tp_enabled else contextlib.nullcontext()
