@@ -176,6 +176,8 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``scaletrain doctor``."""
     parser.add_argument("--json", default="", help="also write the report as JSON to this file ('-' = stdout)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="repeat the CPU microbenchmarks and keep the best of each (shared cores are noisy)")
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -186,7 +188,10 @@ def run_doctor(args: argparse.Namespace) -> int:
     from scaletrain.plan.doctor import run_doctor as doctor
 
     console = Console(stderr=args.json == "-")
-    report = doctor(log=lambda s: console.print(s))
+    if args.rounds < 1:
+        print(f"error: --rounds must be >= 1 (got {args.rounds})", file=sys.stderr)
+        return 2
+    report = doctor(log=lambda s: console.print(s), rounds=args.rounds)
     if "system" in report:
         table = Table(title="This machine", show_header=False)
         for k, v in report["system"].items():

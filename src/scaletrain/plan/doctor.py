@@ -78,7 +78,7 @@ def measure_allreduce_busbw(n_bytes: int = 1 << 25, reps: int = 5) -> float:
     return 2 * (world - 1) / world * n_bytes / best
 
 
-def run_doctor(log=print) -> dict:
+def run_doctor(log=print, rounds: int = 2) -> dict:
     """System info plus calibration; under torchrun only the all-reduce (rank 0 saves it)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
@@ -92,7 +92,7 @@ def run_doctor(log=print) -> dict:
             result = {"allreduce_busbw": busbw, "allreduce_world_size": dist.get_world_size()}
             if dist.get_rank() == 0:
                 device = "cuda" if backend == "nccl" else "cpu"
-                key = calibration.device_fingerprint(device)
+                key = calibration.comm_fingerprint(device)
                 data = calibration.load_calibration()
                 data[key] = {**data.get(key, {}), **result}
                 calibration.save_calibration(data)
@@ -105,5 +105,5 @@ def run_doctor(log=print) -> dict:
     info = system_info()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtypes = ("fp32", "tf32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
-    entry = calibration.calibrate(device, dtypes=tuple(d for d in dtypes if d != "tf32"), log=log)
+    entry = calibration.calibrate(device, dtypes=tuple(d for d in dtypes if d != "tf32"), log=log, rounds=rounds)
     return {"system": info, "calibration": entry, "calibration_file": str(calibration.calibration_path())}

@@ -4,8 +4,9 @@ The memory tracker is a ``TorchDispatchMode`` that sees every tensor an aten op 
 storage once while it is alive (a weakref finalizer subtracts it when freed) and keeps the peak. It
 counts tensor bytes exactly, unlike RSS (which also holds the allocator's cache, libraries and Python).
 
-The step is the trainer's defaults: forward, cross-entropy, backward, clip_grad_norm_(1.0), AdamW
-(foreach, decay on matrices only), zero_grad(set_to_none=True), fp32.
+The step is the trainer's (``scaletrain.train``) with its defaults: forward, cross-entropy, backward,
+clip_grad_norm_(1.0), AdamW (foreach on CPU, decay on matrices only), zero_grad(set_to_none=True), fp32;
+activation checkpointing and the distributed layouts come from ``scaletrain.parallel``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from scaletrain.config import ModelConfig
 class LiveTensorBytes(TorchDispatchMode):
     """Track live tensor-storage bytes (and their peak) of everything created while the mode is active."""
 
-    def __init__(self, existing: Iterable[torch.Tensor] = ()):
+    def __init__(self, existing: Iterable[torch.Tensor] = (), track_resize: bool = False):
         super().__init__()
         self.live = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}
+        # FSDP2 frees and re-allocates unsharded parameters with storage.resize_(), which no aten op
+        # reports; with track_resize every op re-reads the size of every live storage (slower, exact).
+        self.track_resize = track_resize
+        self._refs: dict[int, weakref.ref] = {}
         for tensor in existing:
             self._track(tensor)
 
@@ -45,49 +50,45 @@ class LiveTensorBytes(TorchDispatchMode):
             return
         size = storage.nbytes()
         self._sizes[key] = size
+        if self.track_resize:
+            self._refs[key] = weakref.ref(storage)
         self.live += size
         self.peak = max(self.peak, self.live)
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def _resync(self) -> None:
+        for key, ref in list(self._refs.items()):
+            storage = ref()
+            if storage is not None and storage.nbytes() != self._sizes.get(key, 0):
+                self.live += storage.nbytes() - self._sizes[key]
+                self._sizes[key] = storage.nbytes()
+        self.peak = max(self.peak, self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.track_resize:
+            self._resync()  # sizes changed since the last op (e.g. an unsharded param freed)
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             self._track(tensor)
+        if self.track_resize:
+            self._resync()
         return out
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every: int = 2) -> None:
-    """Wrap blocks in non-reentrant checkpointing: all of them (full) or every ``every``-th (selective)."""
-    if mode == "none":
-        return
-    from torch.utils.checkpoint import checkpoint
-
-    for i, block in enumerate(model.layers.values()):
-        if mode == "full" or (i + 1) % every == 0:
-            forward = block.forward
-            block.forward = lambda *a, _f=forward: checkpoint(_f, *a, use_reentrant=False)
-
-
-def build_optimizer(model: torch.nn.Module, lr: float = 1e-3, weight_decay: float = 0.1) -> torch.optim.Optimizer:
-    """AdamW with decay on matrices, none on norms and embeddings (config.OptimConfig's documented groups)."""
-    embedding = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in embedding]
-    no_decay = [p for p in model.parameters() if not (p.ndim >= 2 and id(p) not in embedding)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), foreach=True)
-
-
 def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
-              targets: torch.Tensor, vocab_size: int, grad_clip: float = 1.0) -> Callable[[], float]:
-    """One optimizer step. Logits are not kept by the caller: they die inside cross_entropy."""
+              targets: torch.Tensor, grad_clip: float = 1.0, accum: int = 1) -> Callable[[], float]:
+    """One optimizer step as ``Trainer.train_step`` runs it in fp32 (logits die inside cross_entropy):
+    ``accum`` micro-batches (the rows of ``inputs`` split evenly), then clip and update."""
+    micro_inputs, micro_targets = inputs.chunk(accum), targets.chunk(accum)
 
     def step() -> float:
-        loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
-        loss.backward()
+        for x, y in zip(micro_inputs, micro_targets):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / accum
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -96,16 +97,19 @@ def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: 
     return step
 
 
-def measure_step(step: Callable[[], object], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 extra: Iterable[torch.Tensor] = (), steps: int = 5, warmup: int = 2) -> dict:
-    """Peak tensor bytes of one steady-state step (optimizer states exist) and median seconds per step."""
+def measure_step(step: Callable[[], object], tracker: "LiveTensorBytes", steps: int = 5, warmup: int = 2) -> dict:
+    """Peak tensor bytes of one steady-state step and median seconds per step.
+
+    ``tracker`` must already be active (entered before the model was built, so that every storage the
+    step touches, DDP's buckets included, is known). Warm-up steps create the optimizer states; the peak
+    is reset to the live bytes before the measured step; the mode is left before the timed steps.
+    """
     for _ in range(warmup):
         step()
-    existing = [*model.parameters(), *model.buffers(), *extra,
-                *(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))]
-    with LiveTensorBytes(existing) as tracker:
-        at_rest = tracker.live
-        step()
+    at_rest = tracker.live
+    tracker.peak = tracker.live
+    step()
+    tracker.__exit__(None, None, None)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -122,23 +126,77 @@ def matmul_probe(seconds: float = 0.3) -> float:
     return measure_matmul_flops("cpu", "fp32", n=1024, min_seconds=seconds)
 
 
-def single_process_run(model_cfg: ModelConfig, batch: int, seq: int, ac: str = "none", ac_every: int = 2,
-                       steps: int = 5, seed: int = 0) -> dict:
-    """Build scaletrain's Llama, apply activation checkpointing, and measure a training step on CPU."""
-    from scaletrain.model.llama import build_model
+def wait_for_quiet(peak: float, threshold: float = 0.85, tries: int = 40, log=print) -> float:
+    """Wait (up to ``tries`` probes, 3 s apart) until a matmul runs at ``threshold`` x the calibrated
+    ``peak``: other work on shared cores inflates step times. Returns the last probe (FLOP/s)."""
+    probe = 0.0
+    for i in range(tries):
+        probe = matmul_probe(0.2)
+        if probe >= threshold * peak:
+            return probe
+        if i == 0:
+            log(f"  machine busy (matmul {probe / 1e9:.0f} of {peak / 1e9:.0f} GFLOP/s): waiting")
+        time.sleep(3)
+    return probe
 
+
+def single_process_run(model_cfg: ModelConfig, batch: int, seq: int, ac: str = "none", ac_every: int = 2,
+                       steps: int = 5, seed: int = 0, accum: int = 1) -> dict:
+    """Build scaletrain's Llama, apply activation checkpointing, and measure a training step on CPU
+    (``batch`` sequences per optimizer step, in ``accum`` micro-batches)."""
+    from scaletrain.config import OptimConfig
+    from scaletrain.model.llama import build_model
+    from scaletrain.parallel.activation_checkpoint import apply_ac
+    from scaletrain.train.optimizer import build_optimizer
+
+    tracker = LiveTensorBytes().__enter__()  # from the start: every storage of the run is seen
     model = build_model(model_cfg, "cpu", seed=seed)
-    apply_activation_checkpointing(model, ac, ac_every)
-    optimizer = build_optimizer(model)
+    apply_ac(model, ac, ac_every)
+    optimizer = build_optimizer(model, OptimConfig(), torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
     inputs = torch.randint(0, model_cfg.vocab_size, (batch, seq), generator=gen)
     targets = torch.randint(0, model_cfg.vocab_size, (batch, seq), generator=gen)
-    step = make_step(model, optimizer, inputs, targets, model_cfg.vocab_size)
+    step = make_step(model, optimizer, inputs, targets, accum=accum)
     # The rope buffers and the batch are counted as at-rest bytes (the planner adds them the same way).
-    return measure_step(step, model, optimizer, extra=(inputs, targets), steps=steps)
+    return measure_step(step, tracker, steps=steps)
 
 
 def resident_extras(model_cfg: ModelConfig, batch: int, seq: int) -> int:
     """Bytes the planner adds outside the model states: rope tables and one batch of int64 tokens."""
     head_dim = model_cfg.dim // model_cfg.n_heads
     return 2 * model_cfg.max_seq_len * head_dim * 4 + 2 * batch * seq * 8
+
+
+def distributed_run(model_cfg: ModelConfig, parallel: dict, batch_per_rank: int, seq: int, steps: int = 5,
+                    seed: int = 0) -> dict:
+    """Inside a torchrun process group: ``scaletrain.parallel.parallelize`` the model, then measure this
+    rank's peak tensor bytes and median step time (forward_backward, clip, AdamW or ZeRO-1, zero_grad)."""
+    from scaletrain.config import OptimConfig, ParallelConfig
+    from scaletrain.model.llama import Transformer
+    from scaletrain.parallel import (ParallelDims, build_parallel_optimizer, clip_grad_norm_, forward_backward,
+                                     parallelize)
+    from scaletrain.parallel.distributed import init_distributed
+
+    env = init_distributed("cpu")
+    tracker = LiveTensorBytes(track_resize=True).__enter__()
+    pcfg = ParallelConfig(**parallel)
+    dims = ParallelDims.from_config(pcfg, env.world_size)
+    mesh = dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    pm = parallelize(model, dims, pcfg, mesh=mesh, model_cfg=model_cfg, device=env.device, seed=seed)
+    optimizer = build_parallel_optimizer(pm, OptimConfig(), env.device, dims.zero_stage)
+    # Data-parallel ranks read different rows; tensor-parallel ranks the same ones.
+    gen = torch.Generator().manual_seed(seed + 1000 * pm.dp_rank)
+    inputs = torch.randint(0, model_cfg.vocab_size, (batch_per_rank, seq), generator=gen)
+    targets = torch.randint(0, model_cfg.vocab_size, (batch_per_rank, seq), generator=gen)
+
+    def step() -> None:
+        forward_backward(pm, inputs, targets, accum=1, sync=True)
+        clip_grad_norm_(pm.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    result = measure_step(step, tracker, steps=steps)
+    result["rank"] = env.rank
+    return result

@@ -145,9 +145,12 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     layers = -(-cfg.n_layers // pp)
     blk = block_activation_elements(cfg, b, t, tp, plan.sequence_parallel) * a
     ckpt_input = b * t * d * a / (tp if plan.sequence_parallel and tp > 1 else 1)
-    n_ckpt = {"none": 0, "full": layers, "selective": layers // plan.ac_every}[plan.activation_checkpointing]
+    ckpt = checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every)
     in_flight = 1 if pp == 1 else (plan.microbatches if plan.pp_schedule == "gpipe" else min(pp, plan.microbatches))
-    saved_blocks = ((layers - n_ckpt) * blk + n_ckpt * ckpt_input) * in_flight
+    per_block = [ckpt_input if i in ckpt else blk for i in range(layers)]
+    # Other in-flight pipeline micro-batches keep their whole stage's saved activations.
+    others = (in_flight - 1) * sum(per_block)
+    saved_blocks = sum(per_block) + others
     # Final norm (input, normalized, output) and log-softmax output; logits in fp32 for the loss.
     bt = b * t
     tail = 3 * bt * d * a + bt * v / tp * 4
@@ -162,11 +165,13 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     base = states["params"] + states["master"] + states["optimizer"] + comm
     # reshard_after_forward=False (stage 2) keeps every gathered param from forward to backward.
     held_params = unsharded_p - states["params"] if plan.zero_stage == 2 else 0.0
-    grad_scale = states["grads"] / psi if psi else 0.0  # bytes per local param of (possibly sharded) grads
-    full_grad_bytes = 0.0 if plan.cpu_offload else states["grads"]
+    # DDP (gradient_as_bucket_view=True in scaletrain.parallel.ddp) keeps gradients inside its buckets,
+    # counted once as communication buffers; otherwise gradients appear as backward produces them.
+    in_buckets = plan.dp_replicate > 1 and plan.zero_stage <= 1
+    grad_scale = 0.0 if in_buckets or not psi else states["grads"] / psi
+    full_grad_bytes = 0.0 if plan.cpu_offload or in_buckets else states["grads"]
     # Gradient of the hidden state plus SwiGLU gradients while the block's own saved tensors are being freed.
     bwd_tmp = (2 * bt * d + 1.5 * bt * ffn_hidden_dim(cfg) / tp) * a
-    recompute = blk if n_ckpt else 0.0  # one checkpointed block re-materialised during its backward
 
     phases: list[tuple[str, dict]] = []
     # End of forward: every saved activation plus logits and log-softmax output side by side.
@@ -174,13 +179,13 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     # Loss backward: grad of log-probs and grad of logits next to the saved log-softmax output.
     phases.append(("backward (loss)", dict(activations=saved_blocks + tail, transients=2 * logits,
                                            held=held_params)))
-    # Backward of each block, last first: saved activations shrink as gradients grow.
-    for i in range(layers, 0, -1):
-        done = head_p + (layers - i + 1) * block_p
-        live_ckpt = min(i, n_ckpt)  # checkpointed blocks are the first layers // ac_every ... (worst case)
-        live = ((i - live_ckpt) * blk + live_ckpt * ckpt_input) * in_flight
-        phases.append((f"backward (block {i})", dict(activations=live, transients=bwd_tmp + recompute,
-                                                      held=held_params, grads=done * grad_scale)))
+    # Backward of each block, last first: saved activations shrink as gradients grow. A checkpointed block
+    # is re-materialised whole (recomputed) just before its backward.
+    for i in range(layers - 1, -1, -1):
+        live = sum(per_block[:i]) + blk + others
+        done = head_p + (layers - i) * block_p
+        phases.append((f"backward (block {i})", dict(activations=live, transients=bwd_tmp, held=held_params,
+                                                      grads=done * grad_scale)))
     # Optimizer: all grads present; foreach AdamW allocates sqrt(v) for the largest param group.
     opt_tmp = (layers * block_p + (0 if cfg.tie_embeddings else v * d / tp)) * 4 / max(1, shards if
                                                                                        plan.zero_stage >= 1 else 1)
@@ -202,11 +207,18 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
         offloaded=offloaded)
 
 
+def checkpointed_blocks(layers: int, mode: str, every: int) -> set[int]:
+    """Indices of the blocks ``scaletrain.parallel.apply_ac`` wraps: all (full), or 0, k, 2k, ... (selective)."""
+    if mode == "none":
+        return set()
+    return set(range(layers)) if mode == "full" else set(range(0, layers, every))
+
+
 def _comm_buffers(plan: Plan, rec: Recipe, psi: float, block_p: float, bt: int, d: int) -> float:
     """Persistent or step-long communication buffers per rank."""
     total = 0.0
     if plan.dp_replicate > 1 and plan.zero_stage <= 1:
-        total += psi * rec.grad  # DDP gradient buckets (gradient_as_bucket_view=False, torch's default)
+        total += psi * rec.grad  # DDP gradient buckets: they hold the gradients for the whole step
     if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1:
         # FSDP2: all-gather of the current and the prefetched block, reduce-scatter input of one block.
         total += 2 * block_p * rec.param + block_p * rec.grad

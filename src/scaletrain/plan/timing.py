@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from scaletrain.config import ModelConfig
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 from scaletrain.plan.hardware import LINKS, Cluster
-from scaletrain.plan.memory import RECIPES, block_activation_elements, stage_params
+from scaletrain.plan.memory import RECIPES, block_activation_elements, checkpointed_blocks, stage_params
 from scaletrain.plan.spec import Plan, Workload
 
 # aten ops one scaletrain block dispatches in forward + backward (calibration.count_aten_ops; 206 on
@@ -131,7 +131,7 @@ def _cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     share = max(1, cluster.devices_per_node) if cluster.hardware.cores else 1
     b, t, tp = plan.micro_batch, workload.seq_len // plan.cp, plan.tp
     layers = -(-cfg.n_layers // plan.pp)
-    n_ckpt = {"none": 0, "full": layers, "selective": layers // plan.ac_every}[plan.activation_checkpointing]
+    n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
     units = block_activation_elements(cfg, b, t, tp, plan.sequence_parallel)
     ops, elem = entry["block_ops"], entry["elementwise_s_per_element"]
 
@@ -154,7 +154,7 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     """(seconds per micro-batch on one stage, optimizer seconds) at peak x published utilisation."""
     cfg, hw = workload.model, cluster.hardware
     layers = -(-cfg.n_layers // plan.pp)
-    n_ckpt = {"none": 0, "full": layers, "selective": layers // plan.ac_every}[plan.activation_checkpointing]
+    n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
     tokens = plan.micro_batch * workload.seq_len
     # Model FLOPs of this device's share; recomputed blocks pay their forward (a third) again.
     model_flops = workload.flops_per_token * tokens / (plan.tp * plan.pp * plan.cp)
