@@ -30,12 +30,13 @@ _FOOTER_START = re.compile(
     r"|^[ \t]*\**[ \t]*START\**[ \t]*THE[ \t]+SMALL[ \t]+PRINT[^\n]*$"
     r"|^[ \t]*\*+[ \t]*This[ \t]+file[ \t]+should[ \t]+be[ \t]+named[^\n]*$",
     re.IGNORECASE | re.MULTILINE)
-# Paragraphs right after the header that are credits, not the work.
+# Paragraphs right after the header that are credits, not the work: "Produced by ...", the etext's
+# own title block, transcriber notes (they mention the etext, a URL or an e-mail address).
 _CREDIT = re.compile(
     r"^(?:produced[ \t]+by|this[ \t]+e-?text[ \t]+was[ \t]+(?:produced|prepared|created)|e-?text[ \t]+"
     r"(?:prepared|scanned)[ \t]+by|transcribed[ \t]+(?:from|by)|prepared[ \t]+by|scanned[ \t]+by"
     r"|updated[ \t]+editions|character[ \t]+set[ \t]+encoding|\*+[ \t]*$)"
-    r"|project[ \t]+gutenberg", re.IGNORECASE)
+    r"|project[ \t]+gutenberg|\be-?texts?\b|\be-?books?\b|www\.|www:|https?://|@[\w-]+\.\w", re.IGNORECASE)
 _PG = re.compile(r"project[ \t]+gutenberg", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # keeps \t and \n (CR is gone by then)
 _C1 = re.compile(r"[\x80-\x9f]")

@@ -90,7 +90,7 @@ def _language_identifier():
     except ImportError:
         raise ConfigError("filter.language needs the `py3langid` package (pip install py3langid), "
                           "or set filter.language = []") from None
-    return LanguageIdentifier.from_pickled_model(MODEL_FILE, norm_probs=True)
+    return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
 
 
 def detect_language(text: str) -> tuple[str, float]:

@@ -1,0 +1,213 @@
+"""prepare end to end: shards that decode back to the cleaned documents, the report, resuming,
+atomic writes, bad input that must stop the run, the CLI, parallel = sequential, FIM."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scaletrain.data import prepare as prepare_mod
+from scaletrain.data.augment import FIM_TOKENS
+from scaletrain.data.cli import main as cli_main
+from scaletrain.data.clean import clean_text
+from scaletrain.data.prepare import prepare, prepare_text
+from scaletrain.data.prepare_config import CleanConfig, PrepareConfig
+from scaletrain.data.report import Report
+from scaletrain.data.shards import ShardWriter, read_manifest, verify_checksums
+from scaletrain.data.tokenizer import DataError, load_tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _corpus(tmp_path: Path) -> Path:
+    corpus = tmp_path / "corpus"
+    shutil.copytree(FIXTURES / "gutenberg", corpus / "gutenberg", ignore=shutil.ignore_patterns("*.json"))
+    shutil.copytree(FIXTURES / "shakespeare", corpus / "shakespeare")
+    return corpus
+
+
+def _config(corpus: Path, out: Path, **tokenizer) -> PrepareConfig:
+    cfg = PrepareConfig(workers=1)
+    cfg.source.paths = [str(corpus)]
+    cfg.tokenizer.vocab_size = tokenizer.get("vocab_size", 400)
+    cfg.tokenizer.kind = tokenizer.get("kind", "bpe")
+    cfg.split.val_fraction = 0.2
+    cfg.output.dir = str(out)
+    return cfg
+
+
+def _documents(out: Path, split: str) -> list[str]:
+    """Decode a split's shards back into documents, using the document index."""
+    m = read_manifest(out)
+    tok = load_tokenizer(out / "tokenizer.json")
+    ids = np.concatenate([np.fromfile(out / s["file"], dtype=m["dtype"]) for s in m["splits"][split]["shards"]])
+    ends = np.fromfile(out / m["splits"][split]["doc_index"]["file"], dtype="<u8")
+    docs, start = [], 0
+    for end in ends:
+        doc = ids[start:end]
+        assert doc[-1] == m["eos_id"] and (doc[:-1] != m["eos_id"]).all()
+        docs.append(tok.decode(doc[:-1].tolist()))
+        start = int(end)
+    assert start == len(ids)
+    return docs
+
+
+def test_end_to_end_bpe(tmp_path):
+    corpus, out = _corpus(tmp_path), tmp_path / "out"
+    report = Report()
+    manifest = prepare(_config(corpus, out), report)
+    assert manifest["dtype"] == "<u2" and manifest["vocab_size"] == 400
+    assert manifest["tokenizer"]["sha256"] and manifest["split"]["by"] == "document"
+    # Folio excerpts go as near duplicates of the modern ones (modern sorts first)
+    assert report.removed["dedup"]["near duplicate"][0] == 4
+    docs = _documents(out, "train") + _documents(out, "val")
+    assert len(docs) == 6 + 4 == manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"]
+    expected = {clean_text(p.read_text(encoding="utf-8"), CleanConfig())[0]
+                for p in (corpus / "gutenberg").glob("*.txt")}
+    expected |= {p.read_text() for p in (corpus / "shakespeare").glob("*_gut.txt")}
+    assert set(docs) == expected  # byte-level BPE round-trips the cleaned text exactly
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["documents_in"] == 14 and rep["tokens_out"] == sum(s["tokens"] for s in manifest["splits"].values())
+    assert rep["modified"]["gutenberg_header_removed"] == 5 and rep["bytes_per_token"] > 1
+    assert len(rep["near_duplicate_clusters"]) == 4
+    assert verify_checksums(out) == 5  # 2 shards, 2 doc indexes, the tokenizer
+
+
+def test_resume_reuses_pass1_and_up_to_date(tmp_path, capsys):
+    corpus, out = _corpus(tmp_path), tmp_path / "out"
+    prepare(_config(corpus, out))
+    logs: list[str] = []
+    m2 = prepare(_config(corpus, out, vocab_size=300), log=logs.append)
+    assert any("reusing" in line for line in logs) and m2["vocab_size"] == 300
+    logs.clear()
+    prepare(_config(corpus, out, vocab_size=300), log=logs.append)
+    assert any("up to date" in line for line in logs)
+    (corpus / "gutenberg" / "new.txt").write_text("A new book. " * 100)  # a changed input reruns pass 1
+    logs.clear()
+    m3 = prepare(_config(corpus, out, vocab_size=300), log=logs.append)
+    assert not any("reusing" in line for line in logs)
+    assert m3["stats"]["documents_in"] == 15
+
+
+def test_interrupted_write_leaves_no_manifest(tmp_path, monkeypatch):
+    corpus, out = _corpus(tmp_path), tmp_path / "out"
+    prepare(_config(corpus, out))
+    calls = {"n": 0}
+    original = ShardWriter.add
+
+    def crash(self, ids, end_of_document=True):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # the user pressed Ctrl-C mid-write
+        return original(self, ids, end_of_document)
+
+    monkeypatch.setattr(ShardWriter, "add", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_config(corpus, out, vocab_size=300))
+    assert not (out / "manifest.json").exists()  # the old one is gone, the new one never written
+    with pytest.raises(DataError, match="no manifest"):
+        read_manifest(out)
+    monkeypatch.setattr(ShardWriter, "add", original)
+    m = prepare(_config(corpus, out, vocab_size=300))
+    assert m["vocab_size"] == 300 and verify_checksums(out) == 5
+    assert not list(out.glob("*.tmp"))
+
+
+def test_runs_that_must_stop(tmp_path):
+    corpus, out = _corpus(tmp_path), tmp_path / "out"
+    cfg = _config(corpus, out)
+    cfg.filter.min_chars = 10_000_000
+    with pytest.raises(DataError, match="no document left"):
+        prepare(cfg)
+    # a tokenizer whose vocabulary does not fit uint16 shards
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000}, unk_token="[UNK]"))
+    big.pre_tokenizer = pre_tokenizers.Whitespace()
+    big.save(str(tmp_path / "big.json"))
+    cfg = _config(corpus, out, kind=str(tmp_path / "big.json"))
+    cfg.output.dtype = "uint16"
+    with pytest.raises(DataError, match="70,001 tokens does not fit uint16"):
+        prepare(cfg)
+    cfg.output.dtype = "auto"
+    assert prepare(cfg)["dtype"] == "<u4"
+
+
+def test_checksum_mismatch_is_reported(tmp_path, capsys):
+    corpus, out = _corpus(tmp_path), tmp_path / "out"
+    prepare(_config(corpus, out))
+    shard = out / read_manifest(out)["splits"]["train"]["shards"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=f"{shard}: checksum does not match"):
+        verify_checksums(out)
+    assert cli_main(["--verify", str(out)]) == 2
+    assert "checksum does not match" in capsys.readouterr().err
+
+
+def test_cli_minimal_and_config_forms(tmp_path, capsys):
+    corpus = _corpus(tmp_path)
+    assert cli_main([str(corpus / "gutenberg"), "--out", str(tmp_path / "a"), "--tokenizer", "bpe",
+                     "--vocab-size", "320", "--val-fraction", "0.2", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "near duplicate" not in out and "train (out)" in out and "MB/s" in out
+    assert read_manifest(tmp_path / "a")["vocab_size"] == 320
+    toml = tmp_path / "data.toml"
+    toml.write_text(f'workers = 1\n[source]\npaths = ["{corpus}"]\n[tokenizer]\nvocab_size = 300\n'
+                    f'[output]\ndir = "{tmp_path / "b"}"\n')
+    assert cli_main(["--config", str(toml), "--dedup.threshold=0.95", "--split.val_fraction=0.3"]) == 0
+    m = read_manifest(tmp_path / "b")
+    assert m["config"]["dedup"]["threshold"] == 0.95 and m["split"]["val_fraction"] == 0.3
+    assert "near duplicate" not in capsys.readouterr().out  # 0.95: the excerpts are not that similar
+    assert cli_main(["--config", str(toml), "--dedup.threshold=2"]) == 2
+    assert "dedup.threshold must be <= 1" in capsys.readouterr().err
+    assert cli_main(["--config", str(toml), "--print-config"]) == 0
+    assert "[dedup]" in capsys.readouterr().out
+
+
+def test_trainer_path_matches_nanogpt_split(tmp_path):
+    text = "".join(f"line {i}: the quick brown fox\n" for i in range(500))
+    (tmp_path / "input.txt").write_text(text)
+    m = prepare_text(str(tmp_path / "input.txt"), tmp_path / "out", tokenizer="char", val_fraction=0.1)
+    cut = int(len(text) * 0.9)
+    assert m["splits"]["train"]["tokens"] == cut and m["splits"]["val"]["tokens"] == len(text) - cut
+    assert m["split"]["by"] == "tail" and m["eos_id"] is None
+
+
+def test_parallel_equals_sequential(tmp_path, monkeypatch):
+    corpus = _corpus(tmp_path)
+    sequential = prepare(_config(corpus, tmp_path / "seq"))
+    monkeypatch.setattr(prepare_mod, "WARMUP_BATCHES", 0)  # start the pool at once, one document a task
+    monkeypatch.setattr(prepare_mod, "BATCH_DOCS", 1)
+    cfg = _config(corpus, tmp_path / "par")
+    cfg.workers, cfg.tokenizer.encode_workers, cfg.tokenizer.batch_mb = 2, 2, 0.05
+    parallel = prepare(cfg)
+    for split in ("train", "val"):
+        assert [s["sha256"] for s in parallel["splits"][split]["shards"]] == \
+               [s["sha256"] for s in sequential["splits"][split]["shards"]]
+
+
+def test_fim_and_literal_special_tokens(tmp_path):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"Document {i} says <|eos|> and <|fim_prefix|> as plain text. " * 20)
+    cfg = _config(corpus, tmp_path / "out")
+    cfg.filter.max_dup_ngram_fraction = []  # these toy documents repeat themselves on purpose
+    cfg.filter.max_top_ngram_fraction = []
+    cfg.filter.max_dup_line_char_fraction = 1.0
+    cfg.augment.fim_rate = 1.0
+    m = prepare(cfg)
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    fim_ids = {tok.tok.token_to_id(t) for t in FIM_TOKENS}
+    for split in ("train", "val"):
+        ids = np.concatenate([np.fromfile(tmp_path / "out" / s["file"], dtype=m["dtype"])
+                              for s in m["splits"][split]["shards"]])
+        assert (ids == m["eos_id"]).sum() == m["splits"][split]["documents"]  # typed "<|eos|>" stays text
+        n_fim = np.isin(ids, list(fim_ids)).sum()
+        assert n_fim == (3 * m["splits"][split]["documents"] if split == "train" else 0)

@@ -1,0 +1,121 @@
+"""Sources: every format, compression, folder globs, and each kind of bad input counted and named."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+
+import pytest
+
+from scaletrain.data.prepare_config import SourceConfig
+from scaletrain.data.report import Report
+from scaletrain.data.sources import iter_documents
+from scaletrain.data.tokenizer import DataError
+
+
+def _read(paths, **kw):
+    report = Report()
+    docs = list(iter_documents(SourceConfig(paths=[str(p) for p in paths], **kw), report))
+    return docs, report
+
+
+def test_folder_recursive_with_globs_and_compression(tmp_path):
+    import zstandard
+
+    (tmp_path / "sub" / "deeper").mkdir(parents=True)
+    (tmp_path / "a.txt").write_text("plain text")
+    (tmp_path / "sub" / "b.txt.gz").write_bytes(gzip.compress(b"gzip text"))
+    (tmp_path / "sub" / "deeper" / "c.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(b"zstd text"))
+    (tmp_path / "sub" / "d.txt.xz").write_bytes(lzma.compress(b"xz text"))
+    (tmp_path / "sub" / "e.txt.bz2").write_bytes(bz2.compress(b"bz2 text"))
+    (tmp_path / "skip_me.txt").write_text("excluded")
+    (tmp_path / "image.png").write_bytes(b"\x89PNG....")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "x.txt").write_text("hidden")
+    docs, report = _read([tmp_path], exclude=["skip_*"])
+    assert sorted(d.text for d in docs) == ["bz2 text", "gzip text", "plain text", "xz text", "zstd text"]
+    assert report.documents_in == 5 and not report.issues
+
+
+def test_jsonl_bad_lines_are_counted_with_file_and_line(tmp_path):
+    f = tmp_path / "data.jsonl"
+    f.write_text('{"text": "one"}\n\n{"body": "no text field"}\nnot json at all\n{"text": 5}\n{"text": "two"}\n')
+    docs, report = _read([f])
+    assert [d.text for d in docs] == ["one", "two"]
+    assert docs[1].source == f"{f}:6"
+    assert report.issues == {"missing_text_field": 2, "bad_json_line": 1}
+    assert any(m.startswith(f"{f}:4: not valid JSON") for m in report.messages["bad_json_line"])
+    assert any(m.startswith(f"{f}:3: no 'text' field") for m in report.messages["missing_text_field"])
+    assert report.removed_total()[0] == 3
+
+
+def test_json_and_custom_field(tmp_path):
+    f = tmp_path / "data.json"
+    f.write_text(json.dumps({"rows": [{"content": "alpha"}, {"content": "beta"}]}))
+    docs, _ = _read([f], text_field="content")
+    assert [d.text for d in docs] == ["alpha", "beta"]
+
+
+def test_parquet_and_saved_hf_dataset(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"text": ["p1", "p2", None], "id": [1, 2, 3]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    docs, report = _read([tmp_path / "t.parquet"])
+    assert [d.text for d in docs] == ["p1", "p2"] and report.issues["missing_text_field"] == 1
+    # the layout Dataset.save_to_disk writes: Arrow IPC stream files listed in state.json
+    ds = tmp_path / "saved"
+    ds.mkdir()
+    with pa.ipc.new_stream(str(ds / "data-00000-of-00001.arrow"), table.schema) as w:
+        w.write_table(table)
+    (ds / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    docs, _ = _read([ds])
+    assert [d.text for d in docs] == ["p1", "p2"]
+    docs, report = _read([tmp_path / "t.parquet"], text_field="body")
+    assert docs == [] and report.issues["missing_text_field"] == 1
+
+
+def test_binary_empty_and_non_utf8(tmp_path):
+    (tmp_path / "bin.txt").write_bytes(b"abc\x00\x01\x02" * 10)
+    (tmp_path / "empty.txt").write_bytes(b"  \n")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 ok\nna\u00efve".encode("latin-1"))
+    docs, report = _read([tmp_path])
+    assert [d.text for d in docs] == ["caf\ufffd ok\nna\ufffdve"]
+    assert report.issues == {"binary_file": 1, "empty_file": 1, "not_utf8_replaced": 1}
+    assert f"{tmp_path / 'latin1.txt'}:1: not valid UTF-8 at byte 3" in report.messages["not_utf8_replaced"][0]
+    docs, report = _read([tmp_path / "latin1.txt"], encoding_errors="skip")
+    assert docs == [] and report.removed["source"]["not UTF-8"][0] == 1
+    with pytest.raises(DataError, match="latin1.txt:1: not valid UTF-8"):
+        _read([tmp_path / "latin1.txt"], encoding_errors="fail")
+
+
+def test_truncated_compressed_file_is_counted_not_fatal(tmp_path):
+    (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(b"x" * 1000)[:20])
+    (tmp_path / "good.txt").write_text("fine")
+    docs, report = _read([tmp_path])
+    assert [d.text for d in docs] == ["fine"] and report.issues["unreadable_file"] == 1
+
+
+def test_large_file_is_split_at_blank_lines(tmp_path):
+    paragraphs = [f"paragraph {i} " * 20 for i in range(50)]
+    (tmp_path / "big.txt").write_text("\n\n".join(paragraphs))
+    docs, _ = _read([tmp_path / "big.txt"], max_document_mb=0.002)
+    assert len(docs) > 5 and "".join(d.text for d in docs) == "\n\n".join(paragraphs)
+    assert all(d.text.endswith("\n\n") or d is docs[-1] for d in docs)
+
+
+def test_missing_path_and_hf_without_datasets(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match="data path not found"):
+        _read([tmp_path / "nope"])
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # never touch the network in tests
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(DataError, match="datasets"):
+            _read(["hf:some/dataset"])
+    else:
+        with pytest.raises(DataError, match="offline"):
+            _read(["hf:scaletrain-test/does-not-exist"])
