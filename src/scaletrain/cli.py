@@ -140,7 +140,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _plugin_parser(sub, name: str, module: str, add: str, run: str, help: str) -> None:
-    """Commands implemented in their own package (data, plan), imported only when used."""
+    """Commands whose arguments and implementation live in their own package (data, plan)."""
     import importlib
 
     mod = importlib.import_module(module)
@@ -157,10 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _export_parser(sub)
     for name, module, add, run, help in PLUGINS:
-        try:
-            _plugin_parser(sub, name, module, add, run, help)
-        except (ImportError, AttributeError):
-            pass  # a command whose package is not installed is simply not offered
+        _plugin_parser(sub, name, module, add, run, help)
     return parser
 
 
