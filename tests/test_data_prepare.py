@@ -74,6 +74,8 @@ def test_end_to_end_bpe(tmp_path):
     assert rep["documents_in"] == 14 and rep["tokens_out"] == sum(s["tokens"] for s in manifest["splits"].values())
     assert rep["modified"]["gutenberg_header_removed"] == 5 and rep["bytes_per_token"] > 1
     assert len(rep["near_duplicate_clusters"]) == 4
+    assert sorted(Path(n).name for n in rep["removed_documents"]["dedup: near duplicate"]) == \
+        sorted(p.name for p in (corpus / "shakespeare").glob("*_f.txt"))
     assert verify_checksums(out) == 5  # 2 shards, 2 doc indexes, the tokenizer
 
 
@@ -211,3 +213,14 @@ def test_fim_and_literal_special_tokens(tmp_path):
         assert (ids == m["eos_id"]).sum() == m["splits"][split]["documents"]  # typed "<|eos|>" stays text
         n_fim = np.isin(ids, list(fim_ids)).sum()
         assert n_fim == (3 * m["splits"][split]["documents"] if split == "train" else 0)
+
+
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).resolve().parents[1] / "configs" / "data").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_shipped_data_recipes_load(recipe):
+    from scaletrain.config import load_config
+    from scaletrain.data.prepare_config import validate
+
+    cfg = load_config(recipe, cls=PrepareConfig)
+    validate(cfg)
+    assert cfg.source.paths and cfg.output.dir

@@ -106,11 +106,11 @@ def clean_corpus(cfg: PrepareConfig, spill: Path, report: Report) -> np.ndarray:
                 for what, n in counts.items():
                     report.modify(what, n)
                 if removal is not None:
-                    report.remove(removal[0], removal[1], n_bytes)
+                    report.remove(removal[0], removal[1], n_bytes, source)
                     continue
                 reason = dedupper.check(len(keys), source, digest, sig)
                 if reason is not None:
-                    report.remove("dedup", reason, n_bytes)
+                    report.remove("dedup", reason, n_bytes, source)
                     continue
                 name, data = source.encode(), text.encode("utf-8")
                 out.write(_RECORD.pack(len(name), len(data)) + name + data)
@@ -316,7 +316,7 @@ def prepare(cfg: PrepareConfig, report: Report | None = None, log: Callable[[str
         "fingerprint": fp_all,
         "split": {"by": by, "val_fraction": cfg.split.val_fraction, "seed": cfg.split.seed},
         "splits": splits,
-        "stats": {k: v for k, v in report.to_dict().items() if k != "messages"},
+        "stats": {k: v for k, v in report.to_dict().items() if k not in ("messages", "removed_documents")},
         "config": dataclasses.asdict(cfg),
     }
     report.write(out / "report.json")

@@ -27,6 +27,7 @@ class Report:
     modified: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     issues: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     messages: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    removed_examples: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     clusters: list[dict] = field(default_factory=list)
     splits: dict[str, dict] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -38,11 +39,15 @@ class Report:
         self.documents_in += 1
         self.bytes_in += n_bytes
 
-    def remove(self, stage: str, reason: str, n_bytes: int) -> None:
-        """A document was dropped by ``stage`` for ``reason`` (e.g. filter / min_chars)."""
+    def remove(self, stage: str, reason: str, n_bytes: int, name: str | None = None) -> None:
+        """A document was dropped by ``stage`` for ``reason`` (e.g. filter / min_chars); ``name`` (its
+        source) is kept for the first documents of each reason, so report.json says which ones."""
         slot = self.removed[stage][reason]
         slot[0] += 1
         slot[1] += n_bytes
+        examples = self.removed_examples[f"{stage}: {reason}"]
+        if name is not None and len(examples) < MAX_MESSAGES_PER_KIND:
+            examples.append(name)
 
     def modify(self, what: str, count: int = 1) -> None:
         """A document was changed but kept (boilerplate stripped, bytes replaced, ...)."""
@@ -67,7 +72,8 @@ class Report:
         return {"documents_in": self.documents_in, "bytes_in": self.bytes_in,
                 "removed": {st: {r: list(v) for r, v in rs.items()} for st, rs in self.removed.items()},
                 "modified": dict(self.modified), "issues": dict(self.issues),
-                "messages": {k: list(v) for k, v in self.messages.items()}, "clusters": self.clusters}
+                "messages": {k: list(v) for k, v in self.messages.items()}, "clusters": self.clusters,
+                "removed_examples": {k: list(v) for k, v in self.removed_examples.items()}}
 
     def restore(self, saved: dict) -> None:
         self.documents_in, self.bytes_in = saved["documents_in"], saved["bytes_in"]
@@ -79,6 +85,8 @@ class Report:
         for k, v in saved["messages"].items():
             self.messages[k] = list(v)
         self.clusters = list(saved["clusters"])
+        for k, v in saved.get("removed_examples", {}).items():
+            self.removed_examples[k] = list(v)
 
     # -- output ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -93,6 +101,7 @@ class Report:
             "modified": dict(self.modified),
             "issues": dict(self.issues),
             "messages": {k: v for k, v in self.messages.items()},
+            "removed_documents": {k: v for k, v in self.removed_examples.items() if v},
             "near_duplicate_clusters": self.clusters,
             "splits": self.splits,
             "tokens_out": tokens,

@@ -164,7 +164,7 @@ def decode(raw: bytes, where: str, policy: str, report: Report) -> str | None:
                             "source.encoding_errors = 'replace' or 'skip'") from None
         if policy == "skip":
             report.issue("not_utf8_skipped", f"{where_line}: not valid UTF-8 at byte {exc.start}; document skipped")
-            report.remove("source", "not UTF-8", len(raw))
+            report.remove("source", "not UTF-8", len(raw), where_line)
             return None
         text = raw.decode("utf-8", errors="replace")
         replaced = text.count("\ufffd") - raw.count("\ufffd".encode())
@@ -177,7 +177,7 @@ def decode(raw: bytes, where: str, policy: str, report: Report) -> str | None:
 def _skip_file(path: Path, kind: str, message: str, n_bytes: int, report: Report) -> None:
     report.document_in(n_bytes)
     report.issue(kind, f"{path}: {message}")
-    report.remove("source", kind.replace("_", " "), n_bytes)
+    report.remove("source", kind.replace("_", " "), n_bytes, str(path))
 
 
 # -- readers ----------------------------------------------------------------------------------------
@@ -231,12 +231,12 @@ def _text_document(raw: bytes, name: str, cfg: SourceConfig, report: Report) -> 
 def _record_text(record: object, where: str, field: str, report: Report, n_bytes: int) -> str | None:
     if not isinstance(record, dict) or field not in record:
         report.issue("missing_text_field", f"{where}: no {field!r} field; record skipped (set source.text_field)")
-        report.remove("source", "missing text field", n_bytes)
+        report.remove("source", "missing text field", n_bytes, where)
         return None
     value = record[field]
     if not isinstance(value, str):
         report.issue("missing_text_field", f"{where}: field {field!r} is {type(value).__name__}, not text; skipped")
-        report.remove("source", "missing text field", n_bytes)
+        report.remove("source", "missing text field", n_bytes, where)
         return None
     return value
 
@@ -258,7 +258,7 @@ def read_jsonl(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Docume
                 record = json.loads(line)
             except ValueError as exc:
                 report.issue("bad_json_line", f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); line skipped")
-                report.remove("source", "bad JSON line", len(raw))
+                report.remove("source", "bad JSON line", len(raw), where)
                 continue
             text = _record_text(record, where, cfg.text_field, report, len(raw))
             if text is not None:
@@ -306,7 +306,7 @@ def _iter_record_batches(batches, where: str, field: str, report: Report) -> Ite
             report.document_in(n)
             if not isinstance(value, str):
                 report.issue("missing_text_field", f"{where}[{row}]: {field!r} is {type(value).__name__}; skipped")
-                report.remove("source", "missing text field", n)
+                report.remove("source", "missing text field", n, f"{where}[{row}]")
             else:
                 yield Document(value, f"{where}[{row}]", n)
             row += 1

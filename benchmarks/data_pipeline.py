@@ -1,0 +1,296 @@
+"""Data pipeline benchmark: prepare throughput, tokenizer overhead, peak memory at 1x and 10x, loader cost.
+
+    .venv/bin/python benchmarks/data_pipeline.py                  # ~4 minutes on 2 cores
+    .venv/bin/python benchmarks/data_pipeline.py --quick          # no 10x run
+
+Inputs: all of ../shared/data/gutenberg-shakespeare/ (*.txt) plus ../shared/data/gutenberg-raw-sample/.
+1. ``prepare`` end to end (default config: clean, filters, exact + near dedup, BPE 8192), in a fresh
+   process, MB/s of raw input; peak RSS of the whole process tree (workers included), sampled every 20 ms.
+2. The same with dedup off at 1x and at 10x (the corpus listed ten times through symlinks): every byte
+   flows through every stage, so the peak RSS shows whether memory stays flat as the input grows.
+3. Tokenization in one process, same texts, same tokenizer, back to back: plain
+   ``Tokenizer.encode_batch(all texts)``, the same plus reading ``.ids`` (what any consumer must do),
+   ``encode_batch_fast`` (no offsets) plus ``.ids``,
+   and the pipeline's encode stage (``encode.encode_stream``: batches, ids -> numpy, EOS) in-process and
+   with 2 worker processes. One warm-up call first; best of 3 each; ratios are time / plain time.
+4. Loader: ms per batch at 12 x 64 (the foundation's baby-GPT recipe) with and without prefetch, and
+   training steps of that recipe's model (forward, backward, AdamW) fed by the live loader vs by batches
+   read beforehand, with the time spent inside ``next(loader)`` as the loader's share of a step.
+
+Prints a table and writes benchmarks/results/data_pipeline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+SOURCES = [SHARED / "gutenberg-shakespeare", SHARED / "gutenberg-raw-sample"]
+
+
+# -- 1, 2: prepare in a child process, peak RSS of its process tree -------------------------------------
+
+def _tree_rss_kb(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants (kB), from /proc."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                stack += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return total
+
+
+CHILD = """
+import json, sys, time
+from scaletrain.data.prepare import prepare
+from scaletrain.data.prepare_config import PrepareConfig
+from scaletrain.data.report import Report
+if __name__ == "__main__":
+    paths, out, dedup_on = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+    cfg = PrepareConfig()
+    cfg.source.paths, cfg.source.include = paths, ["*.txt"]
+    cfg.dedup.exact = cfg.dedup.near = dedup_on
+    cfg.output.dir, cfg.output.force = out, True
+    report = Report()
+    t0 = time.perf_counter()
+    prepare(cfg, report)
+    seconds = time.perf_counter() - t0
+    print(report.table(), file=sys.stderr)
+    print(json.dumps({"seconds": seconds, "report": {k: v for k, v in report.to_dict().items() if k != "messages"}}))
+"""
+
+
+def run_prepare(paths: list[Path], out: Path, dedup_on: bool) -> dict:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps([str(p) for p in paths]), str(out),
+                             "1" if dedup_on else "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    peak = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, _tree_rss_kb(proc.pid))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stdout, stderr = proc.communicate()
+    stop.set()
+    sampler.join()
+    if proc.returncode:
+        raise SystemExit(f"prepare failed:\n{stderr}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    rep = result["report"]
+    return {"mb_in": round(rep["bytes_in"] / 1e6, 2), "documents_in": rep["documents_in"],
+            "seconds": round(result["seconds"], 2), "mb_per_second": round(rep["bytes_in"] / 1e6 / result["seconds"], 3),
+            "peak_rss_mb": round(peak / 1024, 1), "tokens_out": rep["tokens_out"],
+            "bytes_per_token": rep["bytes_per_token"], "removed": rep["removed"], "timings": rep["timings"],
+            "table": stderr.strip()}
+
+
+def ten_x(tmp: Path) -> list[Path]:
+    """The corpus ten times, as symlinks (no disk copies; every copy is read and processed again)."""
+    roots = []
+    for k in range(10):
+        for src in SOURCES:
+            dst = tmp / f"copy{k}" / src.name
+            dst.mkdir(parents=True)
+            for f in src.glob("*.txt"):
+                (dst / f.name).symlink_to(f)
+        roots.append(tmp / f"copy{k}")
+    return roots
+
+
+# -- 3: tokenization, same process, same texts ----------------------------------------------------------
+
+def bench_tokenization(prepared: Path) -> dict:
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from scaletrain.data.encode import encode_stream
+    from scaletrain.data.prepare import read_cleaned
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    texts = [t for _, t in read_cleaned(prepared / ".work" / "cleaned.zst")]
+    n_bytes = sum(len(t.encode()) for t in texts)
+    plain = Tokenizer.from_file(str(prepared / "tokenizer.json"))
+    ours = load_tokenizer(prepared / "tokenizer.json")
+
+    def batches(size=4_000_000):
+        batch, n = [], 0
+        for t in texts:
+            batch.append([t])
+            n += len(t)
+            if n >= size:
+                yield batch
+                batch, n = [], 0
+        if batch:
+            yield batch
+
+    def best(fn, repeats=3):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    plain.encode_batch(texts)  # warm-up: the first pass fills the BPE word cache and is ~2x slower
+    rows = {
+        "plain encode_batch": best(lambda: plain.encode_batch(texts)),
+        "plain encode_batch + .ids": best(lambda: [e.ids for e in plain.encode_batch(texts)]),
+        "plain encode_batch_fast + .ids": best(lambda: [e.ids for e in plain.encode_batch_fast(texts)]),
+        "pipeline encode stage (in-process)": best(
+            lambda: sum(len(a) for arrs in encode_stream(batches(), ours, prepared / "tokenizer.json",
+                                                         np.dtype("<u2"), 0) for a in arrs)),
+        "pipeline encode stage (2 processes)": best(
+            lambda: sum(len(a) for arrs in encode_stream(batches(1_000_000), ours, prepared / "tokenizer.json",
+                                                         np.dtype("<u2"), 2) for a in arrs), repeats=2),
+    }
+    base = rows["plain encode_batch"]
+    fast = rows["plain encode_batch_fast + .ids"]
+    return {"mb": round(n_bytes / 1e6, 2), "documents": len(texts),
+            "rows": {k: {"seconds": round(v, 3), "mb_per_second": round(n_bytes / 1e6 / v, 2),
+                         "ratio_to_plain": round(v / base, 3), "ratio_to_plain_fast": round(v / fast, 3)}
+                     for k, v in rows.items()}}
+
+
+# -- 4: loader against a training step of the baby-GPT recipe ------------------------------------------
+
+def bench_loader(tmp: Path) -> dict:
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+
+    from scaletrain.config import load_config
+    from scaletrain.data.loader import TokenLoader
+    from scaletrain.data.prepare import prepare_text
+    from scaletrain.model import build_model
+
+    torch.set_num_threads(2)
+    data = tmp / "tinyshakespeare"
+    manifest = prepare_text("builtin:tinyshakespeare", data, tokenizer="char")
+    job = load_config(ROOT / "configs" / "shakespeare_char_baby.toml")
+    B, T = job.train.batch_size, job.data.seq_len
+    model = build_model(dataclasses.replace(job.model, vocab_size=manifest["vocab_size"]), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = {"batch": f"{B} x {T}"}
+    for prefetch in (0, 2):
+        loader = TokenLoader(str(data), "train", T, B, seed=1337, prefetch=prefetch)
+        next(loader)
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            next(loader)
+        out[f"loader_ms_per_batch_prefetch{prefetch}"] = round((time.perf_counter() - t0) / 2000 * 1e3, 4)
+        loader.close()
+    # Training steps fed by the live loader vs by batches read beforehand (a fixed batch would overfit
+    # into denormal gradients and slow down), interleaved in blocks so machine load hits both alike.
+    # The trainer-visible loader cost is the time spent inside next(loader) during the fed blocks.
+    loader = TokenLoader(str(data), "train", T, B, seed=1337, prefetch=2)
+    ready = [b for _, b in zip(range(120), TokenLoader(str(data), "train", T, B, seed=99, prefetch=0))]
+    for x, y in ready[:10]:
+        step(x, y)
+    fed, alone, waits = [], [], []
+    for block in range(6):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            w0 = time.perf_counter()
+            x, y = next(loader)
+            waits.append(time.perf_counter() - w0)
+            step(x, y)
+        fed.append((time.perf_counter() - t0) / 20)
+        t0 = time.perf_counter()
+        for x, y in ready[block * 20:(block + 1) * 20]:
+            step(x, y)
+        alone.append((time.perf_counter() - t0) / 20)
+    loader.close()
+    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    fed_ms, alone_ms = median(fed) * 1e3, median(alone) * 1e3
+    wait_ms = sum(waits) / len(waits) * 1e3
+    out.update({"step_ms_preloaded": round(alone_ms, 2), "step_ms_loader_fed": round(fed_ms, 2),
+                "consumer_wait_ms_per_step": round(wait_ms, 4),
+                "loader_share_of_step_pct": round(100 * wait_ms / fed_ms, 3),
+                "step_time_difference_pct": round(100 * (fed_ms - alone_ms) / alone_ms, 2)})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip the 10x run")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "data_pipeline.json"))
+    args = parser.parse_args()
+    if not all(s.is_dir() for s in SOURCES):
+        raise SystemExit(f"needs {SOURCES[0]} and {SOURCES[1]}")
+    results: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                 "loadavg_at_start": os.getloadavg()}}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        print("prepare 1x, default config ...", flush=True)
+        results["prepare_1x_default"] = run_prepare(SOURCES, tmp / "p1", dedup_on=True)
+        print(results["prepare_1x_default"]["table"], flush=True)
+        print("prepare 1x, no dedup ...", flush=True)
+        results["prepare_1x_nodedup"] = run_prepare(SOURCES, tmp / "p1n", dedup_on=False)
+        if not args.quick:
+            print("prepare 10x, no dedup ...", flush=True)
+            results["prepare_10x_nodedup"] = run_prepare(ten_x(tmp / "x10"), tmp / "p10n", dedup_on=False)
+        print("tokenization ...", flush=True)
+        results["tokenization"] = bench_tokenization(tmp / "p1")
+        print("loader ...", flush=True)
+        results["loader"] = bench_loader(tmp)
+    results["machine"]["loadavg_at_end"] = os.getloadavg()
+    for key in list(results):
+        if key.startswith("prepare_"):
+            results[key].pop("table", None)
+
+    lines = ["| measurement | value |", "|---|---|"]
+    for key in ("prepare_1x_default", "prepare_1x_nodedup", "prepare_10x_nodedup"):
+        if key in results:
+            r = results[key]
+            lines.append(f"| {key}: {r['mb_in']} MB in, {r['documents_in']} docs | {r['mb_per_second']} MB/s, "
+                         f"{r['seconds']} s, peak RSS {r['peak_rss_mb']} MB, {r['tokens_out']:,} tokens |")
+    tok = results["tokenization"]
+    for name, r in tok["rows"].items():
+        lines.append(f"| tokenization ({tok['mb']} MB): {name} | {r['mb_per_second']} MB/s, time "
+                     f"{r['ratio_to_plain']}x plain encode_batch, {r['ratio_to_plain_fast']}x encode_batch_fast |")
+    lo = results["loader"]
+    lines.append(f"| loader {lo['batch']}: ms/batch (prefetch 0 / 2) | {lo['loader_ms_per_batch_prefetch0']} / "
+                 f"{lo['loader_ms_per_batch_prefetch2']} ms |")
+    lines.append(f"| baby-GPT step (pre-read batches / loader-fed) | {lo['step_ms_preloaded']} / "
+                 f"{lo['step_ms_loader_fed']} ms (difference {lo['step_time_difference_pct']} %, noise included) |")
+    lines.append(f"| time inside next(loader) per step (prefetch 2) | {lo['consumer_wait_ms_per_step']} ms = "
+                 f"{lo['loader_share_of_step_pct']} % of the step |")
+    table = "\n".join(lines)
+    print(table)
+    results["table"] = table
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
