@@ -49,7 +49,6 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     "fsdp3_offload": (dict(dp_shard=-1, cpu_offload=True), 1),
     "fsdp3_bf16": (dict(dp_shard=-1, param_dtype="bf16"), 1),  # mixed precision: looser tolerance
     # 4 ranks
-    "pp_ddp": (dict(pp=2, dp_replicate=2, pp_schedule="gpipe", pp_microbatches=2), 1),
     "pp_tp": (dict(pp=2, tp=2, pp_schedule="1f1b", pp_microbatches=4), 1),
     "hsdp": (dict(dp_replicate=2, dp_shard=2), 1),
     "fsdp_tp": (dict(dp_shard=2, tp=2, sequence_parallel=True), 1),
@@ -125,23 +124,72 @@ def parallel_losses(fields: dict, accum: int) -> tuple[list[float], dict]:
                     "all_reduce_calls": pm.comm.all_reduce_calls}
 
 
+def _local_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def memory_record(name: str) -> dict:
+    """Per-rank bytes of parameters (at rest and held between forward and backward), gradients and AdamW
+    moments (exp_avg + exp_avg_sq) for one strategy, after one training step."""
+    fields, _ = STRATEGIES[name]
+    cfg = ParallelConfig(**fields)
+    dims = ParallelDims.from_config(cfg, dist.get_world_size())
+    with torch.device("meta"):
+        model = Transformer(MODEL)
+    device = torch.device("cpu")
+    pm = parallelize(model, dims, cfg, mesh=dims.build_mesh("cpu"), model_cfg=MODEL, device=device, seed=SEED)
+    opt = build_parallel_optimizer(pm, OPTIM, device, dims.zero_stage)
+    module, wrapper = pm.modules[0], pm.parts[0]
+    local = GLOBAL_BATCH // dims.dp_size
+    inputs, targets = batches(0, 1)[0]
+    inputs, targets = inputs[pm.dp_rank * local:][:local], targets[pm.dp_rank * local:][:local]
+    params_at_rest = _local_bytes(module.parameters())
+    loss = torch.nn.functional.cross_entropy(wrapper(inputs).flatten(0, 1), targets.flatten())
+    # FSDP2 swaps the registered parameters to the gathered (unsharded) ones while they are held.
+    params_in_step = _local_bytes(module.parameters())
+    loss.backward()
+    grads = _local_bytes(p.grad for p in module.parameters() if p.grad is not None)
+    opt.step()
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's AdamW in .optim
+    states = _local_bytes(v for st in inner.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+    full_params = sum(p.numel() for p in build_model(MODEL, "cpu", seed=SEED).parameters())
+    largest = max(p.numel() for p in build_model(MODEL, "cpu", seed=SEED).parameters())
+    return {"strategy": name, "zero_stage": dims.zero_stage, "rank": dist.get_rank(), "world_size": dims.world_size,
+            "num_params": full_params, "largest_param": largest, "params_at_rest": params_at_rest,
+            "params_in_step": params_in_step, "grads": grads, "optimizer_states": states}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--strategies", required=True)
+    parser.add_argument("--strategies", default="")
+    parser.add_argument("--memory", default="", help="strategies to measure per-rank bytes for")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     records, ref_cache = [], {}
-    for name in args.strategies.split(","):
+    for name in filter(None, args.memory.split(",")):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, memory_record(name))
+        records.extend({"kind": "memory", **r} for r in gathered)
+        if rank == 0:
+            print(f"{name:>16}: memory " + " | ".join(f"rank {r['rank']}: P {r['params_at_rest']}/"
+                  f"{r['params_in_step']} G {r['grads']} O {r['optimizer_states']}" for r in gathered), flush=True)
+    for name in filter(None, args.strategies.split(",")):
         fields, accum = STRATEGIES[name]
         if not ref_cache:  # always one process and one batch of k * b rows, whatever the strategy's k
             ref_cache[1] = reference_losses(1)
         ref = ref_cache[1]
         losses, info = parallel_losses(fields, accum)
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
-        records.append({"strategy": name, "world_size": dist.get_world_size(), "grad_accum_steps": accum,
+        records.append({"kind": "parity", "strategy": name, "world_size": dist.get_world_size(), "grad_accum_steps": accum,
                         "reference": ref, "parallel": losses, "max_rel_diff": rel, **info})
         if rank == 0:
             print(f"{name:>16}: max rel diff {rel:.2e}  ({info['seconds']:.1f} s)", flush=True)

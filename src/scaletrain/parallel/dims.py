@@ -78,6 +78,9 @@ class ParallelDims:
         if self.dp_replicate > 1 and self.dp_shard == 1 and (self.tp > 1 or self.cp > 1):
             raise ConfigError("DDP (dp_replicate without dp_shard) cannot wrap tensor/context-parallel DTensor "
                               "parameters; use parallel.dp_shard for the data-parallel degree")
+        if self.dp_replicate > 1 and self.dp_shard == 1 and self.pp > 1:
+            raise ConfigError("DDP (dp_replicate without dp_shard) is not supported with parallel.pp > 1 (it hangs "
+                              "in the pipeline schedule); use parallel.dp_shard for the data-parallel degree")
         if cfg.low_comm != "none":
             if self.dp_replicate < 2 or self.dp_shard > 1 or self.tp > 1 or self.pp > 1 or self.cp > 1:
                 raise ConfigError(f"parallel.low_comm={cfg.low_comm} averages whole replicas over dp_replicate > 1 "

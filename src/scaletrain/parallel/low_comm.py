@@ -83,6 +83,11 @@ class LowCommSync:
             p.copy_(g)
         return True
 
+    def finish(self, step: int) -> None:
+        """At the end of training: one last synchronisation unless ``step`` just had one."""
+        if step % self.sync_every:
+            self.after_step(step - step % self.sync_every + self.sync_every)
+
     def state_dict(self) -> dict:
         if self.outer_opt is None:
             return {}

@@ -133,7 +133,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
             return cross_entropy(logits, targets) * scale
 
         pm.pipeline = build_pipeline(pm.parts, pp_ids, dims.pp * cfg.pp_virtual_stages, pm.group("pp"), device,
-                                     cfg.pp_schedule, n_micro, scaled_loss)
+                                     cfg.pp_schedule, n_micro, scaled_loss, scale)
     return pm
 
 

@@ -52,6 +52,7 @@ class Pipeline:
     stages: list[PipelineStage]
     has_first_stage: bool
     has_last_stage: bool
+    loss_scale: float = 1.0  # the factor the schedule's loss_fn multiplies each micro-batch loss by
     losses: list = field(default_factory=list)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -65,19 +66,22 @@ class Pipeline:
 
     @torch.no_grad()
     def eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward only (no gradients), same return convention as ``step``."""
+        """Forward only (no gradients): the mean unscaled loss over the micro-batches on the rank that owns
+        the last stage, else None."""
         self.losses.clear()
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
         self.schedule.eval(*args, target=target, losses=self.losses if self.has_last_stage else None)
-        return torch.stack([l.detach() for l in self.losses]).sum() if self.has_last_stage else None
+        if not self.has_last_stage:
+            return None
+        return torch.stack([l.detach() for l in self.losses]).mean() / self.loss_scale
 
 
 def build_pipeline(parts: list[nn.Module], ids: list[int], num_stages: int, pp_group, device: torch.device,
-                   schedule_name: str, n_microbatches: int, loss_fn: Callable) -> Pipeline:
+                   schedule_name: str, n_microbatches: int, loss_fn: Callable, loss_scale: float) -> Pipeline:
     """Wrap materialized stage modules in ``PipelineStage`` and build the schedule.
 
-    ``loss_fn`` must already include the 1 / (micro-batches x accumulation) scale: the schedule's own
+    ``loss_fn`` must already include the ``loss_scale`` = 1 / (micro-batches x accumulation): the schedule's own
     ``scale_grads`` is turned off because it rescales *all* accumulated gradients at the end of each step,
     which would be wrong with gradient accumulation across steps.
     """
@@ -88,4 +92,5 @@ def build_pipeline(parts: list[nn.Module], ids: list[int], num_stages: int, pp_g
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(schedule, stages, has_first_stage=0 in ids, has_last_stage=num_stages - 1 in ids)
+    return Pipeline(schedule, stages, has_first_stage=0 in ids, has_last_stage=num_stages - 1 in ids,
+                    loss_scale=loss_scale)
