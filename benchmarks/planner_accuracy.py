@@ -114,7 +114,8 @@ def measure(row: Row, steps: int) -> dict:
         ranks = [json.loads(line) for line in out.read_text().splitlines()]
     worst = max(ranks, key=lambda r: r["peak_bytes"])
     return {"peak_bytes": worst["peak_bytes"], "step_s": max(r["step_s"] for r in ranks),
-            "step_s_min": max(r["step_s_min"] for r in ranks), "per_rank": ranks}
+            "step_s_min": max(r["step_s_min"] for r in ranks), "step_cpu_s": max(r["step_cpu_s"] for r in ranks),
+            "per_rank": ranks}
 
 
 def worker(name: str, out: str, steps: int) -> None:
@@ -139,6 +140,12 @@ def main() -> int:
     parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
     parser.add_argument("--recalibrate", action="store_true", help="re-run the doctor calibration first")
+    parser.add_argument("--rounds", type=int, default=4, help="calibration rounds (best of each point is kept)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of single-process rows (and of the "
+                                                                "calibration); 2-rank rows use 1 per rank")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="cpu: compare with the process's CPU time (needs --threads 1; robust when other "
+                             "jobs share the cores); wall: wall-clock medians, measured when the machine is quiet")
     parser.add_argument("--quiet-threshold", type=float, default=0.85,
                         help="measure only when a matmul probe reaches this fraction of the calibrated peak")
     parser.add_argument("--quiet-tries", type=int, default=40)
@@ -156,10 +163,16 @@ def main() -> int:
     from scaletrain.plan import calibration
     from scaletrain.plan.measure import wait_for_quiet
 
+    import torch
+
     console = Console(width=140)
-    if args.recalibrate:
-        calibration.calibrate("cpu", log=console.print, rounds=3)
-    entry = calibration.calibration_entry("cpu", log=console.print)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu needs --threads 1 (CPU time adds up every thread's time)")
+    torch.set_num_threads(args.threads)
+    entry = calibration.calibration_entry("cpu", measure_if_missing=False)
+    if args.recalibrate or "elementwise_s_per_element" not in entry or entry.get("clock", "wall") != args.clock:
+        calibration.calibrate("cpu", log=console.print, rounds=args.rounds, clock=args.clock)
+        entry = calibration.calibration_entry("cpu")
     if "allreduce_busbw" not in entry or args.recalibrate:
         console.print("measuring the gloo all-reduce bandwidth (torchrun, 2 ranks)")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
@@ -169,28 +182,35 @@ def main() -> int:
     peak = cluster.hardware.peak_flops["fp32"]
     rows = [r for r in ROWS if not args.rows or r.name in args.rows.split(",")]
     records = []
+    clock_key = "step_cpu_s" if args.clock == "cpu" else "step_s"
     for row in rows:
-        for attempt in range(3):
-            before = wait_for_quiet(peak, args.quiet_threshold, args.quiet_tries, console.print)
+        for attempt in range(3 if args.clock == "wall" else 1):
+            before = wait_for_quiet(peak, args.quiet_threshold, args.quiet_tries, console.print) \
+                if args.clock == "wall" else 0.0
             measured = measure(row, args.steps)
+            if args.clock == "cpu":
+                break
             after = wait_for_quiet(peak, args.quiet_threshold, 1, lambda s: None)
             if after >= args.quiet_threshold * peak:
                 break
             console.print(f"  {row.name}: machine got busy during the row (probe {after / 1e9:.0f} GFLOP/s), again")
+        measured["step_s_clock"] = measured[clock_key]
         mem, seconds, phase = predict(row, cluster)
         record = {"row": row.name, "model": row.model, "batch_per_rank": row.batch, "seq_len": row.seq, "ac": row.ac,
                   "parallel": row.parallel, "world": row.world, "predicted_peak_bytes": mem,
                   "measured_peak_bytes": measured["peak_bytes"], "memory_error": mem / measured["peak_bytes"] - 1,
-                  "predicted_step_s": seconds, "measured_step_s": measured["step_s"],
-                  "measured_step_s_min": measured["step_s_min"], "time_error": seconds / measured["step_s"] - 1,
-                  "peak_phase": phase, "probe_before_flops": before, "probe_after_flops": after}
+                  "predicted_step_s": seconds, "measured_step_s": measured["step_s_clock"], "clock": args.clock,
+                  "measured_wall_s": measured["step_s"], "measured_cpu_s": measured["step_cpu_s"],
+                  "time_error": seconds / measured["step_s_clock"] - 1, "peak_phase": phase}
         records.append(record)
         console.print(f"{row.name:28s} mem {mem / 2**20:8.1f} MiB vs {measured['peak_bytes'] / 2**20:8.1f} "
                       f"({record['memory_error']:+.1%})  time {seconds * 1e3:7.1f} ms vs "
-                      f"{measured['step_s'] * 1e3:7.1f} ({record['time_error']:+.1%})")
+                      f"{measured['step_s_clock'] * 1e3:7.1f} ({record['time_error']:+.1%}; wall "
+                      f"{measured['step_s'] * 1e3:.0f})")
 
-    table = Table(title=f"Planner accuracy on this CPU ({cluster.hardware.calibration.get('measured_at', '?')} "
-                        f"calibration, fp32, medians of {args.steps} steps)")
+    table = Table(title=f"Planner accuracy on this CPU (fp32, {args.threads} thread(s) per process, {args.clock} "
+                        f"time, medians of {args.steps} steps; calibration "
+                        f"{cluster.hardware.calibration.get('measured_at', '?')})")
     for col in ("row", "ranks", "pred MiB", "meas MiB", "mem err", "pred ms", "meas ms", "time err", "ok"):
         table.add_column(col, justify="left" if col == "row" else "right")
     ok_all = True
@@ -208,7 +228,8 @@ def main() -> int:
                   f"{worst_time:.1%} (target {TIME_TARGET:.0%}): {'all rows within target' if ok_all else 'MISSED'}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "machine": calibration.device_fingerprint("cpu"), "calibration": cluster.hardware.calibration,
+        "machine": calibration.device_fingerprint("cpu"), "clock": args.clock, "threads": args.threads,
+        "calibration": cluster.hardware.calibration,
         "targets": {"memory": MEMORY_TARGET, "time": TIME_TARGET}, "rows": records,
         "worst_memory_error": worst_mem, "worst_time_error": worst_time, "all_within_target": ok_all,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))

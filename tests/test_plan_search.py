@@ -16,7 +16,7 @@ from scaletrain.plan.timing import communication, step_time
 
 # A made-up but self-consistent CPU calibration, so these tests neither measure nor depend on the machine.
 CALIBRATION = {
-    "matmul_flops_fp32": 1e11, "gemm_curve": [[64, 5e10], [2048, 1e11]], "op_overhead_s": 2e-6,
+    "matmul_flops_fp32": 1e11, "gemm_curve": [[64, 5e10, 4e10], [2048, 1e11, 9e10]], "op_overhead_s": 2e-6,
     "attention_curve": {"64": [[64, 4e10, 4e10], [1024, 6e10, 6e10]]}, "cross_entropy_curve": [[256, 1e-9]],
     "optimizer_curve": [[1e5, 2e-9], [1e7, 4e-9]], "elementwise_s_per_element": 1e-9, "block_ops": 200,
     "allreduce_busbw": 1e9,

@@ -63,11 +63,11 @@ def measure_matmul_flops(device: torch.device | str = "cpu", dtype: str = "fp32"
     sync()
     best, spent, reps = 0.0, 0.0, 4
     while spent < min_seconds:
-        t0 = time.perf_counter()
+        t0 = _clock()
         for _ in range(reps):
             a @ b
         sync()
-        dt = time.perf_counter() - t0
+        dt = _clock() - t0
         spent += dt
         best = max(best, reps * 2 * n**3 / dt)
     return best
@@ -122,30 +122,52 @@ CE_VOCABS = (256, 2048, 16384)
 OPT_SIZES = (1 << 18, 1 << 21, 1 << 24)  # parameters
 
 
+# The clock of the microbenchmarks: wall time, or (``calibrate(clock="cpu")``, single-threaded only) this
+# process's CPU time, which other processes time-sharing the cores do not inflate.
+_CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 def _best_time(fn, reps: int, warmup: int = 1) -> float:
-    """Best wall time of ``fn`` over ``reps`` runs.
+    """Best time of ``fn`` over ``reps`` runs.
 
     The best, not the median: a calibration describes what the machine can do, and other work sharing the
-    cores only ever adds time. (Step times are reported as medians of a quiet machine; see the benchmark.)
+    cores only ever adds time.
     """
     for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, _clock() - t0)
     return best
 
 
+def _backward_rate(flops: float, t_fwd: float, t_both: float) -> float:
+    """FLOP/s of a backward timed as (forward + backward) - forward. A backward does twice the forward's
+    work, so forward + backward under 1.5x forward means the forward sample was slowed by other work:
+    report 0 so that another round's value wins (rounds keep the best)."""
+    return flops / (t_both - t_fwd) if t_both > 1.5 * t_fwd else 0.0
+
+
 def measure_gemm_curve(m: int = 1024) -> list[list[float]]:
-    """[[width, FLOP/s], ...] for (m x w) @ (w x w) GEMMs: what transformer linears really reach."""
+    """[[width, forward FLOP/s, backward FLOP/s], ...] of a bias-free ``nn.Linear(w, w)`` on m rows: the
+    forward GEMM and the backward's two (input grad and weight grad, whose shapes run differently)."""
     out = []
     for w in GEMM_WIDTHS:
-        a, b = torch.randn(m, w), torch.randn(w, w)
-        reps = max(3, min(40, int(2e9 / (2 * m * w * w))))
-        t = _best_time(lambda: a @ b, reps)
-        out.append([float(w), 2.0 * m * w * w / t])
+        layer = torch.nn.Linear(w, w, bias=False)
+        x = torch.randn(m, w, requires_grad=True)
+        grad = torch.randn(m, w)
+        flops = 2.0 * m * w * w
+        reps = max(3, min(40, int(2e9 / flops)))
+        t_fwd = _best_time(lambda: layer(x), reps)
+
+        def fwd_bwd():
+            layer(x).backward(grad)
+
+        t_both = _best_time(fwd_bwd, reps)
+        out.append([float(w), flops / t_fwd, _backward_rate(2 * flops, t_fwd, t_both)])
     return out
 
 
@@ -168,7 +190,7 @@ def measure_attention_curve(batch_heads: int = 16) -> dict[str, list[list[float]
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
             t_both = _best_time(fwd_bwd, reps)
-            rows.append([float(seq), fwd_flops / t_fwd, 2 * fwd_flops / max(t_both - t_fwd, 1e-9)])
+            rows.append([float(seq), fwd_flops / t_fwd, _backward_rate(2 * fwd_flops, t_fwd, t_both)])
         out[str(hd)] = rows
     return out
 
@@ -285,13 +307,24 @@ def _best_of(a, b, higher_is_better: bool):
 
 
 def calibrate(device: torch.device | str = "cpu", dtypes: tuple[str, ...] = ("fp32", "bf16"),
-              log=print, rounds: int = 1) -> dict:
+              log=print, rounds: int = 1, clock: str = "wall") -> dict:
     """Measure every rate the planner uses for ``device`` and cache it under its fingerprint (~10 s a round).
 
     ``rounds`` > 1 repeats the CPU microbenchmarks and keeps the best of each point: on cores shared with
-    other work, interference only ever makes a round slower.
+    other work, interference only ever makes a round slower. ``clock="cpu"`` times with process CPU time
+    (only meaningful with one torch thread): robust on a machine shared with other jobs.
     """
-    device = torch.device(device)
+    global _clock
+    if clock == "cpu" and torch.get_num_threads() != 1:
+        raise ValueError("calibrate(clock='cpu') needs torch.set_num_threads(1): CPU time sums all threads")
+    previous, _clock = _clock, _CLOCK[clock]
+    try:
+        return _calibrate(torch.device(device), dtypes, log, rounds, clock)
+    finally:
+        _clock = previous
+
+
+def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, clock: str) -> dict:
     entry: dict = {}
     for dtype in dtypes:
         # bf16 on an AVX2 CPU is ~100x slower: measure a smaller matmul so doctor stays quick.
@@ -313,19 +346,23 @@ def calibrate(device: torch.device | str = "cpu", dtypes: tuple[str, ...] = ("fp
         entry.update(measured)
         log(f"memory bandwidth (copy): {entry['memory_bandwidth'] / 1e9:.1f} GB/s; "
             f"op dispatch {entry['op_overhead_s'] * 1e6:.1f} us")
+        # The 1024-wide GEMM of the curve is the same kernel as the peak measurement: take the better of the two.
+        entry["matmul_flops_fp32"] = max(entry["matmul_flops_fp32"], max(r[1] for r in entry["gemm_curve"]))
         entry["gemm_efficiency"] = sorted(r[1] for r in entry["gemm_curve"])[len(GEMM_WIDTHS) // 2] / entry[
             "matmul_flops_fp32"]
-        log("GEMM at transformer shapes: " + ", ".join(f"w{int(w)} {f / 1e9:.0f}" for w, f in entry["gemm_curve"])
-            + " GFLOP/s")
+        log("nn.Linear fwd/bwd GFLOP/s by width: " + ", ".join(f"w{int(w)} {f / 1e9:.0f}/{b / 1e9:.0f}" for w, f, b in entry["gemm_curve"])
+            )
         elementwise = [measure_block_elementwise(entry) for _ in range(rounds)]
         entry["elementwise_s_per_element"] = min(e[0] for e in elementwise)
         entry["block_ops"] = elementwise[0][1]
         log(f"elementwise: {entry['elementwise_s_per_element'] * 1e9:.2f} ns per saved activation element; "
             f"{entry['block_ops']:.0f} ops per block fwd+bwd")
-        entry["cores"] = torch.get_num_threads()
+        entry["threads"] = torch.get_num_threads()
+        entry["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         entry["memory_bytes"] = _total_ram()
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     entry["rounds"] = rounds
+    entry["clock"] = clock
     key = device_fingerprint(device)
     data = load_calibration()
     data[key] = {**data.get(key, {}), **entry}

@@ -176,7 +176,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``scaletrain doctor``."""
     parser.add_argument("--json", default="", help="also write the report as JSON to this file ('-' = stdout)")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=int, default=3,
                         help="repeat the CPU microbenchmarks and keep the best of each (shared cores are noisy)")
 
 

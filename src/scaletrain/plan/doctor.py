@@ -78,7 +78,7 @@ def measure_allreduce_busbw(n_bytes: int = 1 << 25, reps: int = 5) -> float:
     return 2 * (world - 1) / world * n_bytes / best
 
 
-def run_doctor(log=print, rounds: int = 2) -> dict:
+def run_doctor(log=print, rounds: int = 3) -> dict:
     """System info plus calibration; under torchrun only the all-reduce (rank 0 saves it)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist

@@ -160,6 +160,13 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     head_p = psi - layers * block_p
     unsharded_p = psi * rec.param if plan.zero_stage >= 2 else 0.0  # FSDP gathers to full size on use
     comm = _comm_buffers(plan, rec, psi, block_p, bt, d)
+    # FSDP2's working set moves with the step: around the loss the root unit (embedding, final norm, head)
+    # is gathered; in a block's backward that block and the prefetched next one are gathered and the
+    # block's full gradient waits for its reduce-scatter.
+    fsdp = plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1 and not plan.cpu_offload
+    fsdp_at_loss = head_p * rec.param if fsdp and plan.zero_stage == 3 else 0.0
+    fsdp_in_block = ((2 * block_p * rec.param if plan.zero_stage == 3 else 0.0) + block_p * max(rec.grad, 4)
+                     if fsdp else 0.0)
 
     # At-rest bytes (before a step): params, master, optimizer; grads are None between steps.
     base = states["params"] + states["master"] + states["optimizer"] + comm
@@ -175,17 +182,18 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
 
     phases: list[tuple[str, dict]] = []
     # End of forward: every saved activation plus logits and log-softmax output side by side.
-    phases.append(("forward (loss)", dict(activations=saved_blocks + tail, transients=logits, held=held_params)))
+    phases.append(("forward (loss)", dict(activations=saved_blocks + tail, transients=logits, held=held_params,
+                                          comm=fsdp_at_loss)))
     # Loss backward: grad of log-probs and grad of logits next to the saved log-softmax output.
     phases.append(("backward (loss)", dict(activations=saved_blocks + tail, transients=2 * logits,
-                                           held=held_params)))
+                                           held=held_params, comm=fsdp_at_loss)))
     # Backward of each block, last first: saved activations shrink as gradients grow. A checkpointed block
     # is re-materialised whole (recomputed) just before its backward.
     for i in range(layers - 1, -1, -1):
         live = sum(per_block[:i]) + blk + others
         done = head_p + (layers - i) * block_p
         phases.append((f"backward (block {i})", dict(activations=live, transients=bwd_tmp, held=held_params,
-                                                      grads=done * grad_scale)))
+                                                      grads=done * grad_scale, comm=fsdp_in_block)))
     # Optimizer: all grads present; foreach AdamW allocates sqrt(v) for the largest param group.
     opt_tmp = (layers * block_p + (0 if cfg.tie_embeddings else v * d / tp)) * 4 / max(1, shards if
                                                                                        plan.zero_stage >= 1 else 1)
@@ -194,7 +202,8 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
 
     best_name, best, best_total = "", {}, -1.0
     for name, ph in phases:
-        total = base + ph["activations"] + ph["transients"] + ph.get("held", 0.0) + ph.get("grads", 0.0)
+        total = (base + ph["activations"] + ph["transients"] + ph.get("held", 0.0) + ph.get("grads", 0.0)
+                 + ph.get("comm", 0.0))
         if total > best_total:
             best_name, best, best_total = name, ph, total
     margin = best_total * ALLOCATOR_MARGIN[device_kind]
@@ -202,7 +211,7 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     return MemoryBreakdown(
         params=states["params"] + best.get("held", 0.0), grads=best.get("grads", 0.0), master=states["master"],
         optimizer=states["optimizer"], activations=best["activations"], transients=best["transients"],
-        comm_buffers=comm, tensor_total=best_total, allocator_margin=margin, runtime=runtime,
+        comm_buffers=comm + best.get("comm", 0.0), tensor_total=best_total, allocator_margin=margin, runtime=runtime,
         total=best_total + margin + runtime, peak_phase=best_name, saved_activations=saved_blocks + tail,
         offloaded=offloaded)
 
@@ -215,13 +224,10 @@ def checkpointed_blocks(layers: int, mode: str, every: int) -> set[int]:
 
 
 def _comm_buffers(plan: Plan, rec: Recipe, psi: float, block_p: float, bt: int, d: int) -> float:
-    """Persistent or step-long communication buffers per rank."""
+    """Communication buffers held for the whole step (FSDP's moving working set is added per phase)."""
     total = 0.0
     if plan.dp_replicate > 1 and plan.zero_stage <= 1:
         total += psi * rec.grad  # DDP gradient buckets: they hold the gradients for the whole step
-    if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1:
-        # FSDP2: all-gather of the current and the prefetched block, reduce-scatter input of one block.
-        total += 2 * block_p * rec.param + block_p * rec.grad
     if plan.pp > 1:
         total += 2 * bt * d * rec.activation  # send + receive buffers of one micro-batch's hidden states
     if plan.cp > 1:

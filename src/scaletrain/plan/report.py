@@ -32,6 +32,8 @@ def gib(x: float) -> str:
 
 
 def duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
     if seconds < 120:
         return f"{seconds:.1f} s"
     if seconds < 7200:

@@ -51,9 +51,11 @@ def _interp(curve: list[list[float]], x: float, column: int = 1, log_y: bool = T
     return (1 - w) * ys[i - 1] + w * ys[i]
 
 
-def gemm_seconds(m: int, n: int, k: int, entry: dict) -> float:
-    """One (m x k) @ (k x n) on CPU at the throughput measured for width sqrt(n*k)."""
-    return 2.0 * m * n * k / _interp(entry["gemm_curve"], math.sqrt(n * k))
+def gemm_seconds(m: int, n: int, k: int, entry: dict, backward: bool = False) -> float:
+    """A linear layer's forward GEMM (m x k) @ (k x n), or its two backward GEMMs, on CPU at the throughput
+    measured for an ``nn.Linear`` of width sqrt(n*k)."""
+    flops = 2.0 * m * n * k * (2 if backward else 1)
+    return flops / _interp(entry["gemm_curve"], math.sqrt(n * k), 2 if backward else 1)
 
 
 def attention_seconds(batch_heads: int, seq: int, head_dim: int, entry: dict) -> tuple[float, float]:
@@ -73,10 +75,13 @@ def _block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int,
 
 def block_gemm_attention_seconds(cfg: ModelConfig, batch: int, seq: int, entry: dict, recompute: bool,
                                  tp: int = 1) -> float:
-    """CPU seconds of one block's GEMMs (forward 1x, backward 2x, +1x if recomputed) and its attention."""
-    fwd = sum(gemm_seconds(m, n, k, entry) for m, n, k in _block_gemms(cfg, batch * seq, tp))
+    """CPU seconds of one block's GEMMs (forward, backward, and the forward again if recomputed) and its
+    attention."""
+    shapes = _block_gemms(cfg, batch * seq, tp)
+    fwd = sum(gemm_seconds(m, n, k, entry) for m, n, k in shapes)
+    bwd = sum(gemm_seconds(m, n, k, entry, backward=True) for m, n, k in shapes)
     att_f, att_b = attention_seconds(batch * cfg.n_heads // tp, seq, cfg.dim // cfg.n_heads, entry)
-    return (3 + recompute) * fwd + (2 if recompute else 1) * att_f + att_b
+    return (1 + recompute) * (fwd + att_f) + bwd + att_b
 
 
 @dataclass
@@ -127,8 +132,10 @@ def _cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
 
         raise ConfigError("the CPU time model needs this machine's calibration: run `scaletrain doctor` "
                           "(or plan with --hardware auto)")
-    # Ranks on one host share its cores: every rate but the per-op dispatch slows down accordingly.
-    share = max(1, cluster.devices_per_node) if cluster.hardware.cores else 1
+    # Ranks on one host share its cores: each rank's rates are the calibration's (measured with
+    # ``threads`` threads) scaled to its share of the host's cores; never faster than calibrated.
+    share = max(1.0, cluster.devices_per_node * entry.get("threads", cluster.hardware.cores or 1)
+                / max(1, cluster.hardware.cores or 1))
     b, t, tp = plan.micro_batch, workload.seq_len // plan.cp, plan.tp
     layers = -(-cfg.n_layers // plan.pp)
     n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
@@ -142,8 +149,10 @@ def _cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
 
     blocks = (layers - n_ckpt) * block(False) + n_ckpt * block(True)
     tokens, vocab = b * t, cfg.vocab_size // tp
-    head = 3 * gemm_seconds(tokens, vocab, cfg.dim, entry) + tokens * vocab * _interp(
-        entry["cross_entropy_curve"], vocab) + 3 * tokens * cfg.dim * elem
+    # Output head GEMMs, cross-entropy per logit, final norm, and the embedding's dense V x d gradient.
+    head = (gemm_seconds(tokens, vocab, cfg.dim, entry) + gemm_seconds(tokens, vocab, cfg.dim, entry, True)
+            + tokens * vocab * _interp(entry["cross_entropy_curve"], vocab)
+            + (3 * tokens * cfg.dim + cfg.vocab_size * cfg.dim / tp) * elem)
     psi = stage_params(cfg, plan.pp, tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
                                             plan.dp_replicate if plan.zero_stage == 1 else 1)
     optimizer = psi * _interp(entry["optimizer_curve"], psi) * share
