@@ -144,26 +144,25 @@ def bench_tokenization(prepared: Path) -> dict:
         if batch:
             yield batch
 
-    def best(fn, repeats=3):
-        times = []
-        for _ in range(repeats):
+    variants = {
+        "plain encode_batch": lambda: plain.encode_batch(texts),
+        "plain encode_batch + .ids": lambda: [e.ids for e in plain.encode_batch(texts)],
+        "plain encode_batch_fast + .ids": lambda: [e.ids for e in plain.encode_batch_fast(texts)],
+        "pipeline encode stage (in-process)": lambda: sum(
+            len(a) for arrs in encode_stream(batches(), ours, prepared / "tokenizer.json", np.dtype("<u2"), 0)
+            for a in arrs),
+        "pipeline encode stage (2 processes)": lambda: sum(
+            len(a) for arrs in encode_stream(batches(1_000_000), ours, prepared / "tokenizer.json",
+                                             np.dtype("<u2"), 2) for a in arrs),
+    }
+    plain.encode_batch(texts)  # warm-up: the first pass fills the BPE word cache and is ~2x slower
+    ours.encode_batch(texts[:5])
+    rows = {name: float("inf") for name in variants}
+    for _ in range(3):  # rounds interleave the variants, so load changes on the shared machine hit all alike
+        for name, fn in variants.items():
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    plain.encode_batch(texts)  # warm-up: the first pass fills the BPE word cache and is ~2x slower
-    rows = {
-        "plain encode_batch": best(lambda: plain.encode_batch(texts)),
-        "plain encode_batch + .ids": best(lambda: [e.ids for e in plain.encode_batch(texts)]),
-        "plain encode_batch_fast + .ids": best(lambda: [e.ids for e in plain.encode_batch_fast(texts)]),
-        "pipeline encode stage (in-process)": best(
-            lambda: sum(len(a) for arrs in encode_stream(batches(), ours, prepared / "tokenizer.json",
-                                                         np.dtype("<u2"), 0) for a in arrs)),
-        "pipeline encode stage (2 processes)": best(
-            lambda: sum(len(a) for arrs in encode_stream(batches(1_000_000), ours, prepared / "tokenizer.json",
-                                                         np.dtype("<u2"), 2) for a in arrs), repeats=2),
-    }
+            rows[name] = min(rows[name], time.perf_counter() - t0)
     base = rows["plain encode_batch"]
     fast = rows["plain encode_batch_fast + .ids"]
     return {"mb": round(n_bytes / 1e6, 2), "documents": len(texts),
@@ -208,34 +207,39 @@ def bench_loader(tmp: Path) -> dict:
             next(loader)
         out[f"loader_ms_per_batch_prefetch{prefetch}"] = round((time.perf_counter() - t0) / 2000 * 1e3, 4)
         loader.close()
-    # Training steps fed by the live loader vs by batches read beforehand (a fixed batch would overfit
-    # into denormal gradients and slow down), interleaved in blocks so machine load hits both alike.
-    # The trainer-visible loader cost is the time spent inside next(loader) during the fed blocks.
-    loader = TokenLoader(str(data), "train", T, B, seed=1337, prefetch=2)
-    ready = [b for _, b in zip(range(120), TokenLoader(str(data), "train", T, B, seed=99, prefetch=0))]
+    # Training steps fed by batches read beforehand, by the loader without and with prefetch, in rotating
+    # blocks so that load changes on the shared machine hit all three alike. (A single fixed batch would
+    # overfit into denormal gradients and slow the step down.) The loader's cost as the trainer sees it
+    # is the time spent inside next(loader).
+    loaders = {0: TokenLoader(str(data), "train", T, B, seed=1337, prefetch=0),
+               2: TokenLoader(str(data), "train", T, B, seed=1337, prefetch=2)}
+    ready = [b for _, b in zip(range(200), TokenLoader(str(data), "train", T, B, seed=99, prefetch=0))]
     for x, y in ready[:10]:
         step(x, y)
-    fed, alone, waits = [], [], []
-    for block in range(6):
-        t0 = time.perf_counter()
-        for _ in range(20):
-            w0 = time.perf_counter()
-            x, y = next(loader)
-            waits.append(time.perf_counter() - w0)
-            step(x, y)
-        fed.append((time.perf_counter() - t0) / 20)
-        t0 = time.perf_counter()
-        for x, y in ready[block * 20:(block + 1) * 20]:
-            step(x, y)
-        alone.append((time.perf_counter() - t0) / 20)
-    loader.close()
+    steps = {"preloaded": [], 0: [], 2: []}
+    waits = {0: [], 2: []}
+    for block in range(8):
+        for mode in steps:
+            t0 = time.perf_counter()
+            for k in range(20):
+                if mode == "preloaded":
+                    x, y = ready[(block * 20 + k) % len(ready)]
+                else:
+                    w0 = time.perf_counter()
+                    x, y = next(loaders[mode])
+                    waits[mode].append(time.perf_counter() - w0)
+                step(x, y)
+            steps[mode].append((time.perf_counter() - t0) / 20)
+    for loader in loaders.values():
+        loader.close()
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    fed_ms, alone_ms = median(fed) * 1e3, median(alone) * 1e3
-    wait_ms = sum(waits) / len(waits) * 1e3
-    out.update({"step_ms_preloaded": round(alone_ms, 2), "step_ms_loader_fed": round(fed_ms, 2),
-                "consumer_wait_ms_per_step": round(wait_ms, 4),
-                "loader_share_of_step_pct": round(100 * wait_ms / fed_ms, 3),
-                "step_time_difference_pct": round(100 * (fed_ms - alone_ms) / alone_ms, 2)})
+    step_ms = {m: median(v) * 1e3 for m, v in steps.items()}
+    for p in (0, 2):
+        wait_ms = sum(waits[p]) / len(waits[p]) * 1e3
+        out[f"wait_ms_per_step_prefetch{p}"] = round(wait_ms, 4)
+        out[f"loader_share_of_step_pct_prefetch{p}"] = round(100 * wait_ms / step_ms[p], 3)
+        out[f"step_ms_loader_prefetch{p}"] = round(step_ms[p], 2)
+    out["step_ms_preloaded"] = round(step_ms["preloaded"], 2)
     return out
 
 
@@ -280,10 +284,11 @@ def main() -> None:
     lo = results["loader"]
     lines.append(f"| loader {lo['batch']}: ms/batch (prefetch 0 / 2) | {lo['loader_ms_per_batch_prefetch0']} / "
                  f"{lo['loader_ms_per_batch_prefetch2']} ms |")
-    lines.append(f"| baby-GPT step (pre-read batches / loader-fed) | {lo['step_ms_preloaded']} / "
-                 f"{lo['step_ms_loader_fed']} ms (difference {lo['step_time_difference_pct']} %, noise included) |")
-    lines.append(f"| time inside next(loader) per step (prefetch 2) | {lo['consumer_wait_ms_per_step']} ms = "
-                 f"{lo['loader_share_of_step_pct']} % of the step |")
+    lines.append(f"| baby-GPT step, median of 8 blocks: pre-read batches / loader / loader+prefetch | "
+                 f"{lo['step_ms_preloaded']} / {lo['step_ms_loader_prefetch0']} / {lo['step_ms_loader_prefetch2']} ms |")
+    for p in (0, 2):
+        lines.append(f"| time inside next(loader) per step, prefetch {p} | {lo[f'wait_ms_per_step_prefetch{p}']} ms = "
+                     f"{lo[f'loader_share_of_step_pct_prefetch{p}']} % of the step |")
     table = "\n".join(lines)
     print(table)
     results["table"] = table

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scaletrain.data.loader import TokenLoader, block_causal_mask, eval_batches
-from scaletrain.data.shards import ShardWriter, write_manifest
+from scaletrain.data.shards import ShardWriter, verify_checksums, write_manifest
 from scaletrain.data.tokenizer import DataError
 
 SEQ, B = 8, 4
@@ -46,7 +46,9 @@ def test_same_seed_same_batches_and_exact_resume(tmp_path, prefetch):
 
 
 def test_targets_are_inputs_shifted(tmp_path):
-    x, y = next(TokenLoader(str(_dataset(tmp_path)), "train", SEQ, B, seed=1))
+    data = _dataset(tmp_path)
+    assert verify_checksums(data) == 5  # 4 streamed shards of <= 300 tokens + the document index
+    x, y = next(TokenLoader(str(data), "train", SEQ, B, seed=1))
     assert x.dtype == torch.int64 and x.shape == (B, SEQ)
     assert torch.equal(y, x + 1)  # token i is followed by i + 1, also across shard boundaries
 

@@ -172,7 +172,8 @@ def test_cli_minimal_and_config_forms(tmp_path, capsys):
     assert "[dedup]" in capsys.readouterr().out
 
 
-def test_trainer_path_matches_nanogpt_split(tmp_path):
+def test_trainer_path_matches_nanogpt_split(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "zstandard", None)  # the optional dependency is absent
     text = "".join(f"line {i}: the quick brown fox\n" for i in range(500))
     (tmp_path / "input.txt").write_text(text)
     m = prepare_text(str(tmp_path / "input.txt"), tmp_path / "out", tokenizer="char", val_fraction=0.1)
@@ -184,7 +185,7 @@ def test_trainer_path_matches_nanogpt_split(tmp_path):
 def test_parallel_equals_sequential(tmp_path, monkeypatch):
     corpus = _corpus(tmp_path)
     sequential = prepare(_config(corpus, tmp_path / "seq"))
-    monkeypatch.setattr(prepare_mod, "WARMUP_BATCHES", 0)  # start the pool at once, one document a task
+    monkeypatch.setattr(prepare_mod, "POOL_MIN_BYTES", 0)  # use the pool on this small input, one document a task
     monkeypatch.setattr(prepare_mod, "BATCH_DOCS", 1)
     cfg = _config(corpus, tmp_path / "par")
     cfg.workers, cfg.tokenizer.encode_workers, cfg.tokenizer.batch_mb = 2, 2, 0.05

@@ -13,11 +13,13 @@ it writes any shard and writes the new manifest last, so a manifest never points
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -44,7 +46,8 @@ def dtype_for_vocab(vocab_size: int, requested: str = "auto") -> np.dtype:
 
 @dataclass
 class ShardWriter:
-    """Buffers token ids and writes fixed-size shards ``<split>-NNNNN.bin`` atomically."""
+    """Streams token ids into fixed-size shards ``<split>-NNNNN.bin``: each is written to ``.tmp``
+    (hashed on the way), fsynced and renamed when full, so memory holds one document, not one shard."""
 
     out_dir: Path
     split: str
@@ -53,8 +56,9 @@ class ShardWriter:
     shards: list[dict] = field(default_factory=list)
     doc_ends: list[int] = field(default_factory=list)
     tokens: int = 0
-    _buffer: list[np.ndarray] = field(default_factory=list)
-    _buffered: int = 0
+    _fh: BinaryIO | None = None
+    _hash: Any = None
+    _in_shard: int = 0
 
     def add(self, ids: Iterable[int] | np.ndarray, end_of_document: bool = True) -> None:
         """Append one document's ids (or a piece of one, with ``end_of_document=False``)."""
@@ -65,31 +69,43 @@ class ShardWriter:
             if wide.size and (wide.min() < 0 or wide.max() >= np.iinfo(self.dtype).max + 1):
                 raise DataError(f"token id {int(wide.max())} does not fit the {self.dtype.name} shard dtype")
             arr = wide.astype(self.dtype)
-        self._buffer.append(arr)
-        self._buffered += arr.size
+        pos = 0
+        while pos < arr.size:
+            if self._fh is None:
+                self._open()
+            take = min(arr.size - pos, self.shard_tokens - self._in_shard)
+            data = np.ascontiguousarray(arr[pos:pos + take]).tobytes()
+            self._fh.write(data)
+            self._hash.update(data)
+            self._in_shard += take
+            pos += take
+            if self._in_shard == self.shard_tokens:
+                self._finish()
         self.tokens += arr.size
         if end_of_document:
             self.doc_ends.append(self.tokens)
-        while self._buffered >= self.shard_tokens:
-            self._flush(self.shard_tokens)
 
-    def _flush(self, n: int) -> None:
-        data = np.concatenate(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
-        chunk, rest = data[:n], data[n:]
-        self._buffer, self._buffered = ([rest] if rest.size else []), rest.size
-        name = f"{self.split}-{len(self.shards):05d}.bin"
-        path = self.out_dir / name
-        tmp = path.with_suffix(".bin.tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(chunk.tobytes())
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(path)
-        self.shards.append({"file": name, "tokens": int(chunk.size), "sha256": file_sha256(path)})
+    def _path(self) -> Path:
+        return self.out_dir / f"{self.split}-{len(self.shards):05d}.bin"
+
+    def _open(self) -> None:
+        self._fh = open(self._path().with_suffix(".bin.tmp"), "wb", buffering=1 << 20)
+        self._hash = hashlib.sha256()
+        self._in_shard = 0
+
+    def _finish(self) -> None:
+        path = self._path()
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        path.with_suffix(".bin.tmp").replace(path)
+        self.shards.append({"file": path.name, "tokens": self._in_shard, "sha256": self._hash.hexdigest()})
+        self._fh = None
 
     def close(self) -> list[dict]:
-        if self._buffered:
-            self._flush(self._buffered)
+        """Finish the last (shorter) shard; returns the shard list for the manifest."""
+        if self._fh is not None:
+            self._finish()
         return self.shards
 
     def write_doc_index(self) -> dict:

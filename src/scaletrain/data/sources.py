@@ -129,6 +129,18 @@ def fingerprint_items(cfg: SourceConfig) -> list[str]:
     return out
 
 
+def input_bytes(cfg: SourceConfig) -> int:
+    """Total size of the input files on disk (compressed size for compressed files); an ``hf:NAME``
+    source counts as large, since its size is unknown before it is read."""
+    total = 0
+    for item in expand_sources(cfg):
+        if isinstance(item, str):
+            return 1 << 62
+        files = item.rglob("*") if item.is_dir() else [item]
+        total += sum(f.stat().st_size for f in files if f.is_file())
+    return total
+
+
 # -- opening and decoding ---------------------------------------------------------------------------
 
 def open_binary(path: Path) -> BinaryIO:

@@ -5,8 +5,8 @@ memory; here at most ``max_in_flight`` tasks are outstanding, so memory stays bo
 in input order, so the output never depends on the number of workers. Workers are *spawned* (not
 forked): forking a process that already runs torch or tokenizers threads can deadlock.
 
-The pool starts lazily: the first ``warmup`` tasks run in this process, so a small input (a test, the
-trainer's Tiny Shakespeare) never pays the ~1 s it takes to spawn workers and import numpy in them.
+Callers run small inputs with ``workers=1`` (in this process), so a test or the trainer's Tiny
+Shakespeare never pays the ~1 s it takes to spawn workers and import numpy in them.
 """
 
 from __future__ import annotations
@@ -29,23 +29,17 @@ def resolve_workers(workers: int) -> int:
 
 
 def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], *, workers: int, initializer: Callable | None = None,
-                initargs: tuple = (), max_in_flight: int = 0, warmup: int = 0) -> Iterator[Any]:
+                initargs: tuple = (), max_in_flight: int = 0) -> Iterator[Any]:
     """``map(fn, items)`` in order, on ``workers`` processes (1 = in this process).
 
     ``fn`` and ``initializer`` must be module-level functions (they are pickled by name).
     """
     it = iter(items)
-    if initializer is not None and (workers <= 1 or warmup > 0):
-        initializer(*initargs)  # this process runs the warm-up tasks (and all of them when workers == 1)
     if workers <= 1:
+        if initializer is not None:
+            initializer(*initargs)
         yield from map(fn, it)
         return
-    for _ in range(warmup):
-        try:
-            item = next(it)
-        except StopIteration:
-            return
-        yield fn(item)
     ctx = mp.get_context("spawn")
     max_in_flight = max_in_flight or 4 * workers
     with ctx.Pool(workers, initializer=initializer, initargs=initargs) as pool:
