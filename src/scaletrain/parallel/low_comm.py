@@ -33,9 +33,8 @@ class LowCommSync:
         self.mode, self.sync_every, self.group = mode, sync_every, group
         self.counter = counter if counter is not None else CommCounter()
         self.world = dist.get_world_size(group)
-        # The replicas must start identical: average once (they were initialised from the same seed,
-        # so this is also a cheap consistency check that costs one all-reduce at start).
-        self._average_weights()
+        # No initial averaging: ``parallelize`` initialises every replica from the same seeded reference
+        # model, so they already start identical.
         self.outer_opt = None
         if mode == "diloco":
             # Global (outer) weights: an fp32 copy the outer optimizer updates; local params restart from it.
