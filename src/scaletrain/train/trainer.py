@@ -127,7 +127,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.data_dir / manifest["tokenizer"]["file"])
         if self.is_main:
             self.tokenizer.save(self.run_dir / "tokenizer.json")  # the run folder is self-contained
-            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            # Saved without this invocation's controls, so `train --resume` runs on to train.steps.
+            saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False))
+            (self.run_dir / "config.toml").write_text(to_toml(saved))
 
         with torch.device("meta"):
             model = Transformer(cfg.model)
