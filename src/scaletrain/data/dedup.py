@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from scaletrain.config import ConfigError
 from scaletrain.data.ngrams import ngram_hashes, stable_word_hashes, words
 from scaletrain.data.prepare_config import DedupConfig
 
@@ -76,7 +77,11 @@ class Deduplicator:
 
     def __post_init__(self) -> None:
         if self.cfg.near:
-            from datasketch import MinHashLSH
+            try:
+                from datasketch import MinHashLSH
+            except ImportError:
+                raise ConfigError("dedup.near needs the `datasketch` package (pip install 'scaletrain[data]'), "
+                                  "or set dedup.near = false") from None
 
             self._lsh = MinHashLSH(threshold=self.cfg.threshold, num_perm=self.cfg.num_perm)
 

@@ -239,9 +239,7 @@ def write_shards(cfg: PrepareConfig, spill: Path, keys: np.ndarray, by: str, val
             writers[split].add(ids)
     report.timings["encode_and_write"] = time.perf_counter() - t0
     splits = {}
-    for split, writer in writers.items():
-        if split == "val" and cfg.split.val_fraction == 0:
-            continue
+    for split, writer in writers.items():  # val is listed even when empty, as the trainer expects
         shards = writer.close()
         splits[split] = {"tokens": writer.tokens, **stats[split], "shards": shards,
                          "doc_index": writer.write_doc_index()}

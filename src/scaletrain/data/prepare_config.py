@@ -71,7 +71,7 @@ class DedupConfig:
     exact: bool = opt(True, "drop documents whose cleaned text is byte-identical to an earlier one (sha256)")
     near: bool = opt(True, "drop near-duplicates: MinHash + LSH (datasketch) over word n-gram shingles")
     threshold: float = opt(0.2, "near-duplicate Jaccard threshold on the shingle sets. With ngram=3 and "
-                                "fold_spelling, First Folio vs modern Shakespeare pairs measure 0.37-0.64 and "
+                                "fold_spelling, First Folio vs modern Shakespeare pairs measure 0.37-0.60 and "
                                 "distinct plays <= 0.02 (docs/data.md)", gt=0, le=1)
     ngram: int = opt(3, "words per shingle", ge=1)
     num_perm: int = opt(128, "MinHash permutations (more = a more exact Jaccard estimate, more memory)", ge=16)

@@ -153,7 +153,10 @@ def open_binary(path: Path) -> BinaryIO:
     if comp == ".bz2":
         return bz2.open(path, "rb")
     if comp == ".zst":
-        import zstandard
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(f"{path}: reading .zst files needs `zstandard` (pip install 'scaletrain[data]')") from None
 
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     return open(path, "rb")
@@ -324,9 +327,19 @@ def _iter_record_batches(batches, where: str, field: str, report: Report) -> Ite
             row += 1
 
 
+def _pyarrow(path: Path, what: str):
+    try:
+        import pyarrow as pa
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading {what} files needs `pyarrow` (pip install 'scaletrain[data]')") from None
+    return pq if what == "parquet" else pa
+
+
 def read_parquet(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
     """Stream a parquet file's text column, 1024 rows at a time."""
-    import pyarrow.parquet as pq
+    pq = _pyarrow(path, "parquet")
 
     try:
         pf = pq.ParquetFile(path)
@@ -343,7 +356,7 @@ def read_parquet(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Docu
 
 def read_arrow(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
     """An Arrow IPC file (stream format, as ``datasets.save_to_disk`` writes, or file format)."""
-    import pyarrow as pa
+    pa = _pyarrow(path, "arrow")
 
     try:
         reader = pa.ipc.open_stream(pa.memory_map(str(path)))
