@@ -3,8 +3,12 @@
 `scaletrain plan` on this machine (``--hardware auto``, one process) ranks every fitting
 (micro-batch x activation-checkpointing) plan for one model and global batch. This script runs the top
 candidates for real (the trainer's fp32 step with gradient accumulation), measures their median step
-time on a quiet machine, and reports whether the predicted-fastest plan is the measured-fastest and
+time, and reports whether the predicted-fastest plan is the measured-fastest and
 the rank correlation of the two orders. Writes benchmarks/results/planner_ranking.json.
+
+As in planner_accuracy.py, the default is one torch thread and the process's CPU time (robust when other
+jobs share the cores); ``--clock wall`` uses wall-clock medians measured when a matmul probe says the
+machine is quiet.
 
     .venv/bin/python benchmarks/plan_ranking.py            # ~1-2 minutes on a quiet machine
 """
@@ -45,8 +49,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--noise", type=float, default=0.03,
                         help="measured times closer than this fraction count as a tie")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+
+    import torch
+
+    if args.clock == "cpu":
+        torch.set_num_threads(1)  # CPU time of one thread == its wall time on a dedicated core
 
     from rich.console import Console
     from rich.table import Table
@@ -59,17 +69,19 @@ def main() -> int:
     candidates = result.ranked[: args.top]
     peak = cluster.hardware.peak_flops["fp32"]
     rows = []
+    key = "step_cpu_s" if args.clock == "cpu" else "step_s"
     for c in candidates:
-        wait_for_quiet(peak, log=console.print)
+        if args.clock == "wall":
+            wait_for_quiet(peak, log=console.print)
         accum = c.plan.grad_accum(workload)
         measured = single_process_run(cfg, args.global_batch, args.seq_len, c.plan.activation_checkpointing,
                                       c.plan.ac_every, steps=args.steps, accum=accum)
         rows.append({"plan": c.plan.label(), "micro_batch": c.plan.micro_batch, "grad_accum": accum,
                      "ac": c.plan.activation_checkpointing, "predicted_step_s": c.time.step,
-                     "measured_step_s": measured["step_s"], "measured_step_s_min": measured["step_s_min"],
+                     "measured_step_s": measured[key], "measured_wall_s": measured["step_s"],
                      "predicted_peak_bytes": c.memory.tensor_total, "measured_peak_bytes": measured["peak_bytes"]})
         console.print(f"{c.plan.label():28s} predicted {c.time.step * 1e3:8.1f} ms  measured "
-                      f"{measured['step_s'] * 1e3:8.1f} ms")
+                      f"{measured[key] * 1e3:8.1f} ms ({args.clock})")
     predicted = [r["predicted_step_s"] for r in rows]
     measured = [r["measured_step_s"] for r in rows]
     best_measured = min(measured)
@@ -91,7 +103,7 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({"workload": {"model": args.model, "vocab_size": args.vocab_size,
                                                        "seq_len": args.seq_len, "global_batch": args.global_batch},
                                           "rows": rows, "predicted_fastest_is_fastest": fastest_is_first,
-                                          "spearman": rho, "noise_tolerance": args.noise,
+                                          "spearman": rho, "noise_tolerance": args.noise, "clock": args.clock,
                                           "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
     console.print(f"wrote {args.out}")
     return 0 if fastest_is_first else 1

@@ -78,6 +78,47 @@ def measure_allreduce_busbw(n_bytes: int = 1 << 25, reps: int = 5) -> float:
     return 2 * (world - 1) / world * n_bytes / best
 
 
+def measure_allreduce_latency(reps: int = 50) -> float:
+    """Seconds of a 4-byte all-reduce (best of ``reps``): the fixed cost every collective pays."""
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    x = torch.ones(1, device=device)
+    dist.all_reduce(x)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_dtensor_overhead(reps: int = 200) -> float:
+    """Extra host seconds per op on a (replicated) DTensor over a plain tensor: tensor parallelism pays it
+    on every op of a block (sharding propagation runs in Python)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    plain = torch.ones(8, device=device)
+    dtensor = distribute_tensor(plain, mesh, [Replicate()])
+
+    def per_op(x) -> float:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                x = x * 1.0
+            best = min(best, (time.perf_counter() - t0) / reps)
+        return best
+
+    return max(0.0, per_op(dtensor) - per_op(plain))
+
+
 def run_doctor(log=print, rounds: int = 3) -> dict:
     """System info plus calibration; under torchrun only the all-reduce (rank 0 saves it)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -89,15 +130,18 @@ def run_doctor(log=print, rounds: int = 3) -> dict:
         dist.init_process_group(backend)
         try:
             busbw = measure_allreduce_busbw()
-            result = {"allreduce_busbw": busbw, "allreduce_world_size": dist.get_world_size()}
+            result = {"allreduce_busbw": busbw, "allreduce_world_size": dist.get_world_size(),
+                      "collective_latency_s": measure_allreduce_latency(),
+                      "dtensor_op_overhead_s": measure_dtensor_overhead()}
             if dist.get_rank() == 0:
                 device = "cuda" if backend == "nccl" else "cpu"
                 key = calibration.comm_fingerprint(device)
                 data = calibration.load_calibration()
                 data[key] = {**data.get(key, {}), **result}
                 calibration.save_calibration(data)
-                log(f"all-reduce bus bandwidth over {dist.get_world_size()} ranks ({backend}): "
-                    f"{busbw / 1e9:.2f} GB/s -> {calibration.calibration_path()}")
+                log(f"all-reduce over {dist.get_world_size()} ranks ({backend}): bus bandwidth {busbw / 1e9:.2f} GB/s, "
+                    f"latency {result['collective_latency_s'] * 1e6:.0f} us; DTensor overhead "
+                    f"{result['dtensor_op_overhead_s'] * 1e6:.0f} us/op -> {calibration.calibration_path()}")
             dist.barrier()
         finally:
             dist.destroy_process_group()

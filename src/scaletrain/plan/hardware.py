@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from scaletrain.config import ConfigError
+from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
 
 GB = 1e9
 GiB = 2**30
@@ -129,13 +130,14 @@ CATALOG: dict[str, Hardware] = {
         "165.2 TFLOPS dense, 24GB GDDR6X 1,008 GB/s, PCIe Gen4, no NVLink", devices_per_node=4),
     "cpu": Hardware(
         "cpu", "cpu",
-        # The reference developer machine (2 vCPU AMD EPYC, AVX2), measured by `scaletrain doctor`.
-        {"fp32": 172e9, "bf16": 1.4e9},
-        24 * GiB, 20e9, "shm", "eth-10g", 0.85,
-        "measured: GEMM throughput at transformer shapes / 1024^3 matmul peak on the reference machine "
-        "(run `scaletrain doctor` to measure yours)",
-        "generic CPU host: scaletrain doctor on the reference machine (2 vCPU AMD EPYC AVX2, torch 2.13, "
-        "2 threads); bf16 ~120x slower than fp32 on AVX2 (docs/PLATFORM)", devices_per_node=1, cores=2),
+        {"fp32": REFERENCE_CPU_CALIBRATION["matmul_flops_fp32"], "bf16": REFERENCE_CPU_CALIBRATION["matmul_flops_bf16"]},
+        24 * GiB, REFERENCE_CPU_CALIBRATION["memory_bandwidth"], "shm", "eth-10g",
+        REFERENCE_CPU_CALIBRATION["gemm_efficiency"],
+        "measured: nn.Linear throughput at transformer widths / 1024^3 matmul peak, one core of the reference "
+        "machine (run `scaletrain doctor` and use --hardware auto for yours)",
+        "generic CPU host = the reference machine (2 vCPU AMD EPYC, torch 2.13), measured by `scaletrain doctor` "
+        "with one thread per rank (scaletrain/plan/reference_cpu.py); one device = one rank on one core",
+        devices_per_node=1, cores=2, calibration=REFERENCE_CPU_CALIBRATION),
 }
 
 

@@ -33,6 +33,12 @@ from scaletrain.plan.spec import Plan, Workload
 OPS_PER_BLOCK = 206
 GPU_LAUNCH_SECONDS = 5e-6
 
+# Parameter tensors of one block (wq, wk, wv, wo, w1, w2, w3, two norms), and the foreach ops of one
+# AdamW step plus clip_grad_norm_ (step count, weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv;
+# norm, mul) -- read from torch.optim.adam._multi_tensor_adam and torch.nn.utils.clip_grad.
+PARAM_TENSORS_PER_BLOCK = 9
+FOREACH_OPS_PER_STEP = 11
+
 DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16", "fp16": "fp16"}
 
 
@@ -140,7 +146,10 @@ def _cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     layers = -(-cfg.n_layers // plan.pp)
     n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
     units = block_activation_elements(cfg, b, t, tp, plan.sequence_parallel)
-    ops, elem = entry["block_ops"], entry["elementwise_s_per_element"]
+    ops = entry["block_ops"]
+    # Cost per element at this block's working-set size (curve), else the single reference value.
+    elem = _interp(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
+        entry["elementwise_s_per_element"]
 
     def block(recompute: bool) -> float:
         rate_bound = block_gemm_attention_seconds(cfg, b, t, entry, recompute, tp) + units * elem * (
@@ -156,6 +165,11 @@ def _cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     psi = stage_params(cfg, plan.pp, tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
                                             plan.dp_replicate if plan.zero_stage == 1 else 1)
     optimizer = psi * _interp(entry["optimizer_curve"], psi) * share
+    if plan.tp > 1 or (plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1):
+        # Parameters are DTensors (FSDP2 shards, TP placements): every foreach op of AdamW and of the
+        # gradient clipping goes through DTensor dispatch once per parameter tensor.
+        tensors = layers * PARAM_TENSORS_PER_BLOCK + (2 if cfg.tie_embeddings else 3)
+        optimizer += tensors * FOREACH_OPS_PER_STEP * entry.get("dtensor_op_overhead_s", 0.0)
     return blocks + head * share, optimizer
 
 
@@ -208,11 +222,21 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
     out: dict[str, float] = {}
     exposed = 0.0
     inner_tp, inner_cp = plan.tp, plan.tp * plan.cp
+    calib = cluster.hardware.calibration
+    # Fixed cost of one collective (alpha of the alpha-beta model): measured by doctor under torchrun;
+    # NCCL's is a few microseconds, so on GPUs it is left out.
+    latency = 0.0 if gpu else float(calib.get("collective_latency_s", 0.0))
+    layers = -(-cfg.n_layers // plan.pp)
     if plan.tp > 1:
         bw, _ = _group_link(cluster, plan.tp, 1)
-        layers = -(-cfg.n_layers // plan.pp)
-        # 2 collectives forward + 2 backward per block, each moving an all-reduce's worth of activations.
-        out["tp"] = micro * layers * 4 * 2 * (plan.tp - 1) / plan.tp * act / bw
+        # Per block: 2 all-reduces forward + 2 backward, or with sequence parallelism the same bytes as
+        # 4 all-gathers + 4 reduce-scatters.
+        collectives = 8 if plan.sequence_parallel else 4
+        out["tp"] = micro * layers * (4 * 2 * (plan.tp - 1) / plan.tp * act / bw + collectives * latency)
+        if not gpu:
+            # DTensor's sharding propagation runs on the host for every op of a block (CPU: not hidden
+            # behind asynchronous kernels).
+            out["tp"] += micro * layers * calib.get("block_ops", OPS_PER_BLOCK) * calib.get("dtensor_op_overhead_s", 0.0)
         exposed += out["tp"]
     if plan.cp > 1:
         bw, _ = _group_link(cluster, plan.cp, inner_tp)
@@ -224,13 +248,15 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         bw, _ = _group_link(cluster, plan.dp_shard, inner_cp)
         gathers = 2 if plan.zero_stage == 3 else 1  # stage 3 gathers again for backward
         frac = (shard - 1) / shard
-        out["fsdp"] = micro * (gathers * psi * rec.param + psi * max(rec.grad, 4)) * frac / bw
+        out["fsdp"] = micro * ((gathers * psi * rec.param + psi * max(rec.grad, 4)) * frac / bw
+                               + (gathers + 1) * (layers + 1) * latency)  # one collective per unit and pass
         exposed += max(0.0, out["fsdp"] - compute) if gpu else out["fsdp"]
     if plan.dp_replicate > 1:
         bw, _ = _group_link(cluster, plan.dp_replicate, plan.dp_shard * inner_cp)
         n = plan.dp_replicate
         grads = psi / (shard if plan.zero_stage >= 2 else 1) * max(rec.grad, 4 if plan.zero_stage >= 2 else 0)
-        out["dp"] = 2 * (n - 1) / n * grads / bw
+        buckets = max(1.0, grads / 25e6)  # DDP's default 25 MB buckets, one all-reduce each
+        out["dp"] = 2 * (n - 1) / n * grads / bw + buckets * latency
         if plan.zero_stage == 1:  # ZeroRedundancyOptimizer broadcasts the updated shards
             out["dp"] += (n - 1) / n * psi * rec.param / bw
         exposed += max(0.0, out["dp"] - compute * 2 / 3) if gpu else out["dp"]
