@@ -302,6 +302,14 @@ def count_aten_ops(fn) -> int:
     return _Count.n
 
 
+def entry_rows(measured: dict) -> list[list[float]]:
+    """The [x, forward rate, backward rate] rows of the GEMM and attention curves (for fix-ups)."""
+    rows = list(measured.get("gemm_curve", []))
+    for curve in measured.get("attention_curve", {}).values():
+        rows += curve
+    return rows
+
+
 def _best_of(a, b, higher_is_better: bool):
     """Merge two measurements of the same thing, point by point, keeping the better one."""
     if isinstance(a, dict):
@@ -350,6 +358,11 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
                     "optimizer_curve": (measure_optimizer_curve(), False)}
             for key, (value, higher) in this.items():
                 measured[key] = _best_of(measured[key], value, higher) if key in measured else value
+        # A backward that no round could time cleanly (see _backward_rate) is taken to run at its forward's
+        # rate rather than left at 0.
+        for row in entry_rows(measured):
+            if row[2] <= 0:
+                row[2] = row[1]
         entry.update(measured)
         log(f"memory bandwidth (copy): {entry['memory_bandwidth'] / 1e9:.1f} GB/s; "
             f"op dispatch {entry['op_overhead_s'] * 1e6:.1f} us")

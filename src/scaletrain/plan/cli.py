@@ -178,6 +178,9 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="", help="also write the report as JSON to this file ('-' = stdout)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="repeat the CPU microbenchmarks and keep the best of each (shared cores are noisy)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: one torch thread timed by process CPU time, for machines shared with other "
+                             "jobs (the planner then uses these per-core rates when run with one thread)")
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -191,7 +194,11 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         print(f"error: --rounds must be >= 1 (got {args.rounds})", file=sys.stderr)
         return 2
-    report = doctor(log=lambda s: console.print(s), rounds=args.rounds)
+    if args.clock == "cpu":
+        import torch
+
+        torch.set_num_threads(1)
+    report = doctor(log=lambda s: console.print(s), rounds=args.rounds, clock=args.clock)
     if "system" in report:
         table = Table(title="This machine", show_header=False)
         for k, v in report["system"].items():

@@ -119,7 +119,7 @@ def measure_dtensor_overhead(reps: int = 200) -> float:
     return max(0.0, per_op(dtensor) - per_op(plain))
 
 
-def run_doctor(log=print, rounds: int = 3) -> dict:
+def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
     """System info plus calibration; under torchrun only the all-reduce (rank 0 saves it)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
@@ -149,5 +149,6 @@ def run_doctor(log=print, rounds: int = 3) -> dict:
     info = system_info()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtypes = ("fp32", "tf32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
-    entry = calibration.calibrate(device, dtypes=tuple(d for d in dtypes if d != "tf32"), log=log, rounds=rounds)
+    entry = calibration.calibrate(device, dtypes=tuple(d for d in dtypes if d != "tf32"), log=log, rounds=rounds,
+                                  clock=clock if device == "cpu" else "wall")
     return {"system": info, "calibration": entry, "calibration_file": str(calibration.calibration_path())}
