@@ -218,18 +218,18 @@ def bench_loader(tmp: Path) -> dict:
         step(x, y)
     steps = {"preloaded": [], 0: [], 2: []}
     waits = {0: [], 2: []}
-    for block in range(8):
+    for block in range(6):
         for mode in steps:
             t0 = time.perf_counter()
-            for k in range(20):
+            for k in range(10):
                 if mode == "preloaded":
-                    x, y = ready[(block * 20 + k) % len(ready)]
+                    x, y = ready[(block * 10 + k) % len(ready)]
                 else:
                     w0 = time.perf_counter()
                     x, y = next(loaders[mode])
                     waits[mode].append(time.perf_counter() - w0)
                 step(x, y)
-            steps[mode].append((time.perf_counter() - t0) / 20)
+            steps[mode].append((time.perf_counter() - t0) / 10)
     for loader in loaders.values():
         loader.close()
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
@@ -284,7 +284,7 @@ def main() -> None:
     lo = results["loader"]
     lines.append(f"| loader {lo['batch']}: ms/batch (prefetch 0 / 2) | {lo['loader_ms_per_batch_prefetch0']} / "
                  f"{lo['loader_ms_per_batch_prefetch2']} ms |")
-    lines.append(f"| baby-GPT step, median of 8 blocks: pre-read batches / loader / loader+prefetch | "
+    lines.append(f"| baby-GPT step, median of 6 blocks: pre-read batches / loader / loader+prefetch | "
                  f"{lo['step_ms_preloaded']} / {lo['step_ms_loader_prefetch0']} / {lo['step_ms_loader_prefetch2']} ms |")
     for p in (0, 2):
         lines.append(f"| time inside next(loader) per step, prefetch {p} | {lo[f'wait_ms_per_step_prefetch{p}']} ms = "
