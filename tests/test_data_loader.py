@@ -113,3 +113,21 @@ def test_eval_batches_fixed_and_cover_split(tmp_path):
     assert len(a) == 3
     everything = sum((x[:, 0].tolist() for x, _ in eval_batches(str(data), "train", SEQ, B, 0)), [])
     assert everything == [i * SEQ for i in range((1000 - 1) // SEQ)]
+
+
+def test_block_causal_mask_confines_attention_in_the_model(tmp_path):
+    """With the mask, a token's output does not change when the previous document changes."""
+    from scaletrain.config import ModelConfig
+    from scaletrain.model import build_model
+
+    data = _dataset(tmp_path, doc_len=37)
+    x, _, doc = next(TokenLoader(str(data), "train", 32, 2, seed=0, shuffle=False, return_doc_ids=True))
+    row = 1  # tokens 32..63: a document boundary at 37
+    t = int((doc[row] > 0).nonzero()[0])
+    model = build_model(ModelConfig(vocab_size=1000, dim=32, n_layers=1, n_heads=2, max_seq_len=32), seed=0)
+    changed = x.clone()
+    changed[row, :t] = (changed[row, :t] + 1) % 1000  # rewrite the end of the previous document
+    mask = block_causal_mask(doc)
+    with torch.no_grad():
+        assert torch.allclose(model(x, attn_mask=mask)[row, t:], model(changed, attn_mask=mask)[row, t:], atol=1e-5)
+        assert not torch.allclose(model(x)[row, t:], model(changed)[row, t:], atol=1e-5)  # plain causal leaks
