@@ -75,6 +75,8 @@ def worker(name: str, steps: int, run_dir: str, cache: str, out: str) -> None:
                  "checkpoint.enabled": "false", "logging.progress": "off", "logging.tensorboard": "false",
                  "logging.log_interval": steps, "schedule.warmup_steps": 2, "train.run_dir": run_dir,
                  "data.cache_dir": cache}
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")  # ours, so it outlives Trainer.train() for the gather below
     trainer = Trainer(load_config(None, {k: str(v) for k, v in overrides.items()}))
     state_bytes = _local_bytes(trainer.pm.parameters())
     inner = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeRO-1 keeps its shard's AdamW in .optim
@@ -96,7 +98,9 @@ def worker(name: str, steps: int, run_dir: str, cache: str, out: str) -> None:
             "median_step_ms": 1000 * median, "tokens_per_step": trainer.tokens_per_step,
             "tokens_per_second": trainer.tokens_per_step / median, "per_rank": every,
             "all_reduce_calls_per_step": trainer.pm.comm.all_reduce_calls / max(trainer.state.step, 1)}))
-    trainer.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # -- launcher ----------------------------------------------------------------------------------------------
@@ -157,12 +161,14 @@ def main() -> int:
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": MODEL, "rows": rows}
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1))
-    print("| strategy | ranks | tokens/step | ms/step | tokens/s | vs single | model state MB/rank | peak RSS MB/rank |")
+    print("| strategy | ranks | tokens/step | tokens/s (median) | per round | vs single | model state MB/rank | "
+          "peak RSS MB/rank |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         speed = f"{r['speedup_vs_single']:.2f}x" if r["speedup_vs_single"] else "-"
-        print(f"| {r['strategy']} | {r['ranks']} | {r['tokens_per_step']} | {r['median_step_ms']:.1f} | "
-              f"{r['tokens_per_second']:,.0f} | {speed} | {' / '.join(f'{m:.2f}' for m in r['model_state_mb_per_rank'])} | "
+        print(f"| {r['strategy']} | {r['ranks']} | {r['tokens_per_step']} | {r['tokens_per_second']:,.0f} | "
+              f"{' / '.join(f'{t:,.0f}' for t in r['rounds'])} | {speed} | "
+              f"{' / '.join(f'{m:.2f}' for m in r['model_state_mb_per_rank'])} | "
               f"{' / '.join(map(str, r['peak_rss_mb_per_rank']))} |")
     print(f"load average during the runs: {result['load_average_during_runs']}; wrote {RESULT}")
     return 0

@@ -39,9 +39,11 @@ def apply_ddp(model: nn.Module, group: dist.ProcessGroup, device: torch.device,
     """Wrap a materialized model in DDP over ``group``; gradients are averaged across it.
 
     ``gradient_as_bucket_view`` lets grads live inside the communication buckets (no second copy).
+    ``broadcast_buffers=False``: the only buffers are the rotary tables, derived from the config and
+    identical everywhere, so broadcasting them before every forward would be pure overhead.
     ``static_graph`` is left off so activation checkpointing and ``no_sync`` both keep working.
     """
-    ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True,
+    ddp = DistributedDataParallel(model, process_group=group, gradient_as_bucket_view=True, broadcast_buffers=False,
                                   device_ids=[device.index] if device.type == "cuda" else None)
     if counter is not None:
         ddp.register_comm_hook(counter, _counting_allreduce_hook)

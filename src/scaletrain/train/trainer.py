@@ -109,6 +109,9 @@ class Trainer:
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
         if dims.cp > 1:
             check_context_parallel_supported(self.device)
+        if dims.pp > 1 and cfg.checkpoint.enabled:
+            raise ConfigError("checkpoints with parallel.pp > 1 need per-stage (DCP) checkpoints, which are not "
+                              "implemented yet; set checkpoint.enabled=false")
         if dims.pp > 1 and self.precision == "fp16":
             raise ConfigError("train.precision=fp16 (gradient scaler) is not supported with parallel.pp > 1; use bf16")
         self.env = init_distributed(self.device.type)
@@ -268,9 +271,6 @@ class Trainer:
     def train(self) -> dict:
         """Run to ``train.steps`` (or ``train.stop_at_step``); returns a summary of the run."""
         cfg, state = self.cfg, self.state
-        if cfg.checkpoint.enabled and self.dims.pp > 1:
-            raise ConfigError("checkpoints with parallel.pp > 1 need per-stage (DCP) checkpoints, which are not "
-                              "implemented yet; set checkpoint.enabled=false")
         logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, state.step, enabled=self.log_enabled)
         log_every, eval_every, ckpt_every = cfg.logging.log_interval, cfg.train.eval_interval, cfg.checkpoint.interval
         stop_at = cfg.train.stop_at_step or cfg.train.steps
