@@ -64,6 +64,17 @@ def signature(text: str, cfg: DedupConfig, tokens: list[str] | None = None) -> n
     return sig
 
 
+def _as_minhash(sig: np.ndarray):
+    """Wrap our numpy signature in datasketch's MinHash for the LSH index (which only reads its hash
+    values). datasketch 2 wants the hashing scheme named for uint32 values; 1.x has no such argument."""
+    from datasketch import MinHash
+
+    try:
+        return MinHash(num_perm=len(sig), hashvalues=sig, scheme="affine32")
+    except TypeError:
+        return MinHash(num_perm=len(sig), hashvalues=sig)
+
+
 @dataclass
 class Deduplicator:
     """Decides, in document order, whether each document is a duplicate of one kept earlier."""
@@ -99,18 +110,14 @@ class Deduplicator:
         if self.cfg.exact and digest is not None:
             self.seen.add(digest)
         if self.cfg.near and sig is not None:
-            from datasketch import MinHash
-
-            self._lsh.insert(key, MinHash(num_perm=self.cfg.num_perm, hashvalues=sig, scheme="affine32"))
+            self._lsh.insert(key, _as_minhash(sig))
             self.signatures[key] = sig
             self.names[key] = name
         return None
 
     def _best_match(self, sig: np.ndarray) -> tuple[int, float] | None:
-        from datasketch import MinHash
-
         best = None
-        for other in self._lsh.query(MinHash(num_perm=self.cfg.num_perm, hashvalues=sig, scheme="affine32")):
+        for other in self._lsh.query(_as_minhash(sig)):
             similarity = float(np.mean(self.signatures[other] == sig))  # the MinHash Jaccard estimate
             if similarity >= self.cfg.threshold and (best is None or similarity > best[1]):
                 best = (other, similarity)
