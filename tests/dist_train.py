@@ -34,6 +34,8 @@ def main() -> int:
         overrides = {"logging.progress": "off", **dict(kv.split("=", 1) for kv in rest.split(",") if kv)}
         cfg = load_config(args.config, overrides)
         trainer = Trainer(cfg)  # logs (metrics.jsonl) on rank 0 only
+        if cfg.train.resume:
+            assert trainer.resume(), f"{name}: nothing to resume"
         summary = trainer.train()
         metrics = Path(cfg.train.run_dir) / "metrics.jsonl"
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from scaletrain.cli import main
 from scaletrain.config import ScheduleConfig, load_config
+from scaletrain.train.inference import load_run
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.trainer import Trainer
 
@@ -25,8 +25,9 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    last = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-    return load_file(last / "model.safetensors")
+    _, model, _, path = load_run(run_dir)
+    assert path == sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    return model.state_dict()
 
 
 def test_loss_falls(tmp_path, tiny):
@@ -62,7 +63,7 @@ def test_resume_uses_saved_config_and_skips_corrupt_checkpoint(tmp_path, tiny, c
     ckpts = sorted((run / "checkpoints").glob("step-*"))
     assert [c.name for c in ckpts] == ["step-00000010", "step-00000020", "step-00000030"]
     # Flip a byte in the newest checkpoint: resume must report it and fall back to step 20.
-    f = ckpts[-1] / "model.safetensors"
+    f = ckpts[-1] / "__0_0.distcp"
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))

@@ -6,6 +6,7 @@ Every error a person can fix (config, data, checkpoint) is printed as one line a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -39,8 +40,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
+    from scaletrain.parallel.distributed import restart_attempt
     from scaletrain.train.trainer import Trainer
 
+    if restart_attempt() > 0 and not cfg.train.resume:  # torchrun --max-restarts restarted us after a failure
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
+        print(f"elastic restart {restart_attempt()}: resuming from the latest checkpoint", flush=True)
     trainer = Trainer(cfg)
     if cfg.train.resume and not trainer.resume():
         print(f"no checkpoint in {cfg.train.run_dir}; starting from scratch", flush=True)
@@ -49,6 +54,12 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"vocab {n.model.vocab_size}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
           f"{trainer.precision}; run folder {trainer.run_dir}", flush=True)
     summary = trainer.train()
+    if summary["preempted"]:
+        from scaletrain.train.preemption import PREEMPTED_EXIT_CODE
+
+        print(f"stopped at step {summary['steps']} ({summary['preempted']}); exit status {PREEMPTED_EXIT_CODE} "
+              f"means 'preempted, resume me'", flush=True)
+        return PREEMPTED_EXIT_CODE
     final = summary["final_val_loss"]
     print(f"done: {summary['steps']} steps, median {summary['median_step_ms']:.1f} ms/step, "
           f"{summary['tokens_per_second']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}%, "
@@ -174,12 +185,13 @@ PLUGINS = [
 def main(argv: list[str] | None = None) -> int:
     from scaletrain.checkpoint import CheckpointError
     from scaletrain.data.tokenizer import DataError
+    from scaletrain.train.trainer import TrainingError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
-    except (ConfigError, DataError, CheckpointError) as exc:
+    except (ConfigError, DataError, CheckpointError, TrainingError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -116,13 +116,23 @@ class TrainConfig:
     run_dir: str = opt("runs/default", "folder for checkpoints, metrics and the resolved config")
     resume: bool = opt(False, "continue from the latest checkpoint in run_dir")
     stop_at_step: int = opt(0, "save and stop at this step (the schedule still follows steps); 0 = run to the end", ge=0)
+    rollback_after: int = opt(3, "NaN/Inf guard: a step whose loss or gradient norm is not finite is skipped; after "
+                                 "this many in a row, reload the last checkpoint and skip that data; 0 = never roll back",
+                              ge=0)
 
 
 @dataclass
 class CheckpointConfig:
     interval: int = opt(500, "save every N steps (and always at the end); 0 = only at the end", ge=0)
-    keep_last: int = opt(2, "checkpoints to keep (oldest are deleted)", ge=1)
+    keep_last: int = opt(2, "newest checkpoints to keep (older ones are deleted unless keep_every keeps them)", ge=1)
+    keep_every: int = opt(0, "also keep, forever, every checkpoint whose step is a multiple of this; 0 = none", ge=0)
     enabled: bool = opt(True, "write checkpoints at all")
+    async_save: bool = opt(False, "stage to CPU memory and write in a background thread, so training goes on "
+                                  "while the files are written (one save in flight at a time)")
+    grace_seconds: float = opt(90.0, "preemption (SIGTERM/SIGUSR1/trigger file): time allowed for the final "
+                                     "step and checkpoint; a warning says when the last save took longer", gt=0)
+    trigger_file: str = opt("", "preempt (checkpoint and exit with status 75) when this file appears, e.g. "
+                                "written by a cloud spot-notice watcher; empty = none")
 
 
 @dataclass

@@ -1,30 +1,52 @@
-"""One checkpoint manager over named stateful objects (anything with state_dict / load_state_dict).
+"""One checkpoint manager over a run's state: sharded (DCP), optionally asynchronous, atomic and verified.
 
-Layout of ``<folder>/step-00000020/``:
-    model.safetensors   the nn.Module registered as "model" (safetensors: no pickle, tied weights kept)
-    state.pt            every other object's state_dict, loaded with ``weights_only=True`` (no arbitrary code)
-    meta.json           written last: step, time, sha256 of each file. A folder without it is incomplete.
+Layout of ``<folder>/step-00000040/``::
 
-A checkpoint is written into a hidden temporary folder and renamed into place, so a crash mid-write never
-leaves a folder that looks complete. ``latest()`` skips incomplete or corrupt folders, falling back to the
-previous good one.
+    .metadata, __0_0.distcp, __1_0.distcp, ...   torch.distributed.checkpoint: model + optimizer tensors,
+                                                 each rank writes its own shards in parallel
+    rank-00000.pt, rank-00001.pt, ...            each rank's small state (data position, RNG streams,
+                                                 counters, grad scaler), loaded with weights_only=True
+    meta.json                                    written last: step, world size, parallel plan, config
+                                                 hash, global batch, sha256 of every file
+
+Atomic: every rank writes into the hidden ``.step-00000040.tmp/``; when all ranks are done, rank 0 hashes
+the files, writes ``meta.json`` and renames the folder into place. A crash (or ``kill -9``) at any point
+leaves either the previous checkpoints untouched or a hidden folder that nothing reads. ``latest()``
+re-hashes the newest complete checkpoint and falls back to the previous one, with a message, when a file
+is missing, truncated or altered.
+
+Asynchronous: ``save(..., blocking=False)`` copies the tensors to CPU memory (the only part the training
+loop waits for) and lets a background thread write them; the next save - or ``wait()`` - waits for the
+previous one, so at most one staged copy exists (bounded memory: one copy of this rank's model and
+optimizer shards). DCP's own collectives run on a dedicated gloo group so they never interleave with the
+training loop's collectives on the default group.
+
+Safety: tensors are read back by DCP with ``torch.load(weights_only=True)``; DCP's ``.metadata`` index is a
+pickle written by torch, and is only read after its sha256 matched the one our JSON marker recorded.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import json
+import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_model, save_model
-from torch import nn
-
-from scaletrain.data.tokenizer import file_sha256
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 META = "meta.json"
+
+# DCP notes every single-process save/load (we ask for it with no_dist=True); asynchronous saves run in a
+# background thread, where a catch_warnings() block in the caller would not reach, so filter by message.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized",
+                        category=UserWarning)
 
 
 class Stateful(Protocol):
@@ -37,59 +59,156 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the folder and the problem."""
 
 
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 class CheckpointManager:
-    def __init__(self, folder: str | Path, keep_last: int = 2):
+    """Save and find checkpoints of one run. In a distributed run every method is collective (all ranks
+    call it); rank 0 alone finalises, prunes and verifies."""
+
+    def __init__(self, folder: str | Path, keep_last: int = 2, keep_every: int = 0):
         self.folder = Path(folder)
-        self.keep_last = keep_last
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.rank = dist.get_rank() if _distributed() else 0
+        self.world_size = dist.get_world_size() if _distributed() else 1
+        # DCP's plan/result exchange runs on its own gloo group: a background save must not interleave
+        # with the training loop's collectives on the default group (and gloo handles CPU objects on GPU runs).
+        self.group = dist.new_group(backend="gloo") if _distributed() else None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self.last_save_seconds = {"blocked": 0.0}
 
-    @staticmethod
-    def step_dir_name(step: int) -> str:
-        return f"step-{step:08d}"
-
-    def save(self, step: int, states: dict[str, Stateful], extra_meta: dict | None = None) -> Path:
-        """Write a checkpoint for ``step`` atomically and apply the retention policy."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        final = self.folder / self.step_dir_name(step)
+    # -- saving ----------------------------------------------------------------------------------------
+    def save(self, step: int, tensors: dict[str, Any], local: dict[str, Stateful], meta: dict,
+             blocking: bool = True) -> Path:
+        """Write checkpoint ``step``: ``tensors`` through DCP (sharded), ``local`` as this rank's file,
+        ``meta`` into the marker. Returns the final folder (complete once ``wait()`` returns)."""
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at most: bounded staging memory, and checkpoints complete in order
+        final = self.folder / step_dir_name(step)
         tmp = self.folder / f".{final.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        others = {}
-        for name, obj in states.items():
-            if isinstance(obj, nn.Module):
-                save_model(obj, str(tmp / f"{name}.safetensors"))
-            else:
-                others[name] = obj.state_dict()
-        torch.save(others, tmp / "state.pt")
-        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir())}
-        meta = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files, **(extra_meta or {})}
-        (tmp / META).write_text(json.dumps(meta, indent=2))
-        if final.exists():  # re-saving the same step (e.g. after a rollback) replaces it
-            shutil.rmtree(final)
-        tmp.rename(final)
-        self._retain()
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash; nobody else is writing it now
+            tmp.mkdir(parents=True)
+        self._barrier()
+        torch.save({name: obj.state_dict() for name, obj in local.items()}, tmp / rank_file(self.rank))
+        meta = {"step": step, "world_size": self.world_size, **meta}
+        if blocking:
+            self._write(tensors, tmp)
+            self._finish(tmp, final, meta)
+        else:
+            staged = self._stage_and_start(tensors, tmp)
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+            self._pending = self._executor.submit(self._complete_async, staged, tmp, final, meta)
+        self.last_save_seconds = {"blocked": time.perf_counter() - t0}
         return final
 
-    def _retain(self) -> None:
-        complete = self.list_complete()
-        for old in complete[:-self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _write(self, tensors: dict, path: Path) -> None:
+        if _distributed():
+            dcp.save(tensors, checkpoint_id=str(path), process_group=self.group)
+        else:
+            dcp.save(tensors, checkpoint_id=str(path), no_dist=True)
 
+    def _stage_and_start(self, tensors: dict, path: Path):
+        """DCP's async save: stages a CPU copy now (the loop waits for this part only), writes in a thread."""
+        if _distributed():
+            return dcp.async_save(tensors, checkpoint_id=str(path), process_group=self.group)
+        return dcp.async_save(tensors, checkpoint_id=str(path), no_dist=True)
+
+    def _complete_async(self, staged, tmp: Path, final: Path, meta: dict) -> None:
+        # dcp.async_save returns a Future (or, in newer torch, a response holding one).
+        future = getattr(staged, "upload_completion", staged)
+        future.result()
+        # DCP's save ends with a gather of every rank's write results on rank 0, so when rank 0's write
+        # has completed, every rank's files are on disk: rank 0 can finalise without another collective.
+        if self.rank == 0:
+            self._finalize(tmp, final, meta)
+
+    def _finish(self, tmp: Path, final: Path, meta: dict) -> None:
+        if self.rank == 0:
+            self._finalize(tmp, final, meta)
+        self._barrier()  # nobody races ahead (or exits) while rank 0 still renames
+
+    def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:
+        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        meta = {**meta, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+        marker = tmp / META
+        marker.write_text(json.dumps(meta, indent=2))
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (after a rollback) replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.folder)
+        self._retain()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; re-raises its error."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def _retain(self) -> None:
+        """Keep the newest ``keep_last`` and every step divisible by ``keep_every``; delete the rest."""
+        complete = self.list_complete()
+        for path in complete[:-self.keep_last]:
+            step = int(path.name.split("-")[1])
+            if self.keep_every and step % self.keep_every == 0:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _barrier(self) -> None:
+        if _distributed():
+            dist.barrier(group=self.group)
+
+    # -- finding and verifying -------------------------------------------------------------------------
     def list_complete(self) -> list[Path]:
         """Folders with a completion marker, oldest first."""
         if not self.folder.is_dir():
             return []
         return sorted(p for p in self.folder.glob("step-*") if (p / META).is_file())
 
-    def verify(self, path: Path) -> dict:
+    def remove_partial(self) -> None:
+        """Delete hidden folders left by saves that never completed (call only when none is in flight)."""
+        if self.rank == 0 and self.folder.is_dir():
+            for tmp in self.folder.glob(".step-*.tmp"):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def verify(path: Path) -> dict:
         """Check the marker and every file's checksum; raise CheckpointError naming the problem."""
-        meta_file = path / META
-        if not meta_file.is_file():
+        marker = path / META
+        if not marker.is_file():
             raise CheckpointError(f"{path}: incomplete (no {META})")
         try:
-            meta = json.loads(meta_file.read_text())
-        except ValueError:
-            raise CheckpointError(f"{meta_file}: unreadable marker") from None
-        for name, digest in meta.get("files", {}).items():
+            meta = json.loads(marker.read_text())
+            files = meta["files"]
+        except (ValueError, KeyError):
+            raise CheckpointError(f"{marker}: unreadable marker") from None
+        for name, digest in files.items():
             f = path / name
             if not f.is_file():
                 raise CheckpointError(f"{f}: missing")
@@ -98,24 +217,70 @@ class CheckpointManager:
         return meta
 
     def latest(self, warn=print) -> Path | None:
-        """The newest checkpoint that verifies; broken newer ones are reported and skipped."""
-        for path in reversed(self.list_complete()):
-            try:
-                self.verify(path)
-                return path
-            except CheckpointError as exc:
-                warn(f"warning: skipping checkpoint {exc}; trying the previous one")
-        return None
+        """The newest checkpoint that verifies (chosen by rank 0, the same on every rank); broken newer
+        ones are reported and skipped. None when there is no good one."""
+        choice = None
+        if self.rank == 0 and self.folder.is_dir():
+            # every step folder, not only marked ones: a folder whose marker was deleted is reported too
+            for path in sorted(self.folder.glob("step-*"), reverse=True):
+                try:
+                    self.verify(path)
+                    choice = str(path)
+                    break
+                except CheckpointError as exc:
+                    warn(f"warning: skipping checkpoint {exc}; trying the previous one")
+        if _distributed():
+            box = [choice]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            choice = box[0]
+        return Path(choice) if choice else None
 
-    def load(self, path: Path, states: dict[str, Stateful]) -> dict:
-        """Load every named object from ``path``; returns the checkpoint's metadata."""
-        meta = self.verify(path)
-        others = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-        for name, obj in states.items():
-            if isinstance(obj, nn.Module):
-                missing, unexpected = load_model(obj, str(path / f"{name}.safetensors"), strict=True)
-            elif name in others:
-                obj.load_state_dict(others[name])
-            else:
-                raise CheckpointError(f"{path}: has no state for {name!r}")
-        return meta
+    @staticmethod
+    def read_meta(path: Path) -> dict:
+        return json.loads((path / META).read_text())
+
+    # -- loading ---------------------------------------------------------------------------------------
+    def load(self, path: Path, tensors: dict[str, Any]) -> None:
+        """Read every tensor of ``tensors`` in place from ``path`` (each rank reads the slices it holds)."""
+        load_tensors(path, tensors, self.group)
+
+    def load_local(self, path: Path) -> tuple[dict, bool]:
+        """This rank's small state: (state by name, True when it is this rank's own file). After a change
+        of world size a rank without its own file gets rank 0's (the data position and counters are the
+        same on every rank; RNG streams are then re-seeded by the caller)."""
+        meta = self.read_meta(path)
+        own = meta.get("world_size") == self.world_size
+        name = rank_file(self.rank if own else 0)
+        try:
+            return torch.load(path / name, map_location="cpu", weights_only=True), own
+        except FileNotFoundError:
+            raise CheckpointError(f"{path / name}: missing") from None
+
+
+def load_tensors(path: Path, tensors: dict[str, Any], group=None) -> None:
+    """DCP load of ``tensors`` (in place) from checkpoint folder ``path``; a key the checkpoint lacks is a
+    CheckpointError naming it."""
+    try:
+        if _distributed():
+            dcp.load(tensors, checkpoint_id=str(path), process_group=group)
+        else:
+            dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+    except Exception as exc:  # DCP wraps per-rank failures in its own exception types
+        text = str(exc).strip().splitlines()
+        detail = next((line for line in text if "Missing key" in line or "missing" in line.lower()),
+                      text[-1] if text else type(exc).__name__)
+        raise CheckpointError(f"{path}: cannot load ({detail[:300]})") from exc
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (a power cut after it must not bring the old name back)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

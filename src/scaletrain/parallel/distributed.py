@@ -52,10 +52,36 @@ def init_distributed(device_type: str, timeout_s: float = 600.0) -> DistEnv:
     owns = False
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device_type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        device_id = device if device_type == "cuda" else None
+        store = _restart_safe_store(world, timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world,
+                                    timeout=timeout, device_id=device_id)
         owns = True
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, owns_process_group=owns)
+
+
+def _restart_safe_store(world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun with the agent's shared TCP store, a store namespaced by the restart attempt.
+
+    After ``--max-restarts`` restarts the workers, torch reconnects them to the *same* store the agent
+    kept (its keys from the failed attempt included), and gloo's mesh set-up then reads stale addresses
+    (``connectFullMesh failed`` or a hang; PLATFORM.md). A per-attempt prefix gives every attempt clean
+    keys. None when torch's default store set-up is safe (no agent store, or not under torchrun)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"scaletrain/attempt-{attempt}", client)
+
+
+def restart_attempt() -> int:
+    """Which torchrun (re)start this process belongs to: 0 for the first, n after n restarts."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def barrier() -> None:

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.checkpoint import CheckpointError, CheckpointManager
+from scaletrain.checkpoint.manager import load_tensors
+from scaletrain.checkpoint.state import model_tensors
 from scaletrain.config import ConfigError, JobConfig, load_config
 from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
 from scaletrain.model import build_model
@@ -25,7 +27,8 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[JobConfig, nn.Mo
     if path is None:
         raise CheckpointError(f"{run}: no complete checkpoint yet")
     model = build_model(cfg.model, device)
-    CheckpointManager(run / "checkpoints").load(path, {"model": model})
+    # The sharded checkpoint of any layout (FSDP, TP, PP, ...) is read back as one plain model.
+    load_tensors(path, {"model": model_tensors([model])})
     model.eval()
     return cfg, model, load_tokenizer(run / "tokenizer.json"), path
 

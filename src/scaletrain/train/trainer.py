@@ -7,6 +7,7 @@ its own module (schedule, optimizer, precision, metrics, checkpoint, data).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import statistics
 import time
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch import nn
 
-from scaletrain.checkpoint import CheckpointManager
-from scaletrain.config import ConfigError, JobConfig, ModelConfig, to_toml
+from scaletrain.checkpoint import CheckpointError, CheckpointManager
+from scaletrain.checkpoint.state import init_optimizer_state, local_optimizer, model_tensors, optimizer_tensors
+from scaletrain.config import ConfigError, JobConfig, to_toml
 from scaletrain.data.loader import TokenLoader, eval_batches
 from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import read_manifest
@@ -26,15 +27,20 @@ from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.model import Transformer, flops_per_token, num_params
 from scaletrain.parallel import (ParallelDims, build_parallel_optimizer, clip_grad_norm_, forward_backward,
                                  global_mean, parallelize)
-from scaletrain.parallel import state as parallel_state
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.distributed import barrier, destroy_distributed, init_distributed, world_size_from_env
 from scaletrain.plan.calibration import peak_flops
+from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes
 from scaletrain.train.optimizer import build_optimizer
+from scaletrain.train.preemption import PreemptionHandler
 from scaletrain.train.precision import autocast, grad_scaler, resolve_device, resolve_precision
 from scaletrain.train.sampling import generate
 from scaletrain.train.schedule import lr_at
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. non-finite steps with nothing to roll back to); printed as one line."""
 
 
 @dataclasses.dataclass
@@ -66,6 +72,12 @@ class RNGState:
         if state["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
 
+    @staticmethod
+    def reseed(seed: int, step: int, rank: int) -> None:
+        """After a change of world size a rank has no saved stream of its own: a fresh one, a pure
+        function of (seed, step, rank), so the resumed run is still reproducible."""
+        torch.manual_seed((seed * 1_000_003 + step * 1_009 + rank) % 2**63)
+
 
 def prepare_data(cfg: JobConfig) -> Path:
     """The prepared token folder for ``cfg.data`` (preparing raw text into the cache once)."""
@@ -85,14 +97,21 @@ def resolve_vocab(cfg: JobConfig, manifest: dict) -> JobConfig:
     return cfg
 
 
-def full_model_module(model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> nn.Module:
-    """A plain CPU model around gathered tensors (no copy), for the safetensors checkpoint writer."""
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    # safetensors refuses views into a larger buffer (as gathered tensors can be): copy only those.
-    state = {k: v if v.untyped_storage().nbytes() == v.nbytes else v.clone() for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    return model
+def match_global_batch(cfg: JobConfig, checkpoint_meta: dict, dp_size: int) -> JobConfig:
+    """Resuming on another number of data-parallel ranks: keep the checkpoint's global batch (sequences per
+    optimizer step) by changing gradient accumulation, so the run goes on with the same optimisation."""
+    saved = checkpoint_meta.get("global_batch")
+    if not saved:
+        return cfg
+    target = saved["sequences"]
+    per_micro = cfg.train.batch_size * dp_size
+    if per_micro * cfg.train.grad_accum_steps == target:
+        return cfg
+    if target % per_micro:
+        raise ConfigError(f"cannot keep the checkpoint's global batch of {target} sequences with train.batch_size="
+                          f"{cfg.train.batch_size} on {dp_size} data-parallel rank(s); choose a batch_size that "
+                          f"divides {target // dp_size if target % dp_size == 0 else target}")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=target // per_micro))
 
 
 class Trainer:
@@ -109,15 +128,22 @@ class Trainer:
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
         if dims.cp > 1:
             check_context_parallel_supported(self.device)
-        if dims.pp > 1 and cfg.checkpoint.enabled:
-            raise ConfigError("checkpoints with parallel.pp > 1 need per-stage (DCP) checkpoints, which are not "
-                              "implemented yet; set checkpoint.enabled=false")
         if dims.pp > 1 and self.precision == "fp16":
             raise ConfigError("train.precision=fp16 (gradient scaler) is not supported with parallel.pp > 1; use bf16")
         self.env = init_distributed(self.device.type)
         self.device = self.env.device
         self.is_main = self.env.is_main
         self.run_dir = Path(cfg.train.run_dir)
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
+                                             cfg.checkpoint.keep_every)
+        if cfg.train.resume:  # a resume on another world size keeps the checkpoint's global batch
+            complete = self.checkpoints.list_complete()
+            if complete:
+                accum = cfg.train.grad_accum_steps
+                cfg = match_global_batch(cfg, CheckpointManager.read_meta(complete[-1]), dims.dp_size)
+                if cfg.train.grad_accum_steps != accum and self.is_main and log:
+                    print(f"train.grad_accum_steps {accum} -> {cfg.train.grad_accum_steps}: keeps the checkpoint's "
+                          f"global batch on {dims.dp_size} data-parallel rank(s)", flush=True)
         if self.is_main:  # rank 0 prepares the data once; the others then find it cached
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.data_dir = prepare_data(cfg)
@@ -146,11 +172,14 @@ class Trainer:
                                         rank=self.pm.dp_rank, world_size=dims.dp_size, seed=cfg.train.seed,
                                         shuffle=cfg.data.shuffle)
         self.state = TrainState(schedule=dataclasses.asdict(cfg.schedule))
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last)
-        self.stateful = {"model": self.model, "optimizer": self.optimizer, "data": self.train_loader,
-                         "train_state": self.state, "rng": RNGState(), "scaler": self.scaler}
+        # Replicas of low-communication training decide alone (local losses), so they never roll back.
+        self.guard = NonFiniteGuard(0 if self.pm.low_comm is not None else cfg.train.rollback_after)
+        # Small per-rank state, saved beside the sharded tensors (model and optimizer: checkpoint_tensors).
+        self.local_state = {"data": self.train_loader, "train_state": self.state, "rng": RNGState(),
+                            "scaler": self.scaler, "guard": self.guard}
         if self.pm.low_comm is not None:
-            self.stateful["low_comm"] = self.pm.low_comm
+            self.local_state["low_comm"] = self.pm.low_comm
+        self.preempted = ""
         # Tokens per optimizer step over all data-parallel ranks.
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
@@ -184,18 +213,28 @@ class Trainer:
                 loss_sum = loss if loss_sum is None else loss_sum + loss
         self.scaler.unscale_(self.optimizer)
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm_(self.pm.parameters(), max_norm, self.pm.group("pp"), foreach=True)
-        self.scaler.step(self.optimizer)
+        grad_norm = float(clip_grad_norm_(self.pm.parameters(), max_norm, self.pm.group("pp"), foreach=True))
+        if self.pm.low_comm is not None:  # local loss: no per-step communication at all
+            loss_value = float(loss_sum)
+        else:  # the same on every rank, and so is the gradient norm: all ranks take the same decision
+            loss_value = float(global_mean(loss_sum, self.dims, self.device))
+        verdict = self.guard.check(loss_value, grad_norm, scaler_enabled=self.scaler.is_enabled())
+        if verdict == "ok":
+            self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += self.tokens_per_step
-        if self.pm.low_comm is not None:  # local loss: no per-step communication at all
+        if self.pm.low_comm is not None:
             self.pm.low_comm.after_step(self.state.step)
-            loss_value = float(loss_sum)
-        else:
-            loss_value = float(global_mean(loss_sum, self.dims, self.device))
-        return {"loss": loss_value, "grad_norm": float(grad_norm), "lr": lr}
+        record = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr}
+        if verdict != "ok":
+            record["skipped_update"] = 1
+            self._message(f"warning: step {self.state.step}: loss {loss_value} / gradient norm {grad_norm} is not "
+                          f"finite; update skipped ({self.guard.consecutive} in a row)")
+        if verdict == "rollback":
+            self._rollback()
+        return record
 
     # -- evaluation and samples ---------------------------------------------------------------------
     @torch.no_grad()
@@ -230,38 +269,82 @@ class Trainer:
         return self.cfg.train.sample_prompt + self.tokenizer.decode(new)
 
     # -- checkpoints --------------------------------------------------------------------------------
-    def save(self) -> Path | None:
-        """Write a checkpoint. Distributed: every rank helps gather the full state, rank 0 writes it."""
-        meta = {"tokens_seen": self.state.tokens_seen, "world_size": self.env.world_size}
-        if self.env.world_size == 1:
-            return self.checkpoints.save(self.state.step, self.stateful, meta)
-        model_state = parallel_state.gather_model_state(self.pm)
-        optimizer_state = parallel_state.gather_optimizer_state(self.pm, self.optimizer)
-        path = None
-        if self.is_main:
-            states = {**self.stateful, "model": full_model_module(self.cfg.model, model_state),
-                      "optimizer": parallel_state.Held(optimizer_state)}
-            path = self.checkpoints.save(self.state.step, states, meta)
-        barrier()  # nobody races ahead (or exits) while rank 0 is still writing
-        return path
+    def checkpoint_tensors(self) -> dict:
+        """This rank's model and optimizer tensors by full-model name (DCP writes and reads the shards)."""
+        replica = self.pm.low_comm is not None and self.pm.dp_rank > 0
+        prefix = f"replica{self.pm.dp_rank}." if replica else ""  # replicas differ between synchronisations
+        return {"model": model_tensors(self.pm.modules, prefix),
+                "optimizer": optimizer_tensors(self.pm.modules, self.optimizer, prefix)}
+
+    def checkpoint_meta(self) -> dict:
+        cfg = self.cfg
+        saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False))
+        return {"tokens_seen": self.state.tokens_seen, "dp_size": self.dims.dp_size,
+                "plan": {k: getattr(self.dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
+                | {"zero_stage": self.dims.zero_stage, "low_comm": cfg.parallel.low_comm},
+                "global_batch": {"sequences": cfg.train.batch_size * cfg.train.grad_accum_steps * self.dims.dp_size,
+                                 "seq_len": cfg.data.seq_len},
+                "optimizer_state": bool(local_optimizer(self.optimizer).state),
+                "config_sha256": hashlib.sha256(to_toml(saved, comments=False).encode()).hexdigest()}
+
+    def save(self, blocking: bool | None = None) -> Path:
+        """Write a checkpoint of the current step (collective). Asynchronous when checkpoint.async_save is
+        set, unless ``blocking``; the folder is complete once ``self.checkpoints.wait()`` returns."""
+        blocking = not self.cfg.checkpoint.async_save if blocking is None else blocking
+        return self.checkpoints.save(self.state.step, self.checkpoint_tensors(), self.local_state,
+                                     self.checkpoint_meta(), blocking=blocking)
+
+    def _load(self, path: Path, local_names: tuple[str, ...]) -> dict:
+        """Model + optimizer from ``path`` (resharded to this run's layout) and the named small states."""
+        meta = CheckpointManager.read_meta(path)
+        if self.pm.low_comm is not None and meta.get("dp_size") != self.dims.dp_size:
+            raise CheckpointError(f"{path}: low-communication replicas diverge between synchronisations, so this "
+                                  f"checkpoint of {meta.get('dp_size')} replicas resumes only on as many "
+                                  f"(now {self.dims.dp_size})")
+        tensors = self.checkpoint_tensors()
+        if meta.get("optimizer_state", True):
+            init_optimizer_state(self.optimizer)  # DCP loads into existing tensors
+            tensors = self.checkpoint_tensors()
+        else:
+            tensors.pop("optimizer")
+        self.checkpoints.load(path, tensors)
+        local, own = self.checkpoints.load_local(path)
+        for name in local_names:
+            if name == "rng" and not own:
+                RNGState.reseed(self.cfg.train.seed, int(meta["step"]), self.env.rank)
+            elif name in local:
+                self.local_state[name].load_state_dict(local[name])
+        return meta
 
     def resume(self) -> bool:
-        """Load the newest good checkpoint (every rank reads it); False when there is none."""
+        """Load the newest good checkpoint; False when there is none. Works across world sizes and plans:
+        DCP reshards model and optimizer, the data stream continues at the next unseen sample."""
+        self.checkpoints.remove_partial()
         path = self.checkpoints.latest(warn=self._message)
         if path is None:
             return False
-        if self.env.world_size == 1:
-            self.checkpoints.load(path, self.stateful)
-        else:
-            held = parallel_state.Held()
-            others = {k: v for k, v in self.stateful.items() if k != "model"}
-            self.checkpoints.load(path, {**others, "optimizer": held})
-            parallel_state.load_model_state(self.pm, load_file(str(path / "model.safetensors")))
-            parallel_state.load_optimizer_state(self.pm, self.optimizer, held.state)
+        meta = self._load(path, tuple(self.local_state))
         if self.state.schedule != dataclasses.asdict(self.cfg.schedule):
             self._message("warning: the [schedule] settings differ from the checkpoint's; using the new ones")
-        self._message(f"resumed from {path} (step {self.state.step})")
+        moved = "" if meta.get("world_size") == self.env.world_size else \
+            f", resharded from {meta.get('world_size')} to {self.env.world_size} ranks"
+        self._message(f"resumed from {path} (step {self.state.step}{moved})")
         return True
+
+    def _rollback(self) -> None:
+        """Back to the last good checkpoint's weights, optimizer and counters; the data position is kept,
+        so the batches that produced the non-finite steps are skipped, not replayed."""
+        bad_step = self.state.step
+        self.checkpoints.wait()
+        path = self.checkpoints.latest(warn=self._message)
+        if path is None:
+            raise TrainingError(f"{self.guard.rollback_after} non-finite steps in a row at step {bad_step} and no "
+                                f"checkpoint to roll back to; lower optim.lr or check the data")
+        tokens = self.state.tokens_seen
+        self._load(path, ("train_state", "scaler"))
+        self.state.tokens_seen = tokens  # tokens really consumed, skipped ones included
+        self._message(f"rolled back to {path.name} after {self.guard.rollback_after} non-finite steps (at step "
+                      f"{bad_step}); the data of those steps is skipped")
 
     def _message(self, text: str) -> None:
         if self.log_enabled:
@@ -269,11 +352,15 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------
     def train(self) -> dict:
-        """Run to ``train.steps`` (or ``train.stop_at_step``); returns a summary of the run."""
+        """Run to ``train.steps`` (or ``train.stop_at_step``, or a preemption notice); returns a summary.
+
+        On SIGTERM / SIGUSR1 / the trigger file the current step finishes, a checkpoint is written and the
+        summary says ``preempted``; ``scaletrain train`` then exits with status 75 (EX_TEMPFAIL)."""
         cfg, state = self.cfg, self.state
         logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, state.step, enabled=self.log_enabled)
         log_every, eval_every, ckpt_every = cfg.logging.log_interval, cfg.train.eval_interval, cfg.checkpoint.interval
         stop_at = cfg.train.stop_at_step or cfg.train.steps
+        notice = PreemptionHandler(cfg.checkpoint.trigger_file, cfg.checkpoint.grace_seconds).install()
         try:
             if state.step == 0 and eval_every:
                 self._eval_and_report(logger)
@@ -288,20 +375,48 @@ class Trainer:
                     logger.log(self._step_record(record))  # collective (per-rank memory): all ranks call it
                 else:
                     logger.advance(step)
+                if self._any_rank(notice.should_stop()):
+                    self.preempted = notice.reason or "another rank's notice"
+                    break
                 if eval_every and step % eval_every == 0 and step != cfg.train.steps:
                     self._eval_and_report(logger)
                 if cfg.checkpoint.enabled and ckpt_every and step % ckpt_every == 0 and step < stop_at:
                     self.save()
-            if state.step >= cfg.train.steps:
-                self._eval_and_report(logger)
-            if self.pm.low_comm is not None:
-                self.pm.low_comm.finish(state.step)  # the replicas end on the same (global) weights
-            if cfg.checkpoint.enabled:
-                self.save()
+            if self.preempted:
+                self._save_on_notice(notice, logger)
+            else:
+                if state.step >= cfg.train.steps:
+                    self._eval_and_report(logger)
+                if self.pm.low_comm is not None:
+                    self.pm.low_comm.finish(state.step)  # the replicas end on the same (global) weights
+                if cfg.checkpoint.enabled:
+                    self.save()
+            self.checkpoints.close()  # an asynchronous save completes before the run ends
         finally:
+            notice.uninstall()
             logger.close()
         self.close()  # after success only: a barrier in an error path could hang the healthy ranks
         return self.summary()
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when any rank has ``flag`` (a notice may reach the ranks a step apart)."""
+        if self.env.world_size == 1:
+            return flag
+        box = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return bool(box.item())
+
+    def _save_on_notice(self, notice: PreemptionHandler, logger: MetricsLogger) -> None:
+        """Preempted: finish any save in flight, then write this step's checkpoint synchronously."""
+        t0 = time.perf_counter()
+        if self.cfg.checkpoint.enabled:
+            self.checkpoints.wait()
+            self.save(blocking=True)
+        took, left = time.perf_counter() - t0, notice.seconds_left()
+        logger.log({"step": self.state.step, "preempted": self.preempted, "checkpoint_seconds": round(took, 3)})
+        logger.message(f"preempted ({self.preempted}) at step {self.state.step}: checkpoint written in {took:.1f} s"
+                       + (f"; WARNING: past the {self.cfg.checkpoint.grace_seconds:.0f} s grace period"
+                          if left < 0 else f", {left:.0f} s of grace left") + "; `--resume` continues")
 
     def _step_record(self, record: dict) -> dict:
         recent = self.step_times[-self.cfg.logging.log_interval:]
@@ -337,4 +452,6 @@ class Trainer:
                 "evals": self.evals, "final_val_loss": self.evals[-1]["val_loss"] if self.evals else None,
                 "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
                 "parameters": num_params(self.cfg.model),
-                "all_reduce_calls": self.pm.comm.all_reduce_calls, "all_reduce_bytes": self.pm.comm.all_reduce_bytes}
+                "all_reduce_calls": self.pm.comm.all_reduce_calls, "all_reduce_bytes": self.pm.comm.all_reduce_bytes,
+                "preempted": self.preempted, "skipped_updates": self.guard.skipped_total,
+                "rollbacks": self.guard.rollbacks}

@@ -1,0 +1,61 @@
+"""Preemption: finish the current step, checkpoint within a grace period, exit with a distinct status.
+
+Spot/preemptible instances get a notice (SIGTERM on most clouds and under SLURM's --signal, SIGUSR1 by
+convention for "checkpoint and requeue", or a metadata endpoint that an agent can turn into a file).
+The handler only sets a flag — never does work inside the signal handler — and the training loop asks
+``should_stop()`` after each step.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+# EX_TEMPFAIL from sysexits.h: "temporary failure, try again" — schedulers and wrappers can requeue on it.
+PREEMPTED_EXIT_CODE = 75
+
+
+class PreemptionHandler:
+    """Catches SIGTERM/SIGUSR1 (and an optional trigger file) and remembers when the notice came."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, trigger_file: str = "", grace_seconds: float = 60.0):
+        self.trigger_file = Path(trigger_file) if trigger_file else None
+        self.grace_seconds = grace_seconds
+        self.notice_time: float | None = None
+        self.reason = ""
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> PreemptionHandler:
+        """Install the handlers; returns self. Python allows signal handlers only in the main thread, so
+        a trainer driven from another thread relies on the trigger file alone."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.notice_time is None:
+            self.notice_time = time.monotonic()
+            self.reason = signal.Signals(signum).name
+
+    def should_stop(self) -> bool:
+        """True once a signal arrived or the trigger file exists."""
+        if self.notice_time is None and self.trigger_file is not None and self.trigger_file.exists():
+            self.notice_time = time.monotonic()
+            self.reason = f"trigger file {self.trigger_file}"
+        return self.notice_time is not None
+
+    def seconds_left(self) -> float:
+        """Seconds of the grace period that remain (inf before any notice)."""
+        if self.notice_time is None:
+            return float("inf")
+        return self.grace_seconds - (time.monotonic() - self.notice_time)

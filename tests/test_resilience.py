@@ -1,0 +1,196 @@
+"""Resilience on one process: kill -9 and SIGTERM at random steps, a SIGTERM or kill during an
+asynchronous save, damaged checkpoints, retention, and the NaN/Inf guard. Every resumed run must end
+bitwise identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import signal
+
+import pytest
+import torch
+
+from faults import assert_same_run, finish, last_step, launch, output, run_ok, wait_for, write_config
+from scaletrain.checkpoint import CheckpointManager
+from scaletrain.config import load_config
+from scaletrain.train.preemption import PREEMPTED_EXIT_CODE
+from scaletrain.train.trainer import Trainer
+
+STEPS, INTERVAL = 60, 5
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted reference run (synchronous checkpoints every 5 steps)."""
+    folder = tmp_path_factory.mktemp("straight")
+    config = write_config(folder, STEPS, INTERVAL)
+    run_ok(["train", "--config", str(config), f"--train.run_dir={folder / 'run'}"])
+    return config, folder / "run"
+
+
+def train_args(config, run, *extra: str) -> list[str]:
+    return ["train", "--config", str(config), f"--train.run_dir={run}", *extra]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill9_at_a_random_step_then_resume_is_bitwise_exact(straight, tmp_path, seed):
+    config, reference = straight
+    run = tmp_path / "run"
+    kill_at = random.Random(seed).randint(3, STEPS - 8)
+    proc = launch(train_args(config, run))
+    wait_for(lambda: last_step(run) >= kill_at, proc, what=f"step {kill_at}")
+    proc.kill()  # SIGKILL: no handler, no cleanup
+    proc.wait()
+    stopped = last_step(run)
+    assert stopped < STEPS, "the run finished before the kill landed"
+    out = run_ok(train_args(config, run, "--resume"))
+    assert "resumed from" in out
+    assert_same_run(reference, run)
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_75(straight, tmp_path):
+    config, reference = straight
+    run = tmp_path / "run"
+    proc = launch(train_args(config, run))
+    wait_for(lambda: last_step(run) >= 13, proc, what="step 13")
+    proc.send_signal(signal.SIGTERM)
+    code = finish(proc)
+    text = output(proc)
+    assert code == PREEMPTED_EXIT_CODE, text[-3000:]
+    assert "stopped at step" in text and "(SIGTERM)" in text
+    stopped = last_step(run)
+    newest = CheckpointManager(run / "checkpoints").latest()
+    assert newest is not None and CheckpointManager.read_meta(newest)["step"] == stopped  # nothing lost
+    run_ok(train_args(config, run, "--resume"))
+    assert_same_run(reference, run)
+
+
+def test_trigger_file_preempts(straight, tmp_path):
+    config, _ = straight
+    run, trigger = tmp_path / "run", tmp_path / "spot-notice"
+    proc = launch(train_args(config, run, f"--checkpoint.trigger_file={trigger}"))
+    wait_for(lambda: last_step(run) >= 4, proc, what="step 4")
+    trigger.write_text("reclaimed in 120 s")
+    assert finish(proc) == PREEMPTED_EXIT_CODE
+    assert f"(trigger file {trigger})" in output(proc)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_signal_during_an_async_save(straight, tmp_path, sig):
+    """The save of step 5 is in flight (slow disk: 1.5 s) while training goes on. SIGTERM: the loop
+    finishes its step, completes the pending save, writes its own and exits 75. SIGKILL: the partial
+    folder is ignored and the previous checkpoint used. Either way the resumed run is exact."""
+    config, reference = straight
+    run = tmp_path / "run"
+    proc = launch(train_args(config, run, "--checkpoint.async_save=true"), SLOW_FINALIZE="1.5")
+    partial = run / "checkpoints" / ".step-00000005.tmp"
+    wait_for(lambda: partial.is_dir() and last_step(run) >= 7, proc, what="training during the async save")
+    proc.send_signal(sig)
+    code = finish(proc)
+    if sig == signal.SIGTERM:
+        assert code == PREEMPTED_EXIT_CODE, output(proc)[-3000:]
+        steps = [int(p.name[5:]) for p in CheckpointManager(run / "checkpoints").list_complete()]
+        assert 5 in steps and steps[-1] == last_step(run)  # the in-flight save completed, then the final one
+    else:
+        assert code == -signal.SIGKILL
+        assert partial.is_dir() and not (run / "checkpoints" / "step-00000005").exists()
+    for path in CheckpointManager(run / "checkpoints").list_complete():
+        CheckpointManager.verify(path)
+    out = run_ok(train_args(config, run, "--resume", "--checkpoint.async_save=true"))
+    assert "resumed from" in out or sig == signal.SIGKILL  # after an early kill there may be no checkpoint
+    assert not partial.exists()
+    assert_same_run(reference, run)
+
+
+def _tiny_trainer(tmp_path, tiny, **extra):
+    return Trainer(load_config(None, tiny(tmp_path / "run", **extra)), log=False)
+
+
+def _damage(path, how: str) -> None:
+    if how == "truncated shard":
+        f = path / "__0_0.distcp"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif how == "deleted marker":
+        (path / "meta.json").unlink()
+    elif how == "flipped byte":
+        f = path / "rank-00000.pt"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how,message", [("truncated shard", "checksum mismatch"),
+                                         ("deleted marker", "incomplete (no meta.json)"),
+                                         ("flipped byte", "checksum mismatch")])
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, tiny, capsys, how, message):
+    from scaletrain.cli import main
+
+    over = tiny(tmp_path / "run", **{"checkpoint.interval": 5, "checkpoint.keep_last": 3, "train.steps": 15})
+    assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    newest = tmp_path / "run" / "checkpoints" / "step-00000015"
+    _damage(newest, how)
+    capsys.readouterr()
+    assert main(["train", "--resume", f"--train.run_dir={tmp_path / 'run'}", "--train.stop_at_step=12"]) == 0
+    out = capsys.readouterr().out
+    assert message in out and f"{newest.name}" in out, out
+    assert "resumed from" in out and "(step 10)" in out
+
+
+def test_retention_keeps_last_and_every(tmp_path, tiny):
+    trainer = _tiny_trainer(tmp_path, tiny, **{"train.steps": 12, "checkpoint.interval": 2, "checkpoint.keep_last": 2,
+                                                "checkpoint.keep_every": 4})
+    trainer.train()
+    kept = [p.name for p in CheckpointManager(tmp_path / "run" / "checkpoints").list_complete()]
+    assert kept == ["step-00000004", "step-00000008", "step-00000010", "step-00000012"]
+
+
+def test_async_save_resume_is_bitwise_exact(tmp_path, tiny):
+    from scaletrain.cli import main
+
+    common = {"checkpoint.interval": 5, "checkpoint.async_save": "true", "logging.log_interval": 1}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["train"] + [f"--{k}={v}" for k, v in tiny(straight, **common).items()]) == 0
+    assert main(["train"] + [f"--{k}={v}" for k, v in tiny(split, **common, **{"train.stop_at_step": 17}).items()]) == 0
+    assert main(["train", "--resume", f"--train.run_dir={split}"]) == 0
+    assert_same_run(straight, split)
+
+
+def test_nan_guard_skips_then_rolls_back_and_skips_the_data(tmp_path, tiny):
+    trainer = _tiny_trainer(tmp_path, tiny, **{"train.rollback_after": 3})
+    for _ in range(5):
+        trainer.train_step()
+    trainer.save()
+    good = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    cursor_at_save = trainer.train_loader.state_dict()["cursor"]
+    for _ in range(2):
+        trainer.train_step()
+    with torch.no_grad():  # a corrupted weight: every loss from now on is NaN
+        trainer.model.norm.weight[0] = math.nan
+    poisoned = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    first = trainer.train_step()
+    assert first.get("skipped_update") == 1 and math.isnan(first["loss"])
+    for k, v in trainer.model.state_dict().items():  # a skipped step changes no weight
+        assert torch.equal(v, poisoned[k]) or torch.isnan(v).any(), k
+    trainer.train_step()
+    trainer.train_step()  # the third bad step in a row: roll back to step 5
+    assert trainer.guard.rollbacks == 1 and trainer.guard.skipped_total == 3
+    assert trainer.state.step == 5
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, good[k]), k
+    # the data position was kept: the 5 batches consumed since the checkpoint are not replayed
+    assert trainer.train_loader.state_dict()["cursor"] == cursor_at_save + 5 * 4
+    after = trainer.train_step()
+    assert math.isfinite(after["loss"]) and "skipped_update" not in after and trainer.state.step == 6
+
+
+def test_nan_guard_without_checkpoint_stops_with_a_clear_error(tmp_path, tiny):
+    from scaletrain.train.trainer import TrainingError
+
+    trainer = _tiny_trainer(tmp_path, tiny, **{"train.rollback_after": 2})
+    with torch.no_grad():
+        trainer.model.norm.weight[0] = math.inf
+    trainer.train_step()
+    with pytest.raises(TrainingError, match="no checkpoint to roll back to"):
+        trainer.train_step()
