@@ -386,9 +386,9 @@ class Trainer:
                 self._save_on_notice(notice, logger)
             else:
                 if state.step >= cfg.train.steps:
-                    self._eval_and_report(logger)
-                if self.pm.low_comm is not None:
-                    self.pm.low_comm.finish(state.step)  # the replicas end on the same (global) weights
+                    if self.pm.low_comm is not None:  # the replicas end on the same (global) weights; not at
+                        self.pm.low_comm.finish(state.step)  # stop_at_step, where the run goes on later
+                    self._eval_and_report(logger)  # the final evaluation sees those weights
                 if cfg.checkpoint.enabled:
                     self.save()
             self.checkpoints.close()  # an asynchronous save completes before the run ends
