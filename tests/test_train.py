@@ -148,3 +148,19 @@ def test_default_recipe_smoke(tmp_path, capsys):
     assert "step      3 | loss" in out and "--- sample ---" in out and "final val loss" in out
     assert (run / "metrics.jsonl").is_file() and (run / "config.toml").is_file()
     assert (run / "tensorboard").is_dir()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--optim.lrr=1"], "unrecognized arguments: --optim.lrr=1"),
+    (["generate", "--run", "x", "--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
+    (["generate", "--run", "x", "--top-p", "2"], "--top-p in (0, 1]"),
+    (["train", "--optim.lr=-1"], "optim.lr must be > 0 (got -1.0)"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err

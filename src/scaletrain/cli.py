@@ -160,8 +160,15 @@ def _plugin_parser(sub, name: str, module: str, add: str, run: str, help: str) -
     p.set_defaults(func=getattr(mod, run))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (naming it) on stderr and exit code 2, not usage + error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scaletrain", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="scaletrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _train_parser(sub)
     _eval_parser(sub)

@@ -183,7 +183,9 @@ class Trainer:
         # Tokens per optimizer step over all data-parallel ranks.
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak_flops = peak_flops(self.device, "bf16" if self.precision == "bf16" else "fp32") * dims.world_size
+        self._peak_dtype = "bf16" if self.precision == "bf16" else "fp32"
+        self.peak_flops = peak_flops(self.device, self._peak_dtype) * dims.world_size
+        self._peak_remeasured = False
         self.log_enabled = log and self.is_main  # rank-0-only logging
         self.step_times: list[float] = []
         self.evals: list[dict] = []
@@ -422,6 +424,10 @@ class Trainer:
         recent = self.step_times[-self.cfg.logging.log_interval:]
         step_s = statistics.median(recent)
         tokens_per_second = self.tokens_per_step / step_s
+        if self.flops_per_token * tokens_per_second > self.peak_flops and not self._peak_remeasured:
+            # Above the cached "peak": it was measured on a busy machine. Measure again, once.
+            self._peak_remeasured = True
+            self.peak_flops = peak_flops(self.device, self._peak_dtype, remeasure=True) * self.dims.world_size
         return {"step": self.state.step, **record, "step_ms": 1000 * step_s,
                 "tokens_per_second": tokens_per_second,
                 "mfu": self.flops_per_token * tokens_per_second / self.peak_flops,
