@@ -173,10 +173,12 @@ def main() -> int:
     if args.recalibrate or "elementwise_s_per_element" not in entry or entry.get("clock", "wall") != args.clock:
         calibration.calibrate("cpu", log=console.print, rounds=args.rounds, clock=args.clock)
         entry = calibration.calibration_entry("cpu")
-    if "allreduce_busbw" not in entry or args.recalibrate:
-        console.print("measuring the gloo all-reduce bandwidth (torchrun, 2 ranks)")
+    if "tp_overhead" not in entry or args.recalibrate:
+        console.print("measuring the gloo all-reduce bandwidth, collective latency and tensor-parallel overhead "
+                      "(torchrun, 2 ranks)")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                        "scaletrain.plan.cli", "doctor"], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                        "scaletrain.plan.cli", "doctor", "--clock", args.clock], check=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
                        capture_output=True)
     cluster = parse_hardware("auto")
     peak = cluster.hardware.peak_flops["fp32"]

@@ -104,6 +104,22 @@ def test_ddp_allreduce_volume_is_the_ring_formula():
     assert exposed == comm["dp"]  # gloo on shared CPU cores: nothing overlaps
 
 
+def test_cpu_tensor_parallel_pays_the_measured_overhead_per_block_and_per_model():
+    # doctor's tiny-TP-model measurement replaces the per-op guess: per micro-batch, each block pays its
+    # bytes over the link plus the measured per-block cost, and the model (head, loss) its own once.
+    cfg = ModelConfig(dim=256, n_layers=4, n_heads=4, ffn_hidden_dim=688, vocab_size=2048, max_seq_len=512)
+    w = Workload(cfg, 128, 8, 1e6, "fp32")
+    tp_cost = {"sequence_parallel": {"per_block_s": 0.02, "per_model_s": 0.005},
+               "replicated": {"per_block_s": 0.01, "per_model_s": 0.003}}
+    cluster = Cluster(dataclasses.replace(CPU, calibration={**CALIBRATION, "tp_overhead": tp_cost}), 2, 1)
+    act_bytes = 4 * 128 * 256 * 4  # micro-batch 4 x 128 tokens x dim, fp32
+    for sp, key in ((True, "sequence_parallel"), (False, "replicated")):
+        comm, exposed = communication(w, Plan(tp=2, micro_batch=4, sequence_parallel=sp), cluster, compute=1.0)
+        per_block = 4 * 2 * (2 - 1) / 2 * act_bytes / CALIBRATION["allreduce_busbw"] + tp_cost[key]["per_block_s"]
+        assert comm["tp"] == pytest.approx(2 * (4 * per_block + tp_cost[key]["per_model_s"]))  # 2 micro-batches
+        assert exposed == comm["tp"]
+
+
 def test_cpu_time_grows_with_tokens_and_recompute():
     cfg = ModelConfig(dim=128, n_layers=4, n_heads=2, ffn_hidden_dim=344, vocab_size=256, max_seq_len=256)
     cluster = Cluster(CPU, 1, 1)

@@ -119,6 +119,80 @@ def measure_dtensor_overhead(reps: int = 200) -> float:
     return max(0.0, per_op(dtensor) - per_op(plain))
 
 
+# The tiny model the tensor-parallel overhead is measured on: shapes so small that the GEMMs, attention and
+# collectives' bytes cost next to nothing, so what remains is the host-side cost tensor parallelism adds
+# (DTensor sharding propagation, redistributions, the collectives' fixed cost) -- not one of the accuracy
+# benchmark's rows.
+TP_PROBE_MODEL = dict(dim=64, n_heads=4, ffn_hidden_dim=128, vocab_size=256, max_seq_len=16)
+TP_PROBE_LAYERS = (1, 3)
+
+
+def measure_tp_overhead(clock: str = "wall", reps: int = 7) -> dict:
+    """Host seconds tensor parallelism adds to one micro-batch's forward + backward, per block and per model
+    (embedding, final norm, vocabulary-parallel head and loss), for ``tp`` = the world size, with and without
+    sequence parallelism: ``{"sequence_parallel"|"replicated": {"per_block_s", "per_model_s"}}``.
+
+    A tiny Llama of 1 and of 3 blocks runs its forward + loss + backward through
+    ``scaletrain.parallel.parallelize`` (tp = world size) and as a plain single-process model; the TP run's
+    extra time over the plain one, split by the number of blocks (slope = per block, intercept = per model),
+    is the overhead. Best of ``reps`` (slowest rank of each repetition); ``clock="cpu"`` times process CPU
+    time. The collectives' bandwidth term is charged separately, from the measured all-reduce bandwidth.
+    """
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from scaletrain.config import ModelConfig, ParallelConfig
+    from scaletrain.model.llama import Transformer, build_model
+    from scaletrain.parallel import ParallelDims, forward_backward, parallelize
+
+    timer = calibration._CLOCK[clock]
+    world = dist.get_world_size()
+    inputs = torch.randint(0, TP_PROBE_MODEL["vocab_size"], (1, TP_PROBE_MODEL["max_seq_len"]),
+                           generator=torch.Generator().manual_seed(0))
+
+    def best(fn) -> float:
+        fn()  # warm-up: DTensor's sharding-propagation caches, gloo connections
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = timer()
+            fn()
+            elapsed = torch.tensor([timer() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
+            times.append(float(elapsed))
+        return min(times)
+
+    out = {}
+    for sp in (True, False):
+        extra = {}
+        for layers in TP_PROBE_LAYERS:
+            cfg = ModelConfig(n_layers=layers, **TP_PROBE_MODEL)
+            plain = build_model(cfg, "cpu", seed=0)
+
+            def plain_step():
+                F.cross_entropy(plain(inputs).flatten(0, 1), inputs.flatten()).backward()
+                plain.zero_grad(set_to_none=True)
+
+            pcfg = ParallelConfig(tp=world, sequence_parallel=sp)
+            dims = ParallelDims.from_config(pcfg, world)
+            with torch.device("meta"):
+                model = Transformer(cfg)
+            pm = parallelize(model, dims, pcfg, mesh=dims.build_mesh("cpu"), model_cfg=cfg, device=torch.device("cpu"),
+                             seed=0)
+
+            def tp_step():
+                forward_backward(pm, inputs, inputs, accum=1, sync=True)
+                for p in pm.parameters():
+                    p.grad = None
+
+            extra[layers] = max(0.0, best(tp_step) - best(plain_step))
+        lo, hi = TP_PROBE_LAYERS
+        per_block = max(0.0, (extra[hi] - extra[lo]) / (hi - lo))
+        out["sequence_parallel" if sp else "replicated"] = {"per_block_s": per_block,
+                                                            "per_model_s": max(0.0, extra[lo] - lo * per_block)}
+    return out
+
+
 def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
     """System info plus calibration; under torchrun only the all-reduce (rank 0 saves it)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -132,7 +206,8 @@ def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
             busbw = measure_allreduce_busbw()
             result = {"allreduce_busbw": busbw, "allreduce_world_size": dist.get_world_size(),
                       "collective_latency_s": measure_allreduce_latency(),
-                      "dtensor_op_overhead_s": measure_dtensor_overhead()}
+                      "dtensor_op_overhead_s": measure_dtensor_overhead(),
+                      "tp_overhead": measure_tp_overhead(clock), "tp_overhead_world_size": dist.get_world_size()}
             if dist.get_rank() == 0:
                 device = "cuda" if backend == "nccl" else "cpu"
                 key = calibration.comm_fingerprint(device)
@@ -141,7 +216,10 @@ def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
                 calibration.save_calibration(data)
                 log(f"all-reduce over {dist.get_world_size()} ranks ({backend}): bus bandwidth {busbw / 1e9:.2f} GB/s, "
                     f"latency {result['collective_latency_s'] * 1e6:.0f} us; DTensor overhead "
-                    f"{result['dtensor_op_overhead_s'] * 1e6:.0f} us/op -> {calibration.calibration_path()}")
+                    f"{result['dtensor_op_overhead_s'] * 1e6:.0f} us/op; tensor parallelism adds "
+                    + ", ".join(f"{k} {v['per_block_s'] * 1e3:.1f} ms/block + {v['per_model_s'] * 1e3:.1f} ms/model"
+                                for k, v in result["tp_overhead"].items())
+                    + f" per micro-batch ({clock} clock) -> {calibration.calibration_path()}")
             dist.barrier()
         finally:
             dist.destroy_process_group()

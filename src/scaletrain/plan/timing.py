@@ -232,11 +232,19 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         # Per block: 2 all-reduces forward + 2 backward, or with sequence parallelism the same bytes as
         # 4 all-gathers + 4 reduce-scatters.
         collectives = 8 if plan.sequence_parallel else 4
-        out["tp"] = micro * layers * (4 * 2 * (plan.tp - 1) / plan.tp * act / bw + collectives * latency)
-        if not gpu:
-            # DTensor's sharding propagation runs on the host for every op of a block (CPU: not hidden
-            # behind asynchronous kernels).
-            out["tp"] += micro * layers * calib.get("block_ops", OPS_PER_BLOCK) * calib.get("dtensor_op_overhead_s", 0.0)
+        bandwidth = 4 * 2 * (plan.tp - 1) / plan.tp * act / bw
+        measured = None if gpu else calib.get("tp_overhead", {}).get(
+            "sequence_parallel" if plan.sequence_parallel else "replicated")
+        if measured:
+            # CPU: the host cost TP adds (DTensor sharding propagation on every op, redistributions, the
+            # collectives' fixed cost), measured by doctor on a tiny TP model per block and per model
+            # (embedding, final norm, vocabulary-parallel head and loss); not hidden behind async kernels.
+            out["tp"] = micro * (layers * (bandwidth + measured["per_block_s"]) + measured["per_model_s"])
+        else:
+            out["tp"] = micro * layers * (bandwidth + collectives * latency)
+            if not gpu:  # older calibrations: DTensor's per-op overhead on every op of a block
+                out["tp"] += micro * layers * calib.get("block_ops", OPS_PER_BLOCK) * calib.get(
+                    "dtensor_op_overhead_s", 0.0)
         exposed += out["tp"]
     if plan.cp > 1:
         bw, _ = _group_link(cluster, plan.cp, inner_tp)
