@@ -1,12 +1,18 @@
-"""Distributed parity harness, run by tests/test_parallel_dist.py under torchrun (gloo, CPU).
+"""Distributed parity harness, run by tests/test_parallel_dist.py under torchrun (gloo on CPU; nccl with --device cuda).
 
 For each requested strategy it trains a tiny Llama for a few AdamW steps through ``parallelize`` and
 ``forward_backward`` (the trainer's own path), and on every rank also trains the single-process reference
 on the same global batches from the same seed. Rank 0 writes one JSON record per strategy: the two loss
 curves and their maximum relative difference. Several strategies share one process group so the whole
-matrix costs one launch per world size.
+matrix costs one launch per world size. Any strategy name with the suffix ``_compile`` runs that strategy
+with per-block ``torch.compile`` (``parallelize(..., compile=True)``, as ``train.compile`` does).
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_parity.py --out r.json --strategies ddp,fsdp3
+    torchrun --standalone --nproc-per-node 2 tests/dist_parity.py --out r.json --strategies ddp,fsdp3,ddp_compile
+
+On GPUs (one per rank, nccl; each rank takes GPU ``LOCAL_RANK``) add ``--device cuda``:
+
+    torchrun --standalone --nproc-per-node 2 tests/dist_parity.py --device cuda --out r.json \\
+        --strategies fsdp3,fsdp3_bf16,ddp_compile,fsdp3_compile,fsdp3_bf16_compile
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters as dynamo_counters
 
 from scaletrain.config import ModelConfig, OptimConfig, ParallelConfig
 from scaletrain.model import Transformer, build_model
 from scaletrain.parallel import (ParallelDims, build_parallel_optimizer, clip_grad_norm_, forward_backward,
                                  global_mean, parallelize)
+from scaletrain.parallel.distributed import destroy_distributed, init_distributed
 from scaletrain.train.optimizer import build_optimizer
 
 MODEL = ModelConfig(vocab_size=64, dim=64, n_layers=4, n_heads=4, ffn_hidden_dim=128, max_seq_len=32)
@@ -59,6 +67,15 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
                         pp_microbatches=2), 1),
 }
 
+COMPILE_SUFFIX = "_compile"
+
+
+def resolve(name: str) -> tuple[dict, int, bool]:
+    """(ParallelConfig fields, grad_accum_steps, compile) of a strategy name; ``X_compile`` is X compiled."""
+    compiled = name.endswith(COMPILE_SUFFIX)
+    fields, accum = STRATEGIES[name[:-len(COMPILE_SUFFIX)] if compiled else name]
+    return fields, accum, compiled
+
 
 def batches(step: int, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batch of one optimizer step cut into ``accum`` micro-batches (identical on every rank).
@@ -77,14 +94,15 @@ def batches(step: int, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.chunk(accum)]
 
 
-def reference_losses(accum: int) -> list[float]:
-    """One process, the whole global batch per step (accumulated over the same micro-batches)."""
-    model = build_model(MODEL, "cpu", seed=SEED)
-    opt = build_optimizer(model, OPTIM, torch.device("cpu"))
+def reference_losses(accum: int, device: torch.device = torch.device("cpu")) -> list[float]:
+    """One process, the whole global batch per step (accumulated over the same micro-batches), eager."""
+    model = build_model(MODEL, device, seed=SEED)
+    opt = build_optimizer(model, OPTIM, device)
     losses = []
     for step in range(STEPS):
         total = 0.0
         for inputs, targets in batches(step, accum):
+            inputs, targets = inputs.to(device), targets.to(device)
             loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()) / accum
             loss.backward()
             total += float(loss.detach())
@@ -95,23 +113,25 @@ def reference_losses(accum: int) -> list[float]:
     return losses
 
 
-def parallel_losses(fields: dict, accum: int) -> tuple[list[float], dict]:
+def parallel_losses(fields: dict, accum: int, compile: bool, device: torch.device) -> tuple[list[float], dict]:
     cfg = ParallelConfig(**fields)
     world = dist.get_world_size()
     dims = ParallelDims.from_config(cfg, world)
     local_batch = GLOBAL_BATCH // accum // dims.dp_size
     dims.check_model(cfg, MODEL, SEQ, local_batch)
-    mesh = dims.build_mesh("cpu")
+    mesh = dims.build_mesh(device.type)
     with torch.device("meta"):
         model = Transformer(MODEL)
-    device = torch.device("cpu")
-    pm = parallelize(model, dims, cfg, mesh=mesh, model_cfg=MODEL, device=device, seed=SEED, grad_accum_steps=accum)
+    pm = parallelize(model, dims, cfg, mesh=mesh, model_cfg=MODEL, device=device, seed=SEED, compile=compile,
+                     grad_accum_steps=accum)
     opt = build_parallel_optimizer(pm, OPTIM, device, dims.zero_stage)
+    frames_before = dynamo_counters["frames"]["ok"]
     losses, t0 = [], time.perf_counter()
     for step in range(STEPS):
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         micro = batches(step, accum)
         for i, (inputs, targets) in enumerate(micro):
+            inputs, targets = inputs.to(device), targets.to(device)
             lo = pm.dp_rank * local_batch  # this data-parallel rank's slice of the global micro-batch
             loss = forward_backward(pm, inputs[lo:lo + local_batch], targets[lo:lo + local_batch], accum=accum,
                                     sync=i == accum - 1)
@@ -121,7 +141,9 @@ def parallel_losses(fields: dict, accum: int) -> tuple[list[float], dict]:
         opt.zero_grad(set_to_none=True)
         losses.append(float(total))
     return losses, {"dims": dataclasses.asdict(dims), "seconds": time.perf_counter() - t0,
-                    "all_reduce_calls": pm.comm.all_reduce_calls}
+                    "all_reduce_calls": pm.comm.all_reduce_calls,
+                    # frames torch.compile compiled during this run: 0 would mean the eager path ran
+                    "compiled_frames": dynamo_counters["frames"]["ok"] - frames_before}
 
 
 def _local_bytes(tensors) -> int:
@@ -134,7 +156,7 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def memory_record(name: str) -> dict:
+def memory_record(name: str, device: torch.device) -> dict:
     """Per-rank bytes of parameters (at rest and held between forward and backward), gradients and AdamW
     moments (exp_avg + exp_avg_sq) for one strategy, after one training step."""
     fields, _ = STRATEGIES[name]
@@ -142,13 +164,12 @@ def memory_record(name: str) -> dict:
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
     with torch.device("meta"):
         model = Transformer(MODEL)
-    device = torch.device("cpu")
-    pm = parallelize(model, dims, cfg, mesh=dims.build_mesh("cpu"), model_cfg=MODEL, device=device, seed=SEED)
+    pm = parallelize(model, dims, cfg, mesh=dims.build_mesh(device.type), model_cfg=MODEL, device=device, seed=SEED)
     opt = build_parallel_optimizer(pm, OPTIM, device, dims.zero_stage)
     module, wrapper = pm.modules[0], pm.parts[0]
     local = GLOBAL_BATCH // dims.dp_size
     inputs, targets = batches(0, 1)[0]
-    inputs, targets = inputs[pm.dp_rank * local:][:local], targets[pm.dp_rank * local:][:local]
+    inputs, targets = inputs[pm.dp_rank * local:][:local].to(device), targets[pm.dp_rank * local:][:local].to(device)
     params_at_rest = _local_bytes(module.parameters())
     loss = torch.nn.functional.cross_entropy(wrapper(inputs).flatten(0, 1), targets.flatten())
     # FSDP2 swaps the registered parameters to the gathered (unsharded) ones while they are held.
@@ -170,34 +191,36 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--strategies", default="")
     parser.add_argument("--memory", default="", help="strategies to measure per-rank bytes for")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cpu: gloo; cuda: nccl, one GPU per rank (GPU LOCAL_RANK)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    env = init_distributed(args.device)  # the trainer's own set-up: gloo on CPU, nccl + set_device on CUDA
+    device, rank = env.device, env.rank
     records, ref_cache = [], {}
     for name in filter(None, args.memory.split(",")):
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, memory_record(name))
+        dist.all_gather_object(gathered, memory_record(name, device))
         records.extend({"kind": "memory", **r} for r in gathered)
         if rank == 0:
             print(f"{name:>16}: memory " + " | ".join(f"rank {r['rank']}: P {r['params_at_rest']}/"
                   f"{r['params_in_step']} G {r['grads']} O {r['optimizer_states']}" for r in gathered), flush=True)
     for name in filter(None, args.strategies.split(",")):
-        fields, accum = STRATEGIES[name]
-        if not ref_cache:  # always one process and one batch of k * b rows, whatever the strategy's k
-            ref_cache[1] = reference_losses(1)
+        fields, accum, compiled = resolve(name)
+        if not ref_cache:  # always one eager process and one batch of k * b rows, whatever the strategy's k
+            ref_cache[1] = reference_losses(1, device)
         ref = ref_cache[1]
-        losses, info = parallel_losses(fields, accum)
+        losses, info = parallel_losses(fields, accum, compiled, device)
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
         records.append({"kind": "parity", "strategy": name, "world_size": dist.get_world_size(), "grad_accum_steps": accum,
-                        "reference": ref, "parallel": losses, "max_rel_diff": rel, **info})
+                        "compile": compiled, "device": device.type, "reference": ref, "parallel": losses,
+                        "max_rel_diff": rel, **info})
         if rank == 0:
             print(f"{name:>16}: max rel diff {rel:.2e}  ({info['seconds']:.1f} s)", flush=True)
     if rank == 0:
         with open(args.out, "w") as fh:
             json.dump(records, fh, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_distributed(env)  # barrier, then destroy
     return 0
 
 
