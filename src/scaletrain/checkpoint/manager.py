@@ -15,10 +15,11 @@ leaves either the previous checkpoints untouched or a hidden folder that nothing
 re-hashes the newest complete checkpoint and falls back to the previous one, with a message, when a file
 is missing, truncated or altered.
 
-Asynchronous: ``save(..., blocking=False)`` copies the tensors to CPU memory (the only part the training
-loop waits for) and lets a background thread write them; the next save - or ``wait()`` - waits for the
-previous one, so at most one staged copy exists (bounded memory: one copy of this rank's model and
-optimizer shards). DCP's own collectives run on a dedicated gloo group so they never interleave with the
+Asynchronous: ``save(..., blocking=False)`` returns at once; background threads copy the tensors to CPU
+memory and then write them. The caller must not change the tensors until ``wait_staged()`` returns (the
+trainer calls it just before the next optimizer step, so the copy overlaps a forward and backward). The
+next save - or ``wait()`` - waits for the previous one, so at most one staged copy exists (bounded memory:
+one copy of this rank's model and optimizer shards, reused from save to save). DCP's own collectives run on a dedicated gloo group so they never interleave with the
 training loop's collectives on the default group.
 
 Safety: tensors are read back by DCP with ``torch.load(weights_only=True)``; DCP's ``.metadata`` index is a
@@ -93,6 +94,8 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo") if _distributed() else None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
+        self._stager = None  # created at the first asynchronous save
+        self._staging: concurrent.futures.Future | None = None
         self.last_save_seconds = {"blocked": 0.0}
 
     # -- saving ----------------------------------------------------------------------------------------
@@ -128,10 +131,33 @@ class CheckpointManager:
             dcp.save(tensors, checkpoint_id=str(path), no_dist=True)
 
     def _stage_and_start(self, tensors: dict, path: Path):
-        """DCP's async save: stages a CPU copy now (the loop waits for this part only), writes in a thread."""
+        """DCP's async save: the CPU copy ("staging") and the writing both run in background threads.
+
+        The copy must be complete before the tensors change again, i.e. before the next optimizer step:
+        the trainer calls ``wait_staged()`` there, so the copy overlaps the next forward and backward.
+        One stager lives as long as the manager and refills the same CPU copies at every save, which is
+        the bound on staging memory: one copy of this rank's tensors."""
+        if self._stager is None:
+            self._stager = _persistent_stager()
+        kwargs = {"async_stager": self._stager} if self._stager is not None else {}
         if _distributed():
-            return dcp.async_save(tensors, checkpoint_id=str(path), process_group=self.group)
-        return dcp.async_save(tensors, checkpoint_id=str(path), no_dist=True)
+            response = dcp.async_save(tensors, checkpoint_id=str(path), process_group=self.group, **kwargs)
+        else:
+            response = dcp.async_save(tensors, checkpoint_id=str(path), no_dist=True, **kwargs)
+        self._staging = getattr(response, "staging_completion", None)  # None: staged before returning
+        return response
+
+    def wait_staged(self) -> float:
+        """Block until the save in flight has copied the tensors (call before changing them); returns the
+        seconds waited, also kept in ``last_save_seconds["staging_wait"]``."""
+        if self._staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        staging, self._staging = self._staging, None
+        staging.result()
+        waited = time.perf_counter() - t0
+        self.last_save_seconds["staging_wait"] = waited
+        return waited
 
     def _complete_async(self, staged, tmp: Path, final: Path, meta: dict) -> None:
         # dcp.async_save returns a Future (or, in newer torch, a response holding one).
@@ -161,15 +187,20 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; re-raises its error."""
+        self._staging = None  # the write starts only after the copy, so waiting for it covers both
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
 
     def close(self) -> None:
+        """Wait for the save in flight, then free the writer thread and the staging copies."""
         self.wait()
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _retain(self) -> None:
         """Keep the newest ``keep_last`` and every step divisible by ``keep_every``; delete the rest."""
@@ -255,6 +286,18 @@ class CheckpointManager:
             return torch.load(path / name, map_location="cpu", weights_only=True), own
         except FileNotFoundError:
             raise CheckpointError(f"{path / name}: missing") from None
+
+
+def _persistent_stager():
+    """DCP's DefaultStager with its CPU copies cached between saves (pinned memory and non-blocking copies
+    on CUDA); None on a torch without it, where each save stages into fresh memory."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=cuda))
 
 
 def load_tensors(path: Path, tensors: dict[str, Any], group=None) -> None:

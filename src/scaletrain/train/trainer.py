@@ -222,6 +222,7 @@ class Trainer:
             loss_value = float(global_mean(loss_sum, self.dims, self.device))
         verdict = self.guard.check(loss_value, grad_norm, scaler_enabled=self.scaler.is_enabled())
         if verdict == "ok":
+            self.checkpoints.wait_staged()  # an asynchronous save must have copied the weights first
             self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
