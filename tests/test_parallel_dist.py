@@ -185,12 +185,17 @@ def test_cli_under_torchrun_matches_single_process_and_resumes(tmp_path):
     assert train_losses(tmp_path / "fsdp") == got[5:]
 
 
+def low_comm_recipe(cache: Path) -> str:
+    """The tiny recipe DDP, local SGD and DiLoCo are compared on (here and in benchmarks/low_comm.py):
+    dim 64, 4 layers, char-level Tiny Shakespeare, seq 64, 8 sequences per rank, 200 steps, warm-up 20."""
+    return TINY_TOML.format(cache=cache, steps=200).replace("warmup_steps = 5", "warmup_steps = 20")
+
+
 def test_diloco_reaches_ddp_loss_with_h_times_fewer_all_reduces(tmp_path):
     """Tiny recipe, 2 replicas, equal tokens (200 steps x 2 x 8 x 64): DiLoCo (H = 10) ends within 5% of
     DDP's validation loss while issuing H times fewer (and H times fewer bytes of) all-reduces."""
     config = tmp_path / "tiny.toml"
-    config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=200).replace("warmup_steps = 5",
-                                                                                   "warmup_steps = 20"))
+    config.write_text(low_comm_recipe(tmp_path / "data"))
     out = tmp_path / "runs.json"
     common = "parallel.dp_replicate=2,checkpoint.enabled=false,logging.log_interval=50"
     torchrun(2, str(TESTS / "dist_train.py"), "--config", str(config), "--out", str(out),
