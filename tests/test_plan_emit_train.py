@@ -7,6 +7,7 @@ import math
 
 from scaletrain.cli import main
 from scaletrain.config import load_config, to_toml
+from scaletrain.plan import calibration
 
 
 def test_emitted_cpu_plan_trains(tmp_path, tiny):
@@ -38,6 +39,10 @@ def test_doctor_smoke(tmp_path, monkeypatch, capsys):
     # One round, CPU clock (one thread): the quickest doctor; it must describe the machine and write a
     # calibration with every rate the CPU time model reads.
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
+    # Fewer sample points on each measured curve (the code path is the same; a full doctor takes ~1 min).
+    for name, points in (("GEMM_WIDTHS", (64, 256)), ("ATTN_HEAD_DIMS", (32,)), ("ATTN_SEQ_LENS", (64, 128)),
+                         ("CE_VOCABS", (256,)), ("OPT_SIZES", (1 << 16,)), ("ELEMENTWISE_BATCHES", (1,))):
+        monkeypatch.setattr(calibration, name, points)
     report = tmp_path / "doctor.json"
     assert main(["doctor", "--rounds", "1", "--clock", "cpu", "--json", str(report)]) == 0
     doc = json.loads(report.read_text())

@@ -1,8 +1,8 @@
 """``scaletrain plan`` and ``scaletrain doctor``: argparse wiring, input checks, output.
 
 The dispatcher (scaletrain/cli.py) calls ``add_plan_arguments`` / ``run_plan`` and ``add_doctor_arguments``
-/ ``run_doctor``. Bad input is one line on stderr and exit code 2; until the dispatcher is wired, run
-``python -m scaletrain.plan.cli plan ...``.
+/ ``run_doctor`` (``scaletrain plan ...``, ``scaletrain doctor ...``). Bad input is one line on stderr and
+exit code 2. ``python -m scaletrain.plan.cli`` runs the same two commands stand-alone.
 """
 
 from __future__ import annotations

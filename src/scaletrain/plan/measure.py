@@ -172,9 +172,10 @@ def resident_extras(model_cfg: ModelConfig, batch: int, seq: int) -> int:
 
 
 def distributed_run(model_cfg: ModelConfig, parallel: dict, batch_per_rank: int, seq: int, steps: int = 5,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, accum: int = 1) -> dict:
     """Inside a torchrun process group: ``scaletrain.parallel.parallelize`` the model, then measure this
-    rank's peak tensor bytes and median step time (forward_backward, clip, AdamW or ZeRO-1, zero_grad)."""
+    rank's peak tensor bytes and median step time (forward_backward over ``accum`` micro-batches, the
+    gradient sync on the last only, clip, AdamW or ZeRO-1, zero_grad)."""
     from scaletrain.config import OptimConfig, ParallelConfig
     from scaletrain.model.llama import Transformer
     from scaletrain.parallel import (ParallelDims, build_parallel_optimizer, clip_grad_norm_, forward_backward,
@@ -196,7 +197,8 @@ def distributed_run(model_cfg: ModelConfig, parallel: dict, batch_per_rank: int,
     targets = torch.randint(0, model_cfg.vocab_size, (batch_per_rank, seq), generator=gen)
 
     def step() -> None:
-        forward_backward(pm, inputs, targets, accum=1, sync=True)
+        for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+            forward_backward(pm, x, y, accum=accum, sync=i == accum - 1)
         clip_grad_norm_(pm.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
