@@ -119,36 +119,40 @@ def measure_dtensor_overhead(reps: int = 200) -> float:
     return max(0.0, per_op(dtensor) - per_op(plain))
 
 
-# The tiny model the tensor-parallel overhead is measured on: shapes so small that the GEMMs, attention and
-# collectives' bytes cost next to nothing, so what remains is the host-side cost tensor parallelism adds
-# (DTensor sharding propagation, redistributions, the collectives' fixed cost) -- not one of the accuracy
-# benchmark's rows.
-TP_PROBE_MODEL = dict(dim=64, n_heads=4, ffn_hidden_dim=128, vocab_size=256, max_seq_len=16)
+# The reference model the tensor-parallel overhead is measured on (the elementwise calibration's reference
+# block shape: dim 384, 6 heads, SwiGLU 1024, T=192; one sequence) -- not one of the accuracy benchmark's rows.
+TP_PROBE_MODEL = dict(dim=384, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, max_seq_len=192)
 TP_PROBE_LAYERS = (1, 3)
 
 
-def measure_tp_overhead(clock: str = "wall", reps: int = 7) -> dict:
-    """Host seconds tensor parallelism adds to one micro-batch's forward + backward, per block and per model
-    (embedding, final norm, vocabulary-parallel head and loss), for ``tp`` = the world size, with and without
-    sequence parallelism: ``{"sequence_parallel"|"replicated": {"per_block_s", "per_model_s"}}``.
+def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict:
+    """Seconds tensor parallelism adds to one micro-batch's forward + backward beyond its sharded compute and
+    its bytes, per block and per model (embedding, final norm, vocabulary-parallel head and loss), for ``tp`` =
+    the world size, with and without sequence parallelism:
+    ``{"sequence_parallel"|"replicated": {"per_block_s", "per_model_s"}}``.
 
-    A tiny Llama of 1 and of 3 blocks runs its forward + loss + backward through
-    ``scaletrain.parallel.parallelize`` (tp = world size) and as a plain single-process model; the TP run's
-    extra time over the plain one, split by the number of blocks (slope = per block, intercept = per model),
-    is the overhead. Best of ``reps`` (slowest rank of each repetition); ``clock="cpu"`` times process CPU
-    time. The collectives' bandwidth term is charged separately, from the measured all-reduce bandwidth.
+    A reference Llama of 1 and of 3 blocks runs its forward + loss + backward through
+    ``scaletrain.parallel.parallelize``; from each time (best of ``reps``, slowest rank) the CPU time model
+    subtracts what it already charges -- the sharded GEMMs, attention, elementwise work and dispatch from
+    this machine's single-process calibration ``entry``, and the activations' bytes over the measured
+    all-reduce bandwidth. The rest (DTensor sharding propagation on every op, redistributions, the
+    collectives' fixed cost) split by the number of blocks: slope = per block, intercept = per model. The
+    same method as the elementwise calibration (measured block minus what the curves predict).
     """
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from scaletrain.config import ModelConfig, ParallelConfig
-    from scaletrain.model.llama import Transformer, build_model
+    from scaletrain.model.llama import Transformer
     from scaletrain.parallel import ParallelDims, forward_backward, parallelize
+    from scaletrain.plan.hardware import CATALOG, Cluster, with_calibration
+    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.plan.timing import _cpu_micro_seconds, tp_bandwidth_seconds
 
     timer = calibration._CLOCK[clock]
     world = dist.get_world_size()
-    inputs = torch.randint(0, TP_PROBE_MODEL["vocab_size"], (1, TP_PROBE_MODEL["max_seq_len"]),
-                           generator=torch.Generator().manual_seed(0))
+    cluster = Cluster(with_calibration(CATALOG["cpu"], entry), world, 1)
+    seq = TP_PROBE_MODEL["max_seq_len"]
+    inputs = torch.randint(0, TP_PROBE_MODEL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0))
 
     def best(fn) -> float:
         fn()  # warm-up: DTensor's sharding-propagation caches, gloo connections
@@ -167,12 +171,6 @@ def measure_tp_overhead(clock: str = "wall", reps: int = 7) -> dict:
         extra = {}
         for layers in TP_PROBE_LAYERS:
             cfg = ModelConfig(n_layers=layers, **TP_PROBE_MODEL)
-            plain = build_model(cfg, "cpu", seed=0)
-
-            def plain_step():
-                F.cross_entropy(plain(inputs).flatten(0, 1), inputs.flatten()).backward()
-                plain.zero_grad(set_to_none=True)
-
             pcfg = ParallelConfig(tp=world, sequence_parallel=sp)
             dims = ParallelDims.from_config(pcfg, world)
             with torch.device("meta"):
@@ -185,7 +183,10 @@ def measure_tp_overhead(clock: str = "wall", reps: int = 7) -> dict:
                 for p in pm.parameters():
                     p.grad = None
 
-            extra[layers] = max(0.0, best(tp_step) - best(plain_step))
+            plan = Plan(tp=world, micro_batch=1, sequence_parallel=sp)
+            compute, _ = _cpu_micro_seconds(Workload(cfg, seq, 1, 1e6, "fp32"), plan, cluster)
+            charged = compute + tp_bandwidth_seconds(cfg, 1, seq, world, float(entry["allreduce_busbw"]), layers)
+            extra[layers] = best(tp_step) - charged
         lo, hi = TP_PROBE_LAYERS
         per_block = max(0.0, (extra[hi] - extra[lo]) / (hi - lo))
         out["sequence_parallel" if sp else "replicated"] = {"per_block_s": per_block,
@@ -206,8 +207,15 @@ def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
             busbw = measure_allreduce_busbw()
             result = {"allreduce_busbw": busbw, "allreduce_world_size": dist.get_world_size(),
                       "collective_latency_s": measure_allreduce_latency(),
-                      "dtensor_op_overhead_s": measure_dtensor_overhead(),
-                      "tp_overhead": measure_tp_overhead(clock), "tp_overhead_world_size": dist.get_world_size()}
+                      "dtensor_op_overhead_s": measure_dtensor_overhead()}
+            # The TP overhead is what remains after the single-process rates: it needs that calibration.
+            entry = calibration.calibration_entry("cpu", measure_if_missing=False) if backend == "gloo" else {}
+            if "elementwise_s_per_element" in entry:
+                result["tp_overhead"] = measure_tp_overhead({**entry, **result}, clock)
+                result["tp_overhead_world_size"] = dist.get_world_size()
+            elif dist.get_rank() == 0 and backend == "gloo":
+                log("no single-process calibration with this thread count: run `scaletrain doctor` (same --clock) "
+                    "first to measure tensor parallelism's overhead")
             if dist.get_rank() == 0:
                 device = "cuda" if backend == "nccl" else "cpu"
                 key = calibration.comm_fingerprint(device)
@@ -218,7 +226,7 @@ def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
                     f"latency {result['collective_latency_s'] * 1e6:.0f} us; DTensor overhead "
                     f"{result['dtensor_op_overhead_s'] * 1e6:.0f} us/op; tensor parallelism adds "
                     + ", ".join(f"{k} {v['per_block_s'] * 1e3:.1f} ms/block + {v['per_model_s'] * 1e3:.1f} ms/model"
-                                for k, v in result["tp_overhead"].items())
+                                for k, v in result.get("tp_overhead", {}).items())
                     + f" per micro-batch ({clock} clock) -> {calibration.calibration_path()}")
             dist.barrier()
         finally:

@@ -210,6 +210,15 @@ def _group_link(cluster: Cluster, degree: int, inner: int) -> tuple[float, str]:
     return link.bandwidth * link.efficiency, link.name
 
 
+def tp_bandwidth_seconds(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, bus_bandwidth: float,
+                         layers: int, activation_bytes: int = 4) -> float:
+    """Seconds ``layers`` tensor-parallel blocks spend moving activations per micro-batch: 2 all-reduces of the
+    (B, T, d) activation forward and 2 backward (with sequence parallelism the same bytes as all-gathers +
+    reduce-scatters), ring volume 2(tp-1)/tp each."""
+    act = micro_batch * seq * cfg.dim * activation_bytes
+    return layers * 4 * 2 * (tp - 1) / tp * act / bus_bandwidth
+
+
 def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: float) -> tuple[dict, float]:
     """({collective: seconds per step}, exposed seconds). Mesh order outer->inner: pp, dp_rep, dp_shard, cp, tp."""
     cfg, rec = workload.model, RECIPES[workload.precision]
@@ -232,7 +241,8 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         # Per block: 2 all-reduces forward + 2 backward, or with sequence parallelism the same bytes as
         # 4 all-gathers + 4 reduce-scatters.
         collectives = 8 if plan.sequence_parallel else 4
-        bandwidth = 4 * 2 * (plan.tp - 1) / plan.tp * act / bw
+        bandwidth = tp_bandwidth_seconds(cfg, plan.micro_batch, workload.seq_len // plan.cp, plan.tp, bw, 1,
+                                         rec.activation)
         measured = None if gpu else calib.get("tp_overhead", {}).get(
             "sequence_parallel" if plan.sequence_parallel else "replicated")
         if measured:
