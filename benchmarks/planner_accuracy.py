@@ -185,6 +185,7 @@ def main() -> int:
     rows = [r for r in ROWS if not args.rows or r.name in args.rows.split(",")]
     records = []
     clock_key = "step_cpu_s" if args.clock == "cpu" else "step_s"
+    loads = [os.getloadavg()[0]]  # other jobs on the shared cores: reported with the results
     for row in rows:
         for attempt in range(3 if args.clock == "wall" else 1):
             before = wait_for_quiet(peak, args.quiet_threshold, args.quiet_tries, console.print) \
@@ -203,7 +204,8 @@ def main() -> int:
                   "measured_peak_bytes": measured["peak_bytes"], "memory_error": mem / measured["peak_bytes"] - 1,
                   "predicted_step_s": seconds, "measured_step_s": measured["step_s_clock"], "clock": args.clock,
                   "measured_wall_s": measured["step_s"], "measured_cpu_s": measured["step_cpu_s"],
-                  "time_error": seconds / measured["step_s_clock"] - 1, "peak_phase": phase}
+                  "time_error": seconds / measured["step_s_clock"] - 1, "peak_phase": phase,
+                  "load_average_1min": os.getloadavg()[0]}
         records.append(record)
         console.print(f"{row.name:28s} mem {mem / 2**20:8.1f} MiB vs {measured['peak_bytes'] / 2**20:8.1f} "
                       f"({record['memory_error']:+.1%})  time {seconds * 1e3:7.1f} ms vs "
@@ -226,6 +228,8 @@ def main() -> int:
     console.print(table)
     worst_mem = max(abs(r["memory_error"]) for r in records)
     worst_time = max(abs(r["time_error"]) for r in records)
+    console.print(f"load average (1 min) at the start and after each row: "
+                  f"{', '.join(f'{x:.1f}' for x in loads + [r['load_average_1min'] for r in records])}")
     console.print(f"worst memory error {worst_mem:.1%} (target {MEMORY_TARGET:.0%}), worst step-time error "
                   f"{worst_time:.1%} (target {TIME_TARGET:.0%}): {'all rows within target' if ok_all else 'MISSED'}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -234,6 +238,7 @@ def main() -> int:
         "calibration": cluster.hardware.calibration,
         "targets": {"memory": MEMORY_TARGET, "time": TIME_TARGET}, "rows": records,
         "worst_memory_error": worst_mem, "worst_time_error": worst_time, "all_within_target": ok_all,
+        "load_average_1min": loads + [os.getloadavg()[0]],
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
     console.print(f"wrote {args.out}")
     return 0 if ok_all else 1
