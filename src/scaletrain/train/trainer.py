@@ -221,8 +221,10 @@ class Trainer:
         else:  # the same on every rank, and so is the gradient norm: all ranks take the same decision
             loss_value = float(global_mean(loss_sum, self.dims, self.device))
         verdict = self.guard.check(loss_value, grad_norm, scaler_enabled=self.scaler.is_enabled())
+        # An asynchronous save must have copied the tensors before anything changes them: the optimizer
+        # step below, or a low-communication synchronisation even on a skipped step.
+        self.checkpoints.wait_staged()
         if verdict == "ok":
-            self.checkpoints.wait_staged()  # an asynchronous save must have copied the weights first
             self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
