@@ -146,7 +146,7 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
     from scaletrain.parallel import ParallelDims, forward_backward, parallelize
     from scaletrain.plan.hardware import CATALOG, Cluster, with_calibration
     from scaletrain.plan.spec import Plan, Workload
-    from scaletrain.plan.timing import _cpu_micro_seconds, tp_bandwidth_seconds
+    from scaletrain.plan.timing import cpu_micro_seconds, tp_bandwidth_seconds
 
     timer = calibration._CLOCK[clock]
     world = dist.get_world_size()
@@ -184,7 +184,7 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
                     p.grad = None
 
             plan = Plan(tp=world, micro_batch=1, sequence_parallel=sp)
-            compute, _ = _cpu_micro_seconds(Workload(cfg, seq, 1, 1e6, "fp32"), plan, cluster)
+            compute, _ = cpu_micro_seconds(Workload(cfg, seq, 1, 1e6, "fp32"), plan, cluster)
             charged = compute + tp_bandwidth_seconds(cfg, 1, seq, world, float(entry["allreduce_busbw"]), layers)
             extra[layers] = best(tp_step) - charged
         lo, hi = TP_PROBE_LAYERS

@@ -113,7 +113,7 @@ def step_time(workload: Workload, plan: Plan, cluster: Cluster) -> TimeBreakdown
     hw = cluster.hardware
     micro_steps = plan.grad_accum(workload) * (plan.microbatches if plan.pp > 1 else 1)
     if hw.kind == "cpu":
-        per_micro, optimizer = _cpu_micro_seconds(workload, plan, cluster)
+        per_micro, optimizer = cpu_micro_seconds(workload, plan, cluster)
     else:
         per_micro, optimizer = _gpu_micro_seconds(workload, plan, cluster)
     compute = per_micro * micro_steps
@@ -130,7 +130,7 @@ def step_time(workload: Workload, plan: Plan, cluster: Cluster) -> TimeBreakdown
                          comm)
 
 
-def _cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[float, float]:
+def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[float, float]:
     """(seconds per micro-batch on one stage, optimizer seconds) from the measured CPU rates."""
     cfg, entry = workload.model, cluster.hardware.calibration
     if "elementwise_s_per_element" not in entry:
