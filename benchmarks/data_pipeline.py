@@ -1,21 +1,29 @@
-"""Data pipeline benchmark: prepare throughput, tokenizer overhead, peak memory at 1x and 10x, loader cost.
+"""Data pipeline benchmark: prepare throughput, tokenizer overhead, peak memory at 1x/3x/10x, loader cost.
 
-    .venv/bin/python benchmarks/data_pipeline.py                  # ~4 minutes on 2 cores
-    .venv/bin/python benchmarks/data_pipeline.py --quick          # no 10x run
+    .venv/bin/python benchmarks/data_pipeline.py                  # ~20 minutes on 2 busy cores
+    .venv/bin/python benchmarks/data_pipeline.py --quick          # 1x only
+    .venv/bin/python benchmarks/data_pipeline.py --prepare-only --scales "" --default-scales 30   # add a row
 
 Inputs: all of ../shared/data/gutenberg-shakespeare/ (*.txt) plus ../shared/data/gutenberg-raw-sample/.
-1. ``prepare`` end to end (default config: clean, filters, exact + near dedup, BPE 8192), in a fresh
-   process, MB/s of raw input; peak RSS of the whole process tree (workers included), sampled every 20 ms.
-2. The same with dedup off at 1x and at 10x (the corpus listed ten times through symlinks): every byte
-   flows through every stage, so the peak RSS shows whether memory stays flat as the input grows.
-3. Tokenization in one process, same texts, same tokenizer, back to back: plain
+1. ``prepare`` end to end with dedup off at each scale (1x, 3x, 10x: the corpus listed k times through
+   symlinks, so every copy is read and processed again): every byte flows through every stage, so the
+   peak RSS shows whether memory stays flat as the input grows. Then the default config (clean, filters,
+   exact + near dedup, BPE 8192) at 1x and 10x: at 10x the nine extra copies are exact duplicates, so
+   the same documents are kept and the dedup state (which grows with *kept* documents, by design) stays
+   the same size - its growth is measured separately (4). Each run is a fresh process; MB/s of raw
+   input; peak RSS of the whole process tree (workers included), sampled every 20 ms, overall and per
+   pass (pass 1 clean/filter/dedup, pass 2 tokenizer training, pass 3 encode + shard writing).
+   Rows ``prepare_<k>x_nodedup`` and ``prepare_<k>x_default`` in the JSON.
+2. Tokenization in one process, same texts, same tokenizer, back to back: plain
    ``Tokenizer.encode_batch(all texts)``, the same plus reading ``.ids`` (what any consumer must do),
    ``encode_batch_fast`` (no offsets) plus ``.ids``,
    and the pipeline's encode stage (``encode.encode_stream``: batches, ids -> numpy, EOS) in-process and
    with 2 worker processes. One warm-up call first; best of 3 each; ratios are time / plain time.
-4. Loader: ms per batch at 12 x 64 (the foundation's baby-GPT recipe) with and without prefetch, and
+3. Loader: ms per batch at 12 x 64 (the foundation's baby-GPT recipe) with and without prefetch, and
    training steps of that recipe's model (forward, backward, AdamW) fed by the live loader vs by batches
    read beforehand, with the time spent inside ``next(loader)`` as the loader's share of a step.
+4. Dedup state: Python heap (tracemalloc) per kept document of ``dedup.Deduplicator`` (exact + near,
+   default settings) after 20,000 distinct random signatures: what grows with the corpus by design.
 
 Prints a table and writes benchmarks/results/data_pipeline.json.
 """
@@ -38,7 +46,7 @@ SHARED = ROOT.parent / "shared" / "data"
 SOURCES = [SHARED / "gutenberg-shakespeare", SHARED / "gutenberg-raw-sample"]
 
 
-# -- 1, 2: prepare in a child process, peak RSS of its process tree -------------------------------------
+# -- 1: prepare in a child process, peak RSS of its process tree -------------------------------------
 
 def _tree_rss_kb(pid: int) -> int:
     """Resident memory of ``pid`` and all its descendants (kB), from /proc."""
@@ -57,29 +65,66 @@ def _tree_rss_kb(pid: int) -> int:
 
 
 CHILD = """
-import json, sys, time
-from scaletrain.data.prepare import prepare
+import json, sys, threading, time
+from pathlib import Path
+from scaletrain.data import prepare as stages
 from scaletrain.data.prepare_config import PrepareConfig
 from scaletrain.data.report import Report
+sys.path.insert(0, sys.argv[5])
+from data_pipeline import _tree_rss_kb
+
+PASSES = {"clean_corpus": "pass1_clean_filter_dedup", "make_tokenizer": "pass2_tokenizer",
+          "write_shards": "pass3_encode_write"}
+current, peaks = ["setup"], {}
+
+def sample(stop):
+    while not stop.is_set():
+        peaks[current[0]] = max(peaks.get(current[0], 0), _tree_rss_kb(PID))
+        time.sleep(0.02)
+
+def tagged(name):
+    fn = getattr(stages, name)
+    def run(*args, **kwargs):
+        current[0] = PASSES[name]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            current[0] = "finish"
+    return run
+
 if __name__ == "__main__":
-    paths, out, dedup_on = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+    import os
+    PID = os.getpid()
+    paths, out, dedup_on, sample_mb = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", float(sys.argv[4])
+    for name in PASSES:  # prepare() calls the passes through the module, so this tags them
+        setattr(stages, name, tagged(name))
     cfg = PrepareConfig()
     cfg.source.paths, cfg.source.include = paths, ["*.txt"]
     cfg.dedup.exact = cfg.dedup.near = dedup_on
+    if sample_mb > 0:
+        cfg.tokenizer.train_sample_mb = sample_mb
     cfg.output.dir, cfg.output.force = out, True
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample, args=(stop,), daemon=True)
+    sampler.start()
     report = Report()
     t0 = time.perf_counter()
-    prepare(cfg, report)
+    stages.prepare(cfg, report)
     seconds = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
     print(report.table(), file=sys.stderr)
-    print(json.dumps({"seconds": seconds, "report": {k: v for k, v in report.to_dict().items() if k != "messages"}}))
+    print(json.dumps({"seconds": seconds, "pass_peak_rss_kb": peaks,
+                      "report": {k: v for k, v in report.to_dict().items() if k != "messages"}}))
 """
 
 
-def run_prepare(paths: list[Path], out: Path, dedup_on: bool) -> dict:
+def run_prepare(paths: list[Path], out: Path, dedup_on: bool, sample_mb: float = 0) -> dict:
+    """``prepare`` in a fresh process; its tree's peak RSS sampled from here (overall) and inside
+    (per pass). ``sample_mb`` > 0 overrides ``tokenizer.train_sample_mb``."""
     proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps([str(p) for p in paths]), str(out),
-                             "1" if dedup_on else "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+                             "1" if dedup_on else "0", str(sample_mb), str(Path(__file__).parent)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     peak = 0
     stop = threading.Event()
 
@@ -98,27 +143,30 @@ def run_prepare(paths: list[Path], out: Path, dedup_on: bool) -> dict:
         raise SystemExit(f"prepare failed:\n{stderr}")
     result = json.loads(stdout.strip().splitlines()[-1])
     rep = result["report"]
-    return {"mb_in": round(rep["bytes_in"] / 1e6, 2), "documents_in": rep["documents_in"],
+    kept = sum(s.get("documents", 0) for s in rep["splits"].values())
+    return {"mb_in": round(rep["bytes_in"] / 1e6, 2), "documents_in": rep["documents_in"], "documents_kept": kept,
             "seconds": round(result["seconds"], 2), "mb_per_second": round(rep["bytes_in"] / 1e6 / result["seconds"], 3),
-            "peak_rss_mb": round(peak / 1024, 1), "tokens_out": rep["tokens_out"],
-            "bytes_per_token": rep["bytes_per_token"], "removed": rep["removed"], "timings": rep["timings"],
-            "table": stderr.strip()}
+            "peak_rss_mb": round(peak / 1024, 1),
+            "peak_rss_mb_per_pass": {k: round(v / 1024, 1) for k, v in result["pass_peak_rss_kb"].items()},
+            "tokens_out": rep["tokens_out"], "bytes_per_token": rep["bytes_per_token"], "removed": rep["removed"],
+            "timings": rep["timings"], "train_sample_mb": sample_mb or "default (64)", "table": stderr.strip()}
 
 
-def ten_x(tmp: Path) -> list[Path]:
-    """The corpus ten times, as symlinks (no disk copies; every copy is read and processed again)."""
-    roots = []
-    for k in range(10):
-        for src in SOURCES:
-            dst = tmp / f"copy{k}" / src.name
-            dst.mkdir(parents=True)
-            for f in src.glob("*.txt"):
-                (dst / f.name).symlink_to(f)
-        roots.append(tmp / f"copy{k}")
+def copies(tmp: Path, k: int) -> list[Path]:
+    """The corpus k times, as symlinks (no disk copies; every copy is read and processed again)."""
+    if k == 1:
+        return list(SOURCES)
+    roots = [tmp / f"x{k}" / f"copy{i}" for i in range(k)]
+    if not (tmp / f"x{k}").exists():
+        for root in roots:
+            for src in SOURCES:
+                (root / src.name).mkdir(parents=True)
+                for f in src.glob("*.txt"):
+                    (root / src.name / f.name).symlink_to(f)
     return roots
 
 
-# -- 3: tokenization, same process, same texts ----------------------------------------------------------
+# -- 2: tokenization, same process, same texts ----------------------------------------------------------
 
 def bench_tokenization(prepared: Path) -> dict:
     import numpy as np
@@ -171,7 +219,7 @@ def bench_tokenization(prepared: Path) -> dict:
                      for k, v in rows.items()}}
 
 
-# -- 4: loader against a training step of the baby-GPT recipe ------------------------------------------
+# -- 3: loader against a training step of the baby-GPT recipe ------------------------------------------
 
 def bench_loader(tmp: Path) -> dict:
     import dataclasses
@@ -243,40 +291,88 @@ def bench_loader(tmp: Path) -> dict:
     return out
 
 
+# -- 4: what the dedup state costs per kept document ---------------------------------------------------
+
+def bench_dedup_state(n: int = 20_000) -> dict:
+    import hashlib
+    import tracemalloc
+
+    import numpy as np
+
+    from scaletrain.data.dedup import Deduplicator
+    from scaletrain.data.prepare_config import DedupConfig
+
+    rng = np.random.default_rng(0)
+    cfg = DedupConfig()
+    sigs = rng.integers(0, 2**32, (n, cfg.num_perm), dtype=np.uint32)  # distinct documents: all kept
+    names = [f"corpus/some-folder/document-{i:07d}.txt" for i in range(n)]
+    tracemalloc.start()
+    dedupper = Deduplicator(cfg)
+    before = tracemalloc.get_traced_memory()[0]
+    kept = sum(dedupper.check(i, names[i], hashlib.sha256(names[i].encode()).digest(), sigs[i].copy()) is None
+               for i in range(n))
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return {"documents_kept": kept, "bytes_per_kept_document": round(grown / kept),
+            "mb_per_million_kept": round(grown / kept * 1e6 / 1e6), "num_perm": cfg.num_perm,
+            "threshold": cfg.threshold}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="skip the 10x run")
+    parser.add_argument("--quick", action="store_true", help="1x only (no 3x/10x runs)")
+    parser.add_argument("--scales", default="1,3,10", help="corpus copies for the dedup-off runs (default 1,3,10)")
+    parser.add_argument("--default-scales", default="1,10", help="corpus copies for the default-config runs")
+    parser.add_argument("--sample-mb", type=float, default=0,
+                        help="override tokenizer.train_sample_mb in every prepare run (0: the default, 64)")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="only the prepare runs, merged into the existing --out JSON (e.g. --scales '' "
+                             "--default-scales 30 adds a 30x row)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "data_pipeline.json"))
     args = parser.parse_args()
     if not all(s.is_dir() for s in SOURCES):
         raise SystemExit(f"needs {SOURCES[0]} and {SOURCES[1]}")
-    results: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                 "loadavg_at_start": os.getloadavg()}}
+    scales = [1] if args.quick else [int(k) for k in args.scales.split(",") if k]
+    default_scales = [1] if args.quick else [int(k) for k in args.default_scales.split(",") if k]
+    command = " ".join(["benchmarks/data_pipeline.py"] + sys.argv[1:])
+    machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}
+    if args.prepare_only:
+        results = json.loads(Path(args.out).read_text())
+        results.setdefault("more_runs", []).append({"command": command, "machine": machine})
+    else:
+        results = {"machine": machine, "command": command}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        print("prepare 1x, default config ...", flush=True)
-        results["prepare_1x_default"] = run_prepare(SOURCES, tmp / "p1", dedup_on=True)
-        print(results["prepare_1x_default"]["table"], flush=True)
-        print("prepare 1x, no dedup ...", flush=True)
-        results["prepare_1x_nodedup"] = run_prepare(SOURCES, tmp / "p1n", dedup_on=False)
-        if not args.quick:
-            print("prepare 10x, no dedup ...", flush=True)
-            results["prepare_10x_nodedup"] = run_prepare(ten_x(tmp / "x10"), tmp / "p10n", dedup_on=False)
-        print("tokenization ...", flush=True)
-        results["tokenization"] = bench_tokenization(tmp / "p1")
-        print("loader ...", flush=True)
-        results["loader"] = bench_loader(tmp)
-    results["machine"]["loadavg_at_end"] = os.getloadavg()
+        for dedup_on, ks in ((False, scales), (True, default_scales)):
+            for k in ks:
+                key = f"prepare_{k}x_{'default' if dedup_on else 'nodedup'}"
+                print(f"{key} ...", flush=True)
+                results[key] = run_prepare(copies(tmp, k), tmp / key, dedup_on, args.sample_mb)
+                results[key]["command"] = command
+                print(results[key]["table"], flush=True)
+        if not args.prepare_only:
+            print("tokenization ...", flush=True)
+            results["tokenization"] = bench_tokenization(tmp / "prepare_1x_default")
+            print("loader ...", flush=True)
+            results["loader"] = bench_loader(tmp)
+    if not args.prepare_only:
+        print("dedup state ...", flush=True)
+        results["dedup_state"] = bench_dedup_state()
+        results["machine"]["loadavg_at_end"] = os.getloadavg()
+    else:
+        results["more_runs"][-1]["machine"]["loadavg_at_end"] = os.getloadavg()
     for key in list(results):
         if key.startswith("prepare_"):
             results[key].pop("table", None)
 
     lines = ["| measurement | value |", "|---|---|"]
-    for key in ("prepare_1x_default", "prepare_1x_nodedup", "prepare_10x_nodedup"):
-        if key in results:
-            r = results[key]
-            lines.append(f"| {key}: {r['mb_in']} MB in, {r['documents_in']} docs | {r['mb_per_second']} MB/s, "
-                         f"{r['seconds']} s, peak RSS {r['peak_rss_mb']} MB, {r['tokens_out']:,} tokens |")
+    for key in sorted((k for k in results if k.startswith("prepare_")),
+                      key=lambda k: (k.endswith("default"), int(k.split("_")[1][:-1]))):
+        r = results[key]
+        passes = " / ".join(f"{v}" for k, v in r["peak_rss_mb_per_pass"].items() if k.startswith("pass"))
+        lines.append(f"| {key}: {r['mb_in']} MB in, {r['documents_in']} docs, {r['documents_kept']} kept | "
+                     f"{r['mb_per_second']} MB/s, {r['seconds']} s, peak RSS {r['peak_rss_mb']} MB "
+                     f"(pass 1 / 2 / 3: {passes} MB), {r['tokens_out']:,} tokens |")
     tok = results["tokenization"]
     for name, r in tok["rows"].items():
         lines.append(f"| tokenization ({tok['mb']} MB): {name} | {r['mb_per_second']} MB/s, time "
@@ -289,6 +385,9 @@ def main() -> None:
     for p in (0, 2):
         lines.append(f"| time inside next(loader) per step, prefetch {p} | {lo[f'wait_ms_per_step_prefetch{p}']} ms = "
                      f"{lo[f'loader_share_of_step_pct_prefetch{p}']} % of the step |")
+    dd = results["dedup_state"]
+    lines.append(f"| dedup state per kept document ({dd['documents_kept']:,} kept, num_perm {dd['num_perm']}) | "
+                 f"{dd['bytes_per_kept_document']} bytes (~{dd['mb_per_million_kept']} MB per million) |")
     table = "\n".join(lines)
     print(table)
     results["table"] = table

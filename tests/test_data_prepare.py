@@ -225,3 +225,23 @@ def test_shipped_data_recipes_load(recipe):
     cfg = load_config(recipe, cls=PrepareConfig)
     validate(cfg)
     assert cfg.source.paths and cfg.output.dir
+
+
+def test_encode_pieces_are_exact(tmp_path, monkeypatch):
+    """Long documents are encoded in pieces (bounded memory); the ids must equal one whole-text encode."""
+    from scaletrain.data import encode
+
+    corpus, out = _corpus(tmp_path), tmp_path / "out"
+    prepare(_config(corpus, out))
+    tok = load_tokenizer(out / "tokenizer.json")
+    texts = [p.read_text(encoding="utf-8") for p in sorted(corpus.rglob("*.txt"))]
+    texts.append("<|eos|> typed \n\n\n  a  b\n \nc" * 50 + "x" * 3000)  # odd runs; a stretch with no cut point
+    encoder = encode.Encoder(tok, np.dtype("<u2"))  # (sets encode_special_tokens: "<|eos|>" is text)
+    assert encoder.cuttable
+    whole = [np.array(e.ids, dtype="<u2") for e in tok.tok.encode_batch_fast(texts)]
+    monkeypatch.setattr(encode, "CUT_CHARS", 300)
+    monkeypatch.setattr(encode, "CALL_CHARS", 2000)
+    assert sum(len(encode.cut_text(t, 300)) for t in texts) > 10 * len(texts)  # really cut
+    assert all("".join(encode.cut_text(t, 300)) == t for t in texts)
+    pieces = encoder.encode_texts(texts)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, pieces, strict=True))

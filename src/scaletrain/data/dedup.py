@@ -12,8 +12,10 @@ to ``datasketch.MinHashLSH`` for the banded candidate search; a candidate counts
 the estimated Jaccard similarity of the two signatures reaches ``threshold`` (LSH alone admits some
 false candidates by design).
 
-Memory grows with the number of *kept* documents: 32 bytes (exact) + num_perm x 4 bytes and the LSH
-band keys (near) per document, about 1 KB at num_perm=128 - 1 GB per million documents.
+Memory grows with the number of *kept* documents: the sha256 (exact), the signature (num_perm x 4
+bytes), the name, and above all the LSH index: at threshold 0.2 datasketch uses 28 bands of 2 rows,
+and each band stores a key (bytes) and a set per document. Measured (benchmarks/data_pipeline.py,
+``dedup_state``): about 9.4 KB per kept document at num_perm=128, i.e. ~9.4 GB per million.
 """
 
 from __future__ import annotations
@@ -64,15 +66,23 @@ def signature(text: str, cfg: DedupConfig, tokens: list[str] | None = None) -> n
     return sig
 
 
+@lru_cache(maxsize=4)
+def _unused_permutations(num_perm: int) -> np.ndarray:
+    # MinHash() otherwise draws its own permutations, num_perm RandomState calls: 1.2 ms per object,
+    # 90% of the dedup stage's time in the main process. The LSH never reads them.
+    return np.zeros((2, num_perm), dtype=np.uint64)
+
+
 def _as_minhash(sig: np.ndarray):
     """Wrap our numpy signature in datasketch's MinHash for the LSH index (which only reads its hash
     values). datasketch 2 wants the hashing scheme named for uint32 values; 1.x has no such argument."""
     from datasketch import MinHash
 
+    perms = _unused_permutations(len(sig))
     try:
-        return MinHash(num_perm=len(sig), hashvalues=sig, scheme="affine32")
+        return MinHash(num_perm=len(sig), hashvalues=sig, permutations=perms, scheme="affine32")
     except TypeError:
-        return MinHash(num_perm=len(sig), hashvalues=sig)
+        return MinHash(num_perm=len(sig), hashvalues=sig, permutations=perms)
 
 
 @dataclass

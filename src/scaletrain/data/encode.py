@@ -6,6 +6,11 @@ to ``Tokenizer.encode_batch_fast`` (no offsets computed), either in this process
 library spreads a batch over its own thread pool, or in ``encode_workers`` single-threaded processes.
 Each document comes back as one array of the shard dtype, ending with EOS when the tokenizer has one.
 
+Memory: the tokenizer's work per call (pre-tokenized pieces with byte alignments, then an ``Encoding``
+per text) costs 50-140 bytes per byte of text, so a long document is encoded as pieces (cut where the
+byte-level pre-tokenizer splits anyway, so the ids are identical) in calls of at most
+``CALL_CHARS`` characters: the transient is bounded by that, not by the batch or the document size.
+
 Special-token strings that occur *in the text* ("<|eos|>" typed in a document) are encoded as text
 (``encode_special_tokens``), so a document can never forge a document boundary; real special tokens
 (FIM sentinels from ``augment``) arrive as separate ``Special`` items and are mapped to their ids.
@@ -13,8 +18,10 @@ Special-token strings that occur *in the text* ("<|eos|>" typed in a document) a
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -23,9 +30,17 @@ import numpy as np
 from scaletrain.data.augment import FIM_TOKENS, Special
 from scaletrain.data.prepare_config import TokenizerConfig
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, DataError, Tokenizer, load_tokenizer
-from scaletrain.data.workers import ordered_map
+from scaletrain.data.workers import ordered_map, release_freed_memory
 
 Piece = str  # a document is a list of pieces: text, or Special(name) for a special token
+
+CALL_CHARS = 1 << 20   # characters per tokenizer call (measured: ~50-140 MB of transient memory)
+CUT_CHARS = 1 << 18    # a longer text is cut into pieces of at most about this many characters
+# A cut point for GPT-2-style byte-level pre-tokenization: inside a run of spaces/newlines that is
+# followed by a word character, just before the run's last character. The pre-tokenizer splits there
+# anyway (the run minus its last character is one pre-token, "\n\n" + "\nWord" or " Word" the next),
+# so encoding the two sides separately gives the same ids (checked in test_encode_pieces_are_exact).
+_CUT = re.compile(r"(?<=[ \n])(?=[ \n]\w)")
 
 
 def build_tokenizer(cfg: TokenizerConfig, sample_texts: Iterable[str], all_texts: Iterable[str],
@@ -52,6 +67,7 @@ class Encoder:
         if isinstance(tokenizer, BPETokenizer):
             tokenizer.tok.encode_special_tokens = True  # "<|eos|>" typed in a text is text
             self._fast = getattr(tokenizer.tok, "encode_batch_fast", tokenizer.tok.encode_batch)
+        self.cuttable = isinstance(tokenizer, CharTokenizer) or _splits_like_gpt2(tokenizer)
         limit = np.iinfo(self.dtype).max + 1
         if tokenizer.vocab_size > limit:
             raise DataError(f"the tokenizer's vocabulary ({tokenizer.vocab_size:,} tokens) does not fit the "
@@ -64,7 +80,25 @@ class Encoder:
         return token_id
 
     def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
-        """Plain texts -> id arrays (no EOS)."""
+        """Plain texts -> id arrays (no EOS), in tokenizer calls of at most ``CALL_CHARS`` characters."""
+        pieces, owner = [], []
+        for i, text in enumerate(texts):
+            for piece in (cut_text(text, CUT_CHARS) if self.cuttable else [text]):
+                pieces.append(piece)
+                owner.append(i)
+        parts: list[list[np.ndarray]] = [[] for _ in texts]
+        start = 0
+        while start < len(pieces):
+            end, size = start, 0
+            while end < len(pieces) and (end == start or size + len(pieces[end]) <= CALL_CHARS):
+                size += len(pieces[end])
+                end += 1
+            for i, ids in zip(owner[start:end], self._encode_call(pieces[start:end])):
+                parts[i].append(ids)
+            start = end
+        return [p[0] if len(p) == 1 else np.concatenate(p) if p else np.zeros(0, self.dtype) for p in parts]
+
+    def _encode_call(self, texts: list[str]) -> list[np.ndarray]:
         if isinstance(self.tok, CharTokenizer):
             return [self.tok.encode_array(t, self.dtype) for t in texts]
         if isinstance(self.tok, BPETokenizer):
@@ -82,6 +116,36 @@ class Encoder:
                      for p in doc]
             out.append(np.concatenate(parts + eos) if len(parts) + len(eos) > 1 else parts[0])
         return out
+
+
+def _splits_like_gpt2(tokenizer: Tokenizer) -> bool:
+    """True for a BPE whose only text processing is the GPT-2 byte-level regex split (what
+    ``BPETokenizer.train`` builds, and GPT-2's own tokenizer.json): then ``cut_text`` is exact."""
+    if not isinstance(tokenizer, BPETokenizer):
+        return False
+    spec = json.loads(tokenizer.tok.to_str())
+    pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
+    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space") and model.get("type") == "BPE" and not model.get("dropout"))
+
+
+def cut_text(text: str, max_chars: int) -> list[str]:
+    """``text`` in pieces of about ``max_chars`` (longer only where no cut point exists), cut at
+    ``_CUT`` points; ``"".join(pieces) == text``."""
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        cut = None
+        for m in _CUT.finditer(text, start + max_chars // 2, start + max_chars):
+            cut = m.start()
+        if cut is None:  # no cut point in the window: look further (rare: a huge line)
+            m = _CUT.search(text, start + max_chars)
+            if m is None:
+                break
+            cut = m.start()
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
 
 
 # -- worker processes ---------------------------------------------------------------------------------
@@ -102,7 +166,9 @@ def _init_worker(tokenizer_file: str, dtype: str) -> None:
 
 def _encode_in_worker(docs: list[list[Piece]]) -> list[np.ndarray]:
     assert _WORKER is not None
-    return _WORKER.encode_documents(docs)
+    arrays = _WORKER.encode_documents(docs)
+    release_freed_memory()  # the batch's Encoding objects are gone; their pages go back to the OS
+    return arrays
 
 
 def encode_stream(batches: Iterable[list[list[Piece]]], tokenizer: Tokenizer, tokenizer_file: Path,
@@ -112,7 +178,9 @@ def encode_stream(batches: Iterable[list[list[Piece]]], tokenizer: Tokenizer, to
     if workers <= 0:
         encoder = Encoder(tokenizer, dtype)
         for batch in batches:
-            yield encoder.encode_documents(batch)
+            arrays = encoder.encode_documents(batch)
+            release_freed_memory()
+            yield arrays
         return
     Encoder(tokenizer, dtype)  # fail fast (dtype check) in this process, not in a worker
     yield from ordered_map(_encode_in_worker, batches, workers=workers, initializer=_init_worker,

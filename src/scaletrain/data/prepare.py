@@ -30,14 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.data import augment, clean, dedup, filters
-from scaletrain.data.encode import build_tokenizer, encode_stream
+from scaletrain.data.encode import CUT_CHARS, build_tokenizer, cut_text, encode_stream
 from scaletrain.data.ngrams import mix64, words
 from scaletrain.data.prepare_config import PrepareConfig, minimal_config, validate
 from scaletrain.data.report import Report
 from scaletrain.data.shards import MANIFEST, ShardWriter, dtype_for_vocab, read_manifest, remove_stale, write_manifest
 from scaletrain.data.sources import Document, fingerprint_items, input_bytes, iter_documents, resolve_source
 from scaletrain.data.tokenizer import CharTokenizer, DataError, file_sha256
-from scaletrain.data.workers import ordered_map, resolve_workers
+from scaletrain.data.workers import ordered_map, release_freed_memory, resolve_workers
 
 PIPELINE_VERSION = 2           # bump when a stage's output changes for the same config
 WORK = ".work"                 # pass-1 output and markers, inside the output folder
@@ -75,6 +75,7 @@ def _process_batch(batch: list[Document]) -> list[tuple]:
             continue
         sig = dedup.signature(text, cfg.dedup, tokens) if cfg.dedup.near else None
         out.append((doc.source, doc.n_bytes, text, None, counts, dedup.content_hash(text), sig))
+    release_freed_memory()
     return out
 
 
@@ -187,15 +188,18 @@ def make_tokenizer(cfg: PrepareConfig, spill: Path, keys: np.ndarray, by: str, v
     picked = _keyed(keys, "tokenizer-sample") <= np.uint64(min(rate * 2**64, 2**64 - 1))
 
     def sample() -> Iterator[str]:
+        # in pieces cut where the byte-level pre-tokenizer splits anyway (the word counts, hence the
+        # BPE, are the same): the trainer reads ahead 256 texts, so this bounds what it holds
         for i, split, text in _split_texts(spill, by, val, cfg.split.val_fraction):
             if split == "train" and picked[i] and text:
-                yield text
+                yield from cut_text(text, CUT_CHARS // 4)
 
     def everything() -> Iterator[str]:
         for _, text in read_cleaned(spill):
             yield text
 
     tok = build_tokenizer(cfg.tokenizer, sample(), everything(), need_fim=cfg.augment.fim_rate > 0)
+    release_freed_memory()  # the trainer's word and pair counts are gone
     tmp = out / "tokenizer.json.tmp"
     tok.save(tmp)
     tmp.replace(out / "tokenizer.json")

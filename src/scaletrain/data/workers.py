@@ -7,15 +7,39 @@ forked): forking a process that already runs torch or tokenizers threads can dea
 
 Callers run small inputs with ``workers=1`` (in this process), so a test or the trainer's Tiny
 Shakespeare never pays the ~1 s it takes to spawn workers and import numpy in them.
+
+``release_freed_memory`` is called by the stages after each batch: glibc keeps memory freed by a
+batch (and by the tokenizer's threads, each with its own malloc arena) mapped, and which pages stay
+resident drifts from batch to batch, so without it the peak RSS crept up with the number of batches,
+i.e. with the corpus size (measured: encode stage 248 -> 391 MB over 26 batches of 4 MB; with it the
+peak of each batch depends on that batch only).
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+
+def _load_malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc only; elsewhere this is a no-op
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give memory freed by the last batch back to the OS (glibc ``malloc_trim``, about 1 ms), so peak
+    RSS is set by the largest batch, not by how many batches ran before it."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def resolve_workers(workers: int) -> int:
