@@ -245,3 +245,34 @@ def test_encode_pieces_are_exact(tmp_path, monkeypatch):
     assert all("".join(encode.cut_text(t, 300)) == t for t in texts)
     pieces = encoder.encode_texts(texts)
     assert all(np.array_equal(a, b) for a, b in zip(whole, pieces, strict=True))
+
+
+def test_corrupt_shard_is_refused_at_loader_start_and_verified_once(tmp_path, monkeypatch):
+    """A shard corrupted to the same size is refused when a loader opens the dataset (read_manifest),
+    naming the file; an unchanged dataset is not hashed again, a rewritten file is."""
+    import re
+
+    from scaletrain.data import shards
+    from scaletrain.data.loader import TokenLoader
+
+    corpus, out = _corpus(tmp_path), tmp_path / "out"
+    prepare(_config(corpus, out))
+    hashed: list[str] = []
+    real_sha256 = shards.file_sha256
+    monkeypatch.setattr(shards, "file_sha256", lambda f: hashed.append(Path(f).name) or real_sha256(f))
+    TokenLoader(str(out), "train", 16, 2, prefetch=0).close()
+    assert hashed == []  # prepare stamped the files it wrote: nothing to read again
+    shard = out / read_manifest(out)["splits"]["train"]["shards"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))  # same size, so the size check alone would pass
+    with pytest.raises(DataError, match=f"^{re.escape(str(shard))}: checksum does not match the manifest"):
+        TokenLoader(str(out), "train", 16, 2, prefetch=0)
+    assert hashed == [shard.name]  # only the changed file was read
+    assert cli_main(["--verify", str(out)]) == 2
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))  # repaired
+    hashed.clear()
+    read_manifest(out)
+    read_manifest(out)
+    assert hashed == [shard.name]  # hashed once, then remembered by (size, mtime)

@@ -34,7 +34,8 @@ from scaletrain.data.encode import CUT_CHARS, build_tokenizer, cut_text, encode_
 from scaletrain.data.ngrams import mix64, words
 from scaletrain.data.prepare_config import PrepareConfig, minimal_config, validate
 from scaletrain.data.report import Report
-from scaletrain.data.shards import MANIFEST, ShardWriter, dtype_for_vocab, read_manifest, remove_stale, write_manifest
+from scaletrain.data.shards import (MANIFEST, ShardWriter, dtype_for_vocab, read_manifest, record_verified,
+                                    remove_stale, write_manifest)
 from scaletrain.data.sources import Document, fingerprint_items, input_bytes, iter_documents, resolve_source
 from scaletrain.data.tokenizer import CharTokenizer, DataError, file_sha256
 from scaletrain.data.workers import ordered_map, release_freed_memory, resolve_workers
@@ -337,6 +338,7 @@ def prepare(cfg: PrepareConfig, report: Report | None = None, log: Callable[[str
     report.write(out / "report.json")
     write_manifest(out, manifest)
     remove_stale(out, manifest)
+    record_verified(out, manifest)  # hashed while written: the first loader start need not read them again
     return read_manifest(out)
 
 

@@ -9,10 +9,19 @@
 Every file is written to ``*.tmp`` and renamed into place; ``prepare`` deletes an old manifest before
 it writes any shard and writes the new manifest last, so a manifest never points at a half-written
 (or a previous run's) shard.
+
+Checksums: ``read_manifest`` (which every loader and the trainer call) checks each listed file's size,
+and its sha256 once per (size, mtime): what was verified is remembered in ``<dir>/.verified.json``
+(or, when the folder is read-only, under ``~/.cache/scaletrain/verified/``), so a file that is
+rewritten or corrupted through a write - even to the same size - is hashed again and refused on the
+next start, while an unchanged dataset costs one ``stat`` per file. ``prepare`` records the files it
+has just written (it hashed them while writing). A corruption that leaves size *and* mtime unchanged
+(bit rot) is only found by ``scaletrain prepare --verify DIR``, which rehashes everything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +37,7 @@ from scaletrain.data.tokenizer import DataError, file_sha256
 FORMAT = "scaletrain.tokens"
 VERSION = 1
 MANIFEST = "manifest.json"
+VERIFIED = ".verified.json"  # {file: [size, mtime_ns, sha256]} of the files whose checksum matched
 
 
 def dtype_for_vocab(vocab_size: int, requested: str = "auto") -> np.dtype:
@@ -127,8 +137,10 @@ def write_manifest(out_dir: Path, manifest: dict) -> Path:
     return path
 
 
-def read_manifest(data_dir: str | Path) -> dict:
-    """Read and sanity-check a manifest; every problem is a one-line DataError naming the file."""
+def read_manifest(data_dir: str | Path, verify: bool = True) -> dict:
+    """Read and sanity-check a manifest; every problem is a one-line DataError naming the file.
+    ``verify``: also check the sha256 of every listed file not verified before at its current size and
+    mtime (see the module docstring); the first start on a new dataset reads every file once."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise DataError(f"{path}: no manifest (run `scaletrain prepare` on the raw text first)")
@@ -148,30 +160,101 @@ def read_manifest(data_dir: str | Path) -> dict:
                 raise DataError(f"{f}: shard listed in the manifest is missing")
             if f.stat().st_size != expected:
                 raise DataError(f"{f}: {f.stat().st_size} bytes, the manifest says {expected}; re-run prepare")
+    if verify:
+        verify_once(data_dir, manifest)
     return manifest
 
 
-def verify_checksums(data_dir: str | Path) -> int:
-    """Recompute every shard's (and doc index's) sha256; returns the number of files checked.
-    Slow on big corpora, so it is explicit (``scaletrain prepare --verify DIR``); sizes are always
-    checked by read_manifest."""
-    manifest = read_manifest(data_dir)
-    checked = 0
+def _listed_files(manifest: dict) -> list[tuple[str, str]]:
+    """(file name, sha256) of every shard, document index and the tokenizer the manifest lists."""
+    out = []
     for info in manifest["splits"].values():
         for entry in info["shards"] + ([info["doc_index"]] if info.get("doc_index") else []):
-            f = Path(data_dir) / entry["file"]
-            if not f.is_file():
-                raise DataError(f"{f}: listed in the manifest but missing; re-run prepare")
-            if file_sha256(f) != entry["sha256"]:
-                raise DataError(f"{f}: checksum does not match the manifest; the file is corrupt, re-run prepare")
-            checked += 1
+            out.append((entry["file"], entry["sha256"]))
     tok = manifest.get("tokenizer", {})
     if tok.get("file") and tok.get("sha256"):
-        f = Path(data_dir) / tok["file"]
-        if not f.is_file() or file_sha256(f) != tok["sha256"]:
-            raise DataError(f"{f}: tokenizer missing or its checksum does not match the manifest; re-run prepare")
-        checked += 1
-    return checked
+        out.append((tok["file"], tok["sha256"]))
+    return out
+
+
+def _check_file(f: Path, expected: str) -> None:
+    if not f.is_file():
+        raise DataError(f"{f}: listed in the manifest but missing; re-run prepare")
+    actual = file_sha256(f)
+    if actual != expected:
+        raise DataError(f"{f}: checksum does not match the manifest (sha256 {actual[:12]}..., manifest "
+                        f"{expected[:12]}...); the file is corrupt or was changed after prepare: re-run prepare")
+
+
+def _stamp(f: Path, sha256: str) -> list:
+    st = f.stat()
+    return [st.st_size, st.st_mtime_ns, sha256]
+
+
+def _cache_paths(data_dir: Path) -> list[Path]:
+    """Where the verified stamps live: in the dataset folder, else (read-only folder) the user cache."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    key = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
+    return [data_dir / VERIFIED, home / "scaletrain" / "verified" / f"{key}.json"]
+
+
+def _load_stamps(data_dir: Path) -> dict:
+    for path in _cache_paths(data_dir):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return {}
+
+
+def _save_stamps(data_dir: Path, stamps: dict) -> None:
+    """Atomic (a unique tmp file renamed), so ranks starting together cannot leave a torn file; a
+    folder that cannot be written falls back to the user cache, and failing both only costs a re-hash."""
+    for path in _cache_paths(data_dir):
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(stamps))
+            tmp.replace(path)
+            return
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+
+def verify_once(data_dir: str | Path, manifest: dict) -> int:
+    """Check the sha256 of every listed file whose (size, mtime) was not verified before; returns the
+    number of files hashed (0 on an unchanged, already verified dataset)."""
+    data_dir = Path(data_dir)
+    stamps = _load_stamps(data_dir)
+    hashed = 0
+    for name, sha in _listed_files(manifest):
+        f = data_dir / name
+        if f.is_file() and stamps.get(name) == _stamp(f, sha):
+            continue
+        _check_file(f, sha)
+        stamps[name] = _stamp(f, sha)
+        hashed += 1
+    if hashed:
+        _save_stamps(data_dir, {name: stamps[name] for name, _ in _listed_files(manifest)})
+    return hashed
+
+
+def record_verified(data_dir: str | Path, manifest: dict) -> None:
+    """Stamp the files ``prepare`` has just written (hashed while writing) as verified."""
+    data_dir = Path(data_dir)
+    _save_stamps(data_dir, {name: _stamp(data_dir / name, sha) for name, sha in _listed_files(manifest)})
+
+
+def verify_checksums(data_dir: str | Path) -> int:
+    """Recompute every shard's, doc index's and the tokenizer's sha256, whatever was verified before
+    (``scaletrain prepare --verify DIR``); returns the number of files checked."""
+    manifest = read_manifest(data_dir, verify=False)
+    files = _listed_files(manifest)
+    for name, sha in files:
+        _check_file(Path(data_dir) / name, sha)
+    record_verified(data_dir, manifest)
+    return len(files)
 
 
 def open_doc_index(data_dir: str | Path, split: str, manifest: dict) -> np.ndarray | None:
