@@ -37,6 +37,12 @@ def test_folder_recursive_with_globs_and_compression(tmp_path):
     docs, report = _read([tmp_path], exclude=["skip_*"])
     assert sorted(d.text for d in docs) == ["bz2 text", "gzip text", "plain text", "xz text", "zstd text"]
     assert report.documents_in == 5 and not report.issues
+    # nothing silently dropped: the files the globs left out are counted and named (hidden ones are not)
+    skipped = report.to_dict()["skipped_files"]
+    assert skipped == {"not included (source.include)": {"files": 1, "bytes": 8},
+                       "excluded (source.exclude)": {"files": 1, "bytes": 8}}
+    assert report.removed_examples["skipped: not included (source.include)"] == [str(tmp_path / "image.png")]
+    assert "skipped, not included (source.include): 1 files" in report.table()
 
 
 def test_jsonl_bad_lines_are_counted_with_file_and_line(tmp_path):

@@ -28,6 +28,7 @@ class Report:
     issues: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     messages: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     removed_examples: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    skipped: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     clusters: list[dict] = field(default_factory=list)
     splits: dict[str, dict] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -47,6 +48,16 @@ class Report:
         slot[1] += n_bytes
         examples = self.removed_examples[f"{stage}: {reason}"]
         if name is not None and len(examples) < MAX_MESSAGES_PER_KIND:
+            examples.append(name)
+
+    def skip_file(self, reason: str, n_bytes: int, name: str) -> None:
+        """A file was not read at all (the include/exclude globs left it out); counted, not an input
+        document, so it is in neither ``documents_in`` nor ``bytes_in``."""
+        slot = self.skipped[reason]
+        slot[0] += 1
+        slot[1] += n_bytes
+        examples = self.removed_examples[f"skipped: {reason}"]
+        if len(examples) < MAX_MESSAGES_PER_KIND:
             examples.append(name)
 
     def modify(self, what: str, count: int = 1) -> None:
@@ -72,6 +83,7 @@ class Report:
         return {"documents_in": self.documents_in, "bytes_in": self.bytes_in,
                 "removed": {st: {r: list(v) for r, v in rs.items()} for st, rs in self.removed.items()},
                 "modified": dict(self.modified), "issues": dict(self.issues),
+                "skipped": {k: list(v) for k, v in self.skipped.items()},
                 "messages": {k: list(v) for k, v in self.messages.items()}, "clusters": self.clusters,
                 "removed_examples": {k: list(v) for k, v in self.removed_examples.items()}}
 
@@ -84,6 +96,8 @@ class Report:
         self.issues.update(saved["issues"])
         for k, v in saved["messages"].items():
             self.messages[k] = list(v)
+        for reason, v in saved.get("skipped", {}).items():
+            self.skipped[reason] = list(v)
         self.clusters = list(saved["clusters"])
         for k, v in saved.get("removed_examples", {}).items():
             self.removed_examples[k] = list(v)
@@ -98,6 +112,7 @@ class Report:
             "bytes_in": self.bytes_in,
             "removed": {stage: {r: {"documents": v[0], "bytes": v[1]} for r, v in reasons.items()}
                         for stage, reasons in self.removed.items()},
+            "skipped_files": {r: {"files": v[0], "bytes": v[1]} for r, v in self.skipped.items()},
             "modified": dict(self.modified),
             "issues": dict(self.issues),
             "messages": {k: v for k, v in self.messages.items()},
@@ -128,6 +143,8 @@ class Report:
         lines = [f"{'stage':<{width}}  {'documents':>10}  bytes / tokens", "-" * (width + 40)]
         lines += [f"{a:<{width}}  {b:>10}  {c}" for a, b, c in rows]
         lines.append("-" * (width + 40))
+        for reason, v in d["skipped_files"].items():
+            lines.append(f"skipped, {reason}: {v['files']:,} files, {_mb(v['bytes'])} (not read; names in report.json)")
         if d["modified"]:
             lines.append("modified (kept): " + ", ".join(f"{k} {v:,}" for k, v in d["modified"].items()))
         if d["issues"]:

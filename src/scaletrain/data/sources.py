@@ -78,8 +78,10 @@ def is_saved_hf_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
-def list_files(folder: Path, include: list[str], exclude: list[str]) -> list[Path]:
-    """Files under ``folder`` (recursive, sorted, so the order is the same on every machine)."""
+def list_files(folder: Path, include: list[str], exclude: list[str],
+               skipped: list[tuple[Path, str]] | None = None) -> list[Path]:
+    """Files under ``folder`` (recursive, sorted, so the order is the same on every machine). Files left
+    out by the globs go to ``skipped`` as (path, "not included" | "excluded"), for the report."""
     out = []
     for p in sorted(folder.rglob("*")):
         if not p.is_file() or any(part.startswith(".") for part in p.relative_to(folder).parts):
@@ -87,15 +89,20 @@ def list_files(folder: Path, include: list[str], exclude: list[str]) -> list[Pat
         name = _name_without_compression(p)
         rel = str(p.relative_to(folder))
         if include and not any(fnmatch.fnmatch(name, pat) for pat in include):
+            reason = "not included"
+        elif any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(p.name, pat) for pat in exclude):
+            reason = "excluded"
+        else:
+            out.append(p)
             continue
-        if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(p.name, pat) for pat in exclude):
-            continue
-        out.append(p)
+        if skipped is not None:
+            skipped.append((p, reason))
     return out
 
 
-def expand_sources(cfg: SourceConfig) -> list[str | Path]:
-    """Every input as a file path, a saved-dataset folder, or an ``hf:NAME`` string."""
+def expand_sources(cfg: SourceConfig, skipped: list[tuple[Path, str]] | None = None) -> list[str | Path]:
+    """Every input as a file path, a saved-dataset folder, or an ``hf:NAME`` string (files the globs
+    leave out go to ``skipped``)."""
     items: list[str | Path] = []
     for raw in cfg.paths:
         if raw.startswith("hf:"):
@@ -105,7 +112,7 @@ def expand_sources(cfg: SourceConfig) -> list[str | Path]:
         if is_saved_hf_dataset(path):
             items.append(path)
         elif path.is_dir():
-            files = list_files(path, cfg.include, cfg.exclude)
+            files = list_files(path, cfg.include, cfg.exclude, skipped)
             if not files:
                 raise DataError(f"{path}: no files match source.include {cfg.include}")
             items.extend(files)
@@ -427,8 +434,14 @@ READERS = {".jsonl": read_jsonl, ".ndjson": read_jsonl, ".json": read_json, ".pa
 
 
 def iter_documents(cfg: SourceConfig, report: Report) -> Iterator[Document]:
-    """Every document of every source, in a deterministic order."""
-    for item in expand_sources(cfg):
+    """Every document of every source, in a deterministic order. Files in a folder that the
+    include/exclude globs leave out are counted in the report (``skipped``), not read."""
+    skipped: list[tuple[Path, str]] = []
+    items = expand_sources(cfg, skipped)
+    for path, reason in skipped:
+        report.skip_file(f"{reason} (source.{'include' if reason == 'not included' else 'exclude'})",
+                         path.stat().st_size, str(path))
+    for item in items:
         if isinstance(item, str):
             yield from read_hf(item[3:], cfg, report)
         elif item.is_dir():
