@@ -125,3 +125,29 @@ def test_missing_path_and_hf_without_datasets(tmp_path, monkeypatch):
     else:
         with pytest.raises(DataError, match="offline"):
             _read(["hf:scaletrain-test/does-not-exist"])
+
+
+def test_json_array_streams_and_bad_json_is_named(tmp_path, monkeypatch):
+    from scaletrain.data import sources
+
+    monkeypatch.setattr(sources, "JSON_CHUNK", 7)  # records, strings and numbers cut by chunk boundaries
+    f = tmp_path / "big.json"
+    records = [{"text": f"record {i} " + "é" * i, "n": 12345.678} for i in range(50)] + [{"no": "text"}, 5]
+    f.write_text(" \n" + json.dumps(records, ensure_ascii=False, indent=1))
+    docs, report = _read([f])
+    assert [d.text for d in docs] == [r["text"] for r in records[:50]]
+    assert docs[3].source == f"{f}[3]" and report.issues == {"missing_text_field": 2}
+    # streaming: never more than one record (plus a chunk) held, so a record over the limit is named
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"text": "kept"}, {"text": "broken" ]')
+    docs, report = _read([bad])
+    assert [d.text for d in docs] == ["kept"] and report.issues == {"bad_json_file": 1}
+    assert report.messages["bad_json_file"][0].startswith(f"{bad}[1]: ")
+    bad.write_text(json.dumps([{"text": "kept"}, {"text": "x" * 2000}]))
+    docs, report = _read([bad], max_document_mb=0.001)
+    assert [d.text for d in docs] == ["kept"]
+    assert report.messages["bad_json_file"][0].startswith(f"{bad}[1]: not valid JSON, or an element over 0.001 MB")
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({"rows": [{"text": "x" * 2000}]}))
+    docs, report = _read([huge], max_document_mb=0.001)
+    assert docs == [] and "store the records as a top-level array or as .jsonl" in report.messages["bad_json_file"][0]

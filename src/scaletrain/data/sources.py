@@ -15,6 +15,7 @@ the only hard errors.
 from __future__ import annotations
 
 import bz2
+import codecs
 import fnmatch
 import gzip
 import io
@@ -287,11 +288,78 @@ def read_jsonl(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Docume
                 yield Document(text, where, len(text.encode("utf-8")))
 
 
+JSON_CHUNK = 1 << 20  # bytes read at a time when streaming a JSON array
+
+
+def _json_array_elements(fh: BinaryIO, limit: int) -> Iterator[object]:
+    """The elements of the top-level JSON array in ``fh``, one at a time: the standard library's
+    ``JSONDecoder.raw_decode`` over a buffer refilled in ``JSON_CHUNK`` pieces, so memory holds one
+    element plus a chunk, never the file. An element larger than ``limit`` bytes (or text that is not
+    JSON, which looks the same until the end) raises ValueError."""
+    decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
+    buf, pos, eof = "", 0, False
+
+    def fill() -> None:
+        nonlocal buf, pos, eof
+        data = fh.read(JSON_CHUNK)
+        eof = not data
+        buf, pos = buf[pos:] + utf8.decode(data, final=eof), 0
+        if len(buf) > limit:
+            raise ValueError(f"not valid JSON, or an element over {limit / 1e6:g} MB (source.max_document_mb)")
+
+    def next_char() -> str:  # the next non-blank character ("" at the end), not consumed
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf) or eof:
+                return buf[pos:pos + 1]
+            fill()
+
+    fill()
+    if next_char() != "[":
+        raise ValueError("not a JSON array")
+    pos += 1
+    if next_char() == "]":
+        return
+    while True:
+        try:
+            value, end = decoder.raw_decode(buf, pos)
+            if end == len(buf) and not eof:
+                raise ValueError("may continue")  # e.g. a number cut by the chunk boundary
+        except ValueError:
+            if eof:
+                raise
+            fill()
+            continue
+        yield value
+        pos = end
+        sep = next_char()
+        if sep == "]":
+            return
+        if sep != ",":
+            raise ValueError(f"expected ',' or ']', found {sep or 'the end of the file'!r}")
+        pos += 1
+        next_char()
+
+
 def read_json(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
-    """A ``.json`` file: a list of records, or an object with one list of records (loaded whole:
-    use ``.jsonl`` for large data). JSON Lines saved as ``.json`` is read as JSONL."""
+    """A ``.json`` file. A top-level array of records streams (one record in memory at a time); an
+    object with one list of records, or a single record, is loaded whole, so such a file must not
+    exceed ``max_document_mb`` (a clear message otherwise: use an array or ``.jsonl``). JSON Lines
+    saved as ``.json`` is read as JSONL."""
+    limit = int(cfg.max_document_mb * 1e6)
     with open_binary(path) as fh:
-        raw = fh.read()
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head.startswith(b"["):
+        yield from _read_json_array(path, cfg, report, limit)
+        return
+    with open_binary(path) as fh:
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        _skip_file(path, "bad_json_file", f"a JSON object over {limit / 1e6:g} MB (source.max_document_mb) is "
+                   "not streamed; store the records as a top-level array or as .jsonl; skipped", len(raw), report)
+        return
     try:
         data = json.loads(raw.decode("utf-8-sig", errors="replace"))
     except ValueError as exc:
@@ -307,13 +375,28 @@ def read_json(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Documen
         _skip_file(path, "bad_json_file", "holds neither records nor a list of records; skipped", len(raw), report)
         return
     for i, record in enumerate(data):
-        where = f"{path}[{i}]"
-        n = len(json.dumps(record, ensure_ascii=False).encode()) if not isinstance(record, dict) else \
-            len(str(record.get(cfg.text_field, "")).encode())
-        report.document_in(n)
-        text = _record_text(record, where, cfg.text_field, report, n)
-        if text is not None:
-            yield Document(text, where, len(text.encode("utf-8")))
+        yield from _json_record(record, f"{path}[{i}]", cfg, report)
+
+
+def _read_json_array(path: Path, cfg: SourceConfig, report: Report, limit: int) -> Iterator[Document]:
+    index = 0  # of the element being read, for the message
+    with open_binary(path) as fh:
+        try:
+            for record in _json_array_elements(fh, limit):
+                yield from _json_record(record, f"{path}[{index}]", cfg, report)
+                index += 1
+        except ValueError as exc:
+            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            report.issue("bad_json_file", f"{path}[{index}]: {msg}; this element and the rest of the file skipped")
+
+
+def _json_record(record: object, where: str, cfg: SourceConfig, report: Report) -> Iterator[Document]:
+    n = len(json.dumps(record, ensure_ascii=False).encode()) if not isinstance(record, dict) else \
+        len(str(record.get(cfg.text_field, "")).encode())
+    report.document_in(n)
+    text = _record_text(record, where, cfg.text_field, report, n)
+    if text is not None:
+        yield Document(text, where, len(text.encode("utf-8")))
 
 
 def _iter_record_batches(batches, where: str, field: str, report: Report) -> Iterator[Document]:
