@@ -67,18 +67,21 @@ def signature(text: str, cfg: DedupConfig, tokens: list[str] | None = None) -> n
 
 
 @lru_cache(maxsize=4)
-def _unused_permutations(num_perm: int) -> np.ndarray:
-    # MinHash() otherwise draws its own permutations, num_perm RandomState calls: 1.2 ms per object,
-    # 90% of the dedup stage's time in the main process. The LSH never reads them.
-    return np.zeros((2, num_perm), dtype=np.uint64)
+def _stacked_permutations(num_perm: int, seed: int) -> np.ndarray:
+    # Handing MinHash() the permutations that made the signature saves it drawing its own (num_perm
+    # RandomState calls: 1.2 ms per object, 90% of the dedup stage's time in the main process). One
+    # (2, num_perm) uint32 array is datasketch 2's canonical affine32 form, shared without a copy; its
+    # `a` row must be odd, which ours is (a bijection mod 2^32).
+    a, b = _permutations(num_perm, seed)
+    return np.stack([a, b])
 
 
-def _as_minhash(sig: np.ndarray):
+def _as_minhash(sig: np.ndarray, seed: int):
     """Wrap our numpy signature in datasketch's MinHash for the LSH index (which only reads its hash
     values). datasketch 2 wants the hashing scheme named for uint32 values; 1.x has no such argument."""
     from datasketch import MinHash
 
-    perms = _unused_permutations(len(sig))
+    perms = _stacked_permutations(len(sig), seed)
     try:
         return MinHash(num_perm=len(sig), hashvalues=sig, permutations=perms, scheme="affine32")
     except TypeError:
@@ -120,14 +123,14 @@ class Deduplicator:
         if self.cfg.exact and digest is not None:
             self.seen.add(digest)
         if self.cfg.near and sig is not None:
-            self._lsh.insert(key, _as_minhash(sig))
+            self._lsh.insert(key, _as_minhash(sig, self.cfg.seed))
             self.signatures[key] = sig
             self.names[key] = name
         return None
 
     def _best_match(self, sig: np.ndarray) -> tuple[int, float] | None:
         best = None
-        for other in self._lsh.query(_as_minhash(sig)):
+        for other in self._lsh.query(_as_minhash(sig, self.cfg.seed)):
             similarity = float(np.mean(self.signatures[other] == sig))  # the MinHash Jaccard estimate
             if similarity >= self.cfg.threshold and (best is None or similarity > best[1]):
                 best = (other, similarity)
