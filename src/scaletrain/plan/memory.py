@@ -68,16 +68,23 @@ def block_activation_elements(cfg: ModelConfig, batch: int, seq: int, tp: int = 
                               sequence_parallel: bool = False) -> float:
     """Elements one TransformerBlock saves for backward.
 
-    Per block: the two RMSNorms each save their input, the normalized x and the weighted output (6*BTd);
-    SDPA saves q, k and v (after GQA repeat: full heads), its output (4*BTd) and the log-sum-exp (B*H*T);
-    SwiGLU saves w1 out, silu out, w3 out and their product (4*BTh); the norms' rstd (2*BT).
-    Tensor parallelism splits heads and the SwiGLU hidden; sequence parallelism also splits the norm
-    region except the all-gathered inputs of the column-parallel linears (y, y2), which stay full.
+    Per block: the two RMSNorms each save their input and rstd (2*BTd + 2*BT), and their weighted outputs
+    y, y2 are saved by the linears they feed (2*BTd); SDPA saves q, k and v (after GQA repeat: full
+    heads), its output (4*BTd) and the log-sum-exp (B*H*T); SwiGLU saves w1 out, silu out, w3 out and
+    their product (4*BTh).
+    Under tensor parallelism the norms run on DTensors through ``nn.RMSNorm``, whose CPU autograd also
+    saves the normalized x (2*BTd more); heads and the SwiGLU hidden are split, and sequence parallelism
+    also splits the norm region except the all-gathered linear inputs (y, y2), which stay full.
     """
     bt = batch * seq
     d, h = cfg.dim, ffn_hidden_dim(cfg)
     sharded = (4 * bt * d + 4 * bt * h + batch * cfg.n_heads * seq) / tp
-    norm_region = (4 * bt * d + 2 * bt) / tp + 2 * bt * d if sequence_parallel and tp > 1 else 6 * bt * d + 2 * bt
+    if tp == 1:
+        norm_region = 4 * bt * d + 2 * bt
+    elif sequence_parallel:
+        norm_region = (4 * bt * d + 2 * bt) / tp + 2 * bt * d
+    else:
+        norm_region = 6 * bt * d + 2 * bt
     return sharded + norm_region
 
 

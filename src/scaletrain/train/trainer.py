@@ -269,8 +269,11 @@ class Trainer:
         """Text from the current model; its own generator keeps the training RNG untouched."""
         gen = torch.Generator().manual_seed(self.cfg.train.seed + self.state.step)
         prompt = self.tokenizer.encode(self.cfg.train.sample_prompt) or [0]
-        new = generate(self.model, prompt, max_new_tokens, max_seq_len=self.cfg.model.max_seq_len,
-                       temperature=0.8, top_k=200, generator=gen, stop_id=self.tokenizer.eos_id)
+        # Eager even when the model is compiled: the context grows by one token a step, and each new length
+        # would cost a recompile (seconds on a CPU) for a forward pass that takes milliseconds.
+        with torch.compiler.set_stance("force_eager"):
+            new = generate(self.model, prompt, max_new_tokens, max_seq_len=self.cfg.model.max_seq_len,
+                           temperature=0.8, top_k=200, generator=gen, stop_id=self.tokenizer.eos_id)
         return self.cfg.train.sample_prompt + self.tokenizer.decode(new)
 
     # -- checkpoints --------------------------------------------------------------------------------
