@@ -164,3 +164,41 @@ def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
+
+
+def _documents(folder, n=300):
+    """n short text files (40 characters): each becomes one document, so 32-token windows straddle
+    document ends."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "src/scaletrain/assets/tinyshakespeare/input.txt").read_text()
+    folder.mkdir()
+    for i in range(n):
+        (folder / f"doc{i:03d}.txt").write_text(text[i * 100:i * 100 + 40])
+    return folder
+
+
+def test_document_attention_trains_with_the_block_causal_mask(tmp_path, tiny):
+    """data.document_attention: the step's loss is the loss under the loader's block-causal mask, not the
+    plain causal one; evaluation uses the mask too; pipeline/context parallelism is refused in one line."""
+    import torch.nn.functional as F
+
+    from scaletrain.config import ConfigError
+    from scaletrain.data.loader import block_causal_mask
+
+    overrides = tiny(tmp_path / "run", **{"data.path": str(_documents(tmp_path / "docs")),
+                                           "data.document_attention": "true", "optim.grad_clip": "0"})
+    trainer = Trainer(load_config(None, overrides), log=False)
+    state = trainer.train_loader.state_dict()
+    x, y, doc = next(trainer.train_loader)
+    assert int(doc.max()) >= 1  # the batch crosses a document boundary
+    trainer.train_loader.load_state_dict(state)
+    with torch.no_grad():
+        masked = float(F.cross_entropy(trainer.model(x, attn_mask=block_causal_mask(doc)).flatten(0, 1), y.flatten()))
+        plain = float(F.cross_entropy(trainer.model(x).flatten(0, 1), y.flatten()))
+    assert abs(masked - plain) > 1e-4
+    assert trainer.train_step()["loss"] == pytest.approx(masked, rel=1e-6)
+    assert math.isfinite(trainer.evaluate())
+
+    with pytest.raises(ConfigError, match="data.document_attention"):
+        Trainer(load_config(None, {**overrides, "parallel.pp": "2"}), log=False)

@@ -73,6 +73,9 @@ class DataConfig:
     seq_len: int = opt(128, "tokens per training sequence (context length)", ge=1)
     cache_dir: str = opt("", "where raw text is prepared; empty = <train.run_dir>/data")
     shuffle: bool = opt(True, "shuffle sequences each epoch (deterministic in train.seed and the epoch)")
+    document_attention: bool = opt(False, "confine attention to each packed document (a block-causal mask "
+                                          "from the document boundaries) instead of across the whole "
+                                          "window; not with parallel.pp or parallel.cp")
 
 
 @dataclass

@@ -195,13 +195,14 @@ def global_mean(value: torch.Tensor | None, dims: ParallelDims, device: torch.de
 
 
 def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *, accum: int, sync: bool,
-                     autocast=contextlib.nullcontext, scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
-                     ) -> torch.Tensor | None:
+                     autocast=contextlib.nullcontext, scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+                     attn_mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """Forward and backward of one micro-batch; gradients accumulate in the parameters.
 
     Returns this micro-batch's loss divided by ``accum`` (None on pipeline ranks without the last stage).
     ``sync=False`` on non-final accumulation micro-steps skips DDP's all-reduce (``no_sync``).
-    ``scale`` is the fp16 gradient scaler's ``scale`` (identity otherwise).
+    ``scale`` is the fp16 gradient scaler's ``scale`` (identity otherwise). ``attn_mask`` (B, 1, T, T),
+    e.g. confining attention to each packed document, is not supported with pipeline stages.
     """
     if pm.pipeline is not None:
         with autocast(), pm.loss_context():
@@ -209,7 +210,8 @@ def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Ten
     model = pm.parts[0]
     with grad_sync_context(model, sync), _cp_context(pm, inputs, targets), pm.loss_context():
         with autocast():
-            loss = pm.loss_fn(model(inputs), targets) / accum
+            logits = model(inputs) if attn_mask is None else model(inputs, attn_mask=attn_mask)
+            loss = pm.loss_fn(logits, targets) / accum
         scale(loss).backward()
     return loss.detach()
 

@@ -20,7 +20,7 @@ from torch import nn
 from scaletrain.checkpoint import CheckpointError, CheckpointManager
 from scaletrain.checkpoint.state import init_optimizer_state, local_optimizer, model_tensors, optimizer_tensors
 from scaletrain.config import ConfigError, JobConfig, to_toml
-from scaletrain.data.loader import TokenLoader, eval_batches
+from scaletrain.data.loader import TokenLoader, block_causal_mask, eval_batches
 from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import read_manifest
 from scaletrain.data.tokenizer import load_tokenizer
@@ -123,6 +123,10 @@ class Trainer:
         self.precision = resolve_precision(cfg.train.precision, self.device)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
+        if cfg.data.document_attention and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+            raise ConfigError("data.document_attention is not supported with parallel.pp > 1 or parallel.cp > 1 "
+                              "(the mask does not travel through pipeline stages or sequence shards); "
+                              "set data.document_attention=false")
         # Degrees are validated before any process-group work, so a bad config fails fast on every rank.
         self.dims = dims = ParallelDims.from_config(cfg.parallel, world_size_from_env())
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
@@ -170,7 +174,7 @@ class Trainer:
         self.scaler = grad_scaler(self.precision, self.device)
         self.train_loader = TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
                                         rank=self.pm.dp_rank, world_size=dims.dp_size, seed=cfg.train.seed,
-                                        shuffle=cfg.data.shuffle)
+                                        shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
         self.state = TrainState(schedule=dataclasses.asdict(cfg.schedule))
         # Replicas of low-communication training decide alone (local losses), so they never roll back.
         self.guard = NonFiniteGuard(0 if self.pm.low_comm is not None else cfg.train.rollback_after)
@@ -208,9 +212,10 @@ class Trainer:
         accum = cfg.train.grad_accum_steps
         loss_sum = None
         for micro in range(accum):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in next(self.train_loader))
+            inputs, targets, mask = self._batch(next(self.train_loader))
             loss = forward_backward(self.pm, inputs, targets, accum=accum, sync=micro == accum - 1,
-                                    autocast=lambda: autocast(self.precision, self.device), scale=self.scaler.scale)
+                                    autocast=lambda: autocast(self.precision, self.device), scale=self.scaler.scale,
+                                    attn_mask=mask)
             if loss is not None:  # None on pipeline ranks that do not hold the last stage
                 loss_sum = loss if loss_sum is None else loss_sum + loss
         self.scaler.unscale_(self.optimizer)
@@ -241,6 +246,13 @@ class Trainer:
             self._rollback()
         return record
 
+    def _batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(inputs, targets, attention mask or None) on the device; with data.document_attention the
+        loader's document ids become a block-causal mask (B, 1, T, T)."""
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
+        mask = block_causal_mask(batch[2].to(self.device)) if len(batch) > 2 else None
+        return inputs, targets, mask
+
     # -- evaluation and samples ---------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, data_dir: Path | None = None, split: str = "val") -> float:
@@ -249,9 +261,10 @@ class Trainer:
         for module in self.pm.modules:
             module.eval()
         losses = []
-        for inputs, targets in eval_batches(str(data_dir or self.data_dir), split, self.cfg.data.seq_len,
-                                            self.cfg.train.batch_size, self.cfg.train.eval_batches):
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
+        for batch in eval_batches(str(data_dir or self.data_dir), split, self.cfg.data.seq_len,
+                                  self.cfg.train.batch_size, self.cfg.train.eval_batches,
+                                  return_doc_ids=self.cfg.data.document_attention):
+            inputs, targets, mask = self._batch(batch)
             if self.pm.pipeline is not None:
                 if len(inputs) != self.cfg.train.batch_size:
                     continue  # a short last batch cannot be cut into the schedule's micro-batches
@@ -259,7 +272,8 @@ class Trainer:
                     loss = self.pm.pipeline.eval(inputs, targets)
             else:
                 with autocast(self.precision, self.device), self.pm.loss_context():
-                    loss = self.pm.loss_fn(self.pm.parts[0](inputs), targets)
+                    logits = self.pm.parts[0](inputs) if mask is None else self.pm.parts[0](inputs, attn_mask=mask)
+                    loss = self.pm.loss_fn(logits, targets)
             losses.append(global_mean(loss, self.dims, self.device) if self.pm.low_comm is None else loss.float())
         for module in self.pm.modules:
             module.train()
