@@ -14,7 +14,21 @@ compiles that code once and reuses it, and it composes with FSDP2, TP, AC and pi
 
 from __future__ import annotations
 
+import os
+import shutil
+
+import torch
 from torch import nn
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot run here, or None. On a CPU inductor builds C++ kernels, so it needs
+    a C++ compiler: a laptop without one would otherwise fail at the first step with a long traceback."""
+    if device.type == "cpu":
+        candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+        if not any(c and shutil.which(c) for c in candidates):
+            return "no C++ compiler (g++/clang++, or $CXX) found for inductor's CPU kernels"
+    return None
 
 
 def apply_compile(model: nn.Module, *, whole_model: bool = False) -> None:

@@ -27,6 +27,7 @@ from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.model import Transformer, flops_per_token, num_params
 from scaletrain.parallel import (ParallelDims, build_parallel_optimizer, clip_grad_norm_, forward_backward,
                                  global_mean, parallelize)
+from scaletrain.parallel.compile import compile_unavailable
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.distributed import barrier, destroy_distributed, init_distributed, world_size_from_env
 from scaletrain.plan.calibration import peak_flops
@@ -164,6 +165,12 @@ class Trainer:
             saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False))
             (self.run_dir / "config.toml").write_text(to_toml(saved))
 
+        reason = compile_unavailable(self.device) if cfg.train.compile else None
+        if reason:  # a recipe that compiles still runs, eagerly, on a machine without a compiler
+            if self.is_main and log:
+                print(f"warning: train.compile=true but {reason}; training eagerly "
+                      "(install g++ to compile, or set train.compile=false to silence this)", flush=True)
+            self.cfg = cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
         with torch.device("meta"):
             model = Transformer(cfg.model)
         self.pm = parallelize(model, dims, cfg.parallel, mesh=dims.build_mesh(self.device.type), model_cfg=cfg.model,
