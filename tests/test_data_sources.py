@@ -151,3 +151,30 @@ def test_json_array_streams_and_bad_json_is_named(tmp_path, monkeypatch):
     huge.write_text(json.dumps({"rows": [{"text": "x" * 2000}]}))
     docs, report = _read([huge], max_document_mb=0.001)
     assert docs == [] and "store the records as a top-level array or as .jsonl" in report.messages["bad_json_file"][0]
+
+
+def test_hf_name_loads_through_datasets_and_offline_never_hangs(tmp_path, monkeypatch):
+    """``hf:NAME`` goes through datasets.load_dataset: here a local data folder (what load_dataset does
+    with a path) with a missing text field counted, not dropped silently. Then a hub name with the real
+    network of this machine (none to the hub in CI): the probe decides within seconds, and the error is
+    one line naming the source - never a hang."""
+    import time
+
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no user cache is read or written
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")            # let the probe decide (restored afterwards)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(json.dumps({"text": "first document"}) + "\n"
+                                        + json.dumps({"body": "no text field"}) + "\n"
+                                        + json.dumps({"text": "third document"}) + "\n")
+    docs, report = _read([f"hf:{folder}"])
+    assert [d.text for d in docs] == ["first document", "third document"]
+    assert docs[0].source == f"hf:{folder}[0]"
+    assert report.documents_in == 3 and sum(report.issues.values()) == 1
+
+    t0 = time.perf_counter()
+    with pytest.raises(DataError, match="hf:scaletrain-test/does-not-exist: cannot load"):
+        _read(["hf:scaletrain-test/does-not-exist"])
+    assert time.perf_counter() - t0 < 60

@@ -23,6 +23,7 @@ import json
 import lzma
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -473,11 +474,22 @@ def read_saved_dataset(path: Path, cfg: SourceConfig, report: Report) -> Iterato
 
 
 def _network_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+    """Can we open a TCP connection to the hub within ``timeout`` seconds? The probe runs in a daemon
+    thread because the socket timeout does not bound the DNS lookup before it, which can hang for long
+    on a machine whose resolver is cut off."""
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True, name="scaletrain-hub-probe")
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
 
 
 def read_hf(name: str, cfg: SourceConfig, report: Report) -> Iterator[Document]:
