@@ -89,26 +89,44 @@ def evaluate(workload: Workload, plan: Plan, cluster: Cluster) -> Candidate:
 
 
 def search(workload: Workload, cluster: Cluster, fixed: dict | None = None) -> SearchResult:
-    """Rank every fitting plan by predicted tokens/s (ties: less memory first) and explain each."""
+    """Rank every fitting plan by predicted tokens/s (``rank``: ties within 1% go to the simpler plan) and
+    explain each."""
     plans = enumerate_plans(workload, cluster, fixed)
     if not plans and fixed:
         # Say why the pinned degrees are impossible instead of "nothing found".
         probe = Plan(**{"dp_shard": max(1, cluster.world_size // _prod(fixed)), **fixed})
         check_plan(workload, probe, cluster.world_size, cluster.hardware.kind)
     results = [evaluate(workload, p, cluster) for p in plans]
-    ranked = sorted((c for c in results if c.fits), key=_rank_key)
+    ranked = rank([c for c in results if c.fits])
     rejected = sorted((c for c in results if not c.fits), key=lambda c: c.memory.total)
     for c in ranked:
         c.reason = explain(c, ranked[0], cluster)
     return SearchResult(ranked, rejected, len(plans))
 
 
-def _rank_key(c: Candidate) -> tuple:
-    """Throughput first (to 3 significant digits: the model is not more precise than that); among equals the
-    simpler plan (fewer parallel dimensions, no recomputation or offload), then the one with more headroom."""
+TIE = 0.01  # plans predicted within 1% of each other count as equally fast
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fastest first; plans within ``TIE`` of the fastest of their group count as equal (the model is not
+    more precise than that: a 0.2% predicted gain is no reason to take on a technique), and among equals
+    the simpler plan comes first (fewer parallel dimensions, no ZeRO sharding, recomputation or offload),
+    then the one with more headroom."""
+    by_speed = sorted(candidates, key=lambda c: -c.time.tokens_per_second)
+    out: list[Candidate] = []
+    while by_speed:
+        lead = by_speed[0].time.tokens_per_second
+        group = [c for c in by_speed if c.time.tokens_per_second >= lead * (1 - TIE)]
+        by_speed = by_speed[len(group):]
+        out += sorted(group, key=_simplicity)
+    return out
+
+
+def _simplicity(c: Candidate) -> tuple:
     p = c.plan
-    simpler = sum(d > 1 for d in (p.tp, p.pp, p.cp)) + (p.activation_checkpointing != "none") + p.cpu_offload
-    return (-float(f"{c.time.tokens_per_second:.3g}"), simpler, c.memory.total)
+    techniques = (sum(d > 1 for d in (p.tp, p.pp, p.cp)) + (p.zero_stage > 0)
+                  + (p.activation_checkpointing != "none") + p.cpu_offload)
+    return (techniques, c.memory.total)
 
 
 def _prod(fixed: dict) -> int:
@@ -129,9 +147,9 @@ def explain(c: Candidate, best: Candidate, cluster: Cluster) -> str:
     if c is best:
         return f"fastest that fits; {used}; {split}"
     slower = best.time.tokens_per_second / t.tokens_per_second - 1
-    if slower < 0.005:
-        return (f"as fast as #1 within the model's precision; ranked after it as "
-                f"{'more complex' if _rank_key(c)[1] > _rank_key(best)[1] else 'using more memory'}; {used}")
+    if slower < TIE:
+        return (f"as fast as #1 within the model's precision ({TIE:.0%}); ranked after it as "
+                f"{'more complex' if _simplicity(c)[0] > _simplicity(best)[0] else 'using more memory'}; {used}")
     diffs = []
     if c.plan.activation_checkpointing != "none" and best.plan.activation_checkpointing == "none":
         diffs.append("recomputes activations")

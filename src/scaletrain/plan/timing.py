@@ -275,8 +275,9 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         grads = psi / (shard if plan.zero_stage >= 2 else 1) * max(rec.grad, 4 if plan.zero_stage >= 2 else 0)
         buckets = max(1.0, grads / 25e6)  # DDP's default 25 MB buckets, one all-reduce each
         out["dp"] = 2 * (n - 1) / n * grads / bw + buckets * latency
-        if plan.zero_stage == 1:  # ZeroRedundancyOptimizer broadcasts the updated shards
-            out["dp"] += (n - 1) / n * psi * rec.param / bw
+        if plan.zero_stage == 1:  # ZeroRedundancyOptimizer broadcasts the updated shards, one broadcast per
+            tensors = layers * PARAM_TENSORS_PER_BLOCK + (2 if cfg.tie_embeddings else 3)  # parameter tensor
+            out["dp"] += (n - 1) / n * psi * rec.param / bw + tensors * latency
         exposed += max(0.0, out["dp"] - compute * 2 / 3) if gpu else out["dp"]
     if plan.pp > 1:
         bw, _ = _group_link(cluster, plan.pp, plan.dp * inner_cp)
