@@ -318,6 +318,34 @@ def bench_dedup_state(n: int = 20_000) -> dict:
             "threshold": cfg.threshold}
 
 
+def render_table(results: dict) -> str:
+    """The markdown table of every measurement in ``results`` (also after a partial re-run)."""
+    lines = ["| measurement | value |", "|---|---|"]
+    for key in sorted((k for k in results if k.startswith("prepare_")),
+                      key=lambda k: (k.endswith("default"), int(k.split("_")[1][:-1]))):
+        r = results[key]
+        passes = " / ".join(f"{v}" for k, v in r["peak_rss_mb_per_pass"].items() if k.startswith("pass"))
+        lines.append(f"| {key}: {r['mb_in']} MB in, {r['documents_in']} docs, {r['documents_kept']} kept | "
+                     f"{r['mb_per_second']} MB/s, {r['seconds']} s, peak RSS {r['peak_rss_mb']} MB "
+                     f"(pass 1 / 2 / 3: {passes} MB), {r['tokens_out']:,} tokens |")
+    tok = results["tokenization"]
+    for name, r in tok["rows"].items():
+        lines.append(f"| tokenization ({tok['mb']} MB): {name} | {r['mb_per_second']} MB/s, time "
+                     f"{r['ratio_to_plain']}x plain encode_batch, {r['ratio_to_plain_fast']}x encode_batch_fast |")
+    lo = results["loader"]
+    lines.append(f"| loader {lo['batch']}: ms/batch (prefetch 0 / 2) | {lo['loader_ms_per_batch_prefetch0']} / "
+                 f"{lo['loader_ms_per_batch_prefetch2']} ms |")
+    lines.append(f"| baby-GPT step, median of 6 blocks: pre-read batches / loader / loader+prefetch | "
+                 f"{lo['step_ms_preloaded']} / {lo['step_ms_loader_prefetch0']} / {lo['step_ms_loader_prefetch2']} ms |")
+    for p in (0, 2):
+        lines.append(f"| time inside next(loader) per step, prefetch {p} | {lo[f'wait_ms_per_step_prefetch{p}']} ms = "
+                     f"{lo[f'loader_share_of_step_pct_prefetch{p}']} % of the step |")
+    dd = results["dedup_state"]
+    lines.append(f"| dedup state per kept document ({dd['documents_kept']:,} kept, num_perm {dd['num_perm']}) | "
+                 f"{dd['bytes_per_kept_document']} bytes (~{dd['mb_per_million_kept']} MB per million) |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1x only (no 3x/10x runs)")
@@ -340,6 +368,7 @@ def main() -> None:
         results["loader"]["run"] = {"command": " ".join(["benchmarks/data_pipeline.py"] + sys.argv[1:]),
                                     "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()}
         print(json.dumps(results["loader"], indent=1))
+        results["table"] = render_table(results)
         Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"wrote {args.out} (loader rows)")
         return
@@ -378,30 +407,7 @@ def main() -> None:
         if key.startswith("prepare_"):
             results[key].pop("table", None)
 
-    lines = ["| measurement | value |", "|---|---|"]
-    for key in sorted((k for k in results if k.startswith("prepare_")),
-                      key=lambda k: (k.endswith("default"), int(k.split("_")[1][:-1]))):
-        r = results[key]
-        passes = " / ".join(f"{v}" for k, v in r["peak_rss_mb_per_pass"].items() if k.startswith("pass"))
-        lines.append(f"| {key}: {r['mb_in']} MB in, {r['documents_in']} docs, {r['documents_kept']} kept | "
-                     f"{r['mb_per_second']} MB/s, {r['seconds']} s, peak RSS {r['peak_rss_mb']} MB "
-                     f"(pass 1 / 2 / 3: {passes} MB), {r['tokens_out']:,} tokens |")
-    tok = results["tokenization"]
-    for name, r in tok["rows"].items():
-        lines.append(f"| tokenization ({tok['mb']} MB): {name} | {r['mb_per_second']} MB/s, time "
-                     f"{r['ratio_to_plain']}x plain encode_batch, {r['ratio_to_plain_fast']}x encode_batch_fast |")
-    lo = results["loader"]
-    lines.append(f"| loader {lo['batch']}: ms/batch (prefetch 0 / 2) | {lo['loader_ms_per_batch_prefetch0']} / "
-                 f"{lo['loader_ms_per_batch_prefetch2']} ms |")
-    lines.append(f"| baby-GPT step, median of 6 blocks: pre-read batches / loader / loader+prefetch | "
-                 f"{lo['step_ms_preloaded']} / {lo['step_ms_loader_prefetch0']} / {lo['step_ms_loader_prefetch2']} ms |")
-    for p in (0, 2):
-        lines.append(f"| time inside next(loader) per step, prefetch {p} | {lo[f'wait_ms_per_step_prefetch{p}']} ms = "
-                     f"{lo[f'loader_share_of_step_pct_prefetch{p}']} % of the step |")
-    dd = results["dedup_state"]
-    lines.append(f"| dedup state per kept document ({dd['documents_kept']:,} kept, num_perm {dd['num_perm']}) | "
-                 f"{dd['bytes_per_kept_document']} bytes (~{dd['mb_per_million_kept']} MB per million) |")
-    table = "\n".join(lines)
+    table = render_table(results)
     print(table)
     results["table"] = table
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
