@@ -191,3 +191,19 @@ def test_ties_within_one_percent_go_to_the_simpler_plan():
     assert rank([zero1, ddp])[0] is ddp
     assert rank([C(4500.0, 1), ddp])[0].plan.zero_stage == 1  # 4% faster wins
     assert [c.time.tokens_per_second for c in rank([C(100.0, 0), C(200.0, 0), C(150.0, 0)])] == [200, 150, 100]
+
+
+def test_ranks_sharing_a_host_pay_the_measured_contention():
+    """doctor's ``corun_slowdown`` (ranks running together vs alone on one host) scales every rank's compute
+    and optimizer time when more than one rank shares the host; one rank per host never pays it."""
+    from scaletrain.plan.timing import cpu_micro_seconds
+
+    w = Workload(build(ModelConfig, {"preset": "micro", "vocab_size": 2048}, presets=PRESETS), 128, 8, 1e6, "fp32")
+    contended = dataclasses.replace(CPU, calibration={**CALIBRATION, "corun_slowdown": 1.25, "threads": 1}, cores=2)
+    quiet = dataclasses.replace(contended, calibration={**contended.calibration, "corun_slowdown": 1.0})
+    plan = Plan(dp_replicate=2, micro_batch=4)
+    (a, opt_a), (b, opt_b) = (cpu_micro_seconds(w, plan, Cluster(hw, 2, 1)) for hw in (contended, quiet))
+    assert opt_a == pytest.approx(1.25 * opt_b)
+    assert b < a < 1.25 * b  # dispatch overhead is not scaled
+    one = Plan(micro_batch=4)
+    assert cpu_micro_seconds(w, one, Cluster(contended, 1, 1)) == cpu_micro_seconds(w, one, Cluster(quiet, 1, 1))

@@ -125,6 +125,49 @@ TP_PROBE_MODEL = dict(dim=384, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, m
 TP_PROBE_LAYERS = (1, 3)
 
 
+def measure_corun_slowdown(clock: str = "wall", reps: int = 7) -> float:
+    """How much slower a training block runs when every rank of this host runs it at once than when each
+    runs it alone (median over ``reps`` of each, side by side; the slowest rank's ratio, at least 1).
+
+    Ranks on one host share its memory bandwidth and caches, which the single-process calibration cannot
+    see: without this the planner under-predicted 2-rank steps on this machine by 10-23%. The block is the
+    elementwise calibration's reference block (dim 384, SwiGLU 1024, T=192) at batch 4.
+    """
+    import statistics
+
+    import torch.distributed as dist
+
+    from scaletrain.config import ModelConfig
+    from scaletrain.model.llama import TransformerBlock, rope_tables
+
+    cfg = ModelConfig(dim=384, n_layers=1, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, max_seq_len=192)
+    block = TransformerBlock(cfg)
+    cos, sin = rope_tables(cfg.dim // cfg.n_heads, 192, cfg.rope_theta)
+    x = torch.randn(4, 192, cfg.dim, requires_grad=True)
+    grad = torch.randn(4, 192, cfg.dim)
+    timer = calibration._CLOCK[clock]
+
+    def timed() -> float:
+        t0 = timer()
+        block(x, cos, sin).backward(grad)
+        block.zero_grad(set_to_none=True)
+        return timer() - t0
+
+    timed()  # warm-up
+    rank, world = dist.get_rank(), dist.get_world_size()
+    alone, together = [], []
+    for _ in range(reps):
+        for r in range(world):  # one rank at a time; the others block in the barrier (no spinning)
+            dist.barrier()
+            if rank == r:
+                alone.append(timed())
+        dist.barrier()
+        together.append(timed())
+    ratio = torch.tensor([statistics.median(together) / statistics.median(alone)], dtype=torch.float64)
+    dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
+    return max(1.0, float(ratio))
+
+
 def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict:
     """Seconds tensor parallelism adds to one micro-batch's forward + backward beyond its sharded compute and
     its bytes, per block and per model (embedding, final norm, vocabulary-parallel head and loss), for ``tp`` =
@@ -208,6 +251,8 @@ def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
             result = {"allreduce_busbw": busbw, "allreduce_world_size": dist.get_world_size(),
                       "collective_latency_s": measure_allreduce_latency(),
                       "dtensor_op_overhead_s": measure_dtensor_overhead()}
+            if backend == "gloo":  # before the TP overhead, which is measured beyond it
+                result["corun_slowdown"] = measure_corun_slowdown(clock)
             # The TP overhead is what remains after the single-process rates: it needs that calibration.
             entry = calibration.calibration_entry("cpu", measure_if_missing=False) if backend == "gloo" else {}
             if "elementwise_s_per_element" in entry:
@@ -224,7 +269,8 @@ def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
                 calibration.save_calibration(data)
                 log(f"all-reduce over {dist.get_world_size()} ranks ({backend}): bus bandwidth {busbw / 1e9:.2f} GB/s, "
                     f"latency {result['collective_latency_s'] * 1e6:.0f} us; DTensor overhead "
-                    f"{result['dtensor_op_overhead_s'] * 1e6:.0f} us/op; tensor parallelism adds "
+                    f"{result['dtensor_op_overhead_s'] * 1e6:.0f} us/op; ranks running together are "
+                    f"{result.get('corun_slowdown', 1.0):.2f}x slower than alone; tensor parallelism adds "
                     + ", ".join(f"{k} {v['per_block_s'] * 1e3:.1f} ms/block + {v['per_model_s'] * 1e3:.1f} ms/model"
                                 for k, v in result.get("tp_overhead", {}).items())
                     + f" per micro-batch ({clock} clock) -> {calibration.calibration_path()}")

@@ -142,6 +142,8 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
     # ``threads`` threads) scaled to its share of the host's cores; never faster than calibrated.
     share = max(1.0, cluster.devices_per_node * entry.get("threads", cluster.hardware.cores or 1)
                 / max(1, cluster.hardware.cores or 1))
+    if cluster.devices_per_node > 1:  # and they contend for its memory bandwidth and caches (doctor measures it)
+        share *= float(entry.get("corun_slowdown", 1.0))
     b, t, tp = plan.micro_batch, workload.seq_len // plan.cp, plan.tp
     layers = -(-cfg.n_layers // plan.pp)
     n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
