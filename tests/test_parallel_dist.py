@@ -208,3 +208,16 @@ def test_diloco_reaches_ddp_loss_with_h_times_fewer_all_reduces(tmp_path):
     assert abs(diloco["final_val_loss"] - ddp["final_val_loss"]) / ddp["final_val_loss"] < 0.05
     assert diloco["all_reduce_calls"] * 10 <= ddp["all_reduce_calls"]
     assert diloco["all_reduce_bytes"] * 10 <= ddp["all_reduce_bytes"]
+
+
+def test_two_rank_doctor_measures_communication_and_contention(tmp_path, monkeypatch):
+    """`torchrun ... scaletrain doctor` on 2 gloo ranks writes the host's communication entry: all-reduce
+    bandwidth and latency, DTensor overhead and the co-running slowdown the time model charges ranks
+    that share a host (without a single-process calibration it says TP overhead needs one)."""
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    proc = torchrun(2, "-m", "scaletrain.cli", "doctor", "--clock", "cpu", timeout=300)
+    assert "run `scaletrain doctor`" in proc.stdout + proc.stderr  # no TP overhead without the 1-process entry
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    (comm,) = [v for k, v in data.items() if k.startswith("comm|")]
+    assert comm["allreduce_busbw"] > 0 and comm["collective_latency_s"] > 0 and comm["allreduce_world_size"] == 2
+    assert 1.0 <= comm["corun_slowdown"] < 4.0
