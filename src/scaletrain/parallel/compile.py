@@ -4,8 +4,11 @@ Whole model: one graph from the embedding to the logits, so inductor fuses acros
 (residual adds, the final norm, the output projection) and a step pays one guard check instead of one
 per block. On the nanoGPT baby recipe this is 0.86x the eager nanoGPT-layout step, against 0.92x per
 block (benchmarks/shakespeare_char.py). It is used when no technique hooks into the blocks: no FSDP2
-(whose per-block hooks must stay outside the compiled region), no pipeline stages, no tensor
-parallelism (DTensor plans per block) and no activation checkpointing (which wraps blocks).
+(whose per-block hooks must stay outside the compiled region), no DDP (one compiled backward would hand
+DDP every gradient at its very end, so no bucket's all-reduce could overlap the backward; per block it
+still can), no pipeline stages, no tensor parallelism (DTensor plans per block) and no activation
+checkpointing (which wraps blocks). A single process and low-communication replicas (DiLoCo, local
+SGD: no per-step gradient traffic) compile the whole model.
 
 Per block otherwise: every transformer block has the same code, so compiling the blocks one by one
 compiles that code once and reuses it, and it composes with FSDP2, TP, AC and pipeline stages.

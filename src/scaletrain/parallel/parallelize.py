@@ -5,7 +5,7 @@ Order (each step's reason in brackets):
   2. tensor/sequence    [DTensor plans need the plain nn.Linear/RMSNorm modules, before any wrapping]
   3. activation ckpt    [wraps block forwards; must see the TP-converted blocks]
   4. torch.compile      [after AC so recomputation is compiled too, before FSDP hooks; the whole model
-                         when nothing wraps its blocks (no PP, TP, AC or FSDP), else per block]
+                         when nothing hooks into its blocks (no PP, TP, AC, FSDP or DDP), else per block]
   5. FSDP2 / HSDP       [shards the (possibly TP-sharded) parameters over the data-parallel mesh]
   6. materialize + init [to_empty + the single-process weights, identical for every layout]
   7. DDP / ZeRO-1 / low-communication   [DDP broadcasts real weights, so it comes after init]
@@ -112,8 +112,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
             apply_tp(part, mesh["tp"], sequence_parallel=cfg.sequence_parallel)
         apply_ac(part, cfg.activation_checkpointing, cfg.ac_every)  # 3.
         if compile:  # 4.
-            apply_compile(part, whole_model=dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1
-                          and dims.cp == 1 and cfg.activation_checkpointing == "none")
+            apply_compile(part, whole_model=dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1 and dims.cp == 1
+                          and (dims.dp_replicate == 1 or cfg.low_comm != "none")
+                          and cfg.activation_checkpointing == "none")
         if dims.dp_shard > 1 or dims.cp > 1:  # 5. FSDP2 (HSDP with dp_replicate > 1)
             apply_fsdp(part, _dp_mesh(mesh, dims), reshard_after_forward=dims.zero_stage == 3,
                        param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload)
