@@ -27,11 +27,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from launch import run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "low_comm.json"
@@ -59,13 +60,8 @@ def run_seed(seed: int, eval_batches: int, tmp: Path) -> dict:
         every = {**COMMON, **overrides, "train.seed": seed, "train.eval_batches": eval_batches,
                  "train.run_dir": tmp / f"{name}-{seed}"}
         specs.append(f"{name}:" + ",".join(f"{k}={v}" for k, v in every.items()))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "tests" / "dist_train.py"), "--config", str(config), "--out", str(out), *specs]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"seed {seed} failed:\n{proc.stderr[-3000:]}")
+    run_ranks([str(ROOT / "tests" / "dist_train.py"), "--config", str(config), "--out", str(out), *specs], 2,
+              f"seed {seed}", timeout=1800)
     return json.loads(out.read_text())
 
 

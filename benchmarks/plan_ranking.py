@@ -28,11 +28,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from launch import run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
 
 from scaletrain.config import ModelConfig, build
 from scaletrain.model.presets import PRESETS
@@ -92,13 +93,9 @@ def run_two_ranks(args, workload: Workload, plan: Plan) -> dict:
             "accum": plan.grad_accum(workload)}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rank.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--model", args.model, "--vocab-size", str(args.vocab_size), "--seq-len", str(args.seq_len),
-               "--steps", str(args.steps), "--worker", json.dumps(spec), "--worker-out", str(out)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{plan.label()}: torchrun failed:\n{proc.stderr[-3000:]}")
+        run_ranks([__file__, "--model", args.model, "--vocab-size", str(args.vocab_size), "--seq-len",
+                   str(args.seq_len), "--steps", str(args.steps), "--worker", json.dumps(spec), "--worker-out",
+                   str(out)], 2, plan.label())
         ranks = [json.loads(line) for line in out.read_text().splitlines()]
     return {"step_s": max(r["step_s"] for r in ranks), "step_cpu_s": max(r["step_cpu_s"] for r in ranks),
             "peak_bytes": max(r["peak_bytes"] for r in ranks)}

@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from launch import run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
 
 from scaletrain.config import ModelConfig, build
 from scaletrain.model.presets import PRESETS
@@ -103,18 +104,8 @@ def measure(row: Row, steps: int, threads: int) -> dict:
     later rows ran up to 25% slower than alone (the allocator's state left by the earlier rows)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rank.json"
-        worker_args = [__file__, "--worker", row.name, "--worker-out", str(out), "--steps", str(steps),
-                       "--threads", str(threads)]
-        if row.world == 1:
-            cmd = [sys.executable] + worker_args
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={row.world}"] + worker_args
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads if row.world == 1 else 1),
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{row.name}: measurement failed:\n{proc.stderr[-3000:]}")
+        run_ranks([__file__, "--worker", row.name, "--worker-out", str(out), "--steps", str(steps),
+                   "--threads", str(threads)], row.world, row.name, threads=threads if row.world == 1 else 1)
         ranks = [json.loads(line) for line in out.read_text().splitlines()]
     if row.world == 1:
         return ranks[0]
@@ -190,10 +181,7 @@ def main() -> int:
     if "tp_overhead" not in entry or args.recalibrate:
         console.print("measuring the gloo all-reduce bandwidth, collective latency and tensor-parallel overhead "
                       "(torchrun, 2 ranks)")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                        "scaletrain.plan.cli", "doctor", "--clock", args.clock], check=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-                       capture_output=True)
+        run_ranks(["-m", "scaletrain.plan.cli", "doctor", "--clock", args.clock], 2, "the 2-rank doctor")
     cluster = parse_hardware("auto")
     peak = cluster.hardware.peak_flops["fp32"]
     rows = [r for r in ROWS if not args.rows or r.name in args.rows.split(",")]

@@ -25,11 +25,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from launch import run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "scaling.json"
@@ -107,17 +108,8 @@ def worker(name: str, steps: int, run_dir: str, cache: str, out: str) -> None:
 def launch(name: str, steps: int, tmp: Path) -> dict:
     ranks = STRATEGIES[name][0]
     out = tmp / f"{name}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    env.pop("WORLD_SIZE", None)
-    worker_args = [str(Path(__file__).resolve()), "--worker", name, "--steps", str(steps),
-                   "--run-dir", str(tmp / name), "--cache", str(tmp / "data"), "--out", str(out)]
-    if ranks == 1:
-        cmd = [sys.executable, *worker_args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *worker_args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    run_ranks([str(Path(__file__).resolve()), "--worker", name, "--steps", str(steps), "--run-dir", str(tmp / name),
+               "--cache", str(tmp / "data"), "--out", str(out)], ranks, name, timeout=900)
     return json.loads(out.read_text())
 
 

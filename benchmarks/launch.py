@@ -1,0 +1,26 @@
+"""Start the processes a benchmark measures: one plain Python process, or ``ranks`` gloo ranks under torchrun.
+
+Every benchmark that runs real ranks launches them the same way: ``OMP_NUM_THREADS`` set per process, the
+rendezvous TCP store not shared with the workers (``../shared/PLATFORM.md``: sharing it breaks gloo
+re-initialisation), and a failure reported with the tail of the workers' stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_ranks(args: list[str], ranks: int, what: str, *, threads: int = 1,
+              timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python ARGS`` (ranks == 1) or ``torchrun --standalone --nproc-per-node=RANKS ARGS``; raises
+    ``RuntimeError("<what> failed: ...")`` with the stderr tail when it exits non-zero."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env.pop("WORLD_SIZE", None)  # started from inside a rank, torchrun would otherwise see its parent's
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    proc = subprocess.run([sys.executable, *launcher, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return proc
