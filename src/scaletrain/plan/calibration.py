@@ -252,34 +252,48 @@ def measure_memory_bandwidth(n_bytes: int = 1 << 28) -> float:
 
 ELEMENTWISE_BATCHES = (1, 4, 16)
 
+# The reference shape every block-level calibration measures: the elementwise cost here, and under torchrun
+# the co-running slowdown and tensor parallelism's overhead (doctor.py). Not one of the accuracy
+# benchmark's rows.
+REFERENCE_SHAPE = dict(dim=384, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, max_seq_len=192)
+
+
+def reference_block_step(batch: int):
+    """``(cfg, fwd_bwd)``: one reference TransformerBlock and a closure running its forward + backward on
+    ``batch`` sequences of ``max_seq_len`` tokens (gradients cleared after each call)."""
+    from scaletrain.config import ModelConfig
+    from scaletrain.model.llama import TransformerBlock, rope_tables
+
+    cfg = ModelConfig(n_layers=1, **REFERENCE_SHAPE)
+    seq = cfg.max_seq_len
+    block = TransformerBlock(cfg)
+    cos, sin = rope_tables(cfg.dim // cfg.n_heads, seq, cfg.rope_theta)
+    x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
+    grad = torch.randn(batch, seq, cfg.dim)
+
+    def fwd_bwd() -> None:
+        block(x, cos, sin).backward(grad)
+        block.zero_grad(set_to_none=True)
+
+    return cfg, fwd_bwd
+
 
 def measure_block_elementwise(entry: dict) -> tuple[list[list[float]], float]:
     """([[saved elements, seconds per element], ...], aten ops per block fwd+bwd) of a reference block's
     work that the GEMM and attention curves do not cover.
 
-    The reference block (dim 384, 6 heads, SwiGLU 1024, T=192, B = 1, 4, 16) is not one of the accuracy
-    benchmark's rows. Its measured fwd+bwd time minus the GEMM and attention time the curves predict, minus
-    per-op dispatch, divided by its saved activation elements, is the cost other shapes are charged at
-    their own activation size (larger working sets fall out of cache and cost more per element).
+    The reference block (``REFERENCE_SHAPE``: dim 384, 6 heads, SwiGLU 1024, T=192, B = 1, 4, 16) is not one
+    of the accuracy benchmark's rows. Its measured fwd+bwd time minus the GEMM and attention time the curves
+    predict, minus per-op dispatch, divided by its saved activation elements, is the cost other shapes are
+    charged at their own activation size (larger working sets fall out of cache and cost more per element).
     """
-    from scaletrain.config import ModelConfig
-    from scaletrain.model.llama import TransformerBlock, rope_tables
     from scaletrain.plan import timing  # late import: timing reads this module's curves
     from scaletrain.plan.memory import block_activation_elements
 
-    cfg = ModelConfig(dim=384, n_layers=1, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, max_seq_len=192)
-    seq = 192
-    block = TransformerBlock(cfg)
-    cos, sin = rope_tables(cfg.dim // cfg.n_heads, seq, cfg.rope_theta)
     curve, n_ops = [], 0
     for batch in ELEMENTWISE_BATCHES:
-        x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
-        grad = torch.randn(batch, seq, cfg.dim)
-
-        def fwd_bwd():
-            block(x, cos, sin).backward(grad)
-            block.zero_grad(set_to_none=True)
-
+        cfg, fwd_bwd = reference_block_step(batch)
+        seq = cfg.max_seq_len
         n_ops = count_aten_ops(fwd_bwd)
         t = _best_time(fwd_bwd, max(3, 12 // batch), warmup=1)
         predicted = timing.block_gemm_attention_seconds(cfg, batch, seq, entry, recompute=False)

@@ -121,7 +121,7 @@ def measure_dtensor_overhead(reps: int = 200) -> float:
 
 # The reference model the tensor-parallel overhead is measured on (the elementwise calibration's reference
 # block shape: dim 384, 6 heads, SwiGLU 1024, T=192; one sequence) -- not one of the accuracy benchmark's rows.
-TP_PROBE_MODEL = dict(dim=384, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, max_seq_len=192)
+TP_PROBE_MODEL = calibration.REFERENCE_SHAPE
 TP_PROBE_LAYERS = (1, 3)
 
 
@@ -131,26 +131,18 @@ def measure_corun_slowdown(clock: str = "wall", reps: int = 7) -> float:
 
     Ranks on one host share its memory bandwidth and caches, which the single-process calibration cannot
     see: without this the planner under-predicted 2-rank steps on this machine by 10-23%. The block is the
-    elementwise calibration's reference block (dim 384, SwiGLU 1024, T=192) at batch 4.
+    elementwise calibration's reference block (``calibration.reference_block_step``) at batch 4.
     """
     import statistics
 
     import torch.distributed as dist
 
-    from scaletrain.config import ModelConfig
-    from scaletrain.model.llama import TransformerBlock, rope_tables
-
-    cfg = ModelConfig(dim=384, n_layers=1, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, max_seq_len=192)
-    block = TransformerBlock(cfg)
-    cos, sin = rope_tables(cfg.dim // cfg.n_heads, 192, cfg.rope_theta)
-    x = torch.randn(4, 192, cfg.dim, requires_grad=True)
-    grad = torch.randn(4, 192, cfg.dim)
+    _, fwd_bwd = calibration.reference_block_step(4)
     timer = calibration._CLOCK[clock]
 
     def timed() -> float:
         t0 = timer()
-        block(x, cos, sin).backward(grad)
-        block.zero_grad(set_to_none=True)
+        fwd_bwd()
         return timer() - t0
 
     timed()  # warm-up
