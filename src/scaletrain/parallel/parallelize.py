@@ -211,8 +211,7 @@ def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Ten
     model = pm.parts[0]
     with grad_sync_context(model, sync), _cp_context(pm, inputs, targets), pm.loss_context():
         with autocast():
-            logits = model(inputs) if attn_mask is None else model(inputs, attn_mask=attn_mask)
-            loss = pm.loss_fn(logits, targets) / accum
+            loss = pm.loss_fn(model(inputs, attn_mask=attn_mask), targets) / accum
         scale(loss).backward()
     return loss.detach()
 

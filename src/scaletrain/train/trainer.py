@@ -279,8 +279,7 @@ class Trainer:
                     loss = self.pm.pipeline.eval(inputs, targets)
             else:
                 with autocast(self.precision, self.device), self.pm.loss_context():
-                    logits = self.pm.parts[0](inputs) if mask is None else self.pm.parts[0](inputs, attn_mask=mask)
-                    loss = self.pm.loss_fn(logits, targets)
+                    loss = self.pm.loss_fn(self.pm.parts[0](inputs, attn_mask=mask), targets)
             losses.append(global_mean(loss, self.dims, self.device) if self.pm.low_comm is None else loss.float())
         for module in self.pm.modules:
             module.train()
