@@ -98,6 +98,28 @@ def resolve_vocab(cfg: JobConfig, manifest: dict) -> JobConfig:
     return cfg
 
 
+def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
+    """Options that do not combine, refused in one line before any process-group work."""
+    if cfg.data.document_attention and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        raise ConfigError("data.document_attention is not supported with parallel.pp > 1 or parallel.cp > 1 "
+                          "(the mask does not travel through pipeline stages or sequence shards); "
+                          "set data.document_attention=false")
+    if cfg.parallel.pp > 1 and precision == "fp16":
+        raise ConfigError("train.precision=fp16 (gradient scaler) is not supported with parallel.pp > 1; use bf16")
+
+
+def resolve_compile(cfg: JobConfig, device: torch.device, announce: bool) -> JobConfig:
+    """``cfg`` with train.compile turned off, and one warning line, where torch.compile cannot run (a CPU
+    without a C++ compiler): a recipe that compiles still trains, eagerly."""
+    reason = compile_unavailable(device) if cfg.train.compile else None
+    if reason is None:
+        return cfg
+    if announce:
+        print(f"warning: train.compile=true but {reason}; training eagerly "
+              "(install g++ to compile, or set train.compile=false to silence this)", flush=True)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
+
+
 def match_global_batch(cfg: JobConfig, checkpoint_meta: dict, dp_size: int) -> JobConfig:
     """Resuming on another number of data-parallel ranks: keep the checkpoint's global batch (sequences per
     optimizer step) by changing gradient accumulation, so the run goes on with the same optimisation."""
@@ -124,17 +146,12 @@ class Trainer:
         self.precision = resolve_precision(cfg.train.precision, self.device)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        if cfg.data.document_attention and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
-            raise ConfigError("data.document_attention is not supported with parallel.pp > 1 or parallel.cp > 1 "
-                              "(the mask does not travel through pipeline stages or sequence shards); "
-                              "set data.document_attention=false")
+        check_feature_combinations(cfg, self.precision)
         # Degrees are validated before any process-group work, so a bad config fails fast on every rank.
         self.dims = dims = ParallelDims.from_config(cfg.parallel, world_size_from_env())
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
         if dims.cp > 1:
             check_context_parallel_supported(self.device)
-        if dims.pp > 1 and self.precision == "fp16":
-            raise ConfigError("train.precision=fp16 (gradient scaler) is not supported with parallel.pp > 1; use bf16")
         self.env = init_distributed(self.device.type)
         self.device = self.env.device
         self.is_main = self.env.is_main
@@ -165,12 +182,7 @@ class Trainer:
             saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False))
             (self.run_dir / "config.toml").write_text(to_toml(saved))
 
-        reason = compile_unavailable(self.device) if cfg.train.compile else None
-        if reason:  # a recipe that compiles still runs, eagerly, on a machine without a compiler
-            if self.is_main and log:
-                print(f"warning: train.compile=true but {reason}; training eagerly "
-                      "(install g++ to compile, or set train.compile=false to silence this)", flush=True)
-            self.cfg = cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
+        self.cfg = cfg = resolve_compile(cfg, self.device, announce=self.is_main and log)
         with torch.device("meta"):
             model = Transformer(cfg.model)
         self.pm = parallelize(model, dims, cfg.parallel, mesh=dims.build_mesh(self.device.type), model_cfg=cfg.model,
