@@ -79,7 +79,7 @@ def build_trainer(args: argparse.Namespace, run_dir: str) -> Trainer:
 
 def tensors_mb(trainer: Trainer) -> float:
     """Bytes of model + optimizer tensors: what one checkpoint holds and what async staging copies."""
-    return sum(t.nbytes for part in trainer.checkpoint_tensors().values() for t in part.values()) / 2**20
+    return sum(t.nbytes for part in trainer.checkpoint.tensors().values() for t in part.values()) / 2**20
 
 
 def timed_steps(trainer: Trainer, n: int) -> list[float]:
@@ -94,7 +94,7 @@ def timed_steps(trainer: Trainer, n: int) -> list[float]:
 def clone_seconds(trainer: Trainer) -> float:
     """Reference for the async stall: a plain copy of the same tensors into fresh memory."""
     t0 = time.perf_counter()
-    copies = [t.clone() for part in trainer.checkpoint_tensors().values() for t in part.values()]
+    copies = [t.clone() for part in trainer.checkpoint.tensors().values() for t in part.values()]
     took = time.perf_counter() - t0
     del copies
     return took
@@ -152,7 +152,7 @@ def run_round(trainer: Trainer, index: int, args: argparse.Namespace) -> dict:
 
 def check_async_checkpoint(trainer: Trainer) -> dict:
     """Untimed: an async save while the loop moves on holds exactly the state of its step, and verifies."""
-    live = trainer.checkpoint_tensors()
+    live = trainer.checkpoint.tensors()
     snapshot = {part: {k: t.clone() for k, t in tensors.items()} for part, tensors in live.items()}
     step = trainer.state.step
     path = trainer.save(blocking=False)

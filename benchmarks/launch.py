@@ -1,7 +1,7 @@
 """Start the processes a benchmark measures: one plain Python process, or ``ranks`` gloo ranks under torchrun.
 
 Every benchmark that runs real ranks launches them the same way: ``OMP_NUM_THREADS`` set per process, the
-rendezvous TCP store not shared with the workers (``../shared/PLATFORM.md``: sharing it breaks gloo
+rendezvous TCP store not shared with the workers (sharing it breaks gloo
 re-initialisation), and a failure reported with the tail of the workers' stderr.
 """
 

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch import run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
-
 from scaletrain.config import ModelConfig, build
+from scaletrain.hardware import device_fingerprint
 from scaletrain.model.presets import PRESETS
-from scaletrain.plan.hardware import Cluster, parse_hardware
+from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
@@ -162,13 +163,12 @@ def main() -> int:
         worker(args.worker, args.worker_out, args.steps, args.threads)
         return 0
 
+    import torch
     from rich.console import Console
     from rich.table import Table
 
     from scaletrain.plan import calibration
     from scaletrain.plan.measure import wait_for_quiet
-
-    import torch
 
     console = Console(width=140)
     if args.clock == "cpu" and args.threads != 1:
@@ -251,7 +251,7 @@ def main() -> int:
                   f"{worst_time:.1%} (target {TIME_TARGET:.0%}): {'all rows within target' if ok_all else 'MISSED'}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
-        "machine": calibration.device_fingerprint("cpu"), "clock": args.clock, "threads": args.threads,
+        "machine": device_fingerprint("cpu"), "clock": args.clock, "threads": args.threads,
         "calibration": cluster.hardware.calibration,
         "targets": {"memory": MEMORY_TARGET, "time": TIME_TARGET}, "rows": records,
         "worst_memory_error": worst_mem, "worst_time_error": worst_time, "all_within_target": ok_all,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
@@ -28,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters as dynamo_counters
 
-from scaletrain.config import ModelConfig, OptimConfig, ParallelConfig
-from scaletrain.model import Transformer, build_model
-from scaletrain.parallel import (ParallelDims, build_parallel_optimizer, clip_grad_norm_, forward_backward,
-                                 global_mean, parallelize)
+from scaletrain.config import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from scaletrain.model import build_model
+from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.distributed import destroy_distributed, init_distributed
 from scaletrain.train.optimizer import build_optimizer
+from scaletrain.train.step import build_parallel_training, training_step
 
 MODEL = ModelConfig(vocab_size=64, dim=64, n_layers=4, n_heads=4, ffn_hidden_dim=128, max_seq_len=32)
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=1.0)
@@ -94,8 +93,9 @@ def batches(step: int, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.chunk(accum)]
 
 
-def reference_losses(accum: int, device: torch.device = torch.device("cpu")) -> list[float]:
+def reference_losses(accum: int, device: torch.device | None = None) -> list[float]:
     """One process, the whole global batch per step (accumulated over the same micro-batches), eager."""
+    device = device or torch.device("cpu")
     model = build_model(MODEL, device, seed=SEED)
     opt = build_optimizer(model, OPTIM, device)
     losses = []
@@ -113,33 +113,26 @@ def reference_losses(accum: int, device: torch.device = torch.device("cpu")) -> 
     return losses
 
 
+def job(fields: dict, accum: int = 1, compile: bool = False) -> JobConfig:
+    """The tiny job of every strategy: only the [parallel] section, accumulation and compile differ."""
+    return JobConfig(model=MODEL, optim=OPTIM, parallel=ParallelConfig(**fields),
+                     train=TrainConfig(seed=SEED, compile=compile, grad_accum_steps=accum))
+
+
 def parallel_losses(fields: dict, accum: int, compile: bool, device: torch.device) -> tuple[list[float], dict]:
-    cfg = ParallelConfig(**fields)
-    world = dist.get_world_size()
-    dims = ParallelDims.from_config(cfg, world)
+    """The trainer's own build and step (``build_parallel_training`` + ``training_step``) for one strategy."""
+    cfg = job(fields, accum, compile)
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     local_batch = GLOBAL_BATCH // accum // dims.dp_size
-    dims.check_model(cfg, MODEL, SEQ, local_batch)
-    mesh = dims.build_mesh(device.type)
-    with torch.device("meta"):
-        model = Transformer(MODEL)
-    pm = parallelize(model, dims, cfg, mesh=mesh, model_cfg=MODEL, device=device, seed=SEED, compile=compile,
-                     grad_accum_steps=accum)
-    opt = build_parallel_optimizer(pm, OPTIM, device, dims.zero_stage)
+    dims.check_model(cfg.parallel, MODEL, SEQ, local_batch)
+    pm, opt = build_parallel_training(cfg, dims, device)
+    lo = pm.dp_rank * local_batch  # this data-parallel rank's slice of each global micro-batch
     frames_before = dynamo_counters["frames"]["ok"]
     losses, t0 = [], time.perf_counter()
     for step in range(STEPS):
-        total = torch.zeros((), device=device)
-        micro = batches(step, accum)
-        for i, (inputs, targets) in enumerate(micro):
-            inputs, targets = inputs.to(device), targets.to(device)
-            lo = pm.dp_rank * local_batch  # this data-parallel rank's slice of the global micro-batch
-            loss = forward_backward(pm, inputs[lo:lo + local_batch], targets[lo:lo + local_batch], accum=accum,
-                                    sync=i == accum - 1)
-            total += global_mean(loss, dims, device)
-        clip_grad_norm_(pm.parameters(), OPTIM.grad_clip, pm.group("pp"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(total))
+        micro = ((x[lo:lo + local_batch].to(device), y[lo:lo + local_batch].to(device), None)
+                 for x, y in batches(step, accum))
+        losses.append(training_step(pm, opt, micro, accum, grad_clip=OPTIM.grad_clip).loss)
     return losses, {"dims": dataclasses.asdict(dims), "seconds": time.perf_counter() - t0,
                     "all_reduce_calls": pm.comm.all_reduce_calls,
                     # frames torch.compile compiled during this run: 0 would mean the eager path ran
@@ -160,12 +153,9 @@ def memory_record(name: str, device: torch.device) -> dict:
     """Per-rank bytes of parameters (at rest and held between forward and backward), gradients and AdamW
     moments (exp_avg + exp_avg_sq) for one strategy, after one training step."""
     fields, _ = STRATEGIES[name]
-    cfg = ParallelConfig(**fields)
-    dims = ParallelDims.from_config(cfg, dist.get_world_size())
-    with torch.device("meta"):
-        model = Transformer(MODEL)
-    pm = parallelize(model, dims, cfg, mesh=dims.build_mesh(device.type), model_cfg=MODEL, device=device, seed=SEED)
-    opt = build_parallel_optimizer(pm, OPTIM, device, dims.zero_stage)
+    cfg = job(fields)
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
+    pm, opt = build_parallel_training(cfg, dims, device)
     module, wrapper = pm.modules[0], pm.parts[0]
     local = GLOBAL_BATCH // dims.dp_size
     inputs, targets = batches(0, 1)[0]

@@ -150,7 +150,7 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
-    from scaletrain.train.inference import load_run
+    from scaletrain.checkpoint.run import load_run
 
     _, model, _, _ = load_run(run)
     return {k: v.clone() for k, v in model.state_dict().items()}

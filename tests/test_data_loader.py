@@ -71,7 +71,7 @@ def test_resume_on_another_world_size_continues_the_global_order(tmp_path):
     two = [TokenLoader(str(data), "train", SEQ, B, rank=r, world_size=2, seed=5) for r in range(2)]
     got = []
     for _ in range(3):  # 3 steps x 2 ranks x 4 = 24 samples
-        got += sum((next(l)[0][:, 0].tolist() for l in two), [])
+        got += sum((next(loader)[0][:, 0].tolist() for loader in two), [])
     state = two[0].state_dict()
     assert state == two[1].state_dict()
     one = TokenLoader(str(data), "train", SEQ, B, seed=5)

@@ -12,8 +12,8 @@ import pytest
 
 from scaletrain.data import prepare as prepare_mod
 from scaletrain.data.augment import FIM_TOKENS
-from scaletrain.data.cli import main as cli_main
 from scaletrain.data.clean import clean_text
+from scaletrain.data.cli import main as cli_main
 from scaletrain.data.prepare import prepare, prepare_text
 from scaletrain.data.prepare_config import CleanConfig, PrepareConfig
 from scaletrain.data.report import Report

@@ -24,7 +24,7 @@ PARITY_RTOL = 1e-5
 
 
 def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Launch ``nproc`` gloo ranks; PLATFORM.md: do not share the rendezvous TCP store with workers."""
+    """Launch ``nproc`` gloo ranks; the rendezvous TCP store is not shared with the workers (sharing it breaks gloo's re-initialisation)."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([*TORCHRUN, f"--nproc-per-node={nproc}", *args], cwd=cwd, env=env, capture_output=True,

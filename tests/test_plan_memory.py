@@ -4,11 +4,10 @@ import pytest
 import torch
 
 from scaletrain.config import ModelConfig
-from scaletrain.model.llama import TransformerBlock, build_model, rope_tables
+from scaletrain.model.llama import TransformerBlock, rope_tables
 from scaletrain.model.presets import num_params
 from scaletrain.plan.measure import resident_extras, single_process_run
-from scaletrain.plan.memory import (RECIPES, block_activation_elements, memory_breakdown, model_states,
-                                    stage_params)
+from scaletrain.plan.memory import RECIPES, block_activation_elements, memory_breakdown, model_states, stage_params
 from scaletrain.plan.spec import Plan, Workload
 
 PSI = 7_500_000_000  # the ZeRO paper's running example: 7.5B parameters

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import signal
 
 import pytest

@@ -6,13 +6,24 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import subprocess
 
 import pytest
 
-from faults import (TESTS, TORCHRUN, assert_same_run, env, finish, last_step, launch, output, run_ok, wait_for,
-                    worker_pids, write_config)
+from faults import (
+    TESTS,
+    TORCHRUN,
+    assert_same_run,
+    env,
+    finish,
+    last_step,
+    launch,
+    output,
+    run_ok,
+    wait_for,
+    worker_pids,
+    write_config,
+)
 from scaletrain.config import load_config
 from scaletrain.train.trainer import Trainer
 

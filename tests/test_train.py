@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
 from scaletrain.config import ScheduleConfig, load_config
-from scaletrain.train.inference import load_run
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.trainer import Trainer
 
@@ -232,3 +232,15 @@ def test_compiled_training_matches_eager(tmp_path, tiny):
         assert math.isfinite(trainer.evaluate())
         assert len(trainer.sample(12)) > 0
     assert losses_by_mode[True] == pytest.approx(losses_by_mode[False], rel=1e-4)
+
+
+def test_peak_measurement_says_where_it_is_cached(tmp_path, monkeypatch):
+    """A training run that measures the peak matmul rate for MFU says so and where it wrote it."""
+    from scaletrain.hardware import calibration_path, peak_flops
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
+    said = []
+    first = peak_flops("cpu", "fp32", log=said.append)
+    assert first > 0 and calibration_path().is_file()
+    assert len(said) == 1 and str(calibration_path()) in said[0] and "SCALETRAIN_CACHE" in said[0]
+    assert peak_flops("cpu", "fp32", log=said.append) == first and len(said) == 1  # cached: measured once

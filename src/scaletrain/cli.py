@@ -78,10 +78,11 @@ def _eval_parser(sub) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
+    from scaletrain.checkpoint.run import load_run
     from scaletrain.data.loader import TokenStream
     from scaletrain.data.prepare import read_text_file
     from scaletrain.data.tokenizer import DataError
-    from scaletrain.train.inference import load_run, perplexity, token_loss
+    from scaletrain.train.evaluate import perplexity, token_loss
     from scaletrain.train.trainer import prepare_data
 
     cfg, model, tokenizer, ckpt = load_run(args.run)
@@ -116,8 +117,8 @@ def _generate_parser(sub) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from scaletrain.train.inference import load_run
-    from scaletrain.train.sampling import generate
+    from scaletrain.checkpoint.run import load_run
+    from scaletrain.model.generate import generate
 
     if args.max_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise ConfigError("--max-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
@@ -142,7 +143,7 @@ def _export_parser(sub) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.export import export_hf
-    from scaletrain.train.inference import load_run
+    from scaletrain.checkpoint.run import load_run
 
     cfg, model, tokenizer, ckpt = load_run(args.run)
     out = export_hf(model, cfg.model, tokenizer, args.out or Path(args.run) / "export-hf")

@@ -18,47 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.presets import PRESETS
+from scaletrain.options import ConfigError, opt
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
-    """A config problem a person can fix; the CLI prints it as one line and exits with code 2."""
-
-
-def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
-        gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
-    """A documented config field. ``help`` is shown by ``--help`` and written by ``--print-config``."""
-    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 # --------------------------------------------------------------------------------------------------
 # The training job's tree
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    preset: str = opt("", "named size from scaletrain.model.presets (nano, micro, small, gpt2-124m, "
-                          "llama-1b, llama-8b, llama-70b); fields set here override the preset")
-    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the prepared data's tokenizer", ge=0)
-    dim: int = opt(128, "model width (embedding / residual size)", ge=1)
-    n_layers: int = opt(4, "number of transformer blocks", ge=1)
-    n_heads: int = opt(4, "attention (query) heads; must divide dim", ge=1)
-    n_kv_heads: int = opt(0, "key/value heads for grouped-query attention; 0 = n_heads (plain MHA)", ge=0)
-    ffn_hidden_dim: int = opt(344, "SwiGLU hidden size; 0 = 8/3*dim*ffn_dim_multiplier rounded up to multiple_of", ge=0)
-    ffn_dim_multiplier: float = opt(1.0, "scales the computed SwiGLU hidden size (Llama 3 8B uses 1.3)", gt=0)
-    multiple_of: int = opt(64, "SwiGLU hidden size is rounded up to a multiple of this", ge=1)
-    max_seq_len: int = opt(256, "longest sequence the rotary tables cover; data.seq_len must not exceed it", ge=1)
-    rope_theta: float = opt(10000.0, "rotary position embedding base", gt=0)
-    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
-    tie_embeddings: bool = opt(False, "share the input embedding and the output projection")
-    init_std: float = opt(0.02, "standard deviation of the normal weight init", gt=0)
 
 
 @dataclass
@@ -334,11 +306,7 @@ def build(cls: type, raw: dict, where: str = "", prefix: str = "", presets: dict
 
 
 def _presets_for(tp: type) -> dict | None:
-    if tp is ModelConfig:
-        from scaletrain.model.presets import PRESETS
-
-        return PRESETS
-    return None
+    return PRESETS if tp is ModelConfig else None
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, str] | None = None,

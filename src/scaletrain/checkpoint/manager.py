@@ -29,7 +29,6 @@ pickle written by torch, and is only read after its sha256 matched the one our J
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import json
 import os
 import shutil
@@ -41,6 +40,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from scaletrain.files import file_sha256
 
 META = "meta.json"
 
@@ -58,14 +59,6 @@ class Stateful(Protocol):
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the folder and the problem."""
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def rank_file(rank: int) -> str:

@@ -21,8 +21,8 @@ and each band stores a key (bytes) and a set per document. Measured (benchmarks/
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 

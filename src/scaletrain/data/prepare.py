@@ -34,11 +34,19 @@ from scaletrain.data.encode import CUT_CHARS, build_tokenizer, cut_text, encode_
 from scaletrain.data.ngrams import mix64, words
 from scaletrain.data.prepare_config import PrepareConfig, minimal_config, validate
 from scaletrain.data.report import Report
-from scaletrain.data.shards import (MANIFEST, ShardWriter, dtype_for_vocab, read_manifest, record_verified,
-                                    remove_stale, write_manifest)
+from scaletrain.data.shards import (
+    MANIFEST,
+    ShardWriter,
+    dtype_for_vocab,
+    read_manifest,
+    record_verified,
+    remove_stale,
+    write_manifest,
+)
 from scaletrain.data.sources import Document, fingerprint_items, input_bytes, iter_documents, resolve_source
-from scaletrain.data.tokenizer import CharTokenizer, DataError, file_sha256
+from scaletrain.data.tokenizer import CharTokenizer, DataError
 from scaletrain.data.workers import ordered_map, release_freed_memory, resolve_workers
+from scaletrain.files import file_sha256
 
 PIPELINE_VERSION = 2           # bump when a stage's output changes for the same config
 WORK = ".work"                 # pass-1 output and markers, inside the output folder

@@ -6,7 +6,6 @@ tagged ``"type": "scaletrain.char"`` so the two formats cannot be confused.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -137,14 +136,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return BPETokenizer(HFTokenizer.from_file(str(p)))
     except Exception as exc:  # tokenizers raises its own Exception type
         raise DataError(f"{p}: cannot load as a Hugging Face tokenizer ({exc})") from None
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def iter_batches(items: Iterable, size: int) -> Iterator[list]:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.config import ModelConfig
+from scaletrain.model.config import ModelConfig
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 

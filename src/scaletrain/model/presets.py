@@ -6,7 +6,7 @@ check them against ``sum(p.numel())`` of real modules.
 
 from __future__ import annotations
 
-from scaletrain.config import ModelConfig
+from scaletrain.model.config import ModelConfig
 
 # Each preset sets only what differs from ModelConfig's defaults. vocab_size 0 means "from the data".
 PRESETS: dict[str, dict] = {

@@ -2,8 +2,8 @@
 and ``parallelize`` applying them in a fixed order. See docs/parallelism.md."""
 
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.parallel.parallelize import (ParallelModel, build_parallel_optimizer, clip_grad_norm_,
-                                             forward_backward, global_mean, parallelize)
+from scaletrain.parallel.parallelize import ParallelModel, clip_grad_norm_, forward_backward, forward_loss, parallelize
+from scaletrain.parallel.reduce import global_mean
 
-__all__ = ["ParallelDims", "ParallelModel", "parallelize", "build_parallel_optimizer", "clip_grad_norm_",
-           "forward_backward", "global_mean"]
+__all__ = ["ParallelDims", "ParallelModel", "parallelize", "clip_grad_norm_",
+           "forward_backward", "forward_loss", "global_mean"]

@@ -2,7 +2,7 @@
 communication, through torch's ``context_parallel`` API.
 
 torch's implementation has no CPU path (there is no sharding strategy for the CPU flash-attention
-kernel; PLATFORM.md), so on a machine without a GPU this refuses with a clear error up front.
+kernel), so on a machine without a GPU this refuses with a clear error up front.
 """
 
 from __future__ import annotations

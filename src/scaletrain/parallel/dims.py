@@ -34,13 +34,13 @@ class ParallelDims:
 
     # -- construction and validation --------------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Fill a -1 degree with the ranks left over and check that the degrees multiply to ``world_size``."""
         degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "cp": cfg.cp, "tp": cfg.tp,
                    "pp": cfg.pp}
         fill = [name for name, d in degrees.items() if d == -1]
         if len(fill) > 1:
-            raise ConfigError(f"only one of parallel.dp_replicate / parallel.dp_shard may be -1 (got both)")
+            raise ConfigError("only one of parallel.dp_replicate / parallel.dp_shard may be -1 (got both)")
         for name, d in degrees.items():
             if d == 0 or d < -1:
                 raise ConfigError(f"parallel.{name} must be >= 1 or -1 (got {d})")

@@ -3,7 +3,7 @@
 ``world_size_from_env`` is read *before* any process-group work so degrees can be validated first.
 ``init_distributed`` creates the default group from the environment torchrun sets (gloo on CPU, nccl on
 GPU) and ``destroy_distributed`` shuts it down cleanly: a barrier first, because on gloo a rank that
-exits while its peer still talks to it can die with SIGABRT (see PLATFORM.md).
+exits while its peer still talks to it can die with SIGABRT.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _restart_safe_store(world: int, timeout: datetime.timedelta) -> dist.Store |
 
     After ``--max-restarts`` restarts the workers, torch reconnects them to the *same* store the agent
     kept (its keys from the failed attempt included), and gloo's mesh set-up then reads stale addresses
-    (``connectFullMesh failed`` or a hang; PLATFORM.md). A per-attempt prefix gives every attempt clean
+    (``connectFullMesh failed`` or a hang). A per-attempt prefix gives every attempt clean
     keys. None when torch's default store set-up is safe (no agent store, or not under torchrun)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None

@@ -27,7 +27,7 @@ def fsdp_policies(param_dtype: str, cpu_offload: bool) -> dict:
     (bf16 reductions lose precision across many ranks); sharded state optionally kept on the CPU."""
     kwargs: dict = {"mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)}
     if cpu_offload:
-        # Pinned host memory needs an accelerator; without one the default policy fails (PLATFORM.md).
+        # Pinned host memory needs an accelerator; without one the default policy fails on a CPU-only machine.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     return kwargs
 

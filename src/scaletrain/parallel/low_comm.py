@@ -11,6 +11,10 @@ flattened weights:
 
 Communication is one all-reduce of the model's size every H steps instead of one every step (DDP).
 Inner optimizer states stay local and are not averaged.
+
+``ReplicaSync`` is the one interface the trainer talks to about how replicas stay together; the default
+(every step, through DDP/FSDP's gradient averaging) and ``LowCommSync`` differ only behind it: which loss
+a step reports, whether a run may roll back, how replicas are named in a checkpoint.
 """
 
 from __future__ import annotations
@@ -20,10 +24,51 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.parallel.ddp import CommCounter
+from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.reduce import global_mean
 
 
-class LowCommSync:
+class ReplicaSync:
+    """Replicas kept identical every step (DDP/FSDP average the gradients): nothing to do between steps.
+
+    Subclasses whose replicas drift apart between synchronisations set ``independent``."""
+
+    independent = False  # True: replicas hold different weights between synchronisations
+
+    def step_loss(self, loss: torch.Tensor | None, dims: ParallelDims, device: torch.device) -> torch.Tensor:
+        """The loss a step or an evaluation reports: the mean over data-parallel ranks (one all-reduce),
+        so every rank takes the same decisions (NaN guard, rollback)."""
+        return global_mean(loss, dims, device)
+
+    def rollback_after(self, configured: int) -> int:
+        """Non-finite steps in a row before rolling back to the last checkpoint (0 = never)."""
+        return configured
+
+    def after_step(self, step: int) -> bool:
+        """Called after every optimizer step; True when it synchronised the replicas."""
+        return False
+
+    def finish(self, step: int) -> None:
+        """Called once at the end of training, before the final evaluation."""
+
+    def checkpoint_prefix(self, dp_rank: int) -> str:
+        """Prefix of this replica's tensor names in a checkpoint ("" = the model's own names)."""
+        return ""
+
+    def check_resume(self, path: object, saved_dp_size: int | None, dp_size: int) -> None:
+        """Refuse (ValueError) a checkpoint this layout cannot continue exactly."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class LowCommSync(ReplicaSync):
     """Call ``after_step(step)`` after every inner optimizer step; it synchronises when ``step % H == 0``."""
+
+    independent = True
 
     def __init__(self, model: nn.Module, mode: str, sync_every: int, group: dist.ProcessGroup | None = None,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, counter: CommCounter | None = None):
@@ -86,6 +131,23 @@ class LowCommSync:
         """At the end of training: one last synchronisation unless ``step`` just had one."""
         if step % self.sync_every:
             self.after_step(step - step % self.sync_every + self.sync_every)
+
+    def step_loss(self, loss: torch.Tensor | None, dims: ParallelDims, device: torch.device) -> torch.Tensor:
+        """This replica's own loss: no per-step communication at all."""
+        return loss.detach().float()
+
+    def rollback_after(self, configured: int) -> int:
+        """Never: each replica decides alone (local losses), and a rollback must be taken by all ranks."""
+        return 0
+
+    def checkpoint_prefix(self, dp_rank: int) -> str:
+        """Replica 0 under the plain names (eval, generate and export read it); the others apart."""
+        return f"replica{dp_rank}." if dp_rank > 0 else ""
+
+    def check_resume(self, path: object, saved_dp_size: int | None, dp_size: int) -> None:
+        if saved_dp_size != dp_size:
+            raise ValueError(f"{path}: low-communication replicas diverge between synchronisations, so this "
+                             f"checkpoint of {saved_dp_size} replicas resumes only on as many (now {dp_size})")
 
     def state_dict(self) -> dict:
         if self.outer_opt is None:

@@ -15,26 +15,24 @@ Order (each step's reason in brackets):
 from __future__ import annotations
 
 import contextlib
-import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletrain.config import ModelConfig, OptimConfig, ParallelConfig
+from scaletrain.config import ModelConfig, ParallelConfig
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.context import context_parallel_context
-from scaletrain.parallel.ddp import CommCounter, apply_ddp, build_zero1_optimizer, grad_sync_context
+from scaletrain.parallel.ddp import CommCounter, apply_ddp, grad_sync_context
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.init import materialize
-from scaletrain.parallel.low_comm import LowCommSync
+from scaletrain.parallel.low_comm import LowCommSync, ReplicaSync
 from scaletrain.parallel.pipeline import Pipeline, build_pipeline, split_model, stage_ids
 from scaletrain.parallel.tensor import apply_tp, cross_entropy, loss_context
-from scaletrain.train.optimizer import build_optimizer
 
 
 @dataclass
@@ -44,8 +42,9 @@ class ParallelModel:
     parts: list[nn.Module]  # what to call (DDP-wrapped when DDP is on); one entry unless pipelined
     dims: ParallelDims
     mesh: object | None
+    device: torch.device = torch.device("cpu")
     pipeline: Pipeline | None = None
-    low_comm: LowCommSync | None = None
+    replicas: ReplicaSync = field(default_factory=ReplicaSync)  # how data-parallel replicas stay together
     comm: CommCounter = field(default_factory=CommCounter)
     dp_rank: int = 0
 
@@ -120,11 +119,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
                        param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload)
     materialize(parts, model_cfg, device, seed, distributed=dims.world_size > 1)  # 6.
 
-    pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, dp_rank=_dp_rank(mesh, dims) if mesh is not None else 0)
+    pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, device=device, dp_rank=_dp_rank(mesh, dims) if mesh is not None else 0)
     replicate = pm.group("dp_replicate")
     if replicate is not None and dims.dp_shard == 1:  # 7. replicated data parallel
         if cfg.low_comm != "none":
-            pm.low_comm = LowCommSync(parts[0], cfg.low_comm, cfg.sync_every, replicate, cfg.outer_lr,
+            pm.replicas = LowCommSync(parts[0], cfg.low_comm, cfg.sync_every, replicate, cfg.outer_lr,
                                       cfg.outer_momentum, counter=pm.comm)
         else:
             pm.parts = [apply_ddp(part, replicate, device, counter=pm.comm) for part in parts]
@@ -138,17 +137,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
         pm.pipeline = build_pipeline(pm.parts, pp_ids, dims.pp * cfg.pp_virtual_stages, pm.group("pp"), device,
                                      cfg.pp_schedule, n_micro, scaled_loss, scale)
     return pm
-
-
-def build_parallel_optimizer(pm: ParallelModel, cfg: OptimConfig, device: torch.device, zero_stage: int):
-    """AdamW over this rank's parameters (all parts), or ZeRO-1 (``ZeroRedundancyOptimizer``) around it."""
-    adamw = build_optimizer(nn.ModuleList(pm.modules), cfg, device)
-    if zero_stage != 1 or pm.dims.dp_replicate == 1:
-        return adamw
-    accepted = inspect.signature(torch.optim.AdamW.__init__).parameters
-    kwargs = {k: v for k, v in adamw.defaults.items() if k in accepted and k not in ("weight_decay", "params")}
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups]
-    return build_zero1_optimizer(groups, pm.group("dp_replicate"), **kwargs)
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None,
@@ -180,21 +168,6 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: dist.
     return total
 
 
-def global_mean(value: torch.Tensor | None, dims: ParallelDims, device: torch.device) -> torch.Tensor:
-    """The loss averaged over data-parallel ranks, on every rank. Pipeline ranks without the last stage
-    contribute 0; every other degree holds copies, so dividing the world sum by world / pp is the mean."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    value = torch.zeros((), device=device) if value is None else value.detach().float()
-    if dims.world_size == 1:
-        return value
-    total = value.clone()
-    dist.all_reduce(total)
-    return total / (dims.world_size // dims.pp)
-
-
 def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *, accum: int, sync: bool,
                      autocast=contextlib.nullcontext, scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
                      attn_mask: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -208,12 +181,27 @@ def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Ten
     if pm.pipeline is not None:
         with autocast(), pm.loss_context():
             return pm.pipeline.step(inputs, targets)
-    model = pm.parts[0]
-    with grad_sync_context(model, sync), _cp_context(pm, inputs, targets), pm.loss_context():
-        with autocast():
-            loss = pm.loss_fn(model(inputs, attn_mask=attn_mask), targets) / accum
+    with grad_sync_context(pm.parts[0], sync), _cp_context(pm, inputs, targets), pm.loss_context():
+        loss = _loss(pm, inputs, targets, autocast, attn_mask) / accum
         scale(loss).backward()
     return loss.detach()
+
+
+def forward_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *,
+                 autocast=contextlib.nullcontext, attn_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The loss of one batch without a backward (evaluation): the same forward as ``forward_backward``.
+    None on pipeline ranks without the last stage."""
+    if pm.pipeline is not None:
+        with autocast(), pm.loss_context():
+            return pm.pipeline.eval(inputs, targets)
+    with _cp_context(pm, inputs, targets), pm.loss_context():
+        return _loss(pm, inputs, targets, autocast, attn_mask)
+
+
+def _loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, autocast,
+          attn_mask: torch.Tensor | None) -> torch.Tensor:
+    with autocast():
+        return pm.loss_fn(pm.parts[0](inputs, attn_mask=attn_mask), targets)
 
 
 def _cp_context(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor):

@@ -12,8 +12,8 @@ expects; with one virtual stage it is simply stage r).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ class Pipeline:
         args = (inputs,) if self.has_first_stage else ()
         target = targets if self.has_last_stage else None
         self.schedule.step(*args, target=target, losses=self.losses if self.has_last_stage else None)
-        return torch.stack([l.detach() for l in self.losses]).sum() if self.has_last_stage else None
+        return torch.stack([loss.detach() for loss in self.losses]).sum() if self.has_last_stage else None
 
     @torch.no_grad()
     def eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -74,7 +74,7 @@ class Pipeline:
         self.schedule.eval(*args, target=target, losses=self.losses if self.has_last_stage else None)
         if not self.has_last_stage:
             return None
-        return torch.stack([l.detach() for l in self.losses]).mean() / self.loss_scale
+        return torch.stack([loss.detach() for loss in self.losses]).mean() / self.loss_scale
 
 
 def build_pipeline(parts: list[nn.Module], ids: list[int], num_stages: int, pp_group, device: torch.device,

@@ -18,8 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
@@ -45,7 +51,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
     for block in model.layers.values():
         plan: dict = {
             # Enter each block with a plain local tensor (the residual stream then stays local; mixing a
-            # DTensor residual with local branch outputs would fail). PLATFORM.md: use_local_output=True.
+            # DTensor residual with local branch outputs would fail). Hence use_local_output=True.
             "": PrepareModuleInput(input_layouts=(residual, None, None, None),
                                    desired_input_layouts=(residual, None, None, None), use_local_output=True),
             "attention": PrepareModuleInput(input_layouts=(residual, None, None, None),

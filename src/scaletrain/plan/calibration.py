@@ -1,113 +1,29 @@
-"""Measured device peaks, cached per machine so MFU and the planner use real numbers, not datasheets.
+"""This machine's full calibration (``scaletrain doctor``): the rates the CPU time model multiplies by.
 
-The cache is a JSON file (``$SCALETRAIN_CACHE`` or ``~/.cache/scaletrain``/calibration.json) keyed by a
-fingerprint of the device, the torch version and the thread count; ``scaletrain doctor`` rewrites it.
+The cache file, the device fingerprint and the peak matmul rate live one layer down in
+``scaletrain.hardware`` (the trainer's MFU needs them too); this module adds the planner's curves.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SCALETRAIN_CACHE", Path.home() / ".cache" / "scaletrain"))
-
-
-def calibration_path() -> Path:
-    return cache_dir() / "calibration.json"
-
-
-def device_fingerprint(device: torch.device | str) -> str:
-    """A key that changes when the hardware, torch or the thread count changes."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = _cpu_name()
-    return f"{device.type}|{name}|torch{torch.__version__}|threads{torch.get_num_threads()}"
-
-
-def comm_fingerprint(device: torch.device | str) -> str:
-    """Key of the communication measurements (``doctor`` under torchrun): the host, not the thread count,
-    since each torchrun rank runs with its own (smaller) thread count."""
-    return device_fingerprint(device).rsplit("|threads", 1)[0].replace(f"{torch.device(device).type}|",
-                                                                       "comm|", 1)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def measure_matmul_flops(device: torch.device | str = "cpu", dtype: str = "fp32", n: int = 1024,
-                         min_seconds: float = 0.5) -> float:
-    """Best sustained FLOP/s of an n x n x n matmul (2*n^3 FLOPs) over repeated timed batches."""
-    device = torch.device(device)
-    a = torch.randn(n, n, device=device, dtype=_DTYPES[dtype])
-    b = torch.randn(n, n, device=device, dtype=_DTYPES[dtype])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b  # warm-up (allocator, kernel selection)
-    sync()
-    best, spent, reps = 0.0, 0.0, 4
-    while spent < min_seconds:
-        t0 = _clock()
-        for _ in range(reps):
-            a @ b
-        sync()
-        dt = _clock() - t0
-        spent += dt
-        best = max(best, reps * 2 * n**3 / dt)
-    return best
-
-
-def load_calibration() -> dict:
-    try:
-        return json.loads(calibration_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def save_calibration(data: dict) -> Path:
-    path = calibration_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    tmp.replace(path)  # atomic: concurrent readers never see half a file
-    return path
-
-
-def peak_flops(device: torch.device | str = "cpu", dtype: str = "fp32", remeasure: bool = False) -> float:
-    """The device's peak FLOP/s for ``dtype``: cached measurement, measured once (~1 s) if missing.
-
-    ``remeasure``: measure again and keep the higher of the two - for when a run achieves more than the
-    cached "peak", which happens when the first measurement ran while other work shared the cores."""
-    key = device_fingerprint(device)
-    data = load_calibration()
-    entry = data.get(key, {})
-    if f"matmul_flops_{dtype}" not in entry or remeasure:
-        entry[f"matmul_flops_{dtype}"] = max(measure_matmul_flops(device, dtype),
-                                             entry.get(f"matmul_flops_{dtype}", 0.0))
-        entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        data[key] = entry
-        try:
-            save_calibration(data)
-        except OSError:
-            pass  # a read-only home still gets a (re-measured) number
-    return float(entry[f"matmul_flops_{dtype}"])
-
+from scaletrain.hardware import (
+    CLOCKS,
+    comm_fingerprint,
+    device_fingerprint,
+    load_calibration,
+    measure_matmul_flops,
+    save_calibration,
+)
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.llama import TransformerBlock, rope_tables
+from scaletrain.plan import timing
+from scaletrain.plan.memory import block_activation_elements
 
 # --------------------------------------------------------------------------------------------------
 # Full calibration (``scaletrain doctor``): the rates the CPU time model multiplies by.
@@ -128,8 +44,7 @@ OPT_SIZES = (1 << 18, 1 << 21, 1 << 24)  # parameters
 
 # The clock of the microbenchmarks: wall time, or (``calibrate(clock="cpu")``, single-threaded only) this
 # process's CPU time, which other processes time-sharing the cores do not inflate.
-_CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
-_clock = time.perf_counter
+_clock = CLOCKS["wall"]
 
 
 def _best_time(fn, reps: int, warmup: int = 1) -> float:
@@ -261,9 +176,6 @@ REFERENCE_SHAPE = dict(dim=384, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, 
 def reference_block_step(batch: int):
     """``(cfg, fwd_bwd)``: one reference TransformerBlock and a closure running its forward + backward on
     ``batch`` sequences of ``max_seq_len`` tokens (gradients cleared after each call)."""
-    from scaletrain.config import ModelConfig
-    from scaletrain.model.llama import TransformerBlock, rope_tables
-
     cfg = ModelConfig(n_layers=1, **REFERENCE_SHAPE)
     seq = cfg.max_seq_len
     block = TransformerBlock(cfg)
@@ -287,9 +199,6 @@ def measure_block_elementwise(entry: dict) -> tuple[list[list[float]], float]:
     predict, minus per-op dispatch, divided by its saved activation elements, is the cost other shapes are
     charged at their own activation size (larger working sets fall out of cache and cost more per element).
     """
-    from scaletrain.plan import timing  # late import: timing reads this module's curves
-    from scaletrain.plan.memory import block_activation_elements
-
     curve, n_ops = [], 0
     for batch in ELEMENTWISE_BATCHES:
         cfg, fwd_bwd = reference_block_step(batch)
@@ -350,7 +259,7 @@ def calibrate(device: torch.device | str = "cpu", dtypes: tuple[str, ...] = ("fp
     global _clock
     if clock == "cpu" and torch.get_num_threads() != 1:
         raise ValueError("calibrate(clock='cpu') needs torch.set_num_threads(1): CPU time sums all threads")
-    previous, _clock = _clock, _CLOCK[clock]
+    previous, _clock = _clock, CLOCKS[clock]
     try:
         return _calibrate(torch.device(device), dtypes, log, rounds, clock)
     finally:
@@ -362,7 +271,7 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
     for dtype in dtypes:
         # bf16 on an AVX2 CPU is ~100x slower: measure a smaller matmul so doctor stays quick.
         n = 1024 if (device.type == "cuda" or dtype == "fp32") else 256
-        entry[f"matmul_flops_{dtype}"] = max(measure_matmul_flops(device, dtype, n=n, min_seconds=0.3)
+        entry[f"matmul_flops_{dtype}"] = max(measure_matmul_flops(device, dtype, n=n, min_seconds=0.3, timer=_clock)
                                              for _ in range(rounds))
         log(f"matmul {dtype}: {entry[f'matmul_flops_{dtype}'] / 1e9:,.1f} GFLOP/s")
     if device.type == "cpu":
@@ -429,28 +338,3 @@ def calibration_entry(device: torch.device | str = "cpu", measure_if_missing: bo
         log("no calibration for this machine yet: measuring (~30 s; `scaletrain doctor` does this too)")
         entry = calibrate(device, log=log)
     return {**entry, **data.get(comm_fingerprint(device), {})}
-
-
-def catalog_key_for_gpu(name: str) -> str | None:
-    """The catalog entry of a CUDA device name (``torch.cuda.get_device_name``), or None."""
-    n = name.lower()
-    rules = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100-sxm4-80", "a100-80gb"),
-             ("a100 80", "a100-80gb"), ("a100-pcie-80", "a100-80gb"), ("a100", "a100-40gb"), ("l40s", "l40s"),
-             ("4090", "rtx-4090"))
-    return next((key for needle, key in rules if needle in n), None)
-
-
-def hardware_from_calibration():
-    """The ``auto`` hardware: a GPU entry matched by name, or the generic CPU, with measured numbers."""
-    from scaletrain.plan.hardware import CATALOG, with_calibration
-
-    if torch.cuda.is_available():
-        key = catalog_key_for_gpu(torch.cuda.get_device_name(0))
-        if key is None:
-            from scaletrain.config import ConfigError
-
-            raise ConfigError(f"--hardware auto: GPU {torch.cuda.get_device_name(0)!r} is not in the catalog; "
-                              "pass a catalog name instead")
-        match = CATALOG[key]
-        return with_calibration(match, calibration_entry("cuda"), name=f"auto ({match.name})")
-    return with_calibration(CATALOG["cpu"], calibration_entry("cpu"), name="auto (this cpu)")

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from scaletrain.config import ConfigError, JobConfig, ModelConfig, build, load_config
+from scaletrain.config import ConfigError, ModelConfig, build, load_config
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -120,10 +120,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from scaletrain.plan.cost import load_prices, training_cost
     from scaletrain.plan.emit import write_config
-    from scaletrain.plan.hardware import parse_hardware
+    from scaletrain.plan.hardware_spec import parse_hardware
     from scaletrain.plan.report import plan_dict, print_report, workload_dict
     from scaletrain.plan.search import search, what_would_fit
-    from scaletrain.plan.spec import Plan
 
     console = Console(stderr=args.json == "-", width=max(120, Console().width))
     try:

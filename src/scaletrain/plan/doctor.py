@@ -13,13 +13,14 @@ import time
 
 import torch
 
+from scaletrain.hardware import CLOCKS, calibration_path, comm_fingerprint, cpu_name, load_calibration, save_calibration
 from scaletrain.plan import calibration
 
 
 def system_info() -> dict:
     """CPU, RAM, disk, GPUs (name, memory, driver, NVLink via nvidia-ml-py when installed), versions."""
     info = {
-        "cpu": calibration._cpu_name(), "cpu_cores": os.cpu_count(),
+        "cpu": cpu_name(), "cpu_cores": os.cpu_count(),
         "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "ram_bytes": calibration._total_ram(), "disk_free_bytes": shutil.disk_usage(os.getcwd()).free,
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -138,7 +139,7 @@ def measure_corun_slowdown(clock: str = "wall", reps: int = 7) -> float:
     import torch.distributed as dist
 
     _, fwd_bwd = calibration.reference_block_step(4)
-    timer = calibration._CLOCK[clock]
+    timer = CLOCKS[clock]
 
     def timed() -> float:
         t0 = timer()
@@ -176,14 +177,14 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
     """
     import torch.distributed as dist
 
-    from scaletrain.config import ModelConfig, ParallelConfig
-    from scaletrain.model.llama import Transformer
-    from scaletrain.parallel import ParallelDims, forward_backward, parallelize
+    from scaletrain.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
+    from scaletrain.parallel import ParallelDims, forward_backward
     from scaletrain.plan.hardware import CATALOG, Cluster, with_calibration
     from scaletrain.plan.spec import Plan, Workload
     from scaletrain.plan.timing import cpu_micro_seconds, tp_bandwidth_seconds
+    from scaletrain.train.step import build_parallel_training
 
-    timer = calibration._CLOCK[clock]
+    timer = CLOCKS[clock]
     world = dist.get_world_size()
     cluster = Cluster(with_calibration(CATALOG["cpu"], entry), world, 1)
     seq = TP_PROBE_MODEL["max_seq_len"]
@@ -208,12 +209,10 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
             cfg = ModelConfig(n_layers=layers, **TP_PROBE_MODEL)
             pcfg = ParallelConfig(tp=world, sequence_parallel=sp)
             dims = ParallelDims.from_config(pcfg, world)
-            with torch.device("meta"):
-                model = Transformer(cfg)
-            pm = parallelize(model, dims, pcfg, mesh=dims.build_mesh("cpu"), model_cfg=cfg, device=torch.device("cpu"),
-                             seed=0)
+            pm, _ = build_parallel_training(JobConfig(model=cfg, parallel=pcfg, train=TrainConfig(seed=0)), dims,
+                                            torch.device("cpu"))
 
-            def tp_step():
+            def tp_step():  # one micro-batch's forward + backward: what the time model charges the overhead to
                 forward_backward(pm, inputs, inputs, accum=1, sync=True)
                 for p in pm.parameters():
                     p.grad = None
@@ -255,17 +254,17 @@ def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
                     "first to measure tensor parallelism's overhead")
             if dist.get_rank() == 0:
                 device = "cuda" if backend == "nccl" else "cpu"
-                key = calibration.comm_fingerprint(device)
-                data = calibration.load_calibration()
+                key = comm_fingerprint(device)
+                data = load_calibration()
                 data[key] = {**data.get(key, {}), **result}
-                calibration.save_calibration(data)
+                save_calibration(data)
                 log(f"all-reduce over {dist.get_world_size()} ranks ({backend}): bus bandwidth {busbw / 1e9:.2f} GB/s, "
                     f"latency {result['collective_latency_s'] * 1e6:.0f} us; DTensor overhead "
                     f"{result['dtensor_op_overhead_s'] * 1e6:.0f} us/op; ranks running together are "
                     f"{result.get('corun_slowdown', 1.0):.2f}x slower than alone; tensor parallelism adds "
                     + ", ".join(f"{k} {v['per_block_s'] * 1e3:.1f} ms/block + {v['per_model_s'] * 1e3:.1f} ms/model"
                                 for k, v in result.get("tp_overhead", {}).items())
-                    + f" per micro-batch ({clock} clock) -> {calibration.calibration_path()}")
+                    + f" per micro-batch ({clock} clock) -> {calibration_path()}")
             dist.barrier()
         finally:
             dist.destroy_process_group()
@@ -275,4 +274,4 @@ def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
     dtypes = ("fp32", "tf32", "bf16", "fp16") if device == "cuda" else ("fp32", "bf16")
     entry = calibration.calibrate(device, dtypes=tuple(d for d in dtypes if d != "tf32"), log=log, rounds=rounds,
                                   clock=clock if device == "cpu" else "wall")
-    return {"system": info, "calibration": entry, "calibration_file": str(calibration.calibration_path())}
+    return {"system": info, "calibration": entry, "calibration_file": str(calibration_path())}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from scaletrain.config import JobConfig, ParallelConfig, TrainConfig, DataConfig, ScheduleConfig, to_toml
+from scaletrain.config import DataConfig, JobConfig, ParallelConfig, ScheduleConfig, TrainConfig, to_toml
 from scaletrain.plan.spec import Plan, Workload
 
 

@@ -10,7 +10,6 @@ A ``Cluster`` is ``count`` devices per node x ``nodes``. ``parse_hardware("h100-
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field, replace
 
 from scaletrain.config import ConfigError
@@ -80,7 +79,7 @@ class Hardware:
 
 
 _H100_MFU = ("0.40: torchtitan Llama 3.1 8B on 8x H100 bf16 FSDP reaches 5,762 tok/s/GPU eager (~34% MFU) and "
-             "6,667 compiled (~39%); Megatron-LM reports up to 47% on H100 (docs/BASELINES); 0.40 sits between")
+             "6,667 compiled (~39%); Megatron-LM reports up to 47% on H100 (published); 0.40 sits between")
 _A100_MFU = ("0.50: torchtitan Llama 3 8B on 64x A100 80GB FSDP2 reports 58.2% MFU at batch 1; Megatron-LM "
              "(Narayanan et al. 2021) 52% for GPT-3 175B; 0.50 is the conservative end")
 _ADA_MFU = ("0.35: assumed (no published scaletrain-class MFU for Ada cards); lower than H100 because PCIe-only "
@@ -160,37 +159,6 @@ class Cluster:
 
 def catalog_listing() -> str:
     return ", ".join(sorted(CATALOG)) + ", auto"
-
-
-_SPEC = re.compile(r"^(?P<name>[a-z0-9\-]+?)(?:[:@x*](?P<count>\d+))?(?:[x*](?P<nodes>\d+))?$")
-
-
-def parse_hardware(spec: str, count: int | None = None, nodes: int | None = None) -> Cluster:
-    """``h100-sxm``, ``h100-sxm:8`` (8 per node) or ``h100-sxm:8x4`` (8 per node, 4 nodes); ``auto`` = this machine.
-
-    Raises ConfigError listing the catalog when the name is unknown.
-    """
-    text = spec.strip().lower()
-    m = _SPEC.match(text)
-    name = m.group("name") if m else text
-    if name == "auto":
-        from scaletrain.plan.calibration import hardware_from_calibration
-
-        hw = hardware_from_calibration()
-    elif name in CATALOG:
-        hw = CATALOG[name]
-    else:
-        raise ConfigError(f"unknown hardware {spec!r}; the catalog has: {catalog_listing()} "
-                          f"(write NAME, NAME:COUNT or NAME:COUNTxNODES)")
-    per_node = count if count is not None else int(m.group("count")) if m and m.group("count") else None
-    n_nodes = nodes if nodes is not None else int(m.group("nodes")) if m and m.group("nodes") else 1
-    if per_node is None:
-        per_node = 1 if hw.kind == "cpu" else hw.devices_per_node
-    if per_node < 1 or n_nodes < 1:
-        raise ConfigError(f"hardware count and nodes must be >= 1 (got {per_node} x {n_nodes} nodes)")
-    if hw.kind == "cpu" and hw.cores and per_node > hw.cores:
-        raise ConfigError(f"{per_node} ranks per node but this CPU has {hw.cores} cores: ranks would share cores")
-    return Cluster(hw, per_node, n_nodes)
 
 
 def with_calibration(hw: Hardware, entry: dict, name: str | None = None) -> Hardware:

@@ -14,14 +14,18 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from scaletrain.config import ModelConfig
+from scaletrain.config import JobConfig, OptimConfig, ParallelConfig, TrainConfig
+from scaletrain.hardware import measure_matmul_flops
+from scaletrain.model.config import ModelConfig
+from scaletrain.parallel import ParallelDims
+from scaletrain.parallel.distributed import init_distributed
+from scaletrain.train.step import build_parallel_training, training_step
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -79,25 +83,7 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
-              targets: torch.Tensor, grad_clip: float = 1.0, accum: int = 1) -> Callable[[], float]:
-    """One optimizer step as ``Trainer.train_step`` runs it in fp32 (logits die inside cross_entropy):
-    ``accum`` micro-batches (the rows of ``inputs`` split evenly), then clip and update."""
-    micro_inputs, micro_targets = inputs.chunk(accum), targets.chunk(accum)
-
-    def step() -> float:
-        for x, y in zip(micro_inputs, micro_targets):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / accum
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
-    return step
-
-
-def measure_step(step: Callable[[], object], tracker: "LiveTensorBytes", steps: int = 5, warmup: int = 2) -> dict:
+def measure_step(step: Callable[[], object], tracker: LiveTensorBytes, steps: int = 5, warmup: int = 2) -> dict:
     """Peak tensor bytes of one steady-state step and median seconds per step.
 
     ``tracker`` must already be active (entered before the model was built, so that every storage the
@@ -125,8 +111,6 @@ def measure_step(step: Callable[[], object], tracker: "LiveTensorBytes", steps: 
 
 def matmul_probe(seconds: float = 0.3) -> float:
     """FLOP/s of a 1024^3 matmul right now: tells a quiet machine from one shared with other work."""
-    from scaletrain.plan.calibration import measure_matmul_flops
-
     return measure_matmul_flops("cpu", "fp32", n=1024, min_seconds=seconds)
 
 
@@ -146,22 +130,32 @@ def wait_for_quiet(peak: float, threshold: float = 0.85, tries: int = 40, log=pr
 
 def single_process_run(model_cfg: ModelConfig, batch: int, seq: int, ac: str = "none", ac_every: int = 2,
                        steps: int = 5, seed: int = 0, accum: int = 1) -> dict:
-    """Build scaletrain's Llama, apply activation checkpointing, and measure a training step on CPU
-    (``batch`` sequences per optimizer step, in ``accum`` micro-batches)."""
-    from scaletrain.config import OptimConfig
-    from scaletrain.model.llama import build_model
-    from scaletrain.parallel.activation_checkpoint import apply_ac
-    from scaletrain.train.optimizer import build_optimizer
-
+    """Measure the trainer's own training step on CPU in one process, with activation checkpointing
+    ``ac`` (``batch`` sequences per optimizer step, in ``accum`` micro-batches)."""
     tracker = LiveTensorBytes().__enter__()  # from the start: every storage of the run is seen
-    model = build_model(model_cfg, "cpu", seed=seed)
-    apply_ac(model, ac, ac_every)
-    optimizer = build_optimizer(model, OptimConfig(), torch.device("cpu"))
-    gen = torch.Generator().manual_seed(seed)
+    parallel = ParallelConfig(activation_checkpointing=ac, ac_every=ac_every)
+    # The rope buffers and the batch are counted as at-rest bytes (the planner adds them the same way).
+    return _measure_trainer_step(model_cfg, parallel, 1, batch, seq, accum, seed, steps, tracker)
+
+
+def _measure_trainer_step(model_cfg: ModelConfig, parallel: ParallelConfig, world_size: int, batch: int, seq: int,
+                          accum: int, seed: int, steps: int, tracker: LiveTensorBytes) -> dict:
+    """``build_parallel_training`` + ``training_step`` (fp32, AdamW defaults, clip 1.0) on random tokens:
+    ``batch`` rows per rank per optimizer step in ``accum`` micro-batches; data-parallel ranks read
+    different rows, tensor-parallel ranks the same ones."""
+    cfg = JobConfig(model=model_cfg, parallel=parallel, optim=OptimConfig(),
+                    train=TrainConfig(seed=seed, grad_accum_steps=accum))
+    device = torch.device("cpu")
+    dims = ParallelDims.from_config(parallel, world_size)
+    pm, optimizer = build_parallel_training(cfg, dims, device)
+    gen = torch.Generator().manual_seed(seed + 1000 * pm.dp_rank)
     inputs = torch.randint(0, model_cfg.vocab_size, (batch, seq), generator=gen)
     targets = torch.randint(0, model_cfg.vocab_size, (batch, seq), generator=gen)
-    step = make_step(model, optimizer, inputs, targets, accum=accum)
-    # The rope buffers and the batch are counted as at-rest bytes (the planner adds them the same way).
+    micro = list(zip(inputs.chunk(accum), targets.chunk(accum), [None] * accum))
+
+    def step() -> float:
+        return training_step(pm, optimizer, iter(micro), accum, grad_clip=cfg.optim.grad_clip).loss
+
     return measure_step(step, tracker, steps=steps)
 
 
@@ -173,36 +167,11 @@ def resident_extras(model_cfg: ModelConfig, batch: int, seq: int) -> int:
 
 def distributed_run(model_cfg: ModelConfig, parallel: dict, batch_per_rank: int, seq: int, steps: int = 5,
                     seed: int = 0, accum: int = 1) -> dict:
-    """Inside a torchrun process group: ``scaletrain.parallel.parallelize`` the model, then measure this
-    rank's peak tensor bytes and median step time (forward_backward over ``accum`` micro-batches, the
-    gradient sync on the last only, clip, AdamW or ZeRO-1, zero_grad)."""
-    from scaletrain.config import OptimConfig, ParallelConfig
-    from scaletrain.model.llama import Transformer
-    from scaletrain.parallel import (ParallelDims, build_parallel_optimizer, clip_grad_norm_, forward_backward,
-                                     parallelize)
-    from scaletrain.parallel.distributed import init_distributed
-
+    """Inside a torchrun process group: this rank's peak tensor bytes and median time of the trainer's
+    own step (``build_parallel_training`` + ``training_step``) for the ``parallel`` fields."""
     env = init_distributed("cpu")
     tracker = LiveTensorBytes(track_resize=True).__enter__()
-    pcfg = ParallelConfig(**parallel)
-    dims = ParallelDims.from_config(pcfg, env.world_size)
-    mesh = dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    pm = parallelize(model, dims, pcfg, mesh=mesh, model_cfg=model_cfg, device=env.device, seed=seed)
-    optimizer = build_parallel_optimizer(pm, OptimConfig(), env.device, dims.zero_stage)
-    # Data-parallel ranks read different rows; tensor-parallel ranks the same ones.
-    gen = torch.Generator().manual_seed(seed + 1000 * pm.dp_rank)
-    inputs = torch.randint(0, model_cfg.vocab_size, (batch_per_rank, seq), generator=gen)
-    targets = torch.randint(0, model_cfg.vocab_size, (batch_per_rank, seq), generator=gen)
-
-    def step() -> None:
-        for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
-            forward_backward(pm, x, y, accum=accum, sync=i == accum - 1)
-        clip_grad_norm_(pm.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    result = measure_step(step, tracker, steps=steps)
+    result = _measure_trainer_step(model_cfg, ParallelConfig(**parallel), env.world_size, batch_per_rank, seq,
+                                   accum, seed, steps, tracker)
     result["rank"] = env.rank
     return result

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
 from scaletrain.config import OptimConfig
+from scaletrain.parallel import ParallelModel
+from scaletrain.parallel.ddp import build_zero1_optimizer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -34,3 +38,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
         kwargs.pop("foreach")
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, **kwargs)
+
+
+def build_parallel_optimizer(pm: ParallelModel, cfg: OptimConfig, device: torch.device, zero_stage: int):
+    """AdamW over this rank's parameters (all parts), or ZeRO-1 (``ZeroRedundancyOptimizer``) around it."""
+    adamw = build_optimizer(nn.ModuleList(pm.modules), cfg, device)
+    if zero_stage != 1 or pm.dims.dp_replicate == 1:
+        return adamw
+    accepted = inspect.signature(torch.optim.AdamW.__init__).parameters
+    kwargs = {k: v for k, v in adamw.defaults.items() if k in accepted and k not in ("weight_decay", "params")}
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups]
+    return build_zero1_optimizer(groups, pm.group("dp_replicate"), **kwargs)

@@ -7,7 +7,6 @@ its own module (schedule, optimizer, precision, metrics, checkpoint, data).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import statistics
 import time
@@ -17,67 +16,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletrain.checkpoint import CheckpointError, CheckpointManager
-from scaletrain.checkpoint.state import init_optimizer_state, local_optimizer, model_tensors, optimizer_tensors
+from scaletrain.checkpoint import CheckpointManager
+from scaletrain.checkpoint.training import RNGState, TrainingCheckpoint, TrainState, match_global_batch, saved_config
 from scaletrain.config import ConfigError, JobConfig, to_toml
 from scaletrain.data.loader import TokenLoader, block_causal_mask, eval_batches
 from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import read_manifest
 from scaletrain.data.tokenizer import load_tokenizer
-from scaletrain.model import Transformer, flops_per_token, num_params
-from scaletrain.parallel import (ParallelDims, build_parallel_optimizer, clip_grad_norm_, forward_backward,
-                                 global_mean, parallelize)
+from scaletrain.hardware import peak_flops
+from scaletrain.model import flops_per_token, num_params
+from scaletrain.model.generate import generate
+from scaletrain.parallel import ParallelDims, forward_loss
 from scaletrain.parallel.compile import compile_unavailable
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.distributed import barrier, destroy_distributed, init_distributed, world_size_from_env
-from scaletrain.plan.calibration import peak_flops
 from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes
-from scaletrain.train.optimizer import build_optimizer
-from scaletrain.train.preemption import PreemptionHandler
 from scaletrain.train.precision import autocast, grad_scaler, resolve_device, resolve_precision
-from scaletrain.train.sampling import generate
+from scaletrain.train.preemption import PreemptionHandler
 from scaletrain.train.schedule import lr_at
+from scaletrain.train.step import build_parallel_training, training_step
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. non-finite steps with nothing to roll back to); printed as one line."""
-
-
-@dataclasses.dataclass
-class TrainState:
-    """Counters saved with every checkpoint. The LR schedule is a pure function of ``step``, so the step
-    (plus the schedule settings, kept to detect a changed schedule on resume) is the scheduler's state."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    schedule: dict = dataclasses.field(default_factory=dict)
-
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.schedule = dict(state.get("schedule", {}))
-
-
-class RNGState:
-    """Global torch RNG streams (CPU and CUDA), so anything random after a resume repeats exactly."""
-
-    def state_dict(self) -> dict:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        return {"torch": torch.get_rng_state(), "cuda": cuda}
-
-    def load_state_dict(self, state: dict) -> None:
-        torch.set_rng_state(state["torch"])
-        if state["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-
-    @staticmethod
-    def reseed(seed: int, step: int, rank: int) -> None:
-        """After a change of world size a rank has no saved stream of its own: a fresh one, a pure
-        function of (seed, step, rank), so the resumed run is still reproducible."""
-        torch.manual_seed((seed * 1_000_003 + step * 1_009 + rank) % 2**63)
 
 
 def prepare_data(cfg: JobConfig) -> Path:
@@ -118,23 +80,6 @@ def resolve_compile(cfg: JobConfig, device: torch.device, announce: bool) -> Job
         print(f"warning: train.compile=true but {reason}; training eagerly "
               "(install g++ to compile, or set train.compile=false to silence this)", flush=True)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
-
-
-def match_global_batch(cfg: JobConfig, checkpoint_meta: dict, dp_size: int) -> JobConfig:
-    """Resuming on another number of data-parallel ranks: keep the checkpoint's global batch (sequences per
-    optimizer step) by changing gradient accumulation, so the run goes on with the same optimisation."""
-    saved = checkpoint_meta.get("global_batch")
-    if not saved:
-        return cfg
-    target = saved["sequences"]
-    per_micro = cfg.train.batch_size * dp_size
-    if per_micro * cfg.train.grad_accum_steps == target:
-        return cfg
-    if target % per_micro:
-        raise ConfigError(f"cannot keep the checkpoint's global batch of {target} sequences with train.batch_size="
-                          f"{cfg.train.batch_size} on {dp_size} data-parallel rank(s); choose a batch_size that "
-                          f"divides {target // dp_size if target % dp_size == 0 else target}")
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=target // per_micro))
 
 
 class Trainer:
@@ -178,38 +123,32 @@ class Trainer:
         self.tokenizer = load_tokenizer(self.data_dir / manifest["tokenizer"]["file"])
         if self.is_main:
             self.tokenizer.save(self.run_dir / "tokenizer.json")  # the run folder is self-contained
-            # Saved without this invocation's controls, so `train --resume` runs on to train.steps.
-            saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False))
-            (self.run_dir / "config.toml").write_text(to_toml(saved))
+            (self.run_dir / "config.toml").write_text(to_toml(saved_config(cfg)))
 
         self.cfg = cfg = resolve_compile(cfg, self.device, announce=self.is_main and log)
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        self.pm = parallelize(model, dims, cfg.parallel, mesh=dims.build_mesh(self.device.type), model_cfg=cfg.model,
-                              device=self.device, seed=cfg.train.seed, compile=cfg.train.compile,
-                              grad_accum_steps=cfg.train.grad_accum_steps)
+        self.pm, self.optimizer = build_parallel_training(cfg, dims, self.device)
         self.model = self.pm.modules[0] if len(self.pm.modules) == 1 else nn.ModuleList(self.pm.modules)
-        self.optimizer = build_parallel_optimizer(self.pm, cfg.optim, self.device, dims.zero_stage)
         self.scaler = grad_scaler(self.precision, self.device)
         self.train_loader = TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
                                         rank=self.pm.dp_rank, world_size=dims.dp_size, seed=cfg.train.seed,
                                         shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
         self.state = TrainState(schedule=dataclasses.asdict(cfg.schedule))
-        # Replicas of low-communication training decide alone (local losses), so they never roll back.
-        self.guard = NonFiniteGuard(0 if self.pm.low_comm is not None else cfg.train.rollback_after)
-        # Small per-rank state, saved beside the sharded tensors (model and optimizer: checkpoint_tensors).
-        self.local_state = {"data": self.train_loader, "train_state": self.state, "rng": RNGState(),
-                            "scaler": self.scaler, "guard": self.guard}
-        if self.pm.low_comm is not None:
-            self.local_state["low_comm"] = self.pm.low_comm
+        self.guard = NonFiniteGuard(self.pm.replicas.rollback_after(cfg.train.rollback_after))
+        self.log_enabled = log and self.is_main  # rank-0-only logging
+        # Small per-rank state, saved beside the sharded model and optimizer tensors.
+        local_state = {"data": self.train_loader, "train_state": self.state, "rng": RNGState(),
+                       "scaler": self.scaler, "guard": self.guard}
+        if self.pm.replicas.independent:
+            local_state["low_comm"] = self.pm.replicas
+        self.checkpoint = TrainingCheckpoint(self.checkpoints, self.pm, self.optimizer, local_state, self.state,
+                                             cfg, self.env.rank, self._message)
         self.preempted = ""
         # Tokens per optimizer step over all data-parallel ranks.
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self._peak_dtype = "bf16" if self.precision == "bf16" else "fp32"
-        self.peak_flops = peak_flops(self.device, self._peak_dtype) * dims.world_size
+        self.peak_flops = peak_flops(self.device, self._peak_dtype, log=self._message) * dims.world_size
         self._peak_remeasured = False
-        self.log_enabled = log and self.is_main  # rank-0-only logging
         self.step_times: list[float] = []
         self.evals: list[dict] = []
 
@@ -219,49 +158,34 @@ class Trainer:
 
     # -- one optimizer step -------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """Accumulate gradients over ``grad_accum_steps`` micro-batches, clip, and update once.
-
-        Data-parallel gradients are synchronised only on the final micro-batch (DDP ``no_sync`` before);
-        with low-communication training they are not synchronised at all (replicas meet every H steps).
-        """
+        """One optimizer step (``training_step``) at the schedule's learning rate, with the NaN/Inf guard
+        deciding whether to update, then the counters and the replicas' synchronisation."""
         cfg = self.cfg
         lr = lr_at(self.state.step, cfg.optim.lr, cfg.train.steps, cfg.schedule)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        accum = cfg.train.grad_accum_steps
-        loss_sum = None
-        for micro in range(accum):
-            inputs, targets, mask = self._batch(next(self.train_loader))
-            loss = forward_backward(self.pm, inputs, targets, accum=accum, sync=micro == accum - 1,
-                                    autocast=lambda: autocast(self.precision, self.device), scale=self.scaler.scale,
-                                    attn_mask=mask)
-            if loss is not None:  # None on pipeline ranks that do not hold the last stage
-                loss_sum = loss if loss_sum is None else loss_sum + loss
-        self.scaler.unscale_(self.optimizer)
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = float(clip_grad_norm_(self.pm.parameters(), max_norm, self.pm.group("pp"), foreach=True))
-        if self.pm.low_comm is not None:  # local loss: no per-step communication at all
-            loss_value = float(loss_sum)
-        else:  # the same on every rank, and so is the gradient norm: all ranks take the same decision
-            loss_value = float(global_mean(loss_sum, self.dims, self.device))
-        verdict = self.guard.check(loss_value, grad_norm, scaler_enabled=self.scaler.is_enabled())
-        # An asynchronous save must have copied the tensors before anything changes them: the optimizer
-        # step below, or a low-communication synchronisation even on a skipped step.
-        self.checkpoints.wait_staged()
-        if verdict == "ok":
-            self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        verdicts = []
+
+        def before_update(loss: float, grad_norm: float) -> bool:
+            verdicts.append(self.guard.check(loss, grad_norm, scaler_enabled=self.scaler.is_enabled()))
+            # An asynchronous save must have copied the tensors before anything changes them: the optimizer
+            # step, or a low-communication synchronisation even on a skipped step.
+            self.checkpoints.wait_staged()
+            return verdicts[-1] == "ok"
+
+        batches = (self._batch(next(self.train_loader)) for _ in range(cfg.train.grad_accum_steps))
+        result = training_step(self.pm, self.optimizer, batches, cfg.train.grad_accum_steps,
+                               grad_clip=cfg.optim.grad_clip, autocast=lambda: autocast(self.precision, self.device),
+                               scaler=self.scaler, before_update=before_update)
         self.state.step += 1
         self.state.tokens_seen += self.tokens_per_step
-        if self.pm.low_comm is not None:
-            self.pm.low_comm.after_step(self.state.step)
-        record = {"loss": loss_value, "grad_norm": grad_norm, "lr": lr}
-        if verdict != "ok":
+        self.pm.replicas.after_step(self.state.step)
+        record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr}
+        if not result.updated:
             record["skipped_update"] = 1
-            self._message(f"warning: step {self.state.step}: loss {loss_value} / gradient norm {grad_norm} is not "
-                          f"finite; update skipped ({self.guard.consecutive} in a row)")
-        if verdict == "rollback":
+            self._message(f"warning: step {self.state.step}: loss {result.loss} / gradient norm {result.grad_norm} "
+                          f"is not finite; update skipped ({self.guard.consecutive} in a row)")
+        if verdicts[-1] == "rollback":
             self._rollback()
         return record
 
@@ -284,15 +208,11 @@ class Trainer:
                                   self.cfg.train.batch_size, self.cfg.train.eval_batches,
                                   return_doc_ids=self.cfg.data.document_attention):
             inputs, targets, mask = self._batch(batch)
-            if self.pm.pipeline is not None:
-                if len(inputs) != self.cfg.train.batch_size:
-                    continue  # a short last batch cannot be cut into the schedule's micro-batches
-                with autocast(self.precision, self.device), self.pm.loss_context():
-                    loss = self.pm.pipeline.eval(inputs, targets)
-            else:
-                with autocast(self.precision, self.device), self.pm.loss_context():
-                    loss = self.pm.loss_fn(self.pm.parts[0](inputs, attn_mask=mask), targets)
-            losses.append(global_mean(loss, self.dims, self.device) if self.pm.low_comm is None else loss.float())
+            if self.pm.pipeline is not None and len(inputs) != self.cfg.train.batch_size:
+                continue  # a short last batch cannot be cut into the pipeline schedule's micro-batches
+            loss = forward_loss(self.pm, inputs, targets, autocast=lambda: autocast(self.precision, self.device),
+                                attn_mask=mask)
+            losses.append(self.pm.replicas.step_loss(loss, self.dims, self.device))
         for module in self.pm.modules:
             module.train()
         return float(torch.stack(losses).mean())
@@ -308,81 +228,23 @@ class Trainer:
                            temperature=0.8, top_k=200, generator=gen, stop_id=self.tokenizer.eos_id)
         return self.cfg.train.sample_prompt + self.tokenizer.decode(new)
 
-    # -- checkpoints --------------------------------------------------------------------------------
-    def checkpoint_tensors(self) -> dict:
-        """This rank's model and optimizer tensors by full-model name (DCP writes and reads the shards)."""
-        replica = self.pm.low_comm is not None and self.pm.dp_rank > 0
-        prefix = f"replica{self.pm.dp_rank}." if replica else ""  # replicas differ between synchronisations
-        return {"model": model_tensors(self.pm.modules, prefix),
-                "optimizer": optimizer_tensors(self.pm.modules, self.optimizer, prefix)}
-
-    def checkpoint_meta(self) -> dict:
-        cfg = self.cfg
-        saved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False))
-        return {"tokens_seen": self.state.tokens_seen, "dp_size": self.dims.dp_size,
-                "plan": {k: getattr(self.dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
-                | {"zero_stage": self.dims.zero_stage, "low_comm": cfg.parallel.low_comm},
-                "global_batch": {"sequences": cfg.train.batch_size * cfg.train.grad_accum_steps * self.dims.dp_size,
-                                 "seq_len": cfg.data.seq_len},
-                "optimizer_state": bool(local_optimizer(self.optimizer).state),
-                "config_sha256": hashlib.sha256(to_toml(saved, comments=False).encode()).hexdigest()}
-
+    # -- checkpoints (what a checkpoint holds: checkpoint/training.py) ------------------------------
     def save(self, blocking: bool | None = None) -> Path:
         """Write a checkpoint of the current step (collective). Asynchronous when checkpoint.async_save is
         set, unless ``blocking``; the folder is complete once ``self.checkpoints.wait()`` returns."""
-        blocking = not self.cfg.checkpoint.async_save if blocking is None else blocking
-        return self.checkpoints.save(self.state.step, self.checkpoint_tensors(), self.local_state,
-                                     self.checkpoint_meta(), blocking=blocking)
-
-    def _load(self, path: Path, local_names: tuple[str, ...]) -> dict:
-        """Model + optimizer from ``path`` (resharded to this run's layout) and the named small states."""
-        meta = CheckpointManager.read_meta(path)
-        if self.pm.low_comm is not None and meta.get("dp_size") != self.dims.dp_size:
-            raise CheckpointError(f"{path}: low-communication replicas diverge between synchronisations, so this "
-                                  f"checkpoint of {meta.get('dp_size')} replicas resumes only on as many "
-                                  f"(now {self.dims.dp_size})")
-        tensors = self.checkpoint_tensors()
-        if meta.get("optimizer_state", True):
-            init_optimizer_state(self.optimizer)  # DCP loads into existing tensors
-            tensors = self.checkpoint_tensors()
-        else:
-            tensors.pop("optimizer")
-        self.checkpoints.load(path, tensors)
-        local, own = self.checkpoints.load_local(path)
-        for name in local_names:
-            if name == "rng" and not own:
-                RNGState.reseed(self.cfg.train.seed, int(meta["step"]), self.env.rank)
-            elif name in local:
-                self.local_state[name].load_state_dict(local[name])
-        return meta
+        return self.checkpoint.save(not self.cfg.checkpoint.async_save if blocking is None else blocking)
 
     def resume(self) -> bool:
-        """Load the newest good checkpoint; False when there is none. Works across world sizes and plans:
-        DCP reshards model and optimizer, the data stream continues at the next unseen sample."""
-        self.checkpoints.remove_partial()
-        path = self.checkpoints.latest(warn=self._message)
-        if path is None:
-            return False
-        meta = self._load(path, tuple(self.local_state))
-        if self.state.schedule != dataclasses.asdict(self.cfg.schedule):
-            self._message("warning: the [schedule] settings differ from the checkpoint's; using the new ones")
-        moved = "" if meta.get("world_size") == self.env.world_size else \
-            f", resharded from {meta.get('world_size')} to {self.env.world_size} ranks"
-        self._message(f"resumed from {path} (step {self.state.step}{moved})")
-        return True
+        """Load the newest good checkpoint; False when there is none (any world size or plan)."""
+        return self.checkpoint.resume() is not None
 
     def _rollback(self) -> None:
-        """Back to the last good checkpoint's weights, optimizer and counters; the data position is kept,
-        so the batches that produced the non-finite steps are skipped, not replayed."""
+        """Back to the last good checkpoint; the batches that produced the non-finite steps are skipped."""
         bad_step = self.state.step
-        self.checkpoints.wait()
-        path = self.checkpoints.latest(warn=self._message)
+        path = self.checkpoint.roll_back()
         if path is None:
             raise TrainingError(f"{self.guard.rollback_after} non-finite steps in a row at step {bad_step} and no "
                                 f"checkpoint to roll back to; lower optim.lr or check the data")
-        tokens = self.state.tokens_seen
-        self._load(path, ("train_state", "scaler"))
-        self.state.tokens_seen = tokens  # tokens really consumed, skipped ones included
         self._message(f"rolled back to {path.name} after {self.guard.rollback_after} non-finite steps (at step "
                       f"{bad_step}); the data of those steps is skipped")
 
@@ -426,8 +288,8 @@ class Trainer:
                 self._save_on_notice(notice, logger)
             else:
                 if state.step >= cfg.train.steps:
-                    if self.pm.low_comm is not None:  # the replicas end on the same (global) weights; not at
-                        self.pm.low_comm.finish(state.step)  # stop_at_step, where the run goes on later
+                    # Replicas end on the same (global) weights; not at stop_at_step, where the run goes on later.
+                    self.pm.replicas.finish(state.step)
                     self._eval_and_report(logger)  # the final evaluation sees those weights
                 if cfg.checkpoint.enabled:
                     self.save()
@@ -465,7 +327,8 @@ class Trainer:
         if self.flops_per_token * tokens_per_second > self.peak_flops and not self._peak_remeasured:
             # Above the cached "peak": it was measured on a busy machine. Measure again, once.
             self._peak_remeasured = True
-            self.peak_flops = peak_flops(self.device, self._peak_dtype, remeasure=True) * self.dims.world_size
+            self.peak_flops = peak_flops(self.device, self._peak_dtype, remeasure=True,
+                                         log=self._message) * self.dims.world_size
         return {"step": self.state.step, **record, "step_ms": 1000 * step_s,
                 "tokens_per_second": tokens_per_second,
                 "mfu": self.flops_per_token * tokens_per_second / self.peak_flops,

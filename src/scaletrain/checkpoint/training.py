@@ -1,0 +1,163 @@
+"""A training run's checkpoint: which tensors and small states it holds, and save / resume / roll back.
+
+The trainer owns the objects (model parts, optimizer, loader, counters, guard); ``TrainingCheckpoint``
+knows how they make a checkpoint: the model and optimizer tensors by full-model name (written sharded
+through DCP by ``CheckpointManager``), the small per-rank stateful objects beside them, and a metadata
+record (layout, global batch, config hash) that a resume on another world size or plan reads first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, Stateful
+from scaletrain.checkpoint.state import init_optimizer_state, local_optimizer, model_tensors, optimizer_tensors
+from scaletrain.config import ConfigError, JobConfig, to_toml
+from scaletrain.parallel import ParallelModel
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Counters saved with every checkpoint. The LR schedule is a pure function of ``step``, so the step
+    (plus the schedule settings, kept to detect a changed schedule on resume) is the scheduler's state."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    schedule: dict = dataclasses.field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.schedule = dict(state.get("schedule", {}))
+
+
+class RNGState:
+    """Global torch RNG streams (CPU and CUDA), so anything random after a resume repeats exactly."""
+
+    def state_dict(self) -> dict:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return {"torch": torch.get_rng_state(), "cuda": cuda}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+    @staticmethod
+    def reseed(seed: int, step: int, rank: int) -> None:
+        """After a change of world size a rank has no saved stream of its own: a fresh one, a pure
+        function of (seed, step, rank), so the resumed run is still reproducible."""
+        torch.manual_seed((seed * 1_000_003 + step * 1_009 + rank) % 2**63)
+
+
+def saved_config(cfg: JobConfig) -> JobConfig:
+    """The config as a run folder keeps it: without this invocation's controls (``stop_at_step``,
+    ``resume``), so a later ``train --resume`` runs on to ``train.steps``."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False))
+
+
+def match_global_batch(cfg: JobConfig, checkpoint_meta: dict, dp_size: int) -> JobConfig:
+    """Resuming on another number of data-parallel ranks: keep the checkpoint's global batch (sequences per
+    optimizer step) by changing gradient accumulation, so the run goes on with the same optimisation."""
+    saved = checkpoint_meta.get("global_batch")
+    if not saved:
+        return cfg
+    target = saved["sequences"]
+    per_micro = cfg.train.batch_size * dp_size
+    if per_micro * cfg.train.grad_accum_steps == target:
+        return cfg
+    if target % per_micro:
+        raise ConfigError(f"cannot keep the checkpoint's global batch of {target} sequences with train.batch_size="
+                          f"{cfg.train.batch_size} on {dp_size} data-parallel rank(s); choose a batch_size that "
+                          f"divides {target // dp_size if target % dp_size == 0 else target}")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=target // per_micro))
+
+
+class TrainingCheckpoint:
+    """Save and load one training run's state through a ``CheckpointManager``.
+
+    ``local`` are this rank's small stateful objects by name (data position, counters, RNG, scaler, guard,
+    replica sync); ``state`` is the ``TrainState`` among them (read for the step and counters)."""
+
+    def __init__(self, manager: CheckpointManager, pm: ParallelModel, optimizer: torch.optim.Optimizer,
+                 local: dict[str, Stateful], state: TrainState, cfg: JobConfig, rank: int,
+                 message: Callable[[str], None] = print):
+        self.manager, self.pm, self.optimizer, self.local = manager, pm, optimizer, local
+        self.state, self.cfg, self.rank, self.message = state, cfg, rank, message
+
+    def tensors(self) -> dict:
+        """This rank's model and optimizer tensors by full-model name (DCP writes and reads the shards)."""
+        prefix = self.pm.replicas.checkpoint_prefix(self.pm.dp_rank)  # replicas may differ between syncs
+        return {"model": model_tensors(self.pm.modules, prefix),
+                "optimizer": optimizer_tensors(self.pm.modules, self.optimizer, prefix)}
+
+    def meta(self) -> dict:
+        """What a resume needs to know before loading: layout, global batch, whether optimizer states exist."""
+        cfg, dims = self.cfg, self.pm.dims
+        return {"tokens_seen": self.state.tokens_seen, "dp_size": dims.dp_size,
+                "plan": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
+                | {"zero_stage": dims.zero_stage, "low_comm": cfg.parallel.low_comm},
+                "global_batch": {"sequences": cfg.train.batch_size * cfg.train.grad_accum_steps * dims.dp_size,
+                                 "seq_len": cfg.data.seq_len},
+                "optimizer_state": bool(local_optimizer(self.optimizer).state),
+                "config_sha256": hashlib.sha256(to_toml(saved_config(cfg), comments=False).encode()).hexdigest()}
+
+    def save(self, blocking: bool) -> Path:
+        """Write a checkpoint of the current step (collective); complete once ``manager.wait()`` returns."""
+        return self.manager.save(self.state.step, self.tensors(), self.local, self.meta(), blocking=blocking)
+
+    def load(self, path: Path, local_names: tuple[str, ...]) -> dict:
+        """Model + optimizer from ``path`` (resharded to this run's layout) and the named small states."""
+        meta = CheckpointManager.read_meta(path)
+        try:
+            self.pm.replicas.check_resume(path, meta.get("dp_size"), self.pm.dims.dp_size)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        tensors = self.tensors()
+        if meta.get("optimizer_state", True):
+            init_optimizer_state(self.optimizer)  # DCP loads into existing tensors
+            tensors = self.tensors()
+        else:
+            tensors.pop("optimizer")
+        self.manager.load(path, tensors)
+        local, own = self.manager.load_local(path)
+        for name in local_names:
+            if name == "rng" and not own:
+                RNGState.reseed(self.cfg.train.seed, int(meta["step"]), self.rank)
+            elif name in local:
+                self.local[name].load_state_dict(local[name])
+        return meta
+
+    def resume(self) -> Path | None:
+        """Load the newest good checkpoint (None when there is none). Works across world sizes and plans:
+        DCP reshards model and optimizer, the data stream continues at the next unseen sample."""
+        self.manager.remove_partial()
+        path = self.manager.latest(warn=self.message)
+        if path is None:
+            return None
+        meta = self.load(path, tuple(self.local))
+        if self.state.schedule != dataclasses.asdict(self.cfg.schedule):
+            self.message("warning: the [schedule] settings differ from the checkpoint's; using the new ones")
+        moved = "" if meta.get("world_size") == self.manager.world_size else \
+            f", resharded from {meta.get('world_size')} to {self.manager.world_size} ranks"
+        self.message(f"resumed from {path} (step {self.state.step}{moved})")
+        return path
+
+    def roll_back(self) -> Path | None:
+        """Back to the last good checkpoint's weights, optimizer and counters (None when there is none);
+        the data position is kept, so the batches since are skipped, not replayed."""
+        self.manager.wait()
+        path = self.manager.latest(warn=self.message)
+        if path is None:
+            return None
+        tokens = self.state.tokens_seen
+        self.load(path, ("train_state", "scaler"))
+        self.state.tokens_seen = tokens  # tokens really consumed, skipped ones included
+        return path

@@ -1,0 +1,30 @@
+"""The model's own config: the one section the model reads (sizes, rotary base, init).
+
+It lives with the model so the model imports nothing above it; ``scaletrain.config`` puts it in the job's
+tree as the ``[model]`` section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.options import opt
+
+
+@dataclass
+class ModelConfig:
+    preset: str = opt("", "named size from scaletrain.model.presets (nano, micro, small, gpt2-124m, "
+                          "llama-1b, llama-8b, llama-70b); fields set here override the preset")
+    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the prepared data's tokenizer", ge=0)
+    dim: int = opt(128, "model width (embedding / residual size)", ge=1)
+    n_layers: int = opt(4, "number of transformer blocks", ge=1)
+    n_heads: int = opt(4, "attention (query) heads; must divide dim", ge=1)
+    n_kv_heads: int = opt(0, "key/value heads for grouped-query attention; 0 = n_heads (plain MHA)", ge=0)
+    ffn_hidden_dim: int = opt(344, "SwiGLU hidden size; 0 = 8/3*dim*ffn_dim_multiplier rounded up to multiple_of", ge=0)
+    ffn_dim_multiplier: float = opt(1.0, "scales the computed SwiGLU hidden size (Llama 3 8B uses 1.3)", gt=0)
+    multiple_of: int = opt(64, "SwiGLU hidden size is rounded up to a multiple of this", ge=1)
+    max_seq_len: int = opt(256, "longest sequence the rotary tables cover; data.seq_len must not exceed it", ge=1)
+    rope_theta: float = opt(10000.0, "rotary position embedding base", gt=0)
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
+    tie_embeddings: bool = opt(False, "share the input embedding and the output projection")
+    init_std: float = opt(0.02, "standard deviation of the normal weight init", gt=0)

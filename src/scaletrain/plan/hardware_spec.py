@@ -1,0 +1,66 @@
+"""``--hardware`` specs -> a Cluster: a catalog name with counts, or ``auto`` (this machine, measured).
+
+``parse_hardware("h100-sxm:8x2")`` is 8 devices per node x 2 nodes of the catalog's H100 SXM;
+``parse_hardware("auto")`` is this machine with ``scaletrain doctor``'s calibration (measured if missing).
+It sits above both the catalog (``hardware``) and the calibration, which therefore never import each other.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from scaletrain.options import ConfigError
+from scaletrain.plan.calibration import calibration_entry
+from scaletrain.plan.hardware import CATALOG, Cluster, Hardware, catalog_listing, with_calibration
+
+
+def catalog_key_for_gpu(name: str) -> str | None:
+    """The catalog entry of a CUDA device name (``torch.cuda.get_device_name``), or None."""
+    n = name.lower()
+    rules = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100-sxm4-80", "a100-80gb"),
+             ("a100 80", "a100-80gb"), ("a100-pcie-80", "a100-80gb"), ("a100", "a100-40gb"), ("l40s", "l40s"),
+             ("4090", "rtx-4090"))
+    return next((key for needle, key in rules if needle in n), None)
+
+
+def hardware_from_calibration() -> Hardware:
+    """The ``auto`` hardware: a GPU entry matched by name, or the generic CPU, with measured numbers."""
+    if torch.cuda.is_available():
+        key = catalog_key_for_gpu(torch.cuda.get_device_name(0))
+        if key is None:
+            raise ConfigError(f"--hardware auto: GPU {torch.cuda.get_device_name(0)!r} is not in the catalog; "
+                              "pass a catalog name instead")
+        match = CATALOG[key]
+        return with_calibration(match, calibration_entry("cuda"), name=f"auto ({match.name})")
+    return with_calibration(CATALOG["cpu"], calibration_entry("cpu"), name="auto (this cpu)")
+
+
+_SPEC = re.compile(r"^(?P<name>[a-z0-9\-]+?)(?:[:@x*](?P<count>\d+))?(?:[x*](?P<nodes>\d+))?$")
+
+
+def parse_hardware(spec: str, count: int | None = None, nodes: int | None = None) -> Cluster:
+    """``h100-sxm``, ``h100-sxm:8`` (8 per node) or ``h100-sxm:8x4`` (8 per node, 4 nodes); ``auto`` = this machine.
+
+    Raises ConfigError listing the catalog when the name is unknown.
+    """
+    text = spec.strip().lower()
+    m = _SPEC.match(text)
+    name = m.group("name") if m else text
+    if name == "auto":
+        hw = hardware_from_calibration()
+    elif name in CATALOG:
+        hw = CATALOG[name]
+    else:
+        raise ConfigError(f"unknown hardware {spec!r}; the catalog has: {catalog_listing()} "
+                          f"(write NAME, NAME:COUNT or NAME:COUNTxNODES)")
+    per_node = count if count is not None else int(m.group("count")) if m and m.group("count") else None
+    n_nodes = nodes if nodes is not None else int(m.group("nodes")) if m and m.group("nodes") else 1
+    if per_node is None:
+        per_node = 1 if hw.kind == "cpu" else hw.devices_per_node
+    if per_node < 1 or n_nodes < 1:
+        raise ConfigError(f"hardware count and nodes must be >= 1 (got {per_node} x {n_nodes} nodes)")
+    if hw.kind == "cpu" and hw.cores and per_node > hw.cores:
+        raise ConfigError(f"{per_node} ranks per node but this CPU has {hw.cores} cores: ranks would share cores")
+    return Cluster(hw, per_node, n_nodes)

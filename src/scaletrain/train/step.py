@@ -1,0 +1,78 @@
+"""The two functions everything that trains calls: build a parallelized model + optimizer from a config,
+and run one optimizer step.
+
+The trainer, the planner's measurements (``plan/measure.py``, ``scaletrain doctor``) and the parity tests
+all go through these, so what the planner measures is what the trainer runs, and a change to the step
+reaches every one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from scaletrain.config import JobConfig
+from scaletrain.model import Transformer
+from scaletrain.parallel import ParallelDims, ParallelModel, clip_grad_norm_, forward_backward, parallelize
+from scaletrain.train.optimizer import build_parallel_optimizer
+
+# (inputs (B, T), targets (B, T), attention mask (B, 1, T, T) or None), already on the device.
+MicroBatch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.device,
+                            mesh: object | None = None) -> tuple[ParallelModel, torch.optim.Optimizer]:
+    """Model on the meta device -> ``parallelize`` (split, shard, materialize, init) -> optimizer.
+
+    ``mesh`` defaults to ``dims.build_mesh`` (needs the process group when the world size is > 1). The
+    weights are the same seeded initialisation in every layout (``cfg.train.seed``)."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    mesh = dims.build_mesh(device.type) if mesh is None else mesh
+    pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
+                     compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps)
+    return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss of the step (over data-parallel ranks, unless replicas train independently)
+    grad_norm: float  # global gradient norm before clipping
+    updated: bool  # False when ``before_update`` refused the update (e.g. a non-finite loss)
+
+
+def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: Iterator[MicroBatch],
+                  accum: int, *, grad_clip: float, autocast: Callable = contextlib.nullcontext,
+                  scaler: torch.amp.GradScaler | None = None,
+                  before_update: Callable[[float, float], bool] | None = None) -> StepResult:
+    """Accumulate gradients over ``accum`` micro-batches, clip, and update once.
+
+    Data-parallel gradients are synchronised only on the final micro-batch (DDP ``no_sync`` before); with
+    low-communication training they are not synchronised at all (replicas meet in ``pm.replicas``).
+    ``before_update(loss, grad_norm)`` runs between the gradient and the update; returning False skips the
+    update (the gradients are still cleared). ``scaler``: the fp16 gradient scaler (None or disabled
+    otherwise)."""
+    scale = scaler.scale if scaler is not None else (lambda x: x)
+    loss_sum = None
+    for micro in range(accum):
+        inputs, targets, mask = next(micro_batches)
+        loss = forward_backward(pm, inputs, targets, accum=accum, sync=micro == accum - 1, autocast=autocast,
+                                scale=scale, attn_mask=mask)
+        if loss is not None:  # None on pipeline ranks that do not hold the last stage
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    grad_norm = float(clip_grad_norm_(pm.parameters(), max_norm, pm.group("pp"), foreach=True))
+    loss_value = float(pm.replicas.step_loss(loss_sum, pm.dims, pm.device))
+    updated = before_update(loss_value, grad_norm) if before_update is not None else True
+    if updated:
+        (scaler.step if scaler is not None else lambda opt: opt.step())(optimizer)
+    if scaler is not None:
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_value, grad_norm, updated)
