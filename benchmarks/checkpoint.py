@@ -12,7 +12,8 @@ folder. Every round does, in alternating order:
   same cores: reported as the interference, "extra step s"), then ``trainer.checkpoints.wait()`` before
   the next round.
 
-Each round also times a plain ``clone()`` of the same tensors, the cost of a copy made in the loop. The machine's cores are shared with other work, so rounds
+Each round also times a plain ``clone()`` of the same tensors, the cost of a copy made in the loop.
+The machine's cores are shared with other work, so rounds
 are interleaved, medians over rounds (and the median of the per-round ratios) are reported with the load
 average, and rounds stop after ``--budget-s`` once ``--min-rounds`` are done. A last, untimed round checks
 that an async checkpoint is complete (every sha256 matches) and holds the state at the moment of

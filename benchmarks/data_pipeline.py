@@ -145,7 +145,8 @@ def run_prepare(paths: list[Path], out: Path, dedup_on: bool, sample_mb: float =
     rep = result["report"]
     kept = sum(s.get("documents", 0) for s in rep["splits"].values())
     return {"mb_in": round(rep["bytes_in"] / 1e6, 2), "documents_in": rep["documents_in"], "documents_kept": kept,
-            "seconds": round(result["seconds"], 2), "mb_per_second": round(rep["bytes_in"] / 1e6 / result["seconds"], 3),
+            "seconds": round(result["seconds"], 2),
+            "mb_per_second": round(rep["bytes_in"] / 1e6 / result["seconds"], 3),
             "peak_rss_mb": round(peak / 1024, 1),
             "peak_rss_mb_per_pass": {k: round(v / 1024, 1) for k, v in result["pass_peak_rss_kb"].items()},
             "tokens_out": rep["tokens_out"], "bytes_per_token": rep["bytes_per_token"], "removed": rep["removed"],
@@ -336,7 +337,8 @@ def render_table(results: dict) -> str:
     lines.append(f"| loader {lo['batch']}: ms/batch (prefetch 0 / 2) | {lo['loader_ms_per_batch_prefetch0']} / "
                  f"{lo['loader_ms_per_batch_prefetch2']} ms |")
     lines.append(f"| baby-GPT step, median of 6 blocks: pre-read batches / loader / loader+prefetch | "
-                 f"{lo['step_ms_preloaded']} / {lo['step_ms_loader_prefetch0']} / {lo['step_ms_loader_prefetch2']} ms |")
+                 f"{lo['step_ms_preloaded']} / {lo['step_ms_loader_prefetch0']} / "
+                 f"{lo['step_ms_loader_prefetch2']} ms |")
     for p in (0, 2):
         lines.append(f"| time inside next(loader) per step, prefetch {p} | {lo[f'wait_ms_per_step_prefetch{p}']} ms = "
                      f"{lo[f'loader_share_of_step_pct_prefetch{p}']} % of the step |")

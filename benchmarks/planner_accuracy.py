@@ -1,6 +1,7 @@
 """Planner accuracy: predicted vs measured peak tensor memory and step time of real training steps on this CPU.
 
-Each row trains, in a fresh process (torchrun ranks for distributed rows), scaletrain's Llama for a few steps (the trainer's fp32 step: forward, cross-entropy,
+Each row trains, in a fresh process (torchrun ranks for distributed rows), scaletrain's Llama for a few steps
+(the trainer's fp32 step: forward, cross-entropy,
 backward, clip 1.0, AdamW foreach, zero_grad) and measures
   * the exact peak of live tensor bytes (a TorchDispatchMode tracker, scaletrain.plan.measure), and
   * the median step time,

@@ -5,7 +5,10 @@ For each requested strategy it trains a tiny Llama for a few AdamW steps through
 on the same global batches from the same seed. Rank 0 writes one JSON record per strategy: the two loss
 curves and their maximum relative difference. Several strategies share one process group so the whole
 matrix costs one launch per world size. Any strategy name with the suffix ``_compile`` runs that strategy
-with per-block ``torch.compile`` (``parallelize(..., compile=True)``, as ``train.compile`` does).
+with per-block ``torch.compile`` (``parallelize(..., compile=True)``, as ``train.compile`` does); with the
+suffix ``_padded`` (before any ``_compile``) the data has 60 tokens in the model's 64 rows, as with a
+vocabulary padded for the plan: the parallel loss masks the 4 padding columns (``vocab_limit``; under TP on
+the vocabulary-sharded logits, where they lie in the last rank's shard) and the reference slices them off.
 
     torchrun --standalone --nproc-per-node 2 tests/dist_parity.py --out r.json --strategies ddp,fsdp3,ddp_compile
 
@@ -67,43 +70,52 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
 }
 
 COMPILE_SUFFIX = "_compile"
+PADDED_SUFFIX = "_padded"
+# The "tokenizer" of the _padded strategies: 60 tokens in 64 rows (with 63 the 5 x + 3 stream learns too
+# little in 5 steps for the parity check's "it learns" condition).
+PADDED_VOCAB = MODEL.vocab_size - 4
 
 
-def resolve(name: str) -> tuple[dict, int, bool]:
-    """(ParallelConfig fields, grad_accum_steps, compile) of a strategy name; ``X_compile`` is X compiled."""
+def resolve(name: str) -> tuple[dict, int, bool, int | None]:
+    """(ParallelConfig fields, grad_accum_steps, compile, vocab_limit) of a strategy name; ``X_compile`` is X
+    compiled, ``X_padded`` is X on data with fewer tokens than the model's vocabulary (None: as many)."""
     compiled = name.endswith(COMPILE_SUFFIX)
-    fields, accum = STRATEGIES[name[:-len(COMPILE_SUFFIX)] if compiled else name]
-    return fields, accum, compiled
+    name = name.removesuffix(COMPILE_SUFFIX)
+    vocab_limit = PADDED_VOCAB if name.endswith(PADDED_SUFFIX) else None
+    fields, accum = STRATEGIES[name.removesuffix(PADDED_SUFFIX)]
+    return fields, accum, compiled, vocab_limit
 
 
-def batches(step: int, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(step: int, accum: int, vocab: int = MODEL.vocab_size) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batch of one optimizer step cut into ``accum`` micro-batches (identical on every rank).
 
     The batch is the same whatever ``accum`` is, so k micro-batches of b rows can be compared with one
     batch of k * b rows. The stream is learnable (next = 5 x + 3 mod V, with 10% noise) so the loss moves
-    a lot in 5 steps and any difference in the updates shows in the losses.
+    a lot in 5 steps and any difference in the updates shows in the losses. Tokens are below ``vocab``.
     """
     g = torch.Generator().manual_seed(SEED + step)
     tokens = torch.empty(GLOBAL_BATCH, SEQ + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, MODEL.vocab_size, (GLOBAL_BATCH,), generator=g)
+    tokens[:, 0] = torch.randint(0, vocab, (GLOBAL_BATCH,), generator=g)
     for t in range(SEQ):
-        tokens[:, t + 1] = (5 * tokens[:, t] + 3) % MODEL.vocab_size
+        tokens[:, t + 1] = (5 * tokens[:, t] + 3) % vocab
     noise = torch.rand(GLOBAL_BATCH, SEQ + 1, generator=g) < 0.1
-    tokens[noise] = torch.randint(0, MODEL.vocab_size, (int(noise.sum()),), generator=g)
+    tokens[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.chunk(accum)]
 
 
-def reference_losses(accum: int, device: torch.device | None = None) -> list[float]:
-    """One process, the whole global batch per step (accumulated over the same micro-batches), eager."""
+def reference_losses(accum: int, device: torch.device | None = None, vocab_limit: int | None = None) -> list[float]:
+    """One process, the whole global batch per step (accumulated over the same micro-batches), eager.
+    With ``vocab_limit`` the logits are sliced to it: what the parallel loss's -inf mask must equal."""
     device = device or torch.device("cpu")
     model = build_model(MODEL, device, seed=SEED)
     opt = build_optimizer(model, OPTIM, device)
     losses = []
     for step in range(STEPS):
         total = 0.0
-        for inputs, targets in batches(step, accum):
+        for inputs, targets in batches(step, accum, vocab_limit or MODEL.vocab_size):
             inputs, targets = inputs.to(device), targets.to(device)
-            loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()) / accum
+            logits = model(inputs)[..., :vocab_limit]  # [..., :None] keeps every column
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()) / accum
             loss.backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
@@ -119,19 +131,20 @@ def job(fields: dict, accum: int = 1, compile: bool = False) -> JobConfig:
                      train=TrainConfig(seed=SEED, compile=compile, grad_accum_steps=accum))
 
 
-def parallel_losses(fields: dict, accum: int, compile: bool, device: torch.device) -> tuple[list[float], dict]:
+def parallel_losses(fields: dict, accum: int, compile: bool, device: torch.device,
+                    vocab_limit: int | None = None) -> tuple[list[float], dict]:
     """The trainer's own build and step (``build_parallel_training`` + ``training_step``) for one strategy."""
     cfg = job(fields, accum, compile)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     local_batch = GLOBAL_BATCH // accum // dims.dp_size
     dims.check_model(cfg.parallel, MODEL, SEQ, local_batch)
-    pm, opt = build_parallel_training(cfg, dims, device)
+    pm, opt = build_parallel_training(cfg, dims, device, vocab_limit=vocab_limit)
     lo = pm.dp_rank * local_batch  # this data-parallel rank's slice of each global micro-batch
     frames_before = dynamo_counters["frames"]["ok"]
     losses, t0 = [], time.perf_counter()
     for step in range(STEPS):
         micro = ((x[lo:lo + local_batch].to(device), y[lo:lo + local_batch].to(device), None)
-                 for x, y in batches(step, accum))
+                 for x, y in batches(step, accum, vocab_limit or MODEL.vocab_size))
         losses.append(training_step(pm, opt, micro, accum, grad_clip=OPTIM.grad_clip).loss)
     return losses, {"dims": dataclasses.asdict(dims), "seconds": time.perf_counter() - t0,
                     "all_reduce_calls": pm.comm.all_reduce_calls,
@@ -196,13 +209,14 @@ def main() -> int:
             print(f"{name:>16}: memory " + " | ".join(f"rank {r['rank']}: P {r['params_at_rest']}/"
                   f"{r['params_in_step']} G {r['grads']} O {r['optimizer_states']}" for r in gathered), flush=True)
     for name in filter(None, args.strategies.split(",")):
-        fields, accum, compiled = resolve(name)
-        if not ref_cache:  # always one eager process and one batch of k * b rows, whatever the strategy's k
-            ref_cache[1] = reference_losses(1, device)
-        ref = ref_cache[1]
-        losses, info = parallel_losses(fields, accum, compiled, device)
+        fields, accum, compiled, vocab_limit = resolve(name)
+        if vocab_limit not in ref_cache:  # always one eager process and one batch of k * b rows, whatever k is
+            ref_cache[vocab_limit] = reference_losses(1, device, vocab_limit)
+        ref = ref_cache[vocab_limit]
+        losses, info = parallel_losses(fields, accum, compiled, device, vocab_limit)
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
-        records.append({"kind": "parity", "strategy": name, "world_size": dist.get_world_size(), "grad_accum_steps": accum,
+        records.append({"kind": "parity", "strategy": name, "world_size": dist.get_world_size(),
+                        "grad_accum_steps": accum, "vocab_limit": vocab_limit,
                         "compile": compiled, "device": device.type, "reference": ref, "parallel": losses,
                         "max_rel_diff": rel, **info})
         if rank == 0:

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
     {},  # char tokenizer, untied, MHA
     {"data.tokenizer": "bpe", "data.vocab_size": 300, "model.tie_embeddings": "true", "model.n_heads": 4,
      "model.n_kv_heads": 2},
+    {"model.vocab_size": 66},  # a model padded beyond the 65-character tokenizer: exported with 65 rows
 ])
 def test_export_matches_transformers(tmp_path, tiny, capsys, extra):
     run = tmp_path / "run"
@@ -26,8 +27,9 @@ def test_export_matches_transformers(tmp_path, tiny, capsys, extra):
     hf.eval()
     text = "ROMEO:\nBut soft, what light\n"
     ids = torch.tensor([tok.encode(text)])
+    assert hf.config.vocab_size == tok.vocab_size == hf.get_input_embeddings().weight.shape[0]
     with torch.no_grad():
-        ours = model(ids)
+        ours = model(ids)[..., :tok.vocab_size]  # a padded model's extra columns are not a token
         theirs = hf(ids).logits
     assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5), (ours - theirs).abs().max()
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))

@@ -24,7 +24,8 @@ PARITY_RTOL = 1e-5
 
 
 def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Launch ``nproc`` gloo ranks; the rendezvous TCP store is not shared with the workers (sharing it breaks gloo's re-initialisation)."""
+    """Launch ``nproc`` gloo ranks; the rendezvous TCP store is not shared with the workers
+    (sharing it breaks gloo's re-initialisation)."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run([*TORCHRUN, f"--nproc-per-node={nproc}", *args], cwd=cwd, env=env, capture_output=True,
@@ -44,9 +45,12 @@ def parity_run(tmp_path_factory, nproc: int, strategies: list[str], memory: list
 
 # "_compile": the same strategy with per-block torch.compile. A cold compile costs ~20 s on 2 cores; the
 # inductor cache (/tmp/torchinductor_$USER) brings reruns down to a few seconds.
+# "_padded": 60 tokens in the model's 64 rows, the padding columns masked out of the loss (on the
+# vocabulary-sharded logits under TP, in the pipeline's loss_fn under PP) vs a reference on sliced logits.
 WORLD2 = ["ddp", "ddp_accum2", "zero1", "fsdp2", "fsdp3", "fsdp3_accum2", "fsdp3_ac", "fsdp3_offload", "fsdp3_bf16",
-          "tp", "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_1f1b_accum2", "ddp_compile", "fsdp3_compile"]
-WORLD4 = ["hsdp", "fsdp_tp", "fsdp_tp_nosp", "pp_fsdp", "pp_tp"]
+          "tp", "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_1f1b_accum2", "ddp_compile", "fsdp3_compile",
+          "tp_padded", "tp_sp_padded", "pp_1f1b_padded"]
+WORLD4 = ["hsdp", "fsdp_tp", "fsdp_tp_nosp", "pp_fsdp", "pp_tp", "pp_tp_padded"]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +92,13 @@ def test_ddp_accumulation_skips_all_reduce_on_non_final_micro_steps(world2):
     assert parity["ddp_compile"]["all_reduce_calls"] == 5  # the counting comm hook survives compile
 
 
+def test_padded_strategies_mask_a_padding_column(world2, world4):
+    """The "_padded" parity rows above ran with a vocabulary limit below the model's rows (60 of 64)."""
+    records = {**world2["parity"], **world4["parity"]}
+    assert {name for name, r in records.items() if r["vocab_limit"] == 60} == \
+        {name for name in WORLD2 + WORLD4 if name.endswith("_padded")}
+
+
 def test_bf16_mixed_precision_stays_close(world2):
     # bf16 params (fp32 reduce) cannot match fp32 to 1e-5; it must still track it closely.
     check_parity(world2["parity"]["fsdp3_bf16"], rtol=5e-2)
@@ -120,7 +131,8 @@ def test_memory_matches_zero_accounting(world2):
     }
     for name, (p_rest, p_step, g, o) in expected.items():
         for r in by[name]:
-            assert (r["params_at_rest"], r["params_in_step"], r["grads"], r["optimizer_states"]) == (p_rest, p_step, g, o)
+            assert (r["params_at_rest"], r["params_in_step"], r["grads"],
+                    r["optimizer_states"]) == (p_rest, p_step, g, o)
     # ZeRO-1 splits whole parameters between ranks, so shares are 1/N up to one parameter's states.
     zero1 = by["zero1"]
     assert sum(r["optimizer_states"] for r in zero1) == full_o
@@ -183,6 +195,57 @@ def test_cli_under_torchrun_matches_single_process_and_resumes(tmp_path):
     torchrun(2, *cli, f"--train.run_dir={tmp_path / 'fsdp'}", "--parallel.dp_shard=2", "--train.batch_size=4",
              "--resume")
     assert train_losses(tmp_path / "fsdp") == got[5:]
+
+
+def test_top_plan_for_two_cpu_ranks_trains_under_torchrun(tmp_path):
+    """`plan --hardware cpu:2 --emit` then `torchrun --nproc-per-node 2 ... train` on the emitted file: the
+    search's first choice for a 2-rank CPU job is a job the trainer accepts and trains."""
+    from scaletrain.cli import main
+    from scaletrain.config import load_config
+
+    job = tmp_path / "tiny.toml"
+    job.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=2))
+    emitted = tmp_path / "best.toml"
+    assert main(["plan", "--config", str(job), "--vocab-size", "65", "--hardware", "cpu:2", "--tokens", "8192",
+                 "--global-batch", "8", "--emit", str(emitted)]) == 0
+    plan = load_config(emitted)
+    degrees = {k: getattr(plan.parallel, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
+    assert plan.parallel.dp_replicate * plan.parallel.dp_shard * plan.parallel.tp * plan.parallel.pp == 2, degrees
+    run = tmp_path / "run"
+    torchrun(2, "-m", "scaletrain.cli", "train", "--config", str(emitted), "--train.steps=2",
+             f"--train.run_dir={run}", f"--data.cache_dir={tmp_path / 'data'}", "--logging.progress=off",
+             "--logging.tensorboard=false", "--train.eval_interval=0", "--train.sample_tokens=0",
+             "--checkpoint.interval=0", "--schedule.warmup_steps=1", "--logging.log_interval=1")
+    saved = load_config(run / "config.toml")
+    assert {k: getattr(saved.parallel, k) for k in degrees} == degrees  # it ran the plan it was given
+    losses = train_losses(run)
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), losses
+
+
+def test_tp2_pads_a_data_derived_vocabulary_and_matches_single_process(tmp_path):
+    """`scaletrain train --parallel.tp=2` on the 65-character data with model.vocab_size = 0: the vocabulary
+    is padded to 66 (said in the log line), it trains, and its losses match one process training the same
+    66-row model (an explicit model.vocab_size, its extra row masked the same way); the export has 65 rows."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=5))
+    cli = ["-m", "scaletrain.cli", "train", "--config", str(config)]
+    single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}", "--model.vocab_size=66"],
+                            capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    proc = torchrun(2, *cli, f"--train.run_dir={tmp_path / 'tp'}", "--parallel.tp=2", "--parallel.dp_shard=1")
+    assert "vocab 65 -> 66 (padded for parallel.tp=2; padding rows masked out of the loss and sampling)" in proc.stdout
+    expected, got = train_losses(tmp_path / "single"), train_losses(tmp_path / "tp")
+    assert len(got) == len(expected) == 5
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL
+    assert got[-1] < got[0]
+    from safetensors.torch import load_file
+
+    from scaletrain.cli import main
+
+    assert main(["export", "--run", str(tmp_path / "tp"), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 65
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert weights["model.embed_tokens.weight"].shape == weights["lm_head.weight"].shape == (65, 64)
 
 
 def low_comm_recipe(cache: Path) -> str:

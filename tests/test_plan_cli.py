@@ -23,7 +23,7 @@ def test_unknown_hardware_exits_2_and_lists_the_catalog(capsys):
 def test_impossible_degree_exits_2_with_the_reason(capsys):
     assert run("--model", "gpt2-124m", "--hardware", "h100-sxm:8", "--tp", "8", "--dp-shard", "1") == 2
     err = capsys.readouterr().err
-    assert "tp=8 must divide n_heads (12)" in err
+    assert "model.n_heads (12) must be divisible by parallel.tp (8)" in err  # the trainer's own words
 
 
 def test_degrees_that_do_not_multiply_to_the_world(capsys):

@@ -12,8 +12,9 @@ from scaletrain.plan.hardware import CATALOG, Cluster
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown
 from scaletrain.plan.search import enumerate_plans, search, what_would_fit
-from scaletrain.plan.spec import Plan, Workload, check_plan
+from scaletrain.plan.spec import Plan, Workload, check_plan, job_config
 from scaletrain.plan.timing import communication, step_time
+from scaletrain.train.validate import check_runnable
 
 # A made-up but self-consistent CPU calibration, so these tests neither measure nor depend on the machine.
 CALIBRATION = {
@@ -43,22 +44,56 @@ def test_search_returns_only_fitting_plans_fastest_first():
     assert speeds[0] >= max(speeds) * 0.99
 
 
-def test_every_enumerated_plan_is_buildable_and_covers_the_world():
-    w = gpt2()
-    cluster = parse_hardware("h100-sxm:8x2")
-    plans = enumerate_plans(w, cluster)
-    assert {p.tp for p in plans} >= {1, 2, 4}
-    for p in plans:
-        check_plan(w, p, 16, "gpu")
-        assert p.world_size == 16 and p.tp <= 8
+def _preset_workload(name: str) -> Workload:
+    model = build(ModelConfig, {"preset": name, "vocab_size": PRESETS[name].get("vocab_size") or 50304},
+                  presets=PRESETS)
+    return Workload(model, min(1024, model.max_seq_len), 64, 1e9, "bf16")
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_plan_the_search_returns_passes_the_trainers_checks(tmp_path, preset):
+    # The search's candidates (fitting and too big alike) as the job `plan --emit` writes, judged by the
+    # trainer's own entry check: none may be a job the trainer refuses. Every 8th (and the top) also makes
+    # the round trip through the TOML file the user gets.
+    w = _preset_workload(preset)
+    for spec in ("cpu:1", "cpu:2", "h100-sxm:1", "h100-sxm:8", "h100-sxm:8x2"):
+        cluster = parse_hardware(spec)
+        result = search(w, cluster)
+        candidates = result.ranked + result.rejected
+        assert candidates, (preset, spec)
+        kind = cluster.hardware.kind
+        for i, c in enumerate(candidates):
+            job = job_config(w, c.plan, kind)
+            if i % 8 == 0:
+                job = load_config(write_config(tmp_path / f"{spec.replace(':', '_')}-{i}.toml", w, c.plan, kind))
+            check_runnable(job, cluster.world_size, job.train.device, job.train.precision)
+            assert job.train.batch_size * job.train.grad_accum_steps * c.plan.dp == w.global_batch
+
+
+def test_search_respects_the_trainers_refusals():
+    # The rules the planner once re-stated and let drift: tp with tied embeddings (gpt2-124m), DDP with
+    # tp/cp, pipeline stages that do not divide n_layers. Each refused plan names the trainer's reason.
+    plans = enumerate_plans(gpt2(), parse_hardware("h100-sxm:8x2"))
+    assert plans and {p.tp for p in plans} == {1} and {p.pp for p in plans} == {1}  # tied embeddings
+    with pytest.raises(ConfigError, match="tie_embeddings is not supported with parallel.tp"):
+        check_plan(gpt2(), Plan(tp=2, dp_shard=8, zero_stage=3), 16, "gpu")
+    llama = _preset_workload("llama-8b")
+    plans = enumerate_plans(llama, parse_hardware("h100-sxm:8x2"))
+    assert {p.tp for p in plans} >= {1, 2, 4, 8} and {p.pp for p in plans} >= {1, 2, 4}
+    assert not any(p.dp_replicate > 1 and p.dp_shard == 1 and (p.tp > 1 or p.cp > 1) for p in plans)
+    assert all(32 % p.pp == 0 for p in plans)
+    with pytest.raises(ConfigError, match="DDP .* cannot wrap tensor"):
+        check_plan(llama, Plan(dp_replicate=8, tp=2), 16, "gpu")
+    with pytest.raises(ConfigError, match=r"n_layers \(32\) must be divisible by the pipeline stages"):
+        check_plan(llama, Plan(pp=3, pp_microbatches=4), 3, "gpu")
 
 
 def test_pinned_impossible_degree_is_rejected_with_the_reason():
-    with pytest.raises(ConfigError, match="must divide n_heads"):
+    with pytest.raises(ConfigError, match=r"model.n_heads \(12\) must be divisible by parallel.tp \(5\)"):
         search(gpt2(), parse_hardware("h100-sxm:5"), {"tp": 5})
-    with pytest.raises(ConfigError, match="GPU only"):
+    with pytest.raises(ConfigError, match="not supported on this device"):
         check_plan(gpt2(), Plan(cp=2, dp_shard=1), 2, "cpu")
-    with pytest.raises(ConfigError, match="more stages than n_layers"):
+    with pytest.raises(ConfigError, match="must be divisible by the pipeline stages"):
         check_plan(gpt2(), Plan(pp=16), 16, "gpu")
 
 

@@ -15,7 +15,8 @@ from scaletrain.config import ConfigError, JobConfig, add_config_arguments, load
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (default: the tiny CPU recipe on bundled Tiny Shakespeare)",
-                       description="Train a model. Settings come from --config TOML, overridden by --section.field flags.")
+                       description="Train a model. Settings come from --config TOML, "
+                                   "overridden by --section.field flags.")
     p.add_argument("--config", help="TOML recipe (see configs/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.run_dir")
@@ -50,8 +51,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.train.resume and not trainer.resume():
         print(f"no checkpoint in {cfg.train.run_dir}; starting from scratch", flush=True)
     n = trainer.cfg
-    print(f"model: {trainer.summary()['parameters'] / 1e6:.2f}M parameters ({n.model.n_layers} layers x {n.model.dim}), "
-          f"vocab {n.model.vocab_size}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
+    print(f"model: {trainer.summary()['parameters'] / 1e6:.2f}M parameters "
+          f"({n.model.n_layers} layers x {n.model.dim}), "
+          f"vocab {trainer.vocab_note}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
           f"{trainer.precision}; run folder {trainer.run_dir}", flush=True)
     summary = trainer.train()
     if summary["preempted"]:
@@ -94,10 +96,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         source = str(path)
     else:
         stream = TokenStream(str(prepare_data(cfg)), "val")
-        n = stream.total if not args.batches else min(stream.total, args.batches * cfg.train.batch_size * cfg.data.seq_len + 1)
+        n = stream.total if not args.batches else min(stream.total,
+                                                      args.batches * cfg.train.batch_size * cfg.data.seq_len + 1)
         tokens = torch.from_numpy(stream.read(0, n).astype("int64"))
         source = "validation split"
-    loss, count = token_loss(model, tokens, cfg.data.seq_len, cfg.train.batch_size)
+    loss, count = token_loss(model, tokens, cfg.data.seq_len, cfg.train.batch_size,
+                             vocab_limit=tokenizer.vocab_size)
     print(f"{source}: loss {loss:.4f}, perplexity {perplexity(loss):.2f} over {count:,} tokens ({ckpt.name})")
     return 0
 
@@ -128,7 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt must not be empty")
     new = generate(model, prompt, args.max_tokens, max_seq_len=cfg.model.max_seq_len, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
-                   stop_id=tokenizer.eos_id)
+                   stop_id=tokenizer.eos_id, vocab_limit=tokenizer.vocab_size)
     print(args.prompt + tokenizer.decode(new))
     return 0
 

@@ -90,9 +90,11 @@ class TrainConfig:
     sample_prompt: str = opt("\n", "prompt for those samples")
     run_dir: str = opt("runs/default", "folder for checkpoints, metrics and the resolved config")
     resume: bool = opt(False, "continue from the latest checkpoint in run_dir")
-    stop_at_step: int = opt(0, "save and stop at this step (the schedule still follows steps); 0 = run to the end", ge=0)
+    stop_at_step: int = opt(0, "save and stop at this step (the schedule still follows steps); 0 = run to the end",
+                            ge=0)
     rollback_after: int = opt(3, "NaN/Inf guard: a step whose loss or gradient norm is not finite is skipped; after "
-                                 "this many in a row, reload the last checkpoint and skip that data; 0 = never roll back",
+                                 "this many in a row, reload the last checkpoint and skip that data; "
+                                 "0 = never roll back",
                               ge=0)
 
 
@@ -282,7 +284,8 @@ def build(cls: type, raw: dict, where: str = "", prefix: str = "", presets: dict
     for key in raw:
         if key not in by_name:
             known = ", ".join(sorted(by_name))
-            raise ConfigError(f"unknown key {prefix}{key}{where} (known in {prefix.rstrip('.') or 'top level'}: {known})")
+            raise ConfigError(f"unknown key {prefix}{key}{where} "
+                              f"(known in {prefix.rstrip('.') or 'top level'}: {known})")
     kwargs = {}
     layered = dict(raw)
     if presets is not None and layered.get("preset"):

@@ -6,6 +6,7 @@ Our rotary layout is Hugging Face's rotate-half, so the weights map one to one b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -56,9 +57,14 @@ def hf_config(cfg: ModelConfig) -> dict:
 
 
 def hf_state_dict(model: nn.Module, cfg: ModelConfig) -> dict:
-    """Our parameter names -> Hugging Face Llama names (contiguous CPU tensors, tied head omitted)."""
+    """Our parameter names -> Hugging Face Llama names (contiguous CPU tensors, tied head omitted).
+
+    The embedding and output rows are cut to ``cfg.vocab_size``, which may be below the model's: a padded
+    vocabulary's extra rows (``padded_vocab_size``) are never a token and are not exported."""
     out = {}
     for name, tensor in model.state_dict().items():
+        if name in ("tok_embeddings.weight", "output.weight"):
+            tensor = tensor[:cfg.vocab_size]
         if name == "tok_embeddings.weight":
             key = "model.embed_tokens.weight"
         elif name == "norm.weight":
@@ -87,7 +93,12 @@ def _char_tokenizer_as_hf(tok: CharTokenizer):
 
 
 def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
-    """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``."""
+    """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``.
+
+    The exported vocabulary is the tokenizer's: a model padded beyond it (for tensor parallelism or a
+    GPU-friendly size) loses its padding rows, so config.json and the weights match the tokenizer files."""
+    if cfg.vocab_size > tokenizer.vocab_size:
+        cfg = dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))

@@ -19,7 +19,8 @@ Asynchronous: ``save(..., blocking=False)`` returns at once; background threads 
 memory and then write them. The caller must not change the tensors until ``wait_staged()`` returns (the
 trainer calls it just before the next optimizer step, so the copy overlaps a forward and backward). The
 next save - or ``wait()`` - waits for the previous one, so at most one staged copy exists (bounded memory:
-one copy of this rank's model and optimizer shards, reused from save to save). DCP's own collectives run on a dedicated gloo group so they never interleave with the
+one copy of this rank's model and optimizer shards, reused from save to save). DCP's own collectives run on a
+dedicated gloo group so they never interleave with the
 training loop's collectives on the default group.
 
 Safety: tensors are read back by DCP with ``torch.load(weights_only=True)``; DCP's ``.metadata`` index is a
@@ -283,7 +284,12 @@ class CheckpointManager:
 
 def _persistent_stager():
     """DCP's DefaultStager with its CPU copies cached between saves (pinned memory and non-blocking copies
-    on CUDA); None on a torch without it, where each save stages into fresh memory."""
+    on CUDA); None on a torch without it, where each save stages into fresh memory.
+
+    Before torch 2.13 a DefaultStager that stages a second time into its cached copies fails (``KeyError:
+    <class 'type'>`` in its deepcopy), so there every save gets a fresh one (torch's own default)."""
+    if torch.__version__ < "2.13":
+        return None
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:

@@ -48,7 +48,7 @@ from scaletrain.data.tokenizer import CharTokenizer, DataError
 from scaletrain.data.workers import ordered_map, release_freed_memory, resolve_workers
 from scaletrain.files import file_sha256
 
-PIPELINE_VERSION = 2           # bump when a stage's output changes for the same config
+PIPELINE_VERSION = 3           # bump when a stage's output changes for the same config
 WORK = ".work"                 # pass-1 output and markers, inside the output folder
 BATCH_BYTES = 1 << 20          # documents per worker task: about 1 MB of text (amortises pickling)
 BATCH_DOCS = 256
@@ -326,7 +326,8 @@ def prepare(cfg: PrepareConfig, report: Report | None = None, log: Callable[[str
 
     # pass 3
     splits = write_shards(cfg, spill, keys, by, val, tok, out, report)
-    report.splits = {s: {k: v for k, v in info.items() if k in ("documents", "bytes", "tokens")} | {"shards": len(info["shards"])}
+    report.splits = {s: {k: v for k, v in info.items() if k in ("documents", "bytes", "tokens")}
+                     | {"shards": len(info["shards"])}
                      for s, info in splits.items()}
     manifest = {
         "dtype": dtype_for_vocab(tok.vocab_size, cfg.output.dtype).str,

@@ -23,7 +23,8 @@ class Report:
 
     documents_in: int = 0
     bytes_in: int = 0
-    removed: dict[str, dict[str, list[int]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(lambda: [0, 0])))
+    removed: dict[str, dict[str, list[int]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(lambda: [0, 0])))
     modified: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     issues: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     messages: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
@@ -70,7 +71,8 @@ class Report:
         if len(self.messages[kind]) < MAX_MESSAGES_PER_KIND:
             self.messages[kind].append(message)
         if self.echo and self.issues[kind] <= 5:
-            print(f"warning: {message}" + (" (further ones are counted, see report.json)" if self.issues[kind] == 5 else ""))
+            print(f"warning: {message}"
+                  + (" (further ones are counted, see report.json)" if self.issues[kind] == 5 else ""))
 
     def removed_total(self) -> tuple[int, int]:
         docs = sum(v[0] for reasons in self.removed.values() for v in reasons.values())

@@ -281,7 +281,8 @@ def read_jsonl(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Docume
             try:
                 record = json.loads(line)
             except ValueError as exc:
-                report.issue("bad_json_line", f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); line skipped")
+                report.issue("bad_json_line",
+                             f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); line skipped")
                 report.remove("source", "bad JSON line", len(raw), where)
                 continue
             text = _record_text(record, where, cfg.text_field, report, len(raw))
@@ -435,11 +436,13 @@ def read_parquet(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Docu
     try:
         pf = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid and friends
-        _skip_file(path, "unreadable_file", f"not a readable parquet file ({exc}); skipped", path.stat().st_size, report)
+        _skip_file(path, "unreadable_file", f"not a readable parquet file ({exc}); skipped", path.stat().st_size,
+                   report)
         return
     if cfg.text_field not in pf.schema_arrow.names:
-        _skip_file(path, "missing_text_field", f"no column {cfg.text_field!r} (have: {', '.join(pf.schema_arrow.names)}); "
-                                               "file skipped (set source.text_field)", path.stat().st_size, report)
+        _skip_file(path, "missing_text_field",
+                   f"no column {cfg.text_field!r} (have: {', '.join(pf.schema_arrow.names)}); "
+                   "file skipped (set source.text_field)", path.stat().st_size, report)
         return
     yield from _iter_record_batches(pf.iter_batches(batch_size=1024, columns=[cfg.text_field]), str(path),
                                     cfg.text_field, report)
@@ -513,7 +516,8 @@ def read_hf(name: str, cfg: SourceConfig, report: Report) -> Iterator[Document]:
         ds = datasets.load_dataset(name, cfg.hf_config or None, split=cfg.hf_split, streaming=not offline)
     except Exception as exc:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
         mode = "offline (no network; only the local cache is searched)" if offline else "online"
-        raise DataError(f"hf:{name}: cannot load ({mode}): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        raise DataError(f"hf:{name}: cannot load ({mode}): "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     for i, record in enumerate(ds):
         where = f"hf:{name}[{i}]"
         text = record.get(cfg.text_field) if isinstance(record, dict) else None

@@ -88,7 +88,8 @@ class BPETokenizer:
         self.bos_id = tok.token_to_id(BOS)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, special_tokens: tuple[str, ...] = (BOS, EOS, PAD)) -> BPETokenizer:
+    def train(cls, texts: Iterable[str], vocab_size: int,
+              special_tokens: tuple[str, ...] = (BOS, EOS, PAD)) -> BPETokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         tok = Tokenizer(models.BPE())

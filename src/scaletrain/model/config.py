@@ -15,7 +15,9 @@ from scaletrain.options import opt
 class ModelConfig:
     preset: str = opt("", "named size from scaletrain.model.presets (nano, micro, small, gpt2-124m, "
                           "llama-1b, llama-8b, llama-70b); fields set here override the preset")
-    vocab_size: int = opt(0, "vocabulary size; 0 = take it from the prepared data's tokenizer", ge=0)
+    vocab_size: int = opt(0, "vocabulary size; 0 = the prepared data's tokenizer's, padded to a multiple of "
+                             "parallel.tp, and of lcm(64, tp) when that adds at most 1% rows (50257 -> 50304, "
+                             "65 stays 65); padding rows are masked out of the loss and sampling", ge=0)
     dim: int = opt(128, "model width (embedding / residual size)", ge=1)
     n_layers: int = opt(4, "number of transformer blocks", ge=1)
     n_heads: int = opt(4, "attention (query) heads; must divide dim", ge=1)

@@ -9,16 +9,20 @@ from torch import nn
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, max_seq_len: int,
              temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None, stop_id: int | None = None) -> list[int]:
+             generator: torch.Generator | None = None, stop_id: int | None = None,
+             vocab_limit: int | None = None) -> list[int]:
     """Sample up to ``max_new_tokens`` after ``prompt``; temperature 0 is greedy. The context is cropped
-    to ``max_seq_len`` (the rotary tables' length). Returns only the new tokens."""
+    to ``max_seq_len`` (the rotary tables' length). ``vocab_limit``: only ids below it are ever produced
+    (the tokenizer's vocabulary when the model's is padded: padding rows have no token to decode).
+    Returns only the new tokens."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -max_seq_len:])[:, -1, :].float()  # (1, V)
+        # (1, V), cut to the real vocabulary before greedy / top-k / top-p so padding never competes
+        logits = model(ids[:, -max_seq_len:])[:, -1, :vocab_limit].float()
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:

@@ -20,13 +20,16 @@ PRESETS: dict[str, dict] = {
     "gpt2-124m": dict(dim=768, n_layers=12, n_heads=12, ffn_hidden_dim=2048, vocab_size=50304,
                       max_seq_len=1024, tie_embeddings=True),
     # Llama 3.2 1B shape.
-    "llama-1b": dict(dim=2048, ffn_hidden_dim=0, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+    "llama-1b": dict(dim=2048, ffn_hidden_dim=0, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+                     multiple_of=256,
                      vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
     # Llama 3 8B shape.
-    "llama-8b": dict(dim=4096, ffn_hidden_dim=0, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+    "llama-8b": dict(dim=4096, ffn_hidden_dim=0, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                     multiple_of=1024,
                      vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
     # Llama 3 70B shape.
-    "llama-70b": dict(dim=8192, ffn_hidden_dim=0, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+    "llama-70b": dict(dim=8192, ffn_hidden_dim=0, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+                      multiple_of=4096,
                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
 }
 

@@ -6,7 +6,8 @@ per block. On the nanoGPT baby recipe this was 0.86-0.91x the eager nanoGPT-layo
 against 0.92x per block in the same comparison (benchmarks/shakespeare_char.py times it side by side).
 It is used when no technique hooks into the blocks: no FSDP2 (whose per-block hooks must stay outside
 the compiled region), no DDP (one compiled backward would hand DDP every gradient at its very end, so
-no bucket's all-reduce could overlap the backward; per block it still can), no pipeline stages, no tensor parallelism (DTensor plans per block) and no activation
+no bucket's all-reduce could overlap the backward; per block it still can), no pipeline stages, no tensor
+parallelism (DTensor plans per block) and no activation
 checkpointing (which wraps blocks). A single process and low-communication replicas (DiLoCo, local
 SGD: no per-step gradient traffic) compile the whole model.
 

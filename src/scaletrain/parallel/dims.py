@@ -12,12 +12,30 @@ it only sends activations between neighbours. Only dimensions of size > 1 are pu
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from scaletrain.config import ConfigError, ModelConfig, ParallelConfig
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+VOCAB_MULTIPLE = 64  # GPU-friendly vocabulary rows (nanoGPT's 50257 -> 50304, Megatron's make-vocab-size-divisible-by)
+VOCAB_MAX_PADDING = 0.01  # the round-up to VOCAB_MULTIPLE may add at most this fraction of rows
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The model vocabulary for a data-derived ``vocab_size`` under tensor-parallel degree ``tp``.
+
+    Always a multiple of ``tp`` (the embedding and the output head are split by vocabulary rows). Rounded
+    further up to a multiple of lcm(64, tp) when that adds at most 1% rows: BPE vocabularies get the
+    GPU-friendly size (50257 -> 50304) while a 65-character vocabulary is not doubled (65 -> 65, or 66
+    at tp=2), so a small model's step time does not change. The extra rows are padding: the loss and
+    sampling mask them out (``cross_entropy``'s and ``generate``'s ``vocab_limit``).
+    """
+    for_tp = -(-vocab_size // tp) * tp
+    multiple = math.lcm(VOCAB_MULTIPLE, tp)
+    rounded = -(-vocab_size // multiple) * multiple
+    return rounded if rounded - vocab_size <= VOCAB_MAX_PADDING * vocab_size else for_tp
 
 
 @dataclass(frozen=True)
@@ -103,8 +121,9 @@ class ParallelDims:
                     raise ConfigError(f"{name} ({value}) must be divisible by parallel.tp ({self.tp})")
             if model.vocab_size and model.vocab_size % self.tp:
                 raise ConfigError(f"model.vocab_size ({model.vocab_size}) must be divisible by parallel.tp "
-                                  f"({self.tp}) for the vocabulary-parallel output; set model.vocab_size to a "
-                                  f"multiple of {self.tp} that covers the tokenizer")
+                                  f"({self.tp}) for the vocabulary-parallel output; leave model.vocab_size = 0 "
+                                  f"to pad the data's vocabulary automatically, or set it to a multiple of "
+                                  f"{self.tp} that covers the tokenizer")
             if model.tie_embeddings:
                 raise ConfigError("model.tie_embeddings is not supported with parallel.tp > 1 (the embedding is "
                                   "row-split and the output column-split)")

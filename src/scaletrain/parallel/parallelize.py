@@ -47,6 +47,7 @@ class ParallelModel:
     replicas: ReplicaSync = field(default_factory=ReplicaSync)  # how data-parallel replicas stay together
     comm: CommCounter = field(default_factory=CommCounter)
     dp_rank: int = 0
+    vocab_limit: int | None = None  # the tokenizer's vocabulary when the model's is padded (see cross_entropy)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -72,7 +73,7 @@ class ParallelModel:
         return self.mesh[name].get_group()
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets)
+        return cross_entropy(logits, targets, self.vocab_limit)
 
     def loss_context(self):
         return loss_context(self.tp_enabled)
@@ -98,8 +99,12 @@ def _dp_rank(mesh, dims: ParallelDims) -> int:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, mesh, model_cfg: ModelConfig,
-                device: torch.device, seed: int, compile: bool = False, grad_accum_steps: int = 1) -> ParallelModel:
-    """Apply the configured parallelism to ``model`` (built on the meta device) and materialize it."""
+                device: torch.device, seed: int, compile: bool = False, grad_accum_steps: int = 1,
+                vocab_limit: int | None = None) -> ParallelModel:
+    """Apply the configured parallelism to ``model`` (built on the meta device) and materialize it.
+
+    ``vocab_limit``: the tokenizer's vocabulary when ``model_cfg.vocab_size`` is padded beyond it; the
+    loss masks the padding columns out (``cross_entropy``)."""
     pp_ids = [0]
     parts = [model]
     if dims.pp > 1:  # 1. pipeline split
@@ -119,7 +124,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
                        param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload)
     materialize(parts, model_cfg, device, seed, distributed=dims.world_size > 1)  # 6.
 
-    pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, device=device, dp_rank=_dp_rank(mesh, dims) if mesh is not None else 0)
+    pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, device=device,
+                       dp_rank=_dp_rank(mesh, dims) if mesh is not None else 0, vocab_limit=vocab_limit)
     replicate = pm.group("dp_replicate")
     if replicate is not None and dims.dp_shard == 1:  # 7. replicated data parallel
         if cfg.low_comm != "none":
@@ -132,7 +138,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
         scale = 1.0 / (n_micro * grad_accum_steps)
 
         def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return cross_entropy(logits, targets) * scale
+            return cross_entropy(logits, targets, vocab_limit) * scale
 
         pm.pipeline = build_pipeline(pm.parts, pp_ids, dims.pp * cfg.pp_virtual_stages, pm.group("pp"), device,
                                      cfg.pp_schedule, n_micro, scaled_loss, scale)

@@ -59,18 +59,22 @@ class Pipeline:
         """Forward + backward of one batch split into micro-batches. Returns this rank's summed
         (already scaled) micro-batch losses if it owns the last stage, else None."""
         self.losses.clear()
-        args = (inputs,) if self.has_first_stage else ()
-        target = targets if self.has_last_stage else None
+        args, target = self._io(inputs, targets)
         self.schedule.step(*args, target=target, losses=self.losses if self.has_last_stage else None)
         return torch.stack([loss.detach() for loss in self.losses]).sum() if self.has_last_stage else None
+
+    def _io(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
+        """The schedule's inputs on this rank. Contiguous: the loader's windows are views of one
+        (B, T + 1) buffer, and torch 2.11's PipelineStage refuses the stride (T + 1, 1) of such a view."""
+        args = (inputs.contiguous(),) if self.has_first_stage else ()
+        return args, targets.contiguous() if self.has_last_stage else None
 
     @torch.no_grad()
     def eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward only (no gradients): the mean unscaled loss over the micro-batches on the rank that owns
         the last stage, else None."""
         self.losses.clear()
-        args = (inputs,) if self.has_first_stage else ()
-        target = targets if self.has_last_stage else None
+        args, target = self._io(inputs, targets)
         self.schedule.eval(*args, target=target, losses=self.losses if self.has_last_stage else None)
         if not self.has_last_stage:
             return None

@@ -100,11 +100,33 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     distribute_module(module, tp_mesh, to_replicate, inputs_as_dtensor, output_as_local)
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss; logits (B, T, V) may be a vocabulary-sharded DTensor (inside ``loss_context``)."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
+    """Mean next-token loss; logits (B, T, V) may be a vocabulary-sharded DTensor (inside ``loss_context``).
+
+    ``vocab_limit``: the tokenizer's vocabulary when the model's is padded (``padded_vocab_size``). Logit
+    columns >= it get -inf first, so padding takes no softmax mass and its output rows get zero gradient
+    (the same loss as on ``logits[..., :vocab_limit]``). None, or >= V, masks nothing.
+    """
+    if vocab_limit is not None and vocab_limit < logits.size(-1):
+        logits = _mask_padding(logits, vocab_limit)
     if isinstance(logits, DTensor):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _mask_padding(logits: torch.Tensor, vocab_limit: int) -> torch.Tensor:
+    """``logits`` with the columns >= ``vocab_limit`` at -inf, out of place (the caller's tensor is kept).
+
+    A vocabulary-sharded DTensor stays sharded: the (V,) additive mask is a Replicate DTensor on the same
+    mesh, which DTensor's pointwise add slices to each rank's columns without communication (gathering the
+    full vocabulary is what ``loss_parallel`` exists to avoid)."""
+    vocab = logits.size(-1)
+    mask = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
+    mask[vocab_limit:] = float("-inf")
+    if isinstance(logits, DTensor):
+        mask = DTensor.from_local(mask, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim,
+                                  run_check=False)
+    return logits + mask
 
 
 def loss_context(tp_enabled: bool):

@@ -297,8 +297,8 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
         entry["matmul_flops_fp32"] = max(entry["matmul_flops_fp32"], max(r[1] for r in entry["gemm_curve"]))
         entry["gemm_efficiency"] = sorted(r[1] for r in entry["gemm_curve"])[len(GEMM_WIDTHS) // 2] / entry[
             "matmul_flops_fp32"]
-        log("nn.Linear fwd/bwd GFLOP/s by width: " + ", ".join(f"w{int(w)} {f / 1e9:.0f}/{b / 1e9:.0f}" for w, f, b in entry["gemm_curve"])
-            )
+        log("nn.Linear fwd/bwd GFLOP/s by width: "
+            + ", ".join(f"w{int(w)} {f / 1e9:.0f}/{b / 1e9:.0f}" for w, f, b in entry["gemm_curve"]))
         curve, entry["block_ops"] = measure_block_elementwise(entry)
         for _ in range(rounds - 1):
             curve = _best_of(curve, measure_block_elementwise(entry)[0], higher_is_better=False)

@@ -20,6 +20,15 @@ from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
+
+def write_json(doc: dict, target: str) -> None:
+    """``--json PATH`` writes the document to PATH; ``--json -`` prints it."""
+    text = json.dumps(doc, indent=2, default=str)
+    if target == "-":
+        print(text)
+    else:
+        Path(target).write_text(text)
+
 def parse_count(text: str, what: str) -> float:
     """'300B', '1.5e9', '2_000_000', '10M' -> a number; ConfigError otherwise."""
     m = re.fullmatch(r"\s*([0-9_.]+(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*", text.lower())
@@ -158,11 +167,7 @@ def run_plan(args: argparse.Namespace) -> int:
               file=sys.stderr)
         status = 2
     if args.json:
-        text = json.dumps(doc, indent=2, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text)
+        write_json(doc, args.json)
     if args.emit and result.ranked:
         best = result.ranked[0]
         path = write_config(args.emit, workload, best.plan, cluster.hardware.kind,
@@ -207,11 +212,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         console.print(table)
         console.print(f"calibration written to {report['calibration_file']}")
     if args.json:
-        text = json.dumps(report, indent=2, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text)
+        write_json(report, args.json)
     return 0
 
 

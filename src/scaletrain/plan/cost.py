@@ -15,12 +15,16 @@ PRICES_AS_OF = "2025-06"
 # USD per device-hour. "cpu" is one host of the reference kind (2 vCPU, ~24 GiB).
 PRICES: dict[str, dict] = {
     "h100-sxm": {"on_demand": 3.00, "spot": 1.70,
-                 "source": "GPU clouds' list prices for 8x H100 SXM nodes (Lambda, RunPod, CoreWeave ~2.5-3.5 $/GPU-h); "
+                 "source": "GPU clouds' list prices for 8x H100 SXM nodes "
+                           "(Lambda, RunPod, CoreWeave ~2.5-3.5 $/GPU-h); "
                            "spot from marketplace / preemptible listings (~55%)"},
-    "h100-pcie": {"on_demand": 2.50, "spot": 1.40, "source": "GPU clouds' list prices for H100 PCIe (~2.0-2.9 $/GPU-h)"},
+    "h100-pcie": {"on_demand": 2.50, "spot": 1.40,
+                  "source": "GPU clouds' list prices for H100 PCIe (~2.0-2.9 $/GPU-h)"},
     "h200": {"on_demand": 3.80, "spot": 2.20, "source": "GPU clouds' list prices for 8x H200 nodes (~3.5-4.3 $/GPU-h)"},
-    "a100-40gb": {"on_demand": 1.30, "spot": 0.70, "source": "GPU clouds' list prices for A100 40GB (~1.1-1.5 $/GPU-h)"},
-    "a100-80gb": {"on_demand": 1.80, "spot": 0.95, "source": "GPU clouds' list prices for A100 80GB SXM (~1.3-2.0 $/GPU-h)"},
+    "a100-40gb": {"on_demand": 1.30, "spot": 0.70,
+                  "source": "GPU clouds' list prices for A100 40GB (~1.1-1.5 $/GPU-h)"},
+    "a100-80gb": {"on_demand": 1.80, "spot": 0.95,
+                  "source": "GPU clouds' list prices for A100 80GB SXM (~1.3-2.0 $/GPU-h)"},
     "l40s": {"on_demand": 1.00, "spot": 0.55, "source": "GPU clouds' list prices for L40S (~0.8-1.2 $/GPU-h)"},
     "rtx-4090": {"on_demand": 0.40, "spot": 0.25, "source": "community GPU marketplaces (~0.3-0.7 $/GPU-h)"},
     "cpu": {"on_demand": 0.10, "spot": 0.035,

@@ -129,7 +129,8 @@ CATALOG: dict[str, Hardware] = {
         "165.2 TFLOPS dense, 24GB GDDR6X 1,008 GB/s, PCIe Gen4, no NVLink", devices_per_node=4),
     "cpu": Hardware(
         "cpu", "cpu",
-        {"fp32": REFERENCE_CPU_CALIBRATION["matmul_flops_fp32"], "bf16": REFERENCE_CPU_CALIBRATION["matmul_flops_bf16"]},
+        {"fp32": REFERENCE_CPU_CALIBRATION["matmul_flops_fp32"],
+         "bf16": REFERENCE_CPU_CALIBRATION["matmul_flops_bf16"]},
         24 * GiB, REFERENCE_CPU_CALIBRATION["memory_bandwidth"], "shm", "eth-10g",
         REFERENCE_CPU_CALIBRATION["gemm_efficiency"],
         "measured: nn.Linear throughput at transformer widths / 1024^3 matmul peak, one core of the reference "

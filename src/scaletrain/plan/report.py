@@ -14,7 +14,8 @@ from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 
 FLOPS_FORMULA = ("6 * N_matmul + 12 * n_layers * seq_len * dim per token (forward + backward = 3x forward; "
                  "N_matmul = weights of every matmul incl. the output head, not the embedding lookup; attention "
-                 "QK^T and AV not halved for the causal mask, as PaLM / nanoGPT / torchtitan; recomputation not counted)")
+                 "QK^T and AV not halved for the causal mask, as PaLM / nanoGPT / torchtitan; "
+                 "recomputation not counted)")
 
 
 def human(x: float, unit: str = "") -> str:
@@ -71,8 +72,10 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
     summary.add_row("parameters", f"{human(w.params)} total, {human(w.params_non_embedding)} non-embedding")
     summary.add_row("FLOPs / token", f"{human(w.flops_per_token)}  [{FLOPS_FORMULA.split(' per token')[0]}]")
     summary.add_row("tokens", f"{human(w.train_tokens)}"
-                    + (f"  (Chinchilla-optimal: {CHINCHILLA_TOKENS_PER_PARAM}/param, a convention)" if chinchilla else ""))
-    summary.add_row("batch", f"{w.global_batch} x {w.seq_len} = {human(w.tokens_per_step)} tokens/step, {w.steps:,} steps")
+                    + (f"  (Chinchilla-optimal: {CHINCHILLA_TOKENS_PER_PARAM}/param, a convention)"
+                       if chinchilla else ""))
+    summary.add_row("batch", f"{w.global_batch} x {w.seq_len} = {human(w.tokens_per_step)} tokens/step, "
+                             f"{w.steps:,} steps")
     summary.add_row("total FLOPs", human(w.total_flops))
     summary.add_row("precision", f"{w.precision}; compute at {human(hw.flops(_dtype(w)), 'FLOP/s')} peak x "
                                  f"{hw.utilisation:.2f} utilisation")

@@ -84,7 +84,8 @@ def evaluate(workload: Workload, plan: Plan, cluster: Cluster) -> Candidate:
     budget = cluster.hardware.memory_bytes / (cluster.devices_per_node if cluster.hardware.kind == "cpu" else 1)
     if mem.total > budget:
         return Candidate(plan, mem, None, False, f"needs {mem.total / GiB:.2f} GiB per device, has "
-                                                 f"{budget / GiB:.2f} GiB: short by {(mem.total - budget) / GiB:.2f} GiB")
+                                                 f"{budget / GiB:.2f} GiB: short by "
+                                                 f"{(mem.total - budget) / GiB:.2f} GiB")
     return Candidate(plan, mem, step_time(workload, plan, cluster), True)
 
 

@@ -1,16 +1,27 @@
 """What is being planned: the workload (model, data, batch) and one candidate parallel plan.
 
-``Plan`` mirrors ``scaletrain.config.ParallelConfig`` (same names, same zero_stage semantics) plus the
-per-rank micro-batch, so the winner can be written as a runnable ``[parallel]`` section.
+``Plan`` is a point of the search space: the degrees and options of a ``[parallel]`` section plus the
+per-rank micro-batch. It carries no rules of its own: ``job_config`` turns it into the job the trainer would
+run and ``check_plan`` asks the trainer's checks (``train/validate.check_runnable``) whether that job runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from scaletrain.config import ConfigError, ModelConfig
-from scaletrain.model.presets import flops_per_token, kv_heads, num_params
+from scaletrain.config import (
+    ConfigError,
+    DataConfig,
+    JobConfig,
+    ModelConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
+from scaletrain.model.presets import flops_per_token, num_params
+from scaletrain.train.validate import check_runnable
 
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022, the usual rounding of their compute-optimal fit
 
@@ -95,36 +106,42 @@ class Plan:
                 + (" offload" if self.cpu_offload else ""))
 
 
-def check_plan(workload: Workload, plan: Plan, world_size: int, device_kind: str = "gpu") -> None:
-    """Reject impossible degrees with the reason (ConfigError); a plan that passes can be built."""
-    m = workload.model
-    p = plan
-    if min(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.cp, p.micro_batch) < 1:
-        raise ConfigError(f"degrees and micro_batch must be >= 1 (got {p.label()})")
-    if p.world_size != world_size:
-        raise ConfigError(f"dp_replicate*dp_shard*tp*pp*cp = {p.world_size} but the hardware has {world_size} devices")
-    if m.n_heads % p.tp or kv_heads(m) % p.tp:
-        raise ConfigError(f"tp={p.tp} must divide n_heads ({m.n_heads}) and n_kv_heads ({kv_heads(m)}): "
-                          f"each rank holds whole heads")
-    from scaletrain.model.presets import ffn_hidden_dim
+def job_config(workload: Workload, plan: Plan, device_kind: str) -> JobConfig:
+    """The JobConfig that runs ``plan``: model, seq_len, batch, steps, precision and the [parallel] section
+    (what ``plan --emit`` writes, and what ``check_plan`` asks the trainer about)."""
+    steps = workload.steps
+    per_forward = plan.micro_batch * (plan.microbatches if plan.pp > 1 else 1)
+    bf16 = workload.precision in ("bf16", "mixed")
+    parallel = ParallelConfig(
+        dp_replicate=plan.dp_replicate, dp_shard=plan.dp_shard, tp=plan.tp, pp=plan.pp, cp=plan.cp,
+        zero_stage=plan.zero_stage, sequence_parallel=plan.sequence_parallel, pp_schedule=plan.pp_schedule,
+        pp_microbatches=plan.microbatches if plan.pp > 1 else 0,
+        activation_checkpointing=plan.activation_checkpointing, ac_every=plan.ac_every,
+        param_dtype="bf16" if bf16 and plan.zero_stage >= 2 else "fp32", cpu_offload=plan.cpu_offload)
+    train = TrainConfig(steps=steps, batch_size=per_forward, grad_accum_steps=plan.grad_accum(workload),
+                        device="cuda" if device_kind == "gpu" else "cpu",
+                        precision="bf16" if bf16 else "fp32")
+    schedule = ScheduleConfig(warmup_steps=min(ScheduleConfig().warmup_steps, steps))
+    data = DataConfig(seq_len=workload.seq_len)
+    return JobConfig(model=dataclasses.replace(workload.model), data=data, train=train, schedule=schedule,
+                     parallel=parallel)
 
-    if ffn_hidden_dim(m) % p.tp:
-        raise ConfigError(f"tp={p.tp} must divide the SwiGLU hidden size ({ffn_hidden_dim(m)})")
-    if p.pp > m.n_layers:
-        raise ConfigError(f"pp={p.pp} is more stages than n_layers ({m.n_layers})")
-    if workload.seq_len % (2 * p.cp) and p.cp > 1:
-        raise ConfigError(f"cp={p.cp}: seq_len ({workload.seq_len}) must divide into 2*cp chunks (load-balanced ring)")
-    if p.cp > 1 and device_kind == "cpu":
-        raise ConfigError("context parallelism is GPU only: torch's CPU flash attention has no sharding strategy "
-                          "(docs/PLATFORM.md)")
-    if workload.global_batch % (p.dp * p.micro_batch * (p.microbatches if p.pp > 1 else 1)):
-        raise ConfigError(f"global batch {workload.global_batch} is not a multiple of dp ({p.dp}) x micro_batch "
-                          f"({p.micro_batch})" + (f" x pipeline micro-batches ({p.microbatches})" if p.pp > 1 else ""))
-    if p.zero_stage in (2, 3) and p.dp_shard == 1 and p.dp > 1:
-        raise ConfigError(f"zero_stage {p.zero_stage} is FSDP2, which shards over dp_shard; dp_shard is 1")
-    if p.zero_stage == 1 and p.dp_shard > 1:
-        raise ConfigError("zero_stage 1 (ZeroRedundancyOptimizer over DDP) needs dp_shard = 1; use 2 or 3 with FSDP")
-    if p.cpu_offload and p.zero_stage not in (2, 3):
-        raise ConfigError("cpu_offload is an FSDP2 policy: it needs zero_stage 2 or 3")
-    if workload.seq_len > m.max_seq_len:
-        raise ConfigError(f"seq_len ({workload.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+
+def check_plan(workload: Workload, plan: Plan, world_size: int, device_kind: str = "gpu") -> None:
+    """A plan is valid when the job it would run passes the trainer's own checks
+    (``train/validate.check_runnable``: the same call ``Trainer`` makes) and it splits the workload's
+    global batch exactly. Raises ``ConfigError`` with the trainer's reason."""
+    if plan.micro_batch < 1:
+        raise ConfigError(f"micro_batch must be >= 1 (got {plan.micro_batch})")
+    if plan.world_size != world_size:
+        raise ConfigError(f"dp_replicate*dp_shard*tp*pp*cp = {plan.world_size} but the hardware has "
+                          f"{world_size} devices")
+    # The planner's own arithmetic (not a rule of the trainer): the global batch must split into
+    # data-parallel ranks x micro-batch x pipeline micro-batches x gradient accumulation.
+    per_forward = plan.micro_batch * (plan.microbatches if plan.pp > 1 else 1)
+    if workload.global_batch % (plan.dp * per_forward):
+        raise ConfigError(f"global batch {workload.global_batch} is not a multiple of dp ({plan.dp}) x micro_batch "
+                          f"({plan.micro_batch})"
+                          + (f" x pipeline micro-batches ({plan.microbatches})" if plan.pp > 1 else ""))
+    cfg = job_config(workload, plan, device_kind)
+    check_runnable(cfg, world_size, cfg.train.device, cfg.train.precision)

@@ -24,17 +24,18 @@ from scaletrain.train.optimizer import build_parallel_optimizer
 MicroBatch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
-def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.device,
-                            mesh: object | None = None) -> tuple[ParallelModel, torch.optim.Optimizer]:
+def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.device, mesh: object | None = None,
+                            vocab_limit: int | None = None) -> tuple[ParallelModel, torch.optim.Optimizer]:
     """Model on the meta device -> ``parallelize`` (split, shard, materialize, init) -> optimizer.
 
     ``mesh`` defaults to ``dims.build_mesh`` (needs the process group when the world size is > 1). The
-    weights are the same seeded initialisation in every layout (``cfg.train.seed``)."""
+    weights are the same seeded initialisation in every layout (``cfg.train.seed``). ``vocab_limit``: the
+    tokenizer's vocabulary when ``cfg.model.vocab_size`` is padded beyond it (masked out of the loss)."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
-                     compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps)
+                     compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit)
     return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage)
 
 

@@ -26,9 +26,9 @@ from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.hardware import peak_flops
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
-from scaletrain.parallel import ParallelDims, forward_loss
+from scaletrain.parallel import forward_loss
 from scaletrain.parallel.compile import compile_unavailable
-from scaletrain.parallel.context import check_context_parallel_supported
+from scaletrain.parallel.dims import VOCAB_MULTIPLE, padded_vocab_size
 from scaletrain.parallel.distributed import barrier, destroy_distributed, init_distributed, world_size_from_env
 from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes
@@ -36,6 +36,7 @@ from scaletrain.train.precision import autocast, grad_scaler, resolve_device, re
 from scaletrain.train.preemption import PreemptionHandler
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.step import build_parallel_training, training_step
+from scaletrain.train.validate import check_runnable
 
 
 class TrainingError(RuntimeError):
@@ -49,25 +50,30 @@ def prepare_data(cfg: JobConfig) -> Path:
                            val_fraction=cfg.data.val_fraction, seed=cfg.train.seed)
 
 
-def resolve_vocab(cfg: JobConfig, manifest: dict) -> JobConfig:
-    """Fill model.vocab_size from the data, or check that the model's vocabulary covers it."""
+def resolve_vocab(cfg: JobConfig, manifest: dict, tp: int = 1) -> tuple[JobConfig, str]:
+    """Fill model.vocab_size from the data, padded for the plan (``padded_vocab_size``: a multiple of ``tp``,
+    and of 64 where that adds at most 1% rows), or check that an explicit model.vocab_size covers the data's.
+
+    Returns the config and the vocabulary as the model log line says it, e.g. "65 -> 66 (padded for
+    parallel.tp=2; ...)". Rows beyond the tokenizer's vocabulary are masked out of the loss and sampling
+    (the trainer passes the tokenizer's size on as ``vocab_limit``)."""
     data_vocab = manifest["vocab_size"]
-    if cfg.model.vocab_size == 0:
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data_vocab))
+    explicit = cfg.model.vocab_size != 0
+    if not explicit:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                 vocab_size=padded_vocab_size(data_vocab, tp)))
     if cfg.model.vocab_size < data_vocab:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's tokenizer "
                           f"vocabulary ({data_vocab}); set it to 0 to use the data's")
-    return cfg
-
-
-def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
-    """Options that do not combine, refused in one line before any process-group work."""
-    if cfg.data.document_attention and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
-        raise ConfigError("data.document_attention is not supported with parallel.pp > 1 or parallel.cp > 1 "
-                          "(the mask does not travel through pipeline stages or sequence shards); "
-                          "set data.document_attention=false")
-    if cfg.parallel.pp > 1 and precision == "fp16":
-        raise ConfigError("train.precision=fp16 (gradient scaler) is not supported with parallel.pp > 1; use bf16")
+    vocab = cfg.model.vocab_size
+    if vocab == data_vocab:
+        return cfg, str(vocab)
+    masked = "masked out of the loss and sampling"
+    if explicit:
+        return cfg, f"{vocab} (model.vocab_size; tokenizer {data_vocab}, rows >= {data_vocab} {masked})"
+    multiple = math.lcm(VOCAB_MULTIPLE, tp)
+    why = f"to a multiple of {multiple}" if vocab % multiple == 0 else f"for parallel.tp={tp}"
+    return cfg, f"{data_vocab} -> {vocab} (padded {why}; padding rows {masked})"
 
 
 def resolve_compile(cfg: JobConfig, device: torch.device, announce: bool) -> JobConfig:
@@ -91,12 +97,8 @@ class Trainer:
         self.precision = resolve_precision(cfg.train.precision, self.device)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        check_feature_combinations(cfg, self.precision)
-        # Degrees are validated before any process-group work, so a bad config fails fast on every rank.
-        self.dims = dims = ParallelDims.from_config(cfg.parallel, world_size_from_env())
-        dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
-        if dims.cp > 1:
-            check_context_parallel_supported(self.device)
+        # Checked before any process-group work, so a bad config fails fast on every rank.
+        self.dims = dims = check_runnable(cfg, world_size_from_env(), self.device.type, self.precision)
         self.env = init_distributed(self.device.type)
         self.device = self.env.device
         self.is_main = self.env.is_main
@@ -118,7 +120,8 @@ class Trainer:
         if not self.is_main:
             self.data_dir = prepare_data(cfg)
         manifest = read_manifest(self.data_dir)
-        self.cfg = cfg = resolve_vocab(cfg, manifest)
+        cfg, self.vocab_note = resolve_vocab(cfg, manifest, dims.tp)  # the note: for the model log line
+        self.cfg = cfg
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)  # now with the vocab
         self.tokenizer = load_tokenizer(self.data_dir / manifest["tokenizer"]["file"])
         if self.is_main:
@@ -126,7 +129,9 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(to_toml(saved_config(cfg)))
 
         self.cfg = cfg = resolve_compile(cfg, self.device, announce=self.is_main and log)
-        self.pm, self.optimizer = build_parallel_training(cfg, dims, self.device)
+        # A padded vocabulary (resolve_vocab): the loss masks the rows beyond the tokenizer's out.
+        self.pm, self.optimizer = build_parallel_training(cfg, dims, self.device,
+                                                          vocab_limit=self.tokenizer.vocab_size)
         self.model = self.pm.modules[0] if len(self.pm.modules) == 1 else nn.ModuleList(self.pm.modules)
         self.scaler = grad_scaler(self.precision, self.device)
         self.train_loader = TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
@@ -225,7 +230,8 @@ class Trainer:
         # would cost a recompile (seconds on a CPU) for a forward pass that takes milliseconds.
         with torch.compiler.set_stance("force_eager"):
             new = generate(self.model, prompt, max_new_tokens, max_seq_len=self.cfg.model.max_seq_len,
-                           temperature=0.8, top_k=200, generator=gen, stop_id=self.tokenizer.eos_id)
+                           temperature=0.8, top_k=200, generator=gen, stop_id=self.tokenizer.eos_id,
+                           vocab_limit=self.tokenizer.vocab_size)
         return self.cfg.train.sample_prompt + self.tokenizer.decode(new)
 
     # -- checkpoints (what a checkpoint holds: checkpoint/training.py) ------------------------------

@@ -1,0 +1,39 @@
+"""The trainer's rules for a job, in one place: what ``Trainer`` checks before any process-group work.
+
+The planner asks these same functions whether a plan it considers can run (``plan/spec.check_plan``), so
+the search never proposes, and ``plan --emit`` never writes, a job the trainer would refuse.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scaletrain.config import ConfigError, JobConfig, validate_job
+from scaletrain.parallel import ParallelDims
+from scaletrain.parallel.context import check_context_parallel_supported
+
+
+def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
+    """Options that do not combine, refused in one line before any process-group work."""
+    if cfg.data.document_attention and (cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        raise ConfigError("data.document_attention is not supported with parallel.pp > 1 or parallel.cp > 1 "
+                          "(the mask does not travel through pipeline stages or sequence shards); "
+                          "set data.document_attention=false")
+    if cfg.parallel.pp > 1 and precision == "fp16":
+        raise ConfigError("train.precision=fp16 (gradient scaler) is not supported with parallel.pp > 1; use bf16")
+
+
+def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str) -> ParallelDims:
+    """Every rule a job must pass to run on ``world_size`` ranks of ``device_type`` ("cpu", "cuda"), with
+    ``precision`` already resolved: cross-field config checks, option combinations, the parallel degrees
+    and what they ask of the model and batch. Returns the resolved degrees; raises ``ConfigError``.
+
+    ``cfg.model.vocab_size`` 0 (taken from the data later) skips the vocabulary checks; the trainer runs
+    ``ParallelDims.check_model`` again once the data's vocabulary is known."""
+    validate_job(cfg)
+    check_feature_combinations(cfg, precision)
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
+    if dims.cp > 1:
+        check_context_parallel_supported(torch.device(device_type))
+    return dims
