@@ -22,7 +22,8 @@ that an async checkpoint is complete (every sha256 matches) and holds the state 
     .venv/bin/python benchmarks/checkpoint.py              # 3-8 minutes, depending on the machine's load
     .venv/bin/python benchmarks/checkpoint.py --max-rounds 1 --min-rounds 1 --layers 2
 
-Writes benchmarks/results/checkpoint.json and prints a table.
+Writes benchmarks/out/checkpoint.json (``--out benchmarks/results/checkpoint.json`` replaces the tracked
+result) and prints a table.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ from pathlib import Path
 
 import torch
 
+from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import load_config
 from scaletrain.model import num_params
 from scaletrain.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "checkpoint.json"
 TARGET_RATIO = 0.2  # issue 6: the async stall is under 20% of the synchronous one
 
 
@@ -234,7 +235,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--layers", type=int, default=14)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--out", default=default_out("checkpoint.json"), help=OUT_HELP.format(name="checkpoint.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -25,7 +25,9 @@ Inputs: all of ../shared/data/gutenberg-shakespeare/ (*.txt) plus ../shared/data
 4. Dedup state: Python heap (tracemalloc) per kept document of ``dedup.Deduplicator`` (exact + near,
    default settings) after 20,000 distinct random signatures: what grows with the corpus by design.
 
-Prints a table and writes benchmarks/results/data_pipeline.json.
+Prints a table and writes benchmarks/out/data_pipeline.json (``--out benchmarks/results/data_pipeline.json``
+replaces the tracked result; ``--prepare-only`` / ``--loader-only`` merge into --out, or into a copy of the
+tracked result when --out does not exist yet).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from launch import OUT_HELP, RESULTS, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -348,6 +352,11 @@ def render_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def merge_base(out: Path) -> dict:
+    """What a partial re-run merges its rows into: ``out`` when it exists, else the tracked result."""
+    return json.loads((out if out.is_file() else RESULTS / "data_pipeline.json").read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1x only (no 3x/10x runs)")
@@ -360,10 +369,11 @@ def main() -> None:
                              "--default-scales 30 adds a 30x row)")
     parser.add_argument("--loader-only", action="store_true",
                         help="only the loader rows (a quiet-machine re-run), merged into the existing --out JSON")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "data_pipeline.json"))
+    parser.add_argument("--out", default=default_out("data_pipeline.json"),
+                        help=OUT_HELP.format(name="data_pipeline.json"))
     args = parser.parse_args()
     if args.loader_only:
-        results = json.loads(Path(args.out).read_text())
+        results = merge_base(Path(args.out))
         load_start = os.getloadavg()
         with tempfile.TemporaryDirectory() as tmp_name:
             results["loader"] = bench_loader(Path(tmp_name))
@@ -371,6 +381,7 @@ def main() -> None:
                                     "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()}
         print(json.dumps(results["loader"], indent=1))
         results["table"] = render_table(results)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"wrote {args.out} (loader rows)")
         return
@@ -381,7 +392,7 @@ def main() -> None:
     command = " ".join(["benchmarks/data_pipeline.py"] + sys.argv[1:])
     machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}
     if args.prepare_only:
-        results = json.loads(Path(args.out).read_text())
+        results = merge_base(Path(args.out))
         results.setdefault("more_runs", []).append({"command": command, "machine": machine})
     else:
         results = {"machine": machine, "command": command}

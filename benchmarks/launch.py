@@ -1,4 +1,5 @@
-"""Start the processes a benchmark measures: one plain Python process, or ``ranks`` gloo ranks under torchrun.
+"""Start the processes a benchmark measures: one plain Python process, or ``ranks`` gloo ranks under torchrun;
+and where a benchmark writes its JSON (``default_out``).
 
 Every benchmark that runs real ranks launches them the same way: ``OMP_NUM_THREADS`` set per process, the
 rendezvous TCP store not shared with the workers (sharing it breaks gloo
@@ -10,6 +11,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"  # tracked: the figures the docs quote (tests/test_docs.py checks them)
+OUT = ROOT / "benchmarks" / "out"  # ignored by git: where a run writes unless --out names another file
+OUT_HELP = ("JSON to write (default: benchmarks/out/{name}, ignored by git; pass --out benchmarks/results/{name} "
+            "to replace the tracked result the docs quote)")
+
+
+def default_out(name: str) -> str:
+    """``benchmarks/out/NAME``: re-running a documented benchmark leaves the tracked
+    ``benchmarks/results/NAME`` alone unless ``--out benchmarks/results/NAME`` is given explicitly."""
+    return str(OUT / name)
 
 
 def run_ranks(args: list[str], ranks: int, what: str, *, threads: int = 1,

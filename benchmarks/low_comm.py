@@ -17,7 +17,8 @@ mode issued. Each extra ``--seeds`` entry trains the three again from another in
     .venv/bin/python benchmarks/low_comm.py                 # ~1-2 minutes per seed on 2 shared cores
     .venv/bin/python benchmarks/low_comm.py --seeds 7,8,9
 
-Writes benchmarks/results/low_comm.json and prints a markdown table.
+Writes benchmarks/out/low_comm.json (``--out benchmarks/results/low_comm.json`` replaces the tracked result)
+and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "low_comm.json"
 sys.path.insert(0, str(ROOT / "tests"))
 from test_parallel_dist import low_comm_recipe  # noqa: E402  (the recipe the DiLoCo test trains)
 
@@ -69,7 +69,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", default="7", help="comma-separated train.seed values (7 is the test's)")
     parser.add_argument("--eval-batches", type=int, default=32)
-    parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--out", default=default_out("low_comm.json"), help=OUT_HELP.format(name="low_comm.json"))
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     runs: dict[str, list[dict]] = {name: [] for name in MODES}
@@ -101,6 +101,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average_end": os.getloadavg()},
         "rows": rows,
     }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"seeds {seeds}, {args.eval_batches} val batches, {result['tokens_per_run']:,} tokens per run\n")
     print("| mode | final val loss | vs DDP | all-reduce calls | bytes all-reduced |")

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.config import ModelConfig, build
 from scaletrain.model.presets import PRESETS
 from scaletrain.plan.hardware import Cluster
@@ -41,7 +41,6 @@ from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.search import Candidate, search
 from scaletrain.plan.spec import Plan, Workload
 
-RESULTS = Path(__file__).parent / "results" / "planner_ranking.json"
 SINGLE_MICRO_BATCHES = (1, 4, 16)
 SINGLE_AC = ("none", "full")
 
@@ -148,7 +147,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all candidates")
     parser.add_argument("--groups", default="single,two-ranks")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=default_out("planner_ranking.json"),
+                        help=OUT_HELP.format(name="planner_ranking.json"))
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch import run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.config import ModelConfig, build
 from scaletrain.hardware import device_fingerprint
 from scaletrain.model.presets import PRESETS
@@ -38,7 +38,6 @@ from scaletrain.plan.memory import memory_breakdown
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
 
-RESULTS = Path(__file__).parent / "results" / "planner_accuracy.json"
 MEMORY_TARGET, TIME_TARGET = 0.10, 0.25
 
 
@@ -156,7 +155,8 @@ def main() -> int:
     parser.add_argument("--quiet-threshold", type=float, default=0.85,
                         help="measure only when a matmul probe reaches this fraction of the calibrated peak")
     parser.add_argument("--quiet-tries", type=int, default=40)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=default_out("planner_accuracy.json"),
+                        help=OUT_HELP.format(name="planner_accuracy.json"))
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()

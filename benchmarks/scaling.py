@@ -15,7 +15,8 @@ over rounds are reported with the load average; compare ratios within one run, n
     .venv/bin/python benchmarks/scaling.py                # ~4-6 minutes
     .venv/bin/python benchmarks/scaling.py --rounds 1 --steps 12 --only ddp,fsdp3
 
-Writes benchmarks/results/scaling.json and prints a markdown table.
+Writes benchmarks/out/scaling.json (``--out benchmarks/results/scaling.json`` replaces the tracked result) and
+prints a markdown table.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "scaling.json"
 
 MODEL = {"model.dim": 128, "model.n_layers": 4, "model.n_heads": 4, "model.ffn_hidden_dim": 344,
          "model.max_seq_len": 128, "model.vocab_size": 66, "data.seq_len": 128, "train.batch_size": 8}
@@ -109,7 +109,7 @@ def launch(name: str, steps: int, tmp: Path) -> dict:
     ranks = STRATEGIES[name][0]
     out = tmp / f"{name}.json"
     run_ranks([str(Path(__file__).resolve()), "--worker", name, "--steps", str(steps), "--run-dir", str(tmp / name),
-               "--cache", str(tmp / "data"), "--out", str(out)], ranks, name, timeout=900)
+               "--cache", str(tmp / "data"), "--worker-out", str(out)], ranks, name, timeout=900)
     return json.loads(out.read_text())
 
 
@@ -121,10 +121,11 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=default_out("scaling.json"), help=OUT_HELP.format(name="scaling.json"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.run_dir, args.cache, args.out)
+        worker(args.worker, args.steps, args.run_dir, args.cache, args.worker_out)
         return 0
     names = [n for n in STRATEGIES if not args.only or n in args.only.split(",")]
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -151,8 +152,8 @@ def main() -> int:
               "torch_threads_per_rank": 1, "steps_per_run": args.steps, "rounds": args.rounds,
               "load_average_during_runs": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": MODEL, "rows": rows}
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
     print("| strategy | ranks | tokens/step | tokens/s (median) | per round | vs single | model state MB/rank | "
           "peak RSS MB/rank |")
     print("|---|---|---|---|---|---|---|---|")
@@ -162,7 +163,7 @@ def main() -> int:
               f"{' / '.join(f'{t:,.0f}' for t in r['rounds'])} | {speed} | "
               f"{' / '.join(f'{m:.2f}' for m in r['model_state_mb_per_rank'])} | "
               f"{' / '.join(map(str, r['peak_rss_mb_per_rank']))} |")
-    print(f"load average during the runs: {result['load_average_during_runs']}; wrote {RESULT}")
+    print(f"load average during the runs: {result['load_average_during_runs']}; wrote {args.out}")
     return 0
 
 

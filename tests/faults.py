@@ -31,6 +31,7 @@ max_seq_len = 64
 seq_len = 64
 cache_dir = "{cache}"
 [train]
+precision = "fp32"  # bitwise comparisons: not "auto", which picks bf16 on a CPU with fast bf16
 steps = {steps}
 batch_size = 8
 eval_interval = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,32 @@ def test_print_config_cli(capsys):
     assert main(["train", "--print-config", "--optim.lr=3e-4", "--model.preset=micro"]) == 0
     out = capsys.readouterr().out
     assert "lr = 0.0003" in out and "dim = 256" in out
+
+
+def test_default_context_and_rotary_length_agree():
+    """The default run trains on data.seq_len tokens; its rotary tables (and so its model) end there too,
+    in the code defaults and in configs/default.toml alike."""
+    from pathlib import Path
+
+    default = JobConfig()
+    assert default.model.max_seq_len == default.data.seq_len == 128
+    recipe = load_config(Path(__file__).resolve().parents[1] / "configs" / "default.toml")
+    assert recipe.model.max_seq_len == recipe.data.seq_len == default.data.seq_len
+
+
+def test_a_cli_preset_overrides_the_toml_fields_it_sets(tmp_path):
+    """`--model.preset=micro` over a TOML that spells out the nano sizes (configs/default.toml does) gives the
+    micro model, not nano's dim under micro's name; TOML fields the preset does not set, and CLI fields, stay."""
+    from scaletrain.model.presets import PRESETS
+
+    p = write(tmp_path, '[model]\npreset = "small"\ndim = 128\nn_layers = 4\nn_heads = 4\nrope_theta = 5000.0\n')
+    cfg = load_config(p, {"model.preset": "micro"})
+    assert cfg.model.preset == "micro"
+    for key, value in PRESETS["micro"].items():
+        assert getattr(cfg.model, key) == value, key
+    assert cfg.model.rope_theta == 5000.0  # not a micro field: the TOML's stays
+    assert cfg.model.n_kv_heads == 0  # the TOML's preset (small: 4) is replaced, not layered underneath
+    assert load_config(p, {"model.preset": "micro", "model.dim": "384", "model.n_heads": "6"}).model.dim == 384
+    assert load_config(p).model.dim == 128  # without a CLI preset the TOML's own fields win over its preset
+    recipe = load_config(Path(__file__).resolve().parents[1] / "configs" / "default.toml", {"model.preset": "micro"})
+    assert (recipe.model.dim, recipe.model.ffn_hidden_dim) == (256, 688)

@@ -158,6 +158,7 @@ eval_interval = 0
 eval_batches = 2
 sample_tokens = 0
 seed = 7
+precision = "fp32"  # parity to fp32 rounding (auto may measure bf16 faster)
 [schedule]
 warmup_steps = 5
 [logging]
@@ -183,7 +184,10 @@ def test_cli_under_torchrun_matches_single_process_and_resumes(tmp_path):
     single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
                             text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
-    torchrun(2, *cli, f"--train.run_dir={tmp_path / 'fsdp'}", "--parallel.dp_shard=2", "--train.batch_size=4")
+    proc = torchrun(2, *cli, f"--train.run_dir={tmp_path / 'fsdp'}", "--parallel.dp_shard=2", "--train.batch_size=4")
+    # Only rank 0 speaks: one model line and one summary line, whole (not two ranks' lines run together).
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith(("model:", "done:"))] == ["model", "done"], lines
     expected, got = train_losses(tmp_path / "single"), train_losses(tmp_path / "fsdp")
     assert len(got) == len(expected) == 10  # rank-0-only logging: one record per step, not one per rank
     assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL

@@ -84,3 +84,56 @@ def test_module_entry_point_runs():
     proc = subprocess.run([sys.executable, "-m", "scaletrain.plan.cli", "plan", "--model", "gpt2-124m",
                            "--hardware", "bogus"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "catalog" in proc.stderr
+
+
+@pytest.mark.parametrize("exponent", range(0, 40))
+def test_human_numbers_use_one_prefix_at_every_magnitude(exponent):
+    """3 significant digits and one SI prefix from k to Q (never '9.3e+03E'); scientific beyond 999Q."""
+    from scaletrain.plan.report import SI_PREFIXES, human
+
+    for mantissa in (1.0, 9.3, 123.4, 999.4, 999.96):
+        x = mantissa * 10.0**exponent
+        text = human(x, "FLOP/s")
+        number = text.removesuffix("FLOP/s")
+        if float(f"{x:.3g}") >= 1e33:
+            assert "e+" in number and float(number) == pytest.approx(x, rel=5e-3), text
+            continue
+        prefix = number[-1] if number[-1] in SI_PREFIXES else ""
+        digits = number.removesuffix(prefix)
+        assert "e" not in digits and 1 <= float(digits) < 1000, text
+        scale = 1000.0 ** (SI_PREFIXES.index(prefix) + 1) if prefix else 1.0
+        assert float(digits) * scale == pytest.approx(x, rel=5e-3), text
+    assert (human(9.3e21), human(999_999), human(1e25), human(1.5e40), human(0)) == ("9.3Z", "1M", "10Y",
+                                                                                    "1.5e+40", "0")
+
+
+def test_the_vocabulary_comes_from_the_recipe_data(tmp_path):
+    """model.vocab_size = 0 in a recipe: the BPE size it trains (configs/gpt2_124m.toml: data.vocab_size = 8192)."""
+    from scaletrain.config import ModelConfig, build
+    from scaletrain.model.presets import PRESETS, num_params
+
+    out = tmp_path / "plan.json"
+    assert run("--config", "configs/gpt2_124m.toml", "--hardware", "a100-80gb:8", "--json", str(out)) == 0
+    w = json.loads(out.read_text())["workload"]
+    model = build(ModelConfig, {"preset": "gpt2-124m", "vocab_size": 8192, "max_seq_len": 1024}, presets=PRESETS)
+    assert w["vocab_size"] == 8192 and w["params_total"] == num_params(model)
+
+
+def test_a_prepared_data_folder_gives_its_manifest_vocabulary(tmp_path, capsys):
+    """A job reading a prepared folder plans with that folder's tokenizer (its manifest), which wins over
+    data.tokenizer / data.vocab_size as in the trainer; a char tokenizer over raw text asks for --vocab-size."""
+    from scaletrain.data.prepare import prepare_text
+
+    (tmp_path / "text.txt").write_text("hello world, a tiny corpus of few letters.\n" * 200)
+    manifest = prepare_text(str(tmp_path / "text.txt"), tmp_path / "prepared")
+    job = tmp_path / "job.toml"
+    job.write_text(f'[model]\npreset = "nano"\n[data]\npath = "{tmp_path / "prepared"}"\ntokenizer = "bpe"\n'
+                   "vocab_size = 4096\nseq_len = 64\n")
+    out = tmp_path / "plan.json"
+    assert run("--config", str(job), "--hardware", "cpu:1", "--tokens", "1M", "--json", str(out)) == 0
+    assert json.loads(out.read_text())["workload"]["vocab_size"] == manifest["vocab_size"] < 64
+    job.write_text('[model]\npreset = "nano"\n[data]\npath = "raw.txt"\ntokenizer = "char"\n')
+    capsys.readouterr()
+    assert run("--config", str(job), "--hardware", "cpu:1") == 2
+    err = capsys.readouterr().err
+    assert "--vocab-size" in err and "char" in err and err.count("\n") == 1

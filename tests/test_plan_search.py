@@ -12,7 +12,7 @@ from scaletrain.plan.hardware import CATALOG, Cluster
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown
 from scaletrain.plan.search import enumerate_plans, search, what_would_fit
-from scaletrain.plan.spec import Plan, Workload, check_plan, job_config
+from scaletrain.plan.spec import Plan, Workload, check_plan, job_config, plan_run_dir
 from scaletrain.plan.timing import communication, step_time
 from scaletrain.train.validate import check_runnable
 
@@ -115,6 +115,8 @@ def test_emitted_config_loads_and_runs_the_plan(tmp_path):
     assert job.parallel.zero_stage == best.plan.zero_stage
     assert job.train.batch_size * job.train.grad_accum_steps * best.plan.dp == w.global_batch
     assert job.model.dim == 768 and job.model.vocab_size == 50304 and job.data.seq_len == 1024
+    # its own run folder, named after the plan: running it never writes into runs/default
+    assert job.train.run_dir == plan_run_dir(best.plan) == "runs/plan-" + best.plan.label().replace(" ", "-")
 
 
 def test_gpu_compute_bound_step_runs_at_the_stated_utilisation():

@@ -138,6 +138,25 @@ def test_eval_text_errors(tmp_path, tiny, capsys):
     assert "not UTF-8" in capsys.readouterr().err
 
 
+def test_eval_text_skips_characters_outside_a_char_vocabulary(tmp_path, tiny, capsys):
+    """A Gutenberg text scored by a Tiny Shakespeare (char) model: the curly quotes it never saw are left out,
+    counted in one line, and the rest is scored; a text it fully knows reports nothing skipped."""
+    run = tmp_path / "run"
+    assert main(args(tiny(run, **{"train.steps": 2}))) == 0
+    capsys.readouterr()
+    text = tmp_path / "book.txt"
+    text.write_text("\u2018Curiouser and curiouser!\u2019 cried Alice; \u201cO Romeo\u201d.\n" * 10)
+    assert main(["eval", "--run", str(run), "--text", str(text)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("skipped 40 characters not in the tokenizer's vocabulary "
+                        "(e.g. '\u2018' x10, '\u2019' x10, '\u201c' x10, ...); the rest is scored")
+    plain_count = len("Curiouser and curiouser! cried Alice; O Romeo.\n" * 10) - 1
+    assert lines[1].startswith(f"{text}: loss") and f"over {plain_count // 32 * 32:,} tokens" in lines[1]
+    text.write_text("ROMEO:\nWhat light through yonder window breaks?\n" * 20)
+    assert main(["eval", "--run", str(run), "--text", str(text)]) == 0
+    assert "skipped" not in capsys.readouterr().out
+
+
 def test_default_recipe_smoke(tmp_path, capsys):
     """The README's default command, shortened: progress, a sample and the final val loss appear."""
     run = tmp_path / "default"
@@ -244,3 +263,119 @@ def test_peak_measurement_says_where_it_is_cached(tmp_path, monkeypatch):
     assert first > 0 and calibration_path().is_file()
     assert len(said) == 1 and str(calibration_path()) in said[0] and "SCALETRAIN_CACHE" in said[0]
     assert peak_flops("cpu", "fp32", log=said.append) == first and len(said) == 1  # cached: measured once
+
+
+@pytest.fixture
+def keep_threads():
+    """Tests that set torch's thread count get the caller's back afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_only_rank_zero_speaks_and_errors_are_every_ranks(tmp_path, tiny, capsys, monkeypatch):
+    """Every line of `scaletrain train` for people (elastic restart, model, step lines, done) comes from rank 0
+    alone (`parallel/distributed.py: say`); a rank's error is printed by that rank."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the elastic-restart line and its resume
+    run = {"train.steps": 2, "logging.progress": "plain", "logging.log_interval": 1, "train.precision": "auto"}
+    monkeypatch.setattr("scaletrain.train.precision.cpu_bf16_speedup", lambda log=None: 0.01)
+    monkeypatch.setenv("RANK", "1")
+    assert main(args(tiny(tmp_path / "rank1", **run))) == 0
+    assert capsys.readouterr().out == ""
+    assert main(["train", "--optim.lr=-1"]) == 2
+    assert "ConfigError: optim.lr must be > 0" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    assert main(args(tiny(tmp_path / "rank0", **run))) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [line.split(" ")[0].rstrip(":") for line in lines]
+    assert heads.count("elastic") == heads.count("model") == heads.count("done") == 1, lines
+    assert sum(" | loss " in line for line in lines) == 2, lines  # the step lines, one a step
+    model_line = next(line for line in lines if line.startswith("model:"))
+    assert "fp32 (precision auto -> fp32: bf16 matmul measured 0.01x fp32 on this CPU" in model_line
+
+
+def test_precision_auto_follows_the_measured_bf16_speed(monkeypatch):
+    """On a CPU, auto is bf16 only where bf16 matmuls measured clearly faster than fp32, and says why; an
+    explicit precision measures nothing; a GPU with bf16 gets it."""
+    from scaletrain.train.precision import BF16_MIN_SPEEDUP, resolve_precision
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr("scaletrain.train.precision.cpu_bf16_speedup", lambda log=None: 0.01)
+    assert resolve_precision("auto", cpu) == ("fp32", "precision auto -> fp32: bf16 matmul measured 0.01x fp32 "
+                                                      f"on this CPU (bf16 from {BF16_MIN_SPEEDUP}x)")
+    monkeypatch.setattr("scaletrain.train.precision.cpu_bf16_speedup", lambda log=None: 2.3)
+    precision, why = resolve_precision("auto", cpu)
+    assert precision == "bf16" and "measured 2.3x fp32" in why
+
+    def no_measuring(log=None):
+        raise AssertionError("an explicit precision must not measure")
+
+    monkeypatch.setattr("scaletrain.train.precision.cpu_bf16_speedup", no_measuring)
+    assert resolve_precision("fp32", cpu) == ("fp32", "") and resolve_precision("bf16", cpu) == ("bf16", "")
+    assert resolve_precision("auto", cpu, measure=False) == ("fp32", "")  # a rank > 0: rank 0's decision follows
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("auto", torch.device("cuda"))[0] == "bf16"
+
+
+def test_bf16_speedup_is_measured_once_on_one_core_and_cached(tmp_path, monkeypatch, keep_threads):
+    """The ratio auto decides on: one core's bf16 and fp32 matmul rates, measured once (single-threaded, on
+    the process-CPU-time clock), cached where the log line says, then read back without measuring."""
+    from scaletrain import hardware
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake(device, dtype, n, min_seconds, timer):
+        calls.append((dtype, torch.get_num_threads(), timer))
+        return {"fp32": 80e9, "bf16": 0.8e9}[dtype]
+
+    monkeypatch.setattr(hardware, "measure_matmul_flops", fake)
+    torch.set_num_threads(2)
+    said = []
+    assert hardware.cpu_bf16_speedup(said.append) == pytest.approx(0.01)
+    assert [(d, t) for d, t, _ in calls] == [("bf16", 1), ("fp32", 1)] and calls[0][2] is hardware.CLOCKS["cpu"]
+    assert torch.get_num_threads() == 2  # the caller's threads are back
+    assert len(said) == 2 and all(str(hardware.calibration_path()) in line for line in said)
+    assert hardware.cpu_bf16_speedup(said.append) == pytest.approx(0.01) and len(calls) == 2  # cached
+
+
+# What torchrun sets in a rank (torch 2.13, 1 node): --standalone and an explicit c10d rendezvous differ in
+# the run id and the port only. One process per launch here (WORLD_SIZE=1): the trainer builds alone.
+LAUNCHES = {
+    "plain": {},
+    "standalone": {"TORCHELASTIC_RUN_ID": "5e784894-7169-46ff-9207-e7b591a4985b", "MASTER_PORT": "37867"},
+    "c10d": {"TORCHELASTIC_RUN_ID": "none", "MASTER_PORT": "33167"},
+}
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def test_mfu_does_not_depend_on_the_launcher(tmp_path, tiny, monkeypatch, keep_threads):
+    """One definition, one peak: MFU = model FLOPs/s over one device's measured peak (one CPU core) times the
+    devices used (every rank's threads). The same step time gives the same MFU under any launcher's
+    environment; the peak is measured once, single-threaded, whatever the run's thread count."""
+    from scaletrain import hardware
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
+    measured_with = []
+
+    def fake(device, dtype, n, min_seconds, timer):
+        measured_with.append(torch.get_num_threads())
+        return 50e9
+
+    monkeypatch.setattr(hardware, "measure_matmul_flops", fake)
+    mfus, peaks = {}, {}
+    for launch, env in LAUNCHES.items():
+        with monkeypatch.context() as m:
+            for key, value in ({**TORCHRUN_ENV, **env} if env else {}).items():
+                m.setenv(key, value)
+            trainer = Trainer(load_config(None, tiny(tmp_path / "run", **{"train.threads": 1})), log=False)
+            trainer.step_times = [0.05]
+            peaks[launch] = trainer.peak_flops
+            mfus[launch] = trainer._step_record({})["mfu"]
+    assert peaks == dict.fromkeys(LAUNCHES, 50e9) and len(set(mfus.values())) == 1, (peaks, mfus)
+    assert mfus["plain"] == pytest.approx(trainer.flops_per_token * trainer.tokens_per_step / 0.05 / 50e9)
+    two = Trainer(load_config(None, tiny(tmp_path / "run", **{"train.threads": 2})), log=False)
+    assert two.peak_flops == 2 * 50e9  # two cores' worth, from the same one-core measurement
+    assert measured_with == [1]  # measured once (fp32), on one thread, then read from the cache

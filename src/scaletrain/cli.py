@@ -10,30 +10,67 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from scaletrain.config import ConfigError, JobConfig, add_config_arguments, load_config, overrides_from_args, to_toml
+from scaletrain.config import (
+    ConfigError,
+    JobConfig,
+    add_config_arguments,
+    config_differences,
+    load_config,
+    overrides_from_args,
+    to_toml,
+)
 
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (default: the tiny CPU recipe on bundled Tiny Shakespeare)",
                        description="Train a model. Settings come from --config TOML, "
-                                   "overridden by --section.field flags.")
+                                   "overridden by --section.field flags. With --resume the run's saved "
+                                   "<train.run_dir>/config.toml is the base instead, overridden by the flags; "
+                                   "a --config given too must agree with the saved config in every field the "
+                                   "flags do not set, or the run is refused with the differing fields listed.")
     p.add_argument("--config", help="TOML recipe (see configs/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.run_dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in train.run_dir, with the run's saved config.toml "
+                        "overridden by the --section.field flags")
     add_config_arguments(p, JobConfig)
     p.set_defaults(func=cmd_train)
 
 
+# Fields a --config may set differently from the run's saved config on --resume: this invocation's controls
+# (not kept in the saved config), and grad_accum_steps, which a resume re-derives from the checkpoint's
+# global batch whatever the config says.
+RESUME_FREE_FIELDS = ("train.resume", "train.stop_at_step", "train.grad_accum_steps")
+
+
 def resolve_job_config(args: argparse.Namespace) -> JobConfig:
-    """TOML (or, when resuming without --config, the run's saved config.toml) + CLI overrides."""
+    """A new run: --config TOML (or the defaults) + --section.field flags. A resume whose run folder has a
+    config.toml: that saved config + the flags; a --config given too must agree with the saved config in
+    every field the flags do not set (ConfigError listing the differences), so no setting changes unseen."""
     overrides = overrides_from_args(args)
     if getattr(args, "resume", False):
         overrides["train.resume"] = "true"
-    base = args.config
-    if base is None and overrides.get("train.resume", "").lower() in ("true", "1", "yes", "on"):
-        saved = Path(overrides.get("train.run_dir", JobConfig().train.run_dir)) / "config.toml"
-        base = str(saved) if saved.is_file() else None
-    return load_config(base, overrides)
+    recipe = load_config(args.config) if args.config else None
+    flag = overrides.get("train.resume")
+    resume = flag.lower() in ("true", "1", "yes", "on") if flag is not None else bool(recipe and recipe.train.resume)
+    run_dir = overrides.get("train.run_dir") or (recipe or JobConfig()).train.run_dir
+    saved = Path(run_dir) / "config.toml"
+    if not resume or not saved.is_file():
+        return load_config(args.config, overrides)
+    overrides["train.resume"] = "true"  # the saved config keeps resume = false
+    if recipe is not None:
+        differ = [(key, mine, theirs) for key, mine, theirs in config_differences(recipe, load_config(saved))
+                  if key not in overrides and key not in RESUME_FREE_FIELDS
+                  and not (key == "model.vocab_size" and mine == 0)]  # 0: the data's, resolved in the saved one
+        if differ:
+            shown = ", ".join(f"{key} ({mine!r} vs saved {theirs!r})" for key, mine, theirs in differ[:6])
+            more = f" and {len(differ) - 6} more" if len(differ) > 6 else ""
+            raise ConfigError(f"--config {args.config} differs from the run's saved {saved} in {shown}{more}; on "
+                              f"--resume the saved config is the base and --section.field flags override it: "
+                              f"drop --config and pass the changes as flags, or train into a new train.run_dir")
+        if recipe.train.stop_at_step and "train.stop_at_step" not in overrides:
+            overrides["train.stop_at_step"] = str(recipe.train.stop_at_step)  # this invocation's control
+    return load_config(saved, overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -41,38 +78,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    from scaletrain.parallel.distributed import restart_attempt
+    # Every line below is said by rank 0 only (``say``); errors are printed by every rank (main).
+    from scaletrain.parallel.distributed import restart_attempt, say
     from scaletrain.train.trainer import Trainer
 
     if restart_attempt() > 0 and not cfg.train.resume:  # torchrun --max-restarts restarted us after a failure
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
-        print(f"elastic restart {restart_attempt()}: resuming from the latest checkpoint", flush=True)
+        say(f"elastic restart {restart_attempt()}: resuming from the latest checkpoint")
     trainer = Trainer(cfg)
     if cfg.train.resume and not trainer.resume():
-        print(f"no checkpoint in {cfg.train.run_dir}; starting from scratch", flush=True)
+        say(f"no checkpoint in {cfg.train.run_dir}; starting from scratch")
+    step, steps, stop_at = trainer.state.step, trainer.cfg.train.steps, trainer.cfg.train.stop_at_step
+    if step >= steps or 0 < stop_at <= step:  # nothing to train: say so instead of timing zero steps
+        state = f"already complete at step {step} (train.steps = {steps}); raise --train.steps" if step >= steps \
+            else f"already at step {step} (train.stop_at_step = {stop_at}); raise --train.stop_at_step"
+        say(f"{state} to continue")
+        trainer.close()
+        return 0
     n = trainer.cfg
-    print(f"model: {trainer.summary()['parameters'] / 1e6:.2f}M parameters "
-          f"({n.model.n_layers} layers x {n.model.dim}), "
-          f"vocab {trainer.vocab_note}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
-          f"{trainer.precision}; run folder {trainer.run_dir}", flush=True)
+    precision = f"{trainer.precision} ({trainer.precision_why})" if trainer.precision_why else trainer.precision
+    say(f"model: {trainer.summary()['parameters'] / 1e6:.2f}M parameters ({n.model.n_layers} layers x {n.model.dim}), "
+        f"vocab {trainer.vocab_note}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
+        f"{precision}; run folder {trainer.run_dir}")
     summary = trainer.train()
     if summary["preempted"]:
         from scaletrain.train.preemption import PREEMPTED_EXIT_CODE
 
-        print(f"stopped at step {summary['steps']} ({summary['preempted']}); exit status {PREEMPTED_EXIT_CODE} "
-              f"means 'preempted, resume me'", flush=True)
+        say(f"stopped at step {summary['steps']} ({summary['preempted']}); exit status {PREEMPTED_EXIT_CODE} "
+            f"means 'preempted, resume me'")
         return PREEMPTED_EXIT_CODE
     final = summary["final_val_loss"]
-    print(f"done: {summary['steps']} steps, median {summary['median_step_ms']:.1f} ms/step, "
-          f"{summary['tokens_per_second']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}%, "
-          f"peak memory {summary['peak_memory_mb']:.0f} MB" + (f", final val loss {final:.4f}" if final else ""))
+    say(f"done: {summary['steps']} steps, median {summary['median_step_ms']:.1f} ms/step, "
+        f"{summary['tokens_per_second']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}%, "
+        f"peak memory {summary['peak_memory_mb']:.0f} MB" + (f", final val loss {final:.4f}" if final else ""))
     return 0
 
 
 def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss and perplexity of a run's latest checkpoint")
     p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
-    p.add_argument("--text", help="a UTF-8 text file to score instead of the run's validation split")
+    p.add_argument("--text", help="a UTF-8 text file to score instead of the run's validation split (with a char "
+                                  "tokenizer, characters outside its vocabulary are skipped and counted)")
     p.add_argument("--batches", type=int, default=0, help="validation batches to score; 0 = the whole split")
     p.set_defaults(func=cmd_eval)
 
@@ -83,7 +129,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.run import load_run
     from scaletrain.data.loader import TokenStream
     from scaletrain.data.prepare import read_text_file
-    from scaletrain.data.tokenizer import DataError
+    from scaletrain.data.tokenizer import DataError, describe_skipped, encode_known
     from scaletrain.train.evaluate import perplexity, token_loss
     from scaletrain.train.trainer import prepare_data
 
@@ -92,7 +138,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         path = Path(args.text)
         if not path.is_file():
             raise DataError(f"text file not found: {path}")
-        tokens = torch.tensor(tokenizer.encode(read_text_file(path)), dtype=torch.long)
+        ids, unknown = encode_known(tokenizer, read_text_file(path))  # a char tokenizer skips what it lacks
+        if unknown:
+            print(describe_skipped(unknown), flush=True)
+        tokens = torch.tensor(ids, dtype=torch.long)
         source = str(path)
     else:
         stream = TokenStream(str(prepare_data(cfg)), "val")
@@ -130,7 +179,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ConfigError("--prompt must not be empty")
-    new = generate(model, prompt, args.max_tokens, max_seq_len=cfg.model.max_seq_len, temperature=args.temperature,
+    # Cropped at the context the run trained on (data.seq_len, from its config.toml), not model.max_seq_len:
+    # positions the model never saw turn the text to gibberish.
+    new = generate(model, prompt, args.max_tokens, max_seq_len=cfg.data.seq_len, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
                    stop_id=tokenizer.eos_id, vocab_limit=tokenizer.vocab_size)
     print(args.prompt + tokenizer.decode(new))

@@ -1,7 +1,9 @@
 """The typed config tree: dataclasses whose field docs become ``--help``.
 
-Precedence is CLI > TOML > model preset > defaults. Every component receives only its own
-section (``ModelConfig`` for the model, ``OptimConfig`` for the optimizer, ...).
+Precedence is CLI > TOML > model preset > defaults, where a preset counts in the layer that names it:
+explicit fields of the same or a higher layer win over a preset, and ``--model.preset`` on the command line
+wins over the TOML's model fields it sets (``_cli_presets``). Every component receives only its own section
+(``ModelConfig`` for the model, ``OptimConfig`` for the optimizer, ...).
 
 The machinery here is generic (any dataclass tree of scalar/list fields) so other commands, such as
 ``scaletrain prepare --config data.toml``, reuse it for their own trees.
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.model.config import ModelConfig
+from scaletrain.model.config import DEFAULT_CONTEXT, ModelConfig
 from scaletrain.model.presets import PRESETS
 from scaletrain.options import ConfigError, opt
 
@@ -42,7 +44,7 @@ class DataConfig:
                                   "the text) or a path to a tokenizer.json")
     vocab_size: int = opt(2048, "BPE vocabulary size when the tokenizer is trained here", ge=260)
     val_fraction: float = opt(0.1, "fraction of the text held out for validation", ge=0.0, lt=1.0)
-    seq_len: int = opt(128, "tokens per training sequence (context length)", ge=1)
+    seq_len: int = opt(DEFAULT_CONTEXT, "tokens per training sequence (context length)", ge=1)
     cache_dir: str = opt("", "where raw text is prepared; empty = <train.run_dir>/data")
     shuffle: bool = opt(True, "shuffle sequences each epoch (deterministic in train.seed and the epoch)")
     document_attention: bool = opt(False, "confine attention to each packed document (a block-causal mask "
@@ -80,7 +82,8 @@ class TrainConfig:
     grad_accum_steps: int = opt(1, "micro-batches accumulated per optimizer step", ge=1)
     seed: int = opt(1337, "seed for init, data order and sampling")
     device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", choices=("auto", "cpu", "cuda"))
-    precision: str = opt("auto", "auto (bf16 on a GPU that supports it, else fp32), fp32, bf16 or fp16 "
+    precision: str = opt("auto", "auto (bf16 on a GPU that supports it; on a CPU bf16 when its bf16 matmuls "
+                                 "measure >= 1.5x fp32's, else fp32), fp32, bf16 or fp16 "
                                  "(autocast; fp16 uses a gradient scaler)", choices=("auto", "fp32", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile the model (cold compile takes ~20 s on CPU)")
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default", ge=0)
@@ -90,8 +93,8 @@ class TrainConfig:
     sample_prompt: str = opt("\n", "prompt for those samples")
     run_dir: str = opt("runs/default", "folder for checkpoints, metrics and the resolved config")
     resume: bool = opt(False, "continue from the latest checkpoint in run_dir")
-    stop_at_step: int = opt(0, "save and stop at this step (the schedule still follows steps); 0 = run to the end",
-                            ge=0)
+    stop_at_step: int = opt(0, "evaluate, save and stop at this step (the schedule still follows steps); "
+                               "0 = run to the end", ge=0)
     rollback_after: int = opt(3, "NaN/Inf guard: a step whose loss or gradient norm is not finite is skipped; after "
                                  "this many in a row, reload the last checkpoint and skip that data; "
                                  "0 = never roll back",
@@ -320,11 +323,28 @@ def load_config(path: str | Path | None = None, overrides: dict[str, str] | None
     where = f" in {path}" if path else ""
     # Check TOML first so its errors name the file; then layer CLI overrides on top.
     build(cls, raw, where, presets=None)
-    merged = _deep_merge(raw, _nest(overrides or {}))
+    cli = _nest(overrides or {})
+    merged = _deep_merge(_cli_presets(cls, raw, cli), cli)
     cfg = build(cls, merged, where if not overrides else "", presets=None)
     if cls is JobConfig:
         validate_job(cfg)
     return cfg
+
+
+def _cli_presets(cls: type, raw: dict, cli: dict) -> dict:
+    """``raw`` (the TOML) with a preset given on the command line applied as its own layer above the TOML:
+    it replaces the TOML's preset, and the TOML fields it sets (dim, n_layers, ...) give way to it. TOML
+    fields it does not set, and the command line's own fields, still apply. Without this, the TOML's fields
+    would silently win (configs/default.toml spells out dim = 128, so ``--model.preset=micro`` would keep
+    it while saying ``preset = "micro"``)."""
+    out = dict(raw)
+    for name, tp in _sections(cls).items():
+        presets = _presets_for(tp)
+        chosen = cli.get(name, {}).get("preset") if isinstance(cli.get(name), dict) else None
+        if presets is None or not chosen or chosen not in presets or not isinstance(raw.get(name), dict):
+            continue  # nothing to layer (an unknown preset is build()'s one-line error)
+        out[name] = {**{k: v for k, v in raw[name].items() if k != "preset"}, **presets[chosen]}
+    return out
 
 
 def _deep_merge(a: dict, b: dict) -> dict:
@@ -350,6 +370,18 @@ def validate_job(cfg: JobConfig) -> None:
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def config_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    """``(dotted name, value in a, value in b)`` for every leaf field where two config trees differ."""
+    out = []
+    for key, _, _ in iter_fields(type(a)):
+        va, vb = a, b
+        for part in key.split("."):
+            va, vb = getattr(va, part), getattr(vb, part)
+        if va != vb:
+            out.append((key, va, vb))
+    return out
 
 
 def _toml_value(v: Any) -> str:
@@ -389,7 +421,8 @@ def to_toml(cfg: Any, comments: bool = True) -> str:
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type = None) -> None:
     """Add one ``--section.field`` option per leaf field, with its documentation as help."""
     cls = cls or JobConfig
-    group = parser.add_argument_group("config fields (override the TOML; CLI > TOML > preset > default)")
+    group = parser.add_argument_group("config fields (override the TOML; CLI > TOML > preset > default; "
+                                      "--model.preset also overrides the TOML's fields that the preset sets)")
     for key, tp, f in iter_fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         choices = f.metadata.get("choices")

@@ -1,9 +1,13 @@
 """This machine's measured peak matmul rate, cached, for MFU (trainer) and the planner alike.
 
 The cache is a JSON file (``$SCALETRAIN_CACHE`` or ``~/.cache/scaletrain``/calibration.json) keyed by a
-fingerprint of the device, the torch version and the thread count. ``scaletrain doctor`` fills it with the
-planner's full calibration (``plan/calibration.py``); a training run only ever adds the one number it
-needs for MFU, and says so when it does.
+fingerprint of the device, the torch version and (on a CPU) the thread count. ``scaletrain doctor`` fills it
+with the planner's full calibration (``plan/calibration.py``); a training run only ever adds the numbers it
+needs (the peak for MFU, the bf16/fp32 ratio for ``train.precision = auto``), and says so when it does.
+
+One peak, whatever launched the run: ``peak_flops`` is the rate of one *device*, a GPU or one CPU core (a
+single-threaded matmul timed by this process's CPU time, which other ranks or jobs sharing the cores do not
+inflate), and a job's peak is that times ``devices_in_job`` (its GPUs, or every rank's threads on a CPU).
 """
 
 from __future__ import annotations
@@ -45,11 +49,13 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def device_fingerprint(device: torch.device | str) -> str:
-    """A key that changes when the hardware, torch or the thread count changes."""
+def device_fingerprint(device: torch.device | str, threads: int | None = None) -> str:
+    """A key that changes when the hardware, torch or (on a CPU) the thread count changes: ``threads``, or
+    torch's current count. A GPU's key has no thread count: the CPU threads do not drive its matmuls."""
     device = torch.device(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    return f"{device.type}|{name}|torch{torch.__version__}|threads{torch.get_num_threads()}"
+    if device.type == "cuda":
+        return f"cuda|{torch.cuda.get_device_name(device)}|torch{torch.__version__}"
+    return f"{device.type}|{cpu_name()}|torch{torch.__version__}|threads{threads or torch.get_num_threads()}"
 
 
 def comm_fingerprint(device: torch.device | str) -> str:
@@ -92,27 +98,49 @@ def save_calibration(data: dict) -> Path:
     """Write the whole cache atomically (concurrent readers never see half a file)."""
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    # One temporary file per process: ranks that measure at the same time must not write into one file
+    # (a half-written one renamed into place would lose the whole cache, doctor's calibration included).
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
     tmp.replace(path)
     return path
 
 
+def matmul_size(device: torch.device | str, dtype: str) -> int:
+    """The square matmul a peak is measured with: 1024, or 256 for bf16/fp16 on a CPU, where a CPU without
+    native bf16 runs them ~100x slower than fp32 and a 1024^3 one would take seconds."""
+    return 256 if torch.device(device).type == "cpu" and dtype != "fp32" else 1024
+
+
 def peak_flops(device: torch.device | str = "cpu", dtype: str = "fp32", remeasure: bool = False,
                log: Callable[[str], None] | None = None) -> float:
-    """The device's peak FLOP/s for ``dtype``: the cached measurement, measured once (~1 s) if missing.
+    """One device's peak FLOP/s for ``dtype`` (a GPU, or one CPU core): the cached measurement, measured once
+    (~0.3 s) if missing.
 
-    ``remeasure``: measure again and keep the higher of the two - for when a run achieves more than the
-    cached "peak", which happens when the first measurement ran while other work shared the cores.
-    ``log`` is told what was measured and where it was cached, so nothing lands in the user's home unsaid.
+    On a CPU the matmul runs on one thread, timed by this process's CPU time, and is cached under the
+    one-thread fingerprint whatever the caller's thread count: the same number under any launcher (other
+    ranks or jobs time-sharing the cores slow a wall clock, not this one) and the one ``doctor --clock cpu``
+    writes. ``remeasure``: measure again and keep the higher of the two - for when a run achieves more than
+    the cached "peak". ``log`` is told what was measured and where it was cached, so nothing lands in the
+    user's home unsaid.
     """
-    key = device_fingerprint(device)
+    device = torch.device(device)
+    cpu = device.type == "cpu"
+    key = device_fingerprint(device, threads=1 if cpu else None)
     data = load_calibration()
     entry = data.get(key, {})
     name = f"matmul_flops_{dtype}"
     if name in entry and not remeasure:
         return float(entry[name])
-    entry[name] = max(measure_matmul_flops(device, dtype), entry.get(name, 0.0))
+    threads = torch.get_num_threads()
+    if cpu:
+        torch.set_num_threads(1)
+    try:
+        measured = measure_matmul_flops(device, dtype, n=matmul_size(device, dtype), min_seconds=0.25,
+                                        timer=CLOCKS["cpu" if cpu else "wall"])
+    finally:
+        torch.set_num_threads(threads)
+    entry[name] = max(measured, entry.get(name, 0.0))
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     data[key] = entry
     try:
@@ -120,6 +148,20 @@ def peak_flops(device: torch.device | str = "cpu", dtype: str = "fp32", remeasur
     except OSError as exc:
         where = f"not cached ({exc.strerror or exc})"
     if log is not None:
-        log(f"measured this {torch.device(device).type}'s peak {dtype} matmul rate for MFU: "
+        what = "one core's" if cpu else "this GPU's"
+        log(f"measured {what} peak {dtype} matmul rate (for MFU and train.precision=auto): "
             f"{entry[name] / 1e9:,.1f} GFLOP/s; {where}")
     return float(entry[name])
+
+
+def devices_in_job(device_type: str, world_size: int, threads: int) -> int:
+    """How many of ``peak_flops``'s devices a job runs on: one GPU a rank, or on a CPU one core per torch
+    thread of every rank (a launcher's OMP_NUM_THREADS=1 per rank and one process with as many threads count
+    the same cores)."""
+    return world_size * (max(1, threads) if device_type == "cpu" else 1)
+
+
+def cpu_bf16_speedup(log: Callable[[str], None] | None = None) -> float:
+    """bf16 over fp32 matmul throughput of one core of this CPU (both ``peak_flops``, so cached: the
+    calibration ``doctor --clock cpu`` writes, else measured once in about half a second)."""
+    return peak_flops("cpu", "bf16", log=log) / peak_flops("cpu", "fp32", log=log)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -41,6 +42,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from scaletrain.files import file_sha256
 
@@ -300,18 +302,54 @@ def _persistent_stager():
 
 
 def load_tensors(path: Path, tensors: dict[str, Any], group=None) -> None:
-    """DCP load of ``tensors`` (in place) from checkpoint folder ``path``; a key the checkpoint lacks is a
-    CheckpointError naming it."""
+    """DCP load of ``tensors`` (in place) from checkpoint folder ``path``; a key the checkpoint lacks, or a
+    tensor whose saved shape differs from the current one, is a one-line CheckpointError naming it."""
     try:
         if _distributed():
             dcp.load(tensors, checkpoint_id=str(path), process_group=group)
         else:
             dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
-    except Exception as exc:  # DCP wraps per-rank failures in its own exception types
-        text = str(exc).strip().splitlines()
-        detail = next((line for line in text if "Missing key" in line or "missing" in line.lower()),
-                      text[-1] if text else type(exc).__name__)
-        raise CheckpointError(f"{path}: cannot load ({detail[:300]})") from exc
+    # DCP gathers every rank's failure into a CheckpointException, which derives from BaseException (not
+    # Exception); the diagnosis below runs after that collective failure, so no rank is left waiting.
+    except (Exception, CheckpointException) as exc:
+        mismatch = shape_mismatch(path, tensors)
+        if mismatch:
+            raise CheckpointError(mismatch) from None
+        # The message holds every failing rank's traceback: keep the last "SomeError: what" line.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
+        detail = errors[-1] if errors else lines[-1] if lines else type(exc).__name__
+        advice = f"; {_other_settings(path)}" if "Missing key" in detail else ""
+        raise CheckpointError(f"{path}: cannot load ({detail[:300]}){advice}") from exc
+
+
+def shape_mismatch(path: Path, tensors: dict[str, Any]) -> str | None:
+    """The first tensor of ``tensors`` (``{"model": {name: tensor}, "optimizer": ...}``) whose shape differs
+    from the one saved in checkpoint ``path``, as a message for a person; None when all agree (or the
+    checkpoint's index cannot be read, which DCP then reports itself).
+
+    The usual cause is a config that builds another model than the run trained (a different vocabulary,
+    width or tokenizer), so the message names the run folder and the two ways out."""
+    try:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:
+        return None
+    for section, entries in tensors.items():
+        for name, tensor in entries.items() if isinstance(entries, dict) else ():
+            size = getattr(saved.get(f"{section}.{name}"), "size", None)
+            if size is None or not isinstance(tensor, torch.Tensor) or tuple(size) == tuple(tensor.shape):
+                continue
+            what = "parameter" if section == "model" else f"{section} state"
+            return (f"{path}: {what} {name} is {list(size)} in the checkpoint but {list(tensor.shape)} in the model "
+                    f"the current config builds, so {_other_settings(path)}")
+    return None
+
+
+def _other_settings(path: Path) -> str:
+    """What to do about a model that does not fit checkpoint ``path`` (a folder in ``<run>/checkpoints``)."""
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return (f"the settings differ from those run folder {run} was trained with; use those (drop the changed "
+            f"--config / model.* / data.* settings) or train into a new train.run_dir")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -7,6 +7,7 @@ tagged ``"type": "scaletrain.char"`` so the two formats cannot be confused.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -137,6 +138,29 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return BPETokenizer(HFTokenizer.from_file(str(p)))
     except Exception as exc:  # tokenizers raises its own Exception type
         raise DataError(f"{p}: cannot load as a Hugging Face tokenizer ({exc})") from None
+
+
+def encode_known(tokenizer: Tokenizer, text: str) -> tuple[list[int], Counter]:
+    """Encode ``text``, leaving out the characters a char tokenizer does not know (e.g. a book's curly
+    quotes scored by a model trained on Tiny Shakespeare). Returns (ids, count per skipped character); a
+    byte-level BPE encodes every text, so nothing is skipped there."""
+    if not isinstance(tokenizer, CharTokenizer):
+        return tokenizer.encode(text), Counter()
+    unknown = Counter(c for c in text if c not in tokenizer.stoi)
+    if unknown:
+        text = "".join(c for c in text if c in tokenizer.stoi)
+    return tokenizer.encode(text), unknown
+
+
+def describe_skipped(unknown: Counter) -> str:
+    """One line for ``encode_known``'s count: "skipped 27 characters not in the tokenizer's vocabulary
+    (e.g. '’' x20, '‘' x5, '“' x2)"; empty when nothing was skipped."""
+    if not unknown:
+        return ""
+    shown = ", ".join(f"{c!r} x{n}" for c, n in unknown.most_common(3))
+    total = sum(unknown.values())
+    return (f"skipped {total:,} character{'s' if total != 1 else ''} not in the tokenizer's vocabulary "
+            f"(e.g. {shown}{', ...' if len(unknown) > 3 else ''}); the rest is scored")
 
 
 def iter_batches(items: Iterable, size: int) -> Iterator[list]:

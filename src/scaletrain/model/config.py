@@ -10,11 +10,16 @@ from dataclasses import dataclass
 
 from scaletrain.options import opt
 
+# The default training context (the job's data.seq_len) and the default rotary tables' length: equal, so a
+# default model is never asked for positions it was not trained on.
+DEFAULT_CONTEXT = 128
+
 
 @dataclass
 class ModelConfig:
     preset: str = opt("", "named size from scaletrain.model.presets (nano, micro, small, gpt2-124m, "
-                          "llama-1b, llama-8b, llama-70b); fields set here override the preset")
+                          "llama-1b, llama-8b, llama-70b); model fields set in the same TOML or on the command "
+                          "line override it, and a preset on the command line overrides the TOML's fields it sets")
     vocab_size: int = opt(0, "vocabulary size; 0 = the prepared data's tokenizer's, padded to a multiple of "
                              "parallel.tp, and of lcm(64, tp) when that adds at most 1% rows (50257 -> 50304, "
                              "65 stays 65); padding rows are masked out of the loss and sampling", ge=0)
@@ -25,7 +30,9 @@ class ModelConfig:
     ffn_hidden_dim: int = opt(344, "SwiGLU hidden size; 0 = 8/3*dim*ffn_dim_multiplier rounded up to multiple_of", ge=0)
     ffn_dim_multiplier: float = opt(1.0, "scales the computed SwiGLU hidden size (Llama 3 8B uses 1.3)", gt=0)
     multiple_of: int = opt(64, "SwiGLU hidden size is rounded up to a multiple of this", ge=1)
-    max_seq_len: int = opt(256, "longest sequence the rotary tables cover; data.seq_len must not exceed it", ge=1)
+    max_seq_len: int = opt(DEFAULT_CONTEXT, "longest sequence the rotary tables cover; data.seq_len must not "
+                                            "exceed it (generation crops at data.seq_len, the trained context)",
+                           ge=1)
     rope_theta: float = opt(10000.0, "rotary position embedding base", gt=0)
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
     tie_embeddings: bool = opt(False, "share the input embedding and the output projection")

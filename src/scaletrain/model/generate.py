@@ -12,9 +12,10 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, max_se
              generator: torch.Generator | None = None, stop_id: int | None = None,
              vocab_limit: int | None = None) -> list[int]:
     """Sample up to ``max_new_tokens`` after ``prompt``; temperature 0 is greedy. The context is cropped
-    to ``max_seq_len`` (the rotary tables' length). ``vocab_limit``: only ids below it are ever produced
-    (the tokenizer's vocabulary when the model's is padded: padding rows have no token to decode).
-    Returns only the new tokens."""
+    to ``max_seq_len``: pass the context the model was trained on (``data.seq_len``), not the rotary tables'
+    length, since positions beyond the trained ones produce gibberish. ``vocab_limit``: only ids below it
+    are ever produced (the tokenizer's vocabulary when the model's is padded: padding rows have no token to
+    decode). Returns only the new tokens."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -49,6 +49,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos).add_(rolled).to(x.dtype)
 
 
+# torch 2.11's dynamo gives an autograd.Function whose forward returns a tensor it modified in place
+# (``(x * r).mul_(w)``) zero gradients under torch.compile, any backend: tracing the forward records the
+# tensor before the in-place op as an extra output, and as it is the same tensor autograd routes the
+# incoming gradient to that slot instead of the real output (pytorch/pytorch#180642, fixed by #180921, which
+# was put forward for 2.12: not checked here, 2.13 is right). Before 2.13, when dynamo traces it, the forward
+# returns a fresh product instead (in eager mode it stays in place).
+_FUNCTION_MAY_RETURN_INPLACE = torch.__version__ >= "2.13"
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """y = x * r * w with r = rsqrt(mean(x^2) + eps), differentiated by hand.
 
@@ -66,7 +75,8 @@ class _RMSNormFunction(torch.autograd.Function):
         # One pass for sum(x^2), then (..., 1)-sized ops, then two products. Measured faster in this
         # model than the fused rms_norm kernel (aten._fused_rms_norm, which would also return r).
         rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
-        out = (x * rstd).mul_(weight)  # (..., d)
+        inplace = _FUNCTION_MAY_RETURN_INPLACE or not torch.compiler.is_compiling()
+        out = (x * rstd).mul_(weight) if inplace else x * rstd * weight  # (..., d)
         ctx.save_for_backward(x, rstd, weight)
         return out
 

@@ -84,6 +84,21 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def is_rank_zero() -> bool:
+    """Whether this process speaks for the job: rank 0 of the process group, or before one exists (the CLI's
+    first lines) torchrun's RANK; True in a plain process. The one place that decides who prints."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def say(text: str) -> None:
+    """A line for people (progress, summaries, warnings), printed once per job: by rank 0 only. Errors are
+    not said: every rank prints its own (cli.main), since each may fail for its own reason."""
+    if is_rank_zero():
+        print(text, flush=True)
+
+
 def barrier() -> None:
     """A barrier over all ranks; a no-op in a single process."""
     if dist.is_initialized():

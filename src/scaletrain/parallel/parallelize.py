@@ -170,8 +170,28 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group: dist.
         dist.all_reduce(total, group=pp_group)
         total = total.sqrt()
     for ps in groups.values():
+        one_by_one = [p for p in ps if _foreach_mul_skips(p.grad)] if foreach else []
+        if one_by_one:
+            torch.nn.utils.clip_grads_with_norm_(one_by_one, max_norm, total, foreach=False)
+            ps = [p for p in ps if not _foreach_mul_skips(p.grad)]
         torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=foreach)
     return total
+
+
+# torch 2.11's DTensor does not list the in-place ``_foreach_mul_`` among the ops linear in a Partial (pending
+# sum) input, so it redistributes such an input to a temporary Replicate tensor (an all-reduce), scales that and
+# leaves the tensor itself unscaled, silently. Under sequence parallelism the norm weights' gradients are
+# Partial, so clipping skipped them. ``Tensor.mul_`` keeps Partial and is right: there those gradients are
+# clipped one by one. torch 2.13 registers ``_foreach_mul_`` as linear (2.12 not checked).
+_FOREACH_MUL_KEEPS_PARTIAL = torch.__version__ >= "2.13"
+
+
+def _foreach_mul_skips(grad: torch.Tensor) -> bool:
+    """Whether ``torch._foreach_mul_`` would leave ``grad`` unscaled (a Partial DTensor on torch < 2.13)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    return (not _FOREACH_MUL_KEEPS_PARTIAL and isinstance(grad, DTensor)
+            and any(isinstance(pl, Partial) for pl in grad.placements))
 
 
 def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *, accum: int, sync: bool,

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from scaletrain.config import ConfigError, ModelConfig, build, load_config
+from scaletrain.config import ConfigError, DataConfig, ModelConfig, build, load_config
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -88,9 +88,12 @@ def workload_from_args(args: argparse.Namespace, device_kind: str) -> tuple[Work
         raise ConfigError("give a model: --model PRESET (" + ", ".join(_presets()) + ") or --config job.toml")
     if args.vocab_size:
         model = dataclasses.replace(model, vocab_size=args.vocab_size)
+    elif model.vocab_size <= 0 and job is not None:
+        model = dataclasses.replace(model, vocab_size=data_vocabulary(job.data))
     if model.vocab_size <= 0:
-        raise ConfigError(f"the model has no vocab_size (preset {model.preset or '-'!r} takes it from the data): "
-                          "pass --vocab-size")
+        where = "; data.tokenizer = 'char' over raw text has a vocabulary only once prepared" if job else ""
+        raise ConfigError(f"the model has no vocab_size (preset {model.preset or '-'!r} takes it from the data"
+                          f"{where}): pass --vocab-size")
     seq = args.seq_len or (job.data.seq_len if job else min(1024, model.max_seq_len))
     if seq > model.max_seq_len:
         raise ConfigError(f"--seq-len {seq} exceeds the model's max_seq_len ({model.max_seq_len})")
@@ -108,6 +111,28 @@ def workload_from_args(args: argparse.Namespace, device_kind: str) -> tuple[Work
     chinchilla = args.tokens.strip().lower() in ("chinchilla", "chinchilla-optimal")
     tokens = CHINCHILLA_TOKENS_PER_PARAM * num_params(model) if chinchilla else parse_count(args.tokens, "--tokens")
     return Workload(model, seq, batch, tokens, precision), chinchilla
+
+
+def data_vocabulary(data: DataConfig) -> int:
+    """The model vocabulary the trainer would take from ``data`` (model.vocab_size = 0), found without
+    preparing anything, padded as the trainer pads it at tp = 1 (``padded_vocab_size``); 0 when unknown.
+
+    In the trainer's order: a prepared data.path's manifest (its tokenizer wins; data.tokenizer and
+    data.vocab_size only apply to raw text), else the BPE of data.vocab_size trained on the raw text (the
+    most it can have), else a data.tokenizer tokenizer.json's; a char tokenizer's is known once prepared."""
+    from scaletrain.data.shards import MANIFEST, read_manifest
+    from scaletrain.data.tokenizer import load_tokenizer
+    from scaletrain.parallel.dims import padded_vocab_size
+
+    if not data.path.startswith("builtin:") and (Path(data.path) / MANIFEST).is_file():
+        vocab = int(read_manifest(data.path, verify=False)["vocab_size"])
+    elif data.tokenizer == "bpe":
+        vocab = data.vocab_size
+    elif data.tokenizer != "char":
+        vocab = load_tokenizer(data.tokenizer).vocab_size
+    else:
+        return 0
+    return padded_vocab_size(vocab, 1)
 
 
 def _presets() -> dict:

@@ -18,14 +18,20 @@ FLOPS_FORMULA = ("6 * N_matmul + 12 * n_layers * seq_len * dim per token (forwar
                  "recomputation not counted)")
 
 
+# SI prefixes from kilo (1e3) to quetta (1e30): training FLOPs pass 1e21 (zetta) at GPT-3 scale.
+SI_PREFIXES = "kMGTPEZYRQ"
+
+
 def human(x: float, unit: str = "") -> str:
-    """1234567 -> '1.23M' (SI prefixes, 3 significant digits)."""
-    if x == 0 or not math.isfinite(x):
-        return f"{x:g}{unit}"
-    for div, suffix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.3g}{suffix}{unit}"
-    return f"{x:.3g}{unit}"
+    """1234567 -> '1.23M', 9.3e21 -> '9.3Z' (SI prefixes, 3 significant digits); beyond the largest prefix
+    scientific, '1.5e+33'. Rounded before the prefix is picked, so 999_999 is '1M', never '1e+03k'."""
+    rounded = float(f"{x:.3g}") if math.isfinite(x) else x
+    power = 0  # of 1000; compared, not log10'd, so that 1e21 is never 999.99...E
+    while power < len(SI_PREFIXES) and abs(rounded) >= 1000.0 ** (power + 1):
+        power += 1
+    if power == 0 or abs(rounded) >= 1000.0 ** (len(SI_PREFIXES) + 1):
+        return f"{rounded:.3g}{unit}"
+    return f"{rounded / 1000.0 ** power:.3g}{SI_PREFIXES[power - 1]}{unit}"
 
 
 def gib(x: float) -> str:
@@ -46,7 +52,7 @@ def duration(seconds: float) -> str:
 
 def workload_dict(w: Workload, chinchilla: bool) -> dict:
     return {
-        "params_total": w.params, "params_non_embedding": w.params_non_embedding,
+        "params_total": w.params, "params_non_embedding": w.params_non_embedding, "vocab_size": w.model.vocab_size,
         "flops_per_token": w.flops_per_token, "flops_formula": FLOPS_FORMULA,
         "seq_len": w.seq_len, "global_batch_sequences": w.global_batch, "tokens_per_step": w.tokens_per_step,
         "train_tokens": w.train_tokens, "steps": w.steps, "total_flops": w.total_flops, "precision": w.precision,

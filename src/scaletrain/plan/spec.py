@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 
 from scaletrain.config import (
@@ -107,8 +108,10 @@ class Plan:
 
 
 def job_config(workload: Workload, plan: Plan, device_kind: str) -> JobConfig:
-    """The JobConfig that runs ``plan``: model, seq_len, batch, steps, precision and the [parallel] section
-    (what ``plan --emit`` writes, and what ``check_plan`` asks the trainer about)."""
+    """The JobConfig that runs ``plan``: model, seq_len, batch, steps, precision, the [parallel] section and
+    a run folder named after the plan (``runs/plan-fsdp8-zero3-mb8``), so running an emitted plan never
+    writes into another run's folder (what ``plan --emit`` writes, and what ``check_plan`` asks the
+    trainer about)."""
     steps = workload.steps
     per_forward = plan.micro_batch * (plan.microbatches if plan.pp > 1 else 1)
     bf16 = workload.precision in ("bf16", "mixed")
@@ -120,11 +123,17 @@ def job_config(workload: Workload, plan: Plan, device_kind: str) -> JobConfig:
         param_dtype="bf16" if bf16 and plan.zero_stage >= 2 else "fp32", cpu_offload=plan.cpu_offload)
     train = TrainConfig(steps=steps, batch_size=per_forward, grad_accum_steps=plan.grad_accum(workload),
                         device="cuda" if device_kind == "gpu" else "cpu",
-                        precision="bf16" if bf16 else "fp32")
+                        precision="bf16" if bf16 else "fp32", run_dir=plan_run_dir(plan))
     schedule = ScheduleConfig(warmup_steps=min(ScheduleConfig().warmup_steps, steps))
     data = DataConfig(seq_len=workload.seq_len)
     return JobConfig(model=dataclasses.replace(workload.model), data=data, train=train, schedule=schedule,
                      parallel=parallel)
+
+
+def plan_run_dir(plan: Plan) -> str:
+    """``runs/plan-<label>``: the plan's label as a folder name ("fsdp8 zero3 mb8 ac=full" ->
+    ``runs/plan-fsdp8-zero3-mb8-ac-full``)."""
+    return "runs/plan-" + re.sub(r"[^a-z0-9]+", "-", plan.label().lower()).strip("-")
 
 
 def check_plan(workload: Workload, plan: Plan, world_size: int, device_kind: str = "gpu") -> None:

@@ -22,6 +22,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def mfu(flops_per_token: float, tokens_per_second: float, job_peak_flops: float) -> float:
+    """Model FLOPs utilisation: the model's training FLOPs per token (``model.flops_per_token``) times the
+    job's tokens/s, over the job's peak FLOP/s (``Trainer._job_peak_flops``: one device's measured peak times
+    the devices the job runs on). Nothing of how the job was launched enters it."""
+    return flops_per_token * tokens_per_second / job_peak_flops
+
+
 class MetricsLogger:
     """Writes every record to ``metrics.jsonl``; shows a live bar on a terminal or plain lines."""
 

@@ -22,9 +22,12 @@ class PreemptionHandler:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self, trigger_file: str = "", grace_seconds: float = 60.0):
+    def __init__(self, trigger_file: str = "", grace_seconds: float = 60.0, started: float | None = None):
+        """``started``: the run's start (``time.time()``, default now); a trigger file older than it is a
+        leftover from an earlier run and ignored."""
         self.trigger_file = Path(trigger_file) if trigger_file else None
         self.grace_seconds = grace_seconds
+        self.started = time.time() if started is None else started
         self.notice_time: float | None = None
         self.reason = ""
         self._previous: dict[int, object] = {}
@@ -48,11 +51,23 @@ class PreemptionHandler:
             self.reason = signal.Signals(signum).name
 
     def should_stop(self) -> bool:
-        """True once a signal arrived or the trigger file exists."""
-        if self.notice_time is None and self.trigger_file is not None and self.trigger_file.exists():
+        """True once a signal arrived or a trigger file written since the run started exists. The file is
+        consumed (deleted) when acted on: left in place it would stop the resumed run after its first step."""
+        if self.notice_time is None and self._fresh_trigger():
             self.notice_time = time.monotonic()
             self.reason = f"trigger file {self.trigger_file}"
+            self.trigger_file.unlink(missing_ok=True)  # another rank may have consumed it already
         return self.notice_time is not None
+
+    def _fresh_trigger(self) -> bool:
+        """The trigger file exists and was written after the run started (1 s of slack for file systems
+        that keep whole seconds)."""
+        if self.trigger_file is None:
+            return False
+        try:
+            return self.trigger_file.stat().st_mtime >= self.started - 1.0
+        except FileNotFoundError:
+            return False
 
     def seconds_left(self) -> float:
         """Seconds of the grace period that remain (inf before any notice)."""

@@ -23,15 +23,22 @@ from scaletrain.data.loader import TokenLoader, block_causal_mask, eval_batches
 from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import read_manifest
 from scaletrain.data.tokenizer import load_tokenizer
-from scaletrain.hardware import peak_flops
+from scaletrain.hardware import devices_in_job, peak_flops
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
 from scaletrain.parallel import forward_loss
 from scaletrain.parallel.compile import compile_unavailable
 from scaletrain.parallel.dims import VOCAB_MULTIPLE, padded_vocab_size
-from scaletrain.parallel.distributed import barrier, destroy_distributed, init_distributed, world_size_from_env
+from scaletrain.parallel.distributed import (
+    barrier,
+    destroy_distributed,
+    init_distributed,
+    is_rank_zero,
+    say,
+    world_size_from_env,
+)
 from scaletrain.train.guard import NonFiniteGuard
-from scaletrain.train.metrics import MetricsLogger, peak_memory_bytes
+from scaletrain.train.metrics import MetricsLogger, mfu, peak_memory_bytes
 from scaletrain.train.precision import autocast, grad_scaler, resolve_device, resolve_precision
 from scaletrain.train.preemption import PreemptionHandler
 from scaletrain.train.schedule import lr_at
@@ -83,8 +90,8 @@ def resolve_compile(cfg: JobConfig, device: torch.device, announce: bool) -> Job
     if reason is None:
         return cfg
     if announce:
-        print(f"warning: train.compile=true but {reason}; training eagerly "
-              "(install g++ to compile, or set train.compile=false to silence this)", flush=True)
+        say(f"warning: train.compile=true but {reason}; training eagerly "
+            "(install g++ to compile, or set train.compile=false to silence this)")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
 
 
@@ -93,8 +100,13 @@ class Trainer:
     (split, shard, materialize, init) -> optimizer -> loader for this data-parallel rank."""
 
     def __init__(self, cfg: JobConfig, *, log: bool = True):
+        self.started = time.time()  # a preemption trigger file older than this is an earlier run's leftover
         self.device = resolve_device(cfg.train.device)
-        self.precision = resolve_precision(cfg.train.precision, self.device)
+        # Rank 0 speaks for the job (parallel/distributed.py: is_rank_zero, also before the process group), and
+        # alone measures for precision = auto: the others take its decision (_agree_on_precision).
+        self.log_enabled = log and is_rank_zero()
+        self.precision, self.precision_why = resolve_precision(cfg.train.precision, self.device, self._message,
+                                                               measure=is_rank_zero())
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         # Checked before any process-group work, so a bad config fails fast on every rank.
@@ -102,6 +114,8 @@ class Trainer:
         self.env = init_distributed(self.device.type)
         self.device = self.env.device
         self.is_main = self.env.is_main
+        if cfg.train.precision == "auto" and self.env.world_size > 1:
+            self._agree_on_precision()
         self.run_dir = Path(cfg.train.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                              cfg.checkpoint.keep_every)
@@ -110,9 +124,9 @@ class Trainer:
             if complete:
                 accum = cfg.train.grad_accum_steps
                 cfg = match_global_batch(cfg, CheckpointManager.read_meta(complete[-1]), dims.dp_size)
-                if cfg.train.grad_accum_steps != accum and self.is_main and log:
-                    print(f"train.grad_accum_steps {accum} -> {cfg.train.grad_accum_steps}: keeps the checkpoint's "
-                          f"global batch on {dims.dp_size} data-parallel rank(s)", flush=True)
+                if cfg.train.grad_accum_steps != accum:
+                    self._message(f"train.grad_accum_steps {accum} -> {cfg.train.grad_accum_steps}: keeps the "
+                                  f"checkpoint's global batch on {dims.dp_size} data-parallel rank(s)")
         if self.is_main:  # rank 0 prepares the data once; the others then find it cached
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.data_dir = prepare_data(cfg)
@@ -124,11 +138,15 @@ class Trainer:
         self.cfg = cfg
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)  # now with the vocab
         self.tokenizer = load_tokenizer(self.data_dir / manifest["tokenizer"]["file"])
-        if self.is_main:
-            self.tokenizer.save(self.run_dir / "tokenizer.json")  # the run folder is self-contained
-            (self.run_dir / "config.toml").write_text(to_toml(saved_config(cfg)))
+        self._run_config = saved_config(cfg)
+        # The run folder is self-contained (tokenizer.json, config.toml). On a resume they are rewritten only
+        # once the checkpoint has loaded: settings that do not fit it (another vocabulary or width) must not
+        # overwrite the record of what the run was trained with, which eval, generate and the next resume read.
+        self._run_files_pending = cfg.train.resume and bool(self.checkpoints.list_complete())
+        if not self._run_files_pending:
+            self._write_run_files()
 
-        self.cfg = cfg = resolve_compile(cfg, self.device, announce=self.is_main and log)
+        self.cfg = cfg = resolve_compile(cfg, self.device, announce=self.log_enabled)
         # A padded vocabulary (resolve_vocab): the loss masks the rows beyond the tokenizer's out.
         self.pm, self.optimizer = build_parallel_training(cfg, dims, self.device,
                                                           vocab_limit=self.tokenizer.vocab_size)
@@ -139,7 +157,6 @@ class Trainer:
                                         shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
         self.state = TrainState(schedule=dataclasses.asdict(cfg.schedule))
         self.guard = NonFiniteGuard(self.pm.replicas.rollback_after(cfg.train.rollback_after))
-        self.log_enabled = log and self.is_main  # rank-0-only logging
         # Small per-rank state, saved beside the sharded model and optimizer tensors.
         local_state = {"data": self.train_loader, "train_state": self.state, "rng": RNGState(),
                        "scaler": self.scaler, "guard": self.guard}
@@ -152,7 +169,7 @@ class Trainer:
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self._peak_dtype = "bf16" if self.precision == "bf16" else "fp32"
-        self.peak_flops = peak_flops(self.device, self._peak_dtype, log=self._message) * dims.world_size
+        self.peak_flops = self._job_peak_flops()
         self._peak_remeasured = False
         self.step_times: list[float] = []
         self.evals: list[dict] = []
@@ -229,7 +246,8 @@ class Trainer:
         # Eager even when the model is compiled: the context grows by one token a step, and each new length
         # would cost a recompile (seconds on a CPU) for a forward pass that takes milliseconds.
         with torch.compiler.set_stance("force_eager"):
-            new = generate(self.model, prompt, max_new_tokens, max_seq_len=self.cfg.model.max_seq_len,
+            # Cropped at the trained context (data.seq_len): the model never saw positions beyond it.
+            new = generate(self.model, prompt, max_new_tokens, max_seq_len=self.cfg.data.seq_len,
                            temperature=0.8, top_k=200, generator=gen, stop_id=self.tokenizer.eos_id,
                            vocab_limit=self.tokenizer.vocab_size)
         return self.cfg.train.sample_prompt + self.tokenizer.decode(new)
@@ -242,7 +260,16 @@ class Trainer:
 
     def resume(self) -> bool:
         """Load the newest good checkpoint; False when there is none (any world size or plan)."""
-        return self.checkpoint.resume() is not None
+        resumed = self.checkpoint.resume() is not None
+        self._write_run_files()
+        return resumed
+
+    def _write_run_files(self) -> None:
+        """Write the run folder's tokenizer.json and config.toml (rank 0)."""
+        self._run_files_pending = False
+        if self.is_main:
+            self.tokenizer.save(self.run_dir / "tokenizer.json")
+            (self.run_dir / "config.toml").write_text(to_toml(self._run_config))
 
     def _rollback(self) -> None:
         """Back to the last good checkpoint; the batches that produced the non-finite steps are skipped."""
@@ -255,8 +282,30 @@ class Trainer:
                       f"{bad_step}); the data of those steps is skipped")
 
     def _message(self, text: str) -> None:
+        """A line for people, from rank 0 (``say``) of a trainer built with ``log=True``."""
         if self.log_enabled:
-            print(text, flush=True)
+            say(text)
+
+    def _agree_on_precision(self) -> None:
+        """Every rank takes rank 0's ``train.precision = auto`` decision (only rank 0 measured, before the
+        process group existed; ranks must not train in different precisions)."""
+        box = torch.tensor([float(self.precision == "bf16")], device=self.device)
+        dist.broadcast(box, 0)
+        chosen = "bf16" if box.item() else "fp32"
+        if chosen != self.precision:
+            self.precision, self.precision_why = chosen, f"precision auto -> {chosen}: rank 0's measurement"
+
+    def _job_peak_flops(self, remeasure: bool = False) -> float:
+        """The job's peak FLOP/s, MFU's denominator (docs/training.md): one device's measured peak
+        (``hardware.peak_flops``, a GPU or one CPU core; rank 0's number on every rank) times the devices the
+        job runs on (``devices_in_job``). Collective under torchrun: every rank calls it."""
+        per_device = peak_flops(self.device, self._peak_dtype, remeasure, log=self._message) \
+            if self.env.rank == 0 else 0.0
+        if self.env.world_size > 1:
+            box = torch.tensor([per_device], dtype=torch.float64, device=self.device)
+            dist.broadcast(box, 0)
+            per_device = float(box.item())
+        return per_device * devices_in_job(self.device.type, self.env.world_size, torch.get_num_threads())
 
     # -- the loop ------------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -268,7 +317,9 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, cfg.logging, cfg.train.steps, state.step, enabled=self.log_enabled)
         log_every, eval_every, ckpt_every = cfg.logging.log_interval, cfg.train.eval_interval, cfg.checkpoint.interval
         stop_at = cfg.train.stop_at_step or cfg.train.steps
-        notice = PreemptionHandler(cfg.checkpoint.trigger_file, cfg.checkpoint.grace_seconds).install()
+        if self._run_files_pending:  # a resume that never called resume(): the files are due all the same
+            self._write_run_files()
+        notice = PreemptionHandler(cfg.checkpoint.trigger_file, cfg.checkpoint.grace_seconds, self.started).install()
         try:
             if state.step == 0 and eval_every:
                 self._eval_and_report(logger)
@@ -297,6 +348,10 @@ class Trainer:
                     # Replicas end on the same (global) weights; not at stop_at_step, where the run goes on later.
                     self.pm.replicas.finish(state.step)
                     self._eval_and_report(logger)  # the final evaluation sees those weights
+                elif not self.evals or self.evals[-1]["step"] != state.step:
+                    # Stopped at train.stop_at_step: evaluate here, so the summary's val loss is this step's,
+                    # not an earlier one's (no RNG is drawn: a resumed run stays bitwise identical).
+                    self._eval_and_report(logger)
                 if cfg.checkpoint.enabled:
                     self.save()
             self.checkpoints.close()  # an asynchronous save completes before the run ends
@@ -330,14 +385,14 @@ class Trainer:
         recent = self.step_times[-self.cfg.logging.log_interval:]
         step_s = statistics.median(recent)
         tokens_per_second = self.tokens_per_step / step_s
-        if self.flops_per_token * tokens_per_second > self.peak_flops and not self._peak_remeasured:
-            # Above the cached "peak": it was measured on a busy machine. Measure again, once.
+        if not self._peak_remeasured and self._any_rank(mfu(self.flops_per_token, tokens_per_second,
+                                                            self.peak_flops) > 1):
+            # Above the cached "peak" (on any rank): it was measured on a busy machine. Measure again, once.
             self._peak_remeasured = True
-            self.peak_flops = peak_flops(self.device, self._peak_dtype, remeasure=True,
-                                         log=self._message) * self.dims.world_size
+            self.peak_flops = self._job_peak_flops(remeasure=True)
         return {"step": self.state.step, **record, "step_ms": 1000 * step_s,
                 "tokens_per_second": tokens_per_second,
-                "mfu": self.flops_per_token * tokens_per_second / self.peak_flops,
+                "mfu": mfu(self.flops_per_token, tokens_per_second, self.peak_flops),
                 "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
                 **({"peak_memory_mb_per_rank": self._per_rank_memory_mb()} if self.env.world_size > 1 else {})}
 
@@ -361,7 +416,7 @@ class Trainer:
         median_s = statistics.median(times)
         return {"steps": self.state.step, "median_step_ms": 1000 * median_s,
                 "tokens_per_second": self.tokens_per_step / median_s,
-                "mfu": self.flops_per_token * self.tokens_per_step / median_s / self.peak_flops,
+                "mfu": mfu(self.flops_per_token, self.tokens_per_step / median_s, self.peak_flops),
                 "evals": self.evals, "final_val_loss": self.evals[-1]["val_loss"] if self.evals else None,
                 "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
                 "parameters": num_params(self.cfg.model),
