@@ -99,6 +99,16 @@ def say(text: str) -> None:
         print(text, flush=True)
 
 
+def rank_zero_value(value: float, device: torch.device) -> float:
+    """Rank 0's ``value`` on every rank (a measurement or decision only rank 0 made); ``value`` itself in a
+    plain process. Collective under a process group: every rank calls it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(box, 0)
+    return float(box.item())
+
+
 def barrier() -> None:
     """A barrier over all ranks; a no-op in a single process."""
     if dist.is_initialized():

@@ -34,6 +34,7 @@ from scaletrain.parallel.distributed import (
     destroy_distributed,
     init_distributed,
     is_rank_zero,
+    rank_zero_value,
     say,
     world_size_from_env,
 )
@@ -289,9 +290,7 @@ class Trainer:
     def _agree_on_precision(self) -> None:
         """Every rank takes rank 0's ``train.precision = auto`` decision (only rank 0 measured, before the
         process group existed; ranks must not train in different precisions)."""
-        box = torch.tensor([float(self.precision == "bf16")], device=self.device)
-        dist.broadcast(box, 0)
-        chosen = "bf16" if box.item() else "fp32"
+        chosen = "bf16" if rank_zero_value(float(self.precision == "bf16"), self.device) else "fp32"
         if chosen != self.precision:
             self.precision, self.precision_why = chosen, f"precision auto -> {chosen}: rank 0's measurement"
 
@@ -301,11 +300,8 @@ class Trainer:
         job runs on (``devices_in_job``). Collective under torchrun: every rank calls it."""
         per_device = peak_flops(self.device, self._peak_dtype, remeasure, log=self._message) \
             if self.env.rank == 0 else 0.0
-        if self.env.world_size > 1:
-            box = torch.tensor([per_device], dtype=torch.float64, device=self.device)
-            dist.broadcast(box, 0)
-            per_device = float(box.item())
-        return per_device * devices_in_job(self.device.type, self.env.world_size, torch.get_num_threads())
+        devices = devices_in_job(self.device.type, self.env.world_size, torch.get_num_threads())
+        return rank_zero_value(per_device, self.device) * devices
 
     # -- the loop ------------------------------------------------------------------------------------
     def train(self) -> dict:
