@@ -81,7 +81,7 @@ def test_generation_crops_at_the_trained_context_not_the_rotary_length(tmp_path,
     assert len(capsys.readouterr().out) > 40
     assert len(lengths) > 20 and max(lengths) == 16
 
-    trainer = Trainer(load_config(None, overrides), log=False)
+    trainer = Trainer(load_config(None, {**overrides, "train.resume": "true"}), log=False)  # the same run folder
     lengths.clear()
     _record_context(trainer.model, lengths)
     trainer.sample(40)

@@ -33,6 +33,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in train.run_dir, with the run's saved config.toml "
                         "overridden by the --section.field flags")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a train.run_dir that holds an earlier run: delete its checkpoints (its "
+                        "logs are moved to <run_dir>/replaced-<time>/); without it, such a start is refused")
     add_config_arguments(p, JobConfig)
     p.set_defaults(func=cmd_train)
 
@@ -40,7 +43,7 @@ def _train_parser(sub) -> None:
 # Fields a --config may set differently from the run's saved config on --resume: this invocation's controls
 # (not kept in the saved config), and grad_accum_steps, which a resume re-derives from the checkpoint's
 # global batch whatever the config says.
-RESUME_FREE_FIELDS = ("train.resume", "train.stop_at_step", "train.grad_accum_steps")
+RESUME_FREE_FIELDS = ("train.resume", "train.overwrite", "train.stop_at_step", "train.grad_accum_steps")
 
 
 def resolve_job_config(args: argparse.Namespace) -> JobConfig:
@@ -50,6 +53,8 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
     overrides = overrides_from_args(args)
     if getattr(args, "resume", False):
         overrides["train.resume"] = "true"
+    if getattr(args, "overwrite", False):
+        overrides["train.overwrite"] = "true"
     recipe = load_config(args.config) if args.config else None
     flag = overrides.get("train.resume")
     resume = flag.lower() in ("true", "1", "yes", "on") if flag is not None else bool(recipe and recipe.train.resume)
@@ -99,10 +104,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     precision = f"{trainer.precision} ({trainer.precision_why})" if trainer.precision_why else trainer.precision
     say(f"model: {trainer.summary()['parameters'] / 1e6:.2f}M parameters ({n.model.n_layers} layers x {n.model.dim}), "
         f"vocab {trainer.vocab_note}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
-        f"{precision}; run folder {trainer.run_dir}")
+        f"{precision}; run folder {trainer.run_dir}" + (f"; {trainer.disk_note}" if trainer.disk_note else ""))
     summary = trainer.train()
     if summary["preempted"]:
-        from scaletrain.train.preemption import PREEMPTED_EXIT_CODE
+        from scaletrain.train.preemption import INTERRUPTED, INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+
+        if summary["preempted"] == INTERRUPTED:  # Ctrl-C: a graceful stop; a second one would not have saved
+            saved = f"checkpoint written to {trainer.run_dir / 'checkpoints'}" if trainer.cfg.checkpoint.enabled \
+                else "nothing saved (checkpoint.enabled = false)"
+            say(f"interrupted (Ctrl-C) at step {summary['steps']}: {saved}; continue with the same command and "
+                f"--resume (it reads the run's saved config from --train.run_dir {trainer.run_dir})")
+            return INTERRUPTED_EXIT_CODE
 
         say(f"stopped at step {summary['steps']} ({summary['preempted']}); exit status {PREEMPTED_EXIT_CODE} "
             f"means 'preempted, resume me'")
@@ -248,17 +260,19 @@ PLUGINS = [
 def main(argv: list[str] | None = None) -> int:
     from scaletrain.checkpoint import CheckpointError
     from scaletrain.data.tokenizer import DataError
+    from scaletrain.files import StorageError
     from scaletrain.train.trainer import TrainingError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
-    except (ConfigError, DataError, CheckpointError, TrainingError) as exc:
+    except (ConfigError, DataError, CheckpointError, TrainingError, StorageError) as exc:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted (a second Ctrl-C, or before training started): nothing saved since the last checkpoint",
+              file=sys.stderr)
         return 130
 
 

@@ -93,6 +93,9 @@ class TrainConfig:
     sample_prompt: str = opt("\n", "prompt for those samples")
     run_dir: str = opt("runs/default", "folder for checkpoints, metrics and the resolved config")
     resume: bool = opt(False, "continue from the latest checkpoint in run_dir")
+    overwrite: bool = opt(False, "start afresh in a run_dir that holds an earlier run's checkpoints: delete them "
+                                 "(its logs are moved to <run_dir>/replaced-<time>/); without it such a start is "
+                                 "refused")
     stop_at_step: int = opt(0, "evaluate, save and stop at this step (the schedule still follows steps); "
                                "0 = run to the end", ge=0)
     rollback_after: int = opt(3, "NaN/Inf guard: a step whose loss or gradient norm is not finite is skipped; after "

@@ -1,8 +1,14 @@
-"""Small file helpers shared by data, checkpoints and export (the bottom layer: no scaletrain imports)."""
+"""Small file helpers shared by data, checkpoints and export (the bottom layer: no scaletrain imports): checksums,
+and the one path every write that can fill a disk goes through (``guarded_write``)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import re
+import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
@@ -13,3 +19,97 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+class StorageError(RuntimeError):
+    """A write that failed for lack of space, quota or permission; the message is one line for a person:
+    what was being written, why it failed, bytes needed vs free, and what is still intact."""
+
+
+# Errors a full, read-only or over-quota disk produces. torch.save reports them as a RuntimeError from its
+# zip writer ("[enforce fail at inline_container.cc ...] file write failed"), DCP gathers them into a
+# CheckpointException (a BaseException) holding each rank's traceback as text: so the text is searched too.
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+_STORAGE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|File too large|Read-only file system|"
+                           r"Permission denied|Input/output error|inline_container\.cc|file write failed|"
+                           r"\[Errno \d+\]")
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is a failed write to storage rather than a bug."""
+    seen = 0
+    while exc is not None and seen < 8:  # follow the chain: DCP and torch wrap the OSError
+        if isinstance(exc, OSError) and (exc.errno in _STORAGE_ERRNOS or exc.errno is None):
+            return True
+        if _STORAGE_TEXT.search(str(exc)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def storage_reason(exc: BaseException) -> str:
+    """The short cause of a storage error: the OS's words when they can be found ('No space left on device')."""
+    text = str(exc)
+    for candidate in (exc, exc.__cause__, exc.__context__):
+        if isinstance(candidate, OSError) and candidate.strerror:
+            return candidate.strerror
+    found = _STORAGE_TEXT.search(text)
+    if found and not found.group(0).startswith(("inline_container", "file write", "[Errno")):
+        return found.group(0)
+    errno_text = re.search(r"\[Errno (\d+)\] ([^:'\"\n]+)", text)
+    if errno_text:
+        return errno_text.group(2).strip()
+    if found:  # torch's zip writer drops the OS's reason ("unexpected pos", "file write failed")
+        return "the disk refused the write (full, over quota, read-only or a file size limit)"
+    return "the write failed (" + (text.strip().splitlines() or [type(exc).__name__])[-1][:160] + ")"
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the file system that holds ``path`` (its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@contextlib.contextmanager
+def guarded_write(what: str, where: str | Path, cleanup: tuple[str | Path, ...] | Callable[[], Iterable] = (),
+                  needed: int | None = None, intact: str = ""):
+    """Run a block that writes ``what`` under ``where``; a storage failure (see ``is_storage_error``) removes the
+    ``cleanup`` paths (temporary files or folders that would go on filling the disk; or a function that lists
+    them at that moment) and becomes one
+    ``StorageError`` line: what failed, why, bytes needed vs free, and ``intact`` (what is still good).
+    Other errors pass through unchanged: they are bugs, and their traceback is what a developer needs."""
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, StorageError)) or not is_storage_error(exc):
+            raise
+        for path in cleanup() if callable(cleanup) else cleanup:
+            remove_quietly(path)
+        try:
+            free = human_bytes(free_bytes(where))
+        except OSError:
+            free = "unknown"
+        need = f"needs about {human_bytes(needed)}, " if needed else ""
+        tail = f"; {intact}" if intact else ""
+        raise StorageError(f"writing {what} failed: {storage_reason(exc)} ({need}{free} free on the disk of "
+                           f"{where}){tail}") from None
+
+
+def remove_quietly(path: str | Path) -> None:
+    """Remove a file or a folder tree; missing is fine (a failed write may not have created it)."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
 from torch import nn
 
-from scaletrain.config import ModelConfig
+from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
+from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 # scaletrain name suffix -> Hugging Face Llama name suffix, per block.
@@ -100,7 +103,24 @@ def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir:
     if cfg.vocab_size > tokenizer.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    # Written into a hidden folder and renamed into place: a failed write (a full disk) leaves the previous
+    # export, if any, as it was and removes the partial one (guarded_write), with one line saying why.
+    tmp = out.parent / f".{out.name}.tmp"
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ConfigError(f"{out} exists and is not an earlier export (no config.json); it would be replaced: "
+                          f"choose a new or empty folder with --out")
+    with guarded_write(f"the export {out}", out.parent, cleanup=(tmp,),
+                       needed=sum(p.numel() * p.element_size() for p in model.parameters())):
+        remove_quietly(tmp)
+        tmp.mkdir(parents=True)
+        _write_hf(model, cfg, tokenizer, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    return out
+
+
+def _write_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
     save_file(hf_state_dict(model, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
     hf_tok = tokenizer.tok if isinstance(tokenizer, BPETokenizer) else _char_tokenizer_as_hf(tokenizer)
@@ -113,4 +133,3 @@ def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir:
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
          "clean_up_tokenization_spaces": False, **special}, indent=2))
-    return out

@@ -23,6 +23,11 @@ one copy of this rank's model and optimizer shards, reused from save to save). D
 dedicated gloo group so they never interleave with the
 training loop's collectives on the default group.
 
+Write failures (a full disk, a quota, a read-only mount): every rank agrees that the save failed, the
+hidden folder is removed, the previous checkpoints stay as they were, and a ``StorageError`` says in one line
+what failed and how many bytes were needed vs free. An asynchronous save that fails in the background is
+noticed by ``background_failed()`` (the trainer asks after every step) and reported by ``wait()``.
+
 Safety: tensors are read back by DCP with ``torch.load(weights_only=True)``; DCP's ``.metadata`` index is a
 pickle written by torch, and is only read after its sha256 matched the one our JSON marker recorded.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -44,7 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from scaletrain.files import file_sha256
+from scaletrain.files import StorageError, file_sha256, guarded_write, remove_quietly
 
 META = "meta.json"
 
@@ -80,9 +86,12 @@ class CheckpointManager:
     """Save and find checkpoints of one run. In a distributed run every method is collective (all ranks
     call it); rank 0 alone finalises, prunes and verifies."""
 
-    def __init__(self, folder: str | Path, keep_last: int = 2, keep_every: int = 0):
+    def __init__(self, folder: str | Path, keep_last: int = 2, keep_every: int = 0, run_id: str | None = None):
+        """``run_id``: the run these checkpoints belong to (written into each ``meta.json``); retention deletes
+        only checkpoints of this run. None: every checkpoint in the folder counts as this run's."""
         self.folder = Path(folder)
         self.keep_last, self.keep_every = keep_last, keep_every
+        self.run_id = run_id
         self.rank = dist.get_rank() if _distributed() else 0
         self.world_size = dist.get_world_size() if _distributed() else 1
         # DCP's plan/result exchange runs on its own gloo group: a background save must not interleave
@@ -103,14 +112,28 @@ class CheckpointManager:
         self.wait()  # one save in flight at most: bounded staging memory, and checkpoints complete in order
         final = self.folder / step_dir_name(step)
         tmp = self.folder / f".{final.name}.tmp"
+        what = f"checkpoint {final}"
+        failure = None
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash; nobody else is writing it now
-            tmp.mkdir(parents=True)
-        self._barrier()
-        torch.save({name: obj.state_dict() for name, obj in local.items()}, tmp / rank_file(self.rank))
+            try:
+                with self._guard(what, tmp):
+                    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash; nobody else is writing it now
+                    tmp.mkdir(parents=True)
+            except StorageError as exc:
+                failure = exc
+        self._agree(failure, what)  # also the barrier: the folder exists before anyone writes into it
+        try:
+            with self._guard(what, tmp):
+                torch.save({name: obj.state_dict() for name, obj in local.items()}, tmp / rank_file(self.rank))
+        except StorageError as exc:
+            failure = exc
+        self._agree(failure, what, tmp)
         meta = {"step": step, "world_size": self.world_size, **meta}
+        if self.run_id:
+            meta["run_id"] = self.run_id
         if blocking:
-            self._write(tensors, tmp)
+            with self._guard(what, tmp):  # DCP gathers every rank's failure: all ranks raise here together
+                self._write(tensors, tmp)
             self._finish(tmp, final, meta)
         else:
             staged = self._stage_and_start(tensors, tmp)
@@ -158,16 +181,23 @@ class CheckpointManager:
     def _complete_async(self, staged, tmp: Path, final: Path, meta: dict) -> None:
         # dcp.async_save returns a Future (or, in newer torch, a response holding one).
         future = getattr(staged, "upload_completion", staged)
-        future.result()
-        # DCP's save ends with a gather of every rank's write results on rank 0, so when rank 0's write
-        # has completed, every rank's files are on disk: rank 0 can finalise without another collective.
-        if self.rank == 0:
-            self._finalize(tmp, final, meta)
+        with self._guard(f"checkpoint {final} (in the background)", tmp):
+            future.result()
+            # DCP's save ends with a gather of every rank's write results on rank 0, so when rank 0's write
+            # has completed, every rank's files are on disk: rank 0 can finalise without another collective.
+            if self.rank == 0:
+                self._finalize(tmp, final, meta)
 
     def _finish(self, tmp: Path, final: Path, meta: dict) -> None:
+        failure = None
         if self.rank == 0:
-            self._finalize(tmp, final, meta)
-        self._barrier()  # nobody races ahead (or exits) while rank 0 still renames
+            try:
+                with self._guard(f"checkpoint {final}", tmp):
+                    self._finalize(tmp, final, meta)
+            except StorageError as exc:
+                failure = exc
+        # Every rank learns whether rank 0 finished (and nobody races ahead, or exits, while it still renames).
+        self._agree(failure, f"checkpoint {final}")
 
     def _finalize(self, tmp: Path, final: Path, meta: dict) -> None:
         files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -180,6 +210,42 @@ class CheckpointManager:
         os.replace(tmp, final)
         _fsync_dir(self.folder)
         self._retain()
+
+    def _guard(self, what: str, tmp: Path):
+        """``guarded_write`` for a checkpoint: on a storage failure the hidden folder goes (it would go on
+        filling the disk) and the message says which checkpoint is still the latest good one."""
+        complete = self.list_complete()
+        intact = (f"the previous checkpoint {complete[-1].name} is intact" if complete else
+                  "no earlier checkpoint exists") + "; free space (or lower checkpoint.keep_last), then --resume"
+        return guarded_write(what, self.folder, cleanup=(tmp,), needed=self._last_size(complete), intact=intact)
+
+    @staticmethod
+    def _last_size(complete: list[Path]) -> int | None:
+        """Bytes of the newest complete checkpoint: what the next one will need, about."""
+        if not complete:
+            return None
+        return sum(p.stat().st_size for p in complete[-1].iterdir() if p.is_file())
+
+    def _agree(self, failure: StorageError | None, what: str, tmp: Path | None = None) -> None:
+        """Collective: raise on every rank when any rank's write failed (the failing rank with its own
+        message), so no rank goes on into a save the others abandoned. A barrier otherwise."""
+        failed = failure is not None
+        if _distributed():
+            box = torch.tensor([float(failed)])
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.group)
+            failed = bool(box.item())
+        if not failed:
+            return
+        if tmp is not None and self.rank == 0:
+            remove_quietly(tmp)
+        raise failure or StorageError(f"writing {what} failed on another rank (see its message); no rank "
+                                      f"completed it")
+
+    def background_failed(self) -> bool:
+        """Whether the asynchronous save in flight has already failed (without waiting for it); ``wait()``
+        then raises its error."""
+        pending = self._pending
+        return pending is not None and pending.done() and pending.exception() is not None
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; re-raises its error."""
@@ -199,13 +265,22 @@ class CheckpointManager:
             self._stager = None
 
     def _retain(self) -> None:
-        """Keep the newest ``keep_last`` and every step divisible by ``keep_every``; delete the rest."""
-        complete = self.list_complete()
+        """Keep the newest ``keep_last`` and every step divisible by ``keep_every``; delete the rest. Only this
+        run's checkpoints are considered (another run's never count towards ``keep_last`` nor get deleted)."""
+        complete = [p for p in self.list_complete() if self._ours(p)]
         for path in complete[:-self.keep_last]:
             step = int(path.name.split("-")[1])
             if self.keep_every and step % self.keep_every == 0:
                 continue
             shutil.rmtree(path, ignore_errors=True)
+
+    def _ours(self, path: Path) -> bool:
+        if self.run_id is None:
+            return True
+        try:
+            return self.read_meta(path).get("run_id", self.run_id) == self.run_id
+        except (OSError, ValueError):
+            return False
 
     def _barrier(self) -> None:
         if _distributed():
@@ -282,6 +357,12 @@ class CheckpointManager:
             return torch.load(path / name, map_location="cpu", weights_only=True), own
         except FileNotFoundError:
             raise CheckpointError(f"{path / name}: missing") from None
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as exc:
+            # weights_only=True refuses any object but tensors and plain containers: a file carrying a
+            # pickled call (or garbage) is reported, never run.
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise CheckpointError(f"{path / name}: refused by torch.load(weights_only=True) ({first}); this "
+                                  f"checkpoint cannot be trusted, resume from another one") from None
 
 
 def _persistent_stager():

@@ -59,8 +59,9 @@ class RNGState:
 
 def saved_config(cfg: JobConfig) -> JobConfig:
     """The config as a run folder keeps it: without this invocation's controls (``stop_at_step``,
-    ``resume``), so a later ``train --resume`` runs on to ``train.steps``."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False))
+    ``resume``, ``overwrite``), so a later ``train --resume`` runs on to ``train.steps``."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stop_at_step=0, resume=False,
+                                                              overwrite=False))
 
 
 def match_global_batch(cfg: JobConfig, checkpoint_meta: dict, dp_size: int) -> JobConfig:

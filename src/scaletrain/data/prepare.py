@@ -46,7 +46,7 @@ from scaletrain.data.shards import (
 from scaletrain.data.sources import Document, fingerprint_items, input_bytes, iter_documents, resolve_source
 from scaletrain.data.tokenizer import CharTokenizer, DataError
 from scaletrain.data.workers import ordered_map, release_freed_memory, resolve_workers
-from scaletrain.files import file_sha256
+from scaletrain.files import file_sha256, guarded_write
 
 PIPELINE_VERSION = 3           # bump when a stage's output changes for the same config
 WORK = ".work"                 # pass-1 output and markers, inside the output folder
@@ -282,10 +282,20 @@ def fingerprints(cfg: PrepareConfig) -> tuple[str, str]:
 
 
 def prepare(cfg: PrepareConfig, report: Report | None = None, log: Callable[[str], None] = lambda s: None) -> dict:
-    """Run the pipeline into ``cfg.output.dir``; returns the manifest (also written there)."""
+    """Run the pipeline into ``cfg.output.dir``; returns the manifest (also written there).
+
+    A write that fails (a full disk) removes the temporary files and is one ``StorageError`` line; the
+    manifest is written last, so a half-written folder is never taken for a prepared one, and a run
+    again reuses the passes that completed."""
     validate(cfg)
-    report = report or Report()
     out = Path(cfg.output.dir)
+    with guarded_write(f"prepared data in {out}", out, cleanup=lambda: list(out.rglob("*.tmp")),
+                       intact="nothing half-written is used (the manifest is written last); free space and run "
+                              "again"):
+        return _prepare(cfg, out, report or Report(), log)
+
+
+def _prepare(cfg: PrepareConfig, out: Path, report: Report, log: Callable[[str], None]) -> dict:
     work = out / WORK
     work.mkdir(parents=True, exist_ok=True)
     fp_clean, fp_all = fingerprints(cfg)

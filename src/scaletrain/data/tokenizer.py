@@ -131,7 +131,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except (ValueError, UnicodeDecodeError):
         raise DataError(f"{p}: not a tokenizer.json (invalid JSON)") from None
     if isinstance(data, dict) and data.get("type") == "scaletrain.char":
-        return CharTokenizer(list(data["chars"]))
+        chars = data.get("chars")
+        if not isinstance(chars, (list, str)) or not chars or not all(isinstance(c, str) for c in chars):
+            raise DataError(f"{p}: a char tokenizer without a valid \"chars\" list; re-create it (scaletrain prepare)")
+        return CharTokenizer(list(chars))
     from tokenizers import Tokenizer as HFTokenizer
 
     try:

@@ -120,3 +120,13 @@ def destroy_distributed(env: DistEnv) -> None:
     if env.owns_process_group and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def rank_zero_object(obj):
+    """Rank 0's picklable ``obj`` on every rank (a decision only rank 0 made, e.g. a run id or a refusal);
+    ``obj`` itself in a plain process. Collective under a process group: every rank calls it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -4,6 +4,10 @@ Spot/preemptible instances get a notice (SIGTERM on most clouds and under SLURM'
 convention for "checkpoint and requeue", or a metadata endpoint that an agent can turn into a file).
 The handler only sets a flag — never does work inside the signal handler — and the training loop asks
 ``should_stop()`` after each step.
+
+Ctrl-C (SIGINT) is the same graceful stop, asked for by a person: the first one finishes the step, saves and
+exits 130 (the shell's code for Ctrl-C) with the command that resumes; a second Ctrl-C stops at once
+(KeyboardInterrupt), for when even the save is too long to wait for.
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ from pathlib import Path
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again" — schedulers and wrappers can requeue on it.
 PREEMPTED_EXIT_CODE = 75
+# 128 + SIGINT: what a shell reports for a program stopped by Ctrl-C.
+INTERRUPTED_EXIT_CODE = 130
+INTERRUPTED = "SIGINT"
+SAME_CTRL_C = 1.5  # seconds: SIGINTs closer than this are one Ctrl-C (see PreemptionHandler._on_signal)
 
 
 class PreemptionHandler:
     """Catches SIGTERM/SIGUSR1 (and an optional trigger file) and remembers when the notice came."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, trigger_file: str = "", grace_seconds: float = 60.0, started: float | None = None):
         """``started``: the run's start (``time.time()``, default now); a trigger file older than it is a
@@ -46,9 +54,21 @@ class PreemptionHandler:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.reason == INTERRUPTED and self.notice_time is not None:
+            # A second Ctrl-C is Python's usual KeyboardInterrupt: stop now, without the save. Not within
+            # SAME_CTRL_C seconds of the first, though: under torchrun one Ctrl-C arrives twice, from the
+            # terminal (the whole process group) and forwarded by torchrun's agent a moment later.
+            if time.monotonic() - self.notice_time > SAME_CTRL_C:
+                raise KeyboardInterrupt
+            return
         if self.notice_time is None:
             self.notice_time = time.monotonic()
             self.reason = signal.Signals(signum).name
+
+    @property
+    def interrupted(self) -> bool:
+        """The stop was asked for by Ctrl-C (not a scheduler's notice)."""
+        return self.reason == INTERRUPTED
 
     def should_stop(self) -> bool:
         """True once a signal arrived or a trigger file written since the run started exists. The file is

@@ -17,12 +17,14 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.checkpoint import CheckpointManager
+from scaletrain.checkpoint.run_folder import RunLock, checkpoint_disk_check, claim_run_folder
 from scaletrain.checkpoint.training import RNGState, TrainingCheckpoint, TrainState, match_global_batch, saved_config
 from scaletrain.config import ConfigError, JobConfig, to_toml
 from scaletrain.data.loader import TokenLoader, block_causal_mask, eval_batches
 from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import read_manifest
 from scaletrain.data.tokenizer import load_tokenizer
+from scaletrain.files import StorageError, free_bytes, human_bytes
 from scaletrain.hardware import devices_in_job, peak_flops
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
@@ -34,6 +36,7 @@ from scaletrain.parallel.distributed import (
     destroy_distributed,
     init_distributed,
     is_rank_zero,
+    rank_zero_object,
     rank_zero_value,
     say,
     world_size_from_env,
@@ -41,7 +44,7 @@ from scaletrain.parallel.distributed import (
 from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, mfu, peak_memory_bytes
 from scaletrain.train.precision import autocast, grad_scaler, resolve_device, resolve_precision
-from scaletrain.train.preemption import PreemptionHandler
+from scaletrain.train.preemption import INTERRUPTED, PreemptionHandler
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.step import build_parallel_training, training_step
 from scaletrain.train.validate import check_runnable
@@ -120,6 +123,14 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
                                              cfg.checkpoint.keep_every)
+        # One writer per run folder: rank 0 takes the folder's lock and decides what this run is there (a
+        # resume, a refused or an --overwrite fresh start); every rank gets the run id or the refusal.
+        self.lock: RunLock | None = None
+        verdict = self._claim_run_folder(cfg) if self.is_main else None
+        run_id, refusal = rank_zero_object(verdict)
+        if refusal:
+            raise ConfigError(refusal if self.is_main else f"rank 0 refused the run folder {self.run_dir}")
+        self.checkpoints.run_id = run_id
         if cfg.train.resume:  # a resume on another world size keeps the checkpoint's global batch
             complete = self.checkpoints.list_complete()
             if complete:
@@ -174,10 +185,53 @@ class Trainer:
         self._peak_remeasured = False
         self.step_times: list[float] = []
         self.evals: list[dict] = []
+        # Nothing tells a person how much disk the checkpoints take unless we do, before step 1.
+        self.disk_note, refusal = rank_zero_object(self._disk_verdict() if self.is_main else None)
+        if refusal:
+            raise ConfigError(refusal if self.is_main else "rank 0 found too little disk space for a checkpoint")
 
     def close(self) -> None:
-        """Barrier, then destroy the process group (a no-op in a single process or when already closed)."""
+        """Barrier, then destroy the process group (a no-op in a single process or when already closed), and
+        free the run folder's lock."""
         destroy_distributed(self.env)
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _claim_run_folder(self, cfg: JobConfig) -> tuple[str | None, str | None]:
+        """Rank 0: (run id, None), or (None, the one-line refusal) - a folder in use by another process, or a
+        fresh start over an earlier run's checkpoints without --overwrite."""
+        try:
+            self.lock = RunLock.take(self.run_dir)
+            return claim_run_folder(self.run_dir, self.checkpoints, cfg.train.resume, cfg.train.overwrite,
+                                    say=self._message), None
+        except ConfigError as exc:
+            return None, str(exc)
+
+    def _disk_verdict(self) -> tuple[str, str | None]:
+        """Rank 0, before training: what the checkpoints will take against the free space of the run folder's
+        disk: (note for the start line, None), or ("", refusal) when not even one fits; a warning line when all
+        retained ones do not. Estimate: fp32 weights + AdamW's two moments of the trainable ones."""
+        try:
+            return self._disk_note(), None
+        except ConfigError as exc:
+            return "", str(exc)
+
+    def _disk_note(self) -> str:
+        cfg = self.cfg
+        if not cfg.checkpoint.enabled:
+            return ""
+        local = [p for m in self.pm.modules for p in m.parameters()]
+        total_local = sum(p.numel() for p in local) or 1
+        trainable = sum(p.numel() for p in local if p.requires_grad) / total_local
+        size = int(num_params(cfg.model) * 4 * (1 + 2 * trainable))
+        existing = len([p for p in self.checkpoints.list_complete() if self.checkpoints._ours(p)])
+        copies = max(1, cfg.checkpoint.keep_last + 1 - existing)
+        free = free_bytes(self.run_dir)
+        warning = checkpoint_disk_check(self.run_dir, size, copies, free)
+        if warning:
+            self._message(warning)
+        return f"checkpoints ~{human_bytes(size)} each, {cfg.checkpoint.keep_last} kept ({human_bytes(free)} free)"
 
     # -- one optimizer step -------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -330,7 +384,10 @@ class Trainer:
                     logger.log(self._step_record(record))  # collective (per-rank memory): all ranks call it
                 else:
                     logger.advance(step)
-                if self._any_rank(notice.should_stop()):
+                stop, save_failed = self._any_rank(notice.should_stop(), self.checkpoints.background_failed())
+                if save_failed:  # an asynchronous save failed in the background: say so now, not at the end
+                    self._raise_save_failure()
+                if stop:
                     self.preempted = notice.reason or "another rank's notice"
                     break
                 if eval_every and step % eval_every == 0 and step != cfg.train.steps:
@@ -357,13 +414,21 @@ class Trainer:
         self.close()  # after success only: a barrier in an error path could hang the healthy ranks
         return self.summary()
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True on every rank when any rank has ``flag`` (a notice may reach the ranks a step apart)."""
-        if self.env.world_size == 1:
-            return flag
-        box = torch.tensor([float(flag)], device=self.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return bool(box.item())
+    def _any_rank(self, *flags: bool):
+        """True on every rank when any rank has the flag (a notice may reach the ranks a step apart); one
+        all-reduce for several flags, which come back as a tuple."""
+        if self.env.world_size > 1:
+            box = torch.tensor([float(f) for f in flags], device=self.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            flags = tuple(bool(v) for v in box.tolist())
+        return flags[0] if len(flags) == 1 else tuple(flags)
+
+    def _raise_save_failure(self) -> None:
+        """A background save failed on some rank: that rank raises its own StorageError (``wait``), the others
+        say where to look; the previous checkpoint is intact and nothing else is written."""
+        self.checkpoints.wait()
+        raise StorageError(f"an asynchronous checkpoint save failed on another rank (see its message); the previous "
+                           f"checkpoint in {self.checkpoints.folder} is intact")
 
     def _save_on_notice(self, notice: PreemptionHandler, logger: MetricsLogger) -> None:
         """Preempted: finish any save in flight, then write this step's checkpoint synchronously."""
@@ -373,6 +438,12 @@ class Trainer:
             self.save(blocking=True)
         took, left = time.perf_counter() - t0, notice.seconds_left()
         logger.log({"step": self.state.step, "preempted": self.preempted, "checkpoint_seconds": round(took, 3)})
+        if not self.cfg.checkpoint.enabled:
+            logger.message(f"stopped ({self.preempted}) at step {self.state.step}: nothing saved "
+                           "(checkpoint.enabled = false)")
+            return
+        if self.preempted == INTERRUPTED:  # the command says it (cli.cmd_train), whatever the progress mode
+            return
         logger.message(f"preempted ({self.preempted}) at step {self.state.step}: checkpoint written in {took:.1f} s"
                        + (f"; WARNING: past the {self.cfg.checkpoint.grace_seconds:.0f} s grace period"
                           if left < 0 else f", {left:.0f} s of grace left") + "; `--resume` continues")

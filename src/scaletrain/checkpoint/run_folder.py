@@ -1,0 +1,207 @@
+"""One writer per run folder, and what a new run may do to a folder that holds an earlier one.
+
+A run folder (``train.run_dir``) belongs to one run at a time:
+
+- ``RunLock``: an advisory lock on ``<run>/.lock`` held by the job's rank 0 for the life of the run. It is an
+  ``flock`` on an open file, so the kernel releases it when the process ends in any way (an exception,
+  Ctrl-C, ``kill -9``, a power cut of the node); the file also records the holder's host, PID and start
+  time, so a second process is told who has it. Where the file system has no ``flock`` (some network file
+  systems) the record alone is the lock, and a record whose process is gone (same host, PID not alive) is
+  stale and taken over.
+- ``claim_run_folder``: a fresh start (no ``--resume``) in a folder that holds checkpoints is refused, naming
+  the run found and the three ways on (``--resume``, another ``train.run_dir``, ``--overwrite``).
+  ``--overwrite`` deletes the old checkpoints and moves the old run's logs into ``replaced-<time>/``.
+- A run id: every fresh run gets one (``run.json``); each checkpoint's ``meta.json`` carries it, a resume
+  takes it from the checkpoint it loads, and retention (``CheckpointManager._retain``) only ever deletes
+  checkpoints of the current run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from scaletrain.checkpoint.manager import CheckpointManager
+from scaletrain.files import human_bytes
+from scaletrain.options import ConfigError
+
+LOCK_FILE = ".lock"
+RUN_FILE = "run.json"
+# A fresh run replaces these leftovers of an earlier one (moved aside, never appended to).
+RUN_LOGS = ("metrics.jsonl", "tensorboard", "config.toml", "tokenizer.json", RUN_FILE)
+
+_HELD: dict[str, RunLock] = {}  # locks this process holds, by folder: a second Trainer in it may reuse one
+
+
+class RunLock:
+    """The advisory lock of one run folder (see the module docstring). ``acquire`` raises ``ConfigError``
+    naming the holder; ``release`` (or the process's end) frees it."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    @classmethod
+    def take(cls, run_dir: str | Path) -> RunLock:
+        """The lock of ``run_dir`` for this process: the one it already holds, or a newly acquired one."""
+        key = str(Path(run_dir).resolve())
+        held = _HELD.get(key)
+        if held is not None and held._fd is not None:
+            return held
+        lock = cls(run_dir)
+        lock.acquire()
+        _HELD[key] = lock
+        return lock
+
+    def acquire(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):
+            holder = _describe(self._read(fd))
+            os.close(fd)
+            raise ConfigError(f"run folder {self.run_dir} is in use by {holder}; wait for it to finish, stop it, "
+                              f"or train into another train.run_dir") from None
+        except (ImportError, OSError) as exc:  # no flock here (Windows, some network file systems)
+            if isinstance(exc, OSError) and exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                os.close(fd)
+                raise
+            record = self._read(fd)
+            if record and _alive(record) and record.get("pid") != os.getpid():
+                os.close(fd)
+                raise ConfigError(f"run folder {self.run_dir} is in use by {_describe(record)}; wait for it to "
+                                  f"finish, stop it, or train into another train.run_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode(), 0)
+        self._fd = fd
+
+    @staticmethod
+    def _read(fd: int) -> dict:
+        try:
+            return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (ValueError, OSError):
+            return {}
+
+    def release(self) -> None:
+        """Free the lock (the record stays: it only names the last holder)."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+        _HELD.pop(str(self.run_dir.resolve()), None)
+
+
+def _alive(record: dict) -> bool:
+    """Whether the process a lock record names may still run: another host cannot be checked (assume yes);
+    on this host, whether its PID exists."""
+    if record.get("host") != socket.gethostname():
+        return True
+    try:
+        os.kill(int(record.get("pid", 0)), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, OverflowError):
+        return True
+    return int(record.get("pid", 0)) > 0
+
+
+def _describe(record: dict) -> str:
+    if not record:
+        return "another process"
+    return f"process {record.get('pid', '?')} on {record.get('host', '?')} (since {record.get('started', '?')})"
+
+
+def new_run_id() -> str:
+    """A run's identity: its start time (readable) and a random suffix (unique)."""
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+
+
+def claim_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume: bool, overwrite: bool,
+                     say=print) -> str:
+    """Decide what this run is in ``run_dir`` and return its run id (rank 0 only; call with the lock held).
+
+    - ``resume`` with a checkpoint: the run goes on; its id is the newest checkpoint's.
+    - a fresh start in a folder with checkpoints: refused (ConfigError), unless ``overwrite``, which deletes
+      the old checkpoints and moves the old run's logs into ``replaced-<time>/``.
+    - a fresh start otherwise: leftovers of an earlier run that never checkpointed (its metrics, config)
+      are moved aside, so the new run's metrics.jsonl holds only the new run.
+    """
+    run_dir = Path(run_dir)
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
+                          f"{run_dir}, --overwrite replaces it; choose one")
+    complete = checkpoints.list_complete()
+    if resume and complete:
+        meta = CheckpointManager.read_meta(complete[-1])
+        return meta.get("run_id") or _read_run_id(run_dir) or new_run_id()
+    if complete and not overwrite:
+        steps = [int(p.name.split("-")[1]) for p in complete]
+        raise ConfigError(f"run folder {run_dir} holds checkpoints of an earlier run (step {steps[-1]}"
+                          + (f", {len(steps)} checkpoints" if len(steps) > 1 else "") + "); pass --resume to "
+                          "continue it, another --train.run_dir to start a new one beside it, or --overwrite to "
+                          "delete it and start again")
+    moved = _set_aside(run_dir)
+    if complete:  # overwrite: the old run's checkpoints go
+        for path in complete:
+            shutil.rmtree(path, ignore_errors=True)
+        say(f"--overwrite: deleted the earlier run's {len(complete)} checkpoint(s) in {checkpoints.folder}"
+            + (f"; its logs are in {moved}" if moved else ""))
+    elif moved:
+        say(f"note: {run_dir} held files of an earlier run without a checkpoint; moved them to {moved}")
+    checkpoints.remove_partial()
+    run_id = new_run_id()
+    (run_dir / RUN_FILE).write_text(json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                                "host": socket.gethostname()}, indent=2) + "\n")
+    return run_id
+
+
+def _read_run_id(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / RUN_FILE).read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def _set_aside(run_dir: Path) -> Path | None:
+    """Move an earlier run's logs into ``replaced-<time>/``; None when there were none."""
+    present = [run_dir / name for name in RUN_LOGS if (run_dir / name).exists()]
+    if not present:
+        return None
+    target = run_dir / time.strftime("replaced-%Y%m%d-%H%M%S")
+    n = 1
+    while target.exists():
+        target, n = run_dir / f"{target.name}-{n}", n + 1
+    target.mkdir(parents=True)
+    for path in present:
+        shutil.move(str(path), str(target / path.name))
+    return target
+
+
+def checkpoint_disk_check(run_dir: str | Path, bytes_per_checkpoint: int, copies: int, free: int) -> str | None:
+    """Before a run starts: ``copies`` more checkpoints of ``bytes_per_checkpoint`` each must fit in ``free``
+    bytes. Raises ConfigError when even one does not fit; returns a warning when all of them do not, else
+    None (the caller prints the plan line either way)."""
+    if bytes_per_checkpoint <= 0:
+        return None
+    if bytes_per_checkpoint > free:
+        raise ConfigError(f"run folder {run_dir}: one checkpoint takes about {human_bytes(bytes_per_checkpoint)} but "
+                          f"only {human_bytes(free)} are free on its disk; free space or choose a train.run_dir on "
+                          f"a larger disk")
+    need = bytes_per_checkpoint * copies
+    if need > free:
+        return (f"warning: {copies} checkpoints of about {human_bytes(bytes_per_checkpoint)} (checkpoint.keep_last + "
+                f"the one being written) need {human_bytes(need)} but {human_bytes(free)} are free in {run_dir}; "
+                f"lower checkpoint.keep_last or free space before the run gets there")
+    return None
