@@ -267,14 +267,16 @@ class CheckpointManager:
     def _retain(self) -> None:
         """Keep the newest ``keep_last`` and every step divisible by ``keep_every``; delete the rest. Only this
         run's checkpoints are considered (another run's never count towards ``keep_last`` nor get deleted)."""
-        complete = [p for p in self.list_complete() if self._ours(p)]
+        complete = [p for p in self.list_complete() if self.belongs_to_run(p)]
         for path in complete[:-self.keep_last]:
             step = int(path.name.split("-")[1])
             if self.keep_every and step % self.keep_every == 0:
                 continue
             shutil.rmtree(path, ignore_errors=True)
 
-    def _ours(self, path: Path) -> bool:
+    def belongs_to_run(self, path: Path) -> bool:
+        """Whether checkpoint ``path`` is this run's (by the run id in its marker; a checkpoint written before
+        run ids existed counts as this run's)."""
         if self.run_id is None:
             return True
         try:

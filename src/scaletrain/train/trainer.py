@@ -225,7 +225,7 @@ class Trainer:
         total_local = sum(p.numel() for p in local) or 1
         trainable = sum(p.numel() for p in local if p.requires_grad) / total_local
         size = int(num_params(cfg.model) * 4 * (1 + 2 * trainable))
-        existing = len([p for p in self.checkpoints.list_complete() if self.checkpoints._ours(p)])
+        existing = len([p for p in self.checkpoints.list_complete() if self.checkpoints.belongs_to_run(p)])
         copies = max(1, cfg.checkpoint.keep_last + 1 - existing)
         free = free_bytes(self.run_dir)
         warning = checkpoint_disk_check(self.run_dir, size, copies, free)
