@@ -362,3 +362,25 @@ def test_prepare_that_does_not_fit_is_one_line_without_leftovers(tmp_path):
     (line,) = [line for line in text.splitlines() if line.startswith("StorageError:")]
     assert f"writing prepared data in {out} failed" in line and "run again" in line
     assert not list(out.rglob("*.tmp")) and not (out / "manifest.json").exists()
+
+
+def test_a_checkpoint_index_with_code_in_it_is_refused_without_running_it(straight, tmp_path, monkeypatch):
+    """DCP reads its .metadata index with plain pickle: a tampered index (checksum re-recorded) is refused
+    before DCP sees it, and the resume falls back to the previous checkpoint."""
+    import pickle
+
+    from scaletrain.files import file_sha256
+
+    config, _ = straight
+    run = tmp_path / "run"
+    run_ok(train_args(config, run, "--train.stop_at_step=10"))
+    step = run / "checkpoints" / "step-00000010"
+    (step / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    meta = json.loads((step / "meta.json").read_text())
+    meta["files"][".metadata"] = file_sha256(step / ".metadata")
+    (step / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.chdir(tmp_path)
+    text = run_ok(train_args(config, run, "--resume", "--train.stop_at_step=12"))
+    assert not (tmp_path / "PWNED").exists()
+    assert "not a plain DCP index (refers to posix.system)" in text
+    assert f"resumed from {run / 'checkpoints' / 'step-00000005'}" in text

@@ -318,6 +318,7 @@ class CheckpointManager:
                 raise CheckpointError(f"{f}: missing")
             if file_sha256(f) != digest:
                 raise CheckpointError(f"{f}: checksum mismatch (corrupt or truncated)")
+        check_dcp_index(path)
         return meta
 
     def latest(self, warn=print) -> Path | None:
@@ -365,6 +366,39 @@ class CheckpointManager:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise CheckpointError(f"{path / name}: refused by torch.load(weights_only=True) ({first}); this "
                                   f"checkpoint cannot be trusted, resume from another one") from None
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` index allowing only the types such an index is made of."""
+
+    ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
+    ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+               ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+               ("builtins", "set"), ("builtins", "frozenset")}
+
+    def find_class(self, module: str, name: str):
+        if module in self.ALLOWED_MODULES or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format,
+                                                                          torch.layout)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refers to {module}.{name}")
+
+
+def check_dcp_index(path: Path) -> None:
+    """Refuse a checkpoint whose DCP index (``.metadata``, which DCP reads with plain ``pickle``) names anything
+    but the types an index is made of: a checksum only shows the file is the one the marker lists, not that
+    whoever wrote both meant well. Raises CheckpointError naming what it found; the call never runs."""
+    index = path / ".metadata"
+    if not index.is_file():
+        return  # DCP reports a missing index itself
+    try:
+        with open(index, "rb") as fh:
+            _IndexUnpickler(fh).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{index}: not a plain DCP index ({str(exc)[:120]}); refusing to load it, since "
+                              f"unpickling it could run code") from None
 
 
 def _persistent_stager():
