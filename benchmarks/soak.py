@@ -7,8 +7,8 @@ each start is ended at a random moment - uniformly within the time a start takes
 start-up, data loading (the loader's prefetch thread), steps, and the asynchronous checkpoint saves
 (``checkpoint.async_save = true``, a save every few steps) - by ``kill -9`` of the whole process group, or
 (one time in four) by a SIGTERM, after which the run saves and exits 75 by itself. Restarts go on until a
-start exits 0. At the end the last checkpoint's weights and the per-step losses must equal the reference's
-bitwise.
+start exits 0; then the last checkpoint's weights and the per-step losses must equal the reference's
+bitwise, and, while blows remain to be dealt, a new run begins in a new folder (a round).
 
 Reported per layout: kills and SIGTERMs, restarts, failures (a start that exited neither 0, 75 nor by our
 kill, or a final mismatch; each with its output), wall time of the soak vs the reference, and the wall time
@@ -116,6 +116,15 @@ def losses(run: Path) -> dict[int, float]:
     return out
 
 
+def compare(reference: Path, run: Path) -> str:
+    """'' when ``run`` ended with the reference's per-step losses and final weights, bitwise; else what differs."""
+    la, lb = losses(reference), losses(run)
+    wa, wb = final_weights(reference), final_weights(run)
+    bad_steps = [s for s in la if la[s] != lb.get(s)] + [s for s in lb if s not in la]
+    bad_tensors = [k for k in wa if k not in wb or not torch.equal(wa[k], wb[k])]
+    return f"steps {bad_steps[:5]} tensors {bad_tensors[:5]}" if bad_steps or bad_tensors else ""
+
+
 def soak_layout(layout: str, blows: int, folder: Path, steps: int, interval: int, rng: random.Random) -> dict:
     config = folder / "job.toml"
     config.write_text(JOB.format(cache=folder / "data", steps=steps, interval=interval))
@@ -127,61 +136,61 @@ def soak_layout(layout: str, blows: int, folder: Path, steps: int, interval: int
     reference_s = time.perf_counter() - t0
     print(f"{layout}: reference run {reference_s:.1f} s", flush=True)
 
-    run = folder / "soak"
-    kills = sigterms = restarts = 0
+    kills = sigterms = starts = rounds = 0
     failures: list[str] = []
+    equal_rounds = 0
     t0 = time.perf_counter()
-    done = False
-    while not done:
-        log = folder / f"soak-{restarts:03d}.log"
-        proc = start(command(layout, config, run, resume=True), log)
-        restarts += 1
-        if kills + sigterms < blows:
-            # Uniform over a start's life (start-up included): blows land everywhere, saves among them.
-            delay = rng.uniform(0.2, max(1.0, reference_s))
-            try:
-                code = proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                if rng.random() < 0.25:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    sigterms += 1
-                    code = proc.wait(timeout=300)
-                    if code not in (PREEMPTED, 0, -signal.SIGTERM, 128 + signal.SIGTERM, 1):
-                        failures.append(f"start {restarts}: SIGTERM -> exit {code}: {log.read_text()[-1500:]}")
-                else:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    kills += 1
-                    code = proc.wait(timeout=60)
-                continue
-        else:
-            code = proc.wait(timeout=900)
-        if code == 0:
-            done = True
-        elif code != PREEMPTED:
-            failures.append(f"start {restarts}: exit {code}: {log.read_text()[-1500:]}")
-            if len(failures) > 5:
-                break
+    # Rounds until the blows are dealt: a round is one run from scratch to its end, restarted after every
+    # blow; a run that finishes before the blows are all dealt is compared, and the next round begins.
+    while kills + sigterms < blows and len(failures) <= 5:
+        run = folder / f"soak-{rounds:02d}"
+        rounds += 1
+        done = False
+        while not done and len(failures) <= 5:
+            log = folder / f"{run.name}-start-{starts:03d}.log"
+            proc = start(command(layout, config, run, resume=True), log)
+            starts += 1
+            if kills + sigterms < blows:
+                # Uniform over a start's life (start-up included): blows land everywhere, saves among them.
+                delay = rng.uniform(0.2, max(1.0, reference_s))
+                try:
+                    code = proc.wait(timeout=delay)
+                except subprocess.TimeoutExpired:
+                    if rng.random() < 0.25:
+                        os.killpg(proc.pid, signal.SIGTERM)
+                        sigterms += 1
+                        code = proc.wait(timeout=300)
+                        if code not in (PREEMPTED, 0, -signal.SIGTERM, 128 + signal.SIGTERM, 1):
+                            failures.append(f"{log.name}: SIGTERM -> exit {code}: {log.read_text()[-1500:]}")
+                    else:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        kills += 1
+                        code = proc.wait(timeout=60)
+                    continue
+            else:
+                code = proc.wait(timeout=900)
+            if code == 0:
+                done = True
+            elif code != PREEMPTED:
+                failures.append(f"{log.name}: exit {code}: {log.read_text()[-1500:]}")
+        if done:
+            mismatch = compare(reference, run)
+            if mismatch:
+                failures.append(f"{run.name}: final state differs from the reference: {mismatch}")
+            else:
+                equal_rounds += 1
     soak_s = time.perf_counter() - t0
-
-    equal = False
-    mismatch = ""
-    if done:
-        la, lb = losses(reference), losses(run)
-        wa, wb = final_weights(reference), final_weights(run)
-        bad_steps = [s for s in la if la[s] != lb.get(s)]
-        bad_tensors = [k for k in wa if not torch.equal(wa[k], wb[k])]
-        equal = not bad_steps and not bad_tensors and la.keys() == lb.keys()
-        if not equal:
-            mismatch = f"steps {bad_steps[:5]} tensors {bad_tensors[:5]}"
-            failures.append(f"final state differs from the reference: {mismatch}")
+    equal = equal_rounds == rounds and not failures
+    done = equal_rounds == rounds
     total = kills + sigterms
     result = {"layout": layout, "ranks": LAYOUTS[layout][0], "steps": steps, "checkpoint_interval": interval,
-              "kill9": kills, "sigterm": sigterms, "starts": restarts, "finished": done,
+              "kill9": kills, "sigterm": sigterms, "starts": starts, "rounds": rounds, "finished": done,
               "bitwise_equal": equal, "reference_s": round(reference_s, 2), "soak_s": round(soak_s, 2),
-              "lost_s_per_blow": round((soak_s - reference_s) / total, 2) if total else 0.0,
+              # each round would have taken one uninterrupted run's time: the rest is what the blows cost
+              "lost_s_per_blow": round((soak_s - rounds * reference_s) / total, 2) if total else 0.0,
               "failures": failures}
-    print(f"{layout}: {kills} kill -9 + {sigterms} SIGTERM over {restarts} starts, finished={done}, "
-          f"bitwise equal={equal}, {soak_s:.0f} s vs {reference_s:.0f} s uninterrupted "
+    print(f"{layout}: {kills} kill -9 + {sigterms} SIGTERM over {starts} starts in {rounds} runs, finished={done}, "
+          f"bitwise equal={equal}, {soak_s:.0f} s vs {rounds} x {reference_s:.0f} s uninterrupted "
           f"({result['lost_s_per_blow']:.1f} s lost per blow), failures: {len(failures)}", flush=True)
     return result
 
@@ -190,7 +199,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills-single", type=int, default=30, help="blows for the one-process layout")
     parser.add_argument("--kills-fsdp", type=int, default=20, help="blows for the 2-rank FSDP2 layout")
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=6, help="checkpoint every N steps (asynchronous)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=default_out("soak.json"), help=OUT_HELP.format(name="soak.json"))
@@ -203,9 +212,11 @@ def main() -> int:
             folder.mkdir()
             results.append(soak_layout(layout, blows, folder, args.steps, args.interval, rng))
     print()
-    print(f"{'layout':8} {'kill -9':>8} {'SIGTERM':>8} {'starts':>7} {'equal':>6} {'lost s/blow':>12} {'failures':>9}")
+    print(f"{'layout':8} {'kill -9':>8} {'SIGTERM':>8} {'starts':>7} {'runs':>5} {'equal':>6} {'lost s/blow':>12} "
+          f"{'failures':>9}")
     for r in results:
-        print(f"{r['layout']:8} {r['kill9']:>8} {r['sigterm']:>8} {r['starts']:>7} {str(r['bitwise_equal']):>6} "
+        print(f"{r['layout']:8} {r['kill9']:>8} {r['sigterm']:>8} {r['starts']:>7} {r['rounds']:>5} "
+              f"{str(r['bitwise_equal']):>6} "
               f"{r['lost_s_per_blow']:>12.1f} {len(r['failures']):>9}")
     blows = sum(r["kill9"] + r["sigterm"] for r in results)
     ok = all(r["finished"] and r["bitwise_equal"] and not r["failures"] for r in results)
