@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain.adapt import open_base, parameter_counts, resolve_finetune
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.training import RNGState, TrainingCheckpoint, TrainState, match_global_batch, saved_config
 from scaletrain.config import ConfigError, JobConfig, to_toml
@@ -106,6 +107,7 @@ class Trainer:
         # Rank 0 speaks for the job (parallel/distributed.py: is_rank_zero, also before the process group), and
         # alone measures for precision = auto: the others take its decision (_agree_on_precision).
         self.log_enabled = log and is_rank_zero()
+        cfg = resolve_finetune(cfg, announce=self._message)  # a fine-tune: the base's [model] and tokenizer
         self.precision, self.precision_why = resolve_precision(cfg.train.precision, self.device, self._message,
                                                                measure=is_rank_zero())
         if cfg.train.threads:
@@ -163,8 +165,9 @@ class Trainer:
                        "scaler": self.scaler, "guard": self.guard}
         if self.pm.replicas.independent:
             local_state["low_comm"] = self.pm.replicas
+        base = open_base(cfg.finetune.source).reference() if cfg.finetune.source else None
         self.checkpoint = TrainingCheckpoint(self.checkpoints, self.pm, self.optimizer, local_state, self.state,
-                                             cfg, self.env.rank, self._message)
+                                             cfg, self.env.rank, self._message, base=base)
         self.preempted = ""
         # Tokens per optimizer step over all data-parallel ranks.
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
@@ -416,6 +419,7 @@ class Trainer:
                 "evals": self.evals, "final_val_loss": self.evals[-1]["val_loss"] if self.evals else None,
                 "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
                 "parameters": num_params(self.cfg.model),
+                "trainable_parameters": parameter_counts(self.pm.modules)[0],
                 "all_reduce_calls": self.pm.comm.all_reduce_calls, "all_reduce_bytes": self.pm.comm.all_reduce_bytes,
                 "preempted": self.preempted, "skipped_updates": self.guard.skipped_total,
                 "rollbacks": self.guard.rollbacks}
