@@ -136,7 +136,12 @@ def quantize_base(model: nn.Module, block_size: int = 64, scaler_block_size: int
     total = 0
     for module in model.modules():
         if isinstance(module, LoRALinear) and not is_nf4(module.weight):
-            nf4 = to_nf4(module.weight.detach().contiguous(), block_size, scaler_block_size)
+            # torchao needs blocks that tile the matrix and scaler blocks that tile the blocks' scales; QLoRA's
+            # 64 / 256 unless a small matrix asks for smaller divisors.
+            numel = module.weight.numel()
+            blocks = math.gcd(numel, block_size)
+            scaler_blocks = math.gcd(numel // blocks, scaler_block_size)
+            nf4 = to_nf4(module.weight.detach().contiguous(), blocks, scaler_blocks)
             module.weight = nn.Parameter(nf4, requires_grad=False)
             total += nf4_bytes(nf4)
     return total

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from scaletrain.adapt.lora import TARGETS
 from scaletrain.config import ConfigError, JobConfig, validate_job
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.context import check_context_parallel_supported
@@ -28,6 +29,10 @@ def check_finetune(cfg: JobConfig, world_size: int) -> None:
     ft, par = cfg.finetune, cfg.parallel
     if not ft.source:
         return
+    unknown = [t for t in ft.lora_targets if t not in TARGETS]
+    if ft.method in ("lora", "qlora") and (unknown or not ft.lora_targets):
+        raise ConfigError(f"finetune.lora_targets: {'unknown target(s) ' + ', '.join(unknown) if unknown else 'empty'}"
+                          f"; choose among {', '.join(TARGETS)}")
     if ft.method != "full" and (par.tp > 1 or par.pp > 1 or par.cp > 1 or par.low_comm != "none"):
         raise ConfigError(f"finetune.method={ft.method} runs with data parallelism (DDP, FSDP2) only; set "
                           f"parallel.tp/pp/cp=1 and parallel.low_comm=none, or use finetune.method=full")
