@@ -201,3 +201,36 @@ def test_adapter_resume_is_bitwise(hf_base, tmp_path, tiny, method):
     model_keys = {k for k in saved if k.startswith("model.")}
     suffixes = ("lora_A", "lora_B") if method == "lora" else ("prefix_key", "prefix_value")
     assert model_keys and all(k.endswith(suffixes) for k in model_keys), model_keys
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "instructions.jsonl"
+
+
+def test_instruction_rows_target_the_answers_only():
+    from scaletrain.data.instructions import IGNORE, encode_example, make_rows, read_instructions
+
+    tok = CharTokenizer(CHARS)
+    ids, target = encode_example([("Instruction:\nHi\n\nResponse:\n", False), ("Yes.", True)], tok)
+    (inputs,), (targets,) = make_rows([(__import__("numpy").array(ids), __import__("numpy").array(target))], 64)
+    learned = tok.decode([t for t in targets.tolist() if t != IGNORE])
+    assert learned == "Yes.\n\n"  # the answer and its end marker (a char tokenizer has no end-of-text token)
+    assert inputs[:len(ids) - 1].tolist() == ids[:-1] and (targets[len(ids) - 1:] == IGNORE).all()
+    examples = read_instructions(FIXTURE, tok)
+    assert len(examples) == 12
+    chat_ids, chat_target = examples[10]
+    answers = tok.decode(chat_ids[chat_target].tolist())
+    assert answers == "Resolved. resolved.\n\nWe know it, we know it.\n\n"
+
+
+def test_instruction_finetune_trains_and_bad_line_exits_2(hf_base, tmp_path, tiny, capsys):
+    extra = {"finetune.instructions": str(FIXTURE), "data.seq_len": 64, "data.val_fraction": 0.2,
+             "train.steps": 12, "optim.lr": 0.01, "train.eval_interval": 12}
+    assert main(_finetune_args(hf_base, tmp_path / "run", tiny, **extra)) == 0
+    vals = [json.loads(line)["val_loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            if "val_loss" in line]
+    assert len(vals) == 2 and vals[1] < vals[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "no response"}\n')
+    capsys.readouterr()
+    assert main(_finetune_args(hf_base, tmp_path / "bad", tiny, **{**extra, "finetune.instructions": str(bad)})) == 2
+    assert f"{bad}:2: needs string fields 'prompt' and 'response'" in capsys.readouterr().err

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from test_finetune import CHARS
 from test_parallel_dist import PARITY_RTOL, torchrun

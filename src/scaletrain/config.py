@@ -170,6 +170,9 @@ class FinetuneConfig:
     lora_targets: list[str] = opt(["q", "k", "v", "o"], "lora/qlora: projections to adapt, among q, k, v, o "
                                                          "(attention) and gate, up, down (SwiGLU)")
     rslora: bool = opt(False, "lora/qlora: rank-stabilised scaling alpha / sqrt(r)")
+    instructions: str = opt("", "a JSONL file of {\"prompt\", \"response\"} or {\"messages\": [...]} lines to train on "
+                                "instead of data.path, loss on the responses only, one example a padded row "
+                                "(docs/finetuning.md); data.val_fraction of the examples are held out")
     virtual_tokens: int = opt(16, "prompt/prefix: number of trainable virtual tokens", ge=1)
     freeze_embeddings: bool = opt(False, "full: keep the input embedding (and a tied head) frozen")
     freeze_blocks: int = opt(0, "full: keep the first k transformer blocks frozen", ge=0)

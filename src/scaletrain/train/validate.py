@@ -27,6 +27,8 @@ def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
 def check_finetune(cfg: JobConfig, world_size: int) -> None:
     """What fine-tuning (finetune.source set) combines with; the rest is untested, so refused."""
     ft, par = cfg.finetune, cfg.parallel
+    if ft.instructions and not ft.source:
+        raise ConfigError("finetune.instructions needs finetune.source (the base whose tokenizer reads them)")
     if not ft.source:
         return
     unknown = [t for t in ft.lora_targets if t not in TARGETS]
