@@ -113,8 +113,9 @@ def test_qlora_base_is_4bit_and_close(hf_base):
     model = build_finetuned_model(cfg).eval()
     plain = build_finetuned_model(dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune,
                                                                                          method="lora"))).eval()
-    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    assert layers and all(is_nf4(m.weight) for m in layers)
+    layers = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name.startswith("layers.")]
+    assert any(isinstance(m, LoRALinear) for m in layers) and all(is_nf4(m.weight) for m in layers)
+    assert not is_nf4(model.output.weight)  # the head stays in full precision, as in QLoRA
     stored = sum(nf4_bytes(m.weight) for m in layers)
     fp32 = sum(m.in_features * m.out_features * 4 for m in layers)
     assert stored <= 0.30 * fp32, stored / fp32

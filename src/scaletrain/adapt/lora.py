@@ -116,34 +116,61 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dr
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its weight: each ``LoRALinear`` becomes a plain fp32 ``nn.Linear`` (in place)."""
+    """Fold every adapter into its weight: each ``LoRALinear`` (and a 4-bit ``NF4Linear``) becomes a plain fp32
+    ``nn.Linear`` (in place)."""
     for name, module in list(model.named_modules()):
-        if isinstance(module, LoRALinear):
+        if isinstance(module, (LoRALinear, NF4Linear)):
             parent_name, _, child = name.rpartition(".")
-            plain = nn.Linear(module.in_features, module.out_features, bias=False, device=module.lora_A.device)
-            plain.weight.copy_(module.merged_weight())
+            plain = nn.Linear(module.in_features, module.out_features, bias=False, device="cpu")
+            if isinstance(module, LoRALinear):
+                plain.weight.copy_(module.merged_weight())
+            else:  # a 4-bit projection without adapter: dequantized
+                plain.weight.copy_(module.weight.get_original_weight() if is_nf4(module.weight) else module.weight)
             setattr(model.get_submodule(parent_name), child, plain)
     return model
 
 
-@torch.no_grad()
-def quantize_base(model: nn.Module, block_size: int = 64, scaler_block_size: int = 256) -> int:
-    """QLoRA: store every ``LoRALinear``'s frozen weight as torchao NF4 (4-bit NormalFloat, block-wise absmax
-    scales that are themselves quantized to int8 - "double quantization"). Returns the bytes of the
-    quantized weights. Call after the base weights are loaded (it quantizes what is there)."""
+class NF4Linear(nn.Linear):
+    """A frozen, bias-free linear layer whose weight is stored in 4-bit NF4 (QLoRA's non-adapted projections)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_nf4(self.weight):
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+            return linear_nf4(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+def _to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> nn.Parameter:
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
+    # torchao needs blocks that tile the matrix and scaler blocks that tile the blocks' scales; QLoRA's
+    # 64 / 256 unless a small matrix asks for smaller divisors.
+    numel = weight.numel()
+    blocks = math.gcd(numel, block_size)
+    scaler_blocks = math.gcd(numel // blocks, scaler_block_size)
+    return nn.Parameter(to_nf4(weight.detach().contiguous(), blocks, scaler_blocks), requires_grad=False)
+
+
+@torch.no_grad()
+def quantize_base(model: nn.Module, block_size: int = 64, scaler_block_size: int = 256) -> int:
+    """QLoRA: store every frozen projection of the blocks - adapted (``LoRALinear``) or not - as torchao NF4
+    (4-bit NormalFloat, block-wise absmax scales themselves quantized to int8: "double quantization"). The
+    embedding, the output head and the norms stay in full precision, as in QLoRA (and bitsandbytes' default
+    for ``lm_head``). Returns the bytes of the quantized weights. Call after the base weights are loaded."""
     total = 0
-    for module in model.modules():
-        if isinstance(module, LoRALinear) and not is_nf4(module.weight):
-            # torchao needs blocks that tile the matrix and scaler blocks that tile the blocks' scales; QLoRA's
-            # 64 / 256 unless a small matrix asks for smaller divisors.
-            numel = module.weight.numel()
-            blocks = math.gcd(numel, block_size)
-            scaler_blocks = math.gcd(numel // blocks, scaler_block_size)
-            nf4 = to_nf4(module.weight.detach().contiguous(), blocks, scaler_blocks)
-            module.weight = nn.Parameter(nf4, requires_grad=False)
-            total += nf4_bytes(nf4)
+    for name, module in list(model.named_modules()):
+        if not (isinstance(module, nn.Linear) and name.startswith("layers.")) or is_nf4(module.weight):
+            continue
+        if not isinstance(module, LoRALinear):
+            if module.weight.requires_grad:
+                continue  # trainable: not part of the frozen base
+            plain = NF4Linear(module.in_features, module.out_features, bias=False, device="meta")
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, plain)
+            module, plain.weight = plain, module.weight
+        module.weight = _to_nf4(module.weight, block_size, scaler_block_size)
+        total += nf4_bytes(module.weight)
     return total
 
 
