@@ -235,3 +235,39 @@ def test_instruction_finetune_trains_and_bad_line_exits_2(hf_base, tmp_path, tin
     capsys.readouterr()
     assert main(_finetune_args(hf_base, tmp_path / "bad", tiny, **{**extra, "finetune.instructions": str(bad)})) == 2
     assert f"{bad}:2: needs string fields 'prompt' and 'response'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora", "prompt"])
+def test_planner_finetune_memory_matches_measured(hf_base, method):
+    """The planner's fine-tuning memory vs the exact live tensor bytes of the trainer's step (10%)."""
+    from scaletrain.config import FinetuneConfig, OptimConfig, ParallelConfig, TrainConfig
+    from scaletrain.parallel import ParallelDims
+    from scaletrain.plan.finetune import finetune_memory
+    from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
+    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.train.step import build_parallel_training, training_step
+
+    model = _job(hf_base).model
+    ft = FinetuneConfig(source=str(hf_base), method=method, lora_targets=["q", "v"], virtual_tokens=8)
+    cfg = JobConfig(model=model, optim=OptimConfig(), train=TrainConfig(seed=0), finetune=ft)
+    batch, seq = 4, 32
+    tracker = LiveTensorBytes().__enter__()
+    pm, optimizer = build_parallel_training(cfg, ParallelDims.from_config(ParallelConfig(), 1), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    micro = [(torch.randint(0, model.vocab_size, (batch, seq), generator=gen),
+              torch.randint(0, model.vocab_size, (batch, seq), generator=gen), None)]
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker,
+                            steps=1)["peak_bytes"]
+    workload = Workload(model=model, seq_len=seq, global_batch=batch, train_tokens=batch * seq)
+    predicted = finetune_memory(workload, Plan(micro_batch=batch), ft, "cpu")["tensor_total"]
+    predicted += resident_extras(model, batch, seq)
+    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+
+
+def test_plan_answers_whether_qlora_fits_a_24gb_card(capsys):
+    args = ["plan", "--model", "llama-8b", "--vocab-size", "128256", "--hardware", "rtx-4090:1", "--seq-len", "2048",
+            "--global-batch", "16"]
+    assert main(args + ["--method", "lora"]) == 2  # a 16 GB bf16 base alone nearly fills it
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(args + ["--method", "qlora", "--ac", "full"]) == 0
+    assert "fits" in capsys.readouterr().out

@@ -85,8 +85,10 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     bt, vocab = plan.micro_batch * workload.seq_len, workload.model.vocab_size
     logits = bt * vocab * 4
     # End of forward / loss backward: saved activations, log-softmax output, gradient of the logits.
-    activations = pretrain.saved_activations - rec.activation * unsaved_activation_elements(
-        workload.model, ft, plan.micro_batch, workload.seq_len)
+    # Checkpointed blocks save only their input; the frozen-input saving applies to un-checkpointed ones.
+    unsaved = unsaved_activation_elements(workload.model, ft, plan.micro_batch, workload.seq_len) \
+        if plan.activation_checkpointing == "none" else 0.0
+    activations = pretrain.saved_activations - rec.activation * unsaved
     loss_phase = at_rest + activations + 2 * logits
     # Optimizer: every trainable gradient, and foreach AdamW's sqrt(v) temporary of the largest group.
     optimizer_phase = at_rest + trainable * rec.grad + (trainable * 4 if device_kind == "cpu" else 0)
@@ -96,3 +98,27 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
             "activations": activations, "tensor_total": tensor_total,
             "peak_phase": "loss" if loss_phase >= optimizer_phase else "optimizer step",
             "pretraining_tensor_total": pretrain.tensor_total}
+
+
+def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, ft: FinetuneConfig,
+                    micro_batch: int | None = None, activation_checkpointing: str = "none") -> dict:
+    """Whether fine-tuning ``workload`` with ``ft`` fits one device of ``memory_bytes`` (data parallelism
+    replicates the same per-device memory): the estimate at ``micro_batch`` (default: the largest that fits,
+    up to the global batch, or 1), with the runtime and allocator margins the planner adds to pretraining.
+    With activation checkpointing the activations are pretraining's checkpointed ones (no frozen-input saving
+    is subtracted beyond what the recomputed blocks hold)."""
+    from scaletrain.plan.memory import ALLOCATOR_MARGIN, RUNTIME_BYTES
+
+    def total(mb: int) -> tuple[float, dict]:
+        est = finetune_memory(workload, Plan(micro_batch=mb, activation_checkpointing=activation_checkpointing),
+                              ft, device_kind)
+        return est["tensor_total"] * (1 + ALLOCATOR_MARGIN[device_kind]) + RUNTIME_BYTES[device_kind], est
+
+    if micro_batch is None:
+        micro_batch = 1
+        while micro_batch * 2 <= workload.global_batch and total(micro_batch * 2)[0] <= memory_bytes:
+            micro_batch *= 2
+    needed, est = total(micro_batch)
+    return {**est, "micro_batch": micro_batch, "seq_len": workload.seq_len, "per_device_bytes": needed,
+            "device_memory_bytes": memory_bytes, "fits": needed <= memory_bytes,
+            "total_parameters": num_params(workload.model)}
