@@ -271,3 +271,13 @@ def test_plan_answers_whether_qlora_fits_a_24gb_card(capsys):
     assert "does NOT fit" in capsys.readouterr().out
     assert main(args + ["--method", "qlora", "--ac", "full"]) == 0
     assert "fits" in capsys.readouterr().out
+
+
+def test_lora_with_activation_checkpointing_gives_the_same_losses(hf_base, tmp_path, tiny):
+    runs = {}
+    for name, extra in (("plain", {}), ("ac", {"parallel.activation_checkpointing": "full"})):
+        run = tmp_path / name
+        assert main(_finetune_args(hf_base, run, tiny, **{"logging.log_interval": 1, **extra})) == 0
+        runs[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                      if '"loss"' in line]
+    assert len(runs["plain"]) == 6 and runs["plain"] == runs["ac"]
