@@ -101,6 +101,14 @@ def resolve_finetune(cfg, announce=None):
         return cfg
     base = open_base(ft.source)
     model = base.model
+    default = ModelConfig()
+    for field in dataclasses.fields(ModelConfig):
+        mine, theirs = getattr(cfg.model, field.name), getattr(model, field.name)
+        unset = mine == getattr(default, field.name)
+        if field.name in ("max_seq_len", "preset", "vocab_size") or mine == theirs or unset:
+            continue  # not set, or set to the base's value (a resumed run's saved config)
+        raise ConfigError(f"model.{field.name}={mine!r} is set, but a fine-tune takes [model] from finetune.source "
+                          f"{base.path} ({field.name}={theirs!r}); drop the model setting")
     needed = cfg.data.seq_len + (ft.virtual_tokens if ft.method in ("prompt", "prefix") else 0)
     if model.max_seq_len < needed:
         model = dataclasses.replace(model, max_seq_len=needed)
