@@ -59,8 +59,11 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
         return load_config(args.config, overrides)
     overrides["train.resume"] = "true"  # the saved config keeps resume = false
     if recipe is not None:
-        differ = [(key, mine, theirs) for key, mine, theirs in config_differences(recipe, load_config(saved))
-                  if key not in overrides and key not in RESUME_FREE_FIELDS
+        saved_cfg = load_config(saved)
+        # A fine-tune's saved [model] and data.tokenizer are its base's (adapt.resolve_finetune), not the recipe's.
+        from_base = ("model.", "data.tokenizer") if saved_cfg.finetune.source else ()
+        differ = [(key, mine, theirs) for key, mine, theirs in config_differences(recipe, saved_cfg)
+                  if key not in overrides and key not in RESUME_FREE_FIELDS and not key.startswith(from_base)
                   and not (key == "model.vocab_size" and mine == 0)]  # 0: the data's, resolved in the saved one
         if differ:
             shown = ", ".join(f"{key} ({mine!r} vs saved {theirs!r})" for key, mine, theirs in differ[:6])
