@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     "model": 1,
     "config": 2, "hardware": 2,
     "data": 3, "parallel": 3,
-    "checkpoint": 4,
+    "checkpoint": 4, "adapt": 4,
     "train": 5,
     "plan": 6,
     "cli": 7, "__main__": 7,

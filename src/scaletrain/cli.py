@@ -64,8 +64,11 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
         return load_config(args.config, overrides)
     overrides["train.resume"] = "true"  # the saved config keeps resume = false
     if recipe is not None:
-        differ = [(key, mine, theirs) for key, mine, theirs in config_differences(recipe, load_config(saved))
-                  if key not in overrides and key not in RESUME_FREE_FIELDS
+        saved_cfg = load_config(saved)
+        # A fine-tune's saved [model] and data.tokenizer are its base's (adapt.resolve_finetune), not the recipe's.
+        from_base = ("model.", "data.tokenizer") if saved_cfg.finetune.source else ()
+        differ = [(key, mine, theirs) for key, mine, theirs in config_differences(recipe, saved_cfg)
+                  if key not in overrides and key not in RESUME_FREE_FIELDS and not key.startswith(from_base)
                   and not (key == "model.vocab_size" and mine == 0)]  # 0: the data's, resolved in the saved one
         if differ:
             shown = ", ".join(f"{key} ({mine!r} vs saved {theirs!r})" for key, mine, theirs in differ[:6])
@@ -102,7 +105,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     n = trainer.cfg
     precision = f"{trainer.precision} ({trainer.precision_why})" if trainer.precision_why else trainer.precision
-    say(f"model: {trainer.summary()['parameters'] / 1e6:.2f}M parameters ({n.model.n_layers} layers x {n.model.dim}), "
+    counts = trainer.summary()
+    trainable = "" if not n.finetune.source else \
+        f" ({counts['trainable_parameters']:,} trainable, finetune.method={n.finetune.method})"
+    say(f"model: {counts['parameters'] / 1e6:.2f}M parameters{trainable} ({n.model.n_layers} layers x {n.model.dim}), "
         f"vocab {trainer.vocab_note}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
         f"{precision}; run folder {trainer.run_dir}" + (f"; {trainer.disk_note}" if trainer.disk_note else ""))
     summary = trainer.train()
@@ -138,7 +144,7 @@ def _eval_parser(sub) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.adapt.run import load_run
     from scaletrain.data.loader import TokenStream
     from scaletrain.data.prepare import read_text_file
     from scaletrain.data.tokenizer import DataError, describe_skipped, encode_known
@@ -182,7 +188,7 @@ def _generate_parser(sub) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.adapt.run import load_run
     from scaletrain.model.generate import generate
 
     if args.max_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
@@ -205,17 +211,51 @@ def _export_parser(sub) -> None:
     p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
     p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + model.safetensors + tokenizer")
     p.add_argument("--out", help="output folder (default: <run>/export-hf)")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA/QLoRA fine-tune: fold the adapters into the weights and write one plain folder "
+                        "(default for an adapter run: the base's folder plus a peft adapter in <out>/adapter)")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from scaletrain.adapt.export import base_model, is_plain, merge_adapters, save_peft_adapter
+    from scaletrain.adapt.run import load_run
     from scaletrain.checkpoint.export import export_hf
-    from scaletrain.checkpoint.run import load_run
 
     cfg, model, tokenizer, ckpt = load_run(args.run)
-    out = export_hf(model, cfg.model, tokenizer, args.out or Path(args.run) / "export-hf")
-    print(f"exported {ckpt.name} to {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
+    out = Path(args.out or Path(args.run) / "export-hf")
+    if args.merge:
+        model = merge_adapters(model, cfg)
+    if is_plain(model):
+        export_hf(model, cfg.model, tokenizer, out)
+        merged = " with the adapters merged" if cfg.finetune.source and cfg.finetune.method != "full" else ""
+        print(f"exported {ckpt.name}{merged} to {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
+        return 0
+    export_hf(base_model(cfg), cfg.model, tokenizer, out)  # the base, unchanged, and the adapter beside it
+    adapter = save_peft_adapter(model, cfg, out / "adapter")
+    print(f"exported the base to {out} and the {cfg.finetune.method} adapter of {ckpt.name} to {adapter} (load with "
+          f"peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained({str(out)!r}), {str(adapter)!r}))")
     return 0
+
+
+def _finetune_parser(sub) -> None:
+    p = sub.add_parser("finetune", help="adapt an existing model (a run or a Hugging Face folder): full, lora, "
+                                        "qlora, prompt or prefix tuning",
+                       description="Fine-tune: `scaletrain train` with finetune.source set from --from. The [model] "
+                                   "fields and data.tokenizer come from the base; everything else (data, steps, "
+                                   "parallelism, resume) works as for train. See docs/finetuning.md.")
+    p.add_argument("--from", dest="source", required=True,
+                   help="the base: a scaletrain run folder or a Hugging Face Llama folder")
+    p.add_argument("--config", help="TOML recipe (see configs/)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.run_dir")
+    add_config_arguments(p, JobConfig)
+    p.set_defaults(func=cmd_finetune)
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    setattr(args, "cfg:finetune.source", args.source)
+    return cmd_train(args)
 
 
 def _plugin_parser(sub, name: str, module: str, add: str, run: str, help: str) -> None:
@@ -242,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     _eval_parser(sub)
     _generate_parser(sub)
     _export_parser(sub)
+    _finetune_parser(sub)
     for name, module, add, run, help in PLUGINS:
         _plugin_parser(sub, name, module, add, run, help)
     return parser

@@ -158,6 +158,30 @@ class ParallelConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """Start from existing weights and adapt them (docs/finetuning.md). Empty ``source``: pretraining."""
+
+    source: str = opt("", "the base to adapt: a scaletrain run folder (its latest checkpoint) or a local Hugging "
+                          "Face Llama folder (config.json + safetensors + tokenizer.json); the [model] fields and "
+                          "data.tokenizer are taken from it; empty = pretrain from random weights")
+    method: str = opt("lora", "full (all weights), lora, qlora (4-bit NF4 frozen base + LoRA), prompt (virtual "
+                              "tokens at the input) or prefix (key/value prefixes in every layer)",
+                      choices=("full", "lora", "qlora", "prompt", "prefix"))
+    lora_rank: int = opt(8, "lora/qlora: rank r of the update B @ A", ge=1)
+    lora_alpha: float = opt(16.0, "lora/qlora: the update is scaled by alpha / r (alpha / sqrt(r) with rslora)", gt=0)
+    lora_dropout: float = opt(0.0, "lora/qlora: dropout on the adapter's input", ge=0, lt=1)
+    lora_targets: list[str] = opt(["q", "k", "v", "o"], "lora/qlora: projections to adapt, among q, k, v, o "
+                                                         "(attention) and gate, up, down (SwiGLU)")
+    rslora: bool = opt(False, "lora/qlora: rank-stabilised scaling alpha / sqrt(r)")
+    instructions: str = opt("", "a JSONL file of {\"prompt\", \"response\"} or {\"messages\": [...]} lines to train on "
+                                "instead of data.path, loss on the responses only, one example a padded row "
+                                "(docs/finetuning.md); data.val_fraction of the examples are held out")
+    virtual_tokens: int = opt(16, "prompt/prefix: number of trainable virtual tokens", ge=1)
+    freeze_embeddings: bool = opt(False, "full: keep the input embedding (and a tied head) frozen")
+    freeze_blocks: int = opt(0, "full: keep the first k transformer blocks frozen", ge=0)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -167,6 +191,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -47,6 +47,11 @@ def model_tensors(modules: list[nn.Module], prefix: str = "") -> dict[str, torch
     return out
 
 
+def trainable_names(modules: list[nn.Module], prefix: str = "") -> set[str]:
+    """Names (as ``model_tensors`` keys them) of the parameters that train: a fine-tune saves only these."""
+    return {prefix + name for m in modules for name, p in m.named_parameters() if p.requires_grad}
+
+
 def optimizer_tensors(modules: list[nn.Module], optimizer: torch.optim.Optimizer,
                       prefix: str = "") -> dict[str, torch.Tensor]:
     """``<param name>.<state name>`` -> the live optimizer state tensor (exp_avg, exp_avg_sq, step).

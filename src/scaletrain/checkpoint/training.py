@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, Stateful
-from scaletrain.checkpoint.state import init_optimizer_state, local_optimizer, model_tensors, optimizer_tensors
+from scaletrain.checkpoint.state import (
+    init_optimizer_state,
+    local_optimizer,
+    model_tensors,
+    optimizer_tensors,
+    trainable_names,
+)
 from scaletrain.config import ConfigError, JobConfig, to_toml
 from scaletrain.parallel import ParallelModel
 
@@ -89,14 +95,20 @@ class TrainingCheckpoint:
 
     def __init__(self, manager: CheckpointManager, pm: ParallelModel, optimizer: torch.optim.Optimizer,
                  local: dict[str, Stateful], state: TrainState, cfg: JobConfig, rank: int,
-                 message: Callable[[str], None] = print):
+                 message: Callable[[str], None] = print, base: dict | None = None):
         self.manager, self.pm, self.optimizer, self.local = manager, pm, optimizer, local
         self.state, self.cfg, self.rank, self.message = state, cfg, rank, message
+        # A fine-tune (adapt/): the checkpoint holds only the trainable tensors, plus this reference to the
+        # base weights (source and checksum), which a resume checks before loading.
+        self.base = base
 
     def tensors(self) -> dict:
         """This rank's model and optimizer tensors by full-model name (DCP writes and reads the shards)."""
         prefix = self.pm.replicas.checkpoint_prefix(self.pm.dp_rank)  # replicas may differ between syncs
-        return {"model": model_tensors(self.pm.modules, prefix),
+        model = model_tensors(self.pm.modules, prefix)
+        if self.base is not None:  # frozen base weights come from the base, not the checkpoint
+            model = {k: v for k, v in model.items() if k in trainable_names(self.pm.modules, prefix)}
+        return {"model": model,
                 "optimizer": optimizer_tensors(self.pm.modules, self.optimizer, prefix)}
 
     def meta(self) -> dict:
@@ -108,7 +120,8 @@ class TrainingCheckpoint:
                 "global_batch": {"sequences": cfg.train.batch_size * cfg.train.grad_accum_steps * dims.dp_size,
                                  "seq_len": cfg.data.seq_len},
                 "optimizer_state": bool(local_optimizer(self.optimizer).state),
-                "config_sha256": hashlib.sha256(to_toml(saved_config(cfg), comments=False).encode()).hexdigest()}
+                "config_sha256": hashlib.sha256(to_toml(saved_config(cfg), comments=False).encode()).hexdigest()} \
+            | ({"base": self.base} if self.base is not None else {})
 
     def save(self, blocking: bool) -> Path:
         """Write a checkpoint of the current step (collective); complete once ``manager.wait()`` returns."""
@@ -117,6 +130,11 @@ class TrainingCheckpoint:
     def load(self, path: Path, local_names: tuple[str, ...]) -> dict:
         """Model + optimizer from ``path`` (resharded to this run's layout) and the named small states."""
         meta = CheckpointManager.read_meta(path)
+        saved_base = meta.get("base")
+        if self.base is not None and saved_base is not None and saved_base.get("sha256") != self.base["sha256"]:
+            raise CheckpointError(f"{path}: trained on a base with checksum {saved_base['sha256'][:12]}, but "
+                                  f"finetune.source {self.base['source']} now has {self.base['sha256'][:12]}; "
+                                  f"restore that base or fine-tune again into a new train.run_dir")
         try:
             self.pm.replicas.check_resume(path, meta.get("dp_size"), self.pm.dims.dp_size)
         except ValueError as exc:

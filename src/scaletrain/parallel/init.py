@@ -27,9 +27,12 @@ def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def copy_full_into(part: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy full (unsharded) tensors into ``part``'s parameters and buffers, sharded or not."""
+def copy_full_into(part: nn.Module, full: dict[str, torch.Tensor], names: list[str] | None = None) -> None:
+    """Copy full (unsharded) tensors into ``part``'s parameters and buffers, sharded or not (only ``names``
+    when given)."""
     for name, tensor in _named_tensors(part).items():
+        if names is not None and name not in names:
+            continue
         source = full[name]
         if isinstance(tensor, DTensor):
             shard = distribute_tensor(source.to(tensor.device, tensor.dtype), tensor.device_mesh, tensor.placements,
@@ -56,4 +59,6 @@ def materialize(parts: list[nn.Module], model_cfg: ModelConfig, device: torch.de
     reference = build_model(model_cfg, "cpu", seed=seed)
     full = _named_tensors(reference)
     for part in parts:
-        copy_full_into(part, full)
+        # Adapter tensors (adapt/: LoRA, prompts) are not in the plain reference; the fine-tuning build fills
+        # them, with the base weights, right after parallelize.
+        copy_full_into(part, full, names=[name for name in _named_tensors(part) if name in full])

@@ -72,6 +72,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         pin.add_argument(f"--{name.replace('_', '-')}", dest=f"pin_{name}", type=int, default=None)
     pin.add_argument("--ac", dest="pin_activation_checkpointing", choices=("none", "selective", "full"), default=None)
     pin.add_argument("--offload", dest="pin_cpu_offload", choices=("true", "false"), default=None)
+    ft = parser.add_argument_group("fine-tuning (instead of the pretraining search: does it fit one device?)")
+    ft.add_argument("--method", default="", choices=("", "full", "lora", "qlora", "prompt", "prefix"),
+                    help="predict the memory per device of fine-tuning the model with this method")
+    ft.add_argument("--lora-rank", type=int, default=8, help="lora/qlora rank")
+    ft.add_argument("--lora-targets", default="q,k,v,o", help="lora/qlora projections (q,k,v,o,gate,up,down)")
+    ft.add_argument("--virtual-tokens", type=int, default=16, help="prompt/prefix virtual tokens")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="plans to show")
     out.add_argument("--json", default="", help="write everything as JSON to this file ('-' = stdout)")
@@ -166,6 +172,8 @@ def run_plan(args: argparse.Namespace) -> int:
         prices, as_of = load_prices(args.prices)
         if args.top < 1:
             raise ConfigError(f"--top must be >= 1 (got {args.top})")
+        if args.method:
+            return _finetune_plan(args, workload, cluster, console)
         result = search(workload, cluster, _pins(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -201,6 +209,33 @@ def run_plan(args: argparse.Namespace) -> int:
                                    f"predicted {best.time.tokens_per_second:,.0f} tokens/s")
         console.print(f"wrote {path}")
     return status
+
+
+def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
+    """``scaletrain plan --method``: the memory per device of fine-tuning, and whether it fits."""
+    from scaletrain.config import FinetuneConfig
+    from scaletrain.plan.finetune import finetune_answer
+
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    if args.lora_rank < 1 or args.virtual_tokens < 1:
+        raise ConfigError("--lora-rank and --virtual-tokens must be >= 1")
+    ft = FinetuneConfig(method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
+                        virtual_tokens=args.virtual_tokens)
+    pins = _pins(args)
+    answer = finetune_answer(workload, cluster.hardware.memory_bytes, cluster.hardware.kind, ft,
+                             pins.get("micro_batch"), pins.get("activation_checkpointing", "none"))
+    gib = 2**30
+    console.print(f"fine-tuning {workload.model.preset or 'the model'} ({answer['total_parameters'] / 1e9:.2f}B "
+                  f"parameters) with {args.method}: {answer['trainable_parameters']:,} trainable "
+                  f"({100 * answer['trainable_parameters'] / answer['total_parameters']:.2f}%)")
+    console.print(f"per device at micro-batch {answer['micro_batch']} x {answer['seq_len']} tokens: "
+                  f"{answer['per_device_bytes'] / gib:.1f} GiB = frozen base {answer['frozen_bytes'] / gib:.1f} + "
+                  f"trainable states {answer['trainable_state_bytes'] / gib:.2f} + activations "
+                  f"{answer['activations'] / gib:.1f} + loss / runtime; {cluster.hardware.name} has "
+                  f"{answer['device_memory_bytes'] / gib:.0f} GiB: " + ("fits" if answer["fits"] else "does NOT fit"))
+    if args.json:
+        write_json({"finetune": answer, "hardware": cluster.hardware.name}, args.json)
+    return 0 if answer["fits"] else 2
 
 
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:

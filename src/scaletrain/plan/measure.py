@@ -48,6 +48,10 @@ class LiveTensorBytes(TorchDispatchMode):
             return
         if hasattr(tensor, "_local_tensor"):  # DTensor: count the local shard
             tensor = tensor._local_tensor
+        elif hasattr(tensor, "__tensor_flatten__"):  # a wrapper subclass (QLoRA's NF4): the tensors it holds
+            for name in tensor.__tensor_flatten__()[0]:
+                self._track(getattr(tensor, name))
+            return
         storage = tensor.untyped_storage()
         key = id(storage)  # storages keep their Python object alive as long as the storage lives
         if key in self._sizes:

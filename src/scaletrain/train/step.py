@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from scaletrain.adapt import apply_method, load_base_and_adapters, open_base
+from scaletrain.adapt.methods import finish_method
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
 from scaletrain.parallel import ParallelDims, ParallelModel, clip_grad_norm_, forward_backward, parallelize
@@ -33,9 +35,15 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     tokenizer's vocabulary when ``cfg.model.vocab_size`` is padded beyond it (masked out of the loss)."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    if cfg.finetune.source:  # fine-tuning: freeze / add adapters on the meta model (adapt/, docs/finetuning.md)
+        apply_method(model, cfg.finetune)
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
                      compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit)
+    if cfg.finetune.source:  # the base's weights and the adapters' initial values, in every layout alike
+        load_base_and_adapters(pm.modules, open_base(cfg.finetune.source).state(), cfg.train.seed)
+        finish_method(pm.modules[0], cfg.finetune)
+    # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
     return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage)
 
 

@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletrain.adapt import open_base, parameter_counts, resolve_finetune
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.run_folder import RunLock, checkpoint_disk_check, claim_run_folder
 from scaletrain.checkpoint.training import RNGState, TrainingCheckpoint, TrainState, match_global_batch, saved_config
 from scaletrain.config import ConfigError, JobConfig, to_toml
+from scaletrain.data.instructions import InstructionLoader, instruction_eval_batches, instruction_splits
 from scaletrain.data.loader import TokenLoader, block_causal_mask, eval_batches
 from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import read_manifest
@@ -109,6 +111,7 @@ class Trainer:
         # Rank 0 speaks for the job (parallel/distributed.py: is_rank_zero, also before the process group), and
         # alone measures for precision = auto: the others take its decision (_agree_on_precision).
         self.log_enabled = log and is_rank_zero()
+        cfg = resolve_finetune(cfg, announce=self._message)  # a fine-tune: the base's [model] and tokenizer
         self.precision, self.precision_why = resolve_precision(cfg.train.precision, self.device, self._message,
                                                                measure=is_rank_zero())
         if cfg.train.threads:
@@ -139,17 +142,28 @@ class Trainer:
                 if cfg.train.grad_accum_steps != accum:
                     self._message(f"train.grad_accum_steps {accum} -> {cfg.train.grad_accum_steps}: keeps the "
                                   f"checkpoint's global batch on {dims.dp_size} data-parallel rank(s)")
-        if self.is_main:  # rank 0 prepares the data once; the others then find it cached
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.data_dir = prepare_data(cfg)
-        barrier()
-        if not self.is_main:
-            self.data_dir = prepare_data(cfg)
-        manifest = read_manifest(self.data_dir)
+        self.instructions: tuple[list, list] | None = None  # (train, val) instruction examples
+        if cfg.finetune.instructions:  # instruction JSONL (data/instructions.py) instead of a text corpus
+            if self.is_main:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.data_dir, tokenizer_file = None, Path(cfg.data.tokenizer)
+            self.instructions = instruction_splits(cfg.finetune.instructions, load_tokenizer(tokenizer_file),
+                                                   cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed,
+                                                   self._message)
+            manifest = {"vocab_size": load_tokenizer(tokenizer_file).vocab_size}
+        else:
+            if self.is_main:  # rank 0 prepares the data once; the others then find it cached
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                self.data_dir = prepare_data(cfg)
+            barrier()
+            if not self.is_main:
+                self.data_dir = prepare_data(cfg)
+            manifest = read_manifest(self.data_dir)
+            tokenizer_file = self.data_dir / manifest["tokenizer"]["file"]
         cfg, self.vocab_note = resolve_vocab(cfg, manifest, dims.tp)  # the note: for the model log line
         self.cfg = cfg
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)  # now with the vocab
-        self.tokenizer = load_tokenizer(self.data_dir / manifest["tokenizer"]["file"])
+        self.tokenizer = load_tokenizer(tokenizer_file)
         self._run_config = saved_config(cfg)
         # The run folder is self-contained (tokenizer.json, config.toml). On a resume they are rewritten only
         # once the checkpoint has loaded: settings that do not fit it (another vocabulary or width) must not
@@ -164,9 +178,14 @@ class Trainer:
                                                           vocab_limit=self.tokenizer.vocab_size)
         self.model = self.pm.modules[0] if len(self.pm.modules) == 1 else nn.ModuleList(self.pm.modules)
         self.scaler = grad_scaler(self.precision, self.device)
-        self.train_loader = TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
-                                        rank=self.pm.dp_rank, world_size=dims.dp_size, seed=cfg.train.seed,
-                                        shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
+        if self.instructions is not None:
+            self.train_loader = InstructionLoader(self.instructions[0], cfg.data.seq_len, cfg.train.batch_size,
+                                                  rank=self.pm.dp_rank, world_size=dims.dp_size,
+                                                  seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+        else:
+            self.train_loader = TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
+                                            rank=self.pm.dp_rank, world_size=dims.dp_size, seed=cfg.train.seed,
+                                            shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
         self.state = TrainState(schedule=dataclasses.asdict(cfg.schedule))
         self.guard = NonFiniteGuard(self.pm.replicas.rollback_after(cfg.train.rollback_after))
         # Small per-rank state, saved beside the sharded model and optimizer tensors.
@@ -174,8 +193,9 @@ class Trainer:
                        "scaler": self.scaler, "guard": self.guard}
         if self.pm.replicas.independent:
             local_state["low_comm"] = self.pm.replicas
+        base = open_base(cfg.finetune.source).reference() if cfg.finetune.source else None
         self.checkpoint = TrainingCheckpoint(self.checkpoints, self.pm, self.optimizer, local_state, self.state,
-                                             cfg, self.env.rank, self._message)
+                                             cfg, self.env.rank, self._message, base=base)
         self.preempted = ""
         # Tokens per optimizer step over all data-parallel ranks.
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
@@ -281,9 +301,14 @@ class Trainer:
         for module in self.pm.modules:
             module.eval()
         losses = []
-        for batch in eval_batches(str(data_dir or self.data_dir), split, self.cfg.data.seq_len,
-                                  self.cfg.train.batch_size, self.cfg.train.eval_batches,
-                                  return_doc_ids=self.cfg.data.document_attention):
+        if self.instructions is not None and data_dir is None:  # the held-out instruction examples
+            batches = instruction_eval_batches(self.instructions[1], self.cfg.data.seq_len,
+                                               self.cfg.train.batch_size, self.cfg.train.eval_batches)
+        else:
+            batches = eval_batches(str(data_dir or self.data_dir), split, self.cfg.data.seq_len,
+                                   self.cfg.train.batch_size, self.cfg.train.eval_batches,
+                                   return_doc_ids=self.cfg.data.document_attention)
+        for batch in batches:
             inputs, targets, mask = self._batch(batch)
             if self.pm.pipeline is not None and len(inputs) != self.cfg.train.batch_size:
                 continue  # a short last batch cannot be cut into the pipeline schedule's micro-batches
@@ -487,6 +512,7 @@ class Trainer:
                 "evals": self.evals, "final_val_loss": self.evals[-1]["val_loss"] if self.evals else None,
                 "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
                 "parameters": num_params(self.cfg.model),
+                "trainable_parameters": parameter_counts(self.pm.modules)[0],
                 "all_reduce_calls": self.pm.comm.all_reduce_calls, "all_reduce_bytes": self.pm.comm.all_reduce_bytes,
                 "preempted": self.preempted, "skipped_updates": self.guard.skipped_total,
                 "rollbacks": self.guard.rollbacks}

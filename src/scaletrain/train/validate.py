@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from scaletrain.adapt.lora import TARGETS
 from scaletrain.config import ConfigError, JobConfig, validate_job
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.context import check_context_parallel_supported
@@ -23,6 +24,30 @@ def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
         raise ConfigError("train.precision=fp16 (gradient scaler) is not supported with parallel.pp > 1; use bf16")
 
 
+def check_finetune(cfg: JobConfig, world_size: int) -> None:
+    """What fine-tuning (finetune.source set) combines with; the rest is untested, so refused."""
+    ft, par = cfg.finetune, cfg.parallel
+    if ft.instructions and not ft.source:
+        raise ConfigError("finetune.instructions needs finetune.source (the base whose tokenizer reads them)")
+    if not ft.source:
+        return
+    unknown = [t for t in ft.lora_targets if t not in TARGETS]
+    if ft.method in ("lora", "qlora") and (unknown or not ft.lora_targets):
+        raise ConfigError(f"finetune.lora_targets: {'unknown target(s) ' + ', '.join(unknown) if unknown else 'empty'}"
+                          f"; choose among {', '.join(TARGETS)}")
+    if ft.method != "full" and (par.tp > 1 or par.pp > 1 or par.cp > 1 or par.low_comm != "none"):
+        raise ConfigError(f"finetune.method={ft.method} runs with data parallelism (DDP, FSDP2) only; set "
+                          f"parallel.tp/pp/cp=1 and parallel.low_comm=none, or use finetune.method=full")
+    if par.low_comm != "none":
+        raise ConfigError("fine-tuning with parallel.low_comm is not supported; set parallel.low_comm=none")
+    if ft.method == "qlora" and (world_size > 1 or cfg.train.compile):
+        raise ConfigError("finetune.method=qlora runs in one process without train.compile (the 4-bit torchao "
+                          "base is untested with DDP/FSDP2 and compile); use method=lora to scale out")
+    if ft.method in ("prompt", "prefix") and cfg.data.document_attention:
+        raise ConfigError(f"finetune.method={ft.method} does not take data.document_attention (the virtual tokens "
+                          f"sit outside the documents); set data.document_attention=false")
+
+
 def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str) -> ParallelDims:
     """Every rule a job must pass to run on ``world_size`` ranks of ``device_type`` ("cpu", "cuda"), with
     ``precision`` already resolved: cross-field config checks, option combinations, the parallel degrees
@@ -32,6 +57,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     ``ParallelDims.check_model`` again once the data's vocabulary is known."""
     validate_job(cfg)
     check_feature_combinations(cfg, precision)
+    check_finetune(cfg, world_size)
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
     if dims.cp > 1:

@@ -1,0 +1,98 @@
+"""The planner's fine-tuning memory (scaletrain.plan.finetune) against the exact peak of live tensor bytes of the
+trainer's own fine-tuning step (build_parallel_training + training_step, the LiveTensorBytes tracker of
+scaletrain.plan.measure), for full, LoRA, QLoRA and prompt tuning. Target: within 10%.
+
+    python benchmarks/finetune_plan.py [--out benchmarks/results/finetune_plan.json]
+
+The base is a random Llama of the fine-tuning benchmark's shape (dim 256, 6 layers, BPE 2048) exported to a
+temporary Hugging Face folder; each method runs in a fresh process. Needs no ../shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+
+MODEL = {"vocab_size": 2048, "dim": 256, "n_layers": 6, "n_heads": 4, "ffn_hidden_dim": 688, "max_seq_len": 160}
+BATCH, SEQ = 4, 128
+METHODS = {"full": {}, "lora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]},
+           "lora_all_r16": {"lora_rank": 16, "lora_targets": ["q", "k", "v", "o", "gate", "up", "down"]},
+           "qlora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]}, "prompt": {"virtual_tokens": 16}}
+
+
+def measure(name: str, base: str) -> dict:
+    import torch
+
+    from scaletrain.config import FinetuneConfig, JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+    from scaletrain.parallel import ParallelDims
+    from scaletrain.plan.finetune import finetune_memory
+    from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
+    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.train.step import build_parallel_training, training_step
+
+    method = "qlora" if name == "qlora" else "prompt" if name == "prompt" else "full" if name == "full" else "lora"
+    ft = FinetuneConfig(source=base, method=method, **METHODS[name])
+    model = ModelConfig(**MODEL)
+    cfg = JobConfig(model=model, optim=OptimConfig(), train=TrainConfig(seed=0), finetune=ft)
+    torch.set_num_threads(1)
+    tracker = LiveTensorBytes().__enter__()
+    dims = ParallelDims.from_config(ParallelConfig(), 1)
+    pm, optimizer = build_parallel_training(cfg, dims, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    micro = [(torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=gen),
+              torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=gen), None)]
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker, steps=3)
+    workload = Workload(model=model, seq_len=SEQ, global_batch=BATCH, train_tokens=BATCH * SEQ)
+    predicted = finetune_memory(workload, Plan(micro_batch=BATCH), dataclasses.replace(ft), "cpu")
+    predicted_bytes = predicted["tensor_total"] + resident_extras(model, BATCH, SEQ)
+    return {"method": name, "predicted_bytes": predicted_bytes, "measured_peak_bytes": measured["peak_bytes"],
+            "memory_error": predicted_bytes / measured["peak_bytes"] - 1, "peak_phase": predicted["peak_phase"],
+            "trainable_parameters": predicted["trainable_parameters"], "measured_step_s": measured["step_s"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # child: METHOD BASE
+    parser.add_argument("--out", default=default_out("finetune_plan.json"),
+                        help=OUT_HELP.format(name="finetune_plan.json"))
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(*args.one)))
+        return 0
+    from scaletrain.checkpoint.export import export_hf
+    from scaletrain.config import ModelConfig
+    from scaletrain.data.tokenizer import BPETokenizer
+    from scaletrain.model import build_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        from tokenizers import Tokenizer, models
+
+        vocab = {f"t{i}": i for i in range(MODEL["vocab_size"])}
+        tok = BPETokenizer(Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")))
+        export_hf(build_model(ModelConfig(**MODEL), seed=0), ModelConfig(**MODEL), tok, tmp)
+        for name in METHODS:
+            proc = subprocess.run([sys.executable, __file__, "--one", name, tmp], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr[-3000:])
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            r = rows[-1]
+            print(f"{name:13s} predicted {r['predicted_bytes'] / 2**20:7.1f} MiB  measured "
+                  f"{r['measured_peak_bytes'] / 2**20:7.1f} MiB  error {100 * r['memory_error']:+5.1f}%", flush=True)
+    result = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "rows": rows,
+              "max_abs_memory_error": max(abs(r["memory_error"]) for r in rows)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The base model a fine-tune starts from: a scaletrain run folder or a local Hugging Face Llama folder.
+
+``open_base`` reads the description (model config, tokenizer, a checksum) without loading weights;
+``Base.state`` loads the weights under our parameter names. The checksum identifies the exact weights, so
+an adapter checkpoint can refuse a base that changed since it was trained (its own checkpoint holds only the
+trainable tensors plus this reference):
+
+- a run: the sha256 of its latest checkpoint's ``meta.json``, which itself lists the sha256 of every file
+  of that checkpoint;
+- a Hugging Face folder: the sha256 over ``config.json`` and every safetensors file's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from scaletrain.adapt.hf_import import hf_model_config, load_hf_state, safetensors_files
+from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
+from scaletrain.checkpoint.state import model_tensors
+from scaletrain.config import ConfigError, ModelConfig, load_config
+from scaletrain.files import file_sha256
+from scaletrain.model import build_model
+
+
+@dataclass(frozen=True)
+class Base:
+    kind: str  # "run" or "hf"
+    path: Path  # the run folder or the Hugging Face folder
+    model: ModelConfig
+    tokenizer: Path  # its tokenizer.json
+    sha256: str
+    checkpoint: Path | None = None  # a run's checkpoint folder
+
+    def reference(self) -> dict:
+        """What an adapter checkpoint records about its base (``meta.json``'s ``base``)."""
+        return {"source": str(self.path), "kind": self.kind, "sha256": self.sha256}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every weight of the base under our parameter names, fp32 on the CPU."""
+        if self.kind == "hf":
+            return {k: v.float() for k, v in load_hf_state(self.path, self.model).items()}
+        model = build_model(self.model, "meta")  # shapes only; DCP fills the real tensors below
+        model.to_empty(device="cpu")
+        load_tensors(self.checkpoint, {"model": model_tensors([model])})
+        return {k: v.detach() for k, v in model.state_dict().items() if not k.startswith("rope_")}
+
+
+def open_base(source: str) -> Base:
+    """Describe ``source`` (finetune.source); a folder that is neither kind is a one-line ConfigError."""
+    path = Path(source)
+    if not path.is_dir():
+        raise ConfigError(f"finetune.source: {source} is not a folder (a scaletrain run or a Hugging Face folder)")
+    return _open(path.resolve(), *_stamp(path))
+
+
+def _stamp(path: Path) -> tuple:
+    """Names and modification times of the files that define a base: a changed base is read again."""
+    return tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in path.iterdir() if p.is_file()))
+
+
+@lru_cache(maxsize=8)
+def _open(path: Path, *stamp) -> Base:
+    if (path / "config.toml").is_file():
+        cfg = load_config(path / "config.toml")
+        if cfg.finetune.source:
+            raise ConfigError(f"finetune.source: {path} is itself a fine-tuned run; export it merged "
+                              f"(`scaletrain export --merge --run {path}`) and fine-tune from that folder")
+        checkpoint = CheckpointManager(path / "checkpoints").latest()
+        if checkpoint is None:
+            raise CheckpointError(f"finetune.source: {path} has no complete checkpoint")
+        tokenizer = path / "tokenizer.json"
+        return Base("run", path, cfg.model, tokenizer, file_sha256(checkpoint / "meta.json"), checkpoint)
+    if (path / "config.json").is_file():
+        model = hf_model_config(path)
+        tokenizer = path / "tokenizer.json"
+        if not tokenizer.is_file():
+            raise ConfigError(f"finetune.source: {path} has no tokenizer.json (needed to tokenize the data as "
+                              f"the base was trained)")
+        digest = hashlib.sha256(file_sha256(path / "config.json").encode())
+        for file in safetensors_files(path):
+            digest.update(f"{file.name}:{file_sha256(file)}".encode())
+        return Base("hf", path, model, tokenizer, digest.hexdigest())
+    raise ConfigError(f"finetune.source: {path} has neither config.toml (a scaletrain run) nor config.json "
+                      f"(a Hugging Face folder)")
+
+
+def resolve_finetune(cfg, announce=None):
+    """``cfg`` (a JobConfig) with the [model] section and data.tokenizer taken from ``finetune.source``: a fine-tune
+    has the base's shape and reads its data with the base's tokenizer. Prompt and prefix tuning place the
+    real tokens after the virtual ones, so the rotary tables (derived, not learned) are lengthened to cover
+    data.seq_len + finetune.virtual_tokens. Without a source, ``cfg`` unchanged."""
+    import dataclasses
+
+    ft = cfg.finetune
+    if not ft.source:
+        return cfg
+    base = open_base(ft.source)
+    model = base.model
+    default = ModelConfig()
+    for field in dataclasses.fields(ModelConfig):
+        mine, theirs = getattr(cfg.model, field.name), getattr(model, field.name)
+        unset = mine == getattr(default, field.name)
+        if field.name in ("max_seq_len", "preset", "vocab_size") or mine == theirs or unset:
+            continue  # not set, or set to the base's value (a resumed run's saved config)
+        raise ConfigError(f"model.{field.name}={mine!r} is set, but a fine-tune takes [model] from finetune.source "
+                          f"{base.path} ({field.name}={theirs!r}); drop the model setting")
+    needed = cfg.data.seq_len + (ft.virtual_tokens if ft.method in ("prompt", "prefix") else 0)
+    if model.max_seq_len < needed:
+        model = dataclasses.replace(model, max_seq_len=needed)
+    if announce is not None and cfg.model != model:
+        announce(f"fine-tuning {base.path} ({base.kind}): [model] and data.tokenizer taken from it")
+    return dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, tokenizer=str(base.tokenizer)))

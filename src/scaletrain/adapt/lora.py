@@ -1,0 +1,180 @@
+"""LoRA: a frozen linear layer plus a trainable low-rank update, ``y = x W^T + s * B A x`` (Hu et al., 2021).
+
+``LoRALinear`` *is* an ``nn.Linear`` (it keeps the ``weight`` parameter under its own name), so a model with
+adapters has the same parameter names as the base plus ``lora_A`` / ``lora_B`` beside each adapted weight:
+base checkpoints, export and the parallel plans find the weights where they always were. The computation is
+peft's ``lora.Linear`` op for op (``base(x) + lora_B(lora_A(dropout(x))) * scaling``), which is what makes
+the logits equal to peft's to fp32 rounding (tests/test_finetune.py).
+
+QLoRA: the frozen ``weight`` may be a 4-bit NF4 tensor (torchao ``NF4Tensor``, see ``quantize_base``); the
+forward then calls torchao's ``linear_nf4``, which dequantizes block by block and differentiates with respect
+to the input only - the base never gets a gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# finetune.lora_targets name -> (our module suffix in a block, Hugging Face / peft module name)
+TARGETS: dict[str, tuple[str, str]] = {
+    "q": ("attention.wq", "q_proj"),
+    "k": ("attention.wk", "k_proj"),
+    "v": ("attention.wv", "v_proj"),
+    "o": ("attention.wo", "o_proj"),
+    "gate": ("feed_forward.w1", "gate_proj"),
+    "up": ("feed_forward.w3", "up_proj"),
+    "down": ("feed_forward.w2", "down_proj"),
+}
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is torchao's 4-bit NF4 tensor (by class name: torchao is imported only for qlora)."""
+    return type(tensor).__name__ == "NF4Tensor"
+
+
+class LoRALinear(nn.Linear):
+    """A bias-free ``nn.Linear`` whose frozen ``weight`` (out, in) gets the update ``scaling * lora_B @ lora_A``.
+
+    ``lora_A`` (r, in) starts Kaiming-uniform and ``lora_B`` (out, r) at zero (peft's default), so a fresh
+    adapter leaves the model's function unchanged."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0,
+                 rslora: bool = False, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+        self.rank = rank
+        self.scaling = alpha / (math.sqrt(rank) if rslora else rank)
+        self.lora_A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(out_features, rank, device=device, dtype=dtype))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.weight.requires_grad_(False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float, rslora: bool) -> LoRALinear:
+        """A LoRA layer sharing ``linear``'s weight parameter (meta or real)."""
+        if linear.bias is not None:
+            raise ValueError("LoRA here adapts bias-free projections only")
+        new = cls(linear.in_features, linear.out_features, rank, alpha, dropout, rslora,
+                  device=linear.weight.device, dtype=linear.weight.dtype)
+        new.weight = linear.weight
+        new.weight.requires_grad_(False)
+        return new
+
+    @torch.no_grad()
+    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
+        """peft's initialisation: A ~ kaiming_uniform(a=sqrt(5)) (nn.Linear's default), B = 0."""
+        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform with a=sqrt(5) on a (r, in) matrix
+        self.lora_A.uniform_(-bound, bound, generator=generator)
+        self.lora_B.zero_()
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_nf4(self.weight):
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+            return linear_nf4(x, self.weight)
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_adapter = self.lora_dropout(x).to(self.lora_A.dtype)
+        update = F.linear(F.linear(x_adapter, self.lora_A), self.lora_B) * self.scaling  # (..., out)
+        return self.base_forward(x) + update.to(x.dtype)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W + scaling * B @ A in full precision (a 4-bit base is dequantized first)."""
+        weight = self.weight.get_original_weight() if is_nf4(self.weight) else self.weight
+        return weight.float() + self.scaling * (self.lora_B.float() @ self.lora_A.float())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
+
+
+def lora_module_names(model: nn.Module, targets: list[str]) -> list[str]:
+    """Names of the modules ``targets`` (finetune.lora_targets) select in ``model``'s blocks, in order."""
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        raise ValueError(f"finetune.lora_targets: unknown target(s) {', '.join(unknown)}; choose among "
+                         f"{', '.join(TARGETS)}")
+    suffixes = tuple(TARGETS[t][0] for t in targets)
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and name.startswith("layers.") and name.endswith(suffixes)]
+
+
+def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float,
+               rslora: bool) -> list[str]:
+    """Replace the targeted projections by ``LoRALinear`` in place; returns the adapted module names."""
+    names = lora_module_names(model, targets)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, LoRALinear.from_linear(getattr(parent, child), rank, alpha, dropout, rslora))
+    return names
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its weight: each ``LoRALinear`` (and a 4-bit ``NF4Linear``) becomes a plain fp32
+    ``nn.Linear`` (in place)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (LoRALinear, NF4Linear)):
+            parent_name, _, child = name.rpartition(".")
+            plain = nn.Linear(module.in_features, module.out_features, bias=False, device="cpu")
+            if isinstance(module, LoRALinear):
+                plain.weight.copy_(module.merged_weight())
+            else:  # a 4-bit projection without adapter: dequantized
+                plain.weight.copy_(module.weight.get_original_weight() if is_nf4(module.weight) else module.weight)
+            setattr(model.get_submodule(parent_name), child, plain)
+    return model
+
+
+class NF4Linear(nn.Linear):
+    """A frozen, bias-free linear layer whose weight is stored in 4-bit NF4 (QLoRA's non-adapted projections)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_nf4(self.weight):
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+            return linear_nf4(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+def _to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> nn.Parameter:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    # torchao needs blocks that tile the matrix and scaler blocks that tile the blocks' scales; QLoRA's
+    # 64 / 256 unless a small matrix asks for smaller divisors.
+    numel = weight.numel()
+    blocks = math.gcd(numel, block_size)
+    scaler_blocks = math.gcd(numel // blocks, scaler_block_size)
+    return nn.Parameter(to_nf4(weight.detach().contiguous(), blocks, scaler_blocks), requires_grad=False)
+
+
+@torch.no_grad()
+def quantize_base(model: nn.Module, block_size: int = 64, scaler_block_size: int = 256) -> int:
+    """QLoRA: store every frozen projection of the blocks - adapted (``LoRALinear``) or not - as torchao NF4
+    (4-bit NormalFloat, block-wise absmax scales themselves quantized to int8: "double quantization"). The
+    embedding, the output head and the norms stay in full precision, as in QLoRA (and bitsandbytes' default
+    for ``lm_head``). Returns the bytes of the quantized weights. Call after the base weights are loaded."""
+    total = 0
+    for name, module in list(model.named_modules()):
+        if not (isinstance(module, nn.Linear) and name.startswith("layers.")) or is_nf4(module.weight):
+            continue
+        if not isinstance(module, LoRALinear):
+            if module.weight.requires_grad:
+                continue  # trainable: not part of the frozen base
+            plain = NF4Linear(module.in_features, module.out_features, bias=False, device="meta")
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, plain)
+            module, plain.weight = plain, module.weight
+        module.weight = _to_nf4(module.weight, block_size, scaler_block_size)
+        total += nf4_bytes(module.weight)
+    return total
+
+
+def nf4_bytes(tensor: torch.Tensor) -> int:
+    """Bytes an NF4 tensor really stores (4-bit codes, int8 scales, their fp32 scale factors, the code book)."""
+    inner, _ = tensor.__tensor_flatten__()
+    return sum(getattr(tensor, name).numel() * getattr(tensor, name).element_size() for name in inner)

@@ -1,0 +1,111 @@
+"""Fine-tuning methods as transforms of the pure model, applied on the meta device before ``parallelize``.
+
+``apply_method`` freezes what the method keeps fixed and swaps in the adapter modules (lora.py,
+prompt.py); the model file is untouched. After ``parallelize`` has materialized the model,
+``load_base_and_adapters`` writes the base's weights and the adapters' initial values into every rank's
+parameters (sharded or not): the same values in every layout, as ``parallel/init.py`` does for
+pretraining.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from scaletrain.adapt.lora import LoRALinear, apply_lora, quantize_base
+from scaletrain.adapt.prompt import PrefixAttention, PromptEmbedding, apply_prefix_tuning, apply_prompt_tuning
+from scaletrain.config import ConfigError, FinetuneConfig
+from scaletrain.parallel.init import copy_full_into
+
+ADAPTER_METHODS = ("lora", "qlora", "prompt", "prefix")
+
+
+def apply_method(model: nn.Module, ft: FinetuneConfig) -> None:
+    """Freeze and convert ``model`` (a full ``Transformer``, on meta or real) for ``ft.method``, in place."""
+    if ft.method == "full":
+        if ft.freeze_blocks > len(model.layers):
+            raise ConfigError(f"finetune.freeze_blocks ({ft.freeze_blocks}) exceeds the base's {len(model.layers)} "
+                              f"blocks")
+        if ft.freeze_embeddings:
+            model.tok_embeddings.weight.requires_grad_(False)
+        for index in range(ft.freeze_blocks):
+            model.layers[str(index)].requires_grad_(False)
+        return
+    model.requires_grad_(False)
+    if ft.method in ("lora", "qlora"):
+        try:
+            names = apply_lora(model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout, ft.rslora)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not names:
+            raise ConfigError(f"finetune.lora_targets {ft.lora_targets} match no module of the model; choose among "
+                              f"q, k, v, o, gate, up, down")
+    elif ft.method == "prompt":
+        apply_prompt_tuning(model, ft.virtual_tokens)
+    elif ft.method == "prefix":
+        apply_prefix_tuning(model, ft.virtual_tokens)
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """A generator per adapter module, seeded by (seed, module name): the same initial values whatever the
+    layout, the order of modules or the device."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
+
+
+@torch.no_grad()
+def initial_adapter_state(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Full-size initial values of every adapter parameter (name -> CPU fp32 tensor), peft's initialisation."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        gen = _generator(seed, name)
+        if isinstance(module, LoRALinear):
+            bound = 1.0 / module.in_features ** 0.5  # kaiming_uniform(a=sqrt(5)) of an (r, in) matrix
+            out[f"{name}.lora_A"] = torch.empty(tuple(module.lora_A.shape)).uniform_(-bound, bound, generator=gen)
+            out[f"{name}.lora_B"] = torch.zeros(tuple(module.lora_B.shape))
+        elif isinstance(module, PromptEmbedding):
+            out[f"{name}.prompt"] = torch.empty(tuple(module.prompt.shape)).normal_(generator=gen)
+        elif isinstance(module, PrefixAttention):
+            for key in ("prefix_key", "prefix_value"):
+                out[f"{name}.{key}"] = torch.empty(tuple(getattr(module, key).shape)).normal_(generator=gen)
+    return out
+
+
+def load_base_and_adapters(parts: list[nn.Module], base_state: dict[str, torch.Tensor], seed: int,
+                           adapters: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the base weights and the adapters' values (``adapters``, default: their initial values) into
+    the parameters of ``parts`` (this rank's, plain or DTensor shards)."""
+    for part in parts:
+        full = dict(base_state)
+        full.update(adapters if adapters is not None else initial_adapter_state(part, seed))
+        params = dict(part.named_parameters(remove_duplicate=False))
+        missing = [name for name in params if name not in full]
+        if missing:
+            raise ConfigError(f"finetune.source: the base has no weight for {missing[0]}")
+        copy_full_into(part, full, names=list(params))
+
+
+def finish_method(model: nn.Module, ft: FinetuneConfig) -> int:
+    """After the base is loaded: QLoRA's 4-bit base (returns its bytes; 0 for other methods)."""
+    return quantize_base(model) if ft.method == "qlora" else 0
+
+
+def trainable_names(modules: list[nn.Module]) -> set[str]:
+    """Names of the parameters that train (what an adapter checkpoint holds)."""
+    return {name for m in modules for name, p in m.named_parameters() if p.requires_grad}
+
+
+def parameter_counts(modules: list[nn.Module]) -> tuple[int, int]:
+    """(trainable, total) parameters of the model (a 4-bit weight counts as its logical size)."""
+    seen, trainable, total = set(), 0, 0
+    for m in modules:
+        for p in m.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n = p.numel()
+            total += n
+            trainable += n if p.requires_grad else 0
+    return trainable, total

@@ -1,0 +1,60 @@
+"""A run folder read back whatever it trained: a pretraining run (``checkpoint/run.py``) or a fine-tune,
+whose checkpoint holds only the trainable tensors and a reference to its base (checked by checksum)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from scaletrain.adapt.base import open_base
+from scaletrain.adapt.methods import apply_method, finish_method, load_base_and_adapters, trainable_names
+from scaletrain.checkpoint import run as plain_run
+from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
+from scaletrain.checkpoint.state import model_tensors
+from scaletrain.config import ConfigError, JobConfig, load_config
+from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
+from scaletrain.model import Transformer
+
+
+def check_base(checkpoint: Path, reference: dict) -> None:
+    """A checkpoint trained on another base (or a base changed since) is refused in one line."""
+    saved = CheckpointManager.read_meta(checkpoint).get("base")
+    if saved is not None and saved.get("sha256") != reference["sha256"]:
+        raise CheckpointError(f"{checkpoint}: the adapter was trained on a base with checksum {saved['sha256'][:12]}, "
+                              f"but finetune.source {reference['source']} now has {reference['sha256'][:12]}; "
+                              f"restore that base or fine-tune again from the new one")
+
+
+def build_finetuned_model(cfg: JobConfig, device: str = "cpu", adapters: dict | None = None) -> nn.Module:
+    """The base of ``cfg.finetune.source`` with the method's adapters (initial values unless ``adapters``)."""
+    base = open_base(cfg.finetune.source)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    apply_method(model, cfg.finetune)
+    model.to_empty(device=device)
+    model.init_weights()  # the rotary tables; every parameter is written just below
+    load_base_and_adapters([model], base.state(), cfg.train.seed, adapters)
+    finish_method(model, cfg.finetune)
+    return model
+
+
+def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[JobConfig, nn.Module, Tokenizer, Path]:
+    """(config, model with the newest good checkpoint's weights, tokenizer, checkpoint path), for any run."""
+    run = Path(run_dir)
+    if not (run / "config.toml").is_file():
+        raise ConfigError(f"{run}: not a run folder (no config.toml); pass the train.run_dir of a run")
+    cfg = load_config(run / "config.toml")
+    if not cfg.finetune.source:
+        return plain_run.load_run(run, device)
+    path = CheckpointManager(run / "checkpoints").latest()
+    if path is None:
+        raise CheckpointError(f"{run}: no complete checkpoint yet")
+    check_base(path, open_base(cfg.finetune.source).reference())
+    model = build_finetuned_model(cfg, device)
+    names = trainable_names([model])
+    load_tensors(path, {"model": {k: v for k, v in model_tensors([model]).items() if k in names}})
+    model.requires_grad_(False)
+    model.eval()
+    return cfg, model, load_tokenizer(run / "tokenizer.json"), path

@@ -1,0 +1,188 @@
+"""Instruction data for fine-tuning: JSONL of prompt/response pairs or chat messages, loss on the answers only.
+
+Accepted lines (one JSON object per line, blank lines skipped):
+
+    {"prompt": "...", "response": "..."}
+    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+
+The template is plain text in letters, colons and newlines only, so it works with any tokenizer - even a
+character vocabulary learnt from a play (no special tokens, no '#')::
+
+    prompt/response:  "Instruction:\\n{prompt}\\n\\nResponse:\\n" + "{response}" + end
+    messages:         "{Role}:\\n{content}\\n\\n" per system/user message, and "Assistant:\\n" + "{content}" + end
+                      per assistant message
+
+``end`` is the tokenizer's end-of-text token when it has one, else "\\n\\n". Only the response / assistant
+tokens (and ``end``) are targets; everything else has target -100, which ``F.cross_entropy`` ignores.
+
+Padded, not packed: one example a row, cut at ``seq_len + 1`` tokens (counted and reported) and padded
+with target -100, so no example attends to another and every loss token belongs to its own example.
+The loss is the mean over a micro-batch's answer tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scaletrain.data.tokenizer import DataError, Tokenizer
+
+IGNORE = -100  # F.cross_entropy's default ignore_index
+INSTRUCTION = "Instruction:\n{prompt}\n\nResponse:\n"
+
+
+def _segments(record: object, where: str) -> list[tuple[str, bool]]:
+    """One JSONL record as [(text, is_target)]."""
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+        return [(INSTRUCTION.format(prompt=record["prompt"]), False), (record["response"], True)]
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("content"), str)
+            and m.get("role") in ("system", "user", "assistant") for m in messages):
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: 'messages' has no assistant turn to learn from")
+        out = []
+        for m in messages:
+            if m["role"] == "assistant":
+                out += [("Assistant:\n", False), (m["content"], True)]
+            else:
+                out.append((f"{m['role'].capitalize()}:\n{m['content']}\n\n", False))
+        return out
+    raise DataError(f"{where}: needs string fields 'prompt' and 'response', or a 'messages' list of "
+                    f"{{'role': system|user|assistant, 'content': str}}")
+
+
+def encode_example(segments: list[tuple[str, bool]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
+    """Token ids and, per id, whether it is a target. A target segment ends with the end token."""
+    ids: list[int] = []
+    target: list[bool] = []
+    for text, is_target in segments:
+        piece = tokenizer.encode(text)
+        ids += piece
+        target += [is_target] * len(piece)
+        if is_target:
+            end = [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode("\n\n")
+            ids += end
+            target += [True] * len(end)
+    return ids, target
+
+
+def read_instructions(path: str | Path, tokenizer: Tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every example of a JSONL file as (ids, is_target) arrays; a bad line is a DataError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"finetune.instructions: file not found: {path}")
+    examples = []
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise DataError(f"{where}: not a JSON object") from None
+            ids, target = encode_example(_segments(record, where), tokenizer)
+            examples.append((np.array(ids, dtype=np.int64), np.array(target, dtype=bool)))
+    if not examples:
+        raise DataError(f"{path}: no examples")
+    return examples
+
+
+def split_examples(examples: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, val): a deterministic ``val_fraction`` of the examples held out (at least one of each when
+    there are two or more)."""
+    order = np.random.default_rng([seed, 7]).permutation(len(examples))
+    n_val = min(max(1 if val_fraction > 0 and len(examples) > 1 else 0, round(val_fraction * len(examples))),
+                len(examples) - 1)
+    return [examples[i] for i in sorted(order[n_val:])], [examples[i] for i in sorted(order[:n_val])]
+
+
+def make_rows(examples: list, seq_len: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (N, seq_len): next-token targets, -100 where the token is no target or padding."""
+    inputs = np.full((len(examples), seq_len), pad_id, dtype=np.int64)
+    targets = np.full((len(examples), seq_len), IGNORE, dtype=np.int64)
+    for row, (ids, is_target) in enumerate(examples):
+        ids, is_target = ids[:seq_len + 1], is_target[:seq_len + 1]
+        n = len(ids) - 1
+        inputs[row, :n] = ids[:-1]
+        targets[row, :n] = np.where(is_target[1:], ids[1:], IGNORE)
+    return torch.from_numpy(inputs), torch.from_numpy(targets)
+
+
+def truncated(examples: list, seq_len: int) -> int:
+    return sum(len(ids) > seq_len + 1 for ids, _ in examples)
+
+
+class InstructionLoader:
+    """``TokenLoader``'s interface over padded instruction rows: (inputs, targets) batches forever, each
+    data-parallel rank its slice of one global batch, the order a pure function of (seed, epoch), and a
+    ``state_dict`` so a resume continues with the next unseen example."""
+
+    def __init__(self, examples: list, seq_len: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, shuffle: bool = True):
+        self.inputs, self.targets = make_rows(examples, seq_len)
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.seed, self.shuffle, self.seq_len = seed, shuffle, seq_len
+        self.epoch, self.cursor = 0, 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        n = len(self.inputs)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        for _ in range(self.batch_size * self.world_size):  # the global batch, then this rank's slice
+            if self.cursor >= len(self.inputs):
+                self.epoch, self.cursor = self.epoch + 1, 0
+            rows.append(int(self._order(self.epoch)[self.cursor]))
+            self.cursor += 1
+        mine = torch.tensor(rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
+        return self.inputs[mine], self.targets[mine]
+
+    def close(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
+                "examples": len(self.inputs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seq_len", "seed", "examples"):
+            if state.get(key) != self.state_dict()[key]:
+                raise DataError(f"cannot resume the instruction data: {key} was {state.get(key)}, now "
+                                f"{self.state_dict()[key]}")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+
+def instruction_eval_batches(examples: list, seq_len: int, batch_size: int, num_batches: int):
+    """The first ``num_batches`` batches of the held-out examples (all when <= 0), in file order."""
+    inputs, targets = make_rows(examples, seq_len)
+    n = len(inputs) if num_batches <= 0 else min(len(inputs), num_batches * batch_size)
+    for i in range(0, n, batch_size):
+        yield inputs[i:i + batch_size], targets[i:i + batch_size]
+
+
+def instruction_splits(path: str | Path, tokenizer: Tokenizer, seq_len: int, val_fraction: float, seed: int,
+                       message=print) -> tuple[list, list]:
+    """(train, val) examples of a JSONL file for rows of ``seq_len``; says how many were cut, and drops (with
+    a count) those whose answer starts beyond ``seq_len`` (no target left: nothing to learn)."""
+    examples = read_instructions(path, tokenizer)
+    cut = truncated(examples, seq_len)
+    kept = [(ids, t) for ids, t in examples if t[1:seq_len + 1].any()]
+    if not kept:
+        raise DataError(f"{path}: no example has an answer token within data.seq_len={seq_len}; raise it")
+    if cut or len(kept) < len(examples):
+        message(f"instructions {path}: {len(examples)} examples, {cut} cut at data.seq_len={seq_len} + 1 tokens, "
+                f"{len(examples) - len(kept)} dropped (answer beyond it)")
+    train, val = split_examples(kept, val_fraction, seed)
+    if not val:
+        raise DataError(f"{path}: {len(kept)} example(s) leave none for validation; add examples or set "
+                        f"data.val_fraction > 0")
+    return train, val

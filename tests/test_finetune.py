@@ -1,0 +1,283 @@
+"""Fine-tuning (adapt/): parity with peft on the exported base, merge, HF import round trip, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scaletrain.adapt.export import base_model, merge_adapters, save_peft_adapter
+from scaletrain.adapt.run import build_finetuned_model
+from scaletrain.checkpoint.export import export_hf
+from scaletrain.cli import main
+from scaletrain.config import ConfigError, JobConfig, ModelConfig
+from scaletrain.data.tokenizer import CharTokenizer
+from scaletrain.model import build_model
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+# The bundled Tiny Shakespeare's characters: the CLI tests fine-tune on it with this base's tokenizer.
+CHARS = sorted(set((Path(__file__).resolve().parents[1] / "src/scaletrain/assets/tinyshakespeare/input.txt")
+                   .read_text(encoding="utf-8")))
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    """A tiny random Llama exported as a Hugging Face folder (GQA, untied), the base for every method."""
+    cfg = ModelConfig(vocab_size=len(CHARS), dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64,
+                      max_seq_len=64)
+    folder = tmp_path_factory.mktemp("base")
+    export_hf(build_model(cfg, seed=0), cfg, CharTokenizer(CHARS), folder)
+    return folder
+
+
+def _job(source, **finetune) -> JobConfig:
+    from scaletrain.adapt import resolve_finetune
+
+    cfg = JobConfig()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=16),
+                              finetune=dataclasses.replace(cfg.finetune, source=str(source), **finetune))
+    return resolve_finetune(cfg)
+
+
+def _random_adapters(model, seed=1) -> dict[str, torch.Tensor]:
+    """Non-zero values for every trainable tensor (a fresh LoRA B is zero, which would prove nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: 0.1 * torch.randn(tuple(p.shape), generator=gen)
+            for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _peft_logits(base_folder, adapter_folder, ids):
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(base_folder), torch_dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(hf, str(adapter_folder)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return logits[:, -ids.shape[1]:]  # prompt tuning returns the virtual positions too
+
+
+@pytest.mark.parametrize("finetune", [
+    {"method": "lora", "lora_targets": ["q", "k", "v", "o", "gate", "up", "down"], "lora_rank": 4},
+    {"method": "lora", "lora_targets": ["v", "down"], "rslora": True, "lora_alpha": 3.0},
+    {"method": "prompt", "virtual_tokens": 5},
+    {"method": "prefix", "virtual_tokens": 5},
+])
+def test_adapter_logits_match_peft(hf_base, tmp_path, finetune):
+    cfg = _job(hf_base, **finetune)
+    model = build_finetuned_model(cfg)
+    model = build_finetuned_model(cfg, adapters=_random_adapters(model)).eval()
+    save_peft_adapter(model, cfg, tmp_path / "adapter")
+    ids = torch.randint(0, len(CHARS), (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(ids)
+    theirs = _peft_logits(hf_base, tmp_path / "adapter", ids)
+    assert ours.shape == theirs.shape
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-5), (ours - theirs).abs().max()
+
+
+def test_merged_lora_equals_unmerged(hf_base, tmp_path):
+    cfg = _job(hf_base, method="lora", lora_targets=["q", "v", "up"])
+    model = build_finetuned_model(cfg)
+    model = build_finetuned_model(cfg, adapters=_random_adapters(model)).eval()
+    ids = torch.randint(0, len(CHARS), (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = model(ids)
+        merged = merge_adapters(model, cfg)
+        after = merged(ids)
+    assert torch.allclose(before, after, rtol=0, atol=1e-5), (before - after).abs().max()
+    export_hf(merged, cfg.model, CharTokenizer(CHARS), tmp_path / "merged")
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, before, rtol=0, atol=1e-5)
+
+
+def test_hf_import_reexport_is_bitwise(hf_base, tmp_path):
+    cfg = _job(hf_base, method="lora")
+    export_hf(base_model(cfg), cfg.model, CharTokenizer(CHARS), tmp_path / "again")
+    first = load_file(str(hf_base / "model.safetensors"))
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    config_again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert json.loads((hf_base / "config.json").read_text()) == config_again
+
+
+def test_qlora_base_is_4bit_and_close(hf_base):
+    from scaletrain.adapt.lora import LoRALinear, is_nf4, nf4_bytes
+
+    cfg = _job(hf_base, method="qlora", lora_targets=["q", "k", "v", "o", "gate", "up", "down"])
+    model = build_finetuned_model(cfg).eval()
+    plain = build_finetuned_model(dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune,
+                                                                                         method="lora"))).eval()
+    layers = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name.startswith("layers.")]
+    assert any(isinstance(m, LoRALinear) for m in layers) and all(is_nf4(m.weight) for m in layers)
+    assert not is_nf4(model.output.weight)  # the head stays in full precision, as in QLoRA
+    stored = sum(nf4_bytes(m.weight) for m in layers)
+    fp32 = sum(m.in_features * m.out_features * 4 for m in layers)
+    assert stored <= 0.30 * fp32, stored / fp32
+    ids = torch.randint(0, len(CHARS), (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        err = (model(ids) - plain(ids)).abs().max()
+    assert 0 < err < 0.5  # quantized (not equal), yet the same model
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("model_type", "mistral", "model_type is 'mistral'"),
+    ("hidden_act", "gelu", "hidden_act = 'gelu'"),
+    ("intermediate_size", 48, "has shape"),
+])
+def test_unsupported_hf_folder_is_one_line(hf_base, tmp_path, field, value, message):
+    import shutil
+
+    folder = tmp_path / "bad"
+    shutil.copytree(hf_base, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        build_finetuned_model(_job(folder, method="lora"))
+
+
+def test_no_matching_lora_target_is_refused(hf_base):
+    with pytest.raises(ConfigError, match="match no module"):
+        build_finetuned_model(_job(hf_base, method="lora", lora_targets=[]))
+
+
+def _finetune_args(source, run, tiny, **extra):
+    over = tiny(run, **{"train.steps": 6, **extra})
+    for key in [k for k in over if k.startswith("model.")]:
+        over.pop(key)  # the model comes from the base
+    return ["finetune", "--from", str(source)] + [f"--{k}={v}" for k, v in over.items()]
+
+
+def test_cli_bad_input_exits_2(hf_base, tmp_path, tiny, capsys):
+    assert main(_finetune_args(hf_base, tmp_path / "a", tiny, **{"finetune.lora_rank": 0})) == 2
+    assert "finetune.lora_rank must be >= 1" in capsys.readouterr().err
+    assert main(_finetune_args(hf_base, tmp_path / "b", tiny, **{"finetune.lora_targets": "q,attn"})) == 2
+    assert "unknown target(s) attn" in capsys.readouterr().err
+    assert main(_finetune_args(tmp_path / "nowhere", tmp_path / "c", tiny)) == 2
+    assert "not a folder" in capsys.readouterr().err
+
+
+def test_changed_base_is_refused_on_resume_and_eval(hf_base, tmp_path, tiny, capsys):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(hf_base, base)
+    run = tmp_path / "run"
+    assert main(_finetune_args(base, run, tiny, **{"train.stop_at_step": 3})) == 0
+    weights = load_file(str(base / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.01
+    from safetensors.torch import save_file
+
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(_finetune_args(base, run, tiny) + ["--resume"]) == 2
+    assert "trained on a base with checksum" in capsys.readouterr().err
+    assert main(["eval", "--run", str(run), "--batches", "1"]) == 2
+    assert "trained on a base with checksum" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["lora", "prefix"])
+def test_adapter_resume_is_bitwise(hf_base, tmp_path, tiny, method):
+    """Stop at step 3 and resume to 6 == 6 steps straight; the checkpoint holds only the trainable tensors."""
+    extra = {"finetune.method": method, "finetune.virtual_tokens": 4}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(_finetune_args(hf_base, straight, tiny, **extra)) == 0
+    assert main(_finetune_args(hf_base, resumed, tiny, **extra, **{"train.stop_at_step": 3})) == 0
+    assert main(_finetune_args(hf_base, resumed, tiny, **extra) + ["--resume"]) == 0
+    from scaletrain.adapt.run import load_run
+
+    _, a, _, ckpt = load_run(straight)
+    _, b, _, _ = load_run(resumed)
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(x, y), name
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["base"]["kind"] == "hf"
+    saved = torch.distributed.checkpoint.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    model_keys = {k for k in saved if k.startswith("model.")}
+    suffixes = ("lora_A", "lora_B") if method == "lora" else ("prefix_key", "prefix_value")
+    assert model_keys and all(k.endswith(suffixes) for k in model_keys), model_keys
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "instructions.jsonl"
+
+
+def test_instruction_rows_target_the_answers_only():
+    from scaletrain.data.instructions import IGNORE, encode_example, make_rows, read_instructions
+
+    tok = CharTokenizer(CHARS)
+    ids, target = encode_example([("Instruction:\nHi\n\nResponse:\n", False), ("Yes.", True)], tok)
+    (inputs,), (targets,) = make_rows([(__import__("numpy").array(ids), __import__("numpy").array(target))], 64)
+    learned = tok.decode([t for t in targets.tolist() if t != IGNORE])
+    assert learned == "Yes.\n\n"  # the answer and its end marker (a char tokenizer has no end-of-text token)
+    assert inputs[:len(ids) - 1].tolist() == ids[:-1] and (targets[len(ids) - 1:] == IGNORE).all()
+    examples = read_instructions(FIXTURE, tok)
+    assert len(examples) == 12
+    chat_ids, chat_target = examples[10]
+    answers = tok.decode(chat_ids[chat_target].tolist())
+    assert answers == "Resolved. resolved.\n\nWe know it, we know it.\n\n"
+
+
+def test_instruction_finetune_trains_and_bad_line_exits_2(hf_base, tmp_path, tiny, capsys):
+    extra = {"finetune.instructions": str(FIXTURE), "data.seq_len": 64, "data.val_fraction": 0.2,
+             "train.steps": 12, "optim.lr": 0.01, "train.eval_interval": 12}
+    assert main(_finetune_args(hf_base, tmp_path / "run", tiny, **extra)) == 0
+    vals = [json.loads(line)["val_loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            if "val_loss" in line]
+    assert len(vals) == 2 and vals[1] < vals[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "no response"}\n')
+    capsys.readouterr()
+    assert main(_finetune_args(hf_base, tmp_path / "bad", tiny, **{**extra, "finetune.instructions": str(bad)})) == 2
+    assert f"{bad}:2: needs string fields 'prompt' and 'response'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora", "prompt"])
+def test_planner_finetune_memory_matches_measured(hf_base, method):
+    """The planner's fine-tuning memory vs the exact live tensor bytes of the trainer's step (10%)."""
+    from scaletrain.config import FinetuneConfig, OptimConfig, ParallelConfig, TrainConfig
+    from scaletrain.parallel import ParallelDims
+    from scaletrain.plan.finetune import finetune_memory
+    from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
+    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.train.step import build_parallel_training, training_step
+
+    model = _job(hf_base).model
+    ft = FinetuneConfig(source=str(hf_base), method=method, lora_targets=["q", "v"], virtual_tokens=8)
+    cfg = JobConfig(model=model, optim=OptimConfig(), train=TrainConfig(seed=0), finetune=ft)
+    batch, seq = 4, 32
+    tracker = LiveTensorBytes().__enter__()
+    pm, optimizer = build_parallel_training(cfg, ParallelDims.from_config(ParallelConfig(), 1), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    micro = [(torch.randint(0, model.vocab_size, (batch, seq), generator=gen),
+              torch.randint(0, model.vocab_size, (batch, seq), generator=gen), None)]
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker,
+                            steps=1)["peak_bytes"]
+    workload = Workload(model=model, seq_len=seq, global_batch=batch, train_tokens=batch * seq)
+    predicted = finetune_memory(workload, Plan(micro_batch=batch), ft, "cpu")["tensor_total"]
+    predicted += resident_extras(model, batch, seq)
+    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+
+
+def test_plan_answers_whether_qlora_fits_a_24gb_card(capsys):
+    args = ["plan", "--model", "llama-8b", "--vocab-size", "128256", "--hardware", "rtx-4090:1", "--seq-len", "2048",
+            "--global-batch", "16"]
+    assert main(args + ["--method", "lora"]) == 2  # a 16 GB bf16 base alone nearly fills it
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(args + ["--method", "qlora", "--ac", "full"]) == 0
+    assert "fits" in capsys.readouterr().out
+
+
+def test_lora_with_activation_checkpointing_gives_the_same_losses(hf_base, tmp_path, tiny):
+    runs = {}
+    for name, extra in (("plain", {}), ("ac", {"parallel.activation_checkpointing": "full"})):
+        run = tmp_path / name
+        assert main(_finetune_args(hf_base, run, tiny, **{"logging.log_interval": 1, **extra})) == 0
+        runs[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                      if '"loss"' in line]
+    assert len(runs["plain"]) == 6 and runs["plain"] == runs["ac"]
