@@ -246,7 +246,7 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
     segs = run.segments
     last = segs[-1] if segs else {}
     hw = last.get("hardware", {})
-    hardware = ", ".join(f"{k} {v}" for k, v in hw.items()) if hw else "-"
+    hardware = ", ".join(f"{k} {v}" for k, v in hw.items() if k != "load_average") if hw else "-"
     wall = run.wall_seconds
     devices = run.world_size
     if price and wall is not None:
@@ -261,6 +261,8 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
             ("git commit", last.get("git_commit", "-") or "-"),
             ("hardware", hardware),
             ("torch / python", f"{last.get('torch', '-')} / {last.get('python', '-')}"),
+            ("load average", f"{hw.get('load_average', '-')} at the start, {last.get('load_average_at_end', '-')} at "
+                             f"the end (1, 5, 15 min; above the core count, other work shared the machine)"),
             ("started", _fmt_time(run.start_time)),
             ("wall time", _duration(wall) + (f" over {len(segs)} segments (resumed)" if len(segs) > 1 else "")),
             ("steps", str(run.train[-1]["step"] if run.train else 0)

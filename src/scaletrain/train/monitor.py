@@ -204,6 +204,8 @@ def hardware_info(device: torch.device, world_size: int) -> dict[str, Any]:
         info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         pass
+    if hasattr(os, "getloadavg"):  # other work on the machine: why a step may be slower than planned
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
@@ -240,4 +242,6 @@ def finish_run_info(run_dir: str | Path, summary: dict[str, Any]) -> None:
     if doc.get("segments"):
         keep = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) or v is None}
         doc["segments"][-1].update({"finished": round(time.time(), 3), "summary": keep})
+        if hasattr(os, "getloadavg"):
+            doc["segments"][-1]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         path.write_text(json.dumps(doc, indent=1))
