@@ -1,7 +1,9 @@
 """Open a `scaletrain report` page in headless Chromium with the network cut off; check that every plot was
 drawn and that the console logged no error; optionally save a screenshot.
 
-    python scripts/report_in_browser.py report.html [--screenshot docs/report.png] [--json out.json]
+    python scripts/report_in_browser.py report.html [more.html ...] [--screenshot docs/report.png] [--json out.json]
+
+The screenshot is of the last page.
 
 Needs a Chromium binary (Debian: ``apt-get install chromium``, or $CHROMIUM). Prints one JSON document;
 exit status 1 when a plot is not drawn or the console shows an error, 2 when there is no browser.
@@ -66,7 +68,7 @@ def check(page: Path, expected: list[str] | None = None, screenshot: Path | None
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("page")
+    parser.add_argument("pages", nargs="+")
     parser.add_argument("--screenshot", default="")
     parser.add_argument("--json", default="")
     parser.add_argument("--height", type=int, default=4200)
@@ -74,12 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from scaletrain.report.html import PLOT_IDS
 
+    results = []
     try:
-        result = check(Path(args.page), PLOT_IDS, Path(args.screenshot) if args.screenshot else None,
-                       height=args.height)
+        for i, page in enumerate(args.pages):
+            shot = Path(args.screenshot) if args.screenshot and i == len(args.pages) - 1 else None
+            results.append(check(Path(page), PLOT_IDS, shot, height=args.height))
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    result = {"browser": subprocess.run([find_chromium(), "--version"], capture_output=True, text=True).stdout.strip(),
+              "plots_expected": len(PLOT_IDS), "pages_checked": len(results),
+              "console_messages": sum(len(r["console_errors"]) for r in results), "pages": results,
+              "ok": all(r["ok"] for r in results)}
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

@@ -109,13 +109,15 @@ def step_figure(spec: PlotSpec, runs: list[RunData], unit: float, unit_name: str
             if not records:
                 continue
             steps, times = _x_values(run, records, unit)
-            ys = [_value(r, s.key, s.scale) for r in records]
             name = f"{run.name}: {s.label}" if len(runs) > 1 or len(spec.series) > 1 else run.name
             mode = "lines+markers" if s.source == "val" or len(records) < 30 else "lines"
-            fig.add_trace(go.Scatter(x=steps, y=ys, name=name, mode=mode, legendgroup=run.name,
-                                     line={"color": colour, "dash": DASHES[j % len(DASHES)]}))
-            by_step.append(steps)
-            by_time.append(times)
+            for rank, ys in _per_rank_values(records, s.key, s.scale).items():
+                width = 2 if rank is None else 1  # one curve, or one thin curve per rank
+                fig.add_trace(go.Scatter(x=steps, y=ys, name=name if rank is None else f"{name} (rank {rank})",
+                                         mode=mode, legendgroup=run.name,
+                                         line={"color": colour, "dash": DASHES[j % len(DASHES)], "width": width}))
+                by_step.append(steps)
+                by_time.append(times)
         predicted = _predicted_line(run, spec.predicted)
         if predicted is not None and (run.train or run.val):
             steps = [r["step"] for r in run.train + run.val]
@@ -141,6 +143,20 @@ def step_figure(spec: PlotSpec, runs: list[RunData], unit: float, unit_name: str
         layout["annotations"] = [_empty_annotation(spec.empty_note)]
     fig.update_layout(**layout)
     return fig
+
+
+def _per_rank_values(records: list[dict], key: str, scale: float) -> dict[int | None, list]:
+    """{None: values} for a single-rank run; {rank: values} where the records carry ``KEY_per_rank`` (the
+    trainer writes the list only where the ranks differ; elsewhere every rank had rank 0's value)."""
+    lists = [r.get(f"{key}_per_rank") for r in records]
+    ranks = max((len(v) for v in lists if isinstance(v, list)), default=0)
+    if ranks < 2:
+        return {None: [_value(r, key, scale) for r in records]}
+    out: dict[int | None, list] = {}
+    for rank in range(ranks):
+        out[rank] = [(v[rank] * scale if isinstance(v, list) and rank < len(v) and isinstance(v[rank], (int, float))
+                      else _value(r, key, scale)) for r, v in zip(records, lists)]
+    return out
 
 
 def _empty_annotation(text: str) -> dict:
