@@ -221,3 +221,30 @@ def test_report_draws_every_plot_in_headless_chromium(trained_run, tmp_path):
     assert main(["report", str(trained_run), "--out", str(out)]) == 0
     result = check(out, PLOT_IDS)
     assert result["ok"], result
+
+
+@pytest.mark.distributed
+def test_two_rank_run_records_every_rank(tmp_path, tiny):
+    """2 gloo ranks (FSDP): a monitor file and a profiler trace per rank, per-rank lists in metrics.jsonl, and a
+    report that draws a curve per rank."""
+    from tests.test_parallel_dist import torchrun
+
+    run = tmp_path / "run"
+    over = tiny(run, **{"train.steps": "8", "logging.log_interval": "2", "monitor.interval": "0.02",
+                        "parallel.dp_shard": "2", "profile.enabled": "true", "profile.wait": "2",
+                        "profile.warmup": "1", "profile.active": "2", "train.threads": "1"})
+    torchrun(2, "-m", "scaletrain.cli", "train", *[f"--{k}={v}" for k, v in over.items()])
+    for rank in (0, 1):
+        assert (run / "monitor" / f"rank{rank}.jsonl").read_text().strip(), rank
+        trace = json.loads((run / "profile" / f"rank{rank}.pt.trace.json").read_text())
+        assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"]), rank
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert all(len(r["peak_memory_mb_per_rank"]) == 2 for r in steps)
+    # Two processes never have the same resident memory to 0.1 MB: the monitor's per-rank lists are there.
+    assert any(len(r.get("rss_mb_per_rank", [])) == 2 for r in steps), steps[-1]
+    assert json.loads((run / "run_info.json").read_text())["segments"][0]["hardware"]["world_size"] == 2
+    out = tmp_path / "r.html"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "(rank 0)" in page and "(rank 1)" in page and "run rank 1: CPU" in page
