@@ -248,3 +248,34 @@ def test_two_rank_run_records_every_rank(tmp_path, tiny):
     assert main(["report", str(run), "--out", str(out)]) == 0
     page = out.read_text()
     assert "(rank 0)" in page and "(rank 1)" in page and "run rank 1: CPU" in page
+
+
+def test_report_reads_events_segments_and_per_rank_values(tmp_path):
+    """A hand-written run folder: NaN-guard skips, a rollback and a preemption become the events table; a
+    resumed run's wall time is the sum of its segments; per-rank lists become a curve per rank."""
+    from scaletrain.report.html import render
+    from scaletrain.report.runs import read_run
+
+    run = tmp_path / "synthetic"
+    run.mkdir()
+    t0 = 1_700_000_000.0
+    records = [{"time": t0 + 10 * s, "step": s, "loss": 4.0 - 0.1 * s, "lr": 1e-3, "grad_norm": 1.0,
+                "step_ms": 50.0, "tokens_per_second": 1000.0, "mfu": 0.1, "peak_memory_mb": 100.0 + s,
+                "peak_memory_mb_per_rank": [100.0 + s, 90.0 + s], "rss_mb": 120.0,
+                "rss_mb_per_rank": [120.0, 110.0]} for s in (2, 4, 6)]
+    records += [{"time": t0 + 45, "step": 5, "skipped_update": 1}, {"time": t0 + 46, "step": 5, "rollback": 1},
+                {"time": t0 + 61, "step": 6, "preempted": "SIGTERM", "checkpoint_seconds": 0.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # Two segments (a resume): 0-61 s, then 100-130 s; the first has no finish mark (it was preempted).
+    (run / "run_info.json").write_text(json.dumps({"segments": [
+        {"command": "scaletrain train", "started": t0, "hardware": {"world_size": 2}},
+        {"command": "scaletrain train --resume", "started": t0 + 100, "finished": t0 + 130}]}))
+    data = read_run(run)
+    assert data.finished and data.wall_seconds == pytest.approx(61 + 30)
+    assert [(e["step"], e["kind"]) for e in data.events] == [(5, "skipped_update"), (5, "rollback"),
+                                                              (6, "preempted")]
+    assert data.peak_memory_bytes() == 106 * 2**20 and data.world_size == 2
+    page = render([data], price=1.0)
+    assert "<td>SIGTERM</td>" in page and "<td>rollback</td>" in page and "<td>skipped_update</td>" in page
+    assert "over 2 segments (resumed)" in page and "$0.0506 (2 device(s)" in page  # 2 x 91 s x $1/h
+    assert "synthetic: peak (GPU: max allocated; CPU: peak RSS) (rank 1)" in page and "RSS (monitor) (rank 0)" in page
