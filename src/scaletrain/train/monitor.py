@@ -95,7 +95,12 @@ class ResourceMonitor:
     def start(self) -> ResourceMonitor:
         if not self.cfg.enabled:
             return self
-        import psutil
+        try:
+            import psutil
+        except ImportError:  # a dependency, but a broken environment must not stop a training run
+            print("warning: psutil is not installed; the resource monitor is off (pip install psutil)",
+                  file=sys.stderr, flush=True)
+            return self
 
         self._process = psutil.Process()
         self._psutil = psutil
