@@ -277,8 +277,9 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
             ("git commit", last.get("git_commit", "-") or "-"),
             ("hardware", hardware),
             ("torch / python", f"{last.get('torch', '-')} / {last.get('python', '-')}"),
-            ("load average", f"{hw.get('load_average', '-')} at the start, {last.get('load_average_at_end', '-')} at "
-                             f"the end (1, 5, 15 min; above the core count, other work shared the machine)"),
+            ("load average", f"{hw['load_average']} at the start, {last.get('load_average_at_end', '-')} at the end "
+                             f"(1, 5, 15 min; above the core count, other work shared the machine)"
+             if "load_average" in hw else "-"),
             ("started", _fmt_time(run.start_time)),
             ("wall time", _duration(wall) + (f" over {len(segs)} segments (resumed)" if len(segs) > 1 else "")),
             ("steps", str(run.train[-1]["step"] if run.train else 0)
