@@ -295,6 +295,8 @@ PLUGINS = [
      "predict memory, time and cost of a training job and pick the parallel plan"),
     ("doctor", "scaletrain.plan.cli", "add_doctor_arguments", "run_doctor",
      "describe this machine and measure its FLOP/s and bandwidths for the planner"),
+    ("report", "scaletrain.report.cli", "add_report_arguments", "run_report",
+     "one offline HTML page of a run's curves, resources, events and predicted vs measured (several overlay)"),
 ]
 
 

@@ -127,6 +127,41 @@ class LoggingConfig:
 
 
 @dataclass
+class MonitorConfig:
+    """The resource sampler (train/monitor.py): a background thread, off the training loop."""
+
+    enabled: bool = opt(True, "sample process/system CPU and memory (psutil) and, on GPUs, utilisation, memory, "
+                              "power and temperature (NVML) in a background thread; written to "
+                              "<run_dir>/monitor/rank<N>.jsonl and, averaged over each log window, to metrics.jsonl")
+    interval: float = opt(1.0, "seconds between two samples", gt=0)
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over a window of steps (train/profile.py)."""
+
+    enabled: bool = opt(False, "profile steps wait+1 .. wait+warmup+active with torch.profiler: Chrome traces per "
+                               "rank under <run_dir>/profile/ and a printed table of the top operators by self time")
+    wait: int = opt(5, "steps to skip before profiling (the first steps compile and warm caches)", ge=0)
+    warmup: int = opt(2, "steps traced but discarded (the profiler's own start-up)", ge=0)
+    active: int = opt(3, "steps recorded into the trace", ge=1)
+    top: int = opt(15, "rows of the top-operator table", ge=1)
+    record_shapes: bool = opt(False, "record input shapes of each operator (bigger traces)")
+    memory_snapshot: bool = opt(True, "on CUDA: record allocator history over the window and dump a memory "
+                                      "snapshot (also on out-of-memory) to <run_dir>/profile/")
+
+
+@dataclass
+class PredictionConfig:
+    """What `scaletrain plan --emit` predicted for this job; `scaletrain report` sets it beside the measurement."""
+
+    plan: str = opt("", "the plan's label and hardware; empty = the job did not come from a plan")
+    step_seconds: float = opt(0.0, "predicted seconds per optimizer step; 0 = none", ge=0)
+    memory_bytes: float = opt(0.0, "predicted peak memory per device in bytes; 0 = none", ge=0)
+    tokens_per_second: float = opt(0.0, "predicted tokens/s of the whole job; 0 = none", ge=0)
+
+
+@dataclass
 class ParallelConfig:
     """How the job is split over ranks. Degrees multiply to the world size (see docs/parallelism.md)."""
 
@@ -192,6 +227,9 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    prediction: PredictionConfig = field(default_factory=PredictionConfig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ from scaletrain.options import ConfigError
 LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
 # A fresh run replaces these leftovers of an earlier one (moved aside, never appended to).
-RUN_LOGS = ("metrics.jsonl", "tensorboard", "config.toml", "tokenizer.json", RUN_FILE)
+RUN_LOGS = ("metrics.jsonl", "tensorboard", "config.toml", "tokenizer.json", RUN_FILE, "run_info.json", "monitor",
+            "profile")
 
 _HELD: dict[str, RunLock] = {}  # locks this process holds, by folder: a second Trainer in it may reuse one
 

@@ -204,9 +204,14 @@ def run_plan(args: argparse.Namespace) -> int:
         write_json(doc, args.json)
     if args.emit and result.ranked:
         best = result.ranked[0]
+        from scaletrain.config import PredictionConfig
+
+        predicted = PredictionConfig(plan=f"{best.plan.label()} on {cluster.describe()}", step_seconds=best.time.step,
+                                     memory_bytes=float(best.memory.total),
+                                     tokens_per_second=best.time.tokens_per_second)
         path = write_config(args.emit, workload, best.plan, cluster.hardware.kind,
                             header=f"written by `scaletrain plan` for {cluster.describe()}: {best.plan.label()}, "
-                                   f"predicted {best.time.tokens_per_second:,.0f} tokens/s")
+                                   f"predicted {best.time.tokens_per_second:,.0f} tokens/s", prediction=predicted)
         console.print(f"wrote {path}")
     return status
 

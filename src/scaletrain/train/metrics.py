@@ -69,11 +69,16 @@ class MetricsLogger:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
                     self.tb.add_scalar(key, value, record["step"])
+                elif isinstance(value, list) and key.endswith("_per_rank"):  # the resource monitor's per rank
+                    for rank, v in enumerate(value):
+                        if isinstance(v, (int, float)):
+                            self.tb.add_scalar(f"{key[:-len('_per_rank')]}/rank{rank}", v, record["step"])
         if "loss" in record:
             info = (f"loss {record['loss']:.4f} | {record['step_ms']:.1f} ms/step | "
                     f"{record['tokens_per_second']:,.0f} tok/s | MFU {100 * record['mfu']:.1f}%")
-            if self.progress is not None:
-                self.progress.update(self.task, completed=record["step"], info=info)
+            if self.progress is not None:  # the live bar: also memory, and the ETA (TimeRemainingColumn)
+                self.progress.update(self.task, completed=record["step"],
+                                     info=f"{info} | mem {record['peak_memory_mb']:.0f} MB")
             elif self.mode == "plain":
                 print(f"step {record['step']:>6} | {info} | lr {record['lr']:.2e} | "
                       f"mem {record['peak_memory_mb']:.0f} MB", flush=True)

@@ -45,8 +45,10 @@ from scaletrain.parallel.distributed import (
 )
 from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, mfu, peak_memory_bytes
+from scaletrain.train.monitor import WINDOW_KEYS, ResourceMonitor, finish_run_info, timed, write_run_info
 from scaletrain.train.precision import autocast, grad_scaler, resolve_device, resolve_precision
 from scaletrain.train.preemption import INTERRUPTED, PreemptionHandler
+from scaletrain.train.profile import StepProfiler
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.step import build_parallel_training, training_step
 from scaletrain.train.validate import check_runnable
@@ -204,6 +206,8 @@ class Trainer:
         self.peak_flops = self._job_peak_flops()
         self._peak_remeasured = False
         self.step_times: list[float] = []
+        self.data_times: list[float] = []  # seconds of each step spent waiting for batches (monitor.timed)
+        self.monitor: ResourceMonitor | None = None
         self.evals: list[dict] = []
         # Nothing tells a person how much disk the checkpoints take unless we do, before step 1.
         self.disk_note, refusal = rank_zero_object(self._disk_verdict() if self.is_main else None)
@@ -270,10 +274,13 @@ class Trainer:
             self.checkpoints.wait_staged()
             return verdicts[-1] == "ok"
 
-        batches = (self._batch(next(self.train_loader)) for _ in range(cfg.train.grad_accum_steps))
+        data_seconds = [0.0]
+        batches = timed((self._batch(next(self.train_loader)) for _ in range(cfg.train.grad_accum_steps)),
+                        data_seconds)
         result = training_step(self.pm, self.optimizer, batches, cfg.train.grad_accum_steps,
                                grad_clip=cfg.optim.grad_clip, autocast=lambda: autocast(self.precision, self.device),
                                scaler=self.scaler, before_update=before_update)
+        self.data_times.append(data_seconds[0])
         self.state.step += 1
         self.state.tokens_seen += self.tokens_per_step
         self.pm.replicas.after_step(self.state.step)
@@ -395,6 +402,11 @@ class Trainer:
         if self._run_files_pending:  # a resume that never called resume(): the files are due all the same
             self._write_run_files()
         notice = PreemptionHandler(cfg.checkpoint.trigger_file, cfg.checkpoint.grace_seconds, self.started).install()
+        if self.is_main:  # the report's header (train/monitor.py)
+            write_run_info(self.run_dir, self.device, self.env.world_size, start_step=state.step)
+        self.monitor = ResourceMonitor(cfg.monitor, self.run_dir, self.env.rank, self.device).start()
+        profiler = StepProfiler(cfg.profile, self.run_dir, self.env.rank, self.device, self._message).start()
+        rollbacks_seen = self.guard.rollbacks
         try:
             if state.step == 0 and eval_every:
                 self._eval_and_report(logger)
@@ -404,11 +416,17 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 self.step_times.append(time.perf_counter() - t0)
+                profiler.step()
                 step = state.step
                 if step % log_every == 0 or step == cfg.train.steps:
                     logger.log(self._step_record(record))  # collective (per-rank memory): all ranks call it
                 else:
                     logger.advance(step)
+                    if "skipped_update" in record:  # a NaN-guard event between log steps, for the report
+                        logger.log({"step": step, "skipped_update": 1})
+                if self.guard.rollbacks != rollbacks_seen:
+                    rollbacks_seen = self.guard.rollbacks
+                    logger.log({"step": step, "rollback": rollbacks_seen})
                 stop, save_failed = self._any_rank(notice.should_stop(), self.checkpoints.background_failed())
                 if save_failed:  # an asynchronous save failed in the background: say so now, not at the end
                     self._raise_save_failure()
@@ -434,10 +452,15 @@ class Trainer:
                     self.save()
             self.checkpoints.close()  # an asynchronous save completes before the run ends
         finally:
+            profiler.stop()
+            self.monitor.stop()
             notice.uninstall()
             logger.close()
         self.close()  # after success only: a barrier in an error path could hang the healthy ranks
-        return self.summary()
+        summary = self.summary()
+        if self.is_main:
+            finish_run_info(self.run_dir, summary)
+        return summary
 
     def _any_rank(self, *flags: bool):
         """True on every rank when any rank has the flag (a notice may reach the ranks a step apart); one
@@ -486,7 +509,25 @@ class Trainer:
                 "tokens_per_second": tokens_per_second,
                 "mfu": mfu(self.flops_per_token, tokens_per_second, self.peak_flops),
                 "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
-                **({"peak_memory_mb_per_rank": self._per_rank_memory_mb()} if self.env.world_size > 1 else {})}
+                **({"peak_memory_mb_per_rank": self._per_rank_memory_mb()} if self.env.world_size > 1 else {}),
+                "data_share": sum(self.data_times[-len(recent):]) / sum(recent), **self._monitor_record()}
+
+    def _monitor_record(self) -> dict:
+        """The resource monitor's window (train/monitor.py) as rank 0 logs it: rank 0's values, plus a per-rank
+        list of each value where the ranks differ (one small all-gather; collective)."""
+        mine = self.monitor.window() if self.monitor is not None else {}
+        if self.env.world_size == 1:
+            return mine
+        vector = torch.tensor([mine.get(k, float("nan")) for k in WINDOW_KEYS], dtype=torch.float64,
+                              device=self.device)
+        every = [torch.zeros_like(vector) for _ in range(self.env.world_size)]
+        dist.all_gather(every, vector)
+        out = dict(mine)
+        for i, key in enumerate(WINDOW_KEYS):
+            values = [float(t[i]) for t in every]
+            if not all(math.isnan(v) for v in values) and len({round(v, 1) for v in values}) > 1:
+                out[f"{key}_per_rank"] = [None if math.isnan(v) else round(v, 2) for v in values]
+        return out
 
     def _per_rank_memory_mb(self) -> list[float]:
         """Every rank's peak memory (one small all-gather), so rank 0 can log them all."""
@@ -501,7 +542,9 @@ class Trainer:
         logger.log({"step": self.state.step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss)})
         logger.message(f"step {self.state.step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
         if self.cfg.train.sample_tokens and self.is_main and not self.pm.sharded:
-            logger.message("--- sample ---\n" + self.sample(self.cfg.train.sample_tokens).strip() + "\n--------------")
+            text = self.sample(self.cfg.train.sample_tokens)
+            logger.log({"step": self.state.step, "sample": text})  # for the report
+            logger.message("--- sample ---\n" + text.strip() + "\n--------------")
 
     def summary(self) -> dict:
         times = self.step_times or [float("nan")]

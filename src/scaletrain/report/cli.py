@@ -1,0 +1,69 @@
+"""``scaletrain report RUN [RUN ...] [--out report.html]``: one offline HTML page over one or more runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from scaletrain.options import ConfigError
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders (train.run_dir); several overlay on the "
+                                                               "same axes")
+    parser.add_argument("--out", default="report.html", help="the HTML file to write")
+    parser.add_argument("--price", type=float, default=0.0,
+                        help="USD per device-hour: the header's cost is this x devices x wall time")
+    parser.add_argument("--plan", default="", help="a `scaletrain plan --json` file: its best plan's prediction is "
+                                                   "set beside each run that has none of its own (runs started "
+                                                   "from `plan --emit` carry theirs in config.toml)")
+    parser.add_argument("--title", default="scaletrain report", help="the page title")
+
+
+def plan_prediction(path: str) -> dict:
+    """The best plan of a ``scaletrain plan --json`` document as a prediction dict; ConfigError if unusable."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        best = doc["plans"][0]
+        hardware = doc.get("hardware", {})
+        where = f"{hardware.get('devices_per_node', '?')} x {hardware.get('name', '?')}"
+        return {"plan": f"{best['label']} on {where} ({path})", "step_seconds": float(best["time"]["step"]),
+                "memory_bytes": float(best["memory"]["total"]),
+                "tokens_per_second": float(best["time"]["tokens_per_second"])}
+    except OSError as exc:
+        raise ConfigError(f"--plan {path}: cannot be read ({exc.strerror})") from None
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
+        raise ConfigError(f"--plan {path}: not a `scaletrain plan --json` document with a plan that fits") from None
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from scaletrain.report.runs import read_run
+
+    try:
+        import plotly  # noqa: F401
+    except ImportError:
+        raise ConfigError("scaletrain report draws with plotly: pip install 'scaletrain[monitor]' "
+                          "(or pip install plotly)") from None
+    from scaletrain.report.html import render
+
+    if args.price < 0:
+        raise ConfigError(f"--price must be >= 0 (got {args.price})")
+    prediction = plan_prediction(args.plan) if args.plan else None
+    runs, names = [], set()
+    for path in args.runs:
+        run = read_run(path)
+        while run.name in names:  # two folders of the same name: keep the legend unambiguous
+            run.name = f"{run.name}'"
+        names.add(run.name)
+        if prediction and not (run.config and run.config.prediction.plan):
+            run.plan_prediction = prediction
+        runs.append(run)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(runs, price=args.price, title=args.title))
+    for run in runs:
+        for note in run.missing:
+            print(f"{run.name}: {note}")
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {len(runs)} run(s); opens offline)")
+    return 0
