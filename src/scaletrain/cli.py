@@ -249,6 +249,8 @@ def _finetune_parser(sub) -> None:
     p.add_argument("--config", help="TOML recipe (see configs/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.run_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a train.run_dir that holds an earlier run (as for train)")
     add_config_arguments(p, JobConfig)
     p.set_defaults(func=cmd_finetune)
 

@@ -246,9 +246,11 @@ class Trainer:
         if not cfg.checkpoint.enabled:
             return ""
         local = [p for m in self.pm.modules for p in m.parameters()]
-        total_local = sum(p.numel() for p in local) or 1
-        trainable = sum(p.numel() for p in local if p.requires_grad) / total_local
-        size = int(num_params(cfg.model) * 4 * (1 + 2 * trainable))
+        total = num_params(cfg.model)
+        trainable = total * sum(p.numel() for p in local if p.requires_grad) / (sum(p.numel() for p in local) or 1)
+        # A fine-tune's checkpoint holds only the trainable tensors (the base is referenced, not copied).
+        saved_weights = trainable if self.checkpoint.base is not None else total
+        size = int(4 * (saved_weights + 2 * trainable))
         existing = len([p for p in self.checkpoints.list_complete() if self.checkpoints.belongs_to_run(p)])
         copies = max(1, cfg.checkpoint.keep_last + 1 - existing)
         free = free_bytes(self.run_dir)
