@@ -56,7 +56,8 @@ def main() -> int:
               "max_rel_loss_diff": rel, "test_perplexity_diff": abs(two["test_perplexity"] - one["test_perplexity"])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"2 ranks: test perplexity {two['test_perplexity']:.2f} ({two['test_tokens']:,} tokens), wall {two['wall_s']} s")
+    print(f"2 ranks: test perplexity {two['test_perplexity']:.2f} ({two['test_tokens']:,} tokens), "
+          f"wall {two['wall_s']} s")
     print(f"1 process: test perplexity {one['test_perplexity']:.2f}, wall {one['wall_s']} s; "
           f"loss curves differ by at most {rel:.2e} (relative)")
     print(f"wrote {args.out}")

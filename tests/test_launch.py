@@ -75,7 +75,8 @@ def test_pytorchjob_command_runs_as_two_torchrun_agents_on_localhost(tmp_path, r
     """The manifest's container command, started twice (two 'pods') with the operator's PET_* settings:
     one rendezvous (c10d on 127.0.0.1), one 2-rank job, the single-process losses."""
     yaml = pytest.importorskip("yaml")
-    job = [doc for doc in yaml.safe_load_all((LAUNCH / "pytorchjob.yaml").read_text()) if doc["kind"] == "PyTorchJob"][0]
+    docs = yaml.safe_load_all((LAUNCH / "pytorchjob.yaml").read_text())
+    job = [doc for doc in docs if doc["kind"] == "PyTorchJob"][0]
     assert job["spec"]["elasticPolicy"]["rdzvBackend"] == "c10d"
     assert job["spec"]["elasticPolicy"]["minReplicas"] < job["spec"]["elasticPolicy"]["maxReplicas"]
     pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
@@ -142,7 +143,8 @@ def test_sagemaker_entry_point_reads_the_sm_environment(tmp_path, reference):
     channel.mkdir()
     shutil.copy(ROOT / "src" / "scaletrain" / "assets" / "tinyshakespeare" / "input.txt", channel / "input.txt")
     ckpt, model_dir = tmp_path / "opt-ml-checkpoints", tmp_path / "opt-ml-model"
-    hps = {"config": str(ROOT / "docs/examples/tiny.toml"), "checkpoint-dir": str(ckpt), "nproc-per-node": 2, "logging.log_interval": 1, **SHARDED,
+    hps = {"config": str(ROOT / "docs/examples/tiny.toml"), "checkpoint-dir": str(ckpt), "nproc-per-node": 2,
+           "logging.log_interval": 1, **SHARDED,
            **{k: v for k, v in tiny_overrides(ckpt, **{"train.steps": STEPS, "train.batch_size": 4}).items()
               if k != "train.run_dir"}}
     env = env_for_ranks(SM_HPS=json.dumps(hps), SM_HOSTS='["127.0.0.1"]', SM_CURRENT_HOST="127.0.0.1",
