@@ -117,9 +117,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss and perplexity of a run's latest checkpoint")
     p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
-    p.add_argument("--text", help="a UTF-8 text file (or builtin:NAME) to score instead of the run's validation split (with a "
-                                  "char "
-                                  "tokenizer, characters outside its vocabulary are skipped and counted)")
+    p.add_argument("--text", help="a UTF-8 text file (or builtin:NAME) to score instead of the run's validation "
+                                  "split (with a char tokenizer, characters outside its vocabulary are skipped and "
+                                  "counted)")
     p.add_argument("--batches", type=int, default=0, help="validation batches to score; 0 = the whole split")
     p.set_defaults(func=cmd_eval)
 
