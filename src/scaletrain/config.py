@@ -152,6 +152,24 @@ class ParallelConfig:
     sync_every: int = opt(16, "local_sgd / diloco: inner steps between synchronisations (H)", ge=1)
     outer_lr: float = opt(0.7, "diloco: outer Nesterov learning rate", gt=0)
     outer_momentum: float = opt(0.9, "diloco: outer Nesterov momentum", ge=0, lt=1)
+    engine: str = opt("native", "native (DDP, ZeroRedundancyOptimizer, FSDP2, TP, PP) or deepspeed "
+                                "(deepspeed.initialize with ZeRO stage parallel.zero_stage, data parallel only; "
+                                "needs the extra scaletrain[deepspeed]; see the [deepspeed] section)",
+                      choices=("native", "deepspeed"))
+
+
+@dataclass
+class DeepSpeedConfig:
+    """Settings of ``parallel.engine = "deepspeed"`` (ignored by the native engine; docs/coming-from.md)."""
+
+    config: str = opt("", "a DeepSpeed ds_config.json to start from: scaletrain fills the keys it leaves out "
+                          "(batch, accumulation, clipping, ZeRO stage, precision, offload) from this config; a "
+                          "key set to a different value than the matching scaletrain field is an error")
+    offload_optimizer: str = opt("none", "ZeRO optimizer-state offload: none, cpu (DeepSpeedCPUAdam) or nvme "
+                                         "(ZeRO-Infinity, into deepspeed.nvme_path)", choices=("none", "cpu", "nvme"))
+    offload_param: str = opt("none", "ZeRO-3 parameter offload: none, cpu or nvme (into deepspeed.nvme_path)",
+                             choices=("none", "cpu", "nvme"))
+    nvme_path: str = opt("", "a folder on a fast local disk for nvme offload (must be writable)")
 
 
 @dataclass
@@ -164,6 +182,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
 # --------------------------------------------------------------------------------------------------

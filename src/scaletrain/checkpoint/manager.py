@@ -36,6 +36,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,6 +119,22 @@ class CheckpointManager:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
             self._pending = self._executor.submit(self._complete_async, staged, tmp, final, meta)
         self.last_save_seconds = {"blocked": time.perf_counter() - t0}
+        return final
+
+    def save_with(self, step: int, write: Callable[[Path], None], local: dict[str, Stateful], meta: dict) -> Path:
+        """``save`` (blocking) for tensors another library writes: ``write(folder)`` runs on every rank (e.g.
+        DeepSpeed's ``engine.save_checkpoint``), then this rank's small state and, last, the marker."""
+        self.wait()
+        final = self.folder / step_dir_name(step)
+        tmp = self.folder / f".{final.name}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        torch.save({name: obj.state_dict() for name, obj in local.items()}, tmp / rank_file(self.rank))
+        write(tmp)
+        self._barrier()  # every rank's files are on disk before rank 0 writes the marker
+        self._finish(tmp, final, {"step": step, "world_size": self.world_size, **meta})
         return final
 
     def _write(self, tensors: dict, path: Path) -> None:

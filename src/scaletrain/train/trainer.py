@@ -149,8 +149,7 @@ class Trainer:
 
         self.cfg = cfg = resolve_compile(cfg, self.device, announce=self.log_enabled)
         # A padded vocabulary (resolve_vocab): the loss masks the rows beyond the tokenizer's out.
-        self.pm, self.optimizer = build_parallel_training(cfg, dims, self.device,
-                                                          vocab_limit=self.tokenizer.vocab_size)
+        self.pm, self.optimizer = self.build_model_and_optimizer(cfg, dims)
         self.model = self.pm.modules[0] if len(self.pm.modules) == 1 else nn.ModuleList(self.pm.modules)
         self.scaler = grad_scaler(self.precision, self.device)
         self.train_loader = TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
@@ -163,8 +162,7 @@ class Trainer:
                        "scaler": self.scaler, "guard": self.guard}
         if self.pm.replicas.independent:
             local_state["low_comm"] = self.pm.replicas
-        self.checkpoint = TrainingCheckpoint(self.checkpoints, self.pm, self.optimizer, local_state, self.state,
-                                             cfg, self.env.rank, self._message)
+        self.checkpoint = self.make_checkpoint(local_state)
         self.preempted = ""
         # Tokens per optimizer step over all data-parallel ranks.
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
@@ -174,6 +172,18 @@ class Trainer:
         self._peak_remeasured = False
         self.step_times: list[float] = []
         self.evals: list[dict] = []
+
+    # Engine hooks: the native engine's; train/deepspeed_trainer.py:DeepSpeedTrainer supplies DeepSpeed's.
+    training_step = staticmethod(training_step)
+
+    def build_model_and_optimizer(self, cfg: JobConfig, dims) -> tuple:
+        """The parallel model and its optimizer (``build_parallel_training``)."""
+        return build_parallel_training(cfg, dims, self.device, vocab_limit=self.tokenizer.vocab_size)
+
+    def make_checkpoint(self, local_state: dict) -> TrainingCheckpoint:
+        """What saves, resumes and rolls back this run (DCP through ``TrainingCheckpoint``)."""
+        return TrainingCheckpoint(self.checkpoints, self.pm, self.optimizer, local_state, self.state, self.cfg,
+                                  self.env.rank, self._message)
 
     def close(self) -> None:
         """Barrier, then destroy the process group (a no-op in a single process or when already closed)."""
@@ -197,7 +207,7 @@ class Trainer:
             return verdicts[-1] == "ok"
 
         batches = (self._batch(next(self.train_loader)) for _ in range(cfg.train.grad_accum_steps))
-        result = training_step(self.pm, self.optimizer, batches, cfg.train.grad_accum_steps,
+        result = self.training_step(self.pm, self.optimizer, batches, cfg.train.grad_accum_steps,
                                grad_clip=cfg.optim.grad_clip, autocast=lambda: autocast(self.precision, self.device),
                                scaler=self.scaler, before_update=before_update)
         self.state.step += 1

@@ -11,6 +11,7 @@ import torch
 from scaletrain.config import ConfigError, JobConfig, validate_job
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.context import check_context_parallel_supported
+from scaletrain.parallel.deepspeed_engine import check_deepspeed
 
 
 def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
@@ -32,7 +33,10 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     ``ParallelDims.check_model`` again once the data's vocabulary is known."""
     validate_job(cfg)
     check_feature_combinations(cfg, precision)
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    if cfg.parallel.engine == "deepspeed":  # its own rules (ds_config, offload, ZeRO-3 x pp), data parallel only
+        dims = check_deepspeed(cfg, world_size, device_type, precision)
+    else:
+        dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
     if dims.cp > 1:
         check_context_parallel_supported(torch.device(device_type))
