@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -23,8 +24,8 @@ from pathlib import Path
 
 from launch import OUT_HELP, default_out
 
-MODEL = {"model.vocab_size": 128, "model.dim": 1024, "model.n_layers": 20, "model.n_heads": 16, "model.ffn_hidden_dim": 2816,
-         "model.max_seq_len": 64}
+MODEL = {"model.vocab_size": 128, "model.dim": 1024, "model.n_layers": 20, "model.n_heads": 16,
+         "model.ffn_hidden_dim": 2816, "model.max_seq_len": 64}
 TINY = {"model.dim": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_dim": 128, "model.max_seq_len": 64}
 
 
@@ -48,7 +49,7 @@ def train(args: list[str], limit_bytes: int | None, timeout: float) -> tuple[int
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", *args], capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=limit, env={**__import__("os").environ, "OMP_NUM_THREADS": "2"})
+                          timeout=timeout, preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "2"})
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return proc.returncode, (proc.stdout + proc.stderr)[-3000:], wall, (peak if peak > before else float("nan")) / 1024
@@ -58,7 +59,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--limit-gb", type=float, default=3.0)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--out", default=default_out("deepspeed_nvme.json"), help=OUT_HELP.format(name="deepspeed_nvme.json"))
+    p.add_argument("--out", default=default_out("deepspeed_nvme.json"),
+                   help=OUT_HELP.format(name="deepspeed_nvme.json"))
     args = p.parse_args()
     from scaletrain.config import ModelConfig
     from scaletrain.model.presets import num_params
