@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,27 @@ def test_slurm_script_runs_two_agents_through_srun(tmp_path, reference):
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert_two_rank_run_matches(run_dir, reference)
+
+
+def test_slurm_script_requeues_itself_near_the_time_limit(tmp_path):
+    """`--signal=B:USR1@180` reaches the batch script: it runs `scontrol requeue $SLURM_JOB_ID` and keeps waiting
+    for srun (whose ranks checkpoint on the SIGTERM that follows), then exits with srun's status."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "scontrol.log"
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {log}\necho 127.0.0.1\n')
+    (bin_dir / "srun").write_text("#!/bin/bash\nsleep 4\nexit 0\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = env_for_ranks(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="node1",
+                        SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="4242")
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "slurm_train.sbatch"), "recipe.toml"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "requeue 4242" in log.read_text() and "requeueing job 4242" in out
 
 
 def load_entry():
