@@ -7,7 +7,8 @@ ZeRO-1/2/3 (through ``build_deepspeed_training`` / ``deepspeed_training_step``, 
 path). Rank 0 writes one JSON record: the loss curves, and per rank the model-state bytes each DeepSpeed stage
 holds next to the planner's prediction (``plan/memory.py:model_states``).
 
-    torchrun --standalone --nproc-per-node 2 tests/deepspeed_parity.py --out r.json --strategies native,ds1,ds2,ds3
+    torchrun --standalone --nproc-per-node 2 tests/deepspeed_parity.py --out r.json \\
+        --strategies native,ds1,ds2,ds3,ds2_cpu
 """
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ def job(strategy: str) -> JobConfig:
                     train=TrainConfig(batch_size=ROWS, grad_accum_steps=ACCUM, precision="fp32", seed=11),
                     parallel=ParallelConfig(dp_replicate=-1, zero_stage=1))
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=SEQ))
-    if strategy.startswith("ds"):
-        cfg = dataclasses.replace(cfg, parallel=ParallelConfig(engine="deepspeed", zero_stage=int(strategy[2:])))
+    if strategy.startswith("ds"):  # ds<stage>[_cpu]: DeepSpeed ZeRO-<stage>, optimizer state offloaded to the CPU
+        cfg = dataclasses.replace(cfg, parallel=ParallelConfig(engine="deepspeed", zero_stage=stage_of(strategy)))
+        if strategy.endswith("_cpu"):
+            cfg = dataclasses.replace(cfg, deepspeed=dataclasses.replace(cfg.deepspeed, offload_optimizer="cpu"))
     return cfg
+
+
+def stage_of(strategy: str) -> int:
+    return int(strategy[2:].split("_")[0])
 
 
 def batches(step: int, rank: int, world: int):
@@ -81,8 +88,8 @@ def run(strategy: str, steps: int, env) -> dict:
         first = next(iter(weights.parameters()))
         checksum = float(first.ds_tensor.double().sum()) if hasattr(first, "ds_tensor") else float(first.double().sum())
     record = {"strategy": strategy, "losses": losses, "first_param_sum": checksum}
-    if strategy != "native":
-        stage = int(strategy[2:])
+    if strategy != "native" and not strategy.endswith("_cpu"):  # offloaded moments live in DeepSpeedCPUAdam
+        stage = stage_of(strategy)
         measured = model_state_bytes(pm, optimizer, stage)
         predicted = model_states(num_params(MODEL), stage, env.world_size, RECIPES["deepspeed-fp32"])
         every = [None] * env.world_size
@@ -94,7 +101,7 @@ def run(strategy: str, steps: int, env) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--strategies", default="native,ds1,ds2,ds3")
+    p.add_argument("--strategies", default="native,ds1,ds2,ds3,ds2_cpu")
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     env = init_distributed("cpu")
