@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.config import ConfigError, JobConfig
+from scaletrain.config import ConfigError, JobConfig, ModelConfig
+from scaletrain.model.presets import ffn_hidden_dim
 from scaletrain.parallel.dims import ParallelDims
 
 # Top-level keys of a ds_config.json that DeepSpeed 0.x documents (deepspeed.ai/docs/config-json). DeepSpeed
@@ -96,12 +97,20 @@ def zero_stage(cfg: JobConfig, theirs: dict) -> int:
     return 3 if cfg.parallel.dp_shard not in (0, 1) else 0
 
 
-def _offload(device: str, nvme_path: str, buffers: bool) -> dict:
+def largest_parameter(model: ModelConfig) -> int:
+    """Elements of the model's largest weight (the embedding / head, or an MLP matrix)."""
+    return max(model.vocab_size * model.dim, model.dim * ffn_hidden_dim(model), model.dim * model.dim)
+
+
+def _offload(device: str, nvme_path: str, param_buffer: int | None) -> dict:
     section: dict[str, Any] = {"device": device, "pin_memory": torch.cuda.is_available()}
     if device == "nvme":
         section["nvme_path"] = nvme_path
-        if buffers:  # parameter offload: a few staging buffers of the largest parameter's size
-            section["buffer_count"] = 5
+        if param_buffer is not None:
+            # Parameter offload stages through buffer_count buffers of buffer_size elements each, and each must
+            # hold the largest parameter. DeepSpeed's default (1e8 elements = 400 MB fp32, x5) would be 2 GB of
+            # staging memory whatever the model; sized to the model it is what is needed.
+            section |= {"buffer_count": 5, "buffer_size": max(param_buffer, 1 << 20)}
     return section
 
 
@@ -110,9 +119,9 @@ def our_config(cfg: JobConfig, stage: int, dp_size: int, precision: str) -> dict
     ds, train = cfg.deepspeed, cfg.train
     zero: dict[str, Any] = {"stage": stage}
     if ds.offload_optimizer != "none":
-        zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path, buffers=False)
+        zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path, None)
     if ds.offload_param != "none":
-        zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path, buffers=True)
+        zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path, largest_parameter(cfg.model))
     return {
         "train_micro_batch_size_per_gpu": train.batch_size,
         "gradient_accumulation_steps": train.grad_accum_steps,
