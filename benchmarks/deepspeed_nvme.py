@@ -1,13 +1,14 @@
 """ZeRO-Infinity on a CPU: DeepSpeed ZeRO-3 with parameters and optimizer state offloaded to "NVMe" (a local
-disk folder) trains a model whose fp32 optimizer state (Adam m and v plus DeepSpeed's fp32 master copy, 12 bytes a
-parameter) is larger than the process's whole peak resident memory; the same job without offload, for comparison.
+disk folder) against the same job without offload: peak resident memory (VmHWM) of the training process, and
+step time. The model's fp32 optimizer state (Adam m and v plus DeepSpeed's fp32 master copy, 12 bytes a parameter)
+is reported next to them.
 
     python benchmarks/deepspeed_nvme.py [--steps 2] [--out benchmarks/results/deepspeed_nvme.json]
 
 Needs DeepSpeed (scaletrain[deepspeed]) and libaio (apt install libaio-dev): the async_io and cpu_adam ops compile
-on first use (a small warm-up run does that first). Peak resident memory is the process's VmHWM. An enforced limit
-(RLIMIT_AS) was not usable: it counts address space, and the DeepSpeed process reserves ~3.5 GB of it (libraries,
-thread arenas) before the model exists, more than this model's whole optimizer state; there are no cgroups here.
+on first use (a small warm-up run does that first). No memory limit is enforced: RLIMIT_AS counts address space,
+and the DeepSpeed process reserves ~3.5 GB of it (libraries, thread arenas) before the model exists; there are no
+cgroups here.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def flags(run_dir: Path, nvme: Path | None, steps: int, model: dict) -> list[str
 # Runs `scaletrain train` in this child and prints its peak resident memory (VmHWM, kB) at the end.
 CHILD = ("import sys; from scaletrain.cli import main; rc = main(sys.argv[1:]); "
          "print('VMHWM', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); "
+         "print('VMRSS', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS')][0]); "
          "sys.exit(rc)")
 
 

@@ -110,6 +110,8 @@ def _offload(device: str, nvme_path: str, param_buffer: int | None) -> dict:
             # Parameter offload stages through buffer_count buffers of buffer_size elements each, and each must
             # hold the largest parameter. DeepSpeed's default (1e8 elements = 400 MB fp32, x5) would be 2 GB of
             # staging memory whatever the model; sized to the model it is what is needed.
+            # max_in_cpu stays DeepSpeed's (1e9 elements: parameters are also cached in CPU memory): with less, its
+            # CPU swapper hands the layers bf16 parameters ("expected m1 and m2 to have the same dtype", 0.19.8).
             section |= {"buffer_count": 5, "buffer_size": max(param_buffer, 1 << 20)}
     return section
 
@@ -120,6 +122,10 @@ def our_config(cfg: JobConfig, stage: int, dp_size: int, precision: str) -> dict
     zero: dict[str, Any] = {"stage": stage}
     if ds.offload_optimizer != "none":
         zero["offload_optimizer"] = _offload(ds.offload_optimizer, ds.nvme_path, None)
+        if ds.offload_optimizer == "nvme" and stage == 3:
+            # ZeRO-3 swaps the optimizer state in sub-groups of this many elements, with buffers of that size;
+            # DeepSpeed's default (1e9) makes the whole model one sub-group, so NVMe offload would hold it all.
+            zero["sub_group_size"] = max(largest_parameter(cfg.model), 1 << 22)
     if ds.offload_param != "none":
         zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path, largest_parameter(cfg.model))
     return {
