@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.checkpoint.deepspeed_format import is_deepspeed_checkpoint
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, Stateful
 from scaletrain.checkpoint.state import init_optimizer_state, local_optimizer, model_tensors, optimizer_tensors
 from scaletrain.config import ConfigError, JobConfig, to_toml
@@ -116,6 +117,9 @@ class TrainingCheckpoint:
     def load(self, path: Path, local_names: tuple[str, ...]) -> dict:
         """Model + optimizer from ``path`` (resharded to this run's layout) and the named small states."""
         meta = CheckpointManager.read_meta(path)
+        if is_deepspeed_checkpoint(path):
+            raise CheckpointError(f"{path}: written by the deepspeed engine; resume it with "
+                                  f"--parallel.engine=deepspeed (or start a new train.run_dir)")
         try:
             self.pm.replicas.check_resume(path, meta.get("dp_size"), self.pm.dims.dp_size)
         except ValueError as exc:
