@@ -90,6 +90,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from scaletrain.parallel.distributed import restart_attempt, say
     from scaletrain.train.trainer import Trainer
 
+    if cfg.parallel.engine == "deepspeed":  # the same loop over deepspeed.initialize (optional extra)
+        from scaletrain.train.deepspeed_trainer import DeepSpeedTrainer as Trainer
     if restart_attempt() > 0 and not cfg.train.resume:  # torchrun --max-restarts restarted us after a failure
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
         say(f"elastic restart {restart_attempt()}: resuming from the latest checkpoint")
@@ -135,8 +137,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss and perplexity of a run's latest checkpoint")
     p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
-    p.add_argument("--text", help="a UTF-8 text file to score instead of the run's validation split (with a char "
-                                  "tokenizer, characters outside its vocabulary are skipped and counted)")
+    p.add_argument("--text", help="a UTF-8 text file (or builtin:NAME) to score instead of the run's validation "
+                                  "split (with a char tokenizer, characters outside its vocabulary are skipped and "
+                                  "counted)")
     p.add_argument("--batches", type=int, default=0, help="validation batches to score; 0 = the whole split")
     p.set_defaults(func=cmd_eval)
 
@@ -147,13 +150,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from scaletrain.adapt.run import load_run
     from scaletrain.data.loader import TokenStream
     from scaletrain.data.prepare import read_text_file
+    from scaletrain.data.sources import resolve_source
     from scaletrain.data.tokenizer import DataError, describe_skipped, encode_known
     from scaletrain.train.evaluate import perplexity, token_loss
     from scaletrain.train.trainer import prepare_data
 
     cfg, model, tokenizer, ckpt = load_run(args.run)
     if args.text:
-        path = Path(args.text)
+        path = resolve_source(args.text) if args.text.startswith("builtin:") else Path(args.text)
         if not path.is_file():
             raise DataError(f"text file not found: {path}")
         ids, unknown = encode_known(tokenizer, read_text_file(path))  # a char tokenizer skips what it lacks

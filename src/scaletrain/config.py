@@ -190,6 +190,24 @@ class ParallelConfig:
     sync_every: int = opt(16, "local_sgd / diloco: inner steps between synchronisations (H)", ge=1)
     outer_lr: float = opt(0.7, "diloco: outer Nesterov learning rate", gt=0)
     outer_momentum: float = opt(0.9, "diloco: outer Nesterov momentum", ge=0, lt=1)
+    engine: str = opt("native", "native (DDP, ZeroRedundancyOptimizer, FSDP2, TP, PP) or deepspeed "
+                                "(deepspeed.initialize with ZeRO stage parallel.zero_stage, data parallel only; "
+                                "needs the extra scaletrain[deepspeed]; see the [deepspeed] section)",
+                      choices=("native", "deepspeed"))
+
+
+@dataclass
+class DeepSpeedConfig:
+    """Settings of ``parallel.engine = "deepspeed"`` (ignored by the native engine; docs/coming-from.md)."""
+
+    config: str = opt("", "a DeepSpeed ds_config.json to start from: scaletrain fills the keys it leaves out "
+                          "(batch, accumulation, clipping, ZeRO stage, precision, offload) from this config; a "
+                          "key set to a different value than the matching scaletrain field is an error")
+    offload_optimizer: str = opt("none", "ZeRO optimizer-state offload: none, cpu (DeepSpeedCPUAdam) or nvme "
+                                         "(ZeRO-Infinity, into deepspeed.nvme_path)", choices=("none", "cpu", "nvme"))
+    offload_param: str = opt("none", "ZeRO-3 parameter offload: none, cpu or nvme (into deepspeed.nvme_path)",
+                             choices=("none", "cpu", "nvme"))
+    nvme_path: str = opt("", "a folder on a fast local disk for nvme offload (must be writable)")
 
 
 @dataclass
@@ -230,6 +248,7 @@ class JobConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     prediction: PredictionConfig = field(default_factory=PredictionConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -141,6 +142,35 @@ class CheckpointManager:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
             self._pending = self._executor.submit(self._complete_async, staged, tmp, final, meta)
         self.last_save_seconds = {"blocked": time.perf_counter() - t0}
+        return final
+
+    def save_with(self, step: int, write: Callable[[Path], None], local: dict[str, Stateful], meta: dict) -> Path:
+        """``save`` (blocking) for tensors another library writes: ``write(folder)`` runs on every rank (e.g.
+        DeepSpeed's ``engine.save_checkpoint``), then this rank's small state and, last, the marker."""
+        self.wait()
+        final = self.folder / step_dir_name(step)
+        tmp = self.folder / f".{final.name}.tmp"
+        what = f"checkpoint {final}"
+        failure = None
+        if self.rank == 0:
+            try:
+                with self._guard(what, tmp):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir(parents=True)
+            except StorageError as exc:
+                failure = exc
+        self._agree(failure, what)
+        try:
+            with self._guard(what, tmp):
+                torch.save({name: obj.state_dict() for name, obj in local.items()}, tmp / rank_file(self.rank))
+                write(tmp)
+        except StorageError as exc:
+            failure = exc
+        self._agree(failure, what, tmp)  # every rank's files are on disk before rank 0 writes the marker
+        meta = {"step": step, "world_size": self.world_size, **meta}
+        if self.run_id:
+            meta["run_id"] = self.run_id
+        self._finish(tmp, final, meta)
         return final
 
     def _write(self, tensors: dict, path: Path) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from torch import nn
 
+from scaletrain.checkpoint.deepspeed_format import is_deepspeed_checkpoint, load_deepspeed_weights
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
 from scaletrain.checkpoint.state import model_tensors
 from scaletrain.config import ConfigError, JobConfig, load_config
@@ -24,6 +25,9 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[JobConfig, nn.Mo
         raise CheckpointError(f"{run}: no complete checkpoint yet")
     model = build_model(cfg.model, device)
     # The sharded checkpoint of any layout (FSDP, TP, PP, ...) is read back as one plain model.
-    load_tensors(path, {"model": model_tensors([model])})
+    if is_deepspeed_checkpoint(path):  # parallel.engine = "deepspeed": DeepSpeed's own files
+        load_deepspeed_weights(path, model)
+    else:
+        load_tensors(path, {"model": model_tensors([model])})
     model.eval()
     return cfg, model, load_tokenizer(run / "tokenizer.json"), path

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.checkpoint.deepspeed_format import is_deepspeed_checkpoint
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, Stateful
 from scaletrain.checkpoint.state import (
     init_optimizer_state,
@@ -135,6 +136,9 @@ class TrainingCheckpoint:
             raise CheckpointError(f"{path}: trained on a base with checksum {saved_base['sha256'][:12]}, but "
                                   f"finetune.source {self.base['source']} now has {self.base['sha256'][:12]}; "
                                   f"restore that base or fine-tune again into a new train.run_dir")
+        if is_deepspeed_checkpoint(path):
+            raise CheckpointError(f"{path}: written by the deepspeed engine; resume it with "
+                                  f"--parallel.engine=deepspeed (or start a new train.run_dir)")
         try:
             self.pm.replicas.check_resume(path, meta.get("dp_size"), self.pm.dims.dp_size)
         except ValueError as exc:

@@ -34,7 +34,9 @@ from scaletrain.data.prepare_config import SourceConfig
 from scaletrain.data.report import Report
 from scaletrain.data.tokenizer import DataError
 
-BUILTIN = {"tinyshakespeare": "assets/tinyshakespeare/input.txt"}
+# wikitext2: the validation split of WikiText-2 (trains configs/wikitext_zero.toml), wikitext2-test its test split
+BUILTIN = {"tinyshakespeare": "assets/tinyshakespeare/input.txt", "wikitext2": "assets/wikitext-2/valid.txt",
+           "wikitext2-test": "assets/wikitext-2/test.txt"}
 COMPRESSED = {".gz", ".zst", ".xz", ".bz2"}
 BINARY_MAGIC = (b"\x89PNG", b"%PDF", b"PK\x03\x04", b"\x7fELF", b"GIF8", b"\xff\xd8\xff", b"PAR1")
 

@@ -37,6 +37,10 @@ RECIPES = {
     "bf16": Recipe(param=2, grad=2, master=4, optimizer=8, activation=2),
 }
 RECIPES["mixed"] = RECIPES["bf16"]
+# DeepSpeed ZeRO (parallel.engine = "deepspeed") in fp32: its optimizer keeps a flat fp32 copy of this rank's
+# partition next to the fp32 parameters, so a master copy is there even without mixed precision (measured:
+# tests/test_deepspeed.py).
+RECIPES["deepspeed-fp32"] = Recipe(param=4, grad=4, master=4, optimizer=8, activation=4)
 RECIPES["fp16"] = RECIPES["bf16"]
 
 # Stated margins on top of tensor bytes: the CUDA caching allocator fragments (~10% is what torchtitan /

@@ -176,8 +176,7 @@ class Trainer:
 
         self.cfg = cfg = resolve_compile(cfg, self.device, announce=self.log_enabled)
         # A padded vocabulary (resolve_vocab): the loss masks the rows beyond the tokenizer's out.
-        self.pm, self.optimizer = build_parallel_training(cfg, dims, self.device,
-                                                          vocab_limit=self.tokenizer.vocab_size)
+        self.pm, self.optimizer = self.build_model_and_optimizer(cfg, dims)
         self.model = self.pm.modules[0] if len(self.pm.modules) == 1 else nn.ModuleList(self.pm.modules)
         self.scaler = grad_scaler(self.precision, self.device)
         if self.instructions is not None:
@@ -195,9 +194,7 @@ class Trainer:
                        "scaler": self.scaler, "guard": self.guard}
         if self.pm.replicas.independent:
             local_state["low_comm"] = self.pm.replicas
-        base = open_base(cfg.finetune.source).reference() if cfg.finetune.source else None
-        self.checkpoint = TrainingCheckpoint(self.checkpoints, self.pm, self.optimizer, local_state, self.state,
-                                             cfg, self.env.rank, self._message, base=base)
+        self.checkpoint = self.make_checkpoint(local_state)
         self.preempted = ""
         # Tokens per optimizer step over all data-parallel ranks.
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
@@ -213,6 +210,21 @@ class Trainer:
         self.disk_note, refusal = rank_zero_object(self._disk_verdict() if self.is_main else None)
         if refusal:
             raise ConfigError(refusal if self.is_main else "rank 0 found too little disk space for a checkpoint")
+
+    # Engine hooks: the native engine's; train/deepspeed_trainer.py:DeepSpeedTrainer supplies DeepSpeed's.
+    training_step = staticmethod(training_step)
+
+    def build_model_and_optimizer(self, cfg: JobConfig, dims) -> tuple:
+        """The parallel model and its optimizer (``build_parallel_training``)."""
+        return build_parallel_training(cfg, dims, self.device, vocab_limit=self.tokenizer.vocab_size)
+
+    def make_checkpoint(self, local_state: dict) -> TrainingCheckpoint:
+        """What saves, resumes and rolls back this run (DCP through ``TrainingCheckpoint``); a fine-tune's holds
+        only the trainable tensors plus a reference to its base (source and checksum)."""
+        cfg = self.cfg
+        base = open_base(cfg.finetune.source).reference() if cfg.finetune.source else None
+        return TrainingCheckpoint(self.checkpoints, self.pm, self.optimizer, local_state, self.state, cfg,
+                                  self.env.rank, self._message, base=base)
 
     def close(self) -> None:
         """Barrier, then destroy the process group (a no-op in a single process or when already closed), and
@@ -249,7 +261,7 @@ class Trainer:
         total = num_params(cfg.model)
         trainable = total * sum(p.numel() for p in local if p.requires_grad) / (sum(p.numel() for p in local) or 1)
         # A fine-tune's checkpoint holds only the trainable tensors (the base is referenced, not copied).
-        saved_weights = trainable if self.checkpoint.base is not None else total
+        saved_weights = trainable if getattr(self.checkpoint, "base", None) is not None else total
         size = int(4 * (saved_weights + 2 * trainable))
         existing = len([p for p in self.checkpoints.list_complete() if self.checkpoints.belongs_to_run(p)])
         copies = max(1, cfg.checkpoint.keep_last + 1 - existing)
@@ -279,9 +291,10 @@ class Trainer:
         data_seconds = [0.0]
         batches = timed((self._batch(next(self.train_loader)) for _ in range(cfg.train.grad_accum_steps)),
                         data_seconds)
-        result = training_step(self.pm, self.optimizer, batches, cfg.train.grad_accum_steps,
-                               grad_clip=cfg.optim.grad_clip, autocast=lambda: autocast(self.precision, self.device),
-                               scaler=self.scaler, before_update=before_update)
+        result = self.training_step(self.pm, self.optimizer, batches, cfg.train.grad_accum_steps,
+                                    grad_clip=cfg.optim.grad_clip,
+                                    autocast=lambda: autocast(self.precision, self.device),
+                                    scaler=self.scaler, before_update=before_update)
         self.data_times.append(data_seconds[0])
         self.state.step += 1
         self.state.tokens_seen += self.tokens_per_step

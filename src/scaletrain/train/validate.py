@@ -12,6 +12,7 @@ from scaletrain.adapt.lora import TARGETS
 from scaletrain.config import ConfigError, JobConfig, validate_job
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.context import check_context_parallel_supported
+from scaletrain.parallel.deepspeed_engine import check_deepspeed
 
 
 def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
@@ -58,7 +59,13 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     validate_job(cfg)
     check_feature_combinations(cfg, precision)
     check_finetune(cfg, world_size)
-    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    if cfg.parallel.engine == "deepspeed":  # its own rules (ds_config, offload, ZeRO-3 x pp), data parallel only
+        if cfg.finetune.source:
+            raise ConfigError("fine-tuning (finetune.source) runs on the native engine only; drop "
+                              "--parallel.engine=deepspeed (LoRA/QLoRA already keep the optimizer state small)")
+        dims = check_deepspeed(cfg, world_size, device_type, precision)
+    else:
+        dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
     if dims.cp > 1:
         check_context_parallel_supported(torch.device(device_type))

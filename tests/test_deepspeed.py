@@ -1,0 +1,141 @@
+"""The DeepSpeed engine (parallel.engine = "deepspeed"): its bad-input rules (one line, exit 2; these need no
+DeepSpeed), ds_config merging, and with DeepSpeed installed: ZeRO-1/2/3 on 2 gloo ranks against the native
+engine's losses and the planner's model-state bytes, kill -9 + resume, and eval / export of its checkpoints."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from faults import (
+    TESTS,
+    TORCHRUN,
+    assert_same_run,
+    env,
+    finish,
+    last_step,
+    launch,
+    run_ok,
+    wait_for,
+    worker_pids,
+    write_config,
+)
+from scaletrain.config import ConfigError, load_config
+from scaletrain.parallel.deepspeed_engine import build_ds_config, deepspeed_available
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_DEEPSPEED = deepspeed_available()
+needs_deepspeed = pytest.mark.skipif(NO_DEEPSPEED is not None, reason=f"{NO_DEEPSPEED}")
+RTOL = 1e-5
+
+
+def train_cli(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", "--config",
+                           str(ROOT / "docs/examples/tiny.toml"), "--parallel.engine=deepspeed", *flags],
+                          env=env(), capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_unknown_ds_config_key_is_one_line(tmp_path):
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "zero_optimisation": {"stage": 2}}))
+    assert_one_line_error(train_cli(f"--deepspeed.config={ds}"), str(ds), "unknown key 'zero_optimisation'")
+
+
+def test_zero3_with_pipeline_parallelism_is_one_line():
+    assert_one_line_error(train_cli("--parallel.zero_stage=3", "--parallel.pp=2"), "ZeRO-3 with pipeline parallelism",
+                          "parallel.pp=2")
+
+
+def test_unwritable_nvme_path_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    # A path below a regular file cannot be created, even by root (permission bits would not stop root).
+    assert_one_line_error(train_cli("--parallel.zero_stage=3", "--deepspeed.offload_optimizer=nvme",
+                                    f"--deepspeed.nvme_path={blocker / 'nvme'}"),
+                          "deepspeed.nvme_path", "is not writable")
+
+
+def test_ds_config_conflict_is_one_line_and_omissions_are_filled(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"gradient_clipping": 0.5, "zero_optimization": {"stage": 2, "overlap_comm": False}}))
+    assert_one_line_error(train_cli(f"--deepspeed.config={ds}", "--optim.grad_clip=1.0"),
+                          "gradient_clipping = 0.5 conflicts with optim.grad_clip")
+    cfg = load_config(None, {"parallel.engine": "deepspeed", "deepspeed.config": str(ds), "optim.grad_clip": "0.5",
+                             "train.batch_size": "4", "train.grad_accum_steps": "2"})
+    merged = build_ds_config(cfg, dp_size=2, precision="fp32")
+    assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": False}  # theirs kept, stage from theirs
+    assert (merged["train_micro_batch_size_per_gpu"], merged["gradient_accumulation_steps"],
+            merged["train_batch_size"], merged["gradient_clipping"]) == (4, 2, 16, 0.5)  # ours filled in
+    ds.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}))
+    with pytest.raises(ConfigError, match="'optimizer' is set by scaletrain"):
+        build_ds_config(cfg, dp_size=2, precision="fp32")
+
+
+@needs_deepspeed
+def test_unknown_zero_optimization_field_is_one_line(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1, "reduce_bucket_sise": 5}}))
+    assert_one_line_error(train_cli(f"--deepspeed.config={ds}"), "zero_optimization.reduce_bucket_sise")
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
+    """2 gloo ranks, 2 accumulated micro-batches, clipping on: DeepSpeed ZeRO-1/2/3 (and ZeRO-2 with the optimizer
+    state offloaded to the CPU, DeepSpeedCPUAdam) give the native engine's ZeRO-1 losses to 1e-5; each rank holds
+    the params, fp32 master partition and Adam moments the planner's DeepSpeed recipe says (plan/memory.py:
+    model_states with RECIPES["deepspeed-fp32"]), to 10%."""
+    out = tmp_path / "parity.json"
+    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(TESTS / "deepspeed_parity.py"),
+                           "--out", str(out)], env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = {r["strategy"]: r for r in json.loads(out.read_text())}
+    native = records["native"]["losses"]
+    assert native[-1] < native[0] - 0.05  # the updates happen (two batches alternate, so the loss falls)
+    for name in ("ds1", "ds2", "ds3", "ds2_cpu"):
+        got = records[name]["losses"]
+        assert max(abs(a - b) / b for a, b in zip(got, native)) < RTOL, (name, got, native)
+    for name in ("ds1", "ds2", "ds3"):
+        predicted = records[name]["planner_bytes_per_rank"]
+        for rank_bytes in records[name]["measured_bytes_per_rank"]:
+            for part in ("params", "master", "optimizer"):
+                assert abs(rank_bytes[part] - predicted[part]) <= 0.1 * predicted[part], (name, part, rank_bytes)
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+def test_kill9_then_resume_is_exact_and_checkpoints_export(tmp_path):
+    """ZeRO-2 on 2 ranks: rank 1 killed (SIGKILL) at a random step, the run resumed from DeepSpeed's checkpoint
+    ends with the uninterrupted run's losses and weights, bitwise; `scaletrain export` reads the checkpoint."""
+    config = write_config(tmp_path, steps=30, interval=5)
+    plan = ["--parallel.engine=deepspeed", "--parallel.zero_stage=2", "--train.batch_size=4"]
+    straight = tmp_path / "straight"
+    run_ok(["train", "--config", str(config), f"--train.run_dir={straight}", *plan], nproc=2,
+           TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    run = tmp_path / "run"
+    args = ["train", "--config", str(config), f"--train.run_dir={run}", *plan]
+    kill_at = random.Random(0).randint(7, 20)
+    proc = launch(args, nproc=2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    wait_for(lambda: last_step(run) >= kill_at, proc, what=f"step {kill_at}")
+    subprocess.run(["kill", "-9", str(worker_pids(proc)[1])], check=True)
+    assert finish(proc) != 0 and last_step(run) < 30
+    out = run_ok(args + ["--resume"], nproc=2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    assert "resumed from" in out and "DeepSpeed checkpoint" in out
+    assert_same_run(straight, run)  # losses per step and final weights (read through zero_to_fp32), bitwise
+    exported = subprocess.run([sys.executable, "-m", "scaletrain.cli", "export", "--run", str(run), "--out",
+                               str(tmp_path / "hf")], env=env(), capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
