@@ -158,3 +158,23 @@ def test_grad_accumulation_matches_one_big_batch():
     assert one_batch[-1] < one_batch[0] - 0.3  # it learns, so a wrong update would show
     for a, b in zip(accumulated, one_batch):
         assert abs(a - b) / abs(b) < 1e-5
+
+
+def test_materialize_keeps_tied_embeddings_tied():
+    """to_empty gives every module new parameter tensors: the path for split or replicated layouts (DDP, ZeRO-1)
+    must tie the head to the embedding again, or the ranks train two matrices the checkpoint saves as one."""
+    import torch
+
+    from scaletrain.model import build_model
+    from scaletrain.model.config import ModelConfig
+    from scaletrain.parallel.init import materialize
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_hidden_dim=64, max_seq_len=32,
+                      tie_embeddings=True)
+    reference = build_model(cfg, "cpu", seed=3)
+    for distributed in (False, True):
+        model = build_model(cfg, "meta")
+        materialize([model], cfg, torch.device("cpu"), seed=3, distributed=distributed)
+        assert model.output.weight is model.tok_embeddings.weight
+        assert len(list(model.parameters())) == len(list(reference.parameters()))
+        assert torch.equal(model.tok_embeddings.weight, reference.tok_embeddings.weight)

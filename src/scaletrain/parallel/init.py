@@ -62,3 +62,10 @@ def materialize(parts: list[nn.Module], model_cfg: ModelConfig, device: torch.de
         # Adapter tensors (adapt/: LoRA, prompts) are not in the plain reference; the fine-tuning build fills
         # them, with the base weights, right after parallelize.
         copy_full_into(part, full, names=[name for name in _named_tensors(part) if name in full])
+        # to_empty gave each module's parameters new tensors, so a tie made on the meta device (the output head
+        # sharing the embedding's matrix, model.tie_embeddings) is lost unless made again (init_weights does it
+        # on the single-process path); FSDP2 keeps its shared parameters tied by itself (then a no-op). Without
+        # it, DDP / ZeRO-1 ranks trained an untied head and embedding that a checkpoint saved as one matrix.
+        tie = getattr(part, "tie_weights", None)
+        if tie is not None:
+            tie()
