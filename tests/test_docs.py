@@ -291,6 +291,9 @@ def shell(command: str, cwd: Path, timeout: int) -> tuple[int, str, float]:
     """Run one command (or script) through bash with the wrappers; (exit status, output, seconds)."""
     command = command.replace(".venv/bin/", "")
     env = {**os.environ, "DOCS_TEST_PYTHON": sys.executable, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # The environment's other console scripts (accelerate, ...) as a person who activated it has them: CI runs
+    # `.venv/bin/python -m pytest` without activating, so they are not on its PATH.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.pop("WORLD_SIZE", None)
     t0 = time.perf_counter()
