@@ -384,3 +384,28 @@ def test_a_checkpoint_index_with_code_in_it_is_refused_without_running_it(straig
     assert not (tmp_path / "PWNED").exists()
     assert "not a plain DCP index (refers to posix.system)" in text
     assert f"resumed from {run / 'checkpoints' / 'step-00000005'}" in text
+
+
+def test_the_index_check_takes_enum_members_by_getattr_and_nothing_else(tmp_path):
+    """Python 3.11.2 and 3.12+ pickle DCP's memory-format enum member as getattr(Enum, NAME): accepted; getattr
+    on anything else (a method of an allowed type, the way to a file write) is refused."""
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from scaletrain.checkpoint.manager import CheckpointError, check_dcp_index
+
+    class Member:
+        def __reduce__(self):
+            return (getattr, (_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT"))
+
+    class Method:
+        def __reduce__(self):
+            return (getattr, (pathlib.PosixPath, "write_text"))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps([Member()]))
+    check_dcp_index(tmp_path)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps([Method()]))
+    with pytest.raises(CheckpointError, match=r"getattr\(PosixPath, 'write_text'\)"):
+        check_dcp_index(tmp_path)

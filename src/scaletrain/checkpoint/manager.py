@@ -35,6 +35,7 @@ pickle written by torch, and is only read after its sha256 matched the one our J
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import json
 import os
 import pickle
@@ -410,10 +411,22 @@ class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module in self.ALLOWED_MODULES or (module, name) in self.ALLOWED:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            # Some Python builds (3.11.2, 3.12+) pickle an enum member (the index's memory-format enum) as
+            # getattr(EnumClass, "NAME"); a general getattr would reach any method of the allowed types.
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format,
                                                                           torch.layout)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refers to {module}.{name}")
+
+
+def _enum_member(cls, name: str):
+    """``getattr`` as a DCP index may use it: a member of an enum of the index's own module, nothing else."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__ in _IndexUnpickler.ALLOWED_MODULES \
+            and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"refers to getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r})")
 
 
 def check_dcp_index(path: Path) -> None:
