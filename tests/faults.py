@@ -171,3 +171,16 @@ def assert_same_run(a: Path, b: Path, rtol: float = 0.0) -> None:
         else:  # relative to the tensor's size: Adam's m / sqrt(v) amplifies rounding in near-zero entries
             rel = float((wa[k] - wb[k]).norm() / wa[k].norm())
             assert rel <= rtol, f"final {k} differs: relative difference {rel:.2e}"
+
+
+def train_args(config: Path, run: Path, *extra: str) -> list[str]:
+    """``scaletrain train`` of ``config`` into run folder ``run``, plus ``extra`` flags."""
+    return ["train", "--config", str(config), f"--train.run_dir={run}", *extra]
+
+
+def reference_run(folder: Path, steps: int, interval: int) -> tuple[Path, Path]:
+    """An uninterrupted run of the tiny job (synchronous checkpoints every ``interval`` steps) in ``folder``:
+    (its config, its run folder), the reference a resumed run must end equal to."""
+    config = write_config(folder, steps, interval)
+    run_ok(train_args(config, folder / "run"))
+    return config, folder / "run"

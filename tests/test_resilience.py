@@ -11,7 +11,17 @@ import signal
 import pytest
 import torch
 
-from faults import assert_same_run, finish, last_step, launch, output, run_ok, wait_for, write_config
+from faults import (
+    assert_same_run,
+    finish,
+    last_step,
+    launch,
+    output,
+    reference_run,
+    run_ok,
+    train_args,
+    wait_for,
+)
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import load_config
 from scaletrain.train.preemption import PREEMPTED_EXIT_CODE
@@ -23,14 +33,7 @@ STEPS, INTERVAL = 60, 5
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The uninterrupted reference run (synchronous checkpoints every 5 steps)."""
-    folder = tmp_path_factory.mktemp("straight")
-    config = write_config(folder, STEPS, INTERVAL)
-    run_ok(["train", "--config", str(config), f"--train.run_dir={folder / 'run'}"])
-    return config, folder / "run"
-
-
-def train_args(config, run, *extra: str) -> list[str]:
-    return ["train", "--config", str(config), f"--train.run_dir={run}", *extra]
+    return reference_run(tmp_path_factory.mktemp("straight"), STEPS, INTERVAL)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

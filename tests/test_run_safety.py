@@ -17,7 +17,19 @@ import time
 import pytest
 import torch
 
-from faults import TESTS, assert_same_run, env, finish, last_step, launch, output, run_ok, wait_for, write_config
+from faults import (
+    TESTS,
+    assert_same_run,
+    env,
+    finish,
+    last_step,
+    launch,
+    output,
+    reference_run,
+    run_ok,
+    train_args,
+    wait_for,
+)
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.run_folder import LOCK_FILE, RunLock, checkpoint_disk_check, claim_run_folder
 from scaletrain.files import StorageError, guarded_write, is_storage_error
@@ -30,14 +42,7 @@ STEPS, INTERVAL = 30, 5
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The uninterrupted reference run."""
-    folder = tmp_path_factory.mktemp("straight")
-    config = write_config(folder, STEPS, INTERVAL)
-    run_ok(["train", "--config", str(config), f"--train.run_dir={folder / 'run'}"])
-    return config, folder / "run"
-
-
-def train_args(config, run, *extra: str) -> list[str]:
-    return ["train", "--config", str(config), f"--train.run_dir={run}", *extra]
+    return reference_run(tmp_path_factory.mktemp("straight"), STEPS, INTERVAL)
 
 
 def steps_in(run) -> list[int]:

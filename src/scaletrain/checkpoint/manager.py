@@ -111,28 +111,8 @@ class CheckpointManager:
         """Write checkpoint ``step``: ``tensors`` through DCP (sharded), ``local`` as this rank's file,
         ``meta`` into the marker. Returns the final folder (complete once ``wait()`` returns)."""
         t0 = time.perf_counter()
-        self.wait()  # one save in flight at most: bounded staging memory, and checkpoints complete in order
-        final = self.folder / step_dir_name(step)
-        tmp = self.folder / f".{final.name}.tmp"
-        what = f"checkpoint {final}"
-        failure = None
-        if self.rank == 0:
-            try:
-                with self._guard(what, tmp):
-                    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash; nobody else is writing it now
-                    tmp.mkdir(parents=True)
-            except StorageError as exc:
-                failure = exc
-        self._agree(failure, what)  # also the barrier: the folder exists before anyone writes into it
-        try:
-            with self._guard(what, tmp):
-                torch.save({name: obj.state_dict() for name, obj in local.items()}, tmp / rank_file(self.rank))
-        except StorageError as exc:
-            failure = exc
-        self._agree(failure, what, tmp)
-        meta = {"step": step, "world_size": self.world_size, **meta}
-        if self.run_id:
-            meta["run_id"] = self.run_id
+        final, tmp, what, meta = self._begin(step, meta)
+        self._write_local(tmp, what, local)
         if blocking:
             with self._guard(what, tmp):  # DCP gathers every rank's failure: all ranks raise here together
                 self._write(tensors, tmp)
@@ -148,6 +128,15 @@ class CheckpointManager:
     def save_with(self, step: int, write: Callable[[Path], None], local: dict[str, Stateful], meta: dict) -> Path:
         """``save`` (blocking) for tensors another library writes: ``write(folder)`` runs on every rank (e.g.
         DeepSpeed's ``engine.save_checkpoint``), then this rank's small state and, last, the marker."""
+        final, tmp, what, meta = self._begin(step, meta)
+        self._write_local(tmp, what, local, write)  # every rank's files are on disk before rank 0 writes the marker
+        self._finish(tmp, final, meta)
+        return final
+
+    def _begin(self, step: int, meta: dict) -> tuple[Path, Path, str, dict]:
+        """Start checkpoint ``step`` (collective): wait for the save in flight (one at most: bounded staging
+        memory, checkpoints complete in order), create the hidden folder, and return (final folder, hidden
+        folder, what it is for messages, the marker's record with step, world size and run id)."""
         self.wait()
         final = self.folder / step_dir_name(step)
         tmp = self.folder / f".{final.name}.tmp"
@@ -156,23 +145,29 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 with self._guard(what, tmp):
-                    shutil.rmtree(tmp, ignore_errors=True)
+                    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash; nobody else is writing it now
                     tmp.mkdir(parents=True)
             except StorageError as exc:
                 failure = exc
-        self._agree(failure, what)
-        try:
-            with self._guard(what, tmp):
-                torch.save({name: obj.state_dict() for name, obj in local.items()}, tmp / rank_file(self.rank))
-                write(tmp)
-        except StorageError as exc:
-            failure = exc
-        self._agree(failure, what, tmp)  # every rank's files are on disk before rank 0 writes the marker
+        self._agree(failure, what)  # also the barrier: the folder exists before anyone writes into it
         meta = {"step": step, "world_size": self.world_size, **meta}
         if self.run_id:
             meta["run_id"] = self.run_id
-        self._finish(tmp, final, meta)
-        return final
+        return final, tmp, what, meta
+
+    def _write_local(self, tmp: Path, what: str, local: dict[str, Stateful],
+                     write: Callable[[Path], None] | None = None) -> None:
+        """This rank's small state (and ``write(tmp)``, when another library writes the tensors) into the
+        hidden folder; collective: every rank raises when any rank's write failed."""
+        failure = None
+        try:
+            with self._guard(what, tmp):
+                torch.save({name: obj.state_dict() for name, obj in local.items()}, tmp / rank_file(self.rank))
+                if write is not None:
+                    write(tmp)
+        except StorageError as exc:
+            failure = exc
+        self._agree(failure, what, tmp)
 
     def _write(self, tensors: dict, path: Path) -> None:
         if _distributed():
