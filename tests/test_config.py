@@ -126,3 +126,28 @@ def test_a_cli_preset_overrides_the_toml_fields_it_sets(tmp_path):
     assert load_config(p).model.dim == 128  # without a CLI preset the TOML's own fields win over its preset
     recipe = load_config(Path(__file__).resolve().parents[1] / "configs" / "default.toml", {"model.preset": "micro"})
     assert (recipe.model.dim, recipe.model.ffn_hidden_dim) == (256, 688)
+
+
+def test_a_command_imports_only_its_own_package():
+    """`scaletrain report`/`prepare`/--help must not pay for importing the planner and torch.distributed's
+    checkpoint stack (seconds per command): plugins load on demand, errors are caught through UserError."""
+    code = ("import sys; from scaletrain.cli import build_parser; build_parser(['report', 'x']); "
+            "print(sorted(m for m in ('scaletrain.plan.cli', 'scaletrain.data.cli', 'scaletrain.train.trainer', "
+            "'torch.distributed.checkpoint', 'scaletrain.report.cli') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['scaletrain.report.cli']"
+
+
+def test_every_user_error_is_one_line_exit_2(tmp_path, capsys):
+    from scaletrain.checkpoint import CheckpointError
+    from scaletrain.data.tokenizer import DataError
+    from scaletrain.files import StorageError
+    from scaletrain.options import UserError
+    from scaletrain.train.trainer import TrainingError
+
+    assert all(issubclass(e, UserError) for e in (ConfigError, DataError, CheckpointError, TrainingError, StorageError))
+    assert main(["eval", "--run", str(tmp_path / "none")]) == 2  # a command's own error, caught without importing
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.split(":")[0].endswith("Error")
+    assert main(["prepare", "--config", str(tmp_path / "missing.toml")]) == 2  # a plugin's error
+    assert "\n" not in capsys.readouterr().err.strip()

@@ -19,6 +19,7 @@ from scaletrain.config import (
     overrides_from_args,
     to_toml,
 )
+from scaletrain.options import UserError
 
 
 def _train_parser(sub) -> None:
@@ -140,7 +141,9 @@ def _eval_parser(sub) -> None:
     p.add_argument("--text", help="a UTF-8 text file (or builtin:NAME) to score instead of the run's validation "
                                   "split (with a char tokenizer, characters outside its vocabulary are skipped and "
                                   "counted)")
-    p.add_argument("--batches", type=int, default=0, help="validation batches to score; 0 = the whole split")
+    p.add_argument("--batches", type=int, default=0,
+                   help="batches (train.batch_size x data.seq_len tokens) to score from the start of the validation "
+                        "split or --text; 0 = all of it")
     p.set_defaults(func=cmd_eval)
 
 
@@ -164,6 +167,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if unknown:
             print(describe_skipped(unknown), flush=True)
         tokens = torch.tensor(ids, dtype=torch.long)
+        if args.batches:
+            tokens = tokens[: args.batches * cfg.train.batch_size * cfg.data.seq_len + 1]
         source = str(path)
     else:
         stream = TokenStream(str(prepare_data(cfg)), "val")
@@ -264,12 +269,16 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     return cmd_train(args)
 
 
-def _plugin_parser(sub, name: str, module: str, add: str, run: str, help: str) -> None:
-    """Commands whose arguments and implementation live in their own package (data, plan)."""
+def _plugin_parser(sub, name: str, module: str, add: str, run: str, help: str, *, load: bool) -> None:
+    """Commands whose arguments and implementation live in their own package (data, plan, report). Only the
+    command being run imports its package (``load``); the others are listed by name and help, so
+    ``scaletrain prepare`` or ``scaletrain --help`` do not pay for importing the planner or torch.distributed."""
+    p = sub.add_parser(name, help=help)
+    if not load:
+        return
     import importlib
 
     mod = importlib.import_module(module)
-    p = sub.add_parser(name, help=help)
     getattr(mod, add)(p)
     p.set_defaults(func=getattr(mod, run))
 
@@ -281,7 +290,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line. With ``argv``, only the plugin command named in it is imported (see
+    ``_plugin_parser``); without, every plugin is (for tools that inspect the full parser)."""
     parser = OneLineParser(prog="scaletrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _train_parser(sub)
@@ -289,8 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _export_parser(sub)
     _finetune_parser(sub)
+    wanted = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
     for name, module, add, run, help in PLUGINS:
-        _plugin_parser(sub, name, module, add, run, help)
+        _plugin_parser(sub, name, module, add, run, help, load=wanted is None or wanted == name)
     return parser
 
 
@@ -307,16 +319,11 @@ PLUGINS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    from scaletrain.checkpoint import CheckpointError
-    from scaletrain.data.tokenizer import DataError
-    from scaletrain.files import StorageError
-    from scaletrain.train.trainer import TrainingError
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args) or 0
-    except (ConfigError, DataError, CheckpointError, TrainingError, StorageError) as exc:
+    except UserError as exc:  # ConfigError, DataError, CheckpointError, TrainingError, StorageError
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

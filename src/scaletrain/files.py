@@ -1,5 +1,6 @@
-"""Small file helpers shared by data, checkpoints and export (the bottom layer: no scaletrain imports): checksums,
-and the one path every write that can fill a disk goes through (``guarded_write``)."""
+"""Small file helpers shared by data, checkpoints and export (the bottom layer, beside options.py: imports
+nothing else of scaletrain): checksums, and the one path every write that can fill a disk goes through
+(``guarded_write``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from scaletrain.options import UserError
+
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     """Hex SHA-256 of a file, read in ``chunk``-byte blocks (constant memory for any size)."""
@@ -21,7 +24,7 @@ def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-class StorageError(RuntimeError):
+class StorageError(UserError, RuntimeError):
     """A write that failed for lack of space, quota or permission; the message is one line for a person:
     what was being written, why it failed, bytes needed vs free, and what is still intact."""
 

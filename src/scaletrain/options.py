@@ -1,4 +1,4 @@
-"""The two things every layer's config builds on: ``ConfigError`` and the documented field ``opt``.
+"""What every layer's config builds on: ``UserError`` / ``ConfigError`` and the documented field ``opt``.
 
 They live at the bottom of the package so that the model's own config (``model/config.py``) and the
 job's config tree (``config.py``) share them without the model importing anything above it.
@@ -10,7 +10,13 @@ from dataclasses import field
 from typing import Any
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A problem a person can fix (config, data, checkpoint, storage, a diverged run): the CLI prints it as one
+    line and exits with code 2. Each layer's error subclasses it, so the CLI catches them all without importing
+    the layers (which would cost every command, ``--help`` included, the import of torch.distributed)."""
+
+
+class ConfigError(UserError, ValueError):
     """A config problem a person can fix; the CLI prints it as one line and exits with code 2."""
 
 

@@ -53,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from scaletrain.files import StorageError, file_sha256, guarded_write, remove_quietly
+from scaletrain.options import UserError
 
 META = "meta.json"
 
@@ -68,7 +69,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> Any: ...
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used; the message names the folder and the problem."""
 
 

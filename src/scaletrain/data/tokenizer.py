@@ -13,10 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from scaletrain.options import UserError
+
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data problem a person can fix; printed as one line naming the file."""
 
 

@@ -30,6 +30,7 @@ from scaletrain.files import StorageError, free_bytes, human_bytes
 from scaletrain.hardware import devices_in_job, peak_flops
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
+from scaletrain.options import UserError
 from scaletrain.parallel import forward_loss
 from scaletrain.parallel.compile import compile_unavailable
 from scaletrain.parallel.dims import VOCAB_MULTIPLE, padded_vocab_size
@@ -54,7 +55,7 @@ from scaletrain.train.step import build_parallel_training, training_step
 from scaletrain.train.validate import check_runnable
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot go on (e.g. non-finite steps with nothing to roll back to); printed as one line."""
 
 
