@@ -278,7 +278,7 @@ class Trainer:
         cfg = self.cfg
         lr = lr_at(self.state.step, cfg.optim.lr, cfg.train.steps, cfg.schedule)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # lr_scale: muP's per-group factor (train/optimizer.py)
         verdicts = []
 
         def before_update(loss: float, grad_norm: float) -> bool:
