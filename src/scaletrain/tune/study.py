@@ -1,7 +1,7 @@
 """``scaletrain tune``: an Optuna study over config fields, stored in SQLite in the tune folder.
 
 Why Optuna and its RDB storage rather than our own loop: TPE, the median pruner, heartbeats that mark a
-killed worker's trial failed (and ``RetryFailedTrialCallback`` that runs its parameters again), and a study
+killed worker's trial failed (and ``RetryHeartbeatStaleTrialCallback`` that runs its parameters again), and a study
 that any number of processes share through one SQLite file are all there, tested by others.
 
 Trials run **in-process** in each worker (the tune process itself is worker 0; ``--parallel K`` starts K - 1
@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ def _optuna():
         raise ConfigError("scaletrain tune needs optuna: pip install 'scaletrain[tune]' (or pip install optuna)") \
             from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Heartbeats are marked experimental since Optuna 2.8; they are what makes a killed study resumable here.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     return optuna
 
 
@@ -54,7 +57,7 @@ def open_storage(folder: Path) -> Any:
     return optuna.storages.RDBStorage(
         f"sqlite:///{folder.resolve() / 'study.db'}", heartbeat_interval=HEARTBEAT_SECONDS,
         grace_period=GRACE_SECONDS,
-        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1),
+        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
         # Several processes write one SQLite file: wait for the lock instead of failing at once.
         engine_kwargs={"connect_args": {"timeout": 120}})
 
@@ -251,7 +254,7 @@ def write_study_json(study: Any, folder: Path) -> Path:
     workers rewrite it as their trials finish."""
     best = best_trial(study)
     doc = {"kind": "scaletrain-tune", "study": STUDY_NAME, "direction": "minimize", "objective": "final val loss",
-           "params": [p.name for p in load_space(folder / "space.toml")],
+           "params": [{"name": p.name, "kind": p.kind} for p in load_space(folder / "space.toml")],
            "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params},
            "trials": trial_rows(study)}
     tmp = folder / f".study.json.{os.getpid()}"
