@@ -8,7 +8,7 @@ Each table whose name is a dotted config field (any field of ``scaletrain train 
     high = 1e-2
 
     [model.n_layers]
-    type = "int"
+    type = "int"          # an int field takes "int", or "log" (e.g. a batch size over powers)
     low = 2
     high = 6
     step = 2              # optional (int, linear)
@@ -48,8 +48,9 @@ class Param:
         """The value an Optuna ``trial`` proposes for this field."""
         if self.kind == "categorical":
             return trial.suggest_categorical(self.name, list(self.choices))
-        if self.kind == "int":
-            return trial.suggest_int(self.name, int(self.low), int(self.high), step=int(self.step or 1))
+        if self.kind == "int" or (self.kind == "log" and isinstance(self.low, int)):  # log over an int field
+            return trial.suggest_int(self.name, int(self.low), int(self.high), step=int(self.step or 1),
+                                     log=self.kind == "log")
         return trial.suggest_float(self.name, float(self.low), float(self.high), log=self.kind == "log",
                                    step=None if self.kind == "log" or self.step is None else float(self.step))
 
@@ -111,11 +112,10 @@ def parse_space(raw: dict, where: str = "") -> list[Param]:
             continue
         if "low" not in table or "high" not in table:
             raise ConfigError(f"{name}: a {kind} range needs low and high{where}")
-        if tp not in (int, float) or (kind == "int" and tp is not int):
-            allowed = "int" if tp is int else "categorical"
+        if tp not in (int, float) or (kind == "int" and tp is not int) or (kind == "linear" and tp is int):
+            allowed = "int\" (or \"log\")" if tp is int else "log\" or \"linear" if tp is float else "categorical"
             raise ConfigError(f"{name} is a {getattr(tp, '__name__', tp)} field: use type = \"{allowed}\"{where}")
-        low, high = (_check_value(name, table[k], float if kind != "int" else int, field, where)
-                     for k in ("low", "high"))
+        low, high = (_check_value(name, table[k], tp, field, where) for k in ("low", "high"))
         if low > high:
             raise ConfigError(f"{name}: low ({low}) > high ({high}){where}; swap them")
         if kind == "log" and low <= 0:
