@@ -151,6 +151,7 @@ class Objective:
         t0 = time.time()
         trainer = Trainer(cfg, log=False)
         tokens_per_step = trainer.tokens_per_step
+        trial.set_user_attr("flops_per_token", trainer.flops_per_token)
 
         def report(step: int, val_loss: float) -> None:
             if step == 0:  # before any training: says nothing about the hyperparameters
@@ -238,6 +239,7 @@ def trial_rows(study: Any) -> list[dict]:
                      "intermediate": {str(k): v for k, v in sorted(t.intermediate_values.items())},
                      "steps": t.user_attrs.get("steps", 0), "tokens": t.user_attrs.get("tokens", 0),
                      "seconds": t.user_attrs.get("seconds"), "note": t.user_attrs.get("skipped", ""),
+                     "flops": t.user_attrs.get("tokens", 0) * t.user_attrs.get("flops_per_token", 0.0),
                      "baseline": bool(t.user_attrs.get("baseline")),
                      "run_dir": t.user_attrs.get("run_dir", "")})
     return rows
