@@ -4,9 +4,10 @@ parametrization and under muP (base width 128), through the real ``Trainer``.
 Each point trains a small Llama (2 layers, head_dim 32 so the heads grow with the width, SwiGLU 8/3 d) on
 char-level Tiny Shakespeare (seq 32, batch 8) for ``--steps`` AdamW steps (warmup 10, cosine to lr/10,
 fp32, eager, one thread) from the same seed and data order, at six learning rates 5e-4 .. 1.6e-2 a factor 2
-apart, and is scored by the val loss over 10 fixed batches. The best lr of a width is the vertex of a parabola through the three grid points around the grid's
-minimum in log(lr) (the grid minimum itself when it sits at an end). Reported: each width's best lr and its
-drift from width 128 to 512 (muP should stay within 2x, the standard parametrization should drift).
+apart, and is scored by the val loss over 10 fixed batches. The best lr of a width is the vertex of a parabola
+through the three grid points around the grid's minimum in log(lr) (the grid minimum itself when it sits at an
+end). Reported: each width's best lr and its drift from width 128 to 512 (muP should stay within 2x, the
+standard parametrization should drift).
 
     .venv/bin/python benchmarks/mup.py              # ~10-15 minutes on 2 shared cores (two processes)
 
