@@ -41,11 +41,42 @@ def job(steps: int, run_dir: str, lr: float | None = None):
     return load_config(RECIPE, {k: str(v) for k, v in over.items()})
 
 
+def interpolated_best(grid: list[dict]) -> float:
+    """The vertex of the parabola in log(lr) through the grid's best point and its two neighbours (the grid
+    point itself at an end): where between the grid points the best lr lies."""
+    from mup import best_lr  # benchmarks/mup.py: the same rule for the width sweep
+
+    return best_lr([g["lr"] for g in grid], [g["val_loss"] for g in grid])
+
+
+def summarise(found: dict, grid: list[dict], steps: int, seconds: float) -> dict:
+    best = min(grid, key=lambda g: g["val_loss"])
+    suggested = found["suggested_lr"]
+    ratio = max(suggested, best["lr"]) / min(suggested, best["lr"])
+    between = interpolated_best(grid)
+    ratio_between = max(suggested, between) / min(suggested, between)
+    return {"benchmark": "lr_find", "recipe": str(RECIPE.relative_to(ROOT)), "steps": steps, "lr_find": found,
+            "grid": grid, "grid_best_lr": best["lr"], "grid_best_val_loss": best["val_loss"],
+            "ratio_to_grid_best": ratio, "within_2x": ratio <= 2, "interpolated_best_lr": between,
+            "ratio_to_interpolated_best": ratio_between,
+            "steepest_ratio_to_grid_best": max(found["steepest_lr"], best["lr"])
+            / min(found["steepest_lr"], best["lr"]),
+            "seconds": round(seconds, 1), "machine": platform.processor() or platform.machine()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=250, help="steps of each grid run (the recipe: 2000)")
     parser.add_argument("--out", default=default_out("lr_find.json"), help=OUT_HELP.format(name="lr_find.json"))
+    parser.add_argument("--summarise", default="", help="an earlier lr_find.json: recompute its summary from its "
+                                                        "saved sweep and grid, training nothing")
     args = parser.parse_args()
+    if args.summarise:
+        old = json.loads(Path(args.summarise).read_text())
+        result = summarise(old["lr_find"], old["grid"], old["steps"], old["seconds"])
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+        return 0
     import torch
 
     from scaletrain.train.trainer import Trainer
@@ -64,16 +95,11 @@ def main() -> int:
             loss = Trainer(job(args.steps, f"{tmp}/grid-{lr:g}", lr), log=False).train()["final_val_loss"]
             grid.append({"lr": lr, "val_loss": loss, "seconds": round(time.time() - t1, 1)})
             print(f"grid lr {lr:g}: val loss {loss:.4f}", flush=True)
-    best = min(grid, key=lambda g: g["val_loss"])
-    ratio = max(found.suggested_lr, best["lr"]) / min(found.suggested_lr, best["lr"])
-    result = {"benchmark": "lr_find", "recipe": str(RECIPE.relative_to(ROOT)), "steps": args.steps,
-              "lr_find": {"suggested_lr": found.suggested_lr, "min_lr": found.min_lr,
-                          "steepest_lr": found.steepest_lr, "stopped": found.stopped, "points": len(found.lrs),
-                          "seconds": round(sweep_seconds, 1)},
-              "grid": grid, "grid_best_lr": best["lr"], "grid_best_val_loss": best["val_loss"],
-              "ratio_to_grid_best": ratio, "within_2x": ratio <= 2, "seconds": round(time.time() - t0, 1),
-              "machine": platform.processor() or platform.machine()}
-    print(f"suggested {found.suggested_lr:.3g} vs grid best {best['lr']:g}: {ratio:.2f}x")
+    summary = {"suggested_lr": found.suggested_lr, "min_lr": found.min_lr, "steepest_lr": found.steepest_lr,
+               "stopped": found.stopped, "points": len(found.lrs), "seconds": round(sweep_seconds, 1)}
+    result = summarise(summary, grid, args.steps, time.time() - t0)
+    print(f"suggested {found.suggested_lr:.3g} vs grid best {result['grid_best_lr']:g}: "
+          f"{result['ratio_to_grid_best']:.2f}x (interpolated best {result['interpolated_best_lr']:.3g})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
