@@ -17,6 +17,16 @@ pytest.importorskip("optuna")
 SPACE = Path(__file__).parent / "fixtures" / "tune" / "space.toml"
 
 
+@pytest.fixture(autouse=True)
+def keep_threads():
+    """The trials train on one thread (train.threads, set process-wide by the Trainer): put it back after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def flags(overrides: dict) -> list[str]:
     return [f"--{k}={v}" for k, v in overrides.items()]
 
@@ -51,7 +61,7 @@ def test_space_kinds():
 def test_study_continues_skips_what_does_not_fit_and_reports(tmp_path, tiny, capsys):
     pytest.importorskip("plotly")
     job = tiny(tmp_path / "job", **{"train.steps": 10, "train.eval_interval": 5, "train.compile": "false",
-                                    "monitor.enabled": "false"})
+                                    "monitor.enabled": "false", "train.threads": 1})
     folder = tmp_path / "tune"
     tune = ["tune", "--space", str(SPACE), "--dir", str(folder), *flags(job)]
     assert main([*tune, "--trials", "2"]) == 0
@@ -87,7 +97,7 @@ def test_trials_the_planner_says_do_not_fit_are_skipped(tmp_path, tiny):
 
 
 def test_lr_find_sweeps_to_divergence_and_suggests(tmp_path, tiny):
-    cfg = load_config(None, tiny(tmp_path / "job", **{"train.compile": "false"}))
+    cfg = load_config(None, tiny(tmp_path / "job", **{"train.compile": "false", "train.threads": 1}))
     result = lr_find(cfg, tmp_path / "lr", start=1e-4, end=10.0, steps=25)
     assert result.lrs[0] == pytest.approx(1e-4) and len(result.lrs) == len(result.smoothed)
     assert result.lrs == sorted(result.lrs)
