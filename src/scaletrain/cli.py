@@ -315,6 +315,10 @@ PLUGINS = [
      "describe this machine and measure its FLOP/s and bandwidths for the planner"),
     ("report", "scaletrain.report.cli", "add_report_arguments", "run_report",
      "one offline HTML page of a run's curves, resources, events and predicted vs measured (several overlay)"),
+    ("tune", "scaletrain.tune.cli", "add_tune_arguments", "run_tune",
+     "hyperparameter search over config fields (Optuna TPE + pruning; a resumable SQLite study)"),
+    ("lr-find", "scaletrain.tune.cli", "add_lr_find_arguments", "run_lr_find",
+     "learning-rate range test: exponential sweep to divergence, the curve and a suggested optim.lr"),
 ]
 
 

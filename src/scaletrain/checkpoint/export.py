@@ -100,6 +100,9 @@ def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir:
 
     The exported vocabulary is the tokenizer's: a model padded beyond it (for tensor parallelism or a
     GPU-friendly size) loses its padding rows, so config.json and the weights match the tokenizer files."""
+    if cfg.parametrization != "standard":  # LlamaForCausalLM has no logit multiplier nor 1/head_dim attention
+        raise ConfigError(f"model.parametrization={cfg.parametrization} cannot be exported as a Hugging Face Llama "
+                          f"(its logit and attention scales are not Llama's); only standard models export")
     if cfg.vocab_size > tokenizer.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size)
     out = Path(out_dir)

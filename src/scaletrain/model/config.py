@@ -37,3 +37,9 @@ class ModelConfig:
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0)
     tie_embeddings: bool = opt(False, "share the input embedding and the output projection")
     init_std: float = opt(0.02, "standard deviation of the normal weight init", gt=0)
+    parametrization: str = opt("standard", "standard, or mup (Tensor Programs V: hidden matrices init std and "
+                                           "Adam lr scaled by 1/width_mult, logits by 1/width_mult, attention "
+                                           "by 1/head_dim; width_mult = dim / mup_base_width; docs/tuning.md)",
+                               choices=("standard", "mup"))
+    mup_base_width: int = opt(128, "mup: the width whose hyperparameters transfer (at dim = mup_base_width "
+                                   "muP equals the standard parametrization)", ge=1)

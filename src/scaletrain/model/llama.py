@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.model.config import ModelConfig
+from scaletrain.model.mup import attention_scale, hidden_init_scale, output_multiplier
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 
@@ -116,6 +117,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.scale = attention_scale(cfg)  # None = SDPA's 1/sqrt(head_dim); muP: ~1/head_dim (model/mup.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,9 +131,9 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
         if attn_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:  # e.g. causal *and* confined to each packed document
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, T, H*hd)
         return self.wo(out)
 
@@ -173,6 +175,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.RMSNorm | None = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output_multiplier = output_multiplier(cfg)  # 1, or muP's 1/width_mult (model/mup.py)
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -188,10 +191,12 @@ class Transformer(nn.Module):
         """The one place weights are initialised (after materializing from the meta device).
 
         Normal(0, init_std) everywhere; the residual-stream output projections (wo, w2) are scaled by
-        1/sqrt(2 * n_layers) as in GPT-2 so the residual variance does not grow with depth.
+        1/sqrt(2 * n_layers) as in GPT-2 so the residual variance does not grow with depth. Under muP
+        (model.parametrization = "mup") the block matrices' std is further scaled by 1/sqrt(width_mult).
         """
         std = self.cfg.init_std
-        depth_std = std / math.sqrt(2 * self.cfg.n_layers)
+        hidden_std = std * hidden_init_scale(self.cfg)  # = std in the standard parametrization
+        depth_std = hidden_std / math.sqrt(2 * self.cfg.n_layers)
         cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta,
                                device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
@@ -199,7 +204,9 @@ class Transformer(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 is_residual_out = name.endswith("attention.wo") or name.endswith("feed_forward.w2")
-                nn.init.normal_(module.weight, mean=0.0, std=depth_std if is_residual_out else std)
+                is_hidden = name.startswith("layers.")  # the readout (output) keeps init_std
+                nn.init.normal_(module.weight, mean=0.0,
+                                std=depth_std if is_residual_out else hidden_std if is_hidden else std)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, nn.RMSNorm):
@@ -214,7 +221,10 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, attn_mask)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)  # (B, T, vocab)
+        return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:

@@ -46,7 +46,10 @@ def run_report(args: argparse.Namespace) -> int:
         raise ConfigError("scaletrain report draws with plotly: pip install 'scaletrain[monitor]' "
                           "(or pip install plotly)") from None
     from scaletrain.report.html import render
+    from scaletrain.report.study import is_study_folder
 
+    if any(is_study_folder(path) for path in args.runs):  # `scaletrain tune` folders: the study page
+        return _report_studies(args)
     if args.price < 0:
         raise ConfigError(f"--price must be >= 0 (got {args.price})")
     prediction = plan_prediction(args.plan) if args.plan else None
@@ -66,4 +69,19 @@ def run_report(args: argparse.Namespace) -> int:
         for note in run.missing:
             print(f"{run.name}: {note}")
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {len(runs)} run(s); opens offline)")
+    return 0
+
+
+def _report_studies(args: argparse.Namespace) -> int:
+    """``scaletrain report TUNE_FOLDER ...``: the studies' page (report/study.py)."""
+    from scaletrain.report.study import is_study_folder, render_studies
+
+    others = [path for path in args.runs if not is_study_folder(path)]
+    if others:
+        study = next(path for path in args.runs if is_study_folder(path))
+        raise ConfigError(f"{others[0]} is a run folder and {study} a tune folder: report them in two commands")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_studies(args.runs, args.title))
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {len(args.runs)} tune stud(ies); opens offline)")
     return 0

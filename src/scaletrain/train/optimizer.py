@@ -29,23 +29,45 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def mup_param_groups(model: nn.Module, weight_decay: float, width_mult: float) -> list[dict]:
+    """``param_groups`` split for muP (model/mup.py, as the ``mup`` package's MuAdam): the hidden matrices (the
+    Linear layers inside blocks, both dimensions growing with the width) get ``lr_scale = 1 / width_mult`` and
+    weight decay ``* width_mult`` (AdamW multiplies the decay by the lr, so their product stays put); the
+    embedding, norms and the readout (output) keep the base lr. The trainer sets each group's lr to the
+    schedule's lr times its ``lr_scale``."""
+    decay, no_decay = param_groups(model, weight_decay)
+    hidden_ids = {id(p) for name, module in model.named_modules() if isinstance(module, nn.Linear)
+                  and ".layers." in f".{name}." for p in module.parameters(recurse=False)}
+    hidden = [p for p in decay["params"] if id(p) in hidden_ids]
+    rest = [p for p in decay["params"] if id(p) not in hidden_ids]
+    return [{"params": hidden, "weight_decay": weight_decay * width_mult, "lr_scale": 1.0 / width_mult},
+            {"params": rest, "weight_decay": weight_decay, "lr_scale": 1.0},
+            {**no_decay, "lr_scale": 1.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
+                    width_mult: float = 1.0) -> torch.optim.AdamW:
+    """AdamW over ``param_groups``; ``width_mult`` != 1 (muP): ``mup_param_groups``, each group's initial lr
+    already times its ``lr_scale``."""
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "loop" else {"foreach": False}
     if impl == "fused":
         kwargs.pop("foreach")
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, **kwargs)
+    groups = param_groups(model, cfg.weight_decay) if width_mult == 1.0 else \
+        [{**g, "lr": cfg.lr * g["lr_scale"]} for g in mup_param_groups(model, cfg.weight_decay, width_mult)]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 
-def build_parallel_optimizer(pm: ParallelModel, cfg: OptimConfig, device: torch.device, zero_stage: int):
+def build_parallel_optimizer(pm: ParallelModel, cfg: OptimConfig, device: torch.device, zero_stage: int,
+                             width_mult: float = 1.0):
     """AdamW over this rank's parameters (all parts), or ZeRO-1 (``ZeroRedundancyOptimizer``) around it."""
-    adamw = build_optimizer(nn.ModuleList(pm.modules), cfg, device)
+    adamw = build_optimizer(nn.ModuleList(pm.modules), cfg, device, width_mult)
     if zero_stage != 1 or pm.dims.dp_replicate == 1:
         return adamw
     accepted = inspect.signature(torch.optim.AdamW.__init__).parameters
     kwargs = {k: v for k, v in adamw.defaults.items() if k in accepted and k not in ("weight_decay", "params")}
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw.param_groups]
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"], "lr": g["lr"],
+               **({"lr_scale": g["lr_scale"]} if "lr_scale" in g else {})} for g in adamw.param_groups]
     return build_zero1_optimizer(groups, pm.group("dp_replicate"), **kwargs)

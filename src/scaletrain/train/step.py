@@ -19,6 +19,7 @@ from scaletrain.adapt import apply_method, load_base_and_adapters, open_base
 from scaletrain.adapt.methods import finish_method
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
+from scaletrain.model.mup import width_mult
 from scaletrain.parallel import ParallelDims, ParallelModel, clip_grad_norm_, forward_backward, parallelize
 from scaletrain.train.optimizer import build_parallel_optimizer
 
@@ -44,7 +45,7 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
         load_base_and_adapters(pm.modules, open_base(cfg.finetune.source).state(), cfg.train.seed)
         finish_method(pm.modules[0], cfg.finetune)
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
-    return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage)
+    return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage, width_mult(cfg.model))
 
 
 @dataclass

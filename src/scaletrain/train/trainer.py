@@ -10,6 +10,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -207,6 +208,11 @@ class Trainer:
         self.data_times: list[float] = []  # seconds of each step spent waiting for batches (monitor.timed)
         self.monitor: ResourceMonitor | None = None
         self.evals: list[dict] = []
+        # Hooks for commands over runs (tune/): ``on_eval(step, val_loss)`` after each evaluation (a tune trial
+        # reports to its pruner there; an exception it raises ends the run, the caller then calls ``close``),
+        # and ``lr_override(step)``, the peak learning rate of each step instead of the schedule's (lr-find).
+        self.on_eval: Callable[[int, float], None] | None = None
+        self.lr_override: Callable[[int], float] | None = None
         # Nothing tells a person how much disk the checkpoints take unless we do, before step 1.
         self.disk_note, refusal = rank_zero_object(self._disk_verdict() if self.is_main else None)
         if refusal:
@@ -277,9 +283,10 @@ class Trainer:
         """One optimizer step (``training_step``) at the schedule's learning rate, with the NaN/Inf guard
         deciding whether to update, then the counters and the replicas' synchronisation."""
         cfg = self.cfg
-        lr = lr_at(self.state.step, cfg.optim.lr, cfg.train.steps, cfg.schedule)
+        lr = lr_at(self.state.step, cfg.optim.lr, cfg.train.steps, cfg.schedule) if self.lr_override is None \
+            else self.lr_override(self.state.step)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # lr_scale: muP's per-group factor (train/optimizer.py)
         verdicts = []
 
         def before_update(loss: float, grad_norm: float) -> bool:
@@ -557,6 +564,8 @@ class Trainer:
         self.evals.append({"step": self.state.step, "val_loss": val_loss})
         logger.log({"step": self.state.step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss)})
         logger.message(f"step {self.state.step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
+        if self.on_eval is not None:
+            self.on_eval(self.state.step, val_loss)
         if self.cfg.train.sample_tokens and self.is_main and not self.pm.sharded:
             text = self.sample(self.cfg.train.sample_tokens)
             logger.log({"step": self.state.step, "sample": text})  # for the report

@@ -49,6 +49,24 @@ def check_finetune(cfg: JobConfig, world_size: int) -> None:
                           f"sit outside the documents); set data.document_attention=false")
 
 
+def check_mup(cfg: JobConfig) -> None:
+    """What muP (model.parametrization = "mup", model/mup.py) combines with: a tied head would need the
+    embedding's lr and the readout's at once, DeepSpeed's optimizer does not take the per-group lr scales, and
+    a fine-tune inherits its base's parametrization."""
+    m = cfg.model
+    if m.parametrization != "mup":
+        return
+    if m.tie_embeddings:
+        raise ConfigError("model.parametrization=mup needs untied embeddings (the readout is scaled apart from the "
+                          "embedding); set model.tie_embeddings=false")
+    if cfg.parallel.engine == "deepspeed" or cfg.finetune.source:
+        raise ConfigError("model.parametrization=mup runs on the native engine for pretraining only; drop "
+                          "--parallel.engine=deepspeed / finetune.source, or use parametrization=standard")
+    if m.dim % m.n_heads or m.mup_base_width < m.n_heads:
+        raise ConfigError(f"model.mup_base_width ({m.mup_base_width}) must be >= model.n_heads ({m.n_heads}) and "
+                          f"model.dim divisible by n_heads")
+
+
 def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str) -> ParallelDims:
     """Every rule a job must pass to run on ``world_size`` ranks of ``device_type`` ("cpu", "cuda"), with
     ``precision`` already resolved: cross-field config checks, option combinations, the parallel degrees
@@ -59,6 +77,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     validate_job(cfg)
     check_feature_combinations(cfg, precision)
     check_finetune(cfg, world_size)
+    check_mup(cfg)
     if cfg.parallel.engine == "deepspeed":  # its own rules (ds_config, offload, ZeRO-3 x pp), data parallel only
         if cfg.finetune.source:
             raise ConfigError("fine-tuning (finetune.source) runs on the native engine only; drop "
