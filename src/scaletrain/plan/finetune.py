@@ -34,7 +34,14 @@ from scaletrain.plan.memory import (
     memory_breakdown,
 )
 from scaletrain.plan.spec import Plan, Workload
-from scaletrain.plan.timing import DTYPE_OF_PRECISION, _interp, attention_seconds, gemm_seconds
+from scaletrain.plan.timing import (
+    DTYPE_OF_PRECISION,
+    GPU_LAUNCH_SECONDS,
+    OPS_PER_BLOCK,
+    _interp,
+    attention_seconds,
+    gemm_seconds,
+)
 
 # Bytes per weight of torchao's NF4 with double quantization at QLoRA's blocks (64 weights a scale, 256
 # scales a factor): 4-bit codes, one int8 scale a block, one fp32 factor and mean per 256 scales.
@@ -276,8 +283,11 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
     executed = tokens * (forward * (1 + block_share * n_ckpt / cfg.n_layers) + 2.0 * n_matmul + 2 * attention_fwd
                          + weight_grads)
     seconds = executed / (hw.flops(DTYPE_OF_PRECISION[workload.precision]) * hw.utilisation)
+    # and, as for pretraining, no faster than the host launches the kernels (adapters add theirs)
+    launches = (cfg.n_layers + n_ckpt / 3) * (OPS_PER_BLOCK + OPS_PER_ADAPTER * len(targets)) * GPU_LAUNCH_SECONDS
+    seconds = max(seconds, launches)
     if ft.method == "qlora":  # read 4-bit codes, write the dequantized weight, twice a micro-batch
         projections = cfg.n_layers * sum(i * o for i, o in shapes.values())
         seconds += 2 * projections * (NF4_BYTES_PER_WEIGHT + rec.param) / hw.memory_bandwidth
-    optimizer = trainable * 3 * (rec.param + rec.grad + rec.master + rec.optimizer) / hw.memory_bandwidth
+    optimizer = trainable * 3 * 20 / hw.memory_bandwidth  # pretraining's ~3 passes of 20 bytes a parameter
     return seconds, optimizer
