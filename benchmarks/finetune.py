@@ -86,7 +86,7 @@ def one_method(method: str, base: Path, steps: int, lr: str, tag: str, data: str
 
     overrides = {**COMMON, **METHODS[method], "optim.lr": lr, "schedule.min_lr": str(float(lr) / 10),
                  "finetune.source": str(base), "train.steps": str(steps), "train.eval_interval": str(steps),
-                 "train.run_dir": str(WORK / tag), "data.path": data,
+                 "train.run_dir": str(WORK / tag), "data.path": data, "train.overwrite": "true",  # reruns start afresh
                  "data.cache_dir": str(WORK / f"data-{Path(data).parent.name}")}
     if Path(data).parent == WORK / "sweep":  # the first 90% of the text: its last ninth is the sweep's val
         overrides["data.val_fraction"] = str(1 / 9)
