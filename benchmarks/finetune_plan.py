@@ -1,6 +1,6 @@
 """The planner's fine-tuning memory (scaletrain.plan.finetune) against the exact peak of live tensor bytes of the
 trainer's own fine-tuning step (build_parallel_training + training_step, the LiveTensorBytes tracker of
-scaletrain.plan.measure), for full, LoRA, QLoRA and prompt tuning. Target: within 10%. And the planner's
+scaletrain.plan.measure), for full, LoRA, QLoRA, prompt tuning and DoRA. Target: within 10%. And the planner's
 fine-tuning step time (scaletrain.plan.finetune.finetune_step_time, with the reference CPU's calibration: what
 `scaletrain plan --hardware cpu` uses) against the median process CPU time of the same step on one thread
 (the clock the calibration was measured with, so other people's jobs on the shared cores do not count).
@@ -28,7 +28,8 @@ MODEL = {"vocab_size": 2048, "dim": 256, "n_layers": 6, "n_heads": 4, "ffn_hidde
 BATCH, SEQ = 4, 128
 METHODS = {"full": {}, "lora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]},
            "lora_all_r16": {"lora_rank": 16, "lora_targets": ["q", "k", "v", "o", "gate", "up", "down"]},
-           "qlora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]}, "prompt": {"virtual_tokens": 16}}
+           "qlora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]}, "prompt": {"virtual_tokens": 16},
+           "dora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"], "dora": True}}
 
 
 def measure(name: str, base: str) -> dict:

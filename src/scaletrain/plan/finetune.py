@@ -13,7 +13,8 @@ work and dispatch at the measured CPU rates, or FLOPs at peak x utilisation on a
 weight does not cost: a frozen linear layer's backward is one GEMM (the input gradient) instead of two, and
 none at all where its input needs no gradient (q, k, v of the first block when nothing below trains);
 the frozen head has no weight gradient and the embedding none; AdamW steps only the trainable tensors.
-LoRA adds its two thin GEMMs a target, forward and backward. QLoRA dequantizes every 4-bit weight once in
+LoRA adds its two thin GEMMs a target, forward and backward (DoRA also the row norms of W + s B A each
+forward). QLoRA dequantizes every 4-bit weight once in
 the forward and once more for the input gradient (torchao's ``LinearNF4``), at the rate
 ``measure_nf4_dequant`` measures (CPU) or at memory bandwidth (GPU).
 """
@@ -59,7 +60,8 @@ def trainable_parameters(cfg: ModelConfig, ft: FinetuneConfig) -> int:
     """Parameters that train under ``ft.method`` (adapters, or the unfrozen weights of a full fine-tune)."""
     shapes = _projection_shapes(cfg)
     if ft.method in ("lora", "qlora"):
-        return cfg.n_layers * sum(ft.lora_rank * (shapes[t][0] + shapes[t][1]) for t in ft.lora_targets)
+        per_target = {t: ft.lora_rank * (i + o) + (o if ft.dora else 0) for t, (i, o) in shapes.items()}
+        return cfg.n_layers * sum(per_target[t] for t in ft.lora_targets)  # (+ DoRA's magnitude per row)
     if ft.method == "prompt":
         return ft.virtual_tokens * cfg.dim
     if ft.method == "prefix":
@@ -256,6 +258,9 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
             # the adapter's input gradient added to the frozen one (12 bytes an input element).
             fwd += tokens * o * 20 / entry["memory_bandwidth"]
             bwd += tokens * (8 * o + 12 * i) / entry["memory_bandwidth"]
+            if ft.dora:  # the row norms of W + s B A each forward (no gradient): B @ A, then add and norm passes
+                fwd += gemm_seconds(o, i, r, entry) + i * o * 24 / entry["memory_bandwidth"] \
+                    + (i * o * dequant if ft.method == "qlora" else 0.0)
         recompute = block >= cfg.n_layers - n_ckpt if n_ckpt else False
         total += (1 + recompute) * fwd + bwd + units * elem * (1 + recompute / 3) \
             + ops * (1 + recompute / 3) * entry["op_overhead_s"]
@@ -286,6 +291,10 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
     # and, as for pretraining, no faster than the host launches the kernels (adapters add theirs)
     launches = (cfg.n_layers + n_ckpt / 3) * (OPS_PER_BLOCK + OPS_PER_ADAPTER * len(targets)) * GPU_LAUNCH_SECONDS
     seconds = max(seconds, launches)
+    if ft.dora:  # the row norms of W + s B A each forward: B @ A, and passes over each adapted weight
+        adapted = cfg.n_layers * sum(shapes[t][0] * shapes[t][1] for t in targets)
+        seconds += 2.0 * ft.lora_rank * adapted / (hw.flops(DTYPE_OF_PRECISION[workload.precision]) * hw.utilisation) \
+            + adapted * 3 * rec.param / hw.memory_bandwidth
     if ft.method == "qlora":  # read 4-bit codes, write the dequantized weight, twice a micro-batch
         projections = cfg.n_layers * sum(i * o for i, o in shapes.values())
         seconds += 2 * projections * (NF4_BYTES_PER_WEIGHT + rec.param) / hw.memory_bandwidth
