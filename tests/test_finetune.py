@@ -239,7 +239,7 @@ def test_instruction_finetune_trains_and_bad_line_exits_2(hf_base, tmp_path, tin
     assert f"{bad}:2: needs string fields 'prompt' and 'response'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["full", "lora", "qlora", "prompt"])
+@pytest.mark.parametrize("method", ["full", "lora", "qlora", "prompt", "dora"])
 def test_planner_finetune_memory_matches_measured(hf_base, method):
     """The planner's fine-tuning memory vs the exact live tensor bytes of the trainer's step (10%)."""
     from scaletrain.config import FinetuneConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -250,7 +250,8 @@ def test_planner_finetune_memory_matches_measured(hf_base, method):
     from scaletrain.train.step import build_parallel_training, training_step
 
     model = _job(hf_base).model
-    ft = FinetuneConfig(source=str(hf_base), method=method, lora_targets=["q", "v"], virtual_tokens=8)
+    ft = FinetuneConfig(source=str(hf_base), method="lora" if method == "dora" else method, lora_targets=["q", "v"],
+                        virtual_tokens=8, dora=method == "dora")
     cfg = JobConfig(model=model, optim=OptimConfig(), train=TrainConfig(seed=0), finetune=ft)
     batch, seq = 4, 32
     tracker = LiveTensorBytes().__enter__()

@@ -116,6 +116,12 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     unsaved = unsaved_activation_elements(workload.model, ft, plan.micro_batch, workload.seq_len) \
         if plan.activation_checkpointing == "none" else 0.0
     activations = pretrain.saved_activations - rec.activation * unsaved
+    if ft.dora and ft.method in ("lora", "qlora") and plan.activation_checkpointing == "none":
+        # DoRA's magnitude multiplies the base output and the scaled adapter output: both are saved for its
+        # gradient (one (tokens, out) tensor each per adapted projection)
+        shapes = _projection_shapes(workload.model)
+        activations += rec.activation * workload.model.n_layers * sum(2 * bt * shapes[t][1]
+                                                                      for t in ft.lora_targets if t in shapes)
     loss_phase = at_rest + activations + 2 * logits
     # Optimizer: every trainable gradient, and foreach AdamW's sqrt(v) temporary of the largest group.
     optimizer_phase = at_rest + trainable * rec.grad + (trainable * 4 if device_kind == "cpu" else 0)
