@@ -78,6 +78,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ft.add_argument("--lora-rank", type=int, default=8, help="lora/qlora rank")
     ft.add_argument("--lora-targets", default="q,k,v,o", help="lora/qlora projections (q,k,v,o,gate,up,down)")
     ft.add_argument("--virtual-tokens", type=int, default=16, help="prompt/prefix virtual tokens")
+    ft.add_argument("--dora", action="store_true", help="lora/qlora as DoRA (a trainable magnitude per output row)")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="plans to show")
     out.add_argument("--json", default="", help="write everything as JSON to this file ('-' = stdout)")
@@ -226,7 +227,7 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     if args.lora_rank < 1 or args.virtual_tokens < 1:
         raise ConfigError("--lora-rank and --virtual-tokens must be >= 1")
     ft = FinetuneConfig(method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
-                        virtual_tokens=args.virtual_tokens)
+                        virtual_tokens=args.virtual_tokens, dora=args.dora)
     pins = _pins(args)
     answer = finetune_answer(workload, cluster.hardware.memory_bytes, cluster.hardware.kind, ft,
                              pins.get("micro_batch"), pins.get("activation_checkpointing", "none"))
