@@ -56,7 +56,7 @@ COMMON = {"data.seq_len": "64", "train.batch_size": "4", "train.eval_batches": "
           "train.precision": "fp32", "checkpoint.interval": "0", "schedule.warmup_steps": "10",
           "optim.weight_decay": "0.0", "train.threads": "1"}
 # 2.6M parameters at dim 320, so that rank-8 LoRA on q, k, v, o is under 2% of them (2r / (3 dim) of a
-# block), in 2 blocks and 4 x 64 tokens a step, so that pretraining and eleven fine-tunes fit in ~25 minutes
+# block), in 2 blocks and 4 x 64 tokens a step, so that pretraining and eleven fine-tunes fit in ~30 minutes
 # on 2 cores shared by five people (one thread each: at a load of 10, a second thread only waits).
 # Character level: the embedding and head are 128 x 320 each (123 characters, padded).
 BASE = {"data.path": str(BOOKS), "data.tokenizer": "char", "model.dim": "320", "model.n_layers": "2",
