@@ -1,6 +1,10 @@
 """The planner's fine-tuning memory (scaletrain.plan.finetune) against the exact peak of live tensor bytes of the
 trainer's own fine-tuning step (build_parallel_training + training_step, the LiveTensorBytes tracker of
-scaletrain.plan.measure), for full, LoRA, QLoRA and prompt tuning. Target: within 10%.
+scaletrain.plan.measure), for full, LoRA, QLoRA, prompt tuning and DoRA. Target: within 10%. And the planner's
+fine-tuning step time (scaletrain.plan.finetune.finetune_step_time, with the reference CPU's calibration: what
+`scaletrain plan --hardware cpu` uses) against the median process CPU time of the same step on one thread
+(the clock the calibration was measured with, so other people's jobs on the shared cores do not count).
+Target: within 25%.
 
     python benchmarks/finetune_plan.py [--out benchmarks/results/finetune_plan.json]
 
@@ -24,7 +28,8 @@ MODEL = {"vocab_size": 2048, "dim": 256, "n_layers": 6, "n_heads": 4, "ffn_hidde
 BATCH, SEQ = 4, 128
 METHODS = {"full": {}, "lora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]},
            "lora_all_r16": {"lora_rank": 16, "lora_targets": ["q", "k", "v", "o", "gate", "up", "down"]},
-           "qlora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]}, "prompt": {"virtual_tokens": 16}}
+           "qlora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]}, "prompt": {"virtual_tokens": 16},
+           "dora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"], "dora": True}}
 
 
 def measure(name: str, base: str) -> dict:
@@ -32,7 +37,8 @@ def measure(name: str, base: str) -> dict:
 
     from scaletrain.config import FinetuneConfig, JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
     from scaletrain.parallel import ParallelDims
-    from scaletrain.plan.finetune import finetune_memory
+    from scaletrain.plan.finetune import finetune_memory, finetune_step_time
+    from scaletrain.plan.hardware_spec import parse_hardware
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
     from scaletrain.plan.spec import Plan, Workload
     from scaletrain.train.step import build_parallel_training, training_step
@@ -48,13 +54,16 @@ def measure(name: str, base: str) -> dict:
     gen = torch.Generator().manual_seed(1)
     micro = [(torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=gen),
               torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=gen), None)]
-    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker, steps=3)
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker, steps=7)
     workload = Workload(model=model, seq_len=SEQ, global_batch=BATCH, train_tokens=BATCH * SEQ)
     predicted = finetune_memory(workload, Plan(micro_batch=BATCH), dataclasses.replace(ft), "cpu")
     predicted_bytes = predicted["tensor_total"] + resident_extras(model, BATCH, SEQ)
+    step_s = finetune_step_time(workload, Plan(micro_batch=BATCH), parse_hardware("cpu"), ft)["step_seconds"]
     return {"method": name, "predicted_bytes": predicted_bytes, "measured_peak_bytes": measured["peak_bytes"],
             "memory_error": predicted_bytes / measured["peak_bytes"] - 1, "peak_phase": predicted["peak_phase"],
-            "trainable_parameters": predicted["trainable_parameters"], "measured_step_s": measured["step_s"]}
+            "trainable_parameters": predicted["trainable_parameters"], "measured_step_s": measured["step_s"],
+            "measured_step_cpu_s": measured["step_cpu_s"], "predicted_step_s": step_s,
+            "time_error": step_s / measured["step_cpu_s"] - 1}
 
 
 def main() -> int:
@@ -84,10 +93,13 @@ def main() -> int:
                 raise SystemExit(proc.stderr[-3000:])
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             r = rows[-1]
-            print(f"{name:13s} predicted {r['predicted_bytes'] / 2**20:7.1f} MiB  measured "
-                  f"{r['measured_peak_bytes'] / 2**20:7.1f} MiB  error {100 * r['memory_error']:+5.1f}%", flush=True)
+            print(f"{name:13s} predicted {r['predicted_bytes'] / 2**20:7.1f} MiB, measured "
+                  f"{r['measured_peak_bytes'] / 2**20:.1f} MiB  error {100 * r['memory_error']:+5.1f}%  step predicted "
+                  f"{r['predicted_step_s'] * 1e3:6.1f} ms  measured {r['measured_step_cpu_s'] * 1e3:6.1f} ms  "
+                  f"error {100 * r['time_error']:+5.1f}%", flush=True)
     result = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "rows": rows,
-              "max_abs_memory_error": max(abs(r["memory_error"]) for r in rows)}
+              "max_abs_memory_error": max(abs(r["memory_error"]) for r in rows),
+              "max_abs_time_error": max(abs(r["time_error"]) for r in rows)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

@@ -276,3 +276,29 @@ def test_corrupt_shard_is_refused_at_loader_start_and_verified_once(tmp_path, mo
     read_manifest(out)
     read_manifest(out)
     assert hashed == [shard.name]  # hashed once, then remembered by (size, mtime)
+
+
+def test_char_level_hf_tokenizer_with_unknown_characters(tmp_path, capsys):
+    """A character-level Hugging Face tokenizer.json that lacks a character of the text: a WordLevel model
+    whose unk_token is missing from its vocabulary used to crash `scaletrain prepare` with the tokenizers
+    library's raw exception, and a BPE without unk_token dropped the character silently. Both are one line
+    naming the file and the character, exit 2; with an unk_token the character maps to it, as the tokenizer
+    defines."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    corpus = _corpus(tmp_path)
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted((corpus / "shakespeare").rglob("*.txt")))
+    vocab = {c: i for i, c in enumerate(sorted(set(text) - {"!"}))}
+    word_level = Tokenizer(models.WordLevel(dict(vocab), unk_token="[UNK]"))  # [UNK] is not in the vocabulary
+    word_level.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token a character
+    word_level.save(str(tmp_path / "wordlevel.json"))
+    Tokenizer(models.BPE(dict(vocab), [])).save(str(tmp_path / "bpe.json"))
+    Tokenizer(models.BPE({**vocab, "[UNK]": len(vocab)}, [], unk_token="[UNK]")).save(str(tmp_path / "unk.json"))
+    for name, says in (("wordlevel", "cannot encode the character '!'"), ("bpe", "would be dropped silently")):
+        assert cli_main([str(corpus / "shakespeare"), "--out", str(tmp_path / name), "--tokenizer",
+                         str(tmp_path / f"{name}.json"), "--workers", "1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{name}.json" in err and says in err, err
+    assert cli_main([str(corpus / "shakespeare"), "--out", str(tmp_path / "unk"), "--tokenizer",
+                     str(tmp_path / "unk.json"), "--workers", "1"]) == 0
+    assert read_manifest(tmp_path / "unk")["vocab_size"] == len(vocab) + 1

@@ -63,6 +63,7 @@ def _peft_logits(base_folder, adapter_folder, ids):
 @pytest.mark.parametrize("finetune", [
     {"method": "lora", "lora_targets": ["q", "k", "v", "o", "gate", "up", "down"], "lora_rank": 4},
     {"method": "lora", "lora_targets": ["v", "down"], "rslora": True, "lora_alpha": 3.0},
+    {"method": "lora", "lora_targets": ["q", "k", "v", "o", "gate", "up", "down"], "lora_rank": 4, "dora": True},
     {"method": "prompt", "virtual_tokens": 5},
     {"method": "prefix", "virtual_tokens": 5},
 ])
@@ -79,8 +80,9 @@ def test_adapter_logits_match_peft(hf_base, tmp_path, finetune):
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-5), (ours - theirs).abs().max()
 
 
-def test_merged_lora_equals_unmerged(hf_base, tmp_path):
-    cfg = _job(hf_base, method="lora", lora_targets=["q", "v", "up"])
+@pytest.mark.parametrize("dora", [False, True])
+def test_merged_lora_equals_unmerged(hf_base, tmp_path, dora):
+    cfg = _job(hf_base, method="lora", lora_targets=["q", "v", "up"], dora=dora)
     model = build_finetuned_model(cfg)
     model = build_finetuned_model(cfg, adapters=_random_adapters(model)).eval()
     ids = torch.randint(0, len(CHARS), (2, 16), generator=torch.Generator().manual_seed(4))
@@ -237,7 +239,7 @@ def test_instruction_finetune_trains_and_bad_line_exits_2(hf_base, tmp_path, tin
     assert f"{bad}:2: needs string fields 'prompt' and 'response'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["full", "lora", "qlora", "prompt"])
+@pytest.mark.parametrize("method", ["full", "lora", "qlora", "prompt", "dora"])
 def test_planner_finetune_memory_matches_measured(hf_base, method):
     """The planner's fine-tuning memory vs the exact live tensor bytes of the trainer's step (10%)."""
     from scaletrain.config import FinetuneConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -248,7 +250,8 @@ def test_planner_finetune_memory_matches_measured(hf_base, method):
     from scaletrain.train.step import build_parallel_training, training_step
 
     model = _job(hf_base).model
-    ft = FinetuneConfig(source=str(hf_base), method=method, lora_targets=["q", "v"], virtual_tokens=8)
+    ft = FinetuneConfig(source=str(hf_base), method="lora" if method == "dora" else method, lora_targets=["q", "v"],
+                        virtual_tokens=8, dora=method == "dora")
     cfg = JobConfig(model=model, optim=OptimConfig(), train=TrainConfig(seed=0), finetune=ft)
     batch, seq = 4, 32
     tracker = LiveTensorBytes().__enter__()
@@ -281,3 +284,15 @@ def test_lora_with_activation_checkpointing_gives_the_same_losses(hf_base, tmp_p
         runs[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
                       if '"loss"' in line]
     assert len(runs["plain"]) == 6 and runs["plain"] == runs["ac"]
+
+
+def test_fresh_dora_is_the_base(hf_base):
+    """A fresh DoRA adapter (B = 0, magnitude = the base's row norms) leaves the base's function unchanged, and
+    the magnitude trains: one value per output row of every adapted projection."""
+    cfg = _job(hf_base, method="lora", lora_targets=["q", "down"], dora=True)
+    model = build_finetuned_model(cfg).eval()
+    ids = torch.randint(0, len(CHARS), (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.allclose(model(ids), base_model(cfg).eval()(ids), rtol=0, atol=1e-5)
+    magnitudes = {n: p for n, p in model.named_parameters() if n.endswith("lora_magnitude")}
+    assert len(magnitudes) == 2 * cfg.model.n_layers and all(p.requires_grad for p in magnitudes.values())

@@ -226,6 +226,8 @@ class FinetuneConfig:
     lora_targets: list[str] = opt(["q", "k", "v", "o"], "lora/qlora: projections to adapt, among q, k, v, o "
                                                          "(attention) and gate, up, down (SwiGLU)")
     rslora: bool = opt(False, "lora/qlora: rank-stabilised scaling alpha / sqrt(r)")
+    dora: bool = opt(False, "lora/qlora: weight-decomposed LoRA (DoRA): a trainable magnitude per output row "
+                            "scales the normalised W + B @ A (peft's use_dora)")
     instructions: str = opt("", "a JSONL file of {\"prompt\", \"response\"} or {\"messages\": [...]} lines to train on "
                                 "instead of data.path, loss on the responses only, one example a padded row "
                                 "(docs/finetuning.md); data.val_fraction of the examples are held out")

@@ -45,10 +45,12 @@ def peft_adapter(model: nn.Module, cfg: JobConfig) -> tuple[dict, dict[str, torc
                 key = f"base_model.model.{_hf_module(name)}"
                 tensors[f"{key}.lora_A.weight"] = module.lora_A.detach().float().cpu().contiguous()
                 tensors[f"{key}.lora_B.weight"] = module.lora_B.detach().float().cpu().contiguous()
+                if module.dora:  # peft's name for DoRA's magnitude in adapter_model.safetensors
+                    tensors[f"{key}.lora_magnitude_vector"] = module.lora_magnitude.detach().float().cpu().contiguous()
         config = {**common, "peft_type": "LORA", "r": ft.lora_rank, "lora_alpha": ft.lora_alpha,
                   "lora_dropout": ft.lora_dropout, "use_rslora": ft.rslora, "bias": "none", "fan_in_fan_out": False,
                   "target_modules": sorted(TARGETS[t][1] for t in ft.lora_targets), "init_lora_weights": True,
-                  "use_dora": False}
+                  "use_dora": ft.dora}
         return config, tensors
     prompt = {**common, "num_virtual_tokens": ft.virtual_tokens, "num_layers": m.n_layers,
               "num_transformer_submodules": 1}

@@ -6,6 +6,11 @@ base checkpoints, export and the parallel plans find the weights where they alwa
 peft's ``lora.Linear`` op for op (``base(x) + lora_B(lora_A(dropout(x))) * scaling``), which is what makes
 the logits equal to peft's to fp32 rounding (tests/test_finetune.py).
 
+DoRA (Liu et al., 2024; ``finetune.dora``): a trainable ``lora_magnitude`` m (one value per output row,
+starting at the row norms of W) rescales the direction of W + s B A: ``y = m / ||W + s B A||_row * (x W^T
++ s B A x)``, with the norm treated as a constant in backward (the paper's section 4.3), computed as peft's
+``DoraLinearLayer`` does, so the logits equal peft's with ``use_dora=True``.
+
 QLoRA: the frozen ``weight`` may be a 4-bit NF4 tensor (torchao ``NF4Tensor``, see ``quantize_base``); the
 forward then calls torchao's ``linear_nf4``, which dequantizes block by block and differentiates with respect
 to the input only - the base never gets a gradient.
@@ -43,9 +48,12 @@ class LoRALinear(nn.Linear):
     adapter leaves the model's function unchanged."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0,
-                 rslora: bool = False, device=None, dtype=None):
+                 rslora: bool = False, device=None, dtype=None, dora: bool = False):
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self.rank = rank
+        self.dora = dora
+        if dora:  # DoRA's magnitude; its initial value is the base's row norms (methods.load_base_and_adapters)
+            self.lora_magnitude = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
         self.scaling = alpha / (math.sqrt(rank) if rslora else rank)
         self.lora_A = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.empty(out_features, rank, device=device, dtype=dtype))
@@ -53,12 +61,13 @@ class LoRALinear(nn.Linear):
         self.weight.requires_grad_(False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float, rslora: bool) -> LoRALinear:
+    def from_linear(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float, rslora: bool,
+                    dora: bool = False) -> LoRALinear:
         """A LoRA layer sharing ``linear``'s weight parameter (meta or real)."""
         if linear.bias is not None:
             raise ValueError("LoRA here adapts bias-free projections only")
         new = cls(linear.in_features, linear.out_features, rank, alpha, dropout, rslora,
-                  device=linear.weight.device, dtype=linear.weight.dtype)
+                  device=linear.weight.device, dtype=linear.weight.dtype, dora=dora)
         new.weight = linear.weight
         new.weight.requires_grad_(False)
         return new
@@ -78,15 +87,35 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dora:
+            return self._dora_forward(x)
         x_adapter = self.lora_dropout(x).to(self.lora_A.dtype)
         update = F.linear(F.linear(x_adapter, self.lora_A), self.lora_B) * self.scaling  # (..., out)
         return self.base_forward(x) + update.to(x.dtype)
 
+    def _plain_weight(self) -> torch.Tensor:
+        return self.weight.get_original_weight() if is_nf4(self.weight) else self.weight
+
+    def _dora_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """peft's ``lora.Linear`` + ``DoraLinearLayer``, op for op: base + (m/n - 1) * base + m/n * s * B A x."""
+        result = self.base_forward(x)
+        x_adapter = self.lora_dropout(x).to(self.lora_A.dtype)
+        # with dropout, the magnitude rescales the base output of the dropped input, as in peft
+        base = result if isinstance(self.lora_dropout, nn.Identity) else F.linear(x_adapter, self._plain_weight())
+        weight = self._plain_weight().to(x_adapter.dtype)
+        norm = torch.linalg.norm(weight + self.scaling * (self.lora_B @ self.lora_A).detach(), dim=1).detach()
+        scale = (self.lora_magnitude / norm).view(1, -1)
+        lora = F.linear(F.linear(x_adapter, self.lora_A), self.lora_B)
+        return result + ((scale - 1) * base + scale * lora * self.scaling).to(x.dtype)
+
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        """W + scaling * B @ A in full precision (a 4-bit base is dequantized first)."""
-        weight = self.weight.get_original_weight() if is_nf4(self.weight) else self.weight
-        return weight.float() + self.scaling * (self.lora_B.float() @ self.lora_A.float())
+        """W + scaling * B @ A in full precision (a 4-bit base is dequantized first); under DoRA, each row
+        rescaled to its magnitude: m / ||W + s B A||_row * (W + s B A)."""
+        merged = self._plain_weight().float() + self.scaling * (self.lora_B.float() @ self.lora_A.float())
+        if self.dora:
+            merged = merged * (self.lora_magnitude.float() / torch.linalg.norm(merged, dim=1)).view(-1, 1)
+        return merged
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
@@ -104,13 +133,13 @@ def lora_module_names(model: nn.Module, targets: list[str]) -> list[str]:
 
 
 def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float,
-               rslora: bool) -> list[str]:
+               rslora: bool, dora: bool = False) -> list[str]:
     """Replace the targeted projections by ``LoRALinear`` in place; returns the adapted module names."""
     names = lora_module_names(model, targets)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear.from_linear(getattr(parent, child), rank, alpha, dropout, rslora))
+        setattr(parent, child, LoRALinear.from_linear(getattr(parent, child), rank, alpha, dropout, rslora, dora))
     return names
 
 

@@ -36,7 +36,8 @@ def apply_method(model: nn.Module, ft: FinetuneConfig) -> None:
     model.requires_grad_(False)
     if ft.method in ("lora", "qlora"):
         try:
-            names = apply_lora(model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout, ft.rslora)
+            names = apply_lora(model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout, ft.rslora,
+                               ft.dora)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if not names:
@@ -81,6 +82,10 @@ def load_base_and_adapters(parts: list[nn.Module], base_state: dict[str, torch.T
         full = dict(base_state)
         full.update(adapters if adapters is not None else initial_adapter_state(part, seed))
         params = dict(part.named_parameters(remove_duplicate=False))
+        for name in params:  # a fresh DoRA magnitude is the base's row norms: the adapted model starts as the base
+            weight = base_state.get(name.removesuffix("lora_magnitude") + "weight")
+            if name.endswith(".lora_magnitude") and name not in full and weight is not None:
+                full[name] = torch.linalg.norm(weight.float(), dim=1)
         missing = [name for name in params if name not in full]
         if missing:
             raise ConfigError(f"finetune.source: the base has no weight for {missing[0]}")

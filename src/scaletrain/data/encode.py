@@ -68,6 +68,8 @@ class Encoder:
             tokenizer.tok.encode_special_tokens = True  # "<|eos|>" typed in a text is text
             self._fast = getattr(tokenizer.tok, "encode_batch_fast", tokenizer.tok.encode_batch)
         self.cuttable = isinstance(tokenizer, CharTokenizer) or _splits_like_gpt2(tokenizer)
+        self._drops_unknown: bool | None = None  # decided on first use (_check_known)
+        self._known: set[str] = set()
         limit = np.iinfo(self.dtype).max + 1
         if tokenizer.vocab_size > limit:
             raise DataError(f"the tokenizer's vocabulary ({tokenizer.vocab_size:,} tokens) does not fit the "
@@ -102,8 +104,45 @@ class Encoder:
         if isinstance(self.tok, CharTokenizer):
             return [self.tok.encode_array(t, self.dtype) for t in texts]
         if isinstance(self.tok, BPETokenizer):
-            return [np.array(e.ids, dtype=self.dtype) for e in self._fast(texts)]
+            self._check_known(texts)
+            try:
+                encodings = self._fast(texts)
+            except Exception as exc:  # tokenizers' own Exception type, e.g. "Missing [UNK] token"
+                raise self._unencodable(texts, exc) from None
+            return [np.array(e.ids, dtype=self.dtype) for e in encodings]
         return [np.array(ids, dtype=self.dtype) for ids in self.tok.encode_batch(texts)]
+
+    def _name(self) -> str:
+        return getattr(self.tok, "source", "") or "the tokenizer"
+
+    def _unencodable(self, texts: list[str], exc: Exception) -> DataError:
+        """The one-line error for a text the tokenizer refuses, naming the first character it cannot encode."""
+        for c in sorted(set().union(*map(set, texts))):
+            try:
+                self.tok.tok.encode(c)
+            except Exception:
+                return DataError(f"{self._name()}: cannot encode the character {c!r} of the text ({exc}); add it to "
+                                 f"the tokenizer's vocabulary, or give its model an unk_token that is in the "
+                                 f"vocabulary, or use --tokenizer bpe (byte-level: encodes any text)")
+        return DataError(f"{self._name()}: cannot encode the text ({exc})")
+
+    def _check_known(self, texts: list[str]) -> None:
+        """A vocabulary model without an unknown token or byte fallback (e.g. a character-level BPE) silently
+        drops the characters it does not know: refuse instead of losing text. Byte-level tokenizers and ones
+        with an unk_token encode everything; whitespace may be dropped by the pre-tokenizer on purpose."""
+        if self._drops_unknown is None:
+            spec = json.loads(self.tok.tok.to_str())
+            model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+            self._drops_unknown = (model.get("type") == "BPE" and not model.get("unk_token")
+                                   and not model.get("byte_fallback") and "ByteLevel" not in json.dumps(pre))
+        if not self._drops_unknown:
+            return
+        for c in set().union(*map(set, texts)) - self._known:
+            if not c.isspace() and not self.tok.tok.encode(c).ids:
+                raise DataError(f"{self._name()}: the character {c!r} of the text is not in the tokenizer's "
+                                f"vocabulary and its model has no unk_token, so it would be dropped silently; add "
+                                f"it to the vocabulary or an unk_token, or use --tokenizer bpe (byte-level)")
+            self._known.add(c)
 
     def encode_documents(self, docs: list[list[Piece]]) -> list[np.ndarray]:
         """Documents -> one array each: its pieces' ids in order, then EOS (when the tokenizer has one)."""

@@ -140,9 +140,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     try:
-        return BPETokenizer(HFTokenizer.from_file(str(p)))
+        tok = BPETokenizer(HFTokenizer.from_file(str(p)))
     except Exception as exc:  # tokenizers raises its own Exception type
         raise DataError(f"{p}: cannot load as a Hugging Face tokenizer ({exc})") from None
+    tok.source = str(p)  # named in encoding errors (data/encode.py)
+    return tok
 
 
 def encode_known(tokenizer: Tokenizer, text: str) -> tuple[list[int], Counter]:

@@ -74,10 +74,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     pin.add_argument("--offload", dest="pin_cpu_offload", choices=("true", "false"), default=None)
     ft = parser.add_argument_group("fine-tuning (instead of the pretraining search: does it fit one device?)")
     ft.add_argument("--method", default="", choices=("", "full", "lora", "qlora", "prompt", "prefix"),
-                    help="predict the memory per device of fine-tuning the model with this method")
+                    help="predict the memory per device and step time of fine-tuning the model with this method")
     ft.add_argument("--lora-rank", type=int, default=8, help="lora/qlora rank")
     ft.add_argument("--lora-targets", default="q,k,v,o", help="lora/qlora projections (q,k,v,o,gate,up,down)")
     ft.add_argument("--virtual-tokens", type=int, default=16, help="prompt/prefix virtual tokens")
+    ft.add_argument("--dora", action="store_true", help="lora/qlora as DoRA (a trainable magnitude per output row)")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="plans to show")
     out.add_argument("--json", default="", help="write everything as JSON to this file ('-' = stdout)")
@@ -217,15 +218,16 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
-    """``scaletrain plan --method``: the memory per device of fine-tuning, and whether it fits."""
+    """``scaletrain plan --method``: the memory per device and step time of fine-tuning, and whether it fits."""
     from scaletrain.config import FinetuneConfig
-    from scaletrain.plan.finetune import finetune_answer
+    from scaletrain.plan.finetune import finetune_answer, finetune_step_time
+    from scaletrain.plan.spec import Plan
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     if args.lora_rank < 1 or args.virtual_tokens < 1:
         raise ConfigError("--lora-rank and --virtual-tokens must be >= 1")
     ft = FinetuneConfig(method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
-                        virtual_tokens=args.virtual_tokens)
+                        virtual_tokens=args.virtual_tokens, dora=args.dora)
     pins = _pins(args)
     answer = finetune_answer(workload, cluster.hardware.memory_bytes, cluster.hardware.kind, ft,
                              pins.get("micro_batch"), pins.get("activation_checkpointing", "none"))
@@ -238,8 +240,13 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
                   f"trainable states {answer['trainable_state_bytes'] / gib:.2f} + activations "
                   f"{answer['activations'] / gib:.1f} + loss / runtime; {cluster.hardware.name} has "
                   f"{answer['device_memory_bytes'] / gib:.0f} GiB: " + ("fits" if answer["fits"] else "does NOT fit"))
+    timing = finetune_step_time(workload, Plan(dp_replicate=cluster.world_size, micro_batch=answer["micro_batch"],
+                                               activation_checkpointing=pins.get("activation_checkpointing", "none")),
+                                cluster, ft)
+    console.print(f"step time on {cluster.describe()}: {timing['step_seconds']:.3g} s "
+                  f"({timing['tokens_per_second']:,.0f} tokens/s)")
     if args.json:
-        write_json({"finetune": answer, "hardware": cluster.hardware.name}, args.json)
+        write_json({"finetune": {**answer, **timing}, "hardware": cluster.hardware.name}, args.json)
     return 0 if answer["fits"] else 2
 
 

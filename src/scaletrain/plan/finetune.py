@@ -7,16 +7,42 @@ virtual_tokens`` positions for prompt tuning - less what frozen projections do n
 keeps its input only for its weight gradient, so the attention norm's output (q, k, v's input), the SwiGLU
 norm's output (gate, up) and the SwiGLU product (down) are not saved when none of the projections that
 read them trains (``unsaved_activation_elements``). Checked by ``benchmarks/finetune_plan.py``.
+
+Step time (``finetune_step_time``): pretraining's time model (``timing.py``: GEMMs, attention, elementwise
+work and dispatch at the measured CPU rates, or FLOPs at peak x utilisation on a GPU) with what a frozen
+weight does not cost: a frozen linear layer's backward is one GEMM (the input gradient) instead of two, and
+none at all where its input needs no gradient (q, k, v of the first block when nothing below trains);
+the frozen head has no weight gradient and the embedding none; AdamW steps only the trainable tensors.
+LoRA adds its two thin GEMMs a target, forward and backward (DoRA also the row norms of W + s B A each
+forward). QLoRA dequantizes every 4-bit weight once in
+the forward and once more for the input gradient (torchao's ``LinearNF4``), at the rate
+``measure_nf4_dequant`` measures (CPU) or at memory bandwidth (GPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from scaletrain.config import FinetuneConfig, ModelConfig
-from scaletrain.model.presets import ffn_hidden_dim, kv_heads, num_params
-from scaletrain.plan.memory import RECIPES, block_params, memory_breakdown
+from scaletrain.model.presets import ffn_hidden_dim, kv_heads, matmul_params, num_params
+from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.memory import (
+    RECIPES,
+    block_activation_elements,
+    block_params,
+    checkpointed_blocks,
+    memory_breakdown,
+)
 from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.timing import (
+    DTYPE_OF_PRECISION,
+    GPU_LAUNCH_SECONDS,
+    OPS_PER_BLOCK,
+    _interp,
+    attention_seconds,
+    gemm_seconds,
+)
 
 # Bytes per weight of torchao's NF4 with double quantization at QLoRA's blocks (64 weights a scale, 256
 # scales a factor): 4-bit codes, one int8 scale a block, one fp32 factor and mean per 256 scales.
@@ -34,7 +60,8 @@ def trainable_parameters(cfg: ModelConfig, ft: FinetuneConfig) -> int:
     """Parameters that train under ``ft.method`` (adapters, or the unfrozen weights of a full fine-tune)."""
     shapes = _projection_shapes(cfg)
     if ft.method in ("lora", "qlora"):
-        return cfg.n_layers * sum(ft.lora_rank * (shapes[t][0] + shapes[t][1]) for t in ft.lora_targets)
+        per_target = {t: ft.lora_rank * (i + o) + (o if ft.dora else 0) for t, (i, o) in shapes.items()}
+        return cfg.n_layers * sum(per_target[t] for t in ft.lora_targets)  # (+ DoRA's magnitude per row)
     if ft.method == "prompt":
         return ft.virtual_tokens * cfg.dim
     if ft.method == "prefix":
@@ -89,6 +116,12 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     unsaved = unsaved_activation_elements(workload.model, ft, plan.micro_batch, workload.seq_len) \
         if plan.activation_checkpointing == "none" else 0.0
     activations = pretrain.saved_activations - rec.activation * unsaved
+    if ft.dora and ft.method in ("lora", "qlora") and plan.activation_checkpointing == "none":
+        # DoRA's magnitude multiplies the base output and the scaled adapter output: both are saved for its
+        # gradient (one (tokens, out) tensor each per adapted projection)
+        shapes = _projection_shapes(workload.model)
+        activations += rec.activation * workload.model.n_layers * sum(2 * bt * shapes[t][1]
+                                                                      for t in ft.lora_targets if t in shapes)
     loss_phase = at_rest + activations + 2 * logits
     # Optimizer: every trainable gradient, and foreach AdamW's sqrt(v) temporary of the largest group.
     optimizer_phase = at_rest + trainable * rec.grad + (trainable * 4 if device_kind == "cpu" else 0)
@@ -122,3 +155,154 @@ def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, f
     return {**est, "micro_batch": micro_batch, "seq_len": workload.seq_len, "per_device_bytes": needed,
             "device_memory_bytes": memory_bytes, "fits": needed <= memory_bytes,
             "total_parameters": num_params(workload.model)}
+
+
+# Seconds per element of torchao's NF4 -> fp32 dequantization (``NF4Tensor.to``) on one core of the reference
+# CPU (2 vCPU AMD EPYC, torch 2.13, torchao 0.18: ``measure_nf4_dequant()``, process CPU time, best of 7
+# at 256^2..1024^2), used when the calibration has no ``nf4_dequant_s_per_element`` of this machine.
+REFERENCE_NF4_DEQUANT_S_PER_ELEMENT = 5.0e-9
+# aten ops a LoRA adapter adds to a projection, forward + backward (dropout, two matmuls, scale, add; their
+# gradients): counted on ``LoRALinear`` with calibration.count_aten_ops.
+OPS_PER_ADAPTER = 14
+
+
+def measure_nf4_dequant(n: int = 512, reps: int = 7) -> float:
+    """Seconds per element of dequantizing a torchao NF4 weight to fp32 on this CPU (process CPU time, so one
+    thread's rate, as the CPU calibration measures; needs ``torch.set_num_threads(1)`` to mean one core)."""
+    import torch
+
+    from scaletrain.adapt.lora import _to_nf4
+
+    weight = _to_nf4(torch.randn(n, n), 64, 256)
+    weight.to(torch.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.process_time()
+        weight.to(torch.float32)
+        best = min(best, time.process_time() - t0)
+    return best / (n * n)
+
+
+def _input_grad_needed(ft: FinetuneConfig, block: int, targets: tuple[str, ...]) -> bool:
+    """Whether the projections ``targets`` of ``block`` must pass a gradient to their input: always, except
+    for the first block's q, k, v (reading the block's input through the attention norm) when nothing below
+    them trains (the embedding is frozen and there are no virtual tokens), as autograd then skips them."""
+    first_input_frozen = ft.method in ("lora", "qlora", "prefix")
+    return not (block == 0 and first_input_frozen and set(targets) <= {"q", "k", "v"})
+
+
+def _weight_trains(ft: FinetuneConfig, block: int) -> bool:
+    return ft.method == "full" and block >= ft.freeze_blocks
+
+
+def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: FinetuneConfig) -> dict:
+    """Predicted seconds per optimizer step of fine-tuning ``workload`` with ``ft`` (one process per device,
+    data parallelism over ``plan.dp``; tensor / pipeline / context parallelism are pretraining's business),
+    and tokens per second of the whole job."""
+    cfg, hw = workload.model, cluster.hardware
+    seq = workload.seq_len + (ft.virtual_tokens if ft.method == "prompt" else 0)
+    b, tokens = plan.micro_batch, plan.micro_batch * seq
+    shapes = _projection_shapes(cfg)
+    lora = ft.method in ("lora", "qlora")
+    targets = [t for t in ft.lora_targets if t in shapes] if lora else []
+    n_ckpt = len(checkpointed_blocks(cfg.n_layers, plan.activation_checkpointing, plan.ac_every))
+    trainable = trainable_parameters(cfg, ft)
+    micro_steps = max(1, workload.global_batch // (b * plan.dp))
+    if hw.kind == "cpu":
+        per_micro, optimizer = _cpu_seconds(cfg, ft, plan, hw.calibration, b, seq, shapes, targets, n_ckpt, trainable)
+    else:
+        per_micro, optimizer = _gpu_seconds(workload, cfg, ft, hw, tokens, seq, shapes, targets, n_ckpt, trainable)
+    comm = 0.0
+    if plan.dp > 1:  # data parallelism all-reduces the trainable gradients only
+        from scaletrain.plan.timing import _group_link
+
+        bw, _ = _group_link(cluster, plan.dp, 1)
+        comm = 2 * (plan.dp - 1) / plan.dp * trainable * 4 / bw
+        if hw.kind == "gpu":  # overlapped with the backward, as for pretraining
+            comm = max(0.0, comm - per_micro * micro_steps * 2 / 3)
+    step = per_micro * micro_steps + optimizer + comm
+    return {"step_seconds": step, "compute_seconds": per_micro * micro_steps, "optimizer_seconds": optimizer,
+            "comm_exposed_seconds": comm, "tokens_per_second": workload.global_batch * workload.seq_len / step}
+
+
+def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, b: int, seq: int,
+                 shapes: dict, targets: list[str], n_ckpt: int, trainable: int) -> tuple[float, float]:
+    if "elementwise_s_per_element" not in entry:
+        from scaletrain.config import ConfigError
+
+        raise ConfigError("the CPU time model needs this machine's calibration: run `scaletrain doctor` "
+                          "(or plan with --hardware auto)")
+    tokens, d, r = b * seq, cfg.dim, ft.lora_rank
+    units = block_activation_elements(cfg, b, seq)
+    elem = _interp(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
+        entry["elementwise_s_per_element"]
+    dequant = float(entry.get("nf4_dequant_s_per_element", REFERENCE_NF4_DEQUANT_S_PER_ELEMENT))
+    att_f, att_b = attention_seconds(b * cfg.n_heads, seq, d // cfg.n_heads, entry)
+    if ft.method == "prefix":  # every query also reads the P prefix keys: causal T^2/2 -> T^2/2 + T*P
+        att_f, att_b = (a * (1 + 2 * ft.virtual_tokens / seq) for a in (att_f, att_b))
+    total = 0.0
+    for block in range(cfg.n_layers):
+        fwd = att_f + sum(gemm_seconds(tokens, o, i, entry) for i, o in shapes.values())
+        bwd = att_b
+        for name, (i, o) in shapes.items():
+            both = gemm_seconds(tokens, o, i, entry, backward=True)  # input and weight gradient GEMMs
+            if _weight_trains(ft, block):
+                bwd += both
+            elif _input_grad_needed(ft, block, (name,)):
+                bwd += both / 2
+                if ft.method == "qlora":
+                    bwd += i * o * dequant
+            if ft.method == "qlora":
+                fwd += i * o * dequant
+        ops = entry["block_ops"] + OPS_PER_ADAPTER * len(targets)
+        for name in targets:  # x @ A^T (r wide), then @ B^T; both train, so full backward GEMMs
+            i, o = shapes[name]
+            fwd += gemm_seconds(tokens, r, i, entry) + gemm_seconds(tokens, o, r, entry)
+            bwd += gemm_seconds(tokens, r, i, entry, True) + gemm_seconds(tokens, o, r, entry, True)
+            # Single passes over memory (not a block's fused mix, which ``elem`` prices): the scale and the
+            # add to the frozen output (8 + 12 bytes an fp32 output element), the scale's gradient (8), and
+            # the adapter's input gradient added to the frozen one (12 bytes an input element).
+            fwd += tokens * o * 20 / entry["memory_bandwidth"]
+            bwd += tokens * (8 * o + 12 * i) / entry["memory_bandwidth"]
+            if ft.dora:  # the row norms of W + s B A each forward (no gradient): B @ A, then add and norm passes
+                fwd += gemm_seconds(o, i, r, entry) + i * o * 24 / entry["memory_bandwidth"] \
+                    + (i * o * dequant if ft.method == "qlora" else 0.0)
+        recompute = block >= cfg.n_layers - n_ckpt if n_ckpt else False
+        total += (1 + recompute) * fwd + bwd + units * elem * (1 + recompute / 3) \
+            + ops * (1 + recompute / 3) * entry["op_overhead_s"]
+    vocab = cfg.vocab_size
+    head_trains = ft.method == "full"
+    head_bwd = gemm_seconds(tokens, vocab, d, entry, True)
+    head = (gemm_seconds(tokens, vocab, d, entry) + (head_bwd if head_trains else head_bwd / 2)
+            + tokens * vocab * _interp(entry["cross_entropy_curve"], vocab) + 3 * tokens * d * elem
+            + (vocab * d * elem if head_trains and not ft.freeze_embeddings else 0.0))
+    optimizer = trainable * _interp(entry["optimizer_curve"], trainable)
+    return total + head, optimizer
+
+
+def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, tokens: int, seq: int,
+                 shapes: dict, targets: list[str], n_ckpt: int, trainable: int) -> tuple[float, float]:
+    """FLOPs at peak x the planner's utilisation: forward 2 per weight a token, backward 2 for the input
+    gradient of every weight plus 2 more for each trainable one; attention's backward twice its forward."""
+    rec = RECIPES[workload.precision]
+    n_matmul = matmul_params(cfg)
+    attention_fwd = 4.0 * cfg.n_layers * seq * cfg.dim
+    lora_params = sum(ft.lora_rank * sum(shapes[t]) for t in targets) * cfg.n_layers
+    weight_grads = (2.0 * n_matmul if ft.method == "full" else 0.0) + 2.0 * lora_params
+    forward = 2.0 * (n_matmul + lora_params) + attention_fwd
+    block_share = 1.0 - 2.0 * cfg.vocab_size * cfg.dim / forward
+    executed = tokens * (forward * (1 + block_share * n_ckpt / cfg.n_layers) + 2.0 * n_matmul + 2 * attention_fwd
+                         + weight_grads)
+    seconds = executed / (hw.flops(DTYPE_OF_PRECISION[workload.precision]) * hw.utilisation)
+    # and, as for pretraining, no faster than the host launches the kernels (adapters add theirs)
+    launches = (cfg.n_layers + n_ckpt / 3) * (OPS_PER_BLOCK + OPS_PER_ADAPTER * len(targets)) * GPU_LAUNCH_SECONDS
+    seconds = max(seconds, launches)
+    if ft.dora:  # the row norms of W + s B A each forward: B @ A, and passes over each adapted weight
+        adapted = cfg.n_layers * sum(shapes[t][0] * shapes[t][1] for t in targets)
+        seconds += 2.0 * ft.lora_rank * adapted / (hw.flops(DTYPE_OF_PRECISION[workload.precision]) * hw.utilisation) \
+            + adapted * 3 * rec.param / hw.memory_bandwidth
+    if ft.method == "qlora":  # read 4-bit codes, write the dequantized weight, twice a micro-batch
+        projections = cfg.n_layers * sum(i * o for i, o in shapes.values())
+        seconds += 2 * projections * (NF4_BYTES_PER_WEIGHT + rec.param) / hw.memory_bandwidth
+    optimizer = trainable * 3 * 20 / hw.memory_bandwidth  # pretraining's ~3 passes of 20 bytes a parameter
+    return seconds, optimizer

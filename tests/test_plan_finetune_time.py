@@ -1,0 +1,50 @@
+"""The planner's fine-tuning step time (scaletrain.plan.finetune.finetune_step_time): a full fine-tune is
+pretraining's step, frozen weights cost their weight-gradient GEMMs less, QLoRA pays its dequantization,
+and `scaletrain plan --method` prints it. Its accuracy against measured steps is benchmarks/finetune_plan.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scaletrain.config import FinetuneConfig, ModelConfig, build
+from scaletrain.model.presets import PRESETS
+from scaletrain.plan.cli import main
+from scaletrain.plan.finetune import finetune_step_time
+from scaletrain.plan.hardware_spec import parse_hardware
+from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.timing import step_time
+
+SMALL = ModelConfig(vocab_size=2048, dim=256, n_layers=6, n_heads=4, ffn_hidden_dim=688, max_seq_len=160)
+
+
+def _times(model: ModelConfig, seq: int, batch: int, hardware: str, precision: str) -> tuple[float, dict]:
+    workload = Workload(model=model, seq_len=seq, global_batch=batch, train_tokens=seq * batch, precision=precision)
+    plan, cluster = Plan(micro_batch=batch), parse_hardware(hardware)
+    return step_time(workload, plan, cluster).step, {
+        m: finetune_step_time(workload, plan, cluster, FinetuneConfig(method=m))["step_seconds"]
+        for m in ("full", "lora", "qlora", "prompt", "prefix")}
+
+
+@pytest.mark.parametrize("model,seq,batch,hardware,precision", [
+    (SMALL, 128, 4, "cpu", "fp32"),
+    (build(ModelConfig, {"preset": "llama-8b", "vocab_size": 128256}, presets=PRESETS), 2048, 2, "h100-sxm", "bf16"),
+])
+def test_frozen_weights_cost_less_and_full_is_pretraining(model, seq, batch, hardware, precision):
+    pretrain, t = _times(model, seq, batch, hardware, precision)
+    assert t["full"] == pytest.approx(pretrain, rel=1e-9)
+    # Frozen projections keep their input-gradient GEMM (about a third of a step's matmul work) but lose the
+    # weight-gradient one, and AdamW steps only the adapters: LoRA is well under full, above half of it.
+    assert 0.45 * t["full"] < t["lora"] < 0.85 * t["full"]
+    assert t["qlora"] > t["lora"]  # the 4-bit weights are dequantized in the forward and the backward
+    assert t["prefix"] < t["full"] and t["prompt"] < t["full"]
+
+
+def test_plan_method_prints_the_step_time(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-8b", "--vocab-size", "128256", "--method", "qlora", "--hardware",
+                 "rtx-4090:1", "--seq-len", "2048", "--ac", "full", "--json", str(out)]) == 0
+    assert "step time on 1 x rtx-4090" in capsys.readouterr().out
+    answer = json.loads(out.read_text())["finetune"]
+    assert answer["step_seconds"] > 0 and answer["tokens_per_second"] > 0
