@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import ConfigError, JobConfig, ModelConfig
+from scaletrain.model.llama import Transformer
 from scaletrain.model.presets import ffn_hidden_dim
 from scaletrain.parallel.dims import ParallelDims
 
@@ -267,6 +268,33 @@ def ensure_process_group_env() -> None:
         port = s.getsockname()[1]
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
+
+
+def build_partitioned_model(model_cfg: ModelConfig, ds_config: dict, seed: int) -> Transformer:
+    """The model built under ``deepspeed.zero.Init`` (ZeRO-3): each module's parameters are partitioned over the
+    ranks (and, with ``offload_param``, moved to the CPU or swapped to NVMe) as soon as the module is created, so
+    no process ever holds the whole model. Weights are then initialised one module at a time, gathered, in
+    ``init_weights``' order from ``seed``: the same values as ``build_model(model_cfg, seed=seed)``."""
+    import deepspeed
+
+    ensure_process_group_env()
+    deepspeed.init_distributed()  # zero.Init reads the world size from DeepSpeed's comm
+    # mem_efficient_linear=False: DeepSpeed's default replaces torch.nn.functional.linear process-wide.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, mem_efficient_linear=False):
+        model = Transformer(model_cfg)
+    torch.manual_seed(seed)  # the RoPE buffers were computed at construction (from the config, no randomness)
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=0), torch.no_grad():
+            # A tied weight is drawn again by its second module (as init_weights does before re-tying), and
+            # the first draw kept.
+            kept = [(p, p.data.clone()) for p in own if id(p) in seen]
+            model.init_module(name, module)
+            for p, value in kept:
+                p.data.copy_(value)
+        seen.update(id(p) for p in own)
+    return model
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict):

@@ -3,7 +3,8 @@
 ``DeepSpeedTrainer`` is the ``Trainer`` with three pieces swapped, so the loop, data, schedule, evaluation,
 metrics and logging are the native engine's own:
 
-- build: the model initialised exactly as the native engine does (``build_model`` from ``train.seed``), our
+- build: the model initialised exactly as the native engine does (``build_model`` from ``train.seed``; under
+  ZeRO-3 built inside ``deepspeed.zero.Init``, partitioned and offloaded module by module), our
   AdamW param groups (``DeepSpeedCPUAdam`` when the optimizer state is offloaded), then
   ``deepspeed.initialize`` with the merged ds_config (``parallel/deepspeed_engine.py``);
 - step: ``engine.backward`` / ``engine.step`` per micro-batch (DeepSpeed reduces, clips at
@@ -33,7 +34,7 @@ from scaletrain.checkpoint.training import saved_config
 from scaletrain.config import JobConfig, to_toml
 from scaletrain.model import build_model
 from scaletrain.parallel import ParallelDims, ParallelModel
-from scaletrain.parallel.deepspeed_engine import build_ds_config, initialize
+from scaletrain.parallel.deepspeed_engine import build_ds_config, build_partitioned_model, initialize
 from scaletrain.train.optimizer import build_optimizer, param_groups
 from scaletrain.train.step import MicroBatch, StepResult
 from scaletrain.train.trainer import Trainer
@@ -61,8 +62,11 @@ def _their_zero(cfg: JobConfig) -> dict:
 def build_deepspeed_training(cfg: JobConfig, dims: ParallelDims, device: torch.device, precision: str,
                              vocab_limit: int | None = None) -> tuple[ParallelModel, torch.optim.Optimizer, dict]:
     """(a ParallelModel whose one part is the DeepSpeed engine, DeepSpeed's optimizer, the ds_config used)."""
-    model = build_model(cfg.model, device, seed=cfg.train.seed)  # the native engine's initial weights
     ds_config = build_ds_config(cfg, dims.dp_size, precision)
+    if ds_config["zero_optimization"]["stage"] == 3:  # partitioned (and offloaded) as it is built
+        model = build_partitioned_model(cfg.model, ds_config, cfg.train.seed)
+    else:
+        model = build_model(cfg.model, device, seed=cfg.train.seed)  # the native engine's initial weights
     engine, optimizer = initialize(model, build_optimizer_for(model, cfg, device), ds_config)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return ParallelModel(parts=[engine], dims=dims, mesh=None, device=device, dp_rank=rank,
