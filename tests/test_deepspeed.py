@@ -84,6 +84,21 @@ def test_ds_config_conflict_is_one_line_and_omissions_are_filled(tmp_path):
         build_ds_config(cfg, dp_size=2, precision="fp32")
 
 
+def test_precision_maps_to_ds_config_and_fp16_needs_a_gpu():
+    """train.precision -> DeepSpeed's bf16 / fp16 sections (fp16 with its dynamic loss scaler); fp16 is refused
+    on the CPU (DeepSpeed's CPU accelerator has no fp16), accepted for a GPU (the planner asks for cuda)."""
+    from scaletrain.parallel.deepspeed_engine import check_deepspeed
+
+    cfg = load_config(None, {"parallel.engine": "deepspeed", "parallel.zero_stage": "2"})
+    bf16, fp16 = build_ds_config(cfg, 2, "bf16"), build_ds_config(cfg, 2, "fp16")
+    assert bf16["bf16"] == {"enabled": True} and bf16["fp16"] == {"enabled": False}
+    assert fp16["fp16"] == {"enabled": True, "loss_scale": 0} and fp16["bf16"] == {"enabled": False}
+    with pytest.raises(ConfigError, match="fp16 on the deepspeed engine needs a GPU"):
+        check_deepspeed(cfg, 2, "cpu", "fp16")
+    if NO_DEEPSPEED is None:
+        assert check_deepspeed(cfg, 2, "cuda", "fp16").dp_size == 2
+
+
 @needs_deepspeed
 def test_unknown_zero_optimization_field_is_one_line(tmp_path):
     ds = tmp_path / "ds.json"
@@ -95,7 +110,8 @@ def test_unknown_zero_optimization_field_is_one_line(tmp_path):
 @pytest.mark.distributed
 def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
     """2 gloo ranks, 2 accumulated micro-batches, clipping on: DeepSpeed ZeRO-1/2/3 (and ZeRO-2 with the optimizer
-    state offloaded to the CPU, DeepSpeedCPUAdam) give the native engine's ZeRO-1 losses to 1e-5; each rank holds
+    state offloaded to the CPU, DeepSpeedCPUAdam) give the native engine's ZeRO-1 losses to 1e-5, and ZeRO-2/3 in
+    DeepSpeed's bf16 within bf16 rounding (5e-3) with the module's parameters in bf16; each rank holds
     the params, fp32 master partition and Adam moments the planner's DeepSpeed recipe says (plan/memory.py:
     model_states with RECIPES["deepspeed-fp32"]), to 10%."""
     out = tmp_path / "parity.json"
@@ -108,6 +124,10 @@ def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
     for name in ("ds1", "ds2", "ds3", "ds2_cpu"):
         got = records[name]["losses"]
         assert max(abs(a - b) / b for a, b in zip(got, native)) < RTOL, (name, got, native)
+    for name in ("ds2_bf16", "ds3_bf16"):  # DeepSpeed's bf16: the module in bf16, fp32 masters; bf16 rounding
+        assert records[name]["param_dtypes"] == ["torch.bfloat16"], records[name]
+        got = records[name]["losses"]
+        assert max(abs(a - b) / b for a, b in zip(got, native)) < 5e-3, (name, got, native)  # measured 5e-4
     for name in ("ds1", "ds2", "ds3"):
         predicted = records[name]["planner_bytes_per_rank"]
         for rank_bytes in records[name]["measured_bytes_per_rank"]:
