@@ -20,7 +20,9 @@ from faults import (
     finish,
     last_step,
     launch,
+    losses,
     run_ok,
+    train_args,
     wait_for,
     worker_pids,
     write_config,
@@ -159,3 +161,21 @@ def test_kill9_then_resume_is_exact_and_checkpoints_export(tmp_path):
                                str(tmp_path / "hf")], env=env(), capture_output=True, text=True, timeout=120)
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+def test_resume_on_another_world_size_through_the_universal_checkpoint(tmp_path):
+    """ZeRO-2 on 2 ranks for 3 steps, resumed on 1 process (DeepSpeed's universal checkpoint, converted by
+    ds_to_universal; the global batch kept by accumulating 2 micro-batches): losses per step and final weights of
+    an uninterrupted 1-process run with the same global batch, to 1e-5."""
+    config = write_config(tmp_path, steps=3, interval=3)
+    plan = ["--parallel.engine=deepspeed", "--parallel.zero_stage=2"]
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    run_ok(train_args(config, run, *plan), nproc=2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    out = run_ok(train_args(config, run, *plan, "--resume", "--train.steps=6"))
+    assert "resumed from" in out and "grad_accum_steps 1 -> 2" in out, out[-2000:]
+    assert (run / "universal" / "step-00000003" / "deepspeed").is_dir()
+    run_ok(train_args(config, straight, *plan, "--train.steps=6", "--train.grad_accum_steps=2"))
+    assert sorted(losses(run)) == list(range(1, 7))
+    assert_same_run(straight, run, rtol=1e-5)
