@@ -17,7 +17,6 @@ import ctypes
 import json
 import os
 import socket
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -206,16 +205,18 @@ def effective_offload(cfg: JobConfig, theirs: dict) -> JobConfig:
 
 
 def check_nvme_path(path: str) -> None:
-    """The NVMe offload folder exists (or can be made) and this process can write a file there."""
+    """The NVMe offload folder is writable, or can be made: the folder (or its nearest existing parent) is a
+    directory this process may write. Nothing is created (the planner asks this of every plan it considers;
+    DeepSpeed makes the folder when the run starts)."""
     if not path:
         raise ConfigError("deepspeed.offload_* = nvme needs deepspeed.nvme_path (a folder on a fast local disk)")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".scaletrain-write-test-"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"deepspeed.nvme_path {path} is not writable ({exc.strerror or exc}); give a folder on a "
-                          f"local disk this user can write") from None
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "not a folder" if not existing.is_dir() else "no write permission"
+        raise ConfigError(f"deepspeed.nvme_path {path} is not writable ({existing}: {why}); give a folder on a "
+                          f"local disk this user can write")
 
 
 def check_deepspeed(cfg: JobConfig, world_size: int, device_type: str, precision: str) -> ParallelDims:
@@ -234,6 +235,9 @@ def check_deepspeed(cfg: JobConfig, world_size: int, device_type: str, precision
                           "use the native engine for tensor / pipeline / context parallelism")
     if p.low_comm != "none":
         raise ConfigError("parallel.low_comm is a native-engine feature; set parallel.engine=native")
+    if p.activation_checkpointing != "none":  # the engine wraps the plain model: nothing would apply it
+        raise ConfigError("parallel.activation_checkpointing is not applied by the deepspeed engine; set it to none "
+                          "or use the native engine")
     if precision == "fp16" and device_type != "cuda":
         raise ConfigError("train.precision=fp16 on the deepspeed engine needs a GPU (DeepSpeed's CPU accelerator "
                           "has no fp16); use bf16 or fp32 on the CPU")
