@@ -112,18 +112,25 @@ def test_unknown_zero_optimization_field_is_one_line(tmp_path):
 @pytest.mark.distributed
 def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
     """2 gloo ranks, 2 accumulated micro-batches, clipping on: DeepSpeed ZeRO-1/2/3 (and ZeRO-2 with the optimizer
-    state offloaded to the CPU, DeepSpeedCPUAdam) give the native engine's ZeRO-1 losses to 1e-5, and ZeRO-2/3 in
+    state offloaded to the CPU, DeepSpeedCPUAdam; ZeRO-3 with optimizer state and parameters on "NVMe", a folder, where
+    libaio is installed) give the native engine's ZeRO-1 losses to 1e-5, and ZeRO-2/3 in
     DeepSpeed's bf16 within bf16 rounding (5e-3) with the module's parameters in bf16; each rank holds
     the params, fp32 master partition and Adam moments the planner's DeepSpeed recipe says (plan/memory.py:
     model_states with RECIPES["deepspeed-fp32"]), to 10%."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
     out = tmp_path / "parity.json"
+    # ZeRO-Infinity (ZeRO-3, optimizer state and parameters swapped to a folder) where libaio is installed
+    nvme = ["ds3_nvme"] if AsyncIOBuilder().is_compatible(verbose=False) else []
+    strategies = ",".join(["native", "ds1", "ds2", "ds3", "ds2_cpu", "ds2_bf16", "ds3_bf16", *nvme])
     proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(TESTS / "deepspeed_parity.py"),
-                           "--out", str(out)], env=env(), capture_output=True, text=True, timeout=600)
+                           "--out", str(out), "--strategies", strategies, "--nvme", str(tmp_path / "swap")],
+                          env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     records = {r["strategy"]: r for r in json.loads(out.read_text())}
     native = records["native"]["losses"]
     assert native[-1] < native[0] - 0.05  # the updates happen (two batches alternate, so the loss falls)
-    for name in ("ds1", "ds2", "ds3", "ds2_cpu"):
+    for name in ("ds1", "ds2", "ds3", "ds2_cpu", *nvme):
         got = records[name]["losses"]
         assert max(abs(a - b) / b for a, b in zip(got, native)) < RTOL, (name, got, native)
     for name in ("ds2_bf16", "ds3_bf16"):  # DeepSpeed's bf16: the module in bf16, fp32 masters; bf16 rounding
