@@ -99,6 +99,9 @@ def test_precision_maps_to_ds_config_and_fp16_needs_a_gpu():
         check_deepspeed(cfg, 2, "cpu", "fp16")
     if NO_DEEPSPEED is None:
         assert check_deepspeed(cfg, 2, "cuda", "fp16").dp_size == 2
+    recompute = load_config(None, {"parallel.engine": "deepspeed", "parallel.activation_checkpointing": "full"})
+    with pytest.raises(ConfigError, match="activation_checkpointing is not applied by the deepspeed engine"):
+        check_deepspeed(recompute, 1, "cpu", "fp32")  # it used to be accepted and silently not applied
 
 
 @needs_deepspeed
