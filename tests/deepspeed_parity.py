@@ -8,7 +8,7 @@ path). Rank 0 writes one JSON record: the loss curves, and per rank the model-st
 holds next to the planner's prediction (``plan/memory.py:model_states``).
 
     torchrun --standalone --nproc-per-node 2 tests/deepspeed_parity.py --out r.json \\
-        --strategies native,ds1,ds2,ds3,ds2_cpu
+        --strategies native,ds1,ds2,ds3,ds2_cpu,ds2_bf16,ds3_bf16,ds3_nvme --nvme /tmp/swap
 """
 
 from __future__ import annotations
@@ -32,15 +32,19 @@ MODEL = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, ffn_hidden_dim
 SEQ, ROWS, ACCUM = 32, 2, 2  # rows per rank per micro-batch
 
 
-def job(strategy: str) -> JobConfig:
+def job(strategy: str, nvme: str = "") -> JobConfig:
     cfg = JobConfig(model=MODEL, optim=OptimConfig(lr=3e-3, grad_clip=0.5),
                     train=TrainConfig(batch_size=ROWS, grad_accum_steps=ACCUM, precision="fp32", seed=11),
                     parallel=ParallelConfig(dp_replicate=-1, zero_stage=1))
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=SEQ))
-    if strategy.startswith("ds"):  # ds<stage>[_cpu]: DeepSpeed ZeRO-<stage>, optimizer state offloaded to the CPU
+    if strategy.startswith("ds"):  # ds<stage>[_cpu|_bf16]: DeepSpeed ZeRO-<stage>, optimizer state offloaded to the
+        # CPU, or DeepSpeed's bf16 (module in bf16, fp32 master partitions)
         cfg = dataclasses.replace(cfg, parallel=ParallelConfig(engine="deepspeed", zero_stage=stage_of(strategy)))
         if strategy.endswith("_cpu"):
             cfg = dataclasses.replace(cfg, deepspeed=dataclasses.replace(cfg.deepspeed, offload_optimizer="cpu"))
+        if strategy.endswith("_nvme"):  # ZeRO-Infinity: optimizer state and parameters swapped to a folder
+            cfg = dataclasses.replace(cfg, deepspeed=dataclasses.replace(
+                cfg.deepspeed, offload_optimizer="nvme", offload_param="nvme", nvme_path=nvme))
     return cfg
 
 
@@ -70,14 +74,15 @@ def model_state_bytes(pm, optimizer, stage: int) -> dict[str, int]:
     return {"params": params, "master": sum(t.numel() * 4 for t in masters), "optimizer": moments}
 
 
-def run(strategy: str, steps: int, env) -> dict:
-    cfg = job(strategy)
-    dims = check_runnable(cfg, env.world_size, "cpu", "fp32")
+def run(strategy: str, steps: int, env, nvme: str = "") -> dict:
+    cfg = job(strategy, f"{nvme}/rank{env.rank}")
+    precision = "bf16" if strategy.endswith("_bf16") else "fp32"
+    dims = check_runnable(cfg, env.world_size, "cpu", precision)
     if strategy == "native":
         pm, optimizer = build_parallel_training(cfg, dims, env.device)
         step_fn = training_step
     else:
-        pm, optimizer, _ = build_deepspeed_training(cfg, dims, env.device, "fp32")
+        pm, optimizer, _ = build_deepspeed_training(cfg, dims, env.device, precision)
         step_fn = deepspeed_training_step
     losses = []
     for step in range(steps):
@@ -87,8 +92,10 @@ def run(strategy: str, steps: int, env) -> dict:
     with torch.no_grad():  # ZeRO-3 holds partitions: the plain sum of one rank's view is not comparable
         first = next(iter(weights.parameters()))
         checksum = float(first.ds_tensor.double().sum()) if hasattr(first, "ds_tensor") else float(first.double().sum())
-    record = {"strategy": strategy, "losses": losses, "first_param_sum": checksum}
-    if strategy != "native" and not strategy.endswith("_cpu"):  # offloaded moments live in DeepSpeedCPUAdam
+    record = {"strategy": strategy, "losses": losses, "first_param_sum": checksum,
+              "param_dtypes": sorted({str(p.dtype) for p in weights.parameters()})}
+    # Offloaded moments live in DeepSpeedCPUAdam or on disk; bf16 is another recipe.
+    if strategy != "native" and not strategy.endswith(("_cpu", "_bf16", "_nvme")):
         stage = stage_of(strategy)
         measured = model_state_bytes(pm, optimizer, stage)
         predicted = model_states(num_params(MODEL), stage, env.world_size, RECIPES["deepspeed-fp32"])
@@ -101,11 +108,12 @@ def run(strategy: str, steps: int, env) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--strategies", default="native,ds1,ds2,ds3,ds2_cpu")
+    p.add_argument("--strategies", default="native,ds1,ds2,ds3,ds2_cpu,ds2_bf16,ds3_bf16")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--nvme", default="", help="the folder ds3_nvme swaps to")
     args = p.parse_args()
     env = init_distributed("cpu")
-    records = [run(s, args.steps, env) for s in args.strategies.split(",")]
+    records = [run(s, args.steps, env, args.nvme) for s in args.strategies.split(",")]
     if env.rank == 0:
         with open(args.out, "w") as fh:
             json.dump(records, fh, indent=1)

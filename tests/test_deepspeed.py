@@ -20,7 +20,9 @@ from faults import (
     finish,
     last_step,
     launch,
+    losses,
     run_ok,
+    train_args,
     wait_for,
     worker_pids,
     write_config,
@@ -84,6 +86,24 @@ def test_ds_config_conflict_is_one_line_and_omissions_are_filled(tmp_path):
         build_ds_config(cfg, dp_size=2, precision="fp32")
 
 
+def test_precision_maps_to_ds_config_and_fp16_needs_a_gpu():
+    """train.precision -> DeepSpeed's bf16 / fp16 sections (fp16 with its dynamic loss scaler); fp16 is refused
+    on the CPU (DeepSpeed's CPU accelerator has no fp16), accepted for a GPU (the planner asks for cuda)."""
+    from scaletrain.parallel.deepspeed_engine import check_deepspeed
+
+    cfg = load_config(None, {"parallel.engine": "deepspeed", "parallel.zero_stage": "2"})
+    bf16, fp16 = build_ds_config(cfg, 2, "bf16"), build_ds_config(cfg, 2, "fp16")
+    assert bf16["bf16"] == {"enabled": True} and bf16["fp16"] == {"enabled": False}
+    assert fp16["fp16"] == {"enabled": True, "loss_scale": 0} and fp16["bf16"] == {"enabled": False}
+    with pytest.raises(ConfigError, match="fp16 on the deepspeed engine needs a GPU"):
+        check_deepspeed(cfg, 2, "cpu", "fp16")
+    if NO_DEEPSPEED is None:
+        assert check_deepspeed(cfg, 2, "cuda", "fp16").dp_size == 2
+    recompute = load_config(None, {"parallel.engine": "deepspeed", "parallel.activation_checkpointing": "full"})
+    with pytest.raises(ConfigError, match="activation_checkpointing is not applied by the deepspeed engine"):
+        check_deepspeed(recompute, 1, "cpu", "fp32")  # it used to be accepted and silently not applied
+
+
 @needs_deepspeed
 def test_unknown_zero_optimization_field_is_one_line(tmp_path):
     ds = tmp_path / "ds.json"
@@ -95,19 +115,31 @@ def test_unknown_zero_optimization_field_is_one_line(tmp_path):
 @pytest.mark.distributed
 def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
     """2 gloo ranks, 2 accumulated micro-batches, clipping on: DeepSpeed ZeRO-1/2/3 (and ZeRO-2 with the optimizer
-    state offloaded to the CPU, DeepSpeedCPUAdam) give the native engine's ZeRO-1 losses to 1e-5; each rank holds
+    state offloaded to the CPU, DeepSpeedCPUAdam; ZeRO-3 with optimizer state and parameters on "NVMe", a folder, where
+    libaio is installed) give the native engine's ZeRO-1 losses to 1e-5, and ZeRO-2/3 in
+    DeepSpeed's bf16 within bf16 rounding (5e-3) with the module's parameters in bf16; each rank holds
     the params, fp32 master partition and Adam moments the planner's DeepSpeed recipe says (plan/memory.py:
     model_states with RECIPES["deepspeed-fp32"]), to 10%."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
     out = tmp_path / "parity.json"
+    # ZeRO-Infinity (ZeRO-3, optimizer state and parameters swapped to a folder) where libaio is installed
+    nvme = ["ds3_nvme"] if AsyncIOBuilder().is_compatible(verbose=False) else []
+    strategies = ",".join(["native", "ds1", "ds2", "ds3", "ds2_cpu", "ds2_bf16", "ds3_bf16", *nvme])
     proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(TESTS / "deepspeed_parity.py"),
-                           "--out", str(out)], env=env(), capture_output=True, text=True, timeout=600)
+                           "--out", str(out), "--strategies", strategies, "--nvme", str(tmp_path / "swap")],
+                          env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     records = {r["strategy"]: r for r in json.loads(out.read_text())}
     native = records["native"]["losses"]
     assert native[-1] < native[0] - 0.05  # the updates happen (two batches alternate, so the loss falls)
-    for name in ("ds1", "ds2", "ds3", "ds2_cpu"):
+    for name in ("ds1", "ds2", "ds3", "ds2_cpu", *nvme):
         got = records[name]["losses"]
         assert max(abs(a - b) / b for a, b in zip(got, native)) < RTOL, (name, got, native)
+    for name in ("ds2_bf16", "ds3_bf16"):  # DeepSpeed's bf16: the module in bf16, fp32 masters; bf16 rounding
+        assert records[name]["param_dtypes"] == ["torch.bfloat16"], records[name]
+        got = records[name]["losses"]
+        assert max(abs(a - b) / b for a, b in zip(got, native)) < 5e-3, (name, got, native)  # measured 5e-4
     for name in ("ds1", "ds2", "ds3"):
         predicted = records[name]["planner_bytes_per_rank"]
         for rank_bytes in records[name]["measured_bytes_per_rank"]:
@@ -139,3 +171,21 @@ def test_kill9_then_resume_is_exact_and_checkpoints_export(tmp_path):
                                str(tmp_path / "hf")], env=env(), capture_output=True, text=True, timeout=120)
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+def test_resume_on_another_world_size_through_the_universal_checkpoint(tmp_path):
+    """ZeRO-2 on 2 ranks for 3 steps, resumed on 1 process (DeepSpeed's universal checkpoint, converted by
+    ds_to_universal; the global batch kept by accumulating 2 micro-batches): losses per step and final weights of
+    an uninterrupted 1-process run with the same global batch, to 1e-5."""
+    config = write_config(tmp_path, steps=3, interval=3)
+    plan = ["--parallel.engine=deepspeed", "--parallel.zero_stage=2"]
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    run_ok(train_args(config, run, *plan), nproc=2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    out = run_ok(train_args(config, run, *plan, "--resume", "--train.steps=6"))
+    assert "resumed from" in out and "grad_accum_steps 1 -> 2" in out, out[-2000:]
+    assert (run / "universal" / "step-00000003" / "deepspeed").is_dir()
+    run_ok(train_args(config, straight, *plan, "--train.steps=6", "--train.grad_accum_steps=2"))
+    assert sorted(losses(run)) == list(range(1, 7))
+    assert_same_run(straight, run, rtol=1e-5)

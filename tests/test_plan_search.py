@@ -1,6 +1,7 @@
 """Plan search, time model and cost: only fitting plans, ranked by throughput, runnable when emitted."""
 
 import dataclasses
+import importlib.util
 
 import pytest
 
@@ -245,3 +246,26 @@ def test_ranks_sharing_a_host_pay_the_measured_contention():
     assert b < a < 1.25 * b  # dispatch overhead is not scaled
     one = Plan(micro_batch=4)
     assert cpu_micro_seconds(w, one, Cluster(contended, 1, 1)) == cpu_micro_seconds(w, one, Cluster(quiet, 1, 1))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+def test_deepspeed_engine_plans_ranked_with_native_ones_and_emitted_runnable(tmp_path):
+    """--engine all: an 8B full training on one 24 GB card fits only on the DeepSpeed engine with ZeRO-3 and the
+    optimizer state and parameters offloaded (CPU memory fastest, NVMe slower by its bandwidth); its emitted job
+    passes the trainer's check. Where native plans fit too, both engines are ranked in one list."""
+    llama8b = Workload(build(ModelConfig, {"preset": "llama-8b"}, presets=PRESETS), 2048, 8, 1e8, "bf16")
+    card = parse_hardware("rtx-4090:1")
+    assert not search(llama8b, card).ranked  # the native engine alone: nothing fits
+    both = search(llama8b, card, {"engine": "all"})
+    assert both.ranked and {(c.plan.engine, c.plan.zero_stage) for c in both.ranked} == {("deepspeed", 3)}
+    assert [c.plan.offload for c in both.ranked if c.plan.micro_batch == 1] == ["cpu", "nvme"]
+    best = both.ranked[0]
+    assert best.memory.offloaded == pytest.approx(llama8b.params * (2 + 2 + 4 + 8))  # bf16 params, grads; master, m, v
+    assert best.time.optimizer < both.ranked[1].time.optimizer  # NVMe: 12 bytes/param read + written each step
+    cfg = load_config(write_config(tmp_path / "job.toml", llama8b, best.plan, "gpu"))
+    assert (cfg.parallel.engine, cfg.parallel.zero_stage, cfg.deepspeed.offload_optimizer,
+            cfg.deepspeed.offload_param) == ("deepspeed", 3, "cpu", "cpu")
+    check_runnable(cfg, 1, "cuda", cfg.train.precision)
+    small = search(gpt2(batch=64), parse_hardware("a100-40gb:2"), {"engine": "all"})
+    engines = [c.plan.engine for c in small.ranked]
+    assert "native" in engines and "deepspeed" in engines

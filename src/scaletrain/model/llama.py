@@ -194,24 +194,31 @@ class Transformer(nn.Module):
         1/sqrt(2 * n_layers) as in GPT-2 so the residual variance does not grow with depth. Under muP
         (model.parametrization = "mup") the block matrices' std is further scaled by 1/sqrt(width_mult).
         """
-        std = self.cfg.init_std
-        hidden_std = std * hidden_init_scale(self.cfg)  # = std in the standard parametrization
-        depth_std = hidden_std / math.sqrt(2 * self.cfg.n_layers)
         cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta,
                                device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual_out = name.endswith("attention.wo") or name.endswith("feed_forward.w2")
-                is_hidden = name.startswith("layers.")  # the readout (output) keeps init_std
-                nn.init.normal_(module.weight, mean=0.0,
-                                std=depth_std if is_residual_out else hidden_std if is_hidden else std)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
+            self.init_module(name, module)
         self.tie_weights()
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """``init_weights`` for one module's own parameters (``name`` as in ``named_modules``); called in
+        ``named_modules`` order it draws the same random numbers, so a build that holds one module's weights at a
+        time (DeepSpeed ZeRO-3's partitioned build) initialises exactly as ``init_weights``."""
+        std = self.cfg.init_std
+        hidden_std = std * hidden_init_scale(self.cfg)  # = std in the standard parametrization
+        if isinstance(module, nn.Linear):
+            is_residual_out = name.endswith("attention.wo") or name.endswith("feed_forward.w2")
+            is_hidden = name.startswith("layers.")  # the readout (output) keeps init_std
+            nn.init.normal_(module.weight, mean=0.0,
+                            std=hidden_std / math.sqrt(2 * self.cfg.n_layers) if is_residual_out
+                            else hidden_std if is_hidden else std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.ones_(module.weight)
 
     def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). On a middle pipeline stage, hidden in / hidden out."""

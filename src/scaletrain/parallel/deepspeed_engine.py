@@ -13,10 +13,10 @@ parallelism stay with the native engine.
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import os
 import socket
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import ConfigError, JobConfig, ModelConfig
+from scaletrain.model.llama import Transformer
 from scaletrain.model.presets import ffn_hidden_dim
 from scaletrain.parallel.dims import ParallelDims
 
@@ -110,9 +111,11 @@ def _offload(device: str, nvme_path: str, param_buffer: int | None) -> dict:
             # Parameter offload stages through buffer_count buffers of buffer_size elements each, and each must
             # hold the largest parameter. DeepSpeed's default (1e8 elements = 400 MB fp32, x5) would be 2 GB of
             # staging memory whatever the model; sized to the model it is what is needed.
-            # max_in_cpu stays DeepSpeed's (1e9 elements: parameters are also cached in CPU memory): with less, its
-            # CPU swapper hands the layers bf16 parameters ("expected m1 and m2 to have the same dtype", 0.19.8).
-            section |= {"buffer_count": 5, "buffer_size": max(param_buffer, 1 << 20)}
+            # max_in_cpu=0: no parameter partition is also kept in a CPU buffer (DeepSpeed's default, 1e9 elements,
+            # keeps up to 4 GB of fp32 parameters in memory besides NVMe). This needs the model built under
+            # zero.Init with our dtype (build_partitioned_model); converted later, DeepSpeed 0.19.8's swapper
+            # takes bf16 on a CPU ("expected m1 and m2 to have the same dtype").
+            section |= {"buffer_count": 5, "buffer_size": max(param_buffer, 1 << 20), "max_in_cpu": 0}
     return section
 
 
@@ -127,15 +130,26 @@ def our_config(cfg: JobConfig, stage: int, dp_size: int, precision: str) -> dict
             # DeepSpeed's default (1e9) makes the whole model one sub-group, so NVMe offload would hold it all.
             zero["sub_group_size"] = max(largest_parameter(cfg.model), 1 << 22)
     if ds.offload_param != "none":
-        zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path, largest_parameter(cfg.model))
+        largest = largest_parameter(cfg.model)
+        zero["offload_param"] = _offload(ds.offload_param, ds.nvme_path, largest)
+        # Parameters offloaded means memory is what is short: DeepSpeed's defaults gather up to 1e9 parameters at
+        # once and fill a 5e8-element gradient bucket (as large as the model itself up to 500M parameters);
+        # sized to the largest weight (a FeedForward gathers three) they bound what is resident. No prefetch and
+        # no reuse: with parameters on NVMe, DeepSpeed 0.19.8 keeps the parameters it will reuse soon (the first
+        # layers, after backward) in swap buffers, and then has none left for the next step ("Not enough buffers
+        # 0 for swapping 1"), or prefetches one that holds a buffer already ("already assigned swap buffer").
+        zero |= {"stage3_max_live_parameters": 4 * largest, "stage3_prefetch_bucket_size": 0,
+                 "stage3_max_reuse_distance": 0, "reduce_bucket_size": largest}
     return {
         "train_micro_batch_size_per_gpu": train.batch_size,
         "gradient_accumulation_steps": train.grad_accum_steps,
         "train_batch_size": train.batch_size * train.grad_accum_steps * dp_size,
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero,
+        # DeepSpeed's mixed precision: the module in bf16 / fp16, fp32 master weights in the optimizer partitions;
+        # fp16 with DeepSpeed's dynamic loss scaler (loss_scale 0), which skips a step whose gradients overflow.
         "bf16": {"enabled": precision == "bf16"},
-        "fp16": {"enabled": False},
+        "fp16": {"enabled": True, "loss_scale": 0} if precision == "fp16" else {"enabled": False},
         # Our AdamW (param groups without decay on norms/embeddings) under ZeRO, and DeepSpeedCPUAdam with offload.
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
@@ -191,16 +205,18 @@ def effective_offload(cfg: JobConfig, theirs: dict) -> JobConfig:
 
 
 def check_nvme_path(path: str) -> None:
-    """The NVMe offload folder exists (or can be made) and this process can write a file there."""
+    """The NVMe offload folder is writable, or can be made: the folder (or its nearest existing parent) is a
+    directory this process may write. Nothing is created (the planner asks this of every plan it considers;
+    DeepSpeed makes the folder when the run starts)."""
     if not path:
         raise ConfigError("deepspeed.offload_* = nvme needs deepspeed.nvme_path (a folder on a fast local disk)")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".scaletrain-write-test-"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"deepspeed.nvme_path {path} is not writable ({exc.strerror or exc}); give a folder on a "
-                          f"local disk this user can write") from None
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "not a folder" if not existing.is_dir() else "no write permission"
+        raise ConfigError(f"deepspeed.nvme_path {path} is not writable ({existing}: {why}); give a folder on a "
+                          f"local disk this user can write")
 
 
 def check_deepspeed(cfg: JobConfig, world_size: int, device_type: str, precision: str) -> ParallelDims:
@@ -219,9 +235,12 @@ def check_deepspeed(cfg: JobConfig, world_size: int, device_type: str, precision
                           "use the native engine for tensor / pipeline / context parallelism")
     if p.low_comm != "none":
         raise ConfigError("parallel.low_comm is a native-engine feature; set parallel.engine=native")
-    if precision == "fp16":
-        raise ConfigError("train.precision=fp16 is not wired to the deepspeed engine (DeepSpeed's loss scaler); "
-                          "use bf16 or fp32")
+    if p.activation_checkpointing != "none":  # the engine wraps the plain model: nothing would apply it
+        raise ConfigError("parallel.activation_checkpointing is not applied by the deepspeed engine; set it to none "
+                          "or use the native engine")
+    if precision == "fp16" and device_type != "cuda":
+        raise ConfigError("train.precision=fp16 on the deepspeed engine needs a GPU (DeepSpeed's CPU accelerator "
+                          "has no fp16); use bf16 or fp32 on the CPU")
     if not 0 <= stage <= 3:
         raise ConfigError(f"zero_optimization.stage must be 0..3 (got {stage})")
     merged = effective_offload(cfg, theirs)
@@ -267,6 +286,45 @@ def ensure_process_group_env() -> None:
         port = s.getsockname()[1]
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
+
+
+def return_freed_memory() -> None:
+    """Make glibc give freed tensors back to the OS. Its mmap threshold grows (up to 32 MB) as large blocks are
+    freed, after which blocks that size come from the heap and stay resident once freed: building a 257M-parameter
+    model module by module under NVMe offload left 0.8 GB resident this way (0.1 GB with a fixed threshold)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MB: larger tensors get own mappings
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def build_partitioned_model(model_cfg: ModelConfig, ds_config: dict, seed: int) -> Transformer:
+    """The model built under ``deepspeed.zero.Init`` (ZeRO-3): each module's parameters are partitioned over the
+    ranks (and, with ``offload_param``, moved to the CPU or swapped to NVMe) as soon as the module is created, so
+    no process ever holds the whole model. Weights are then initialised one module at a time, gathered, in
+    ``init_weights``' order from ``seed``: the same values as ``build_model(model_cfg, seed=seed)``."""
+    import deepspeed
+
+    ensure_process_group_env()
+    deepspeed.init_distributed()  # zero.Init reads the world size from DeepSpeed's comm
+    if "offload_param" in ds_config["zero_optimization"]:
+        return_freed_memory()
+    # mem_efficient_linear=False: DeepSpeed's default replaces torch.nn.functional.linear process-wide.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, mem_efficient_linear=False):
+        model = Transformer(model_cfg)
+    torch.manual_seed(seed)  # the RoPE buffers were computed at construction (from the config, no randomness)
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=0), torch.no_grad():
+            # A tied weight is drawn again by its second module (as init_weights does before re-tying), and
+            # the first draw kept.
+            kept = [(p, p.data.clone()) for p in own if id(p) in seen]
+            model.init_module(name, module)
+            for p, value in kept:
+                p.data.copy_(value)
+        seen.update(id(p) for p in own)
+    return model
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict):

@@ -72,6 +72,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         pin.add_argument(f"--{name.replace('_', '-')}", dest=f"pin_{name}", type=int, default=None)
     pin.add_argument("--ac", dest="pin_activation_checkpointing", choices=("none", "selective", "full"), default=None)
     pin.add_argument("--offload", dest="pin_cpu_offload", choices=("true", "false"), default=None)
+    pin.add_argument("--engine", dest="pin_engine", choices=("native", "deepspeed", "all"), default=None,
+                     help="native (default), deepspeed (ZeRO-1/2/3, CPU / NVMe offload; needs DeepSpeed) or all "
+                          "(both, ranked together)")
     ft = parser.add_argument_group("fine-tuning (instead of the pretraining search: does it fit one device?)")
     ft.add_argument("--method", default="", choices=("", "full", "lora", "qlora", "prompt", "prefix"),
                     help="predict the memory per device and step time of fine-tuning the model with this method")

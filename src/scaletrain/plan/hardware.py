@@ -48,6 +48,9 @@ LINKS: dict[str, Link] = {
                    "NVIDIA DGX A100: 8x 200 Gb/s HDR ports per node = 25 GB/s per GPU; 0.90 assumed"),
     "eth-100g": Link("Ethernet 100 Gb/s per node", 12.5 * GB, 0.80, "100 Gb/s line rate; 0.80 assumed for TCP/RoCE"),
     "eth-10g": Link("Ethernet 10 Gb/s per node", 1.25 * GB, 0.80, "10 Gb/s line rate; 0.80 assumed for TCP (gloo)"),
+    "nvme-gen4": Link("NVMe SSD, PCIe Gen4 x4 (DeepSpeed ZeRO-Infinity swap)", 7 * GB, 0.50,
+                      "Samsung 990 PRO / WD SN850X datasheets: ~7 GB/s sequential read, ~6.5-6.9 GB/s write; 0.50 "
+                      "assumed for DeepSpeed's async I/O of sub-group-sized blocks"),
     "shm": Link("shared memory (gloo, same host)", 2 * GB, 1.0,
                 "placeholder; `scaletrain doctor` under torchrun measures the real all-reduce bus bandwidth"),
 }

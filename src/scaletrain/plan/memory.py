@@ -143,12 +143,17 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     foreach = device_kind == "cpu" if foreach_optimizer is None else foreach_optimizer
     tp, pp = plan.tp, plan.pp
     psi = stage_params(cfg, pp, tp)
-    shards = plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate
+    deepspeed = plan.engine == "deepspeed"
+    if deepspeed and workload.precision == "fp32":
+        rec = RECIPES["deepspeed-fp32"]
+    shards = plan.dp if deepspeed else plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate
     states = model_states(psi, plan.zero_stage, shards, rec)
     offloaded = 0.0
     if plan.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded params, grads and states live in host memory
         offloaded = sum(states.values())
         states = {k: 0.0 for k in states}
+    if deepspeed and plan.offload != "none":
+        states, offloaded = deepspeed_offload(states, plan, device_kind)
 
     a = rec.activation
     b, t = plan.micro_batch, workload.seq_len // plan.cp
@@ -225,6 +230,20 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
         comm_buffers=comm + best.get("comm", 0.0), tensor_total=best_total, allocator_margin=margin, runtime=runtime,
         total=best_total + margin + runtime, peak_phase=best_name, saved_activations=saved_blocks + tail,
         offloaded=offloaded)
+
+
+def deepspeed_offload(states: dict[str, float], plan: Plan, device_kind: str) -> tuple[dict[str, float], float]:
+    """(states left on the device, bytes moved off it) under DeepSpeed's offload: the fp32 master and Adam
+    moments always, the parameter partition at ZeRO-3 (offload_param), and on a GPU the gradient partition
+    (DeepSpeed keeps it in host memory for the host-side step). On a CPU only NVMe moves anything, and the fp32
+    gradient partition stays in memory (measured: benchmarks/deepspeed_nvme.py)."""
+    if device_kind == "cpu" and plan.offload != "nvme":
+        return states, 0.0
+    moved = {"master", "optimizer"} | ({"params"} if plan.zero_stage == 3 else set())
+    if device_kind != "cpu":
+        moved.add("grads")
+    return ({k: 0.0 if k in moved else v for k, v in states.items()},
+            sum(v for k, v in states.items() if k in moved))
 
 
 def checkpointed_blocks(layers: int, mode: str, every: int) -> set[int]:

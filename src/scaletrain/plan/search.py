@@ -49,10 +49,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_plans(workload: Workload, cluster: Cluster, fixed: dict | None = None) -> list[Plan]:
-    """Every buildable plan (``check_plan`` passes); ``fixed`` pins fields (e.g. {"tp": 2})."""
-    fixed = fixed or {}
+    """Every buildable plan (``check_plan`` passes); ``fixed`` pins fields (e.g. {"tp": 2}). ``fixed["engine"]``:
+    native (the default), deepspeed, or all (both, ranked together)."""
+    fixed = dict(fixed or {})
+    engine = fixed.pop("engine", "native")
+    plans = _deepspeed_plans(workload, cluster, fixed) if engine in ("deepspeed", "all") else []
+    if engine == "deepspeed":
+        return plans
     world, gpu = cluster.world_size, cluster.hardware.kind == "gpu"
-    plans = []
     for tp, pp, cp in itertools.product(_divisors(world), repeat=3):
         if world % (tp * pp * cp) or tp > cluster.devices_per_node:
             continue  # tensor parallelism stays inside a node: its traffic is per layer
@@ -78,6 +82,28 @@ def enumerate_plans(workload: Workload, cluster: Cluster, fixed: dict | None = N
     return plans
 
 
+def _deepspeed_plans(workload: Workload, cluster: Cluster, fixed: dict) -> list[Plan]:
+    """The DeepSpeed engine's candidates: ZeRO-1/2/3 over every rank (it is data parallel only), each without
+    offload and with the optimizer state (at ZeRO-3 also the parameters) offloaded to CPU memory (GPUs) or NVMe.
+    The trainer's checks decide what is buildable (DeepSpeed installed, libaio for NVMe, ...)."""
+    world, gpu = cluster.world_size, cluster.hardware.kind == "gpu"
+    per_rank = workload.global_batch // world if workload.global_batch % world == 0 else 0
+    micro = [m for m in _divisors(per_rank) if m & (m - 1) == 0 or m == per_rank] if per_rank else [1]
+    plans = []
+    for stage, mb, offload in itertools.product((1, 2, 3), micro, ("none", "cpu", "nvme") if gpu else
+                                                ("none", "nvme")):
+        plan = Plan(dp_replicate=world if stage < 3 else 1, dp_shard=world if stage == 3 else 1, micro_batch=mb,
+                    zero_stage=stage, engine="deepspeed", offload=offload)
+        if any(getattr(plan, k) != v for k, v in fixed.items()):
+            continue
+        try:
+            check_plan(workload, plan, world, cluster.hardware.kind)
+        except ConfigError:
+            continue
+        plans.append(plan)
+    return plans
+
+
 def evaluate(workload: Workload, plan: Plan, cluster: Cluster) -> Candidate:
     """Memory, and time when it fits."""
     mem = memory_breakdown(workload, plan, cluster.hardware.kind)
@@ -93,9 +119,10 @@ def search(workload: Workload, cluster: Cluster, fixed: dict | None = None) -> S
     """Rank every fitting plan by predicted tokens/s (``rank``: ties within 1% go to the simpler plan) and
     explain each."""
     plans = enumerate_plans(workload, cluster, fixed)
-    if not plans and fixed:
+    pinned = {k: v for k, v in (fixed or {}).items() if not (k == "engine" and v == "all")}
+    if not plans and pinned:
         # Say why the pinned degrees are impossible instead of "nothing found".
-        probe = Plan(**{"dp_shard": max(1, cluster.world_size // _prod(fixed)), **fixed})
+        probe = Plan(**{"dp_shard": max(1, cluster.world_size // _prod(pinned)), **pinned})
         check_plan(workload, probe, cluster.world_size, cluster.hardware.kind)
     results = [evaluate(workload, p, cluster) for p in plans]
     ranked = rank([c for c in results if c.fits])
@@ -126,7 +153,8 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
 def _simplicity(c: Candidate) -> tuple:
     p = c.plan
     techniques = (sum(d > 1 for d in (p.tp, p.pp, p.cp)) + (p.zero_stage > 0)
-                  + (p.activation_checkpointing != "none") + p.cpu_offload)
+                  + (p.activation_checkpointing != "none") + p.cpu_offload
+                  + (p.engine != "native") + (p.offload != "none"))  # the optional engine is one more piece
     return (techniques, c.memory.total)
 
 
@@ -160,7 +188,8 @@ def explain(c: Candidate, best: Candidate, cluster: Cluster) -> str:
     if t.bubble > best.time.bubble + 1e-9:
         diffs.append("pipeline bubble")
     if t.optimizer > best.time.optimizer * 1.05:
-        diffs.append("slower optimizer step" + (" (offloaded)" if c.plan.cpu_offload else ""))
+        diffs.append("slower optimizer step" + (" (offloaded)" if c.plan.cpu_offload or c.plan.offload != "none"
+                                                 else ""))
     if c.plan.micro_batch < best.plan.micro_batch and not diffs:
         diffs.append("smaller micro-batch (less efficient kernels, more per-op overhead)")
     why = ", ".join(diffs) or "smaller per-kernel efficiency"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from scaletrain.config import (
     ConfigError,
     DataConfig,
+    DeepSpeedConfig,
     JobConfig,
     ModelConfig,
     ParallelConfig,
@@ -79,6 +80,8 @@ class Plan:
     sequence_parallel: bool = True
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0 = 2 x pp
+    engine: str = "native"  # or "deepspeed": ZeRO zero_stage over all ranks (data parallel only)
+    offload: str = "none"  # deepspeed: optimizer state (and at ZeRO-3 the params) to "cpu" or "nvme"
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -103,6 +106,9 @@ class Plan:
         parts = [f"{k}{v}" for k, v in (("dp", self.dp_replicate), ("fsdp", self.dp_shard), ("tp", self.tp),
                                           ("pp", self.pp), ("cp", self.cp)) if v > 1] or ["single"]
         ac = {"none": "", "full": " ac=full", "selective": f" ac=sel/{self.ac_every}"}[self.activation_checkpointing]
+        if self.engine == "deepspeed":
+            return (f"deepspeed dp{self.dp} zero{self.zero_stage} mb{self.micro_batch}"
+                    + (f" offload={self.offload}" if self.offload != "none" else ""))
         return (" ".join(parts) + f" zero{self.zero_stage} mb{self.micro_batch}{ac}"
                 + (" offload" if self.cpu_offload else ""))
 
@@ -126,8 +132,16 @@ def job_config(workload: Workload, plan: Plan, device_kind: str) -> JobConfig:
                         precision="bf16" if bf16 else "fp32", run_dir=plan_run_dir(plan))
     schedule = ScheduleConfig(warmup_steps=min(ScheduleConfig().warmup_steps, steps))
     data = DataConfig(seq_len=workload.seq_len)
+    deepspeed = DeepSpeedConfig()
+    if plan.engine == "deepspeed":
+        parallel = ParallelConfig(engine="deepspeed", zero_stage=plan.zero_stage, dp_replicate=plan.dp_replicate,
+                                  dp_shard=plan.dp_shard)
+        if plan.offload != "none":
+            deepspeed = DeepSpeedConfig(offload_optimizer=plan.offload,
+                                        offload_param=plan.offload if plan.zero_stage == 3 else "none",
+                                        nvme_path=f"{plan_run_dir(plan)}/nvme" if plan.offload == "nvme" else "")
     return JobConfig(model=dataclasses.replace(workload.model), data=data, train=train, schedule=schedule,
-                     parallel=parallel)
+                     parallel=parallel, deepspeed=deepspeed)
 
 
 def plan_run_dir(plan: Plan) -> str:

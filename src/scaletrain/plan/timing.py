@@ -116,6 +116,7 @@ def step_time(workload: Workload, plan: Plan, cluster: Cluster) -> TimeBreakdown
         per_micro, optimizer = cpu_micro_seconds(workload, plan, cluster)
     else:
         per_micro, optimizer = _gpu_micro_seconds(workload, plan, cluster)
+    optimizer += offload_transfer_seconds(workload, plan, hw)
     compute = per_micro * micro_steps
     bubble = 0.0
     if plan.pp > 1:
@@ -193,13 +194,34 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
                                                  plan.dp_replicate if plan.zero_stage == 1 else 1)
     # Adam reads/writes params, grads, m, v (+ master): ~3 passes of 16-20 bytes per parameter.
     opt_bytes = psi * 3 * 20
-    if plan.cpu_offload:
+    if plan.engine == "deepspeed" and plan.offload != "none":  # the step on the host (~20 GB/s of DRAM)
+        optimizer = opt_bytes / 20e9
+    elif plan.cpu_offload:
         # Offloaded states: the step runs on the host (~20 GB/s of DRAM per GPU's share), and params go
         # back and forth over PCIe every step.
         optimizer = opt_bytes / 20e9 + psi * 6 / (LINKS["pcie4"].bandwidth * LINKS["pcie4"].efficiency)
     else:
         optimizer = opt_bytes / hw.memory_bandwidth
     return max(executed / rate, launches), optimizer
+
+
+def offload_transfer_seconds(workload: Workload, plan: Plan, hw) -> float:
+    """Seconds a DeepSpeed plan's offload moves data every step, over the parameters a rank updates: gradients
+    down and parameters up over PCIe (GPU), the fp32 master + Adam moments (12 bytes a parameter) read and
+    written on NVMe, and at ZeRO-3 the parameters read from NVMe for forward and backward and written back."""
+    if plan.engine != "deepspeed" or plan.offload == "none" or (hw.kind == "cpu" and plan.offload == "cpu"):
+        return 0.0
+    psi = stage_params(workload.model, plan.pp, plan.tp) / (plan.dp if plan.zero_stage >= 1 else 1)
+    param_bytes = 2 if DTYPE_OF_PRECISION[workload.precision] in ("bf16", "fp16") else 4
+    seconds = 0.0
+    if hw.kind != "cpu":
+        pcie = LINKS[hw.intra_node if hw.intra_node.startswith("pcie") else "pcie4"]
+        seconds += psi * (4 + param_bytes) / (pcie.bandwidth * pcie.efficiency)
+    if plan.offload == "nvme":
+        nvme = LINKS["nvme-gen4"]
+        swapped = psi * 12 * 2 + (psi * param_bytes * 3 if plan.zero_stage == 3 else 0.0)
+        seconds += swapped / (nvme.bandwidth * nvme.efficiency)
+    return seconds
 
 
 def _group_link(cluster: Cluster, degree: int, inner: int) -> tuple[float, str]:

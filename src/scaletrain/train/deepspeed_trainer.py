@@ -3,7 +3,8 @@
 ``DeepSpeedTrainer`` is the ``Trainer`` with three pieces swapped, so the loop, data, schedule, evaluation,
 metrics and logging are the native engine's own:
 
-- build: the model initialised exactly as the native engine does (``build_model`` from ``train.seed``), our
+- build: the model initialised exactly as the native engine does (``build_model`` from ``train.seed``; under
+  ZeRO-3 built inside ``deepspeed.zero.Init``, partitioned and offloaded module by module), our
   AdamW param groups (``DeepSpeedCPUAdam`` when the optimizer state is offloaded), then
   ``deepspeed.initialize`` with the merged ds_config (``parallel/deepspeed_engine.py``);
 - step: ``engine.backward`` / ``engine.step`` per micro-batch (DeepSpeed reduces, clips at
@@ -27,13 +28,14 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint import CheckpointManager
-from scaletrain.checkpoint.deepspeed_format import TAG, is_deepspeed_checkpoint
+from scaletrain.checkpoint.deepspeed_format import TAG, convert_to_universal, is_deepspeed_checkpoint
 from scaletrain.checkpoint.manager import CheckpointError
-from scaletrain.checkpoint.training import saved_config
+from scaletrain.checkpoint.training import RNGState, saved_config
 from scaletrain.config import JobConfig, to_toml
 from scaletrain.model import build_model
 from scaletrain.parallel import ParallelDims, ParallelModel
-from scaletrain.parallel.deepspeed_engine import build_ds_config, initialize
+from scaletrain.parallel.deepspeed_engine import build_ds_config, build_partitioned_model, initialize
+from scaletrain.parallel.distributed import barrier
 from scaletrain.train.optimizer import build_optimizer, param_groups
 from scaletrain.train.step import MicroBatch, StepResult
 from scaletrain.train.trainer import Trainer
@@ -59,10 +61,17 @@ def _their_zero(cfg: JobConfig) -> dict:
 
 
 def build_deepspeed_training(cfg: JobConfig, dims: ParallelDims, device: torch.device, precision: str,
-                             vocab_limit: int | None = None) -> tuple[ParallelModel, torch.optim.Optimizer, dict]:
-    """(a ParallelModel whose one part is the DeepSpeed engine, DeepSpeed's optimizer, the ds_config used)."""
-    model = build_model(cfg.model, device, seed=cfg.train.seed)  # the native engine's initial weights
+                             vocab_limit: int | None = None, load_universal: bool = False,
+                             ) -> tuple[ParallelModel, torch.optim.Optimizer, dict]:
+    """(a ParallelModel whose one part is the DeepSpeed engine, DeepSpeed's optimizer, the ds_config used).
+    ``load_universal``: the engine will load a universal checkpoint (a resume on another world size)."""
     ds_config = build_ds_config(cfg, dims.dp_size, precision)
+    if load_universal:
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+    if ds_config["zero_optimization"]["stage"] == 3:  # partitioned (and offloaded) as it is built
+        model = build_partitioned_model(cfg.model, ds_config, cfg.train.seed)
+    else:
+        model = build_model(cfg.model, device, seed=cfg.train.seed)  # the native engine's initial weights
     engine, optimizer = initialize(model, build_optimizer_for(model, cfg, device), ds_config)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return ParallelModel(parts=[engine], dims=dims, mesh=None, device=device, dp_rank=rank,
@@ -126,16 +135,27 @@ class DeepSpeedCheckpoint:
         if not is_deepspeed_checkpoint(path):
             raise CheckpointError(f"{path}: written by the native engine; resume it with --parallel.engine=native "
                                   f"(or start a new train.run_dir)")
+        load_dir = path
         if meta.get("world_size") != self.manager.world_size:
-            raise CheckpointError(f"{path}: a DeepSpeed checkpoint of {meta.get('world_size')} ranks resumes on as "
-                                  f"many (now {self.manager.world_size}); DeepSpeed's ZeRO partitions do not reshard")
-        load_path, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+            # ZeRO partitions do not reshard: DeepSpeed's universal checkpoint (converted once, by rank 0, into
+            # run_dir/universal/step-N) holds whole tensors that any number of ranks load.
+            if not self.engine.load_universal_checkpoint():
+                raise CheckpointError(f"{path}: written by {meta.get('world_size')} ranks (now "
+                                      f"{self.manager.world_size}) but the engine was built for a checkpoint of "
+                                      f"this world size; start the resume again")
+            load_dir = self.trainer.run_dir / "universal" / path.name
+            if self.manager.rank == 0:
+                convert_to_universal(path, load_dir)
+            barrier()
+        load_path, _ = self.engine.load_checkpoint(str(load_dir), tag=TAG, load_optimizer_states=True,
                                                    load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f"{path}: DeepSpeed could not load its checkpoint")
-        local, _ = self.manager.load_local(path)
+        local, own = self.manager.load_local(path)
         for name in local_names:
-            if name in local:
+            if name == "rng" and not own:  # another world size: fresh streams, as the native engine does
+                RNGState.reseed(self.trainer.cfg.train.seed, int(meta["step"]), self.manager.rank)
+            elif name in local:
                 self.local[name].load_state_dict(local[name])
         return meta
 
@@ -174,8 +194,12 @@ class DeepSpeedTrainer(Trainer):
                                 for k, v in self.ds_config["zero_optimization"].items() if k.startswith("offload_")))
 
     def build_model_and_optimizer(self, cfg: JobConfig, dims: ParallelDims) -> tuple:
+        complete = self.checkpoints.list_complete() if cfg.train.resume else []
+        other_world = bool(complete) and CheckpointManager.read_meta(complete[-1]).get("world_size") != \
+            self.env.world_size
         pm, optimizer, self.ds_config = build_deepspeed_training(cfg, dims, self.device, self.precision,
-                                                                 vocab_limit=self.tokenizer.vocab_size)
+                                                                 vocab_limit=self.tokenizer.vocab_size,
+                                                                 load_universal=other_world)
         return pm, optimizer
 
     def make_checkpoint(self, local_state: dict) -> DeepSpeedCheckpoint:

@@ -21,7 +21,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             if not p.requires_grad or id(p) in seen:
                 continue  # a tied weight is listed once
             seen.add(id(p))
-            (decay if isinstance(module, nn.Linear) and p.ndim >= 2 else no_decay).append(p)
+            ndim = len(getattr(p, "ds_shape", p.shape))  # DeepSpeed ZeRO-3 leaves an empty tensor, ds_shape
+            (decay if isinstance(module, nn.Linear) and ndim >= 2 else no_decay).append(p)
     # The tied output head is an nn.Linear whose weight *is* the embedding: keep it undecayed.
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     no_decay += [p for p in decay if id(p) in emb_ids]
