@@ -1,0 +1,163 @@
+"""Compression (compress/, docs/compression.md): pruning masks, structured pruning, torchao quantization,
+the run folders they write, and the one-line errors of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.checkpoint.manager import CheckpointManager, load_tensors
+from scaletrain.cli import main
+from scaletrain.compress import prune as P
+from scaletrain.compress import structured as S
+from scaletrain.compress.run import load_run, state_bytes
+from scaletrain.config import ConfigError
+from scaletrain.model import build_model
+from scaletrain.model.config import ModelConfig
+
+
+def test_wanda_differs_from_magnitude_by_input_norms():
+    # One row [1, 2, 3, 4] with input norms [10, 1, 1, 0.1]: magnitude drops 1, 2; Wanda drops 2 (2) and 4 (0.4).
+    w = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    norms = torch.tensor([10.0, 1.0, 1.0, 0.1])
+    mag = P.unstructured_masks({"l": P.scores(w, "magnitude", None)}, 0.5, "magnitude", "layer")["l"]
+    wanda = P.unstructured_masks({"l": P.scores(w, "wanda", norms)}, 0.5, "wanda", "layer")["l"]
+    assert mag.tolist() == [[False, False, True, True]]
+    assert wanda.tolist() == [[True, False, True, False]]
+
+
+def test_masks_sparsity_and_patterns():
+    torch.manual_seed(0)
+    score = {"a": torch.rand(8, 16), "b": torch.rand(4, 16) * 10}
+    rows = P.unstructured_masks(score, 0.25, "wanda", "layer")
+    assert all((~m).sum(1).tolist() == [4] * m.shape[0] for m in rows.values())  # per output row
+    glob = P.unstructured_masks(score, 0.5, "magnitude", "global")
+    assert sum(int((~m).sum()) for m in glob.values()) == 96  # one threshold over both: b (x10) keeps more
+    assert (~glob["a"]).sum() > (~glob["b"]).sum()
+    nm = P.semi_structured_masks(score)
+    assert all(P.is_n_m_sparse(m.float()) and m.float().mean() == 0.5 for m in nm.values())
+    for bad in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(ConfigError, match="sparsity"):
+            P.check_sparsity(bad)
+
+
+def test_structured_prune_keeps_the_important_and_shrinks_the_config():
+    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, max_seq_len=16)
+    model = build_model(cfg, seed=0)
+    batches = [torch.randint(0, 50, (2, 16)) for _ in range(2)]
+    scores = S.importance(model, batches)
+    new, new_cfg, record = S.prune_structured(model, scores, mlp_fraction=0.25, drop_blocks=1)
+    assert (new_cfg.n_layers, new_cfg.ffn_hidden_dim, new_cfg.preset) == (2, 48, "")
+    assert new(batches[0]).shape == (2, 16, 50) and record["parameters"][1] < record["parameters"][0]
+    # The kept block's w1 rows are the old block's highest-scoring neurons, in order.
+    old_i = [i for i in range(3) if i not in record["removed_blocks"]][0]
+    kept = torch.sort(torch.topk(scores["neurons"][old_i], 48).indices).values
+    assert torch.equal(new.layers["0"].feed_forward.w1.weight, model.layers[str(old_i)].feed_forward.w1.weight[kept])
+    # Nothing removed: the same function.
+    same, _, _ = S.prune_structured(model, scores, 0.0, 0)
+    assert torch.allclose(same(batches[0]), model(batches[0]), atol=1e-6)
+    with pytest.raises(ConfigError, match="drop-blocks"):
+        S.plan_sizes(cfg, 0.25, 3)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    from conftest import tiny_overrides
+
+    run = tmp_path_factory.mktemp("compress") / "base"
+    over = tiny_overrides(run, **{"train.steps": 15, "model.n_heads": 4, "model.n_kv_heads": 2})
+    assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    return run
+
+
+def _eval_loss(run, capsys) -> float:
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--batches", "4"]) == 0
+    return float(capsys.readouterr().out.split("loss ")[1].split(",")[0])
+
+
+def test_pruned_run_folder_is_zero_where_masked_and_exports(base_run, tmp_path, capsys):
+    out = tmp_path / "wanda24"
+    assert main(["compress", "--run", str(base_run), "--out", str(out), "--prune", "wanda", "--pattern", "2:4",
+                 "--calibration-sequences", "8"]) == 0
+    # The saved weights themselves (read from the DCP checkpoint, not the live model) hold the 2:4 zeros.
+    cfg, model, _, ckpt = load_run(out)
+    fresh = build_model(cfg.model, seed=1)
+    load_tensors(CheckpointManager(out / "checkpoints").latest(), {"model": dict(fresh.state_dict())})
+    for name, linear in P.block_linears(fresh).items():
+        assert P.is_n_m_sparse(linear.weight), name
+    assert abs(P.sparsity_of(fresh) - 0.5) < 1e-6
+    assert json.loads((out / "compress.json").read_text())["prune"]["pattern"] == "2:4"
+    assert _eval_loss(out, capsys) > 0
+    # export: a Hugging Face folder with the zeros, transformers gives our logits
+    transformers = pytest.importorskip("transformers")
+    assert main(["export", "--run", str(out), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, 60, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(model(ids)[..., :65], hf(ids).logits, atol=1e-5)
+    assert (hf.model.layers[0].mlp.down_proj.weight == 0).float().mean() == 0.5
+
+
+def test_structured_run_trains_on_with_finetune(base_run, tmp_path, capsys):
+    from conftest import tiny_overrides
+
+    out = tmp_path / "small"
+    assert main(["compress", "--run", str(base_run), "--out", str(out), "--mlp-fraction", "0.25",
+                 "--drop-blocks", "1", "--calibration-sequences", "8"]) == 0
+    cfg, model, _, _ = load_run(out)
+    assert (cfg.model.n_layers, cfg.model.ffn_hidden_dim) == (1, 72)
+    ft = tmp_path / "ft"
+    over = tiny_overrides(ft, **{"train.steps": 3, "finetune.method": "full"})
+    over = {k: v for k, v in over.items() if not k.startswith("model.")}
+    assert main(["finetune", "--from", str(out)] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    assert _eval_loss(ft, capsys) > 0
+
+
+def test_quantized_run_folder_evaluates_and_is_smaller(base_run, tmp_path, capsys):
+    pytest.importorskip("torchao")
+    before = _eval_loss(base_run, capsys)
+    dense_bytes = state_bytes(load_run(base_run)[1])
+    for method, extra in (("int8-weight", []), ("int4-weight", ["--group-size", "32"])):
+        out = tmp_path / method
+        assert main(["compress", "--run", str(base_run), "--out", str(out), "--quantize", method, *extra]) == 0
+        loss = _eval_loss(out, capsys)
+        assert abs(loss - before) < (0.01 if method == "int8-weight" else 0.1) * before, (method, loss, before)
+        record = json.loads((out / "compress.json").read_text())
+        _, model, _, _ = load_run(out)
+        assert type(model.layers["0"].attention.wq.weight).__name__ != "Parameter"
+        # Only the block Linears are quantized (the char model's embedding and head stay fp32).
+        assert record["weight_bytes"] == state_bytes(model) < 0.8 * dense_bytes, (method, record, dense_bytes)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tmp_path / "int8-weight"), "--max-tokens", "5"]) == 0
+    assert main(["export", "--run", str(tmp_path / "int8-weight")]) == 2
+    assert "is quantized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prune", "magnitude", "--sparsity", "1.2"], "--sparsity 1.2: must be in (0, 1)"),
+    (["--prune", "wanda", "--sparsity", "0"], "--sparsity 0.0: must be in (0, 1)"),
+    (["--quantize", "int4-weight", "--group-size", "64"], "does not divide the input width 32"),
+    (["--quantize", "int4-weight", "--group-size", "48"], "--group-size 48"),
+    (["--mlp-fraction", "1.0"], "--mlp-fraction 1.0"),
+    (["--drop-blocks", "2"], "--drop-blocks 2"),
+    ([], "nothing to do"),
+])
+def test_bad_input_is_one_line_exit_2(base_run, tmp_path, capsys, flags, message):
+    capsys.readouterr()
+    assert main(["compress", "--run", str(base_run), "--out", str(tmp_path / "x"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_block_filter_leaves_embedding_and_head():
+    from scaletrain.compress.quantize import block_filter
+
+    model = build_model(ModelConfig(vocab_size=40, dim=32, n_layers=1, n_heads=2, ffn_hidden_dim=64), seed=0)
+    chosen = [n for n, m in model.named_modules() if block_filter(m, n)]
+    assert len(chosen) == 7 and all(n.startswith("layers.0.") for n in chosen)
+    assert not block_filter(nn.Linear(4, 4), "output")
