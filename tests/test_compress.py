@@ -161,3 +161,44 @@ def test_block_filter_leaves_embedding_and_head():
     chosen = [n for n, m in model.named_modules() if block_filter(m, n)]
     assert len(chosen) == 7 and all(n.startswith("layers.0.") for n in chosen)
     assert not block_filter(nn.Linear(4, 4), "output")
+
+
+def test_distillation_loss_is_zero_for_the_teacher_itself_and_mixes_with_the_data_loss():
+    from scaletrain.adapt.distill import distillation_loss
+
+    torch.manual_seed(0)
+    s, t = torch.randn(2, 5, 11, requires_grad=True), torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    assert distillation_loss(t, t, targets, 2.0).abs() < 1e-6
+    kd = distillation_loss(s, t, targets, 2.0)
+    ref = torch.nn.functional.kl_div((s / 2).log_softmax(-1).flatten(0, 1), (t / 2).log_softmax(-1).flatten(0, 1),
+                                     log_target=True, reduction="batchmean") * 4
+    assert torch.allclose(kd, ref, atol=1e-6)
+    targets[0, :] = -100  # masked prompt tokens count in neither loss
+    ref_rows = torch.nn.functional.kl_div((s[1] / 2).log_softmax(-1), (t[1] / 2).log_softmax(-1), log_target=True,
+                                          reduction="batchmean") * 4
+    assert torch.allclose(distillation_loss(s, t, targets, 2.0), ref_rows, atol=1e-6)
+
+
+def test_structured_run_distilled_from_the_original(base_run, tmp_path, capsys):
+    from conftest import tiny_overrides
+
+    small = tmp_path / "small"
+    assert main(["compress", "--run", str(base_run), "--out", str(small), "--mlp-fraction", "0.5",
+                 "--calibration-sequences", "8"]) == 0
+    common = {k: v for k, v in tiny_overrides(tmp_path / "d", **{"train.steps": 4, "finetune.method": "full",
+                                                                 "optim.lr": "1e-3", "logging.log_interval": 1}).items()
+              if not k.startswith("model.")}
+    losses = {}
+    for name, extra in (("data", {}), ("distil", {"finetune.teacher": str(base_run), "finetune.distill_weight": "1"})):
+        run = tmp_path / name
+        over = {**common, "train.run_dir": str(run), **extra}
+        assert main(["finetune", "--from", str(small)] + [f"--{k}={v}" for k, v in over.items()]) == 0
+        losses[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                        if '"loss"' in line]
+    # The same student, batches and seed: with w = 1 the logged training loss is the KL to the teacher (small:
+    # half the neurons of the teacher itself), not the data loss.
+    assert losses["distil"][0] < 0.5 * losses["data"][0], losses
+    capsys.readouterr()
+    assert main(["train", f"--train.run_dir={tmp_path / 'x'}", f"--finetune.teacher={base_run}"]) == 2
+    assert "finetune.teacher needs finetune.source" in capsys.readouterr().err

@@ -232,6 +232,12 @@ class FinetuneConfig:
     virtual_tokens: int = opt(16, "prompt/prefix: number of trainable virtual tokens", ge=1)
     freeze_embeddings: bool = opt(False, "full: keep the input embedding (and a tied head) frozen")
     freeze_blocks: int = opt(0, "full: keep the first k transformer blocks frozen", ge=0)
+    teacher: str = opt("", "distil from this model while fine-tuning (a run folder or Hugging Face folder with the "
+                           "same tokenizer, e.g. the unpruned original of finetune.source): the loss mixes the data "
+                           "loss with the KL divergence to the teacher's logits (docs/compression.md); empty = off")
+    distill_weight: float = opt(0.5, "teacher: weight w of the distillation term, loss = (1-w) data + w KL", ge=0, le=1)
+    distill_temperature: float = opt(2.0, "teacher: softmax temperature T of both logits (the KL is scaled by T^2)",
+                                     gt=0)
 
 
 @dataclass

@@ -49,6 +49,18 @@ def check_finetune(cfg: JobConfig, world_size: int) -> None:
                           f"sit outside the documents); set data.document_attention=false")
 
 
+def check_distillation(cfg: JobConfig) -> None:
+    """finetune.teacher (adapt/distill.py): a fine-tune on one model part whose logits are plain tensors."""
+    if not cfg.finetune.teacher:
+        return
+    if not cfg.finetune.source:
+        raise ConfigError("finetune.teacher needs finetune.source (the student to fine-tune, e.g. a pruned run)")
+    par = cfg.parallel
+    if par.tp > 1 or par.pp > 1 or par.cp > 1 or par.engine != "native":
+        raise ConfigError("finetune.teacher runs with data parallelism (DDP, FSDP2) on the native engine only; set "
+                          "parallel.tp/pp/cp=1")
+
+
 def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str) -> ParallelDims:
     """Every rule a job must pass to run on ``world_size`` ranks of ``device_type`` ("cpu", "cuda"), with
     ``precision`` already resolved: cross-field config checks, option combinations, the parallel degrees
@@ -59,6 +71,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     validate_job(cfg)
     check_feature_combinations(cfg, precision)
     check_finetune(cfg, world_size)
+    check_distillation(cfg)
     if cfg.parallel.engine == "deepspeed":  # its own rules (ds_config, offload, ZeRO-3 x pp), data parallel only
         if cfg.finetune.source:
             raise ConfigError("fine-tuning (finetune.source) runs on the native engine only; drop "
