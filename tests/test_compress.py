@@ -202,3 +202,30 @@ def test_structured_run_distilled_from_the_original(base_run, tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", f"--train.run_dir={tmp_path / 'x'}", f"--finetune.teacher={base_run}"]) == 2
     assert "finetune.teacher needs finetune.source" in capsys.readouterr().err
+
+
+def test_qat_finetune_fake_quantizes_and_quantizes_after(base_run, tmp_path, capsys):
+    pytest.importorskip("torchao")
+    from conftest import tiny_overrides
+
+    from scaletrain.adapt.qat import prepare_qat
+    from scaletrain.config import FinetuneConfig
+
+    model = build_model(ModelConfig(vocab_size=40, dim=32, n_layers=1, n_heads=2, ffn_hidden_dim=64), seed=0)
+    weight = model.layers["0"].attention.wq.weight
+    assert prepare_qat(model, FinetuneConfig(method="full", qat="int4-weight", qat_group_size=32)) == 7
+    wq = model.layers["0"].attention.wq
+    assert type(wq).__name__ == "FakeQuantizedLinear" and wq.weight is weight  # same parameter, same name
+    x = torch.randn(3, 32)
+    assert not torch.allclose(wq(x), x @ weight.T)  # the forward sees the rounded weight
+    run = tmp_path / "qat"
+    over = {k: v for k, v in tiny_overrides(run, **{"train.steps": 3, "finetune.method": "full",
+                                                    "finetune.qat": "int4-weight"}).items()
+            if not k.startswith("model.")}
+    assert main(["finetune", "--from", str(base_run)] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    assert main(["compress", "--run", str(run), "--out", str(tmp_path / "q4"), "--quantize", "int4-weight",
+                 "--group-size", "32"]) == 0
+    assert _eval_loss(tmp_path / "q4", capsys) > 0
+    assert main(["finetune", "--from", str(base_run), f"--train.run_dir={tmp_path / 'y'}",
+                 "--finetune.qat=int4-weight"]) == 2  # lora (the default method) is refused
+    assert "finetune.method=full" in capsys.readouterr().err

@@ -238,6 +238,10 @@ class FinetuneConfig:
     distill_weight: float = opt(0.5, "teacher: weight w of the distillation term, loss = (1-w) data + w KL", ge=0, le=1)
     distill_temperature: float = opt(2.0, "teacher: softmax temperature T of both logits (the KL is scaled by T^2)",
                                      gt=0)
+    qat: str = opt("", "full: quantization-aware fine-tuning, the block Linears' weights fake-quantized (torchao) as "
+                       "`scaletrain compress --quantize` will quantize them: int4-weight or int8-weight; empty = off",
+                   choices=("", "int4-weight", "int8-weight"))
+    qat_group_size: int = opt(32, "qat int4-weight: weights per scale (as compress --group-size)", ge=1)
 
 
 @dataclass

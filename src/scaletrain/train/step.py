@@ -18,6 +18,7 @@ import torch
 from scaletrain.adapt import apply_method, load_base_and_adapters, open_base
 from scaletrain.adapt.distill import attach_teacher
 from scaletrain.adapt.methods import finish_method
+from scaletrain.adapt.qat import prepare_qat
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
 from scaletrain.parallel import ParallelDims, ParallelModel, clip_grad_norm_, forward_backward, parallelize
@@ -45,6 +46,7 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
         load_base_and_adapters(pm.modules, open_base(cfg.finetune.source).state(), cfg.train.seed)
         finish_method(pm.modules[0], cfg.finetune)
         attach_teacher(pm, cfg.finetune, cfg.data.tokenizer)  # finetune.teacher: distillation (adapt/distill.py)
+        prepare_qat(pm.modules[0], cfg.finetune)  # finetune.qat: fake-quantized weights (adapt/qat.py)
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
     return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage)
 

@@ -50,10 +50,17 @@ def check_finetune(cfg: JobConfig, world_size: int) -> None:
 
 
 def check_distillation(cfg: JobConfig) -> None:
-    """finetune.teacher (adapt/distill.py): a fine-tune on one model part whose logits are plain tensors."""
-    if not cfg.finetune.teacher:
+    """finetune.teacher (adapt/distill.py): a fine-tune on one model part whose logits are plain tensors;
+    finetune.qat (adapt/qat.py): a full fine-tune without tensor/pipeline/context parallelism."""
+    ft = cfg.finetune
+    if ft.qat and (ft.method != "full" or not ft.source):
+        raise ConfigError("finetune.qat fake-quantizes the weights that train: it needs finetune.source and "
+                          "finetune.method=full")
+    if ft.qat and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        raise ConfigError("finetune.qat runs with data parallelism (DDP, FSDP2) only; set parallel.tp/pp/cp=1")
+    if not ft.teacher:
         return
-    if not cfg.finetune.source:
+    if not ft.source:
         raise ConfigError("finetune.teacher needs finetune.source (the student to fine-tune, e.g. a pruned run)")
     par = cfg.parallel
     if par.tp > 1 or par.pp > 1 or par.cp > 1 or par.engine != "native":
