@@ -229,3 +229,24 @@ def test_qat_finetune_fake_quantizes_and_quantizes_after(base_run, tmp_path, cap
     assert main(["finetune", "--from", str(base_run), f"--train.run_dir={tmp_path / 'y'}",
                  "--finetune.qat=int4-weight"]) == 2  # lora (the default method) is refused
     assert "finetune.method=full" in capsys.readouterr().err
+
+
+def test_fp8_filter_skips_small_and_odd_layers_and_the_cpu_is_refused(tmp_path, capsys):
+    from scaletrain.compress.fp8 import check_fp8_device, fp8_filter
+
+    keep = fp8_filter(1024)
+    assert keep(nn.Linear(4096, 14336), "layers.0.feed_forward.w1")
+    assert not keep(nn.Linear(4096, 1000), "layers.0.feed_forward.w1")  # 1000 is no multiple of 16
+    assert not keep(nn.Linear(512, 4096), "layers.0.attention.wk")  # too small to gain
+    assert not keep(nn.Linear(4096, 128256), "output")  # the head stays bf16
+    assert not keep(nn.Embedding(10, 4096), "layers.0.x")
+    model = build_model(ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=2, ffn_hidden_dim=128), seed=0)
+    assert [n for n, m in model.named_modules() if fp8_filter(64)(m, n)] == \
+        ["layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention.wv", "layers.0.attention.wo",
+         "layers.0.feed_forward.w1", "layers.0.feed_forward.w2", "layers.0.feed_forward.w3"]
+    with pytest.raises(ConfigError, match="fp8 needs an NVIDIA GPU"):
+        check_fp8_device(torch.device("cpu"))
+    capsys.readouterr()
+    assert main(["train", "--train.precision=fp8", f"--train.run_dir={tmp_path / 'r'}", "--train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8 needs an NVIDIA GPU" in err and err.count("\n") == 1

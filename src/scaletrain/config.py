@@ -84,7 +84,9 @@ class TrainConfig:
     device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", choices=("auto", "cpu", "cuda"))
     precision: str = opt("auto", "auto (bf16 on a GPU that supports it; on a CPU bf16 when its bf16 matmuls "
                                  "measure >= 1.5x fp32's, else fp32), fp32, bf16 or fp16 "
-                                 "(autocast; fp16 uses a gradient scaler)", choices=("auto", "fp32", "bf16", "fp16"))
+                                 "(autocast; fp16 uses a gradient scaler), or fp8 (GPU sm89+: torchao Float8Linear for "
+                                 "the large block Linears, bf16 elsewhere; docs/compression.md)",
+                         choices=("auto", "fp32", "bf16", "fp16", "fp8"))
     compile: bool = opt(False, "torch.compile the model (cold compile takes ~20 s on CPU)")
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default", ge=0)
     eval_interval: int = opt(250, "evaluate val loss every N steps (and at the end); 0 = only at the end", ge=0)

@@ -19,6 +19,7 @@ from scaletrain.adapt import apply_method, load_base_and_adapters, open_base
 from scaletrain.adapt.distill import attach_teacher
 from scaletrain.adapt.methods import finish_method
 from scaletrain.adapt.qat import prepare_qat
+from scaletrain.compress.fp8 import convert_to_fp8
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
 from scaletrain.parallel import ParallelDims, ParallelModel, clip_grad_norm_, forward_backward, parallelize
@@ -37,6 +38,8 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     tokenizer's vocabulary when ``cfg.model.vocab_size`` is padded beyond it (masked out of the loss)."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    if cfg.train.precision == "fp8":  # torchao Float8Linear, before TP / AC / compile / FSDP (compress/fp8.py)
+        convert_to_fp8(model, fsdp=dims.dp_shard > 1)
     if cfg.finetune.source:  # fine-tuning: freeze / add adapters on the meta model (adapt/, docs/finetuning.md)
         apply_method(model, cfg.finetune)
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
