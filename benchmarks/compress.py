@@ -1,7 +1,7 @@
 """Compression on this CPU: pretrain a few-million-parameter model on Gutenberg books, then quantize and prune
 it and measure what each variant costs in quality, size and speed, side by side in one process.
 
-    python benchmarks/compress.py [--base-steps 600] [--out benchmarks/results/compress.json]
+    python benchmarks/compress.py [--base-steps 600] [--reuse] [--out benchmarks/results/compress.json]
 
 The base: Shakespeare's works from Project Gutenberg (``../shared/data/gutenberg-shakespeare``, 9.6 MB, 77
 texts), byte-level BPE 2048, dim 256, 4 blocks, 8 heads, SwiGLU 704 (4.2M parameters), 1 thread, cached in
@@ -14,10 +14,11 @@ those of the saved run folders:
 - structured: 25% of the SwiGLU neurons and 1 of the 4 blocks removed, then recovered by a full fine-tune of
   at most 10% of the pretraining tokens (``scaletrain finetune --from``).
 
-Measured per variant in this process, with the variants interleaved round by round (so load from other
-users hits all alike; medians reported): validation perplexity (the same 16 batches of the held-out
-split), the weights' bytes as one ``torch.save`` file, greedy decode tokens/s at batch 1 (``generate``),
-and for the structured model also training tokens/s (``build_parallel_training`` + ``training_step``).
+Measured per variant in this process, with the variants interleaved round by round, the order reversed
+every other round (so load from other users hits all alike; medians reported): validation perplexity
+(the same 16 batches of the held-out split), the weights' bytes as one ``torch.save`` file, greedy decode
+tokens/s at batch 1 (``generate``), and for the structured model also training tokens/s
+(``build_parallel_training`` + ``training_step``).
 
 Without ``../shared`` (a fresh clone) the script stops with a message; the tests do not need it.
 """
@@ -82,28 +83,33 @@ def pretrain(steps: int) -> Path:
     return base
 
 
-def build_variants(base: Path, base_steps: int, recovery_fraction: float) -> dict[str, Path]:
-    """Write every variant with `scaletrain compress`, and the two recoveries of the structured one."""
+def build_variants(base: Path, base_steps: int, recovery_fraction: float, reuse: bool) -> dict[str, Path]:
+    """Write every variant with `scaletrain compress`, and the two recoveries of the structured one
+    (``reuse``: keep the folders an earlier run wrote, to measure again)."""
     import shutil
 
     runs = {"fp32 (original)": base}
     for name, extra in VARIANTS.items():
         out = WORK / name.replace(":", "_")
+        runs[name] = out
+        if reuse and (out / "compress.json").is_file():
+            continue
         shutil.rmtree(out, ignore_errors=True)
         print(scaletrain("compress", "--run", str(base), "--out", str(out), "--calibration-sequences", "64",
                          *extra).strip().splitlines()[-2])
-        runs[name] = out
     steps = max(1, int(base_steps * recovery_fraction))  # the same batch: steps are tokens
     for name, extra in (("structured + fine-tune", {}),
                         ("structured + distill", {"finetune.teacher": str(base), "finetune.distill_weight": "0.5",
                                                   "finetune.distill_temperature": "2.0"})):
         out = WORK / name.replace(" + ", "-").replace(" ", "-")
+        runs[name] = out
+        if reuse and (out / "checkpoints").is_dir():
+            continue
         over = {k: v for k, v in BASE.items() if not k.startswith("model.")}
         over.update({"finetune.method": "full", "optim.lr": "1e-3", "schedule.warmup_steps": "5",
                      "train.steps": str(steps), "train.eval_interval": str(steps), "train.run_dir": str(out),
                      "train.overwrite": "true", **extra})
         print(scaletrain("finetune", "--from", str(runs["structured"]), *flags(over)).strip().splitlines()[-1])
-        runs[name] = out
     return runs
 
 
@@ -115,13 +121,14 @@ def measure_all(args, base: Path) -> int:
     from scaletrain.compress.structured import count
     from scaletrain.config import JobConfig, OptimConfig, TrainConfig
     from scaletrain.data.loader import TokenStream
+    from scaletrain.model.presets import matmul_params
     from scaletrain.parallel import ParallelDims
     from scaletrain.train.evaluate import perplexity, token_loss
     from scaletrain.train.step import build_parallel_training, training_step
     from scaletrain.train.trainer import prepare_data
 
     torch.set_num_threads(1)
-    runs = build_variants(base, args.base_steps, args.recovery_fraction)
+    runs = build_variants(base, args.base_steps, args.recovery_fraction, args.reuse)
     loaded = {name: load_run(path) for name, path in runs.items()}
     cfg0, _, tok, _ = loaded["fp32 (original)"]
     stream = TokenStream(str(prepare_data(cfg0)), "val")
@@ -140,8 +147,8 @@ def measure_all(args, base: Path) -> int:
                       "sparsity": record.get("prune", {}).get("sparsity", 0.0)}
     # Decode speed: the variants interleaved round by round (noise from other users hits all alike).
     speeds = {name: [] for name in loaded}
-    for _ in range(args.rounds):
-        for name, (cfg, model, tokenizer, _) in loaded.items():
+    for r in range(args.rounds):  # the order reversed every other round: no variant is always first or last
+        for name, (cfg, model, tokenizer, _) in (list(loaded.items()) if r % 2 == 0 else list(loaded.items())[::-1]):
             speeds[name].append(decode_tokens_per_second(model, cfg, tokenizer, 64, prompt))
     for name in loaded:
         rows[name]["decode_tokens_per_s"] = round(statistics.median(speeds[name]), 1)
@@ -161,8 +168,8 @@ def measure_all(args, base: Path) -> int:
         batch = [(torch.randint(0, 2048, (BATCH, SEQ), generator=gen), torch.randint(0, 2048, (BATCH, SEQ),
                                                                                       generator=gen), None)]
         steppers[name] = (pm, opt, batch)
-    for _ in range(args.rounds + 1):
-        for name, (pm, opt, batch) in steppers.items():
+    for r in range(args.rounds + 1):
+        for name, (pm, opt, batch) in (list(steppers.items()) if r % 2 == 0 else list(steppers.items())[::-1]):
             t0 = time.perf_counter()
             for _ in range(2):
                 training_step(pm, opt, iter(batch), 1, grad_clip=1.0)
@@ -175,6 +182,10 @@ def measure_all(args, base: Path) -> int:
         "val_loss_ratio": round(rows[best]["val_loss"] / dense["val_loss"], 4),
         "train_tokens_per_s": {k: round(v, 1) for k, v in train_tps.items()},
         "train_speed_ratio": round(train_tps["structured"] / train_tps["fp32 (original)"], 3),
+        # What the FLOPs alone predict (weights in a matmul per token, blocks + head): the measured ratios are
+        # compared with it in the docs.
+        "matmul_params_ratio": round(matmul_params(loaded["fp32 (original)"][0].model)
+                                     / matmul_params(loaded["structured"][0].model), 3),
         "decode_speed_ratio": rows[best]["decode_speed_ratio"]}
     targets = {
         "int8_weight_within_1pct_perplexity": rows["int8-weight"]["perplexity_change"] <= 0.01,
@@ -209,7 +220,8 @@ def main() -> int:
     parser.add_argument("--base-only", action="store_true", help="only pretrain (or reuse) the base")
     parser.add_argument("--recovery-fraction", type=float, default=0.1,
                         help="structured recovery: fine-tuning tokens as a share of the pretraining tokens")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (medians reported)")
+    parser.add_argument("--reuse", action="store_true", help="measure the variants an earlier run wrote again")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (medians reported)")
     parser.add_argument("--out", default=default_out("compress.json"), help=OUT_HELP.format(name="compress.json"))
     args = parser.parse_args()
     if not BOOKS.is_dir():
