@@ -170,3 +170,20 @@ def prune(model: nn.Module, method: str, sparsity: float = 0.5, scope: str = "la
     apply_masks(model, masks)
     return {"method": method, "pattern": pattern, "scope": scope if pattern == "unstructured" else "n:m",
             "target_sparsity": 0.5 if pattern == "2:4" else sparsity, "sparsity": round(sparsity_of(model), 6)}
+
+
+def use_sparse_kernels(model: nn.Module, device: torch.device | str) -> int:
+    """On a CUDA GPU with sm80+ (2:4 sparse tensor cores), swap the weights of the block Linears that are 2:4
+    sparse for torchao's semi-structured sparse format (``sparsify_`` with ``SemiSparseWeightConfig``), so their
+    matmuls run on the sparse kernels; returns how many. Elsewhere 0: the masks stay in the dense weights
+    (quality only). UNTESTED on a GPU here (none is lent); written against torchao 0.18's documented API."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return 0
+    from torchao.sparsity import sparsify_
+    from torchao.sparsity.sparse_api import SemiSparseWeightConfig
+
+    chosen = {name for name, m in block_linears(model).items() if is_n_m_sparse(m.weight)}
+    if chosen:
+        sparsify_(model, SemiSparseWeightConfig(), filter_fn=lambda m, fqn: fqn in chosen)
+    return len(chosen)

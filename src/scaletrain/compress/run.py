@@ -25,6 +25,7 @@ from scaletrain.adapt import run as adapt_run
 from scaletrain.adapt.export import is_plain
 from scaletrain.checkpoint.manager import CheckpointManager
 from scaletrain.checkpoint.state import model_tensors
+from scaletrain.compress.prune import use_sparse_kernels
 from scaletrain.compress.quantize import quantize_model
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, load_config, to_toml
 from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -88,7 +89,10 @@ def load_run(run_dir: str | Path, device: str = "cpu", quantized_ok: bool = True
     run = Path(run_dir)
     record_file = run / RECORD
     if not (record_file.is_file() and (run / QUANTIZED).is_file()):
-        return adapt_run.load_run(run, device)
+        cfg, model, tokenizer, path = adapt_run.load_run(run, device)
+        if record_file.is_file() and json.loads(record_file.read_text()).get("prune", {}).get("pattern") == "2:4":
+            use_sparse_kernels(model, device)  # sm80+ GPUs: torchao's 2:4 kernels; elsewhere the dense weights
+        return cfg, model, tokenizer, path
     if not quantized_ok:
         raise ConfigError(f"{run}: is quantized (torchao tensors, which a Hugging Face Llama folder cannot hold); "
                           f"export the run it was quantized from ({json.loads(record_file.read_text())['source']})")
