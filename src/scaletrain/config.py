@@ -244,6 +244,8 @@ class FinetuneConfig:
                        "`scaletrain compress --quantize` will quantize them: int4-weight or int8-weight; empty = off",
                    choices=("", "int4-weight", "int8-weight"))
     qat_group_size: int = opt(32, "qat int4-weight: weights per scale (as compress --group-size)", ge=1)
+    keep_zeros: bool = opt(False, "full: block weights that are exactly zero in the base (the masks of `scaletrain "
+                                  "compress --prune`) stay zero: their gradients are masked (docs/compression.md)")
 
 
 @dataclass

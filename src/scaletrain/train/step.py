@@ -17,6 +17,7 @@ import torch
 
 from scaletrain.adapt import apply_method, load_base_and_adapters, open_base
 from scaletrain.adapt.distill import attach_teacher
+from scaletrain.adapt.masks import keep_zeros
 from scaletrain.adapt.methods import finish_method
 from scaletrain.adapt.qat import prepare_qat
 from scaletrain.compress.fp8 import convert_to_fp8
@@ -50,6 +51,8 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
         finish_method(pm.modules[0], cfg.finetune)
         attach_teacher(pm, cfg.finetune, cfg.data.tokenizer)  # finetune.teacher: distillation (adapt/distill.py)
         prepare_qat(pm.modules[0], cfg.finetune)  # finetune.qat: fake-quantized weights (adapt/qat.py)
+        if cfg.finetune.keep_zeros:  # a pruned base's masks held through a full fine-tune (adapt/masks.py)
+            keep_zeros(pm.modules[0])
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
     return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage)
 

@@ -58,6 +58,13 @@ def check_distillation(cfg: JobConfig) -> None:
                           "finetune.method=full")
     if ft.qat and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         raise ConfigError("finetune.qat runs with data parallelism (DDP, FSDP2) only; set parallel.tp/pp/cp=1")
+    if ft.keep_zeros and (ft.method != "full" or not ft.source):
+        raise ConfigError("finetune.keep_zeros holds the base's zeros in weights that train: it needs finetune.source "
+                          "and finetune.method=full (LoRA keeps the frozen base's zeros anyway)")
+    if ft.keep_zeros and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.dp_shard != 1
+                          or cfg.parallel.cp > 1):
+        raise ConfigError("finetune.keep_zeros masks plain parameters' gradients: use DDP (parallel.dp_shard=1) "
+                          "without tp/pp/cp")
     if not ft.teacher:
         return
     if not ft.source:
