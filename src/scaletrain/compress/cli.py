@@ -77,6 +77,9 @@ def run_compress(args: argparse.Namespace) -> int:
         raise ConfigError("nothing to do: give --prune, --mlp-fraction / --drop-blocks and/or --quantize")
     if args.prune and args.pattern == "unstructured":
         unstructured.check_sparsity(args.sparsity)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):  # before any work (write_run checks again)
+        raise ConfigError(f"--out {out}: exists and is not empty; choose a new folder")
     torch.manual_seed(0)
     cfg, model, tokenizer, ckpt = load_source(args.run)
     model_cfg, record, source_bytes = cfg.model, {}, state_bytes(model)
