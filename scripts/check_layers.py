@@ -24,13 +24,14 @@ LAYERS: dict[str, int] = {
     "model": 1,
     "config": 2, "hardware": 2,
     "data": 3, "parallel": 3,
-    "checkpoint": 4, "adapt": 4,
+    "checkpoint": 4, "adapt": 4, "compress": 4,
     "train": 5,
     "plan": 6, "report": 6, "tune": 6,
     "cli": 7, "__main__": 7,
 }
 # Modules whose job is a command line: they sit on top of their package (data/cli.py is `scaletrain prepare`).
-CLI_MODULES = {"scaletrain.data.cli", "scaletrain.plan.cli", "scaletrain.report.cli", "scaletrain.tune.cli"}
+CLI_MODULES = {"scaletrain.data.cli", "scaletrain.plan.cli", "scaletrain.report.cli", "scaletrain.tune.cli",
+               "scaletrain.compress.cli"}
 
 
 def module_name(path: Path, src: Path = SRC) -> str:

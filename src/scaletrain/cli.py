@@ -150,7 +150,7 @@ def _eval_parser(sub) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from scaletrain.adapt.run import load_run
+    from scaletrain.compress.run import load_run  # any run folder, quantized ones too
     from scaletrain.data.loader import TokenStream
     from scaletrain.data.prepare import read_text_file
     from scaletrain.data.sources import resolve_source
@@ -197,7 +197,7 @@ def _generate_parser(sub) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from scaletrain.adapt.run import load_run
+    from scaletrain.compress.run import load_run  # any run folder, quantized ones too
     from scaletrain.model.generate import generate
 
     if args.max_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
@@ -228,10 +228,10 @@ def _export_parser(sub) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.adapt.export import base_model, is_plain, merge_adapters, save_peft_adapter
-    from scaletrain.adapt.run import load_run
     from scaletrain.checkpoint.export import export_hf
+    from scaletrain.compress.run import load_run  # any run folder; a quantized one is refused in one line
 
-    cfg, model, tokenizer, ckpt = load_run(args.run)
+    cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
     out = Path(args.out or Path(args.run) / "export-hf")
     if args.merge:
         model = merge_adapters(model, cfg)
@@ -319,6 +319,8 @@ PLUGINS = [
      "hyperparameter search over config fields (Optuna TPE + pruning; a resumable SQLite study)"),
     ("lr-find", "scaletrain.tune.cli", "add_lr_find_arguments", "run_lr_find",
      "learning-rate range test: exponential sweep to divergence, the curve and a suggested optim.lr"),
+    ("compress", "scaletrain.compress.cli", "add_compress_arguments", "run_compress",
+     "prune (magnitude, Wanda, 2:4, structured) and/or quantize (torchao) a run into a new run folder; --report"),
 ]
 
 

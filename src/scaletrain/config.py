@@ -84,7 +84,9 @@ class TrainConfig:
     device: str = opt("auto", "auto (cuda when available, else cpu), cpu or cuda", choices=("auto", "cpu", "cuda"))
     precision: str = opt("auto", "auto (bf16 on a GPU that supports it; on a CPU bf16 when its bf16 matmuls "
                                  "measure >= 1.5x fp32's, else fp32), fp32, bf16 or fp16 "
-                                 "(autocast; fp16 uses a gradient scaler)", choices=("auto", "fp32", "bf16", "fp16"))
+                                 "(autocast; fp16 uses a gradient scaler), or fp8 (GPU sm89+: torchao Float8Linear for "
+                                 "the large block Linears, bf16 elsewhere; docs/compression.md)",
+                         choices=("auto", "fp32", "bf16", "fp16", "fp8"))
     compile: bool = opt(False, "torch.compile the model (cold compile takes ~20 s on CPU)")
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default", ge=0)
     eval_interval: int = opt(250, "evaluate val loss every N steps (and at the end); 0 = only at the end", ge=0)
@@ -234,6 +236,18 @@ class FinetuneConfig:
     virtual_tokens: int = opt(16, "prompt/prefix: number of trainable virtual tokens", ge=1)
     freeze_embeddings: bool = opt(False, "full: keep the input embedding (and a tied head) frozen")
     freeze_blocks: int = opt(0, "full: keep the first k transformer blocks frozen", ge=0)
+    teacher: str = opt("", "distil from this model while fine-tuning (a run folder or Hugging Face folder with the "
+                           "same tokenizer, e.g. the unpruned original of finetune.source): the loss mixes the data "
+                           "loss with the KL divergence to the teacher's logits (docs/compression.md); empty = off")
+    distill_weight: float = opt(0.5, "teacher: weight w of the distillation term, loss = (1-w) data + w KL", ge=0, le=1)
+    distill_temperature: float = opt(2.0, "teacher: softmax temperature T of both logits (the KL is scaled by T^2)",
+                                     gt=0)
+    qat: str = opt("", "full: quantization-aware fine-tuning, the block Linears' weights fake-quantized (torchao) as "
+                       "`scaletrain compress --quantize` will quantize them: int4-weight or int8-weight; empty = off",
+                   choices=("", "int4-weight", "int8-weight"))
+    qat_group_size: int = opt(32, "qat int4-weight: weights per scale (as compress --group-size)", ge=1)
+    keep_zeros: bool = opt(False, "full: block weights that are exactly zero in the base (the masks of `scaletrain "
+                                  "compress --prune`) stay zero: their gradients are masked (docs/compression.md)")
 
 
 @dataclass

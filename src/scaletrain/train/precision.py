@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from scaletrain.compress.fp8 import check_fp8_device
 from scaletrain.config import ConfigError
 from scaletrain.hardware import cpu_bf16_speedup
 
@@ -36,6 +37,8 @@ def resolve_precision(name: str, device: torch.device, log: Callable[[str], None
     fp32 on a CPU without measuring, for a rank that takes rank 0's decision once the process group exists."""
     if name == "fp16" and device.type != "cuda":
         raise ConfigError("train.precision=fp16 needs a GPU; use fp32 (or bf16) on the CPU")
+    if name == "fp8":  # torchao Float8Linear (compress/fp8.py): a GPU with fp8 tensor cores, else one line
+        check_fp8_device(device)
     if name != "auto":
         return name, ""
     if device.type == "cuda":
@@ -55,7 +58,8 @@ def autocast(precision: str, device: torch.device):
     """Weights stay fp32 (the optimizer's master copy); matmuls run in the low-precision dtype."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+    # fp8: the Float8Linear layers cast their own matmuls; everything else runs in bf16.
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "fp8" else DTYPES[precision])
 
 
 def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:

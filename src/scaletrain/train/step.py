@@ -16,7 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from scaletrain.adapt import apply_method, load_base_and_adapters, open_base
+from scaletrain.adapt.distill import attach_teacher
+from scaletrain.adapt.masks import keep_zeros
 from scaletrain.adapt.methods import finish_method
+from scaletrain.adapt.qat import prepare_qat
+from scaletrain.compress.fp8 import convert_to_fp8
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
 from scaletrain.model.mup import width_mult
@@ -36,6 +40,8 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     tokenizer's vocabulary when ``cfg.model.vocab_size`` is padded beyond it (masked out of the loss)."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    if cfg.train.precision == "fp8":  # torchao Float8Linear, before TP / AC / compile / FSDP (compress/fp8.py)
+        convert_to_fp8(model, fsdp=dims.dp_shard > 1)
     if cfg.finetune.source:  # fine-tuning: freeze / add adapters on the meta model (adapt/, docs/finetuning.md)
         apply_method(model, cfg.finetune)
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
@@ -44,6 +50,10 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     if cfg.finetune.source:  # the base's weights and the adapters' initial values, in every layout alike
         load_base_and_adapters(pm.modules, open_base(cfg.finetune.source).state(), cfg.train.seed)
         finish_method(pm.modules[0], cfg.finetune)
+        attach_teacher(pm, cfg.finetune, cfg.data.tokenizer)  # finetune.teacher: distillation (adapt/distill.py)
+        prepare_qat(pm.modules[0], cfg.finetune)  # finetune.qat: fake-quantized weights (adapt/qat.py)
+        if cfg.finetune.keep_zeros:  # a pruned base's masks held through a full fine-tune (adapt/masks.py)
+            keep_zeros(pm.modules[0])
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
     return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage, width_mult(cfg.model))
 

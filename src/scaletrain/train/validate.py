@@ -67,6 +67,32 @@ def check_mup(cfg: JobConfig) -> None:
                           f"model.dim divisible by n_heads")
 
 
+def check_distillation(cfg: JobConfig) -> None:
+    """finetune.teacher (adapt/distill.py): a fine-tune on one model part whose logits are plain tensors;
+    finetune.qat (adapt/qat.py): a full fine-tune without tensor/pipeline/context parallelism."""
+    ft = cfg.finetune
+    if ft.qat and (ft.method != "full" or not ft.source):
+        raise ConfigError("finetune.qat fake-quantizes the weights that train: it needs finetune.source and "
+                          "finetune.method=full")
+    if ft.qat and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+        raise ConfigError("finetune.qat runs with data parallelism (DDP, FSDP2) only; set parallel.tp/pp/cp=1")
+    if ft.keep_zeros and (ft.method != "full" or not ft.source):
+        raise ConfigError("finetune.keep_zeros holds the base's zeros in weights that train: it needs finetune.source "
+                          "and finetune.method=full (LoRA keeps the frozen base's zeros anyway)")
+    if ft.keep_zeros and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.dp_shard != 1
+                          or cfg.parallel.cp > 1):
+        raise ConfigError("finetune.keep_zeros masks plain parameters' gradients: use DDP (parallel.dp_shard=1) "
+                          "without tp/pp/cp")
+    if not ft.teacher:
+        return
+    if not ft.source:
+        raise ConfigError("finetune.teacher needs finetune.source (the student to fine-tune, e.g. a pruned run)")
+    par = cfg.parallel
+    if par.tp > 1 or par.pp > 1 or par.cp > 1 or par.engine != "native":
+        raise ConfigError("finetune.teacher runs with data parallelism (DDP, FSDP2) on the native engine only; set "
+                          "parallel.tp/pp/cp=1")
+
+
 def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str) -> ParallelDims:
     """Every rule a job must pass to run on ``world_size`` ranks of ``device_type`` ("cpu", "cuda"), with
     ``precision`` already resolved: cross-field config checks, option combinations, the parallel degrees
@@ -78,6 +104,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     check_feature_combinations(cfg, precision)
     check_finetune(cfg, world_size)
     check_mup(cfg)
+    check_distillation(cfg)
     if cfg.parallel.engine == "deepspeed":  # its own rules (ds_config, offload, ZeRO-3 x pp), data parallel only
         if cfg.finetune.source:
             raise ConfigError("fine-tuning (finetune.source) runs on the native engine only; drop "

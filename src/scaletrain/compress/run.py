@@ -1,0 +1,124 @@
+"""A compressed model as a run folder, read back by eval, generate, export and ``finetune --from``.
+
+A pruned model (unstructured, 2:4 or structured) is a plain run folder: ``config.toml`` (the source's, with
+the new [model] section after structured pruning), ``tokenizer.json`` and one checkpoint written by the
+same ``CheckpointManager`` the trainer uses, so every command reads it as it reads a trained run. The zeros
+of unstructured / 2:4 pruning are in the saved weights (they are the mask).
+
+A quantized model's weights are torchao tensor subclasses, which DCP does not write; they are saved with
+``torch.save`` in ``quantized/model.pt`` (``compress.json`` names the method), and ``load_run`` rebuilds the
+model, quantizes it with the same config and assigns the saved tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from scaletrain.adapt import run as adapt_run
+from scaletrain.adapt.export import is_plain
+from scaletrain.checkpoint.manager import CheckpointManager
+from scaletrain.checkpoint.state import model_tensors
+from scaletrain.compress.prune import use_sparse_kernels
+from scaletrain.compress.quantize import quantize_model
+from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, load_config, to_toml
+from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
+from scaletrain.model import Transformer
+
+RECORD = "compress.json"
+QUANTIZED = Path("quantized") / "model.pt"
+
+
+def source_data_cache(cfg: JobConfig, run: Path) -> str:
+    """Where the source run's prepared data is, so the compressed run evaluates on the same split without
+    preparing it again (``train.prepare_data``'s rule: data.cache_dir, else <run_dir>/data)."""
+    if cfg.data.cache_dir:
+        return str(Path(cfg.data.cache_dir).resolve())
+    return str((run / "data").resolve())
+
+
+def load_source(run_dir: str | Path) -> tuple[JobConfig, nn.Module, Tokenizer, Path]:
+    """The run to compress, as one plain model (a fine-tune with adapters must be merged first)."""
+    cfg, model, tokenizer, ckpt = load_run(run_dir)
+    if (Path(run_dir) / RECORD).is_file() and (Path(run_dir) / QUANTIZED).is_file():
+        raise ConfigError(f"--run {run_dir}: is already quantized; compress the run it came from")
+    if not is_plain(model):
+        raise ConfigError(f"--run {run_dir}: is an adapter fine-tune; merge it first (`scaletrain export --merge "
+                          f"--run {run_dir}`) and fine-tune or compress the merged folder")
+    return cfg, model, tokenizer, ckpt
+
+
+def write_run(out: str | Path, source: str | Path, cfg: JobConfig, model_cfg: ModelConfig, model: nn.Module,
+              record: dict, quantized: bool = False) -> Path:
+    """Write the compressed ``model`` as a run folder ``out`` (refused when ``out`` holds anything)."""
+    out, source = Path(out), Path(source)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out}: exists and is not empty; choose a new folder")
+    ckpt = CheckpointManager(source / "checkpoints").latest()
+    step = int(CheckpointManager.read_meta(ckpt)["step"]) if ckpt is not None else 0
+    new = dataclasses.replace(
+        cfg, model=model_cfg, finetune=FinetuneConfig(),  # a plain model now (a full fine-tune's weights)
+        train=dataclasses.replace(cfg.train, run_dir=str(out), resume=False, overwrite=False, stop_at_step=0),
+        data=dataclasses.replace(cfg.data, cache_dir=source_data_cache(cfg, source)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(to_toml(new))
+    shutil.copyfile(source / "tokenizer.json", out / "tokenizer.json")
+    record = {"source": str(source.resolve()), "source_checkpoint": str(ckpt) if ckpt else None, **record}
+    if quantized:
+        (out / QUANTIZED).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}, out / QUANTIZED)
+    else:
+        manager = CheckpointManager(out / "checkpoints", keep_last=1)
+        manager.save(step, {"model": model_tensors([model])}, {}, {"compressed_from": record["source"]})
+        manager.close()
+    record["weight_bytes"] = state_bytes(model)
+    (out / RECORD).write_text(json.dumps(record, indent=2))
+    return out
+
+
+def load_run(run_dir: str | Path, device: str = "cpu", quantized_ok: bool = True
+             ) -> tuple[JobConfig, nn.Module, Tokenizer, Path]:
+    """Any run folder: a quantized one (rebuilt with its torchao config) or any other (``adapt.run``).
+    ``quantized_ok=False`` (export): a quantized run is a one-line ConfigError."""
+    run = Path(run_dir)
+    record_file = run / RECORD
+    if not (record_file.is_file() and (run / QUANTIZED).is_file()):
+        cfg, model, tokenizer, path = adapt_run.load_run(run, device)
+        if record_file.is_file() and json.loads(record_file.read_text()).get("prune", {}).get("pattern") == "2:4":
+            use_sparse_kernels(model, device)  # sm80+ GPUs: torchao's 2:4 kernels; elsewhere the dense weights
+        return cfg, model, tokenizer, path
+    if not quantized_ok:
+        raise ConfigError(f"{run}: is quantized (torchao tensors, which a Hugging Face Llama folder cannot hold); "
+                          f"export the run it was quantized from ({json.loads(record_file.read_text())['source']})")
+    record = json.loads(record_file.read_text())
+    cfg = load_config(run / "config.toml")
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device=device)
+    model.init_weights()  # the rotary tables; every weight is assigned from the file below
+    quant = record["quantize"]
+    quantize_model(model, quant["method"], quant.get("group_size", 128), device)
+    state = torch.load(run / QUANTIZED, map_location=device, weights_only=True)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not k.startswith("rope_")]
+    if missing or unexpected:
+        raise ConfigError(f"{run / QUANTIZED}: does not match the model of config.toml (missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]})")
+    model.tie_weights()
+    model.eval()
+    return cfg, model, load_tokenizer(run / "tokenizer.json"), run / QUANTIZED
+
+
+def state_bytes(model: nn.Module) -> int:
+    """The size of ``model``'s weights as one ``torch.save`` file (tied tensors once, quantized tensors in their
+    stored form): the same measure for the original and every variant (a training checkpoint also holds the
+    optimizer's moments, which a compressed run does not keep)."""
+    buf = io.BytesIO()
+    torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}, buf)
+    return buf.tell()

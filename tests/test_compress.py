@@ -1,0 +1,270 @@
+"""Compression (compress/, docs/compression.md): pruning masks, structured pruning, torchao quantization,
+the run folders they write, and the one-line errors of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from scaletrain.checkpoint.manager import CheckpointManager, load_tensors
+from scaletrain.cli import main
+from scaletrain.compress import prune as P
+from scaletrain.compress import structured as S
+from scaletrain.compress.run import load_run, state_bytes
+from scaletrain.config import ConfigError
+from scaletrain.model import build_model
+from scaletrain.model.config import ModelConfig
+
+
+def test_wanda_differs_from_magnitude_by_input_norms():
+    # One row [1, 2, 3, 4] with input norms [10, 1, 1, 0.1]: magnitude drops 1, 2; Wanda drops 2 (2) and 4 (0.4).
+    w = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    norms = torch.tensor([10.0, 1.0, 1.0, 0.1])
+    mag = P.unstructured_masks({"l": P.scores(w, "magnitude", None)}, 0.5, "magnitude", "layer")["l"]
+    wanda = P.unstructured_masks({"l": P.scores(w, "wanda", norms)}, 0.5, "wanda", "layer")["l"]
+    assert mag.tolist() == [[False, False, True, True]]
+    assert wanda.tolist() == [[True, False, True, False]]
+
+
+def test_masks_sparsity_and_patterns():
+    torch.manual_seed(0)
+    score = {"a": torch.rand(8, 16), "b": torch.rand(4, 16) * 10}
+    rows = P.unstructured_masks(score, 0.25, "wanda", "layer")
+    assert all((~m).sum(1).tolist() == [4] * m.shape[0] for m in rows.values())  # per output row
+    glob = P.unstructured_masks(score, 0.5, "magnitude", "global")
+    assert sum(int((~m).sum()) for m in glob.values()) == 96  # one threshold over both: b (x10) keeps more
+    assert (~glob["a"]).sum() > (~glob["b"]).sum()
+    nm = P.semi_structured_masks(score)
+    assert all(P.is_n_m_sparse(m.float()) and m.float().mean() == 0.5 for m in nm.values())
+    for bad in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(ConfigError, match="sparsity"):
+            P.check_sparsity(bad)
+
+
+def test_structured_prune_keeps_the_important_and_shrinks_the_config():
+    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, max_seq_len=16)
+    model = build_model(cfg, seed=0)
+    batches = [torch.randint(0, 50, (2, 16)) for _ in range(2)]
+    scores = S.importance(model, batches)
+    new, new_cfg, record = S.prune_structured(model, scores, mlp_fraction=0.25, drop_blocks=1)
+    assert (new_cfg.n_layers, new_cfg.ffn_hidden_dim, new_cfg.preset) == (2, 48, "")
+    assert new(batches[0]).shape == (2, 16, 50) and record["parameters"][1] < record["parameters"][0]
+    # The kept block's w1 rows are the old block's highest-scoring neurons, in order.
+    old_i = [i for i in range(3) if i not in record["removed_blocks"]][0]
+    kept = torch.sort(torch.topk(scores["neurons"][old_i], 48).indices).values
+    assert torch.equal(new.layers["0"].feed_forward.w1.weight, model.layers[str(old_i)].feed_forward.w1.weight[kept])
+    # Nothing removed: the same function.
+    same, _, _ = S.prune_structured(model, scores, 0.0, 0)
+    assert torch.allclose(same(batches[0]), model(batches[0]), atol=1e-6)
+    with pytest.raises(ConfigError, match="drop-blocks"):
+        S.plan_sizes(cfg, 0.25, 3)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    from conftest import tiny_overrides
+
+    run = tmp_path_factory.mktemp("compress") / "base"
+    over = tiny_overrides(run, **{"train.steps": 15, "model.n_heads": 4, "model.n_kv_heads": 2})
+    assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    return run
+
+
+def _eval_loss(run, capsys) -> float:
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--batches", "4"]) == 0
+    return float(capsys.readouterr().out.split("loss ")[1].split(",")[0])
+
+
+def test_pruned_run_folder_is_zero_where_masked_and_exports(base_run, tmp_path, capsys):
+    out = tmp_path / "wanda24"
+    assert main(["compress", "--run", str(base_run), "--out", str(out), "--prune", "wanda", "--pattern", "2:4",
+                 "--calibration-sequences", "8"]) == 0
+    # The saved weights themselves (read from the DCP checkpoint, not the live model) hold the 2:4 zeros.
+    cfg, model, _, ckpt = load_run(out)
+    fresh = build_model(cfg.model, seed=1)
+    load_tensors(CheckpointManager(out / "checkpoints").latest(), {"model": dict(fresh.state_dict())})
+    for name, linear in P.block_linears(fresh).items():
+        assert P.is_n_m_sparse(linear.weight), name
+    assert abs(P.sparsity_of(fresh) - 0.5) < 1e-6
+    assert P.use_sparse_kernels(fresh, "cpu") == 0  # sparse kernels only on sm80+ GPUs: the CPU keeps dense weights
+    assert json.loads((out / "compress.json").read_text())["prune"]["pattern"] == "2:4"
+    assert _eval_loss(out, capsys) > 0
+    # export: a Hugging Face folder with the zeros, transformers gives our logits
+    transformers = pytest.importorskip("transformers")
+    assert main(["export", "--run", str(out), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, 60, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(model(ids)[..., :65], hf(ids).logits, atol=1e-5)
+    assert (hf.model.layers[0].mlp.down_proj.weight == 0).float().mean() == 0.5
+
+
+def test_structured_run_trains_on_with_finetune(base_run, tmp_path, capsys):
+    from conftest import tiny_overrides
+
+    out = tmp_path / "small"
+    assert main(["compress", "--run", str(base_run), "--out", str(out), "--mlp-fraction", "0.25",
+                 "--drop-blocks", "1", "--calibration-sequences", "8"]) == 0
+    cfg, model, _, _ = load_run(out)
+    assert (cfg.model.n_layers, cfg.model.ffn_hidden_dim) == (1, 72)
+    ft = tmp_path / "ft"
+    over = tiny_overrides(ft, **{"train.steps": 3, "finetune.method": "full"})
+    over = {k: v for k, v in over.items() if not k.startswith("model.")}
+    assert main(["finetune", "--from", str(out)] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    assert _eval_loss(ft, capsys) > 0
+
+
+def test_quantized_run_folder_evaluates_and_is_smaller(base_run, tmp_path, capsys):
+    pytest.importorskip("torchao")
+    before = _eval_loss(base_run, capsys)
+    dense_bytes = state_bytes(load_run(base_run)[1])
+    for method, extra in (("int8-weight", []), ("int4-weight", ["--group-size", "32"])):
+        out = tmp_path / method
+        assert main(["compress", "--run", str(base_run), "--out", str(out), "--quantize", method, *extra]) == 0
+        loss = _eval_loss(out, capsys)
+        assert abs(loss - before) < (0.01 if method == "int8-weight" else 0.1) * before, (method, loss, before)
+        record = json.loads((out / "compress.json").read_text())
+        _, model, _, _ = load_run(out)
+        assert type(model.layers["0"].attention.wq.weight).__name__ != "Parameter"
+        # Only the block Linears are quantized (the char model's embedding and head stay fp32).
+        assert record["weight_bytes"] == state_bytes(model) < 0.8 * dense_bytes, (method, record, dense_bytes)
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tmp_path / "int8-weight"), "--max-tokens", "5"]) == 0
+    assert main(["export", "--run", str(tmp_path / "int8-weight")]) == 2
+    assert "is quantized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prune", "magnitude", "--sparsity", "1.2"], "--sparsity 1.2: must be in (0, 1)"),
+    (["--prune", "wanda", "--sparsity", "0"], "--sparsity 0.0: must be in (0, 1)"),
+    (["--quantize", "int4-weight", "--group-size", "64"], "does not divide the input width 32"),
+    (["--quantize", "int4-weight", "--group-size", "48"], "--group-size 48"),
+    (["--mlp-fraction", "1.0"], "--mlp-fraction 1.0"),
+    (["--drop-blocks", "2"], "--drop-blocks 2"),
+    ([], "nothing to do"),
+])
+def test_bad_input_is_one_line_exit_2(base_run, tmp_path, capsys, flags, message):
+    capsys.readouterr()
+    assert main(["compress", "--run", str(base_run), "--out", str(tmp_path / "x"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_block_filter_leaves_embedding_and_head():
+    from scaletrain.compress.quantize import block_filter
+
+    model = build_model(ModelConfig(vocab_size=40, dim=32, n_layers=1, n_heads=2, ffn_hidden_dim=64), seed=0)
+    chosen = [n for n, m in model.named_modules() if block_filter(m, n)]
+    assert len(chosen) == 7 and all(n.startswith("layers.0.") for n in chosen)
+    assert not block_filter(nn.Linear(4, 4), "output")
+
+
+def test_distillation_loss_is_zero_for_the_teacher_itself_and_mixes_with_the_data_loss():
+    from scaletrain.adapt.distill import distillation_loss
+
+    torch.manual_seed(0)
+    s, t = torch.randn(2, 5, 11, requires_grad=True), torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    assert distillation_loss(t, t, targets, 2.0).abs() < 1e-6
+    kd = distillation_loss(s, t, targets, 2.0)
+    ref = torch.nn.functional.kl_div((s / 2).log_softmax(-1).flatten(0, 1), (t / 2).log_softmax(-1).flatten(0, 1),
+                                     log_target=True, reduction="batchmean") * 4
+    assert torch.allclose(kd, ref, atol=1e-6)
+    targets[0, :] = -100  # masked prompt tokens count in neither loss
+    ref_rows = torch.nn.functional.kl_div((s[1] / 2).log_softmax(-1), (t[1] / 2).log_softmax(-1), log_target=True,
+                                          reduction="batchmean") * 4
+    assert torch.allclose(distillation_loss(s, t, targets, 2.0), ref_rows, atol=1e-6)
+
+
+def test_structured_run_distilled_from_the_original(base_run, tmp_path, capsys):
+    from conftest import tiny_overrides
+
+    small = tmp_path / "small"
+    assert main(["compress", "--run", str(base_run), "--out", str(small), "--mlp-fraction", "0.5",
+                 "--calibration-sequences", "8"]) == 0
+    common = {k: v for k, v in tiny_overrides(tmp_path / "d", **{"train.steps": 4, "finetune.method": "full",
+                                                                 "optim.lr": "1e-3", "logging.log_interval": 1}).items()
+              if not k.startswith("model.")}
+    losses = {}
+    for name, extra in (("data", {}), ("distil", {"finetune.teacher": str(base_run), "finetune.distill_weight": "1"})):
+        run = tmp_path / name
+        over = {**common, "train.run_dir": str(run), **extra}
+        assert main(["finetune", "--from", str(small)] + [f"--{k}={v}" for k, v in over.items()]) == 0
+        losses[name] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                        if '"loss"' in line]
+    # The same student, batches and seed: with w = 1 the logged training loss is the KL to the teacher (small:
+    # half the neurons of the teacher itself), not the data loss.
+    assert losses["distil"][0] < 0.5 * losses["data"][0], losses
+    capsys.readouterr()
+    assert main(["train", f"--train.run_dir={tmp_path / 'x'}", f"--finetune.teacher={base_run}"]) == 2
+    assert "finetune.teacher needs finetune.source" in capsys.readouterr().err
+
+
+def test_qat_finetune_fake_quantizes_and_quantizes_after(base_run, tmp_path, capsys):
+    pytest.importorskip("torchao")
+    from conftest import tiny_overrides
+    from scaletrain.adapt.qat import prepare_qat
+    from scaletrain.config import FinetuneConfig
+
+    model = build_model(ModelConfig(vocab_size=40, dim=32, n_layers=1, n_heads=2, ffn_hidden_dim=64), seed=0)
+    weight = model.layers["0"].attention.wq.weight
+    assert prepare_qat(model, FinetuneConfig(method="full", qat="int4-weight", qat_group_size=32)) == 7
+    wq = model.layers["0"].attention.wq
+    assert type(wq).__name__ == "FakeQuantizedLinear" and wq.weight is weight  # same parameter, same name
+    x = torch.randn(3, 32)
+    assert not torch.allclose(wq(x), x @ weight.T)  # the forward sees the rounded weight
+    run = tmp_path / "qat"
+    over = {k: v for k, v in tiny_overrides(run, **{"train.steps": 3, "finetune.method": "full",
+                                                    "finetune.qat": "int4-weight"}).items()
+            if not k.startswith("model.")}
+    assert main(["finetune", "--from", str(base_run)] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    assert main(["compress", "--run", str(run), "--out", str(tmp_path / "q4"), "--quantize", "int4-weight",
+                 "--group-size", "32"]) == 0
+    assert _eval_loss(tmp_path / "q4", capsys) > 0
+    assert main(["finetune", "--from", str(base_run), f"--train.run_dir={tmp_path / 'y'}",
+                 "--finetune.qat=int4-weight"]) == 2  # lora (the default method) is refused
+    assert "finetune.method=full" in capsys.readouterr().err
+
+
+def test_fp8_filter_skips_small_and_odd_layers_and_the_cpu_is_refused(tmp_path, capsys):
+    from scaletrain.compress.fp8 import check_fp8_device, fp8_filter
+
+    keep = fp8_filter(1024)
+    assert keep(nn.Linear(4096, 14336), "layers.0.feed_forward.w1")
+    assert not keep(nn.Linear(4096, 1000), "layers.0.feed_forward.w1")  # 1000 is no multiple of 16
+    assert not keep(nn.Linear(512, 4096), "layers.0.attention.wk")  # too small to gain
+    assert not keep(nn.Linear(4096, 128256), "output")  # the head stays bf16
+    assert not keep(nn.Embedding(10, 4096), "layers.0.x")
+    model = build_model(ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=2, ffn_hidden_dim=128), seed=0)
+    assert [n for n, m in model.named_modules() if fp8_filter(64)(m, n)] == \
+        ["layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention.wv", "layers.0.attention.wo",
+         "layers.0.feed_forward.w1", "layers.0.feed_forward.w2", "layers.0.feed_forward.w3"]
+    with pytest.raises(ConfigError, match="fp8 needs an NVIDIA GPU"):
+        check_fp8_device(torch.device("cpu"))
+    capsys.readouterr()
+    assert main(["train", "--train.precision=fp8", f"--train.run_dir={tmp_path / 'r'}", "--train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8 needs an NVIDIA GPU" in err and err.count("\n") == 1
+
+
+def test_full_finetune_keeps_the_pruned_zeros(base_run, tmp_path):
+    from conftest import tiny_overrides
+    from scaletrain.adapt.masks import zero_count
+
+    pruned = tmp_path / "wanda"
+    assert main(["compress", "--run", str(base_run), "--out", str(pruned), "--prune", "wanda", "--sparsity", "0.5",
+                 "--calibration-sequences", "8"]) == 0
+    zeros = zero_count(load_run(pruned)[1])
+    for keep in (True, False):
+        run = tmp_path / f"ft-{keep}"
+        over = {k: v for k, v in tiny_overrides(run, **{"train.steps": 3, "finetune.method": "full",
+                                                        "finetune.keep_zeros": str(keep).lower()}).items()
+                if not k.startswith("model.")}
+        assert main(["finetune", "--from", str(pruned)] + [f"--{k}={v}" for k, v in over.items()]) == 0
+        after = zero_count(load_run(run)[1])
+        assert (after == zeros) if keep else (after < zeros / 10), (keep, after, zeros)
