@@ -368,7 +368,7 @@ class Trainer:
             self.balancer.record(micro_seconds)
             record["micro_batches_per_rank"] = counts
             if self.balancer.after_step(self.state.step):
-                self._adaptive_record["balance_micro_seconds"] = [round(s, 5) for s in self.balancer.last_seconds]
+                self._adaptive_record["balance_micro_seconds"] = self.balancer.last_seconds
         if micro_sq is not None:
             small_sq = micro_grad_sq_mean(micro_sq, self.device, self.env.world_size)
             b_small = cfg.train.batch_size
