@@ -48,7 +48,8 @@ def main() -> int:
         for i in range(args.repeats):
             for mode in ("none", "throughput"):
                 specs.append(f"{mode}{i}:parallel.balance={mode},parallel.dp_replicate=2,train.steps={args.steps},"
-                             f"checkpoint.enabled=false,parallel.balance_interval=5,train.run_dir={tmp / mode / str(i)}")
+                             "checkpoint.enabled=false,parallel.balance_interval=5,"
+                             f"train.run_dir={tmp / mode / str(i)}")
         out = tmp / "r.json"
         os.environ.update(SLOW_RANK="1", SLOW_SECONDS=str(args.slow_seconds), SLOW_THREADS=str(args.slow_threads))
         run_ranks([str(ROOT / "tests" / "slow_rank_train.py"), "--config", str(config), "--out", str(out), *specs],

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from launch import OUT_HELP, default_out
-
 from scaletrain.config import load_config
 from scaletrain.train.adaptive import BatchRamp
 from scaletrain.train.trainer import Trainer

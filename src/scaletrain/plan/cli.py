@@ -236,7 +236,7 @@ def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as
         table.add_column(col)
     for o in doc["options"]:
         table.add_row(str(o["devices"]), str(o["nodes"]), o["plan"], f"{o['hours']:,.2f}",
-                      f"{o['on_demand_usd']:,.0f}", f"{o['spot_usd']:,.0f}")
+                      f"{o['on_demand_usd']:,.2f}", f"{o['spot_usd']:,.2f}")
     console.print(table)
     for pricing, pick in doc["choice"].items():
         what = pricing.replace("_", "-")
@@ -244,7 +244,7 @@ def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as
             console.print(f"{what}: no option meets the limit")
         else:
             console.print(f"{what}: {pick['devices']} device(s) ({pick['nodes']} node(s)), {pick['plan']}: "
-                          f"{pick['hours']:,.2f} h, ${pick[pricing + '_usd']:,.0f}")
+                          f"{pick['hours']:,.2f} h, ${pick[pricing + '_usd']:,.2f}")
     if args.json:
         write_json(doc, args.json)
     if "error" in doc:
