@@ -138,3 +138,24 @@ def test_join_and_leave_keep_the_global_batch_and_every_sample(tmp_path):
     assert worst < 1e-5, (worst, got["losses"], want)
     cursors = data_cursors(tmp_path / "elastic" / "run")
     assert len(cursors) >= steps - 2 and all(c == step * GLOBAL_BATCH for step, c in cursors.items()), cursors
+
+
+ELASTIC_LAUNCHER = TESTS.parent / "scripts" / "launch" / "elastic.py"
+
+
+@pytest.mark.parametrize("nnodes, says", [("2:1", "MIN (2) is greater than MAX (1)"), ("0:2", "MIN must be >= 1"),
+                                          ("a:b", "write MIN:MAX")])
+def test_elastic_launcher_refuses_bad_nnodes_in_one_line(nnodes, says):
+    proc = subprocess.run([sys.executable, str(ELASTIC_LAUNCHER), "--nnodes", nnodes, "--endpoint", "h:1", "--dry-run"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
+
+
+def test_elastic_launcher_builds_the_torchrun_command():
+    proc = subprocess.run([sys.executable, str(ELASTIC_LAUNCHER), "--nnodes", "1:2", "--endpoint", "127.0.0.1:29400",
+                           "--id", "j", "--dry-run", "--", "--config", "c.toml"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for part in ("torch.distributed.run", "--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400",
+                 "-m scaletrain.cli train --config c.toml --resume"):
+        assert part in proc.stdout
