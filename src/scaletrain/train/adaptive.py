@@ -44,6 +44,9 @@ def check_adaptive(cfg: JobConfig, dp_size: int, precision: str) -> None:
         raise ConfigError("batch.ramp_increment / batch.ramp_samples are set but batch.ramp_start is 0 (no ramp); "
                           "set batch.ramp_start to the first global batch, or the others to 0")
     if b.ramp_start:
+        if par.engine != "native":
+            raise ConfigError("batch.ramp_start: the batch ramp runs on the native engine (DeepSpeed fixes its "
+                              "accumulation at initialisation); drop --parallel.engine=deepspeed or the ramp")
         if not b.ramp_increment or not b.ramp_samples:
             raise ConfigError("batch.ramp_start needs batch.ramp_increment > 0 and batch.ramp_samples > 0")
         if b.ramp_start >= full:
