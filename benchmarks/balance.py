@@ -55,8 +55,9 @@ def main() -> int:
         run_ranks([str(ROOT / "tests" / "slow_rank_train.py"), "--config", str(config), "--out", str(out), *specs],
                   2, "balance benchmark")
         runs = json.loads(out.read_text())
-        counts = [json.loads(line).get("micro_batches_per_rank")
-                  for line in (tmp / "throughput" / "0" / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (tmp / "throughput" / "0" / "metrics.jsonl").read_text().splitlines()]
+        counts = [r.get("micro_batches_per_rank") for r in rows]
+        measured = [r["balance_micro_seconds"] for r in rows if "balance_micro_seconds" in r]
     equal = [runs[f"none{i}"]["median_step_ms"] for i in range(args.repeats)]
     balanced = [runs[f"throughput{i}"]["median_step_ms"] for i in range(args.repeats)]
     loss_diff = max(abs(a - b) / abs(a) for i in range(args.repeats)
@@ -68,7 +69,8 @@ def main() -> int:
            "equal_step_ms": statistics.median(equal), "balanced_step_ms": statistics.median(balanced),
            "speedup": round(statistics.median(equal) / statistics.median(balanced), 3),
            "equal_step_ms_each": equal, "balanced_step_ms_each": balanced,
-           "final_split": next(c for c in reversed(counts) if c), "max_relative_loss_difference": loss_diff}
+           "final_split": next(c for c in reversed(counts) if c),
+           "split_per_step_first_run": [c for c in counts if c], "micro_seconds_first_run": measured, "max_relative_loss_difference": loss_diff}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"| equal batches | {doc['equal_step_ms']:.1f} ms/step |\n| throughput balance | "

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
 from scaletrain.cli import main
 from scaletrain.config import BatchConfig, ConfigError, load_config
-from scaletrain.train.adaptive import BatchRamp, NoiseScale, split_counts
+from scaletrain.train.adaptive import BatchRamp, NoiseScale, split_counts, timed_micro_batches
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.validate import check_runnable
 
@@ -41,6 +42,15 @@ def test_split_counts_follow_speed_and_keep_one_each():
     assert split_counts(8, [1.0, 3.0]) == [6, 2]   # 3x slower rank: a quarter of the work beyond one each
     assert split_counts(4, [1.0, 100.0]) == [3, 1]  # never zero: the slow rank still synchronises
     assert sum(split_counts(7, [0.3, 0.5, 0.9])) == 7
+
+
+def test_micro_batch_timing_measures_the_consumer_and_not_the_last_one():
+    seconds: list[float] = []
+    batches = timed_micro_batches(iter(range(4)), seconds)
+    for _ in range(4):  # as training_step does: exactly as many requests as micro-batches
+        next(batches)
+        time.sleep(0.02)
+    assert len(seconds) == 3 and all(s >= 0.02 for s in seconds)
 
 
 def test_noise_scale_recovers_a_known_b_simple():

@@ -169,16 +169,14 @@ def timed_micro_batches(batches: Iterator, out: list[float]) -> Iterator:
     """Pass ``batches`` through; append the seconds between two successive requests (one micro-batch's forward
     and backward, data reading excluded) to ``out``. The last micro-batch of a step is not timed: its backward
     waits for the other ranks in the gradient all-reduce."""
-    last = None
     while True:
-        if last is not None:  # the consumer asks for the next one: the previous one is computed
-            out.append(time.perf_counter() - last)
         try:
             batch = next(batches)
         except StopIteration:
             return
+        handed = time.perf_counter()
         yield batch
-        last = time.perf_counter()
+        out.append(time.perf_counter() - handed)  # the consumer asks for the next one: this one is computed
 
 
 class NoiseScale:
