@@ -70,7 +70,8 @@ def main() -> int:
            "speedup": round(statistics.median(equal) / statistics.median(balanced), 3),
            "equal_step_ms_each": equal, "balanced_step_ms_each": balanced,
            "final_split": next(c for c in reversed(counts) if c),
-           "split_per_step_first_run": [c for c in counts if c], "micro_seconds_first_run": measured, "max_relative_loss_difference": loss_diff}
+           "split_per_step_first_run": [c for c in counts if c], "micro_seconds_first_run": measured,
+           "max_relative_loss_difference": loss_diff}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"| equal batches | {doc['equal_step_ms']:.1f} ms/step |\n| throughput balance | "
