@@ -196,6 +196,29 @@ class ParallelConfig:
                                 "(deepspeed.initialize with ZeRO stage parallel.zero_stage, data parallel only; "
                                 "needs the extra scaletrain[deepspeed]; see the [deepspeed] section)",
                       choices=("native", "deepspeed"))
+    balance: str = opt("none", "none (every data-parallel rank takes the same micro-batches) or throughput (ranks "
+                               "time their micro-batches and take a share of the step's micro-batches in "
+                               "proportion to their speed; the gradient stays the uniform-batch one; "
+                               "docs/tuning.md)", choices=("none", "throughput"))
+    balance_interval: int = opt(10, "balance = throughput: steps between two re-measurements of the ranks' speeds",
+                                ge=1)
+
+
+@dataclass
+class BatchConfig:
+    """Adaptive batch size (train/adaptive.py, docs/tuning.md): a ramp and the gradient noise scale."""
+
+    ramp_start: int = opt(0, "batch-size ramp (Megatron's rampup_batch_size): global batch in sequences at step 0; "
+                             "0 = no ramp. The ramp ends at train.batch_size x train.grad_accum_steps x "
+                             "data-parallel ranks", ge=0)
+    ramp_increment: int = opt(0, "ramp: sequences added to the global batch at each increase", ge=0)
+    ramp_samples: int = opt(0, "ramp: sequences consumed from ramp_start until the full global batch", ge=0)
+    lr_scaling: str = opt("sqrt", "learning rate during the ramp: the schedule's LR times (B / B_full) for "
+                                  "linear, sqrt(B / B_full) for sqrt, unchanged for none",
+                          choices=("none", "linear", "sqrt"))
+    noise_scale_interval: int = opt(0, "measure the gradient noise scale B_simple (McCandlish et al. 2018) every "
+                                       "N steps from the micro-batch and the step gradients and log it with a "
+                                       "suggested critical batch; 0 = never", ge=0)
 
 
 @dataclass
@@ -265,6 +288,7 @@ class JobConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     prediction: PredictionConfig = field(default_factory=PredictionConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
 
 
 # --------------------------------------------------------------------------------------------------

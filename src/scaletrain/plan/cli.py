@@ -82,6 +82,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ft.add_argument("--lora-targets", default="q,k,v,o", help="lora/qlora projections (q,k,v,o,gate,up,down)")
     ft.add_argument("--virtual-tokens", type=int, default=16, help="prompt/prefix virtual tokens")
     ft.add_argument("--dora", action="store_true", help="lora/qlora as DoRA (a trainable magnitude per output row)")
+    when = parser.add_argument_group("deadline / budget (instead of one cluster: which device count)")
+    when.add_argument("--deadline", type=float, default=None,
+                      help="hours: the cheapest device count and plan that finishes by then (on demand and spot)")
+    when.add_argument("--budget", type=float, default=None,
+                      help="USD: the fastest device count and plan that costs at most this (on demand and spot)")
+    when.add_argument("--max-nodes", type=int, default=64, help="the most nodes --deadline/--budget consider")
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=5, help="plans to show")
     out.add_argument("--json", default="", help="write everything as JSON to this file ('-' = stdout)")
@@ -178,6 +184,8 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--top must be >= 1 (got {args.top})")
         if args.method:
             return _finetune_plan(args, workload, cluster, console)
+        if args.deadline is not None or args.budget is not None:
+            return _deadline_plan(args, workload, cluster, prices, as_of, console)
         result = search(workload, cluster, _pins(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -218,6 +226,35 @@ def run_plan(args: argparse.Namespace) -> int:
                                    f"predicted {best.time.tokens_per_second:,.0f} tokens/s", prediction=predicted)
         console.print(f"wrote {path}")
     return status
+
+
+def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as_of: str, console) -> int:
+    """``scaletrain plan --deadline H / --budget USD`` (plan/deadline.py): the options and the choice."""
+    from rich.table import Table
+
+    from scaletrain.plan.deadline import answer
+
+    doc = answer(workload, cluster, _pins(args), prices, as_of, args.deadline, args.budget, args.max_nodes)
+    table = Table(title=f"{workload.train_tokens:,.0f} tokens on {cluster.hardware.name} (prices as of {as_of})")
+    for col in ("devices", "nodes", "fastest plan", "hours", "on-demand $", "spot $"):
+        table.add_column(col)
+    for o in doc["options"]:
+        table.add_row(str(o["devices"]), str(o["nodes"]), o["plan"], f"{o['hours']:,.2f}",
+                      f"{o['on_demand_usd']:,.2f}", f"{o['spot_usd']:,.2f}")
+    console.print(table)
+    for pricing, pick in doc["choice"].items():
+        what = pricing.replace("_", "-")
+        if pick is None:
+            console.print(f"{what}: no option meets the limit")
+        else:
+            console.print(f"{what}: {pick['devices']} device(s) ({pick['nodes']} node(s)), {pick['plan']}: "
+                          f"{pick['hours']:,.2f} h, ${pick[pricing + '_usd']:,.2f}")
+    if args.json:
+        write_json(doc, args.json)
+    if "error" in doc:
+        print(f"error: {doc['error']}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:

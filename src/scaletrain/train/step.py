@@ -68,20 +68,32 @@ class StepResult:
 def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: Iterator[MicroBatch],
                   accum: int, *, grad_clip: float, autocast: Callable = contextlib.nullcontext,
                   scaler: torch.amp.GradScaler | None = None,
-                  before_update: Callable[[float, float], bool] | None = None) -> StepResult:
+                  before_update: Callable[[float, float], bool] | None = None,
+                  loss_divisor: float | None = None, micro_grad_sq: list[float] | None = None) -> StepResult:
     """Accumulate gradients over ``accum`` micro-batches, clip, and update once.
 
     Data-parallel gradients are synchronised only on the final micro-batch (DDP ``no_sync`` before); with
     low-communication training they are not synchronised at all (replicas meet in ``pm.replicas``).
     ``before_update(loss, grad_norm)`` runs between the gradient and the update; returning False skips the
     update (the gradients are still cleared). ``scaler``: the fp16 gradient scaler (None or disabled
-    otherwise)."""
+    otherwise).
+
+    ``loss_divisor`` (default ``accum``): what each micro-batch's loss is divided by; with ranks that run
+    different numbers of micro-batches (``parallel.balance``, train/adaptive.py) it is the step's micro-batches
+    over the data-parallel ranks, so the averaged gradient is the mean over all of them. ``micro_grad_sq``:
+    when a list, the squared norm of each unsynchronised micro-batch's own mean-loss gradient is appended (the
+    gradient noise scale's small batch; costs a copy of the gradients per micro-batch)."""
+    divisor = accum if loss_divisor is None else loss_divisor
     scale = scaler.scale if scaler is not None else (lambda x: x)
     loss_sum = None
     for micro in range(accum):
         inputs, targets, mask = next(micro_batches)
-        loss = forward_backward(pm, inputs, targets, accum=accum, sync=micro == accum - 1, autocast=autocast,
+        sync = micro == accum - 1
+        before = _grads(pm) if micro_grad_sq is not None and not sync else None
+        loss = forward_backward(pm, inputs, targets, accum=divisor, sync=sync, autocast=autocast,
                                 scale=scale, attn_mask=mask)
+        if before is not None:
+            micro_grad_sq.append(_delta_sq(pm, before) * divisor ** 2)
         if loss is not None:  # None on pipeline ranks that do not hold the last stage
             loss_sum = loss if loss_sum is None else loss_sum + loss
     if scaler is not None:
@@ -96,3 +108,17 @@ def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_bat
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, grad_norm, updated)
+
+
+def _grads(pm: ParallelModel) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in pm.parameters()]
+
+
+def _delta_sq(pm: ParallelModel, before: list[torch.Tensor | None]) -> float:
+    """Squared norm of what the last micro-batch added to the (local, unsynchronised) gradients."""
+    total = 0.0
+    for p, old in zip(pm.parameters(), before):
+        if p.grad is not None:
+            delta = p.grad.detach().float() - (0 if old is None else old.float())
+            total += float(delta.pow(2).sum())
+    return total

@@ -45,6 +45,13 @@ from scaletrain.parallel.distributed import (
     say,
     world_size_from_env,
 )
+from scaletrain.train.adaptive import (
+    BatchRamp,
+    LoadBalancer,
+    NoiseScale,
+    micro_grad_sq_mean,
+    timed_micro_batches,
+)
 from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, mfu, peak_memory_bytes
 from scaletrain.train.monitor import WINDOW_KEYS, ResourceMonitor, finish_run_info, timed, write_run_info
@@ -186,8 +193,12 @@ class Trainer:
                                                   rank=self.pm.dp_rank, world_size=dims.dp_size,
                                                   seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         else:
+            # parallel.balance: every rank walks the one global stream of micro-batches and keeps its own run of
+            # them (train/adaptive.py), so the loader is the single-process one on every rank.
+            balanced = cfg.parallel.balance == "throughput" and dims.dp_size > 1
             self.train_loader = TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
-                                            rank=self.pm.dp_rank, world_size=dims.dp_size, seed=cfg.train.seed,
+                                            rank=0 if balanced else self.pm.dp_rank,
+                                            world_size=1 if balanced else dims.dp_size, seed=cfg.train.seed,
                                             shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
         self.state = TrainState(schedule=dataclasses.asdict(cfg.schedule))
         self.guard = NonFiniteGuard(self.pm.replicas.rollback_after(cfg.train.rollback_after))
@@ -196,6 +207,7 @@ class Trainer:
                        "scaler": self.scaler, "guard": self.guard}
         if self.pm.replicas.independent:
             local_state["low_comm"] = self.pm.replicas
+        self._init_adaptive(cfg, dims, local_state)
         self.checkpoint = self.make_checkpoint(local_state)
         self.preempted = ""
         # Tokens per optimizer step over all data-parallel ranks.
@@ -217,6 +229,19 @@ class Trainer:
         self.disk_note, refusal = rank_zero_object(self._disk_verdict() if self.is_main else None)
         if refusal:
             raise ConfigError(refusal if self.is_main else "rank 0 found too little disk space for a checkpoint")
+
+    def _init_adaptive(self, cfg: JobConfig, dims, local_state: dict) -> None:
+        """The batch ramp, the load balancer and the noise-scale estimate (train/adaptive.py); the last two
+        are saved with the checkpoint."""
+        self.ramp = BatchRamp(cfg.batch, cfg.train.batch_size * cfg.train.grad_accum_steps * dims.dp_size)
+        self.balancer = None
+        if cfg.parallel.balance == "throughput" and dims.dp_size > 1:
+            self.balancer = LoadBalancer(self.pm.dp_rank, dims.dp_size, cfg.parallel.balance_interval, self.device)
+            local_state["balance"] = self.balancer
+        self.noise = NoiseScale() if cfg.batch.noise_scale_interval else None
+        if self.noise is not None:
+            local_state["noise_scale"] = self.noise
+        self._adaptive_record: dict = {}
 
     # Engine hooks: the native engine's; train/deepspeed_trainer.py:DeepSpeedTrainer supplies DeepSpeed's.
     training_step = staticmethod(training_step)
@@ -283,8 +308,20 @@ class Trainer:
         """One optimizer step (``training_step``) at the schedule's learning rate, with the NaN/Inf guard
         deciding whether to update, then the counters and the replicas' synchronisation."""
         cfg = self.cfg
-        lr = lr_at(self.state.step, cfg.optim.lr, cfg.train.steps, cfg.schedule) if self.lr_override is None \
-            else self.lr_override(self.state.step)
+        step = self.state.step
+        # The ramp's global batch and LR factor (1 without a ramp), and this rank's micro-batches (train/adaptive.py).
+        global_batch = self.ramp.batch_at(step)
+        per_rank = global_batch // (cfg.train.batch_size * self.dims.dp_size)
+        lr = lr_at(step, cfg.optim.lr, cfg.train.steps, cfg.schedule) * self.ramp.lr_factor(step) \
+            if self.lr_override is None else self.lr_override(step)  # lr-find's sweep (tune/lr_find.py)
+        mine, skip_before, skip_after, divisor, counts = per_rank, 0, 0, None, None
+        if self.balancer is not None:
+            counts = self.balancer.counts(per_rank * self.dims.dp_size)
+            rank = self.pm.dp_rank
+            mine, skip_before, skip_after = counts[rank], sum(counts[:rank]), sum(counts[rank + 1:])
+            divisor = float(per_rank)  # M / W: DDP's average over W then makes it the mean over all M
+        measure_noise = self.noise is not None and (step + 1) % cfg.batch.noise_scale_interval == 0
+        micro_sq: list[float] | None = [] if measure_noise else None
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)  # lr_scale: muP's per-group factor (train/optimizer.py)
         verdicts = []
@@ -296,18 +333,23 @@ class Trainer:
             self.checkpoints.wait_staged()
             return verdicts[-1] == "ok"
 
-        data_seconds = [0.0]
-        batches = timed((self._batch(next(self.train_loader)) for _ in range(cfg.train.grad_accum_steps)),
-                        data_seconds)
-        result = self.training_step(self.pm, self.optimizer, batches, cfg.train.grad_accum_steps,
+        data_seconds, micro_seconds = [0.0], []
+        batches = timed(self._micro_batches(mine, skip_before), data_seconds)
+        if self.balancer is not None:
+            batches = timed_micro_batches(batches, micro_seconds)
+        adaptive = {} if divisor is None and micro_sq is None else {"loss_divisor": divisor, "micro_grad_sq": micro_sq}
+        result = self.training_step(self.pm, self.optimizer, batches, mine,
                                     grad_clip=cfg.optim.grad_clip,
                                     autocast=lambda: autocast(self.precision, self.device),
-                                    scaler=self.scaler, before_update=before_update)
+                                    scaler=self.scaler, before_update=before_update, **adaptive)
+        for _ in range(skip_after):  # the other ranks' micro-batches of this step
+            next(self.train_loader)
         self.data_times.append(data_seconds[0])
         self.state.step += 1
-        self.state.tokens_seen += self.tokens_per_step
+        self.state.tokens_seen += global_batch * cfg.data.seq_len
         self.pm.replicas.after_step(self.state.step)
         record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr}
+        self._adapt_after_step(record, global_batch, counts, micro_seconds, micro_sq, result.grad_norm)
         if not result.updated:
             record["skipped_update"] = 1
             self._message(f"warning: step {self.state.step}: loss {result.loss} / gradient norm {result.grad_norm} "
@@ -315,6 +357,34 @@ class Trainer:
         if verdicts[-1] == "rollback":
             self._rollback()
         return record
+
+    def _micro_batches(self, count: int, skip: int):
+        """``count`` micro-batches on the device, after skipping ``skip`` (other ranks' share, parallel.balance)."""
+        for _ in range(skip):
+            next(self.train_loader)
+        for _ in range(count):
+            yield self._batch(next(self.train_loader))
+
+    def _adapt_after_step(self, record: dict, global_batch: int, counts: list[int] | None,
+                          micro_seconds: list[float], micro_sq: list[float] | None, grad_norm: float) -> None:
+        """The ramp's batch, the balancer's split and re-measurement, the noise-scale update (collective where
+        they gather from the ranks); their latest values go into every logged record."""
+        cfg = self.cfg
+        if cfg.batch.ramp_start:
+            record["global_batch"] = global_batch
+        if self.balancer is not None:
+            self.balancer.record(micro_seconds)
+            record["micro_batches_per_rank"] = counts
+            if self.balancer.after_step(self.state.step):
+                self._adaptive_record["balance_micro_seconds"] = self.balancer.last_seconds
+        if micro_sq is not None:
+            small_sq = micro_grad_sq_mean(micro_sq, self.device, self.env.world_size)
+            b_small = cfg.train.batch_size
+            if math.isfinite(small_sq) and math.isfinite(grad_norm) and global_batch > b_small:
+                gns = self.noise.update(b_small, small_sq, global_batch, grad_norm ** 2)
+                self._adaptive_record.update({"gns_b_simple": gns["gns_b_simple"], "gns_step": self.state.step,
+                                              "critical_batch_tokens": gns["gns_b_simple"] * cfg.data.seq_len})
+        record.update(self._adaptive_record)
 
     def _batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(inputs, targets, attention mask or None) on the device; with data.document_attention the

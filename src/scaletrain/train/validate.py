@@ -13,6 +13,7 @@ from scaletrain.config import ConfigError, JobConfig, validate_job
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.deepspeed_engine import check_deepspeed
+from scaletrain.train.adaptive import check_adaptive
 
 
 def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
@@ -113,6 +114,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     else:
         dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
+    check_adaptive(cfg, dims.dp_size, precision)  # batch ramp, noise scale, parallel.balance (docs/tuning.md)
     if dims.cp > 1:
         check_context_parallel_supported(torch.device(device_type))
     return dims

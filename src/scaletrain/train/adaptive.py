@@ -1,0 +1,216 @@
+"""Adaptive batch: the batch-size ramp, load balancing across unequal ranks, the gradient noise scale.
+
+All three only decide how many micro-batches of ``train.batch_size`` sequences each rank runs in a step
+and by what the loss is divided; the step itself is ``train/step.py:training_step`` (docs/tuning.md).
+
+- ``BatchRamp``: Megatron's ``rampup_batch_size = [start, increment, samples]``. The global batch of a step
+  is a pure function of the sequences consumed before it, which is a pure function of the step, so a resume
+  (on any world size) picks the same batch again; the ramp is done through gradient accumulation.
+  The learning-rate rule: the schedule stays in optimizer steps (``lr_at``), and during the ramp its LR is
+  multiplied by ``B / B_full`` (linear) or ``sqrt(B / B_full)`` (sqrt, the rule for Adam of Malladi et al.
+  2022) or left as it is (none, Megatron's behaviour).
+- ``LoadBalancer``: ``parallel.balance = "throughput"``. Every rank times its micro-batches; every
+  ``balance_interval`` steps the ranks all-gather their mean micro-batch seconds and split the step's M
+  micro-batches in proportion to speed (each at least one). All ranks read the same global stream of
+  micro-batches and rank r keeps the r-th contiguous run of its count, and every micro-batch's loss is
+  divided by M / W (DDP then averages over W), so the gradient is exactly the mean over the M micro-batches:
+  the uniform-batch gradient. The counts are saved with the checkpoint (deterministic resume).
+- ``NoiseScale``: McCandlish et al. 2018, appendix A. From the squared norms of small-batch gradients
+  (one micro-batch, B_small sequences) and of the step's gradient (B_big sequences):
+  |G|^2 ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small) and
+  tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big); both are averaged (an exponential
+  moving average each, as the paper advises, not of their ratio) and B_simple = tr(Sigma) / |G|^2 is the
+  suggested critical batch (in sequences).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.config import BatchConfig, ConfigError, JobConfig
+
+
+def check_adaptive(cfg: JobConfig, dp_size: int, precision: str) -> None:
+    """The [batch] and parallel.balance rules (called by ``train/validate.py:check_runnable``): one line each."""
+    b, par = cfg.batch, cfg.parallel
+    per_micro = cfg.train.batch_size * dp_size
+    full = per_micro * cfg.train.grad_accum_steps
+    if b.ramp_start == 0 and (b.ramp_increment or b.ramp_samples):
+        raise ConfigError("batch.ramp_increment / batch.ramp_samples are set but batch.ramp_start is 0 (no ramp); "
+                          "set batch.ramp_start to the first global batch, or the others to 0")
+    if b.ramp_start:
+        if par.engine != "native":
+            raise ConfigError("batch.ramp_start: the batch ramp runs on the native engine (DeepSpeed fixes its "
+                              "accumulation at initialisation); drop --parallel.engine=deepspeed or the ramp")
+        if not b.ramp_increment or not b.ramp_samples:
+            raise ConfigError("batch.ramp_start needs batch.ramp_increment > 0 and batch.ramp_samples > 0")
+        if b.ramp_start >= full:
+            raise ConfigError(f"batch.ramp_start ({b.ramp_start}) must be below the full global batch ({full} = "
+                              f"train.batch_size x train.grad_accum_steps x {dp_size} data-parallel rank(s)); "
+                              f"raise train.grad_accum_steps or lower batch.ramp_start")
+        if (full - b.ramp_start) % b.ramp_increment:
+            raise ConfigError(f"batch.ramp_increment ({b.ramp_increment}) must divide the ramp's span "
+                              f"({full} - {b.ramp_start} = {full - b.ramp_start} sequences)")
+        if b.ramp_start % per_micro or b.ramp_increment % per_micro:
+            raise ConfigError(f"batch.ramp_start ({b.ramp_start}) and batch.ramp_increment ({b.ramp_increment}) "
+                              f"must be multiples of train.batch_size x data-parallel ranks ({per_micro}): the "
+                              f"ramp is done by gradient accumulation")
+    if par.balance == "throughput" and dp_size > 1:
+        if par.dp_shard > 1 or par.tp > 1 or par.pp > 1 or par.cp > 1 or par.low_comm != "none" \
+                or par.engine != "native":
+            raise ConfigError("parallel.balance=throughput runs with replicated data parallelism only (DDP / ZeRO-1: "
+                              "dp_shard, tp, pp, cp = 1, low_comm = none, native engine)")
+        if cfg.finetune.instructions:
+            raise ConfigError("parallel.balance=throughput reads token shards; it does not take finetune.instructions")
+        if cfg.train.grad_accum_steps < 2:
+            raise ConfigError("parallel.balance=throughput needs train.grad_accum_steps >= 2 (micro-batches to move "
+                              "between ranks)")
+    if b.noise_scale_interval:
+        if par.dp_shard > 1 or par.tp > 1 or par.pp > 1 or par.cp > 1 or par.low_comm != "none" \
+                or par.engine != "native":
+            raise ConfigError("batch.noise_scale_interval needs whole local gradients: replicated data parallelism "
+                              "only (dp_shard, tp, pp, cp = 1, low_comm = none, native engine)")
+        if precision == "fp16":
+            raise ConfigError("batch.noise_scale_interval does not run with train.precision=fp16 (scaled gradients)")
+
+
+class BatchRamp:
+    """The global batch (sequences) of each optimizer step, and the LR factor that goes with it."""
+
+    def __init__(self, cfg: BatchConfig, full: int):
+        self.cfg, self.full = cfg, full
+        self._before = [0]  # sequences consumed before step i
+        if cfg.ramp_start:
+            self.per_increment = cfg.ramp_samples / ((full - cfg.ramp_start) // cfg.ramp_increment)
+
+    def batch_for_samples(self, consumed: int) -> int:
+        """Megatron's rule: start + increment x floor(consumed / samples per increment), capped at full."""
+        if not self.cfg.ramp_start:
+            return self.full
+        return min(self.full, self.cfg.ramp_start + self.cfg.ramp_increment * int(consumed / self.per_increment))
+
+    def samples_before(self, step: int) -> int:
+        while len(self._before) <= step:
+            self._before.append(self._before[-1] + self.batch_for_samples(self._before[-1]))
+        return self._before[step]
+
+    def batch_at(self, step: int) -> int:
+        """Global sequences of optimizer step ``step`` (0-based: the update from step to step + 1)."""
+        return self.batch_for_samples(self.samples_before(step))
+
+    def lr_factor(self, step: int) -> float:
+        ratio = self.batch_at(step) / self.full
+        return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.cfg.lr_scaling]
+
+
+def split_counts(total: int, seconds: list[float]) -> list[int]:
+    """``total`` micro-batches over ranks in proportion to speed (1 / seconds per micro-batch), each >= 1,
+    by largest remainder (ties to the lower rank), so every rank computes the same split."""
+    n = len(seconds)
+    if total < n:
+        raise ValueError(f"{total} micro-batches cannot give each of {n} ranks one")
+    speed = [1.0 / max(s, 1e-9) for s in seconds]
+    share = [(total - n) * v / sum(speed) for v in speed]  # the part beyond the guaranteed one each
+    counts = [1 + int(x) for x in share]
+    order = sorted(range(n), key=lambda r: (-(share[r] - int(share[r])), r))
+    for r in order[:total - sum(counts)]:
+        counts[r] += 1
+    return counts
+
+
+class LoadBalancer:
+    """Micro-batches per rank for ``parallel.balance = "throughput"`` (stateful: the current shares)."""
+
+    def __init__(self, rank: int, world_size: int, interval: int, device: torch.device):
+        self.rank, self.world_size, self.interval, self.device = rank, world_size, interval, device
+        self.shares = [1.0 / world_size] * world_size  # fraction of the step's micro-batches per rank
+        self._seconds: list[float] = []                 # this rank's micro-batch times since the last split
+        self.last_seconds: list[float] = []             # every rank's mean, at the last split (for the log)
+
+    def counts(self, total: int) -> list[int]:
+        """The step's ``total`` micro-batches split by the current shares (a pure function of them)."""
+        return split_counts(total, [1.0 / max(s, 1e-12) for s in self.shares])
+
+    def record(self, seconds: list[float]) -> None:
+        self._seconds.extend(seconds)
+
+    def after_step(self, step: int) -> bool:
+        """Every ``interval`` steps (collective): all-gather the ranks' mean micro-batch seconds and take new
+        shares in proportion to speed. True when a new split was taken."""
+        if self.world_size == 1 or step % self.interval:
+            return False
+        mine = sum(self._seconds) / len(self._seconds) if self._seconds else float("nan")
+        box = torch.zeros(self.world_size, dtype=torch.float64, device=self.device)
+        box[self.rank] = mine
+        dist.all_reduce(box)
+        seconds = box.tolist()
+        self._seconds = []
+        if any(not math.isfinite(s) or s <= 0 for s in seconds):
+            return False  # a rank had no timed micro-batch (only its synchronised one): keep the split
+        speed = [1.0 / s for s in seconds]
+        self.shares = [v / sum(speed) for v in speed]
+        self.last_seconds = seconds
+        return True
+
+    def state_dict(self) -> dict:
+        return {"shares": list(self.shares), "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state.get("world_size", 0)) == self.world_size:  # another world size: start from equal shares
+            self.shares = [float(s) for s in state["shares"]]
+
+
+def timed_micro_batches(batches: Iterator, out: list[float]) -> Iterator:
+    """Pass ``batches`` through; append the seconds between two successive requests (one micro-batch's forward
+    and backward, data reading excluded) to ``out``. The last micro-batch of a step is not timed: its backward
+    waits for the other ranks in the gradient all-reduce."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        handed = time.perf_counter()
+        yield batch
+        out.append(time.perf_counter() - handed)  # the consumer asks for the next one: this one is computed
+
+
+class NoiseScale:
+    """Running estimate of B_simple from (B_small, |G_small|^2) and (B_big, |G_big|^2) pairs."""
+
+    def __init__(self, beta: float = 0.9):
+        self.beta = beta
+        self.g2 = self.trace = 0.0  # exponential moving averages (bias-corrected by ``weight``)
+        self.weight = 0.0
+
+    def update(self, b_small: float, small_sq: float, b_big: float, big_sq: float) -> dict:
+        """One measurement; returns the log record (this step's estimates and the running B_simple)."""
+        g2 = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+        trace = (small_sq - big_sq) / (1.0 / b_small - 1.0 / b_big)
+        self.g2 = self.beta * self.g2 + (1 - self.beta) * g2
+        self.trace = self.beta * self.trace + (1 - self.beta) * trace
+        self.weight = self.beta * self.weight + (1 - self.beta)
+        return {"gns_grad_sq": g2, "gns_trace": trace, "gns_b_simple": self.b_simple()}
+
+    def b_simple(self) -> float:
+        """tr(Sigma) / |G|^2 of the running averages, in sequences (nan until |G|^2 averages above 0)."""
+        return self.trace / self.g2 if self.g2 > 0 else float("nan")
+
+    def state_dict(self) -> dict:
+        return {"g2": self.g2, "trace": self.trace, "weight": self.weight}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.g2, self.trace, self.weight = float(state["g2"]), float(state["trace"]), float(state["weight"])
+
+
+def micro_grad_sq_mean(values: list[float], device: torch.device, world_size: int) -> float:
+    """Mean of the ranks' micro-batch squared gradient norms (collective when world_size > 1; a rank with none
+    contributes nothing). nan when no rank measured any."""
+    box = torch.tensor([sum(values), float(len(values))], dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(box)
+    return float(box[0] / box[1]) if box[1] > 0 else float("nan")
