@@ -187,6 +187,8 @@ def run_plan(args: argparse.Namespace) -> int:
            "hardware": {"name": cluster.hardware.name, "devices_per_node": cluster.devices_per_node,
                         "nodes": cluster.nodes, "peak_flops": cluster.hardware.peak_flops,
                         "memory_bytes": cluster.hardware.memory_bytes, "utilisation": cluster.hardware.utilisation,
+                        "utilisation_half_width": cluster.hardware.utilisation_half_width,
+                        "attention_utilisation": cluster.hardware.attention_utilisation,
                         "utilisation_source": cluster.hardware.utilisation_source, "source": cluster.hardware.source},
            "plans": [plan_dict(c, workload, cost) for c, cost in zip(result.ranked[: args.top], costs)],
            "rejected": [c.as_dict() for c in result.rejected[: args.top]], "considered": result.considered}

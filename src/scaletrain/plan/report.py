@@ -84,7 +84,7 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
                              f"{w.steps:,} steps")
     summary.add_row("total FLOPs", human(w.total_flops))
     summary.add_row("precision", f"{w.precision}; compute at {human(hw.flops(_dtype(w)), 'FLOP/s')} peak x "
-                                 f"{hw.utilisation:.2f} utilisation")
+                                 f"{_utilisation(w, hw):.2f} utilisation")
     summary.add_row("utilisation source", hw.utilisation_source)
     console.print(summary)
 
@@ -138,6 +138,13 @@ def breakdown_table(c: Candidate) -> Table:
         b = time_rows[i] if i < len(time_rows) else ("", None)
         table.add_row(a[0], gib(a[1]) if a[1] is not None else "", b[0], f"{b[1]:.4g}" if b[1] is not None else "")
     return table
+
+
+def _utilisation(w: Workload, hw) -> float:
+    """The utilisation the time model uses for this workload (GPUs: the fit over width and attention share)."""
+    from scaletrain.plan.timing import gpu_utilisation
+
+    return gpu_utilisation(hw, w.model, w.seq_len) if hw.kind == "gpu" else hw.utilisation
 
 
 def _dtype(w: Workload) -> str:
