@@ -255,7 +255,7 @@ def main() -> int:
     records = []
     for r in data:
         hw_before = CONSTANT_BEFORE[r["hardware"]]
-        hw_after = family_hw(r["hardware"], fitted[family_of(r["hardware"])])
+        hw_after = CATALOG[r["hardware"]]  # the planner as shipped: the catalog's (rounded) copy of the fit
         before, after = predict(r, hw_before), predict(r, hw_after)
         published = r["published_tokens_per_s_per_gpu"]
         peak = CATALOG[r["hardware"]].flops("bf16")
@@ -266,7 +266,7 @@ def main() -> int:
             "activation_checkpointing": r["ac"], "published_mfu": r["published_mfu"],
             "published_tokens_per_s_per_gpu": published,
             "mfu_ours": published * flops_per_token(r["cfg"], r["seq"]) / peak,
-            "utilisation_after": gpu_utilisation(hw_after, r["cfg"], r["seq"]),
+            "utilisation_after": gpu_utilisation(hw_after, r["cfg"], r["seq"]),  # the catalog's
             "predicted_tokens_per_s_per_gpu_before": before, "predicted_tokens_per_s_per_gpu_after": after,
             # step-time error: predicted step / real step - 1 = published tokens/s / predicted - 1
             "time_error_before": published / before - 1, "time_error_after": published / after - 1})
@@ -277,6 +277,7 @@ def main() -> int:
                          for k, v in CONSTANT_BEFORE.items()},
               "fitted": {family: {"fitted_on": FAMILIES[family][1], "ceiling": p[0], "half_width": p[1],
                                   "attention": p[2]} for family, p in fitted.items()},
+              "after": "the catalog's copy of the fit (scaletrain/plan/hardware.py), i.e. what `scaletrain plan` uses",
               "errors": {s: {"before": summary([r for r in records if r["set"] == s], "time_error_before"),
                              "after": summary([r for r in records if r["set"] == s], "time_error_after")}
                          for s in sets},
@@ -287,7 +288,12 @@ def main() -> int:
               f"  mean {b['mean_error']:+6.1%} -> {a['mean_error']:+6.1%}  worst {b['worst_error']:+6.1%} -> "
               f"{a['worst_error']:+6.1%}")
     for family, p in fitted.items():
-        print(f"{family}: ceiling {p[0]:.3f}, half_width {p[1]:.0f}, attention {p[2]:.3f}")
+        hw = CATALOG[FAMILIES[family][0]]
+        shipped = (hw.utilisation, hw.utilisation_half_width, hw.attention_utilisation)
+        print(f"{family}: ceiling {p[0]:.3f}, half_width {p[1]:.0f}, attention {p[2]:.3f}; catalog {shipped}")
+        if any(abs(a / b - 1) > 0.01 for a, b in zip(shipped, p)):
+            print(f"  the catalog's {FAMILIES[family][0]} differs from this fit by more than 1%: copy the fit into "
+                  "scaletrain/plan/hardware.py (_HOPPER_FIT / _AMPERE_FIT)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
