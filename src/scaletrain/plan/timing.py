@@ -184,6 +184,12 @@ def gpu_utilisation(hw: Hardware, cfg: ModelConfig, seq_len: int) -> float:
     return hw.utilisation_at(cfg.dim, attention / flops_per_token(cfg, seq_len))
 
 
+def workload_utilisation(workload: Workload, hw: Hardware) -> float:
+    """The utilisation the time model uses for ``workload`` on ``hw`` (printed by ``scaletrain plan``): the fit
+    on a GPU, the catalog's measured GEMM efficiency on a CPU (whose time model uses measured rates instead)."""
+    return gpu_utilisation(hw, workload.model, workload.seq_len) if hw.kind == "gpu" else hw.utilisation
+
+
 def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[float, float]:
     """(seconds per micro-batch on one stage, optimizer seconds) at peak x the fitted utilisation."""
     cfg, hw = workload.model, cluster.hardware
