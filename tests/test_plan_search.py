@@ -14,7 +14,7 @@ from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown
 from scaletrain.plan.search import enumerate_plans, search, what_would_fit
 from scaletrain.plan.spec import Plan, Workload, check_plan, job_config, plan_run_dir
-from scaletrain.plan.timing import communication, step_time
+from scaletrain.plan.timing import communication, gpu_utilisation, step_time
 from scaletrain.train.validate import check_runnable
 
 # A made-up but self-consistent CPU calibration, so these tests neither measure nor depend on the machine.
@@ -125,7 +125,39 @@ def test_gpu_compute_bound_step_runs_at_the_stated_utilisation():
     w = gpt2(batch=64)
     t = step_time(w, Plan(micro_batch=16), cluster)
     assert t.comm_total == 0
-    assert t.mfu == pytest.approx(cluster.hardware.utilisation, rel=0.02)  # the optimizer is the 2% left
+    stated = gpu_utilisation(cluster.hardware, w.model, w.seq_len)
+    assert t.mfu == pytest.approx(stated, rel=0.02)  # the optimizer is the 2% left
+
+
+def test_gpu_utilisation_grows_with_width_and_falls_with_attention_share():
+    """The fitted utilisation (benchmarks/gpu_utilisation.py): the GEMMs approach the ceiling as the model
+    widens; attention runs at its own fraction of it, so longer sequences move the mix towards that."""
+    for name in ("h100-sxm", "a100-80gb"):
+        hw = CATALOG[name]
+        widths = [hw.utilisation_at(d, 0.0) for d in (256, 768, 2048, 8192)]
+        assert widths == sorted(widths) and widths[-1] < hw.utilisation
+        assert hw.utilisation_at(10**9, 0.0) == pytest.approx(hw.utilisation, rel=1e-6)
+        assert hw.utilisation_at(4096, 1.0) == pytest.approx(hw.utilisation * hw.attention_utilisation)
+        short, long = (gpu_utilisation(hw, gpt2().model, t) for t in (512, 32768))
+        assert (long < short) == (hw.attention_utilisation < hw.utilisation_at(768, 0.0) / hw.utilisation)
+    # a kind without published runs keeps one constant
+    assert CATALOG["l40s"].utilisation_at(256, 0.5) == CATALOG["l40s"].utilisation
+
+
+def test_catalog_utilisation_is_the_published_fit():
+    """The catalog carries the fit that benchmarks/results/gpu_utilisation.json reports, and the fit beats the
+    old constant on the runs it was not fitted to."""
+    import json
+    from pathlib import Path
+
+    result = json.loads((Path(__file__).parents[1] / "benchmarks/results/gpu_utilisation.json").read_text())
+    for family, fit in result["fitted"].items():
+        hw = CATALOG[fit["fitted_on"][0]]
+        assert hw.utilisation == pytest.approx(fit["ceiling"], rel=0.01)
+        assert hw.utilisation_half_width == pytest.approx(fit["half_width"], rel=0.01)
+        assert hw.attention_utilisation == pytest.approx(fit["attention"], rel=0.01)
+    for group, errors in result["errors"].items():
+        assert errors["after"]["median_abs_error"] < errors["before"]["median_abs_error"], group
 
 
 def test_recomputation_costs_a_third_of_the_forward_backward():

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from scaletrain.config import ConfigError, DataConfig, ModelConfig, build, load_config
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
+from scaletrain.plan.timing import workload_utilisation
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -198,6 +199,9 @@ def run_plan(args: argparse.Namespace) -> int:
            "hardware": {"name": cluster.hardware.name, "devices_per_node": cluster.devices_per_node,
                         "nodes": cluster.nodes, "peak_flops": cluster.hardware.peak_flops,
                         "memory_bytes": cluster.hardware.memory_bytes, "utilisation": cluster.hardware.utilisation,
+                        "utilisation_half_width": cluster.hardware.utilisation_half_width,
+                        "attention_utilisation": cluster.hardware.attention_utilisation,
+                        "utilisation_for_this_model": workload_utilisation(workload, cluster.hardware),
                         "utilisation_source": cluster.hardware.utilisation_source, "source": cluster.hardware.source},
            "plans": [plan_dict(c, workload, cost) for c, cost in zip(result.ranked[: args.top], costs)],
            "rejected": [c.as_dict() for c in result.rejected[: args.top]], "considered": result.considered}
@@ -348,3 +352,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

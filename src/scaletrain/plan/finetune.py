@@ -42,6 +42,7 @@ from scaletrain.plan.timing import (
     _interp,
     attention_seconds,
     gemm_seconds,
+    gpu_utilisation,
 )
 
 # Bytes per weight of torchao's NF4 with double quantization at QLoRA's blocks (64 weights a scale, 256
@@ -293,13 +294,14 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
     block_share = 1.0 - 2.0 * cfg.vocab_size * cfg.dim / forward
     executed = tokens * (forward * (1 + block_share * n_ckpt / cfg.n_layers) + 2.0 * n_matmul + 2 * attention_fwd
                          + weight_grads)
-    seconds = executed / (hw.flops(DTYPE_OF_PRECISION[workload.precision]) * hw.utilisation)
+    rate = hw.flops(DTYPE_OF_PRECISION[workload.precision]) * gpu_utilisation(hw, cfg, seq)
+    seconds = executed / rate
     # and, as for pretraining, no faster than the host launches the kernels (adapters add theirs)
     launches = (cfg.n_layers + n_ckpt / 3) * (OPS_PER_BLOCK + OPS_PER_ADAPTER * len(targets)) * GPU_LAUNCH_SECONDS
     seconds = max(seconds, launches)
     if ft.dora:  # the row norms of W + s B A each forward: B @ A, and passes over each adapted weight
         adapted = cfg.n_layers * sum(shapes[t][0] * shapes[t][1] for t in targets)
-        seconds += 2.0 * ft.lora_rank * adapted / (hw.flops(DTYPE_OF_PRECISION[workload.precision]) * hw.utilisation) \
+        seconds += 2.0 * ft.lora_rank * adapted / rate \
             + adapted * 3 * rec.param / hw.memory_bandwidth
     if ft.method == "qlora":  # read 4-bit codes, write the dequantized weight, twice a micro-batch
         projections = cfg.n_layers * sum(i * o for i, o in shapes.values())

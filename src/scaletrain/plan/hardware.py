@@ -67,12 +67,26 @@ class Hardware:
     memory_bandwidth: float  # bytes/s
     intra_node: str  # key of LINKS
     inter_node: str  # key of LINKS
-    utilisation: float  # achievable model-FLOPs utilisation (MFU) of a well-tuned training step
+    utilisation: float  # achievable MFU of a well-tuned step: the ceiling of wide GEMMs (see utilisation_at)
     utilisation_source: str
     source: str
     devices_per_node: int = 8
     cores: int = 0  # CPU only: physical cores the calibration used
     calibration: dict = field(default_factory=dict)  # CPU / auto: measured rates (see calibration.py)
+    # GPU utilisation as a function of the model (fitted to published runs: benchmarks/gpu_utilisation.py):
+    # the GEMMs reach ``utilisation * dim / (dim + utilisation_half_width)`` and attention's QK^T / AV
+    # ``utilisation * attention_utilisation``. 0 and 1 (the defaults) make it one constant.
+    utilisation_half_width: float = 0.0
+    attention_utilisation: float = 1.0
+
+    def utilisation_at(self, dim: int, attention_share: float) -> float:
+        """Model-FLOPs utilisation of a step whose GEMMs have width ``dim`` and whose FLOPs are a fraction
+        ``attention_share`` attention (QK^T, AV): the harmonic mix of the two parts' rates, because each part
+        takes its FLOPs over its own rate. Small widths underuse the tensor cores (short GEMM tiles, and a
+        kernel's fixed cost weighs more), so the GEMM rate saturates with width."""
+        gemm = self.utilisation * dim / (dim + self.utilisation_half_width)
+        attention = self.utilisation * self.attention_utilisation
+        return 1.0 / ((1.0 - attention_share) / gemm + attention_share / attention)
 
     def flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -81,10 +95,22 @@ class Hardware:
         return self.peak_flops[dtype]
 
 
-_H100_MFU = ("0.40: torchtitan Llama 3.1 8B on 8x H100 bf16 FSDP reaches 5,762 tok/s/GPU eager (~34% MFU) and "
-             "6,667 compiled (~39%); Megatron-LM reports up to 47% on H100 (published); 0.40 sits between")
-_A100_MFU = ("0.50: torchtitan Llama 3 8B on 64x A100 80GB FSDP2 reports 58.2% MFU at batch 1; Megatron-LM "
-             "(Narayanan et al. 2021) 52% for GPT-3 175B; 0.50 is the conservative end")
+# GPU utilisation (Hardware.utilisation_at), fitted by benchmarks/gpu_utilisation.py to published runs
+# (benchmarks/results/gpu_utilisation.json has every row, its citation, and the held-out errors).
+_FIT = ("fitted by benchmarks/gpu_utilisation.py to the one-node runs without activation checkpointing of "
+        "llm-foundry's MPT benchmark tables (scripts/train/benchmarking/README.md, {table}: MPT {sizes}, "
+        "sequence 512-65536); checked on runs not fitted (multi-node, activation checkpointing, A100 40GB, "
+        "torchtitan Llama 3): {fit}")
+_HOPPER_FIT = (0.533, 463.0, 0.559)  # ceiling, half width, attention fraction
+_AMPERE_FIT = (0.749, 580.0, 0.717)
+_H100_MFU = _FIT.format(table="'H100 80GB BF16'", sizes="760M-13B",
+                        fit=f"GEMMs {_HOPPER_FIT[0]} x dim / (dim + {_HOPPER_FIT[1]:.0f}), "
+                        f"attention {_HOPPER_FIT[0]} x {_HOPPER_FIT[2]}; H100 PCIe and H200 share it")
+_HOPPER_SHAPE = dict(utilisation_half_width=_HOPPER_FIT[1], attention_utilisation=_HOPPER_FIT[2])
+_AMPERE_SHAPE = dict(utilisation_half_width=_AMPERE_FIT[1], attention_utilisation=_AMPERE_FIT[2])
+_A100_MFU = _FIT.format(table="'A100 80GB'", sizes="125M-13B",
+                        fit=f"GEMMs {_AMPERE_FIT[0]} x dim / (dim + {_AMPERE_FIT[1]:.0f}), "
+                        f"attention {_AMPERE_FIT[0]} x {_AMPERE_FIT[2]}; A100 40GB shares it")
 _ADA_MFU = ("0.35: assumed (no published scaletrain-class MFU for Ada cards); lower than H100 because PCIe-only "
             "cards lose more to communication and GeForce bf16 runs at half rate with fp32 accumulate")
 
@@ -93,30 +119,35 @@ CATALOG: dict[str, Hardware] = {
         "h100-sxm", "gpu",
         {"fp32": 66.9 * TFLOPS, "tf32": 494.7 * TFLOPS, "bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS,
          "fp8": 1978.9 * TFLOPS},
-        80 * GB, 3.35e12, "nvlink4", "ib-ndr", 0.40, _H100_MFU,
-        "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB), sparsity figures halved"),
+        80 * GB, 3.35e12, "nvlink4", "ib-ndr", _HOPPER_FIT[0], _H100_MFU,
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB), sparsity figures halved",
+        **_HOPPER_SHAPE),
     "h100-pcie": Hardware(
         "h100-pcie", "gpu",
         {"fp32": 51.2 * TFLOPS, "tf32": 378.0 * TFLOPS, "bf16": 756.0 * TFLOPS, "fp16": 756.0 * TFLOPS,
          "fp8": 1513.0 * TFLOPS},
-        80 * GB, 2.0e12, "pcie5", "ib-ndr", 0.40, _H100_MFU,
-        "NVIDIA H100 datasheet (PCIe 80GB), sparsity figures halved; NVLink bridge pairs only, so pcie5 assumed"),
+        80 * GB, 2.0e12, "pcie5", "ib-ndr", _HOPPER_FIT[0], _H100_MFU,
+        "NVIDIA H100 datasheet (PCIe 80GB), sparsity figures halved; NVLink bridge pairs only, so pcie5 assumed",
+        **_HOPPER_SHAPE),
     "h200": Hardware(
         "h200", "gpu",
         {"fp32": 66.9 * TFLOPS, "tf32": 494.7 * TFLOPS, "bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS,
          "fp8": 1978.9 * TFLOPS},
-        141 * GB, 4.8e12, "nvlink4", "ib-ndr", 0.40, _H100_MFU,
-        "NVIDIA H200 datasheet (SXM 141GB HBM3e, 4.8 TB/s), same compute as H100 SXM; sparsity halved"),
+        141 * GB, 4.8e12, "nvlink4", "ib-ndr", _HOPPER_FIT[0], _H100_MFU,
+        "NVIDIA H200 datasheet (SXM 141GB HBM3e, 4.8 TB/s), same compute as H100 SXM; sparsity halved",
+        **_HOPPER_SHAPE),
     "a100-40gb": Hardware(
         "a100-40gb", "gpu",
         {"fp32": 19.5 * TFLOPS, "tf32": 156.0 * TFLOPS, "bf16": 312.0 * TFLOPS, "fp16": 312.0 * TFLOPS},
-        40 * GB, 1.555e12, "nvlink3", "ib-hdr", 0.50, _A100_MFU,
-        "NVIDIA A100 datasheet (SXM4 40GB HBM2, 1,555 GB/s), dense tensor-core figures"),
+        40 * GB, 1.555e12, "nvlink3", "ib-hdr", _AMPERE_FIT[0], _A100_MFU,
+        "NVIDIA A100 datasheet (SXM4 40GB HBM2, 1,555 GB/s), dense tensor-core figures",
+        **_AMPERE_SHAPE),
     "a100-80gb": Hardware(
         "a100-80gb", "gpu",
         {"fp32": 19.5 * TFLOPS, "tf32": 156.0 * TFLOPS, "bf16": 312.0 * TFLOPS, "fp16": 312.0 * TFLOPS},
-        80 * GB, 2.039e12, "nvlink3", "ib-hdr", 0.50, _A100_MFU,
-        "NVIDIA A100 datasheet (SXM4 80GB HBM2e, 2,039 GB/s), dense tensor-core figures"),
+        80 * GB, 2.039e12, "nvlink3", "ib-hdr", _AMPERE_FIT[0], _A100_MFU,
+        "NVIDIA A100 datasheet (SXM4 80GB HBM2e, 2,039 GB/s), dense tensor-core figures",
+        **_AMPERE_SHAPE),
     "l40s": Hardware(
         "l40s", "gpu",
         {"fp32": 91.6 * TFLOPS, "tf32": 183.0 * TFLOPS, "bf16": 362.05 * TFLOPS, "fp16": 362.05 * TFLOPS,

@@ -11,6 +11,7 @@ from scaletrain.plan.cost import Cost
 from scaletrain.plan.hardware import Cluster
 from scaletrain.plan.search import Candidate, SearchResult
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
+from scaletrain.plan.timing import workload_utilisation
 
 FLOPS_FORMULA = ("6 * N_matmul + 12 * n_layers * seq_len * dim per token (forward + backward = 3x forward; "
                  "N_matmul = weights of every matmul incl. the output head, not the embedding lookup; attention "
@@ -84,7 +85,7 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
                              f"{w.steps:,} steps")
     summary.add_row("total FLOPs", human(w.total_flops))
     summary.add_row("precision", f"{w.precision}; compute at {human(hw.flops(_dtype(w)), 'FLOP/s')} peak x "
-                                 f"{hw.utilisation:.2f} utilisation")
+                                 f"{workload_utilisation(w, hw):.2f} utilisation")
     summary.add_row("utilisation source", hw.utilisation_source)
     console.print(summary)
 

@@ -1,7 +1,9 @@
 """Step time: compute at a calibrated rate, plus communication from link bandwidths, plus pipeline bubbles.
 
-GPU: ``model FLOPs executed / (peak FLOP/s of the dtype x achievable utilisation)``; the utilisation is a
-published MFU (named in the catalog) and already contains the elementwise work, so nothing is added.
+GPU: ``model FLOPs executed / (peak FLOP/s of the dtype x achievable utilisation)``; the utilisation is an
+MFU fitted to published runs (``gpu_utilisation``: a ceiling per device kind, lower for narrow models and for
+attention's share of the FLOPs; the fit and its sources are in the catalog and benchmarks/gpu_utilisation.py)
+and already contains the elementwise work, so nothing is added.
 
 CPU: every term is a measured rate from ``scaletrain doctor`` (calibration.py), charged per operation of
 scaletrain's Llama block: GEMMs at the throughput measured for their width, causal SDPA at the rate
@@ -22,8 +24,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from scaletrain.config import ModelConfig
-from scaletrain.model.presets import ffn_hidden_dim, kv_heads
-from scaletrain.plan.hardware import LINKS, Cluster
+from scaletrain.model.presets import ffn_hidden_dim, flops_per_token, kv_heads
+from scaletrain.plan.hardware import LINKS, Cluster, Hardware
 from scaletrain.plan.memory import RECIPES, block_activation_elements, checkpointed_blocks, stage_params
 from scaletrain.plan.spec import Plan, Workload
 
@@ -176,8 +178,21 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
     return blocks + head * share, optimizer
 
 
+def gpu_utilisation(hw: Hardware, cfg: ModelConfig, seq_len: int) -> float:
+    """The MFU the catalog's fit predicts for ``cfg`` at ``seq_len`` on ``hw`` (``Hardware.utilisation_at``):
+    GEMM width ``cfg.dim``, attention share ``12 L T d`` of ``flops_per_token``."""
+    attention = 12.0 * cfg.n_layers * seq_len * cfg.dim
+    return hw.utilisation_at(cfg.dim, attention / flops_per_token(cfg, seq_len))
+
+
+def workload_utilisation(workload: Workload, hw: Hardware) -> float:
+    """The utilisation the time model uses for ``workload`` on ``hw`` (printed by ``scaletrain plan``): the fit
+    on a GPU, the catalog's measured GEMM efficiency on a CPU (whose time model uses measured rates instead)."""
+    return gpu_utilisation(hw, workload.model, workload.seq_len) if hw.kind == "gpu" else hw.utilisation
+
+
 def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[float, float]:
-    """(seconds per micro-batch on one stage, optimizer seconds) at peak x published utilisation."""
+    """(seconds per micro-batch on one stage, optimizer seconds) at peak x the fitted utilisation."""
     cfg, hw = workload.model, cluster.hardware
     layers = -(-cfg.n_layers // plan.pp)
     n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
@@ -186,7 +201,7 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     model_flops = workload.flops_per_token * tokens / (plan.tp * plan.pp * plan.cp)
     block_share = 1.0 - 6.0 * cfg.vocab_size * cfg.dim / workload.flops_per_token  # all but the head
     executed = model_flops * (1 + block_share * (n_ckpt / layers) / 3)
-    rate = hw.flops(DTYPE_OF_PRECISION[workload.precision]) * hw.utilisation
+    rate = hw.flops(DTYPE_OF_PRECISION[workload.precision]) * gpu_utilisation(hw, cfg, workload.seq_len)
     # Kernels run asynchronously, but a micro-batch cannot finish faster than the host launches its kernels:
     # eager PyTorch issues ~OPS_PER_BLOCK aten ops per block (counted on scaletrain's block, fwd + bwd).
     launches = (layers + n_ckpt / 3) * OPS_PER_BLOCK * GPU_LAUNCH_SECONDS
