@@ -5,6 +5,7 @@ engine's losses and the planner's model-state bytes, kill -9 + resume, and eval 
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -116,15 +117,18 @@ def test_unknown_zero_optimization_field_is_one_line(tmp_path):
 def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
     """2 gloo ranks, 2 accumulated micro-batches, clipping on: DeepSpeed ZeRO-1/2/3 (and ZeRO-2 with the optimizer
     state offloaded to the CPU, DeepSpeedCPUAdam; ZeRO-3 with optimizer state and parameters on "NVMe", a folder, where
-    libaio is installed) give the native engine's ZeRO-1 losses to 1e-5, and ZeRO-2/3 in
+    libaio is installed and SCALETRAIN_TEST_NVME=1) give the native engine's ZeRO-1 losses to 1e-5, and ZeRO-2/3 in
     DeepSpeed's bf16 within bf16 rounding (5e-3) with the module's parameters in bf16; each rank holds
     the params, fp32 master partition and Adam moments the planner's DeepSpeed recipe says (plan/memory.py:
     model_states with RECIPES["deepspeed-fp32"]), to 10%."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     out = tmp_path / "parity.json"
-    # ZeRO-Infinity (ZeRO-3, optimizer state and parameters swapped to a folder) where libaio is installed
-    nvme = ["ds3_nvme"] if AsyncIOBuilder().is_compatible(verbose=False) else []
+    # ZeRO-Infinity (ZeRO-3, optimizer state and parameters swapped to a folder) where libaio is installed and
+    # SCALETRAIN_TEST_NVME=1: the first use compiles DeepSpeed's async_io and pin_memory ops (minutes on 2 cores,
+    # more than the rest of this file), so the suite leaves it to that switch and benchmarks/deepspeed_nvme.py.
+    nvme = ["ds3_nvme"] if os.environ.get("SCALETRAIN_TEST_NVME") == "1" and AsyncIOBuilder().is_compatible(
+        verbose=False) else []
     strategies = ",".join(["native", "ds1", "ds2", "ds3", "ds2_cpu", "ds2_bf16", "ds3_bf16", *nvme])
     proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(TESTS / "deepspeed_parity.py"),
                            "--out", str(out), "--strategies", strategies, "--nvme", str(tmp_path / "swap")],
