@@ -18,6 +18,7 @@ from torch import nn
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
 from scaletrain.files import guarded_write, remove_quietly
+from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 # scaletrain name suffix -> Hugging Face Llama name suffix, per block.
@@ -35,7 +36,7 @@ _BLOCK = {
 
 
 def hf_config(cfg: ModelConfig) -> dict:
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = head_width(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

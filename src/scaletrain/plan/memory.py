@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from scaletrain.config import ModelConfig
+from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads, num_params
 from scaletrain.plan.spec import Plan, Workload
 
@@ -95,8 +96,8 @@ def block_activation_elements(cfg: ModelConfig, batch: int, seq: int, tp: int = 
 def block_params(cfg: ModelConfig) -> int:
     """Parameters of one block (attention, SwiGLU, two norms)."""
     d = cfg.dim
-    hd = d // cfg.n_heads
-    return d * (d + 2 * kv_heads(cfg) * hd) + d * d + 3 * d * ffn_hidden_dim(cfg) + 2 * d
+    hd = head_width(cfg)
+    return d * (cfg.n_heads * hd + 2 * kv_heads(cfg) * hd) + cfg.n_heads * hd * d + 3 * d * ffn_hidden_dim(cfg) + 2 * d
 
 
 def stage_params(cfg: ModelConfig, pp: int, tp: int) -> float:
