@@ -11,8 +11,8 @@ those of the saved run folders:
 
 - quantization (torchao): int8 weight-only, int8 dynamic activation + int8 weight, int4 weight-only (group 32);
 - pruning at 50%: magnitude and Wanda, unstructured (per layer) and 2:4;
-- structured: 25% of the SwiGLU neurons and 1 of the 4 blocks removed, then recovered by a full fine-tune of
-  at most 10% of the pretraining tokens (``scaletrain finetune --from``).
+- structured: 25% of the SwiGLU neurons and 25% of the attention heads (2 of 8 in every block) removed, then
+  recovered by a full fine-tune of at most 10% of the pretraining tokens (``scaletrain finetune --from``).
 
 Measured per variant in this process, with the variants interleaved round by round, the order reversed
 every other round (so load from other users hits all alike; medians reported): validation perplexity
@@ -55,7 +55,7 @@ VARIANTS = {  # name -> `scaletrain compress` flags
     "wanda-50": ["--prune", "wanda", "--sparsity", "0.5"],
     "magnitude-2:4": ["--prune", "magnitude", "--pattern", "2:4"],
     "wanda-2:4": ["--prune", "wanda", "--pattern", "2:4"],
-    "structured": ["--mlp-fraction", "0.25", "--drop-blocks", "1"],
+    "structured": ["--mlp-fraction", "0.25", "--head-fraction", "0.25"],
 }
 
 

@@ -17,6 +17,7 @@ from scaletrain.compress.run import load_run, state_bytes
 from scaletrain.config import ConfigError
 from scaletrain.model import build_model
 from scaletrain.model.config import ModelConfig
+from scaletrain.model.presets import num_params
 
 
 def test_wanda_differs_from_magnitude_by_input_norms():
@@ -61,6 +62,58 @@ def test_structured_prune_keeps_the_important_and_shrinks_the_config():
     assert torch.allclose(same(batches[0]), model(batches[0]), atol=1e-6)
     with pytest.raises(ConfigError, match="drop-blocks"):
         S.plan_sizes(cfg, 0.25, 3)
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, fraction, left", [(4, 2, 0.5, (2, 1)), (4, 0, 0.25, (3, 0)),
+                                                              (6, 3, 1 / 3, (4, 2))])
+def test_head_pruning_equals_the_original_with_those_heads_zeroed(n_heads, n_kv_heads, fraction, left):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, dim=48, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_hidden_dim=64,
+                      max_seq_len=16)
+    model = build_model(cfg, seed=0)
+    batches = [torch.randint(0, 50, (2, 16)) for _ in range(2)]
+    scores = S.importance(model, batches)
+    new, new_cfg, record = S.prune_structured(model, scores, 0.0, 0, head_fraction=fraction)
+    hd = 48 // n_heads
+    assert (new_cfg.n_heads, new_cfg.n_kv_heads, new_cfg.head_dim) == (*left, hd)
+    assert new.layers["0"].attention.wq.weight.shape == (left[0] * hd, 48)
+    # The surgery: the original with the removed heads' outputs zeroed (their wo columns) gives the same logits.
+    per_group = n_heads // (n_kv_heads or n_heads)
+    zeroed = build_model(cfg, seed=0)
+    with torch.no_grad():
+        for i, kept in enumerate(record["kept_kv_groups"]):
+            assert kept == sorted(torch.topk(scores["heads"][i], len(kept)).indices.tolist())  # the loudest stay
+            wo = zeroed.layers[str(i)].attention.wo.weight.view(48, n_heads, hd)
+            for g in set(range(n_heads // per_group)) - set(kept):
+                wo[:, g * per_group:(g + 1) * per_group] = 0
+        assert torch.allclose(new(batches[0]), zeroed(batches[0]), atol=1e-5)
+    # The score is the norm of what a head writes into the residual stream: a zeroed head scores 0.
+    assert (S.importance(zeroed, batches)["heads"] == 0).sum() == 2 * (n_heads // per_group - len(kept))
+    assert S.count(new) == record["parameters"][1] == num_params(new_cfg)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 1.0, 0.75 + 1e-3, -0.5])
+def test_head_fraction_that_is_not_whole_kv_groups_is_refused(fraction):
+    cfg = ModelConfig(vocab_size=50, dim=32, n_heads=4, n_kv_heads=2)
+    with pytest.raises(ConfigError, match="--head-fraction"):
+        S.plan_heads(cfg, fraction)
+    assert S.plan_heads(cfg, 0.5) == (2, 1) and S.plan_heads(cfg, 0.0) == (4, 2)
+
+
+def test_a_model_whose_head_width_is_not_dim_over_heads_trains_and_plans(tmp_path, capsys):
+    from conftest import tiny_overrides
+
+    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=1, n_heads=3, n_kv_heads=1, head_dim=12, max_seq_len=16)
+    model = build_model(cfg, seed=0)
+    assert model.layers["0"].attention.wo.weight.shape == (32, 36)
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg)
+    run = tmp_path / "run"
+    over = tiny_overrides(run, **{"train.steps": 3, "model.n_heads": 3, "model.n_kv_heads": 1, "model.head_dim": 12})
+    assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    assert main(["plan", "--config", str(run / "config.toml"), "--hardware", "cpu", "--tokens", "4096",
+                 "--global-batch", "8"]) == 0
+    assert main(["train", *[f"--{k}={v}" for k, v in over.items() if k != "model.head_dim"]]) == 2  # 32 % 3
+    assert "model.head_dim" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +161,18 @@ def test_structured_run_trains_on_with_finetune(base_run, tmp_path, capsys):
 
     out = tmp_path / "small"
     assert main(["compress", "--run", str(base_run), "--out", str(out), "--mlp-fraction", "0.25",
-                 "--drop-blocks", "1", "--calibration-sequences", "8"]) == 0
-    cfg, model, _, _ = load_run(out)
-    assert (cfg.model.n_layers, cfg.model.ffn_hidden_dim) == (1, 72)
+                 "--head-fraction", "0.5", "--drop-blocks", "1", "--calibration-sequences", "8"]) == 0
+    cfg, model, tok, _ = load_run(out)
+    m = cfg.model
+    assert (m.n_layers, m.ffn_hidden_dim, m.n_heads, m.n_kv_heads, m.head_dim) == (1, 72, 2, 1, 8)
+    # Export of the head-pruned model: transformers reads head_dim and gives our logits.
+    transformers = pytest.importorskip("transformers")
+    assert main(["export", "--run", str(out), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+    assert (hf.config.num_attention_heads, hf.config.num_key_value_heads, hf.config.head_dim) == (2, 1, 8)
+    ids = torch.tensor([tok.encode("ROMEO:\nBut soft, what light\n")])
+    with torch.no_grad():
+        assert torch.allclose(model(ids)[..., :tok.vocab_size], hf(ids).logits, rtol=1e-5, atol=1e-5)
     ft = tmp_path / "ft"
     over = tiny_overrides(ft, **{"train.steps": 3, "finetune.method": "full"})
     over = {k: v for k, v in over.items() if not k.startswith("model.")}
@@ -145,6 +207,8 @@ def test_quantized_run_folder_evaluates_and_is_smaller(base_run, tmp_path, capsy
     (["--quantize", "int4-weight", "--group-size", "48"], "--group-size 48"),
     (["--mlp-fraction", "1.0"], "--mlp-fraction 1.0"),
     (["--drop-blocks", "2"], "--drop-blocks 2"),
+    (["--head-fraction", "0.25"], "--head-fraction 0.25: removes 1 of 4 query heads, which is not a whole number"),
+    (["--head-fraction", "1.0"], "--head-fraction 1.0"),
     ([], "nothing to do"),
 ])
 def test_bad_input_is_one_line_exit_2(base_run, tmp_path, capsys, flags, message):

@@ -108,6 +108,23 @@ def test_hf_import_reexport_is_bitwise(hf_base, tmp_path):
     assert json.loads((hf_base / "config.json").read_text()) == config_again
 
 
+def test_hf_import_of_a_head_dim_apart_from_hidden_over_heads(tmp_path):
+    # A head-pruned model (2 heads x head_dim 24 != hidden 32): exported, imported back, transformers' logits.
+    cfg = ModelConfig(vocab_size=len(CHARS), dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=24,
+                      ffn_hidden_dim=64, max_seq_len=64)
+    export_hf(build_model(cfg, seed=0), cfg, CharTokenizer(CHARS), tmp_path / "hf")
+    job = _job(tmp_path / "hf", method="lora")
+    assert (job.model.n_heads, job.model.n_kv_heads, job.model.head_dim) == (2, 1, 24)
+    ids = torch.randint(0, len(CHARS), (1, 12))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(base_model(job)(ids), hf(ids).logits, atol=1e-5)
+    # 3 heads do not divide 32: transformers' LlamaConfig refuses that, so export says so in one line.
+    with pytest.raises(ConfigError, match="does not divide model.dim"):
+        export_hf(build_model(dataclasses.replace(cfg, n_heads=3), seed=0), dataclasses.replace(cfg, n_heads=3),
+                  CharTokenizer(CHARS), tmp_path / "hf3")
+
+
 def test_qlora_base_is_4bit_and_close(hf_base):
     from scaletrain.adapt.lora import LoRALinear, is_nf4, nf4_bytes
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scaletrain.model.config import DEFAULT_CONTEXT, ModelConfig
+from scaletrain.model.config import DEFAULT_CONTEXT, ModelConfig, head_width
 from scaletrain.model.presets import PRESETS
 from scaletrain.options import ConfigError, opt
 
@@ -482,10 +482,12 @@ def _deep_merge(a: dict, b: dict) -> dict:
 def validate_job(cfg: JobConfig) -> None:
     """Cross-field checks that no single field can make."""
     m = cfg.model
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"model.dim / model.n_heads must be even for rotary embeddings (got {m.dim // m.n_heads})")
+    if not m.head_dim and m.dim % m.n_heads:
+        raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads}) "
+                          f"(or set model.head_dim)")
+    if head_width(m) % 2:
+        raise ConfigError(f"the head width (model.head_dim, or model.dim / model.n_heads) must be even for rotary "
+                          f"embeddings (got {head_width(m)})")
     kv = m.n_kv_heads or m.n_heads
     if m.n_heads % kv:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({kv})")

@@ -20,6 +20,7 @@ from scaletrain.adapt.lora import TARGETS, LoRALinear, merge_lora
 from scaletrain.adapt.prompt import PrefixAttention, PromptEmbedding, SkipPromptLinear
 from scaletrain.config import ConfigError, JobConfig
 from scaletrain.model import Transformer
+from scaletrain.model.config import head_width
 from scaletrain.model.presets import kv_heads
 
 _HF_BLOCK_MODULE = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
@@ -66,7 +67,7 @@ def peft_adapter(model: nn.Module, cfg: JobConfig) -> tuple[dict, dict[str, torc
         assert all(isinstance(a, PrefixAttention) for a in layers)
         parts = [t for a in layers for t in (a.prefix_key, a.prefix_value)]
         tensors["prompt_embeddings"] = torch.cat([p.detach().float().cpu() for p in parts], dim=1).contiguous()
-        kv_dim = kv_heads(m) * (m.dim // m.n_heads)
+        kv_dim = kv_heads(m) * head_width(m)
         return {**prompt, "peft_type": "PREFIX_TUNING", "token_dim": kv_dim, "num_attention_heads": kv_heads(m),
                 "encoder_hidden_size": kv_dim, "prefix_projection": False}, tensors
     raise ConfigError(f"finetune.method {ft.method!r} has no adapter to save (full fine-tuning exports the model)")

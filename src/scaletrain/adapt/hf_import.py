@@ -51,11 +51,11 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     try:
         dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or dim // n_heads)
-        if head_dim * n_heads != dim:
-            raise ConfigError(f"{path}: head_dim {head_dim} x num_attention_heads {n_heads} != hidden_size {dim} "
-                              f"(not supported)")
+        if head_dim % 2:
+            raise ConfigError(f"{path}: head_dim {head_dim} must be even (rotary embeddings)")
         return ModelConfig(
             vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+            head_dim=0 if head_dim * n_heads == dim else head_dim,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), ffn_hidden_dim=int(hf["intermediate_size"]),
             max_seq_len=int(hf.get("max_position_embeddings", 2048)),
             rope_theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),

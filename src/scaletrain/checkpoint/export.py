@@ -18,6 +18,7 @@ from torch import nn
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
 from scaletrain.files import guarded_write, remove_quietly
+from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 # scaletrain name suffix -> Hugging Face Llama name suffix, per block.
@@ -35,7 +36,7 @@ _BLOCK = {
 
 
 def hf_config(cfg: ModelConfig) -> dict:
-    head_dim = cfg.dim // cfg.n_heads
+    head_dim = head_width(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -103,6 +104,10 @@ def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir:
     if cfg.parametrization != "standard":  # LlamaForCausalLM has no logit multiplier nor 1/head_dim attention
         raise ConfigError(f"model.parametrization={cfg.parametrization} cannot be exported as a Hugging Face Llama "
                           f"(its logit and attention scales are not Llama's); only standard models export")
+    if cfg.dim % cfg.n_heads:  # transformers 5's LlamaConfig validates this even when head_dim is given
+        raise ConfigError(f"model.n_heads {cfg.n_heads} does not divide model.dim {cfg.dim}: transformers' LlamaConfig "
+                          f"refuses that (even with head_dim {head_width(cfg)}); head-prune to a count that divides "
+                          f"dim (e.g. compress --head-fraction 0.5) to export")
     if cfg.vocab_size > tokenizer.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size)
     out = Path(out_dir)

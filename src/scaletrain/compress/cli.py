@@ -30,6 +30,9 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
                    help="--prune unstructured: compare within each layer (Wanda: each output row) or globally")
     p.add_argument("--mlp-fraction", type=float, default=0.0,
                    help="structured: share of SwiGLU neurons removed in every block, in [0, 1)")
+    p.add_argument("--head-fraction", type=float, default=0.0,
+                   help="structured: share of attention heads removed in every block, as whole KV groups (a KV "
+                        "head with its query heads), in [0, 1); must be a whole number of groups")
     p.add_argument("--drop-blocks", type=int, default=0, help="structured: whole blocks removed (lowest influence)")
     p.add_argument("--quantize", choices=METHODS, help="post-training quantization of the block Linears (torchao), "
                                                        "after any pruning")
@@ -73,8 +76,10 @@ def run_compress(args: argparse.Namespace) -> int:
         return report(args)
     if not args.run or not args.out:
         raise ConfigError("compress needs --run RUN and --out FOLDER (or --report RUN ...)")
-    if not (args.prune or args.quantize or args.mlp_fraction or args.drop_blocks):
-        raise ConfigError("nothing to do: give --prune, --mlp-fraction / --drop-blocks and/or --quantize")
+    structural = bool(args.mlp_fraction or args.drop_blocks or args.head_fraction)
+    if not (args.prune or args.quantize or structural):
+        raise ConfigError("nothing to do: give --prune, --mlp-fraction / --head-fraction / --drop-blocks and/or "
+                          "--quantize")
     if args.prune and args.pattern == "unstructured":
         unstructured.check_sparsity(args.sparsity)
     out = Path(args.out)
@@ -82,20 +87,23 @@ def run_compress(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out}: exists and is not empty; choose a new folder")
     torch.manual_seed(0)
     cfg, model, tokenizer, ckpt = load_source(args.run)
+    if structural:  # bad input before any work
+        structured.plan_sizes(cfg.model, args.mlp_fraction, args.drop_blocks)
+        structured.plan_heads(cfg.model, args.head_fraction)
     model_cfg, record, source_bytes = cfg.model, {}, state_bytes(model)
-    needs_data = args.prune == "wanda" or args.mlp_fraction or args.drop_blocks
+    needs_data = args.prune == "wanda" or structural
     calib = calibration_batches(cfg, tokenizer, args.calibration_sequences, args.calibration_text) \
         if needs_data else None
     if calib is not None:
         record["calibration"] = {"sequences": sum(b.shape[0] for b in calib), "seq_len": cfg.data.seq_len,
                                  "source": args.calibration_text or "training split"}
-    if args.mlp_fraction or args.drop_blocks:
-        structured.plan_sizes(cfg.model, args.mlp_fraction, args.drop_blocks)  # bad input before any work
-        scores = structured.importance(model, calib)
-        model, model_cfg, record["structured"] = structured.prune_structured(model, scores, args.mlp_fraction,
-                                                                           args.drop_blocks)
-        print(f"structured: SwiGLU {record['structured']['ffn_hidden_dim'][0]} -> {model_cfg.ffn_hidden_dim} "
-              f"neurons, {cfg.model.n_layers} -> {model_cfg.n_layers} blocks; parameters "
+    if structural:
+        model, model_cfg, record["structured"] = structured.prune_structured(
+            model, structured.importance(model, calib), args.mlp_fraction, args.drop_blocks, args.head_fraction)
+        rec = record["structured"]
+        print(f"structured: SwiGLU {rec['ffn_hidden_dim'][0]} -> {model_cfg.ffn_hidden_dim} neurons, attention "
+              f"{rec['n_heads'][0]} -> {rec['n_heads'][1]} heads ({rec['n_kv_heads'][0]} -> {rec['n_kv_heads'][1]} "
+              f"KV groups, width {rec['head_dim']}), {cfg.model.n_layers} -> {model_cfg.n_layers} blocks; parameters "
               f"{record['structured']['parameters'][0]:,} -> {record['structured']['parameters'][1]:,}")
     if args.prune:
         record["prune"] = unstructured.prune(model, args.prune, args.sparsity, args.scope, args.pattern, calib)

@@ -25,8 +25,10 @@ class ModelConfig:
                              "65 stays 65); padding rows are masked out of the loss and sampling", ge=0)
     dim: int = opt(128, "model width (embedding / residual size)", ge=1)
     n_layers: int = opt(4, "number of transformer blocks", ge=1)
-    n_heads: int = opt(4, "attention (query) heads; must divide dim", ge=1)
+    n_heads: int = opt(4, "attention (query) heads; must divide dim unless head_dim is set", ge=1)
     n_kv_heads: int = opt(0, "key/value heads for grouped-query attention; 0 = n_heads (plain MHA)", ge=0)
+    head_dim: int = opt(0, "width of each attention head; 0 = dim // n_heads (then n_heads must divide dim); "
+                           "set apart from dim by head pruning (`scaletrain compress --head-fraction`)", ge=0)
     ffn_hidden_dim: int = opt(344, "SwiGLU hidden size; 0 = 8/3*dim*ffn_dim_multiplier rounded up to multiple_of", ge=0)
     ffn_dim_multiplier: float = opt(1.0, "scales the computed SwiGLU hidden size (Llama 3 8B uses 1.3)", gt=0)
     multiple_of: int = opt(64, "SwiGLU hidden size is rounded up to a multiple of this", ge=1)
@@ -43,3 +45,8 @@ class ModelConfig:
                                choices=("standard", "mup"))
     mup_base_width: int = opt(128, "mup: the width whose hyperparameters transfer (at dim = mup_base_width "
                                    "muP equals the standard parametrization)", ge=1)
+
+
+def head_width(cfg: ModelConfig) -> int:
+    """The width of one attention head: ``head_dim``, or ``dim // n_heads`` when it is 0."""
+    return cfg.head_dim or cfg.dim // cfg.n_heads

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.model.config import ModelConfig
+from scaletrain.model.config import ModelConfig, head_width
 from scaletrain.model.mup import attention_scale, hidden_init_scale, output_multiplier
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
@@ -112,7 +112,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = kv_heads(cfg)
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = head_width(cfg)
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -176,7 +176,7 @@ class Transformer(nn.Module):
         self.norm: nn.RMSNorm | None = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.output_multiplier = output_multiplier(cfg)  # 1, or muP's 1/width_mult (model/mup.py)
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(head_width(cfg), cfg.max_seq_len, cfg.rope_theta)
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -194,7 +194,7 @@ class Transformer(nn.Module):
         1/sqrt(2 * n_layers) as in GPT-2 so the residual variance does not grow with depth. Under muP
         (model.parametrization = "mup") the block matrices' std is further scaled by 1/sqrt(width_mult).
         """
-        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta,
+        cos, sin = rope_tables(head_width(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta,
                                device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

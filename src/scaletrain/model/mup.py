@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from scaletrain.model.config import ModelConfig
+from scaletrain.model.config import ModelConfig, head_width
 
 
 def is_mup(cfg: ModelConfig) -> bool:
@@ -45,6 +45,8 @@ def attention_scale(cfg: ModelConfig) -> float | None:
     sqrt(base_head_dim) / head_dim, which is 1/sqrt(head_dim) at the base width and 1/head_dim in shape."""
     if not is_mup(cfg):
         return None
-    head_dim = cfg.dim // cfg.n_heads
-    base_head_dim = max(1, cfg.mup_base_width // cfg.n_heads)
+    head_dim = head_width(cfg)
+    # the head width at dim = mup_base_width: with head_dim set, heads scale with the width like dim // n_heads
+    base_head_dim = max(1, cfg.mup_base_width // cfg.n_heads if not cfg.head_dim
+                        else cfg.head_dim * cfg.mup_base_width // cfg.dim)
     return math.sqrt(base_head_dim) / head_dim

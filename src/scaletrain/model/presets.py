@@ -6,7 +6,7 @@ check them against ``sum(p.numel())`` of real modules.
 
 from __future__ import annotations
 
-from scaletrain.model.config import ModelConfig
+from scaletrain.model.config import ModelConfig, head_width
 
 # Each preset sets only what differs from ModelConfig's defaults. vocab_size 0 means "from the data".
 PRESETS: dict[str, dict] = {
@@ -55,8 +55,8 @@ def num_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
     input embedding table (the lookup costs no FLOPs), following Kaplan et al.
     """
     d, v = cfg.dim, cfg.vocab_size
-    hd = d // cfg.n_heads
-    attn = d * (d + 2 * kv_heads(cfg) * hd) + d * d
+    hd = head_width(cfg)
+    attn = d * (cfg.n_heads * hd + 2 * kv_heads(cfg) * hd) + cfg.n_heads * hd * d
     mlp = 3 * d * ffn_hidden_dim(cfg)
     per_block = attn + mlp + 2 * d
     total = cfg.n_layers * per_block + d + v * d + (0 if cfg.tie_embeddings else v * d)
@@ -68,8 +68,8 @@ def num_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: every Linear in the blocks plus the output head."""
     d, v = cfg.dim, cfg.vocab_size
-    hd = d // cfg.n_heads
-    per_block = d * (d + 2 * kv_heads(cfg) * hd) + d * d + 3 * d * ffn_hidden_dim(cfg)
+    hd = head_width(cfg)
+    per_block = d * (cfg.n_heads * hd + 2 * kv_heads(cfg) * hd) + cfg.n_heads * hd * d + 3 * d * ffn_hidden_dim(cfg)
     return cfg.n_layers * per_block + v * d
 
 
@@ -78,9 +78,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     ``6 * N_matmul + 12 * n_layers * seq_len * dim`` where N_matmul counts the weights of every matmul
     (blocks + output head, not the embedding lookup or norms) and the second term is attention's
-    QK^T and AV (2 matmuls x 2 FLOPs x seq_len x dim per layer, times 3 for fwd+bwd). Following the
+    QK^T and AV (2 matmuls x 2 FLOPs x seq_len x n_heads * head_dim per layer, times 3 for fwd+bwd). Following the
     PaLM / nanoGPT / torchtitan convention we do *not* halve the attention term for the causal mask,
     so our MFU is comparable with theirs. Activation recomputation is not counted (it is overhead,
     not useful work).
     """
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * seq_len * cfg.dim
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * head_width(cfg)

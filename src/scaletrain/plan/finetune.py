@@ -25,6 +25,7 @@ import dataclasses
 import time
 
 from scaletrain.config import FinetuneConfig, ModelConfig
+from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads, matmul_params, num_params
 from scaletrain.plan.hardware import Cluster
 from scaletrain.plan.memory import (
@@ -53,8 +54,8 @@ NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 8 / (64 * 256)
 def _projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each adaptable projection of a block."""
     d, h = cfg.dim, ffn_hidden_dim(cfg)
-    kv = kv_heads(cfg) * (d // cfg.n_heads)
-    return {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d), "gate": (d, h), "up": (d, h), "down": (h, d)}
+    q, kv = cfg.n_heads * head_width(cfg), kv_heads(cfg) * head_width(cfg)
+    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, h), "up": (d, h), "down": (h, d)}
 
 
 def trainable_parameters(cfg: ModelConfig, ft: FinetuneConfig) -> int:
@@ -238,7 +239,7 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
     elem = _interp(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
         entry["elementwise_s_per_element"]
     dequant = float(entry.get("nf4_dequant_s_per_element", REFERENCE_NF4_DEQUANT_S_PER_ELEMENT))
-    att_f, att_b = attention_seconds(b * cfg.n_heads, seq, d // cfg.n_heads, entry)
+    att_f, att_b = attention_seconds(b * cfg.n_heads, seq, head_width(cfg), entry)
     if ft.method == "prefix":  # every query also reads the P prefix keys: causal T^2/2 -> T^2/2 + T*P
         att_f, att_b = (a * (1 + 2 * ft.virtual_tokens / seq) for a in (att_f, att_b))
     total = 0.0

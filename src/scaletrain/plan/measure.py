@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from scaletrain.config import JobConfig, OptimConfig, ParallelConfig, TrainConfig
 from scaletrain.hardware import measure_matmul_flops
-from scaletrain.model.config import ModelConfig
+from scaletrain.model.config import ModelConfig, head_width
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.distributed import init_distributed
 from scaletrain.train.step import build_parallel_training, training_step
@@ -165,7 +165,7 @@ def _measure_trainer_step(model_cfg: ModelConfig, parallel: ParallelConfig, worl
 
 def resident_extras(model_cfg: ModelConfig, batch: int, seq: int) -> int:
     """Bytes the planner adds outside the model states: rope tables and one batch of int64 tokens."""
-    head_dim = model_cfg.dim // model_cfg.n_heads
+    head_dim = head_width(model_cfg)
     return 2 * model_cfg.max_seq_len * head_dim * 4 + 2 * batch * seq * 8
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from scaletrain.config import ModelConfig
+from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads, num_params
 from scaletrain.plan.spec import Plan, Workload
 
@@ -74,15 +75,16 @@ def block_activation_elements(cfg: ModelConfig, batch: int, seq: int, tp: int = 
 
     Per block: the two RMSNorms each save their input and rstd (2*BTd + 2*BT), and their weighted outputs
     y, y2 are saved by the linears they feed (2*BTd); SDPA saves q, k and v (after GQA repeat: full
-    heads), its output (4*BTd) and the log-sum-exp (B*H*T); SwiGLU saves w1 out, silu out, w3 out and
-    their product (4*BTh).
+    heads), its output (4*BT*H*hd, = 4*BTd by default) and the log-sum-exp (B*H*T); SwiGLU saves w1 out,
+    silu out, w3 out and their product (4*BTh).
     Under tensor parallelism the norms run on DTensors through ``nn.RMSNorm``, whose CPU autograd also
     saves the normalized x (2*BTd more); heads and the SwiGLU hidden are split, and sequence parallelism
     also splits the norm region except the all-gathered linear inputs (y, y2), which stay full.
     """
     bt = batch * seq
     d, h = cfg.dim, ffn_hidden_dim(cfg)
-    sharded = (4 * bt * d + 4 * bt * h + batch * cfg.n_heads * seq) / tp
+    attn = cfg.n_heads * head_width(cfg)  # = d unless head pruning set model.head_dim
+    sharded = (4 * bt * attn + 4 * bt * h + batch * cfg.n_heads * seq) / tp
     if tp == 1:
         norm_region = 4 * bt * d + 2 * bt
     elif sequence_parallel:
@@ -95,8 +97,8 @@ def block_activation_elements(cfg: ModelConfig, batch: int, seq: int, tp: int = 
 def block_params(cfg: ModelConfig) -> int:
     """Parameters of one block (attention, SwiGLU, two norms)."""
     d = cfg.dim
-    hd = d // cfg.n_heads
-    return d * (d + 2 * kv_heads(cfg) * hd) + d * d + 3 * d * ffn_hidden_dim(cfg) + 2 * d
+    hd = head_width(cfg)
+    return d * (cfg.n_heads * hd + 2 * kv_heads(cfg) * hd) + cfg.n_heads * hd * d + 3 * d * ffn_hidden_dim(cfg) + 2 * d
 
 
 def stage_params(cfg: ModelConfig, pp: int, tp: int) -> float:

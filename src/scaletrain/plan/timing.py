@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from scaletrain.config import ModelConfig
+from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, flops_per_token, kv_heads
 from scaletrain.plan.hardware import LINKS, Cluster, Hardware
 from scaletrain.plan.memory import RECIPES, block_activation_elements, checkpointed_blocks, stage_params
@@ -75,7 +76,7 @@ def attention_seconds(batch_heads: int, seq: int, head_dim: int, entry: dict) ->
 
 
 def _block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    d, hd, h = cfg.dim, cfg.dim // cfg.n_heads, ffn_hidden_dim(cfg)
+    d, hd, h = cfg.dim, head_width(cfg), ffn_hidden_dim(cfg)
     q, kv = cfg.n_heads * hd // tp, kv_heads(cfg) * hd // tp
     return [(tokens, q, d), (tokens, kv, d), (tokens, kv, d), (tokens, d, q),
             (tokens, h // tp, d), (tokens, h // tp, d), (tokens, d, h // tp)]
@@ -88,7 +89,7 @@ def block_gemm_attention_seconds(cfg: ModelConfig, batch: int, seq: int, entry: 
     shapes = _block_gemms(cfg, batch * seq, tp)
     fwd = sum(gemm_seconds(m, n, k, entry) for m, n, k in shapes)
     bwd = sum(gemm_seconds(m, n, k, entry, backward=True) for m, n, k in shapes)
-    att_f, att_b = attention_seconds(batch * cfg.n_heads // tp, seq, cfg.dim // cfg.n_heads, entry)
+    att_f, att_b = attention_seconds(batch * cfg.n_heads // tp, seq, head_width(cfg), entry)
     return (1 + recompute) * (fwd + att_f) + bwd + att_b
 
 
@@ -297,7 +298,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         exposed += out["tp"]
     if plan.cp > 1:
         bw, _ = _group_link(cluster, plan.cp, inner_tp)
-        kv = tokens * kv_heads(cfg) * (cfg.dim // cfg.n_heads) * 2 * rec.activation / plan.tp
+        kv = tokens * kv_heads(cfg) * head_width(cfg) * 2 * rec.activation / plan.tp
         out["cp"] = micro * cfg.n_layers / plan.pp * 3 * (plan.cp - 1) * kv / bw
         exposed += max(0.0, out["cp"] - 0.5 * compute) if gpu else out["cp"]
     shard = plan.dp_shard * plan.cp

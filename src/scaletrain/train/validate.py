@@ -63,7 +63,7 @@ def check_mup(cfg: JobConfig) -> None:
     if cfg.parallel.engine == "deepspeed" or cfg.finetune.source:
         raise ConfigError("model.parametrization=mup runs on the native engine for pretraining only; drop "
                           "--parallel.engine=deepspeed / finetune.source, or use parametrization=standard")
-    if m.dim % m.n_heads or m.mup_base_width < m.n_heads:
+    if (not m.head_dim and m.dim % m.n_heads) or m.mup_base_width < m.n_heads:
         raise ConfigError(f"model.mup_base_width ({m.mup_base_width}) must be >= model.n_heads ({m.n_heads}) and "
                           f"model.dim divisible by n_heads")
 
