@@ -15,6 +15,8 @@ probe near the calibrated peak) before it is measured, and is re-measured if the
 
     .venv/bin/python benchmarks/planner_accuracy.py            # all rows, 2 passes (~8 minutes)
     .venv/bin/python benchmarks/planner_accuracy.py --recalibrate --rows nano-b8
+    # the held-out rows (HELD_OUT), each also predicted with an earlier calibration (issue 10's before/after)
+    .venv/bin/python benchmarks/planner_accuracy.py --rows held_out --baseline OLD.json
 """
 
 from __future__ import annotations
@@ -270,6 +272,8 @@ def main() -> int:
                         f"{cluster.hardware.calibration.get('measured_at', '?')})")
     for col in ("row", "ranks", "pred MiB", "meas MiB", "mem err", "pred ms", "meas ms", "time err", "ok"):
         table.add_column(col, justify="left" if col == "row" else "right")
+    if baseline is not None:
+        table.add_column("time err, baseline", justify="right")
     ok_all = True
     for r in records:
         ok = abs(r["memory_error"]) <= MEMORY_TARGET and abs(r["time_error"]) <= TIME_TARGET
@@ -277,7 +281,8 @@ def main() -> int:
         table.add_row(r["row"], str(r["world"]), f"{r['predicted_peak_bytes'] / 2**20:.1f}",
                       f"{r['measured_peak_bytes'] / 2**20:.1f}", f"{r['memory_error']:+.1%}",
                       f"{r['predicted_step_s'] * 1e3:.1f}", f"{r['measured_step_s'] * 1e3:.1f}",
-                      f"{r['time_error']:+.1%}", "yes" if ok else "NO")
+                      f"{r['time_error']:+.1%}", "yes" if ok else "NO",
+                      *([f"{r['time_error_baseline']:+.1%}"] if baseline is not None else []))
     console.print(table)
     worst_mem = max(abs(r["memory_error"]) for r in records)
     worst_time = max(abs(r["time_error"]) for r in records)
