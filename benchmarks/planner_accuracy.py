@@ -15,6 +15,8 @@ probe near the calibrated peak) before it is measured, and is re-measured if the
 
     .venv/bin/python benchmarks/planner_accuracy.py            # all rows, 2 passes (~8 minutes)
     .venv/bin/python benchmarks/planner_accuracy.py --recalibrate --rows nano-b8
+    # the held-out rows (HELD_OUT), each also predicted with an earlier calibration (issue 10's before/after)
+    .venv/bin/python benchmarks/planner_accuracy.py --rows held_out --baseline OLD.json
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Row:
     ac_every: int = 2
     parallel: dict = field(default_factory=dict)  # ParallelConfig fields; empty = one process
     world: int = 1
+    held_out: bool = False  # outside the shapes the table was built on (issue 10): reported apart, see HELD_OUT
 
     def model_config(self) -> ModelConfig:
         return build(ModelConfig, dict(self.model), presets=PRESETS)
@@ -87,9 +90,29 @@ ROWS = [
         parallel={"tp": 2, "sequence_parallel": True}, world=2),
 ]
 
+# Held-out shapes, outside the rows above in one dimension each: a GPT-2 vocabulary with micro-batch 1,
+# micro-batch 32, sequence 2048 (attention longer than the calibration measured before issue 10), head dim 16,
+# micro-batch 1 at a short sequence (GEMMs of 128 rows). Measured only with --rows held_out (or by name).
+HELD_OUT = [
+    Row("ho-micro-v50k-b1-t256", {"preset": "micro", "vocab_size": 50304}, 1, 256, held_out=True),
+    Row("ho-nano-b32-t64", {"preset": "nano", "vocab_size": 256}, 32, 64, held_out=True),
+    Row("ho-nano-b1-t2048", {"preset": "nano", "vocab_size": 256, "max_seq_len": 2048}, 1, 2048, held_out=True),
+    Row("ho-micro-hd16-b4-t256", {"preset": "micro", "vocab_size": 2048, "n_heads": 16}, 4, 256, held_out=True),
+    Row("ho-small-b1-t128", {"preset": "small", "vocab_size": 4096}, 1, 128, held_out=True),
+]
+ALL_ROWS = ROWS + HELD_OUT
+
+
+def select_rows(spec: str) -> list[Row]:
+    """Rows named in ``spec`` (comma-separated; ``held_out`` = every held-out row); empty = the table's rows."""
+    names = [n for n in spec.split(",") if n]
+    if not names:
+        return list(ROWS)
+    return [r for r in ALL_ROWS if r.name in names or (r.held_out and "held_out" in names)]
+
 
 def predict(row: Row, cluster: Cluster) -> tuple[float, float, str]:
-    """(peak tensor bytes, step seconds, peak phase) from the planner."""
+    """(peak tensor bytes, step seconds, peak phase) from the planner (``cluster.hardware``'s calibration)."""
     from scaletrain.plan.measure import resident_extras
 
     cfg = row.model_config()
@@ -123,7 +146,7 @@ def worker(name: str, out: str, steps: int, threads: int) -> None:
 
     from scaletrain.plan.measure import distributed_run, single_process_run
 
-    row = next(r for r in ROWS if r.name == name)
+    row = next(r for r in ALL_ROWS if r.name == name)
     if row.world == 1:
         torch.set_num_threads(threads)
         result = single_process_run(row.model_config(), row.batch, row.seq, row.ac, row.ac_every, steps=steps)
@@ -141,7 +164,11 @@ def worker(name: str, out: str, steps: int, threads: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    parser.add_argument("--rows", default="", help="comma-separated row names, or held_out for the held-out "
+                                                   "rows (default: the table's rows)")
+    parser.add_argument("--baseline", default="",
+                        help="a JSON file with a 'calibration' entry (e.g. an earlier results file): each row is "
+                             "also predicted with it (predicted_step_s_baseline / time_error_baseline)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median reported)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="passes over all rows, each row in a fresh process; the fastest median is kept")
@@ -179,13 +206,19 @@ def main() -> int:
     if args.recalibrate or "elementwise_s_per_element" not in entry or entry.get("clock", "wall") != args.clock:
         calibration.calibrate("cpu", log=console.print, rounds=args.rounds, clock=args.clock)
         entry = calibration.calibration_entry("cpu")
-    if "tp_overhead" not in entry or args.recalibrate:
+    rows = select_rows(args.rows)
+    if any(r.world > 1 for r in rows) and ("tp_overhead" not in entry or args.recalibrate):
         console.print("measuring the gloo all-reduce bandwidth, collective latency and tensor-parallel overhead "
                       "(torchrun, 2 ranks)")
         run_ranks(["-m", "scaletrain.plan.cli", "doctor", "--clock", args.clock], 2, "the 2-rank doctor")
     cluster = parse_hardware("auto")
     peak = cluster.hardware.peak_flops["fp32"]
-    rows = [r for r in ROWS if not args.rows or r.name in args.rows.split(",")]
+    baseline = None
+    if args.baseline:
+        from scaletrain.plan.hardware import with_calibration
+
+        base_entry = json.loads(Path(args.baseline).read_text())["calibration"]
+        baseline = Cluster(with_calibration(cluster.hardware, base_entry), 1, 1)
     records = []
     clock_key = "step_cpu_s" if args.clock == "cpu" else "step_s"
     loads = [os.getloadavg()[0]]  # other jobs on the shared cores: reported with the results
@@ -223,7 +256,11 @@ def main() -> int:
                   "predicted_step_s": seconds, "measured_step_s": measured["step_s_clock"], "clock": args.clock,
                   "measured_wall_s": measured["step_s"], "measured_cpu_s": measured["step_cpu_s"],
                   "time_error": seconds / measured["step_s_clock"] - 1, "peak_phase": phase,
-                  "passes_s": measured["passes_s"], "load_average_1min": os.getloadavg()[0]}
+                  "passes_s": measured["passes_s"], "load_average_1min": os.getloadavg()[0],
+                  "held_out": row.held_out}
+        if baseline is not None:
+            record["predicted_step_s_baseline"] = predict(row, baseline)[1]
+            record["time_error_baseline"] = record["predicted_step_s_baseline"] / measured["step_s_clock"] - 1
         records.append(record)
         console.print(f"{row.name:28s} mem {mem / 2**20:8.1f} MiB vs {measured['peak_bytes'] / 2**20:8.1f} "
                       f"({record['memory_error']:+.1%})  time {seconds * 1e3:7.1f} ms vs "
@@ -235,6 +272,8 @@ def main() -> int:
                         f"{cluster.hardware.calibration.get('measured_at', '?')})")
     for col in ("row", "ranks", "pred MiB", "meas MiB", "mem err", "pred ms", "meas ms", "time err", "ok"):
         table.add_column(col, justify="left" if col == "row" else "right")
+    if baseline is not None:
+        table.add_column("time err, baseline", justify="right")
     ok_all = True
     for r in records:
         ok = abs(r["memory_error"]) <= MEMORY_TARGET and abs(r["time_error"]) <= TIME_TARGET
@@ -242,7 +281,8 @@ def main() -> int:
         table.add_row(r["row"], str(r["world"]), f"{r['predicted_peak_bytes'] / 2**20:.1f}",
                       f"{r['measured_peak_bytes'] / 2**20:.1f}", f"{r['memory_error']:+.1%}",
                       f"{r['predicted_step_s'] * 1e3:.1f}", f"{r['measured_step_s'] * 1e3:.1f}",
-                      f"{r['time_error']:+.1%}", "yes" if ok else "NO")
+                      f"{r['time_error']:+.1%}", "yes" if ok else "NO",
+                      *([f"{r['time_error_baseline']:+.1%}"] if baseline is not None else []))
     console.print(table)
     worst_mem = max(abs(r["memory_error"]) for r in records)
     worst_time = max(abs(r["time_error"]) for r in records)
@@ -254,6 +294,8 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({
         "machine": device_fingerprint("cpu"), "clock": args.clock, "threads": args.threads,
         "calibration": cluster.hardware.calibration,
+        **({"baseline": args.baseline, "baseline_calibration_measured_at": baseline.hardware.calibration.get(
+            "measured_at")} if baseline is not None else {}),
         "targets": {"memory": MEMORY_TARGET, "time": TIME_TARGET}, "rows": records,
         "worst_memory_error": worst_mem, "worst_time_error": worst_time, "all_within_target": ok_all,
         "load_average_1min": loads + [os.getloadavg()[0]],

@@ -40,7 +40,8 @@ def test_doctor_smoke(tmp_path, monkeypatch, capsys):
     # calibration with every rate the CPU time model reads.
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
     # Fewer sample points on each measured curve (the code path is the same; a full doctor takes ~1 min).
-    for name, points in (("GEMM_WIDTHS", (64, 256)), ("ATTN_HEAD_DIMS", (32,)), ("ATTN_SEQ_LENS", (64, 128)),
+    for name, points in (("GEMM_WIDTHS", (64, 256)), ("GEMM_ROWS", (64, 256)), ("ATTN_HEAD_DIMS", (32,)),
+                         ("ATTN_SEQ_LENS", (64, 128)),
                          ("CE_VOCABS", (256,)), ("OPT_SIZES", (1 << 16,)), ("ELEMENTWISE_BATCHES", (1,))):
         monkeypatch.setattr(calibration, name, points)
     report = tmp_path / "doctor.json"
@@ -48,7 +49,8 @@ def test_doctor_smoke(tmp_path, monkeypatch, capsys):
     doc = json.loads(report.read_text())
     assert doc["system"]["cpu_cores_usable"] >= 1 and doc["system"]["torch"]
     cal = doc["calibration"]
-    for key in ("matmul_flops_fp32", "gemm_curve", "attention_curve", "cross_entropy_curve", "optimizer_curve",
+    for key in ("matmul_flops_fp32", "gemm_curve", "gemm_curve_by_rows", "attention_curve", "cross_entropy_curve",
+                "optimizer_curve",
                 "elementwise_curve", "op_overhead_s", "block_ops"):
         assert key in cal, key
     assert cal["matmul_flops_fp32"] > 1e8 and cal["op_overhead_s"] > 0

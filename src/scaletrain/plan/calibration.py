@@ -34,11 +34,16 @@ from scaletrain.plan.memory import block_activation_elements
 # and the elementwise cost per saved activation element of one reference block.
 # --------------------------------------------------------------------------------------------------
 
-# GEMM widths (sqrt(n*k)) and attention shapes the curves are sampled at; the time model interpolates.
-GEMM_WIDTHS = (64, 128, 256, 512, 1024, 2048)
-ATTN_HEAD_DIMS = (32, 64, 128)
-ATTN_SEQ_LENS = (64, 256, 1024)
-CE_VOCABS = (256, 2048, 16384)
+# GEMM widths (sqrt(n*k)) and rows (tokens of a micro-batch), and the attention and cross-entropy shapes the
+# curves are sampled at; the time model interpolates, and holds a curve's end value beyond it. The ranges
+# cover the shapes plans are made for (issue 10: held-out rows with a 50k vocabulary, whose output head is
+# 3.6k wide, micro-batch 1 at 128 tokens, sequence 2048 and head dim 16 fell off the ends of the old ones).
+GEMM_WIDTHS = (64, 128, 256, 512, 1024, 2048, 4096)
+GEMM_ROWS = (128, 1024)
+ATTN_HEAD_DIMS = (16, 32, 64, 128)
+ATTN_SEQ_LENS = (64, 256, 1024, 2048)
+CE_VOCABS = (256, 2048, 16384, 65536)
+CE_MAX_LOGITS = 1 << 24  # rows x vocab of one cross-entropy sample: fewer rows for the largest vocabularies
 OPT_SIZES = (1 << 18, 1 << 21, 1 << 24)  # parameters
 
 
@@ -75,6 +80,8 @@ def measure_gemm_curve(m: int = 1024) -> list[list[float]]:
     forward GEMM and the backward's two (input grad and weight grad, whose shapes run differently)."""
     out = []
     for w in GEMM_WIDTHS:
+        if m * w * w > (1 << 34):  # ~34 GFLOP a forward: enough of the widest at 1024 rows
+            continue
         layer = torch.nn.Linear(w, w, bias=False)
         x = torch.randn(m, w, requires_grad=True)
         grad = torch.randn(m, w)
@@ -99,11 +106,12 @@ def measure_attention_curve(batch_heads: int = 16) -> dict[str, list[list[float]
     for hd in ATTN_HEAD_DIMS:
         rows = []
         for seq in ATTN_SEQ_LENS:
-            q, k, v = (torch.randn(1, batch_heads, seq, hd, requires_grad=True) for _ in range(3))
-            fwd_flops = 4.0 * batch_heads * seq * seq * hd
+            bh = max(1, batch_heads * 1024 // seq) if seq > 1024 else batch_heads  # long sequences: fewer heads
+            q, k, v = (torch.randn(1, bh, seq, hd, requires_grad=True) for _ in range(3))
+            fwd_flops = 4.0 * bh * seq * seq * hd
             reps = max(3, min(20, int(1e9 / fwd_flops)))
             t_fwd = _best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
-            grad = torch.randn(1, batch_heads, seq, hd)
+            grad = torch.randn(1, bh, seq, hd)
 
             def fwd_bwd():
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
@@ -121,10 +129,11 @@ def measure_cross_entropy_curve(rows: int = 1024) -> list[list[float]]:
 
     out = []
     for vocab in CE_VOCABS:
-        logits = torch.randn(rows, vocab, requires_grad=True)
-        target = torch.randint(0, vocab, (rows,))
+        n = max(1, min(rows, CE_MAX_LOGITS // vocab))
+        logits = torch.randn(n, vocab, requires_grad=True)
+        target = torch.randint(0, vocab, (n,))
         t = _best_time(lambda: F.cross_entropy(logits, target).backward(), 5)
-        out.append([float(vocab), t / (rows * vocab)])
+        out.append([float(vocab), t / (n * vocab)])
     return out
 
 
@@ -232,6 +241,8 @@ def count_aten_ops(fn) -> int:
 def entry_rows(measured: dict) -> list[list[float]]:
     """The [x, forward rate, backward rate] rows of the GEMM and attention curves (for fix-ups)."""
     rows = list(measured.get("gemm_curve", []))
+    for curve in measured.get("gemm_curve_by_rows", {}).values():
+        rows += curve
     for curve in measured.get("attention_curve", {}).values():
         rows += curve
     return rows
@@ -279,7 +290,7 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
         for _ in range(rounds):
             this = {"op_overhead_s": (measure_op_overhead(), False),
                     "memory_bandwidth": (measure_memory_bandwidth(), True),
-                    "gemm_curve": (measure_gemm_curve(), True),
+                    "gemm_curve_by_rows": ({str(m): measure_gemm_curve(m) for m in GEMM_ROWS}, True),
                     "attention_curve": (measure_attention_curve(), True),
                     "cross_entropy_curve": (measure_cross_entropy_curve(), False),
                     "optimizer_curve": (measure_optimizer_curve(), False)}
@@ -290,15 +301,18 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
         for row in entry_rows(measured):
             if row[2] <= 0:
                 row[2] = row[1]
+        # The most rows' curve is also the plain gemm_curve (what older readers and gemm_efficiency use).
+        measured["gemm_curve"] = measured["gemm_curve_by_rows"][str(max(GEMM_ROWS))]
         entry.update(measured)
         log(f"memory bandwidth (copy): {entry['memory_bandwidth'] / 1e9:.1f} GB/s; "
             f"op dispatch {entry['op_overhead_s'] * 1e6:.1f} us")
         # The 1024-wide GEMM of the curve is the same kernel as the peak measurement: take the better of the two.
         entry["matmul_flops_fp32"] = max(entry["matmul_flops_fp32"], max(r[1] for r in entry["gemm_curve"]))
-        entry["gemm_efficiency"] = sorted(r[1] for r in entry["gemm_curve"])[len(GEMM_WIDTHS) // 2] / entry[
+        entry["gemm_efficiency"] = sorted(r[1] for r in entry["gemm_curve"])[len(entry["gemm_curve"]) // 2] / entry[
             "matmul_flops_fp32"]
-        log("nn.Linear fwd/bwd GFLOP/s by width: "
-            + ", ".join(f"w{int(w)} {f / 1e9:.0f}/{b / 1e9:.0f}" for w, f, b in entry["gemm_curve"]))
+        for m, curve in entry["gemm_curve_by_rows"].items():
+            log(f"nn.Linear fwd/bwd GFLOP/s by width, {m} rows: "
+                + ", ".join(f"w{int(w)} {f / 1e9:.0f}/{b / 1e9:.0f}" for w, f, b in curve))
         curve, entry["block_ops"] = measure_block_elementwise(entry)
         for _ in range(rounds - 1):
             curve = _best_of(curve, measure_block_elementwise(entry)[0], higher_is_better=False)

@@ -60,11 +60,22 @@ def _interp(curve: list[list[float]], x: float, column: int = 1, log_y: bool = T
     return (1 - w) * ys[i - 1] + w * ys[i]
 
 
+def gemm_rate(entry: dict, width: float, rows: float, backward: bool = False) -> float:
+    """FLOP/s of an ``nn.Linear`` of ``width`` on ``rows`` rows: the curves measured at several row counts
+    (``gemm_curve_by_rows``) interpolated in log(rows), held beyond them; older calibrations have one curve."""
+    column = 2 if backward else 1
+    by_rows = entry.get("gemm_curve_by_rows")
+    if not by_rows:
+        return _interp(entry["gemm_curve"], width, column)
+    points = sorted((float(m), _interp(curve, width, column)) for m, curve in by_rows.items())
+    return _interp([[m, rate] for m, rate in points], rows)
+
+
 def gemm_seconds(m: int, n: int, k: int, entry: dict, backward: bool = False) -> float:
     """A linear layer's forward GEMM (m x k) @ (k x n), or its two backward GEMMs, on CPU at the throughput
-    measured for an ``nn.Linear`` of width sqrt(n*k)."""
+    measured for an ``nn.Linear`` of width sqrt(n*k) on m rows."""
     flops = 2.0 * m * n * k * (2 if backward else 1)
-    return flops / _interp(entry["gemm_curve"], math.sqrt(n * k), 2 if backward else 1)
+    return flops / gemm_rate(entry, math.sqrt(n * k), m, backward)
 
 
 def attention_seconds(batch_heads: int, seq: int, head_dim: int, entry: dict) -> tuple[float, float]:
