@@ -48,6 +48,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _micro_batches(global_batch: int, data_parallel: int) -> list[int]:
+    """Micro-batch sizes to try: the powers of two dividing each rank's share, and the share itself."""
+    per_rank = global_batch // data_parallel if global_batch % data_parallel == 0 else 0
+    return [m for m in _divisors(per_rank) if m & (m - 1) == 0 or m == per_rank] if per_rank else [1]
+
+
+def _buildable(workload: Workload, plan: Plan, cluster: Cluster, fixed: dict) -> bool:
+    """The plan keeps the pinned fields and passes the trainer's own checks (``check_plan``)."""
+    if any(getattr(plan, k) != v for k, v in fixed.items()):
+        return False
+    try:
+        check_plan(workload, plan, cluster.world_size, cluster.hardware.kind)
+    except ConfigError:
+        return False
+    return True
+
+
 def enumerate_plans(workload: Workload, cluster: Cluster, fixed: dict | None = None) -> list[Plan]:
     """Every buildable plan (``check_plan`` passes); ``fixed`` pins fields (e.g. {"tp": 2}). ``fixed["engine"]``:
     native (the default), deepspeed, or all (both, ranked together)."""
@@ -64,21 +81,15 @@ def enumerate_plans(workload: Workload, cluster: Cluster, fixed: dict | None = N
         for dp_shard in _divisors(dp):
             dp_rep = dp // dp_shard
             stages = [2, 3] if dp_shard > 1 else [0, 1] if dp_rep > 1 else [0]
-            per_rank = workload.global_batch // dp if workload.global_batch % dp == 0 else 0
-            micro = [m for m in _divisors(per_rank) if m & (m - 1) == 0 or m == per_rank] if per_rank else [1]
+            micro = _micro_batches(workload.global_batch, dp)
             for zero, mb, ac, offload in itertools.product(stages, micro, ("none", "selective", "full"),
                                                            (False, True) if gpu else (False,)):
                 if offload and zero < 2:
                     continue
                 plan = Plan(dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, micro_batch=mb,
                             zero_stage=zero, activation_checkpointing=ac, cpu_offload=offload)
-                if any(getattr(plan, k) != v for k, v in fixed.items()):
-                    continue
-                try:
-                    check_plan(workload, plan, world, cluster.hardware.kind)
-                except ConfigError:
-                    continue
-                plans.append(plan)
+                if _buildable(workload, plan, cluster, fixed):
+                    plans.append(plan)
     return plans
 
 
@@ -87,20 +98,14 @@ def _deepspeed_plans(workload: Workload, cluster: Cluster, fixed: dict) -> list[
     offload and with the optimizer state (at ZeRO-3 also the parameters) offloaded to CPU memory (GPUs) or NVMe.
     The trainer's checks decide what is buildable (DeepSpeed installed, libaio for NVMe, ...)."""
     world, gpu = cluster.world_size, cluster.hardware.kind == "gpu"
-    per_rank = workload.global_batch // world if workload.global_batch % world == 0 else 0
-    micro = [m for m in _divisors(per_rank) if m & (m - 1) == 0 or m == per_rank] if per_rank else [1]
+    micro = _micro_batches(workload.global_batch, world)
     plans = []
     for stage, mb, offload in itertools.product((1, 2, 3), micro, ("none", "cpu", "nvme") if gpu else
                                                 ("none", "nvme")):
         plan = Plan(dp_replicate=world if stage < 3 else 1, dp_shard=world if stage == 3 else 1, micro_batch=mb,
                     zero_stage=stage, engine="deepspeed", offload=offload)
-        if any(getattr(plan, k) != v for k, v in fixed.items()):
-            continue
-        try:
-            check_plan(workload, plan, world, cluster.hardware.kind)
-        except ConfigError:
-            continue
-        plans.append(plan)
+        if _buildable(workload, plan, cluster, fixed):
+            plans.append(plan)
     return plans
 
 
