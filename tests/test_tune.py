@@ -4,13 +4,14 @@ the planner's memory skip, the study page of the report, and the LR range test."
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from scaletrain.cli import main
 from scaletrain.config import load_config
-from scaletrain.tune.lr_find import lr_find
+from scaletrain.tune.lr_find import diverged, lr_find, suggest
 from scaletrain.tune.space import parse_space
 
 pytest.importorskip("optuna")
@@ -102,8 +103,23 @@ def test_lr_find_sweeps_to_divergence_and_suggests(tmp_path, tiny):
     assert result.lrs[0] == pytest.approx(1e-4) and len(result.lrs) == len(result.smoothed)
     assert result.lrs == sorted(result.lrs)
     assert min(result.smoothed) < result.smoothed[0] - 0.3  # the loss fell somewhere in the sweep
-    assert result.suggested_lr == pytest.approx(result.min_lr / 10)
-    assert result.lrs[0] < result.suggested_lr < result.lrs[-1]
+    assert result.rule == "steepest" and result.suggested_lr == result.steepest_lr  # the default rule
+    assert result.lrs[0] < result.steepest_lr <= result.min_lr < result.lrs[-1]
+
+
+def test_lr_find_rules_and_stop():
+    """The two suggestion rules on a known curve, and the stop: 4x the minimum, or back above the start once the
+    loss has fallen (a language model's loss never reaches 4x its minimum: it saturates near log(vocab))."""
+    lrs = [10.0 ** (e / 4) for e in range(-24, 1)]  # 1e-6 .. 1
+    curve = [4.0 - 2.0 / (1 + math.exp(-(math.log10(lr) + 3) * 3)) for lr in lrs]  # falls fastest at 1e-3
+    curve[-4:] = [2.5, 3.0, 3.5, 4.2]  # then rises after 1e-2 (the minimum, 2.0-ish, just before)
+    low, steep, suggested = suggest(lrs, curve, divisor=10, rule="steepest")
+    assert steep == pytest.approx(1e-3) and suggested == steep
+    assert suggest(lrs, curve, divisor=10, rule="minimum")[2] == pytest.approx(low / 10)
+    assert diverged(4.1, first=4.0, best=2.0, diverge=4.0).startswith("smoothed loss 4.100 back above")
+    assert diverged(4.1, first=4.0, best=3.9, diverge=4.0) == ""  # noise before the loss ever fell
+    assert "4 x minimum" in diverged(9.0, first=10.0, best=2.0, diverge=4.0)
+    assert diverged(3.0, first=4.0, best=2.0, diverge=4.0) == ""
 
 
 def test_lr_find_bad_range_is_one_line(capsys):

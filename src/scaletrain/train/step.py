@@ -24,7 +24,8 @@ from scaletrain.compress.fp8 import convert_to_fp8
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
 from scaletrain.model.mup import width_mult
-from scaletrain.parallel import ParallelDims, ParallelModel, clip_grad_norm_, forward_backward, parallelize
+from scaletrain.parallel import ParallelDims
+from scaletrain.parallel.parallelize import ParallelModel, clip_grad_norm_, forward_backward, parallelize
 from scaletrain.train.optimizer import build_parallel_optimizer
 
 # (inputs (B, T), targets (B, T), attention mask (B, 1, T, T) or None), already on the device.

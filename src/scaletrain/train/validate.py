@@ -10,9 +10,9 @@ import torch
 
 from scaletrain.adapt.lora import TARGETS
 from scaletrain.config import ConfigError, JobConfig, validate_job
-from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.deepspeed_engine import check_deepspeed
+from scaletrain.parallel.dims import ParallelDims
 from scaletrain.train.adaptive import check_adaptive
 
 

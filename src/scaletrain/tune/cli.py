@@ -110,8 +110,11 @@ def add_lr_find_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start", type=float, default=1e-6, help="first learning rate")
     parser.add_argument("--end", type=float, default=1.0, help="last learning rate")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep")
+    parser.add_argument("--rule", default="steepest", choices=("steepest", "minimum"),
+                        help="the suggestion: the lr where the smoothed loss falls fastest (steepest) or the lr at "
+                             "its minimum divided by --divisor (minimum); both are printed and saved")
     parser.add_argument("--divisor", type=float, default=10.0,
-                        help="the suggestion is the lr at the smoothed loss's minimum divided by this")
+                        help="with --rule minimum: the suggestion is the lr at the smoothed minimum divided by this")
     parser.add_argument("--out", default="", help="folder for lr_find.json (default <train.run_dir>-lr-find)")
     add_config_arguments(parser, JobConfig)
 
@@ -125,10 +128,11 @@ def run_lr_find(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be >= 10 and --divisor > 0 (got {args.steps}, {args.divisor:g})")
     cfg = _job(args)
     out = Path(args.out or f"{cfg.train.run_dir}-lr-find")
-    result = lr_find(cfg, out / "run", args.start, args.end, args.steps, divisor=args.divisor)
+    result = lr_find(cfg, out / "run", args.start, args.end, args.steps, divisor=args.divisor, rule=args.rule)
     print(curve_table(result))
     path = save(result, out, args.config or "(defaults)")
     print(f"{result.stopped}; smoothed minimum at lr {result.min_lr:.3g}, steepest descent at "
           f"{result.steepest_lr:.3g}")
-    print(f"suggested optim.lr = {result.suggested_lr:.3g} (the minimum's / {args.divisor:g}); curve saved to {path}")
+    how = "the steepest descent" if args.rule == "steepest" else f"the minimum's / {args.divisor:g}"
+    print(f"suggested optim.lr = {result.suggested_lr:.3g} ({how}); curve saved to {path}")
     return 0
