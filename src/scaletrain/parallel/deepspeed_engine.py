@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import importlib
 import json
 import os
 import socket
@@ -298,6 +299,19 @@ def return_freed_memory() -> None:
         pass
 
 
+def skip_inference_comm_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce (``deepspeed_shm_comm``) when its comm starts.
+    The op serves ``inference_all_reduce`` (tensor-parallel inference) only, which ZeRO training never calls, and
+    without it that call falls back to ``torch.distributed.all_reduce``; its first-use JIT compile costs 1-2
+    minutes on 2 cores (measured 87 s on this loaded machine), paid by every fresh install's first run."""
+    try:  # by its module path: the package attribute deepspeed.comm.torch is torch itself
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:
+        return
+    if hasattr(ds_torch, "build_shm_op"):
+        ds_torch.build_shm_op = lambda: None
+
+
 def build_partitioned_model(model_cfg: ModelConfig, ds_config: dict, seed: int) -> Transformer:
     """The model built under ``deepspeed.zero.Init`` (ZeRO-3): each module's parameters are partitioned over the
     ranks (and, with ``offload_param``, moved to the CPU or swapped to NVMe) as soon as the module is created, so
@@ -306,6 +320,7 @@ def build_partitioned_model(model_cfg: ModelConfig, ds_config: dict, seed: int) 
     import deepspeed
 
     ensure_process_group_env()
+    skip_inference_comm_op()
     deepspeed.init_distributed()  # zero.Init reads the world size from DeepSpeed's comm
     if "offload_param" in ds_config["zero_optimization"]:
         return_freed_memory()
@@ -333,6 +348,7 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, ds_config: di
     import deepspeed
 
     ensure_process_group_env()
+    skip_inference_comm_op()
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                                       dist_init_required=True)
     return engine, ds_optimizer

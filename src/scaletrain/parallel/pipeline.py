@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+# torch.distributed.pipelining is imported where a pipeline is built: it loads dynamo (a second or more of the
+# start-up of every run, most of which do not pipeline).
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
 def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -49,7 +50,7 @@ class Pipeline:
     """This rank's stages and the schedule that drives them."""
 
     schedule: object
-    stages: list[PipelineStage]
+    stages: list  # of torch.distributed.pipelining.PipelineStage
     has_first_stage: bool
     has_last_stage: bool
     loss_scale: float = 1.0  # the factor the schedule's loss_fn multiplies each micro-batch loss by
@@ -89,10 +90,12 @@ def build_pipeline(parts: list[nn.Module], ids: list[int], num_stages: int, pp_g
     ``scale_grads`` is turned off because it rescales *all* accumulated gradients at the end of each step,
     which would be wrong with gradient accumulation across steps.
     """
-    stages = [PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=pp_group)
+    from torch.distributed import pipelining
+
+    stages = [pipelining.PipelineStage(part, stage_index=i, num_stages=num_stages, device=device, group=pp_group)
               for part, i in zip(parts, ids)]
-    cls = SCHEDULES[schedule_name]
-    if cls is ScheduleInterleaved1F1B:
+    cls = getattr(pipelining, SCHEDULES[schedule_name])
+    if cls is pipelining.ScheduleInterleaved1F1B:
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
