@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py
+from launch import OUT_HELP, default_out, run_ranks, write_result  # benchmarks/launch.py
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -72,8 +72,7 @@ def main() -> int:
            "final_split": next(c for c in reversed(counts) if c),
            "split_per_step_first_run": [c for c in counts if c], "micro_seconds_first_run": measured,
            "max_relative_loss_difference": loss_diff}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    write_result(args.out, doc, indent=1)
     print(f"| equal batches | {doc['equal_step_ms']:.1f} ms/step |\n| throughput balance | "
           f"{doc['balanced_step_ms']:.1f} ms/step (split {doc['final_split']}) |\n| speed-up | {doc['speedup']}x |")
     return 0

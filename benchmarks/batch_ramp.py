@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import OUT_HELP, default_out
+from launch import OUT_HELP, default_out, write_result
 from scaletrain.config import load_config
 from scaletrain.train.adaptive import BatchRamp
 from scaletrain.train.trainer import Trainer
@@ -76,8 +76,7 @@ def main() -> int:
            "verdict": ("the ramp reaches the fixed run's final val loss at step {step} ({sequences} sequences)"
                        .format(**reached) if reached else
                        "the ramp does not reach the fixed run's final val loss within the same optimizer steps")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    write_result(args.out, doc, indent=1)
     print(json.dumps({k: doc[k] for k in ("verdict",)}), fixed["final_val_loss"], ramp["final_val_loss"],
           fixed["b_simple_last"])
     return 0

@@ -29,7 +29,6 @@ result) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -42,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import load_config
 from scaletrain.model import num_params
@@ -273,8 +272,7 @@ def main() -> int:
         "ratio_async_over_sync": summary["ratio_async_over_sync"], "target_ratio": TARGET_RATIO,
         "passed": summary["passed"], "async_check": check, "peak_rss_mib": peak_rss,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, indent=2)
     print_table(rounds, summary, params, staged_mb, check)
     print(f"wrote {args.out}")
     return 0

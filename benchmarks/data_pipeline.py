@@ -43,7 +43,12 @@ import threading
 import time
 from pathlib import Path
 
-from launch import OUT_HELP, RESULTS, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import (  # benchmarks/launch.py (the script's folder is on sys.path)
+    OUT_HELP,
+    RESULTS,
+    default_out,
+    write_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -381,8 +386,7 @@ def main() -> None:
                                     "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()}
         print(json.dumps(results["loader"], indent=1))
         results["table"] = render_table(results)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        write_result(args.out, results, indent=2)
         print(f"wrote {args.out} (loader rows)")
         return
     if not all(s.is_dir() for s in SOURCES):
@@ -423,8 +427,7 @@ def main() -> None:
     table = render_table(results)
     print(table)
     results["table"] = table
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    write_result(args.out, results, indent=2)
     print(f"wrote {args.out}")
 
 

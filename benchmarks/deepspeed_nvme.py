@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import OUT_HELP, default_out
+from launch import OUT_HELP, default_out, write_result
 
 MODEL = {"model.vocab_size": 128, "model.dim": 1024, "model.n_layers": 20, "model.n_heads": 16,
          "model.ffn_hidden_dim": 2816, "model.max_seq_len": 64}
@@ -157,8 +157,7 @@ def main() -> int:
               "fp32_optimizer_state_gb": round(12 * params / GB, 2),  # Adam m + v + fp32 master, 4 bytes each
               "limit_gb": round(limit / GB, 3), "batch": "1 x 64 tokens, fp32, 1 process, OMP_NUM_THREADS=2",
               **runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(json.dumps(result, indent=1))
     return 0
 

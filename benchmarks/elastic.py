@@ -16,14 +16,13 @@ Writes benchmarks/out/elastic.json (``--out benchmarks/results/elastic.json`` re
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import tempfile
 from pathlib import Path
 
-from launch import OUT_HELP, default_out
+from launch import OUT_HELP, default_out, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -53,8 +52,7 @@ def main() -> int:
            "steps_on_two_ranks": sum(r == 2 for r in got["ranks"]),
            "checkpoint_cursors_equal_step_x_batch": all(c == s * GLOBAL_BATCH for s, c in cursors.items()),
            "checkpoints_checked": len(cursors)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    write_result(args.out, doc, indent=1)
     print("| step | ranks | elastic loss | uninterrupted loss |\n|---|---|---|---|")
     for s, r, a, b in zip(got["steps"], got["ranks"], got["losses"], want):
         print(f"| {s} | {r} | {a:.5f} | {b:.5f} |")

@@ -26,14 +26,12 @@ A100 80GB and H100). Held-out rows also test the planner's communication and rec
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.config import ModelConfig, build
 from scaletrain.model.presets import PRESETS, flops_per_token
 from scaletrain.plan.hardware import CATALOG, Cluster, Hardware
@@ -317,8 +315,7 @@ def main() -> int:
         if any(abs(a / b - 1) > 0.01 for a, b in zip(shipped, p)):
             print(f"  the catalog's {FAMILIES[family][0]} differs from this fit by more than 1%: copy the fit into "
                   "scaletrain/plan/hardware.py (_HOPPER_FIT / _AMPERE_FIT)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_result(args.out, report, indent=2)
     print(f"wrote {args.out}")
     return 0
 

@@ -8,6 +8,7 @@ re-initialisation), and a failure reported with the tail of the workers' stderr.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,14 @@ def default_out(name: str) -> str:
     """``benchmarks/out/NAME``: re-running a documented benchmark leaves the tracked
     ``benchmarks/results/NAME`` alone unless ``--out benchmarks/results/NAME`` is given explicitly."""
     return str(OUT / name)
+
+
+def write_result(path: str | Path, result: object, indent: int = 1) -> Path:
+    """Write a benchmark's result as JSON to ``path`` (its folder made first) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=indent) + "\n")
+    return path
 
 
 def run_ranks(args: list[str], ranks: int, what: str, *, threads: int = 1,

@@ -33,7 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import (  # benchmarks/launch.py (the script's folder is on sys.path)
+    OUT_HELP,
+    default_out,
+    run_ranks,
+    write_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -101,8 +106,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average_end": os.getloadavg()},
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(f"seeds {seeds}, {args.eval_batches} val batches, {result['tokens_per_run']:,} tokens per run\n")
     print("| mode | final val loss | vs DDP | all-reduce calls | bytes all-reduced |")
     print("|---|---|---|---|---|")

@@ -19,7 +19,6 @@ Writes benchmarks/out/lr_find.json (``--out benchmarks/results/lr_find.json`` re
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import OUT_HELP, default_out  # noqa: E402  (benchmarks/launch.py)
+from launch import OUT_HELP, default_out, write_result  # noqa: E402  (benchmarks/launch.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "shakespeare_char_baby.toml"
@@ -114,8 +113,7 @@ def main() -> int:
     for name, v in recipes.items():
         print(f"{name:8s} {v['grid_best_lr']:9.1e} " + " ".join(
             f"{v['suggestions'][r]:11.2e} ({v['ratio_to_grid_best'][r]:4.2f}x)" for r in RULES))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(f"wrote {args.out}")
     return 0
 

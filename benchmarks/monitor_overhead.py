@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -35,7 +34,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.config import MonitorConfig, load_config
 from scaletrain.train.monitor import ResourceMonitor
 from scaletrain.train.trainer import Trainer
@@ -153,8 +152,7 @@ def main() -> None:
     print(f"one sample costs {result['sample_cost_ms']:.3f} ms of CPU; "
           f"load average {result['machine']['load_average']}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out, result, indent=1)
     print(f"wrote {out}")
 
 

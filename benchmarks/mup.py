@@ -17,7 +17,6 @@ Writes benchmarks/out/mup.json (``--out benchmarks/results/mup.json`` replaces t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import platform
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import OUT_HELP, default_out  # noqa: E402  (benchmarks/launch.py)
+from launch import OUT_HELP, default_out, write_result  # noqa: E402  (benchmarks/launch.py)
 
 WIDTHS = (128, 256, 512)
 HEAD_DIM = 32
@@ -106,8 +105,7 @@ def main() -> int:
         r = results[kind]
         print(f"| {kind} | " + " | ".join(f"{r[str(w)]['best_lr']:.2e}" for w in WIDTHS)
               + f" | {summary[kind]['drift_128_to_512']:.2f}x |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(f"wrote {args.out} in {result['seconds']:.0f} s")
     return 0
 

@@ -31,7 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import (  # benchmarks/launch.py (the script's folder is on sys.path)
+    OUT_HELP,
+    default_out,
+    run_ranks,
+    write_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,8 +157,7 @@ def main() -> int:
               "torch_threads_per_rank": 1, "steps_per_run": args.steps, "rounds": args.rounds,
               "load_average_during_runs": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": MODEL, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result, indent=1)
     print("| strategy | ranks | tokens/step | tokens/s (median) | per round | vs single | model state MB/rank | "
           "peak RSS MB/rank |")
     print("|---|---|---|---|---|---|---|---|")

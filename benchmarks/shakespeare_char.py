@@ -15,7 +15,6 @@ benchmarks/results/shakespeare_char.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.config import load_config
 from scaletrain.train.trainer import Trainer
 
@@ -136,8 +135,7 @@ def main() -> int:
         "val_loss": {str(e["step"]): round(e["val_loss"], 4) for e in summary["evals"]},
         "final_val_loss": summary["final_val_loss"], "side_by_side": sbs, "nanogpt_reference": NANOGPT,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result, indent=2)
 
     print(f"\n{'':28s} {'scaletrain':>12s} {'nanoGPT reference':>24s}")
     print(f"{'median ms/iter':28s} {result['median_ms_per_iter']:12.1f} {NANOGPT['median_ms']:24.1f}")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.checkpoint.run import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,8 +225,7 @@ def main() -> int:
                "torch": torch.__version__, "machine": platform.machine(), "cores": os.cpu_count(),
                "load_average": os.getloadavg()[0], "seed": args.seed}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2) + "\n")
+    write_result(out, summary, indent=2)
     print(f"\n{blows} blows, all survived bitwise: {ok} -> {out}")
     return 0 if ok else 1
 

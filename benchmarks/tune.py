@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import OUT_HELP, default_out  # noqa: E402  (benchmarks/launch.py)
+from launch import OUT_HELP, default_out, write_result  # noqa: E402  (benchmarks/launch.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "shakespeare_char_baby.toml"
@@ -112,8 +112,7 @@ def main() -> int:
         "seconds": round(time.time() - t0, 1), "machine": platform.processor() or platform.machine(),
         "trials": [{k: t[k] for k in ("number", "state", "value", "params", "steps", "baseline")} for t in trials]}
     print(json.dumps({k: v for k, v in result.items() if k != "trials"}, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(f"wrote {args.out}")
     return 0
 

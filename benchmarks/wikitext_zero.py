@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import OUT_HELP, ROOT, default_out, run_ranks  # benchmarks/launch.py
+from launch import OUT_HELP, ROOT, default_out, run_ranks, write_result  # benchmarks/launch.py
 
 RECIPE = ROOT / "configs" / "wikitext_zero.toml"
 
@@ -54,8 +54,7 @@ def main() -> int:
     rel = max(abs(two["train_loss"][s] - one["train_loss"][s]) / abs(one["train_loss"][s]) for s in one["train_loss"])
     result = {"recipe": "configs/wikitext_zero.toml", "steps": args.steps, "two_ranks": two, "one_process": one,
               "max_rel_loss_diff": rel, "test_perplexity_diff": abs(two["test_perplexity"] - one["test_perplexity"])}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result, indent=1)
     print(f"2 ranks: test perplexity {two['test_perplexity']:.2f} ({two['test_tokens']:,} tokens), "
           f"wall {two['wall_s']} s")
     print(f"1 process: test perplexity {one['test_perplexity']:.2f}, wall {one['wall_s']} s; "
