@@ -45,6 +45,37 @@ def test_masks_sparsity_and_patterns():
             P.check_sparsity(bad)
 
 
+def test_sequential_wanda_calibrates_each_block_on_the_pruned_blocks_before_it():
+    import copy
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, ffn_hidden_dim=64, max_seq_len=16)
+    dense = build_model(cfg, seed=0)
+    calib = list(torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0)).split(4))
+    one_pass_norms = P.input_norms(dense, calib)
+    seq, flat = copy.deepcopy(dense), copy.deepcopy(dense)
+    record = P.prune(seq, "wanda", pattern="2:4", calibration=calib)
+    assert record["calibration"] == "sequential" and abs(record["sparsity"] - 0.5) < 1e-6
+    assert all(P.is_n_m_sparse(m.weight) for m in P.block_linears(seq).values())
+    # q/k/v of block i read the output of blocks < i: in the sequential pass, those blocks already pruned, so
+    # the norms are those of the pruned model itself, and the masks follow from them and the dense weights.
+    pruned_norms = P.input_norms(seq, calib)
+    for i in range(3):
+        name = f"layers.{i}.attention.wq"
+        expected = P.semi_structured_masks({name: P.scores(P.block_linears(dense)[name].weight, "wanda",
+                                                            pruned_norms[name])})[name]
+        assert torch.equal(P.block_linears(seq)[name].weight != 0, expected), name
+        same = torch.allclose(pruned_norms[name], one_pass_norms[name])
+        assert same == (i == 0), name  # block 0 sees the embedding alike; later blocks see pruned outputs
+    # The one-pass option is the dense forward's norms, and gives other masks.
+    assert P.prune(flat, "wanda", pattern="2:4", calibration=calib, sequential=False)["calibration"] == "one pass"
+    for name, m in P.block_linears(flat).items():
+        expected = P.semi_structured_masks({name: P.scores(P.block_linears(dense)[name].weight, "wanda",
+                                                            one_pass_norms[name])})[name]
+        assert torch.equal(m.weight != 0, expected), name
+    differ = [n for n, m in P.block_linears(flat).items() if not torch.equal(m.weight, P.block_linears(seq)[n].weight)]
+    assert differ and not any(n.startswith("layers.0.attention.w") and n[-1] in "qkv" for n in differ)
+
+
 def test_structured_prune_keeps_the_important_and_shrinks_the_config():
     cfg = ModelConfig(vocab_size=50, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, max_seq_len=16)
     model = build_model(cfg, seed=0)

@@ -61,7 +61,7 @@ class OptimConfig:
     beta2: float = opt(0.99, "AdamW beta2 (0.99 suits small data; large runs use 0.95)", ge=0, lt=1)
     eps: float = opt(1e-8, "AdamW epsilon", gt=0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping", ge=0)
-    implementation: str = opt("auto", "AdamW kernel: auto (fused on GPU, foreach on CPU), fused, foreach, loop",
+    implementation: str = opt("auto", "AdamW kernel: auto (fused on CPU and GPU), fused, foreach, loop",
                               choices=("auto", "fused", "foreach", "loop"))
 
 

@@ -28,6 +28,10 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
                    help="--prune: any weights, or 2 of every 4 consecutive inputs (50%%)")
     p.add_argument("--scope", choices=unstructured.SCOPES, default="layer",
                    help="--prune unstructured: compare within each layer (Wanda: each output row) or globally")
+    p.add_argument("--one-pass", action="store_true",
+                   help="--prune wanda: take every layer's input norms from one forward pass of the dense model "
+                        "instead of block by block on the pruned earlier blocks' outputs (the default, as the "
+                        "paper's code)")
     p.add_argument("--mlp-fraction", type=float, default=0.0,
                    help="structured: share of SwiGLU neurons removed in every block, in [0, 1)")
     p.add_argument("--head-fraction", type=float, default=0.0,
@@ -106,7 +110,8 @@ def run_compress(args: argparse.Namespace) -> int:
               f"KV groups, width {rec['head_dim']}), {cfg.model.n_layers} -> {model_cfg.n_layers} blocks; parameters "
               f"{record['structured']['parameters'][0]:,} -> {record['structured']['parameters'][1]:,}")
     if args.prune:
-        record["prune"] = unstructured.prune(model, args.prune, args.sparsity, args.scope, args.pattern, calib)
+        record["prune"] = unstructured.prune(model, args.prune, args.sparsity, args.scope, args.pattern, calib,
+                                                   sequential=not args.one_pass)
         print(f"pruned {args.prune} {args.pattern}: {100 * record['prune']['sparsity']:.1f}% of the block weights "
               f"are zero (masks applied to dense weights: no speed-up on dense kernels)")
     if args.quantize:

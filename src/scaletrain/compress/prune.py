@@ -6,11 +6,14 @@ output row. Only the transformer blocks' projections are pruned (as in the paper
 output head hold most of a small model's parameters but are lookups / the last projection, where zeros
 hurt most. The masks are applied to the dense weights (zeros written in place); a weight that is zero after
 pruning is the mask, so the saved checkpoint holds it and ``masks_from_zeros`` reads it back.
+
+Wanda's norms are measured block by block by default, as the paper's code does (``sequential_wanda``): each
+block is calibrated on the outputs of the blocks before it, already pruned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -26,30 +29,66 @@ def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {f"layers.{name}": m for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
 
 
+def _norms_of(linears: dict[str, nn.Linear], run: Callable[[], None]) -> dict[str, torch.Tensor]:
+    """||X_j||_2 over every token ``run()`` feeds through each of ``linears`` (a forward hook per layer)."""
+    sums = {n: torch.zeros(m.in_features, dtype=torch.float64) for n, m in linears.items()}
+    hooks = []
+    for name, module in linears.items():
+        def hook(_module, args, _out, name=name):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            sums[name] += (x * x).sum(0)
+        hooks.append(module.register_forward_hook(hook))
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: s.sqrt().float() for n, s in sums.items()}
+
+
 @torch.no_grad()
 def input_norms(model: nn.Module, batches: Iterable[torch.Tensor], names: Iterable[str] | None = None
                 ) -> dict[str, torch.Tensor]:
     """||X_j||_2 over every calibration token for each input feature j of each block Linear (Wanda's
-    activation statistic), by a forward hook per layer; one forward per batch of token ids (B, T)."""
+    activation statistic), all from one forward pass of the dense model per batch of token ids (B, T)."""
     linears = block_linears(model)
     wanted = set(names) if names is not None else set(linears)
-    sums = {n: torch.zeros(m.in_features, dtype=torch.float64) for n, m in linears.items() if n in wanted}
-    hooks = []
-    for name in sums:
-        def hook(_module, args, _out, name=name):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-            sums[name] += (x * x).sum(0)
-        hooks.append(linears[name].register_forward_hook(hook))
-    try:
+
+    def run() -> None:
         was_training = model.training
         model.eval()
         for tokens in batches:
             model(tokens)
         model.train(was_training)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {n: s.sqrt().float() for n, s in sums.items()}
+    return _norms_of({n: m for n, m in linears.items() if n in wanted}, run)
+
+
+@torch.no_grad()
+def sequential_wanda(model: nn.Module, batches: Iterable[torch.Tensor],
+                     masks_for: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+                     ) -> dict[str, torch.Tensor]:
+    """Wanda block by block, as the reference implementation (locuslab/wanda ``prune_wanda``) does: block i's
+    input norms are measured on the outputs of blocks 0..i-1 *already pruned*, its masks are chosen
+    (``masks_for``: scores of one block's Linears -> keep-masks) and applied, and its outputs are recomputed
+    with the pruned weights before block i+1 is calibrated. So each block is pruned for the inputs it will
+    really see, and the error of earlier blocks is not hidden from later ones. Within a block every Linear is
+    calibrated on the dense block (as in the reference). Returns all the masks (already applied)."""
+    was_training = model.training
+    model.eval()
+    hidden = [model.tok_embeddings(tokens) for tokens in batches]  # the inputs of block 0, one per batch
+    masks: dict[str, torch.Tensor] = {}
+
+    def through(block: nn.Module) -> list[torch.Tensor]:
+        return [block(h, model.rope_cos[:h.shape[1]], model.rope_sin[:h.shape[1]]) for h in hidden]
+    for block_name, block in model.layers.items():
+        linears = {f"layers.{block_name}.{n}": m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+        norms = _norms_of(linears, lambda block=block: through(block))
+        block_masks = masks_for({n: scores(m.weight, "wanda", norms[n]) for n, m in linears.items()})
+        apply_masks(model, block_masks)
+        masks.update(block_masks)
+        hidden = through(block)  # what the next block sees: this block's output, pruned
+    model.train(was_training)
+    return masks
 
 
 def scores(weight: torch.Tensor, method: str, norm: torch.Tensor | None) -> torch.Tensor:
@@ -149,26 +188,40 @@ def is_n_m_sparse(weight: torch.Tensor, n: int = 2, m: int = 4) -> bool:
 
 @torch.no_grad()
 def prune(model: nn.Module, method: str, sparsity: float = 0.5, scope: str = "layer", pattern: str = "unstructured",
-          calibration: Iterable[torch.Tensor] | None = None) -> dict:
+          calibration: Iterable[torch.Tensor] | None = None, sequential: bool = True) -> dict:
     """Prune ``model``'s block Linears in place; returns what was done (method, pattern, measured sparsity).
 
     pattern "unstructured" (at ``sparsity``, ``scope`` layer or global) or "2:4" (sparsity is 50% by
-    construction). Wanda needs ``calibration`` (batches of token ids)."""
+    construction). Wanda needs ``calibration`` (batches of token ids); ``sequential`` (the default) calibrates
+    block by block on the pruned earlier blocks' outputs (``sequential_wanda``), False takes every norm from
+    one dense forward pass. A global threshold needs every layer's score before any is pruned, so Wanda with
+    scope "global" is one pass."""
     if method not in METHODS:
         raise ConfigError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
     if method == "wanda" and calibration is None:
         raise ConfigError("Wanda pruning needs a calibration set (--calibration-sequences > 0)")
-    linears = block_linears(model)
-    norms = input_norms(model, calibration) if method == "wanda" else {}
-    score = {name: scores(m.weight, method, norms.get(name)) for name, m in linears.items()}
     if pattern == "2:4":
-        masks = semi_structured_masks(score)
+        def masks_for(score: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return semi_structured_masks(score)
     elif pattern == "unstructured":
-        masks = unstructured_masks(score, sparsity, method, scope)
+        check_sparsity(sparsity)
+        if scope not in SCOPES:
+            raise ConfigError(f"--scope {scope!r}: choose one of {', '.join(SCOPES)}")
+
+        def masks_for(score: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return unstructured_masks(score, sparsity, method, scope)
     else:
         raise ConfigError(f"--pattern {pattern!r}: choose unstructured or 2:4")
-    apply_masks(model, masks)
+    calibration = list(calibration) if calibration is not None else None
+    sequential = sequential and method == "wanda" and not (pattern == "unstructured" and scope == "global")
+    if sequential:
+        sequential_wanda(model, calibration, masks_for)
+    else:
+        linears = block_linears(model)
+        norms = input_norms(model, calibration) if method == "wanda" else {}
+        apply_masks(model, masks_for({name: scores(m.weight, method, norms.get(name)) for name, m in linears.items()}))
     return {"method": method, "pattern": pattern, "scope": scope if pattern == "unstructured" else "n:m",
+            "calibration": ("sequential" if sequential else "one pass") if method == "wanda" else "none",
             "target_sparsity": 0.5 if pattern == "2:4" else sparsity, "sparsity": round(sparsity_of(model), 6)}
 
 

@@ -138,13 +138,13 @@ def measure_cross_entropy_curve(rows: int = 1024) -> list[list[float]]:
 
 
 def measure_optimizer_curve() -> list[list[float]]:
-    """[[params, seconds per parameter], ...] of AdamW(foreach) step + clip_grad_norm_ + zero_grad, the
+    """[[params, seconds per parameter], ...] of AdamW(fused) step + clip_grad_norm_ + zero_grad, the
     trainer's defaults, over transformer-like tensors (cost per parameter grows once states leave cache)."""
     out = []
     for n in OPT_SIZES:
         shapes = [(n // 8 // 256, 256)] * 8
         params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-        opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
 
         def step():
             for p in params:

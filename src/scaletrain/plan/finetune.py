@@ -125,8 +125,8 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
         activations += rec.activation * workload.model.n_layers * sum(2 * bt * shapes[t][1]
                                                                       for t in ft.lora_targets if t in shapes)
     loss_phase = at_rest + activations + 2 * logits
-    # Optimizer: every trainable gradient, and foreach AdamW's sqrt(v) temporary of the largest group.
-    optimizer_phase = at_rest + trainable * rec.grad + (trainable * 4 if device_kind == "cpu" else 0)
+    # Optimizer: every trainable gradient (the fused AdamW kernel, the default, allocates no temporary).
+    optimizer_phase = at_rest + trainable * rec.grad
     tensor_total = max(loss_phase, optimizer_phase)
     return {"method": ft.method, "trainable_parameters": trainable, "frozen_bytes": frozen,
             "trainable_state_bytes": trainable * (rec.param + rec.grad + rec.master + rec.optimizer),

@@ -5,7 +5,7 @@ storage once while it is alive (a weakref finalizer subtracts it when freed) and
 counts tensor bytes exactly, unlike RSS (which also holds the allocator's cache, libraries and Python).
 
 The step is the trainer's (``scaletrain.train``) with its defaults: forward, cross-entropy, backward,
-clip_grad_norm_(1.0), AdamW (foreach on CPU, decay on matrices only), zero_grad(set_to_none=True), fp32;
+clip_grad_norm_(1.0), AdamW (fused, decay on matrices only), zero_grad(set_to_none=True), fp32;
 activation checkpointing and the distributed layouts come from ``scaletrain.parallel``.
 """
 

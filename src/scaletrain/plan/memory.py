@@ -138,11 +138,11 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
                      foreach_optimizer: bool | None = None) -> MemoryBreakdown:
     """Simulate the live bytes of one step and return the breakdown at its peak.
 
-    ``foreach_optimizer``: AdamW's foreach kernel (the CPU default) allocates one temporary the size of
-    the largest parameter group for sqrt(v); the fused GPU kernel does not.
+    ``foreach_optimizer``: AdamW's foreach kernel (``optim.implementation = foreach``) allocates one temporary
+    the size of the largest parameter group for sqrt(v); the fused kernel (the default on CPU and GPU) does not.
     """
     cfg, rec = workload.model, _recipe(workload)
-    foreach = device_kind == "cpu" if foreach_optimizer is None else foreach_optimizer
+    foreach = bool(foreach_optimizer)
     tp, pp = plan.tp, plan.pp
     psi = stage_params(cfg, pp, tp)
     deepspeed = plan.engine == "deepspeed"

@@ -10,6 +10,8 @@ The single-process rates are of 2026-11-25 (issue 10: the widened curves -- GEMM
 to width 4096, attention to sequence 2048 and head dim 16, cross-entropy to vocabulary 65536 -- measured at
 a load average of ~5 from other jobs, with the CPU clock); the four 2-rank keys (all-reduce bandwidth, its
 world size, collective latency, DTensor op overhead) are kept from the 2026-11-22 measurement.
+``optimizer_curve`` was measured with AdamW's foreach kernel; the trainer's CPU default is the fused one since
+(about a third of that time, benchmarks/step_profile.py), so this term over-predicts until recalibrated.
 """
 
 REFERENCE_CPU_CALIBRATION: dict = {'allreduce_busbw': 1088000000.0,

@@ -51,8 +51,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     """AdamW over ``param_groups``; ``width_mult`` != 1 (muP): ``mup_param_groups``, each group's initial lr
     already times its ``lr_scale``."""
     impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+    if impl == "auto":  # fused: one kernel per step; on the CPU too since torch 2.4, where foreach took ~4x longer
+        impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "loop" else {"foreach": False}
     if impl == "fused":
         kwargs.pop("foreach")
