@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOKS = ROOT.parent / "shared" / "data" / "gutenberg-shakespeare"
@@ -308,8 +308,7 @@ def measure_all(args, base: Path) -> int:
               f"{r['weight_bytes'] / 1e6:>6.2f} {r['size_ratio']:>5.2f}x {r['decode_tokens_per_s']:>12.1f} "
               f"{r['decode_speed_ratio']:>5.2f}x")
     print(json.dumps({"structured": structured, "targets": targets}, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, indent=2)
     print(f"wrote {args.out}")
     return 0
 

@@ -27,9 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
 B, T = 8, 128
 PHASES = ("forward: embedding", "forward: blocks", "forward: final norm + head", "forward: cross-entropy",
@@ -183,8 +182,7 @@ def main() -> int:
         d, q = phases["dense"][p], phases["pruned"][p]
         print(f"{p:<46}{d:9.2f}{q:9.2f}{d / q if q else float('nan'):7.3f}")
     print(json.dumps({"summary": summary, "adamw_step_ms": adamw, "glibc_malloc": result["glibc_malloc"]}, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result, indent=2)
     print(f"wrote {args.out}")
     return 0
 
