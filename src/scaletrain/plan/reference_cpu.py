@@ -10,8 +10,9 @@ The single-process rates are of 2026-11-25 (issue 10: the widened curves -- GEMM
 to width 4096, attention to sequence 2048 and head dim 16, cross-entropy to vocabulary 65536 -- measured at
 a load average of ~5 from other jobs, with the CPU clock); the four 2-rank keys (all-reduce bandwidth, its
 world size, collective latency, DTensor op overhead) are kept from the 2026-11-22 measurement.
-``optimizer_curve`` was measured with AdamW's foreach kernel; the trainer's CPU default is the fused one since
-(about a third of that time, benchmarks/step_profile.py), so this term over-predicts until recalibrated.
+``optimizer_curve`` was re-measured on 2026-11-25 (load ~2.5) with the fused AdamW kernel, the trainer's CPU
+default since then (the foreach curve it replaces: 2.5e-9, 2.25e-9, 3.45e-9 s per parameter); the tracked
+planner-accuracy results were measured with foreach.
 """
 
 REFERENCE_CPU_CALIBRATION: dict = {'allreduce_busbw': 1088000000.0,
@@ -68,6 +69,6 @@ REFERENCE_CPU_CALIBRATION: dict = {'allreduce_busbw': 1088000000.0,
  'memory_bandwidth': 27040000000.0,
  'memory_bytes': 25280000000.0,
  'op_overhead_s': 1.114e-06,
- 'optimizer_curve': [[262100.0, 2.496e-09], [2097000.0, 2.25e-09], [16780000.0, 3.447e-09]],
+ 'optimizer_curve': [[262100.0, 1.2e-09], [2097000.0, 9.143e-10], [16780000.0, 1.032e-09]],
  'rounds': 4,
  'threads': 1}
