@@ -347,3 +347,26 @@ def test_virtual_tokens_are_optimized_on_the_schedule(hf_base, tmp_path, tiny, m
             assert moved == 0, n
     final = lr_at(cfg.train.steps - 1, cfg.optim.lr, cfg.train.steps, cfg.schedule)
     assert all(g["lr"] == pytest.approx(final) for g in trainer.optimizer.param_groups)
+
+
+def test_run_base_is_read_tensor_by_tensor(tmp_path, tiny):
+    """A scaletrain run as the base: its weights are read one at a time (adapt/base.py RunWeights, so loading
+    never holds a second whole copy of the base) and land in the fine-tuned model exactly as saved."""
+    from scaletrain.adapt.base import RunWeights, open_base
+    from scaletrain.checkpoint.manager import load_tensors
+    from scaletrain.checkpoint.state import model_tensors
+
+    run = tmp_path / "base"
+    assert main(["train"] + [f"--{k}={v}" for k, v in tiny(run, **{"train.steps": 2}).items()]) == 0
+    base = open_base(str(run))
+    weights = base.state()
+    assert isinstance(weights, RunWeights) and "layers.0.attention.wq.weight" in weights and "nothing" not in weights
+    saved = build_model(base.model, "meta")
+    saved.to_empty(device="cpu")
+    load_tensors(base.checkpoint, {"model": model_tensors([saved])})
+    model = build_finetuned_model(_job(run, method="lora", lora_targets=["q", "v", "down"], lora_rank=2))
+    params = dict(model.named_parameters())
+    for name, tensor in saved.named_parameters():
+        assert torch.equal(params[name], tensor), name
+        assert torch.equal(weights[name], tensor), name
+    assert sum(name.endswith("lora_A") for name in params) == 3 * base.model.n_layers
