@@ -61,9 +61,8 @@ METHODS = {  # row -> its overrides; every learning rate comes from the sweep
 # Each grid is half-decades around the method's usual rate (LoRA's best is often ~10x full fine-tuning's;
 # prompt tuning's papers use up to 0.3). Fixed before any result: when the best rate is at an end of its
 # grid, the grid grows by one half-decade on that side (at most EXTEND times), so no choice sits on an edge.
-SWEEP = {"full": ["1e-4", "3e-4", "1e-3", "3e-3"], "lora": ["1e-3", "3e-3", "1e-2", "3e-2"],
-         "lora_attn": ["3e-3", "1e-2", "3e-2"], "prompt": ["1e-2", "3e-2", "1e-1", "3e-1"],
-         "prefix": ["1e-2", "3e-2", "1e-1", "3e-1"]}
+SWEEP = {"full": ["3e-4", "1e-3", "3e-3"], "lora": ["3e-3", "1e-2", "3e-2"], "lora_attn": ["3e-3", "1e-2", "3e-2"],
+         "prompt": ["3e-2", "1e-1", "3e-1"], "prefix": ["1e-2", "3e-2", "1e-1"]}
 EXTEND = 2
 LR_FROM = {"qlora": "lora"}  # row -> whose swept rate it takes (QLoRA: the same adapter as LoRA); else its own
 COMMON = {"data.seq_len": "64", "train.batch_size": "4", "train.eval_batches": "20", "train.sample_tokens": "0",
@@ -167,9 +166,12 @@ def half_decade(lr: str, side: int) -> str:
     return f"{step[0]}e{int(exponent) + step[1]}"
 
 
-def sweep(base: Path, steps: int, key: str, data: Path, methods: list[str]) -> dict:
+def sweep(base: Path, steps: int, key: str, data: Path, methods: list[str], jobs: int) -> dict:
     """Each swept method's validation loss per learning rate on the sweep's own split (cached by ``key``),
-    with each grid grown past an end where the best rate sits (``EXTEND``)."""
+    with each grid grown past an end where the best rate sits (``EXTEND``); ``jobs`` methods at a time."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     cache = WORK / "sweep.json"
     done = json.loads(cache.read_text()) if cache.is_file() else {}
     if done.get("key") != key:
@@ -178,20 +180,30 @@ def sweep(base: Path, steps: int, key: str, data: Path, methods: list[str]) -> d
     full_text = data.read_text(encoding="utf-8")
     text.parent.mkdir(parents=True, exist_ok=True)
     text.write_text(full_text[: int(0.9 * len(full_text))], encoding="utf-8")
-    for method in [m for m in SWEEP if m in methods]:
+    lock = threading.Lock()
+
+    def one(method: str) -> None:
         lrs = list(SWEEP[method])
-        losses = done["losses"].setdefault(method, {})
+        with lock:
+            losses = done["losses"].setdefault(method, {})
         for _ in range(EXTEND + 1):
             for lr in lrs:
                 if lr not in losses:
-                    losses[lr] = child(method, steps, lr, f"sweep-{method}-{lr}", text)["val_loss_after"]
-                    cache.write_text(json.dumps(done, indent=1))
+                    loss = child(method, steps, lr, f"sweep-{method}-{lr}", text)["val_loss_after"]
+                    with lock:
+                        losses[lr] = loss
+                        cache.write_text(json.dumps(done, indent=1))
                 print(f"sweep {method:9s} lr {lr:>5s}: val {losses[lr]:.4f}", flush=True)
             ordered = sorted(losses, key=float)
             best = min(ordered, key=losses.get)
             if best not in (ordered[0], ordered[-1]):
                 break
             lrs = [half_decade(best, 1 if best == ordered[-1] else -1)]
+
+    if jobs > 1 and not (WORK / "data-sweep").is_dir():  # tokenize the sweep's text once, before runs race
+        child("full", 1, "1e-3", "sweep-prepare", text)
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(one, [m for m in SWEEP if m in methods]))
     return done["losses"]
 
 
@@ -201,6 +213,8 @@ def main() -> int:
     parser.add_argument("--base-only", action="store_true", help="pretrain (or find) the cached base and stop")
     parser.add_argument("--steps", type=int, default=200, help="fine-tuning steps, the same for every method")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--jobs", type=int, default=1, help="sweep runs at a time (each one thread); the reported "
+                        "runs always run one at a time")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one method, JSON on stdout
     parser.add_argument("--lr", help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
@@ -225,7 +239,7 @@ def main() -> int:
     swept_methods = sorted({LR_FROM.get(m, m) for m in methods})
     design = hashlib.sha256(json.dumps([COMMON, METHODS, SWEEP, EXTEND]).encode()).hexdigest()[:12]
     sweep_key = f"{key}-{args.steps}-{design}"
-    swept = sweep(base, args.steps, sweep_key, data, swept_methods)
+    swept = sweep(base, args.steps, sweep_key, data, swept_methods, args.jobs)
     best = {m: min(losses, key=losses.get) for m, losses in swept.items()}
     rows = []
     for method in methods:
