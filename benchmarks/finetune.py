@@ -141,10 +141,42 @@ def run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-def child(method: str, steps: int, lr: str, tag: str, data: Path) -> dict:
-    """One fine-tune in a fresh process (its own peak memory); its row."""
-    out = run([__file__, "--one", method, "--steps", str(steps), "--lr", lr, "--tag", tag, "--data", str(data)])
+def child(method: str, steps: int, lr: str, tag: str, data: Path, base: Path | None = None) -> dict:
+    """One fine-tune in a fresh process (its own peak memory); its row. ``base``: another base than the cached
+    pretrained one (``--memory-shape``)."""
+    extra = ["--base", str(base)] if base is not None else []
+    out = run([__file__, "--one", method, "--steps", str(steps), "--lr", lr, "--tag", tag, "--data", str(data), *extra])
     return json.loads(out.strip().splitlines()[-1])
+
+
+def memory_only(shape: str, out: str) -> int:
+    """Peak memory of full fine-tuning and LoRA (``METHODS``' adapter) on a larger base of ``shape``
+    (dim,layers,heads,ffn), trained for one step only: memory does not depend on the weights' values, so the
+    memory target can be checked on a base too costly to pretrain here. 30 fine-tuning steps (the peak is
+    reached at the first optimizer step); no learning rates, no losses worth reporting."""
+    dim, layers, heads, ffn = shape.split(",")
+    base = WORK / f"memory-base-{dim}x{layers}"
+    data = WORK / "shakespeare" / "input.txt"
+    if not data.is_file():
+        raise SystemExit("run the benchmark once first: it writes the fine-tuning text this mode reads")
+    if not (base / "checkpoints").is_dir():
+        over = {**BASE, "data.path": str(data), "model.dim": dim, "model.n_layers": layers, "model.n_heads": heads,
+                "model.ffn_hidden_dim": ffn, "train.steps": "1", "train.batch_size": "2", "train.eval_interval": "0",
+                "train.run_dir": str(base), "data.cache_dir": str(WORK / f"memory-data-{dim}x{layers}")}
+        run(["-m", "scaletrain.cli", "train", *[f"--{k}={v}" for k, v in over.items()]])
+    rows = {m: child(m, 30, "1e-3", f"memory-{m}-{dim}x{layers}", data, base) for m in ("full", "lora")}
+    for m, r in rows.items():
+        print(f"{m:5s} {r['total_parameters']:>10,} parameters, trainable {r['trainable_percent']:5.2f}%  "
+              f"peak +{r['peak_memory_mb']:6.1f} MB", flush=True)
+    result = {"shape": {"dim": int(dim), "n_layers": int(layers), "n_heads": int(heads), "ffn_hidden_dim": int(ffn)},
+              "steps": 30, "common": COMMON, "lora": METHODS["lora"], "methods": rows,
+              "checks": {"lora_peak_memory_vs_full": rows["lora"]["peak_memory_mb"] / rows["full"]["peak_memory_mb"],
+                         "lora_trainable_percent": rows["lora"]["trainable_percent"]}}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["checks"], indent=1))
+    print(f"wrote {out}")
+    return 0
 
 
 def shakespeare_text(base: Path) -> tuple[Path, dict]:
@@ -219,13 +251,19 @@ def main() -> int:
     parser.add_argument("--lr", help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--base", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-shape", metavar="DIM,LAYERS,HEADS,FFN",
+                        help="only the peak memory of full and LoRA on a base of this shape trained one step")
     parser.add_argument("--out", default=default_out("finetune.json"), help=OUT_HELP.format(name="finetune.json"))
     args = parser.parse_args()
     key = hashlib.sha256(json.dumps([BASE, args.base_steps]).encode()).hexdigest()[:12]
     base = WORK / f"base-{key}"  # reused by reruns with the same base settings
     if args.one:
+        base = Path(args.base) if args.base else base
         print(json.dumps(one_method(args.one, base, args.steps, args.lr, args.tag, args.data)))
         return 0
+    if args.memory_shape:
+        return memory_only(args.memory_shape, args.out)
     if not BOOKS.is_dir():
         raise SystemExit(f"{BOOKS} not found: this benchmark needs ../shared/data (see its README)")
     if not (base / "checkpoints").is_dir():
