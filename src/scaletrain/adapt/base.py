@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from scaletrain.adapt.hf_import import hf_model_config, load_hf_state, safetensors_files
+from scaletrain.adapt.hf_import import hf_index, hf_model_config, read_hf_tensor, safetensors_files
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager
 from scaletrain.checkpoint.state import model_tensors
 from scaletrain.config import ConfigError, ModelConfig, load_config
@@ -44,11 +44,11 @@ class Base:
         return {"source": str(self.path), "kind": self.kind, "sha256": self.sha256}
 
     def state(self) -> Mapping[str, torch.Tensor]:
-        """Every weight of the base under our parameter names, fp32 on the CPU. A run's weights are read one
-        tensor at a time, when asked for (``RunWeights``), so that copying them into the model never holds
-        a second copy of the whole base."""
+        """Every weight of the base under our parameter names, fp32 on the CPU, each read when asked for
+        (``RunWeights``, ``HFWeights``), so that copying them into the model never holds a second copy of the
+        whole base."""
         if self.kind == "hf":
-            return {k: v.float() for k, v in load_hf_state(self.path, self.model).items()}
+            return HFWeights(self.path, self.model)
         return RunWeights(self.checkpoint, self.model)
 
 
@@ -82,6 +82,26 @@ class RunWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._like)
+
+
+class HFWeights(Mapping):
+    """A Hugging Face folder's weights (name -> fp32 CPU tensor), each read from its safetensors file when it
+    is looked up; the names, shapes and completeness are checked up front from the files' headers."""
+
+    def __init__(self, folder: Path, model: ModelConfig):
+        self._index = hf_index(folder, model)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return read_hf_tensor(self._index[name]).float()
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
 
 
 def open_base(source: str) -> Base:
