@@ -370,3 +370,16 @@ def test_run_base_is_read_tensor_by_tensor(tmp_path, tiny):
         assert torch.equal(params[name], tensor), name
         assert torch.equal(weights[name], tensor), name
     assert sum(name.endswith("lora_A") for name in params) == 3 * base.model.n_layers
+
+
+def test_hf_base_is_read_tensor_by_tensor(hf_base):
+    """A Hugging Face base, too, is read one tensor at a time (HFWeights), with the same values as stored."""
+    from scaletrain.adapt.base import HFWeights, open_base
+    from scaletrain.adapt.hf_import import load_hf_state
+
+    base = open_base(str(hf_base))
+    weights = base.state()
+    stored = load_hf_state(hf_base, base.model)
+    assert isinstance(weights, HFWeights) and set(weights) == set(stored) and "nothing" not in weights
+    for name, tensor in stored.items():
+        assert torch.equal(weights[name], tensor.float()), name
