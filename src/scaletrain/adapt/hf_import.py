@@ -110,11 +110,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def load_hf_state(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """All weights of the folder under our names, as stored (dtype kept). Checks that every parameter of
-    ``cfg``'s model is there with its shape; an unknown tensor name is refused rather than dropped."""
+def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, tuple[Path, str]]:
+    """Where each weight of the folder is: our name -> (safetensors file, its name there), from the files'
+    headers only (no tensor is read). Checks that every parameter of ``cfg``'s model is there with its shape;
+    an unknown tensor name is refused rather than dropped. A tied head points at the embedding."""
     shapes = expected_shapes(cfg)
-    state: dict[str, torch.Tensor] = {}
+    index: dict[str, tuple[Path, str]] = {}
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as fh:
             for hf_name in fh.keys():
@@ -124,18 +125,35 @@ def load_hf_state(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tenso
                 if ours is None:
                     raise ConfigError(f"{file}: tensor {hf_name} has no place in a Llama model (unsupported "
                                       f"architecture?)")
-                tensor = fh.get_tensor(hf_name)
-                if ours in shapes and tuple(tensor.shape) != shapes[ours]:
-                    raise ConfigError(f"{file}: {hf_name} has shape {tuple(tensor.shape)} but config.json implies "
+                shape = tuple(fh.get_slice(hf_name).get_shape())
+                if ours in shapes and shape != shapes[ours]:
+                    raise ConfigError(f"{file}: {hf_name} has shape {shape} but config.json implies "
                                       f"{shapes[ours]}")
-                state[ours] = tensor
+                index[ours] = (file, hf_name)
     if cfg.tie_embeddings:
-        state.pop("output.weight", None)
+        index.pop("output.weight", None)
         shapes.pop("output.weight", None)
-    missing = [name for name in shapes if name not in state]
+    missing = [name for name in shapes if name not in index]
     if missing:
         raise ConfigError(f"{folder}: weights missing for {len(missing)} parameter(s), e.g. {missing[0]} "
                           f"(config.json and the safetensors do not match)")
+    if cfg.tie_embeddings:
+        index["output.weight"] = index["tok_embeddings.weight"]
+    return index
+
+
+def read_hf_tensor(where: tuple[Path, str]) -> torch.Tensor:
+    """One tensor of ``hf_index`` (as stored: dtype kept)."""
+    file, hf_name = where
+    with safe_open(str(file), framework="pt") as fh:
+        return fh.get_tensor(hf_name)
+
+
+def load_hf_state(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """All weights of the folder under our names, as stored (dtype kept), checked as ``hf_index`` says."""
+    index = hf_index(folder, cfg)
+    state = {ours: read_hf_tensor(where) for ours, where in index.items() if ours != "output.weight"
+             or not cfg.tie_embeddings}
     if cfg.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return state

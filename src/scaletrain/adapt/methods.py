@@ -10,6 +10,8 @@ pretraining.
 from __future__ import annotations
 
 import hashlib
+from collections import ChainMap
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -74,13 +76,13 @@ def initial_adapter_state(model: nn.Module, seed: int) -> dict[str, torch.Tensor
     return out
 
 
-def load_base_and_adapters(parts: list[nn.Module], base_state: dict[str, torch.Tensor], seed: int,
+def load_base_and_adapters(parts: list[nn.Module], base_state: Mapping[str, torch.Tensor], seed: int,
                            adapters: dict[str, torch.Tensor] | None = None) -> None:
     """Write the base weights and the adapters' values (``adapters``, default: their initial values) into
     the parameters of ``parts`` (this rank's, plain or DTensor shards)."""
     for part in parts:
-        full = dict(base_state)
-        full.update(adapters if adapters is not None else initial_adapter_state(part, seed))
+        # Looked up name by name (adapters first): a lazily read base (base.RunWeights) is never whole in memory.
+        full = ChainMap(adapters if adapters is not None else initial_adapter_state(part, seed), base_state)
         params = dict(part.named_parameters(remove_duplicate=False))
         for name in params:  # a fresh DoRA magnitude is the base's row norms: the adapted model starts as the base
             weight = base_state.get(name.removesuffix("lora_magnitude") + "weight")
