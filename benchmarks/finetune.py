@@ -38,7 +38,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOKS = ROOT.parent / "shared" / "data" / "gutenberg-raw-sample"
@@ -172,8 +172,7 @@ def memory_only(shape: str, out: str) -> int:
               "steps": 30, "common": COMMON, "lora": METHODS["lora"], "methods": rows,
               "checks": {"lora_peak_memory_vs_full": rows["lora"]["peak_memory_mb"] / rows["full"]["peak_memory_mb"],
                          "lora_trainable_percent": rows["lora"]["trainable_percent"]}}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=1))
+    write_result(out, result)
     print(json.dumps(result["checks"], indent=1))
     print(f"wrote {out}")
     return 0
@@ -306,8 +305,7 @@ def main() -> int:
               "steps": args.steps, "dropped_characters": dropped, "base": BASE, "common": COMMON,
               "sweep": {"rates": SWEEP, "val_loss": swept, "chosen": best}, "methods": by, "checks": checks,
               "median_step_ms_all": statistics.median(r["median_step_ms"] for r in rows)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     print(json.dumps(checks, indent=1))
     print(f"wrote {args.out}")
     return 0

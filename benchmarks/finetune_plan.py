@@ -20,9 +20,8 @@ import json
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-from launch import OUT_HELP, default_out  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
 MODEL = {"vocab_size": 2048, "dim": 256, "n_layers": 6, "n_heads": 4, "ffn_hidden_dim": 688, "max_seq_len": 160}
 BATCH, SEQ = 4, 128
@@ -100,8 +99,7 @@ def main() -> int:
     result = {"model": MODEL, "batch": BATCH, "seq_len": SEQ, "rows": rows,
               "max_abs_memory_error": max(abs(r["memory_error"]) for r in rows),
               "max_abs_time_error": max(abs(r["time_error"]) for r in rows)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     print(f"wrote {args.out}")
     return 0
 
