@@ -19,14 +19,18 @@ checkpoint resumes exactly only with the same number of replicas.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that really holds this rank's states (ZeRO-1 wraps a per-rank AdamW)."""
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    # torch.distributed.optim is only imported by a ZeRO-1 build (parallel/ddp.py): importing it here cost every
+    # process a quarter second, and without it no ZeroRedundancyOptimizer can exist.
+    zero = sys.modules.get("torch.distributed.optim")
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer) else optimizer
 
 
 def parameter_names(modules: list[nn.Module]) -> dict[nn.Parameter, str]:
