@@ -10,31 +10,38 @@ import sys
 import pytest
 
 SCRIPT = """
-import resource, sys, torch
+import ctypes, resource, sys, torch
 from scaletrain.train.step import keep_freed_memory
-applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+
+class MallInfo2(ctypes.Structure):  # glibc >= 2.33
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+applied = keep_freed_memory()
 faults = []
-for _ in range(4):  # a step's pattern: several activation-sized tensors alive at the peak, then all freed
+for _ in range(6):  # a step's pattern: several activation-sized tensors alive at the peak, then all freed
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     tensors = [torch.ones(2 * 1024 * 1024) for _ in range(8)]  # 8 x 8 MB
     del tensors
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(applied, max(faults[2:]))
+print(applied, sorted(faults[1:])[2], libc.mallinfo2().fordblks)  # the median round after the first
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or "libc.so.6" not in str(ctypes.util.find_library("c")),
                     reason="glibc only")
 def test_freed_step_memory_is_not_page_faulted_again():
-    def run(mode: str) -> tuple[str, int]:
-        out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()
-        return out[0], int(out[1])
-
-    applied, kept = run("keep")
-    _, default = run("default")
+    """With the thresholds raised, the 64 MB a round frees stay in malloc's free lists and later rounds take
+    their pages from there. glibc's defaults mmap such blocks or trim them off the heap, but adaptively: a
+    default process re-faults all 64 MB every round in some runs and almost nothing in others (both seen on
+    this machine), so the kept side is what is asserted, on the median round (a kept process re-faults one
+    tensor's worth now and then)."""
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()
+    applied, faults, free_bytes = out[0], int(out[1]), int(out[2])
     pages = 8 * 8 * 1024 * 1024 // 4096
-    # the 64 MB come from the heap the earlier rounds left (usually all of it: 1 fault; a fresh CI venv once
-    # re-faulted one of the eight tensors, 2,048 pages, so the bound allows two)
-    assert applied == "True" and kept <= pages // 4
-    assert default > pages // 2  # glibc's defaults hand them back and fault them in again every round
+    assert applied == "True"
+    assert free_bytes >= 64 * 1024 * 1024  # the freed round is held by malloc, not returned to the kernel
+    assert faults <= pages // 8  # 0 in the kept runs measured; a default run re-faulting: 16,352
