@@ -52,7 +52,23 @@ class Base:
         return RunWeights(self.checkpoint, self.model)
 
 
-class RunWeights(Mapping):
+class LazyWeights(Mapping):
+    """Weights by name, each read only when looked up: ``_names`` holds what a read needs per name (its shape
+    and dtype, or where it is stored), and subclasses read in ``__getitem__``."""
+
+    _names: dict
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class RunWeights(LazyWeights):
     """A run checkpoint's model weights (name -> fp32 CPU tensor), each read from the checkpoint by DCP when
     it is looked up. ``load_base_and_adapters`` copies them into the live model one by one, so loading a base
     costs one tensor beyond the model itself (reading the whole base first cost a second copy of it: 27 MB
@@ -62,10 +78,10 @@ class RunWeights(Mapping):
     def __init__(self, checkpoint: Path, model: ModelConfig):
         meta = build_model(model, "meta")
         self.checkpoint = checkpoint
-        self._like = {k: v for k, v in model_tensors([meta]).items() if not k.startswith("rope_")}
+        self._names = {k: v for k, v in model_tensors([meta]).items() if not k.startswith("rope_")}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        like = self._like[name]  # a KeyError for a name the base does not have, as a dict would
+        like = self._names[name]  # a KeyError for a name the base does not have, as a dict would
         tensor = torch.empty(like.shape, dtype=like.dtype)
         try:
             dcp.load({"model": {name: tensor}}, checkpoint_id=str(self.checkpoint), no_dist=True)
@@ -74,34 +90,16 @@ class RunWeights(Mapping):
                                   f"({str(exc).strip().splitlines()[-1][:200]})") from None
         return tensor
 
-    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
-        return name in self._like
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._like)
-
-    def __len__(self) -> int:
-        return len(self._like)
-
-
-class HFWeights(Mapping):
+class HFWeights(LazyWeights):
     """A Hugging Face folder's weights (name -> fp32 CPU tensor), each read from its safetensors file when it
     is looked up; the names, shapes and completeness are checked up front from the files' headers."""
 
     def __init__(self, folder: Path, model: ModelConfig):
-        self._index = hf_index(folder, model)
+        self._names = hf_index(folder, model)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return read_hf_tensor(self._index[name]).float()
-
-    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
-        return name in self._index
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
+        return read_hf_tensor(self._names[name]).float()
 
 
 def open_base(source: str) -> Base:
