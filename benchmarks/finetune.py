@@ -17,7 +17,7 @@ the best sits there), judged on a held-out split that is not the reported one: t
 scored on the last 10%. QLoRA takes LoRA's rate (the same adapter). Each schedule decays to a tenth of its
 own peak rate.
 
-Then each method (full, LoRA on all seven projections, LoRA on attention only, QLoRA, prompt, prefix)
+Then each method (full, LoRA on all seven projections, LoRA on attention only, DoRA, QLoRA, prompt, prefix)
 fine-tunes the base on bundled Tiny Shakespeare - a different style - in its own fresh process, so each peak
 resident memory is its own. Recorded per method: trainable parameters, peak memory (the process's peak RSS
 minus its RSS before the model was built: what training added), the bytes of the frozen base, median step
@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 import resource
 import statistics
@@ -40,6 +41,7 @@ import sys
 from pathlib import Path
 
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
+from scaletrain.allocator import find as find_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOKS = ROOT.parent / "shared" / "data" / "gutenberg-raw-sample"
@@ -55,6 +57,7 @@ METHODS = {  # row -> its overrides; every learning rate comes from the sweep
     "full": {"finetune.method": "full"},
     "lora": {"finetune.method": "lora", **LORA},
     "lora_attn": {"finetune.method": "lora", **LORA_ATTN},
+    "dora": {"finetune.method": "lora", **LORA, "finetune.dora": "true"},
     "qlora": {"finetune.method": "qlora", **LORA},
     "prompt": {"finetune.method": "prompt", "finetune.virtual_tokens": "16"},
     "prefix": {"finetune.method": "prefix", "finetune.virtual_tokens": "16"},
@@ -62,8 +65,11 @@ METHODS = {  # row -> its overrides; every learning rate comes from the sweep
 # Each grid is half-decades around the method's usual rate (LoRA's best is often ~10x full fine-tuning's;
 # prompt tuning's papers use up to 0.3). Fixed before any result: when the best rate is at an end of its
 # grid, the grid grows by one half-decade on that side (at most EXTEND times), so no choice sits on an edge.
+# Then the two rates between the best and its neighbours (a 1-2-5 grid there) are tried too, for every
+# method alike: on the half-decade grid alone LoRA's best fell between points (3e-3: 1.8925, 5e-3 later:
+# 1.8897), so the grid's resolution, not the method, set part of the gap.
 SWEEP = {"full": ["3e-4", "1e-3", "3e-3"], "lora": ["3e-3", "1e-2", "3e-2"], "lora_attn": ["3e-3", "1e-2", "3e-2"],
-         "prompt": ["3e-2", "1e-1", "3e-1"], "prefix": ["1e-2", "3e-2", "1e-1"]}
+         "dora": ["3e-3", "1e-2", "3e-2"], "prompt": ["3e-2", "1e-1", "3e-1"], "prefix": ["1e-2", "3e-2", "1e-1"]}
 EXTEND = 2
 LR_FROM = {"qlora": "lora"}  # row -> whose swept rate it takes (QLoRA: the same adapter as LoRA); else its own
 COMMON = {"data.seq_len": "64", "train.batch_size": "4", "train.eval_batches": "20", "train.sample_tokens": "0",
@@ -105,6 +111,7 @@ def one_method(method: str, base: Path, steps: int, lr: str, tag: str, data: str
     import torch
 
     from scaletrain.adapt.lora import is_nf4, nf4_bytes
+    from scaletrain.allocator import in_use as allocator_in_use
     from scaletrain.config import load_config
     from scaletrain.model import build_model
     from scaletrain.train.trainer import Trainer
@@ -116,6 +123,10 @@ def one_method(method: str, base: Path, steps: int, lr: str, tag: str, data: str
     if Path(data).parent == WORK / "sweep":  # the first 90% of the text: its last ninth is the sweep's val
         overrides["data.val_fraction"] = str(1 / 9)
     cfg = load_config(None, overrides)
+    if method == "qlora":  # torchao's import is library code (~84 MB resident), reported apart from training's
+        start = current_rss_bytes()
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor  # noqa: F401
+        library_mb = (current_rss_bytes() - start) / 2**20
     # The first model built in a process imports torch's dynamo (model init on the meta device goes through
     # torch._refs): ~33 MB of library code, the same for every method. Build a throwaway meta model first, so
     # that the baseline holds it and the peak below counts what training added, not what importing did.
@@ -137,21 +148,28 @@ def one_method(method: str, base: Path, steps: int, lr: str, tag: str, data: str
             "frozen_base_fp32_bytes": frozen_fp32, "optimizer_state_bytes": optimizer_bytes,
             "peak_memory_mb": (rss_bytes() - before) / 2**20, "median_step_ms": summary["median_step_ms"],
             "val_loss_before": evals[0]["val_loss"], "val_loss_after": evals[-1]["val_loss"],
-            "improvement": evals[0]["val_loss"] - evals[-1]["val_loss"], "lr": float(lr)}
+            "improvement": evals[0]["val_loss"] - evals[-1]["val_loss"], "lr": float(lr),
+            "allocator": allocator_in_use(), **({"library_import_mb": library_mb} if method == "qlora" else {})}
 
 
-def run(cmd: list[str]) -> str:
-    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT)
+def run(cmd: list[str], preload: str | None = None) -> str:
+    """``python cmd`` in a fresh process; ``preload``: an allocator library for it (LD_PRELOAD), else glibc's."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if preload:
+        env["LD_PRELOAD"] = preload
+    proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:4])} failed:\n{proc.stderr[-3000:]}")
     return proc.stdout
 
 
-def child(method: str, steps: int, lr: str, tag: str, data: Path, base: Path | None = None) -> dict:
+def child(method: str, steps: int, lr: str, tag: str, data: Path, base: Path | None = None,
+          preload: str | None = None) -> dict:
     """One fine-tune in a fresh process (its own peak memory); its row. ``base``: another base than the cached
-    pretrained one (``--memory-shape``)."""
+    pretrained one (``--memory-shape``); ``preload``: the allocator library it runs on (else glibc's malloc)."""
     extra = ["--base", str(base)] if base is not None else []
-    out = run([__file__, "--one", method, "--steps", str(steps), "--lr", lr, "--tag", tag, "--data", str(data), *extra])
+    out = run([__file__, "--one", method, "--steps", str(steps), "--lr", lr, "--tag", tag, "--data", str(data), *extra],
+              preload)
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -171,13 +189,21 @@ def memory_only(shape: str, out: str) -> int:
                 "train.run_dir": str(base), "data.cache_dir": str(WORK / f"memory-data-{dim}x{layers}")}
         run(["-m", "scaletrain.cli", "train", *[f"--{k}={v}" for k, v in over.items()]])
     rows = {m: child(m, 30, "1e-3", f"memory-{m}-{dim}x{layers}", data, base) for m in ("full", "lora")}
-    for m, r in rows.items():
-        print(f"{m:5s} {r['total_parameters']:>10,} parameters, trainable {r['trainable_percent']:5.2f}%  "
-              f"peak +{r['peak_memory_mb']:6.1f} MB", flush=True)
+    jemalloc = find_allocator("jemalloc")
+    rows_jemalloc = {m: child(m, 30, "1e-3", f"memory-{m}-{dim}x{layers}-jemalloc", data, base, jemalloc)
+                     for m in (("full", "lora") if jemalloc else ())}
+    for tag, found in (("glibc", rows), ("jemalloc", rows_jemalloc)):
+        for m, r in found.items():
+            print(f"{m:5s} {tag:8s} {r['total_parameters']:>10,} parameters, trainable {r['trainable_percent']:5.2f}%  "
+                  f"peak +{r['peak_memory_mb']:6.1f} MB", flush=True)
+    checks = {"lora_peak_memory_vs_full": rows["lora"]["peak_memory_mb"] / rows["full"]["peak_memory_mb"],
+              "lora_trainable_percent": rows["lora"]["trainable_percent"]}
+    if rows_jemalloc:
+        checks["lora_peak_memory_vs_full_jemalloc"] = (rows_jemalloc["lora"]["peak_memory_mb"]
+                                                       / rows_jemalloc["full"]["peak_memory_mb"])
     result = {"shape": {"dim": int(dim), "n_layers": int(layers), "n_heads": int(heads), "ffn_hidden_dim": int(ffn)},
               "steps": 30, "common": COMMON, "lora": METHODS["lora"], "methods": rows,
-              "checks": {"lora_peak_memory_vs_full": rows["lora"]["peak_memory_mb"] / rows["full"]["peak_memory_mb"],
-                         "lora_trainable_percent": rows["lora"]["trainable_percent"]}}
+              "methods_jemalloc": rows_jemalloc, "checks": checks}
     write_result(out, result)
     print(json.dumps(result["checks"], indent=1))
     print(f"wrote {out}")
@@ -201,6 +227,13 @@ def half_decade(lr: str, side: int) -> str:
     mantissa, exponent = lr.split("e")
     step = {("1", 1): ("3", 0), ("3", 1): ("1", 1), ("1", -1): ("3", -1), ("3", -1): ("1", 0)}[(mantissa, side)]
     return f"{step[0]}e{int(exponent) + step[1]}"
+
+
+def between(lr: str) -> list[str]:
+    """The 1-2-5 rates on either side of ``lr`` (a 1-3-10 grid point): 1e-3 -> 5e-4, 2e-3; 3e-3 -> 2e-3, 5e-3."""
+    mantissa, exponent = lr.split("e")
+    e = int(exponent)
+    return [f"5e{e - 1}", f"2e{e}"] if mantissa == "1" else [f"2e{e}", f"5e{e}"]
 
 
 def sweep(base: Path, steps: int, key: str, data: Path, methods: list[str], jobs: int) -> dict:
@@ -236,6 +269,13 @@ def sweep(base: Path, steps: int, key: str, data: Path, methods: list[str], jobs
             if best not in (ordered[0], ordered[-1]):
                 break
             lrs = [half_decade(best, 1 if best == ordered[-1] else -1)]
+        for lr in between(min(losses, key=losses.get)):
+            if lr not in losses:
+                loss = child(method, steps, lr, f"sweep-{method}-{lr}", text)["val_loss_after"]
+                with lock:
+                    losses[lr] = loss
+                    cache.write_text(json.dumps(done, indent=1))
+            print(f"sweep {method:9s} lr {lr:>5s}: val {losses[lr]:.4f} (between)", flush=True)
 
     if jobs > 1 and not (WORK / "data-sweep").is_dir():  # tokenize the sweep's text once, before runs race
         child("full", 1, "1e-3", "sweep-prepare", text)
@@ -252,6 +292,7 @@ def main() -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--jobs", type=int, default=1, help="sweep runs at a time (each one thread); the reported "
                         "runs always run one at a time")
+    parser.add_argument("--sweep-only", action="store_true", help="run (or find) the learning-rate sweep and stop")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one method, JSON on stdout
     parser.add_argument("--lr", help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
@@ -280,10 +321,13 @@ def main() -> int:
     data, dropped = shakespeare_text(base)
     methods = args.methods.split(",")
     swept_methods = sorted({LR_FROM.get(m, m) for m in methods})
-    design = hashlib.sha256(json.dumps([COMMON, METHODS, SWEEP, EXTEND]).encode()).hexdigest()[:12]
+    design = hashlib.sha256(json.dumps([COMMON, METHODS, SWEEP, EXTEND, "1-2-5"]).encode()).hexdigest()[:12]
     sweep_key = f"{key}-{args.steps}-{design}"
     swept = sweep(base, args.steps, sweep_key, data, swept_methods, args.jobs)
     best = {m: min(losses, key=losses.get) for m, losses in swept.items()}
+    if args.sweep_only:
+        print(json.dumps(best))
+        return 0
     rows = []
     for method in methods:
         lr = best[LR_FROM.get(method, method)]
@@ -294,13 +338,29 @@ def main() -> int:
               f"{r['median_step_ms']:7.1f} ms/step  val {r['val_loss_before']:.4f} -> {r['val_loss_after']:.4f}",
               flush=True)
     by = {r["method"]: r for r in rows}
+    # The same runs on jemalloc (what the `scaletrain` command preloads where it is installed: allocator.py),
+    # side by side: glibc's heap fragments under a training step, which is a large share of these small peaks.
+    jemalloc = find_allocator("jemalloc")
+    by_jemalloc = {}
+    for method in methods if jemalloc else []:
+        r = child(method, args.steps, best[LR_FROM.get(method, method)], f"{method}-jemalloc", data, preload=jemalloc)
+        by_jemalloc[method] = r
+        print(f"{method:9s} on jemalloc: peak +{r['peak_memory_mb']:6.1f} MB  {r['median_step_ms']:7.1f} ms/step  "
+              f"val {r['val_loss_after']:.4f}", flush=True)
     checks = {}
+    if "full" in by_jemalloc:
+        for name in ("lora", "qlora", "dora"):
+            if name in by_jemalloc:
+                checks[f"{name}_peak_memory_vs_full_jemalloc"] = (by_jemalloc[name]["peak_memory_mb"]
+                                                                 / by_jemalloc["full"]["peak_memory_mb"])
+        checks["same_val_loss_on_both_allocators"] = all(by_jemalloc[m]["val_loss_after"] == by[m]["val_loss_after"]
+                                                         for m in by_jemalloc)
     if "full" in by and "lora" in by:
         full, lora = by["full"], by["lora"]
         checks["lora_improvement_vs_full"] = lora["improvement"] / full["improvement"]
         checks["lora_trainable_percent"] = lora["trainable_percent"]
         checks["lora_peak_memory_vs_full"] = lora["peak_memory_mb"] / full["peak_memory_mb"]
-    for name in ("lora_attn", "qlora", "prompt", "prefix"):
+    for name in ("lora_attn", "dora", "qlora", "prompt", "prefix"):
         if "full" in by and name in by:
             checks[f"{name}_improvement_vs_full"] = by[name]["improvement"] / by["full"]["improvement"]
     if "full" in by and "qlora" in by:
@@ -309,7 +369,8 @@ def main() -> int:
         checks["qlora_frozen_base_vs_fp32"] = by["qlora"]["frozen_base_bytes"] / by["qlora"]["frozen_base_fp32_bytes"]
     result = {"machine": platform.processor() or platform.machine(), "base_steps": args.base_steps,
               "steps": args.steps, "dropped_characters": dropped, "base": BASE, "common": COMMON,
-              "sweep": {"rates": SWEEP, "val_loss": swept, "chosen": best}, "methods": by, "checks": checks,
+              "sweep": {"rates": SWEEP, "val_loss": swept, "chosen": best}, "methods": by,
+              "methods_jemalloc": by_jemalloc, "checks": checks,
               "median_step_ms_all": statistics.median(r["median_step_ms"] for r in rows)}
     write_result(args.out, result)
     print(json.dumps(checks, indent=1))

@@ -20,7 +20,7 @@ PACKAGE = "scaletrain"
 
 # The layer of each top-level module or sub-package of scaletrain (higher may import lower).
 LAYERS: dict[str, int] = {
-    "options": 0, "files": 0, "assets": 0, "lazy": 0,
+    "options": 0, "files": 0, "assets": 0, "lazy": 0, "allocator": 0,
     "model": 1,
     "config": 2, "hardware": 2,
     "data": 3, "parallel": 3,

@@ -81,6 +81,33 @@ def test_adapter_logits_match_peft(hf_base, tmp_path, finetune):
 
 
 @pytest.mark.parametrize("dora", [False, True])
+def test_adapted_projection_keeps_the_base_dtype_under_autocast(dora):
+    """Under bf16 autocast an adapted projection returns what the plain one does (bf16, also from an fp32
+    residual stream), and keeps no copy of a bf16 input for the backward: its output was once in the input's
+    dtype (fp32 after the norms, doubling the activations after every adapted projection), and the adapter's
+    input was cast to fp32 and back (a second saved copy)."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from scaletrain.adapt.lora import LoRALinear
+
+    plain = torch.nn.Linear(32, 48, bias=False)
+    adapted = LoRALinear.from_linear(plain, rank=4, alpha=8, dropout=0.0, rslora=False, dora=dora)
+    adapted.weight.requires_grad_(False)
+    torch.nn.init.normal_(adapted.lora_B)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x32 = torch.randn(4, 8, 32)
+        assert adapted(x32).dtype == plain(x32).dtype == torch.bfloat16
+    x = torch.randn(4, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = adapted(x)
+    inputs = [t for t in saved if t.numel() == x.numel()]
+    assert inputs and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in inputs)
+    out.float().sum().backward()
+    assert adapted.lora_A.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("dora", [False, True])
 def test_merged_lora_equals_unmerged(hf_base, tmp_path, dora):
     cfg = _job(hf_base, method="lora", lora_targets=["q", "v", "up"], dora=dora)
     model = build_finetuned_model(cfg)
@@ -142,6 +169,34 @@ def test_qlora_base_is_4bit_and_close(hf_base):
     with torch.no_grad():
         err = (model(ids) - plain(ids)).abs().max()
     assert 0 < err < 0.5  # quantized (not equal), yet the same model
+
+
+def test_qlora_build_never_holds_the_fp32_base(hf_base, monkeypatch):
+    """QLoRA reads and quantizes the base one tensor at a time, before the model is materialized: whenever a
+    weight is quantized, the live tensor bytes are far below the fp32 projections' (materializing the model
+    first and quantizing after held all of them)."""
+    from scaletrain.adapt import lora
+    from scaletrain.config import OptimConfig, ParallelConfig, TrainConfig
+    from scaletrain.parallel import ParallelDims
+    from scaletrain.plan.measure import LiveTensorBytes
+    from scaletrain.train.step import build_parallel_training
+
+    job = _job(hf_base, method="qlora", lora_targets=["q", "k", "v", "o", "gate", "up", "down"])
+    cfg = JobConfig(model=job.model, optim=OptimConfig(), train=TrainConfig(seed=0), finetune=job.finetune)
+    live_at_quantize, to_nf4 = [], lora._to_nf4
+    monkeypatch.setattr(lora, "_to_nf4", lambda *a: live_at_quantize.append(tracker.live) or to_nf4(*a))
+    with LiveTensorBytes() as tracker:
+        pm, _ = build_parallel_training(cfg, ParallelDims.from_config(ParallelConfig(), 1), torch.device("cpu"))
+    layers = [m for name, m in pm.modules[0].named_modules() if isinstance(m, torch.nn.Linear)
+              and name.startswith("layers.")]
+    assert len(live_at_quantize) == len(layers) == 14 and all(lora.is_nf4(m.weight) for m in layers)
+    fp32 = sum(m.in_features * m.out_features * 4 for m in layers)
+    assert max(live_at_quantize) < fp32 / 2, (live_at_quantize, fp32)
+    # the same weights as quantizing the loaded model (what eval / generate of the run build)
+    built = build_finetuned_model(job)
+    for mine, theirs in zip(layers, [m for n, m in built.named_modules() if isinstance(m, torch.nn.Linear)
+                                     and n.startswith("layers.")]):
+        assert torch.equal(mine.weight.get_original_weight(), theirs.weight.get_original_weight())
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -56,11 +56,17 @@ def losses(run_dir: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[float]:
-    """One plain process, 8 rows a step = 2 ranks x 4 rows."""
+    """One plain process, 8 rows a step = 2 ranks x 4 rows, started as the ``scaletrain`` command is (``python -m
+    scaletrain``: the allocator preload of allocator.py, which its run_info.json names)."""
+    from scaletrain.allocator import find
+
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    proc = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", *flags(run_dir, **{"train.batch_size": 8})],
-                          env=env_for_ranks(), capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in env_for_ranks().items() if k not in ("SCALETRAIN_MALLOC", "_SCALETRAIN_MALLOC_DONE")}
+    proc = subprocess.run([sys.executable, "-m", "scaletrain", "train", *flags(run_dir, **{"train.batch_size": 8})],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = "jemalloc" if find("jemalloc") else "tcmalloc" if find("tcmalloc") else "system"
+    assert json.loads((run_dir / "run_info.json").read_text())["segments"][0]["allocator"] == expected
     return losses(run_dir)
 
 

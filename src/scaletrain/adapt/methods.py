@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from scaletrain.adapt.lora import LoRALinear, apply_lora, quantize_base
+from scaletrain.adapt.lora import LoRALinear, apply_lora, is_nf4, quantize_from_base
 from scaletrain.adapt.prompt import PrefixAttention, PromptEmbedding, apply_prefix_tuning, apply_prompt_tuning
 from scaletrain.config import ConfigError, FinetuneConfig
 from scaletrain.parallel.init import copy_full_into
@@ -83,7 +83,8 @@ def load_base_and_adapters(parts: list[nn.Module], base_state: Mapping[str, torc
     for part in parts:
         # Looked up name by name (adapters first): a lazily read base (base.RunWeights) is never whole in memory.
         full = ChainMap(adapters if adapters is not None else initial_adapter_state(part, seed), base_state)
-        params = dict(part.named_parameters(remove_duplicate=False))
+        # A 4-bit weight (QLoRA) was read and quantized before materializing (hold_out_base): not copied again.
+        params = {name: p for name, p in part.named_parameters(remove_duplicate=False) if not is_nf4(p)}
         for name in params:  # a fresh DoRA magnitude is the base's row norms: the adapted model starts as the base
             weight = base_state.get(name.removesuffix("lora_magnitude") + "weight")
             if name.endswith(".lora_magnitude") and name not in full and weight is not None:
@@ -94,9 +95,10 @@ def load_base_and_adapters(parts: list[nn.Module], base_state: Mapping[str, torc
         copy_full_into(part, full, names=list(params))
 
 
-def finish_method(model: nn.Module, ft: FinetuneConfig) -> int:
-    """After the base is loaded: QLoRA's 4-bit base (returns its bytes; 0 for other methods)."""
-    return quantize_base(model) if ft.method == "qlora" else 0
+def hold_out_base(model: nn.Module, ft: FinetuneConfig, base_state: Mapping[str, torch.Tensor]) -> list:
+    """On the meta model, before ``parallelize``: QLoRA's 4-bit base, read and quantized tensor by tensor
+    (``lora.quantize_from_base``); nothing for the other methods. Give the result to ``put_back`` after."""
+    return quantize_from_base(model, base_state) if ft.method == "qlora" else []
 
 
 def trainable_names(modules: list[nn.Module]) -> set[str]:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from scaletrain.adapt.base import open_base
-from scaletrain.adapt.methods import apply_method, finish_method, load_base_and_adapters, trainable_names
+from scaletrain.adapt.lora import put_back
+from scaletrain.adapt.methods import apply_method, hold_out_base, load_base_and_adapters, trainable_names
 from scaletrain.checkpoint import run as plain_run
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
 from scaletrain.checkpoint.state import model_tensors
@@ -33,10 +34,12 @@ def build_finetuned_model(cfg: JobConfig, device: str = "cpu", adapters: dict | 
     with torch.device("meta"):
         model = Transformer(cfg.model)
     apply_method(model, cfg.finetune)
+    state = base.state()
+    held = hold_out_base(model, cfg.finetune, state)  # QLoRA: the 4-bit base, never whole in fp32
     model.to_empty(device=device)
     model.init_weights()  # the rotary tables; every parameter is written just below
-    load_base_and_adapters([model], base.state(), cfg.train.seed, adapters)
-    finish_method(model, cfg.finetune)
+    put_back(held)
+    load_base_and_adapters([model], state, cfg.train.seed, adapters)
     return model
 
 

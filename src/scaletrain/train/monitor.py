@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from scaletrain.allocator import in_use as allocator_in_use
 from scaletrain.config import MonitorConfig
 
 # The keys a window reduces by their mean (utilisations, power, temperature); the others by their maximum.
@@ -232,6 +233,7 @@ def write_run_info(run_dir: str | Path, device: torch.device, world_size: int, *
         program = "scaletrain"
     segments.append({"command": " ".join([program, *sys.argv[1:]]), "started": round(time.time(), 3),
                      "git_commit": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
+                     "allocator": allocator_in_use(),  # memory numbers depend on it (allocator.py)
                      "hardware": hardware_info(device, world_size), **extra})
     path.write_text(json.dumps({"segments": segments}, indent=1))
     return path

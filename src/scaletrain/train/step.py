@@ -18,9 +18,11 @@ import torch
 
 from scaletrain.adapt import apply_method, load_base_and_adapters, open_base
 from scaletrain.adapt.distill import attach_teacher
+from scaletrain.adapt.lora import put_back
 from scaletrain.adapt.masks import keep_zeros
-from scaletrain.adapt.methods import finish_method
+from scaletrain.adapt.methods import hold_out_base
 from scaletrain.adapt.qat import prepare_qat
+from scaletrain.allocator import in_use as allocator_in_use
 from scaletrain.compress.fp8 import convert_to_fp8
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
@@ -46,14 +48,17 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
         model = Transformer(cfg.model)
     if cfg.train.precision == "fp8":  # torchao Float8Linear, before TP / AC / compile / FSDP (compress/fp8.py)
         convert_to_fp8(model, fsdp=dims.dp_shard > 1)
+    held = []
     if cfg.finetune.source:  # fine-tuning: freeze / add adapters on the meta model (adapt/, docs/finetuning.md)
         apply_method(model, cfg.finetune)
+        base_state = open_base(cfg.finetune.source).state()
+        held = hold_out_base(model, cfg.finetune, base_state)  # QLoRA: the 4-bit base, never whole in fp32
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
                      compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit)
     if cfg.finetune.source:  # the base's weights and the adapters' initial values, in every layout alike
-        load_base_and_adapters(pm.modules, open_base(cfg.finetune.source).state(), cfg.train.seed)
-        finish_method(pm.modules[0], cfg.finetune)
+        put_back(held)
+        load_base_and_adapters(pm.modules, base_state, cfg.train.seed)
         attach_teacher(pm, cfg.finetune, cfg.data.tokenizer)  # finetune.teacher: distillation (adapt/distill.py)
         prepare_qat(pm.modules[0], cfg.finetune)  # finetune.qat: fake-quantized weights (adapt/qat.py)
         if cfg.finetune.keep_zeros:  # a pruned base's masks held through a full fine-tune (adapt/masks.py)
@@ -76,8 +81,11 @@ def keep_freed_memory() -> bool:
     backward) cross both, so each step re-faulted ~20 MB (about 5,000 page faults, ~9 ms of a 360 ms step of a
     4M-parameter model on one thread, measured in docs/compression.md) while a slightly smaller model did not.
     Raising both thresholds (mmap: glibc's 32 MB maximum; trim: 1 GiB) keeps them. Process-wide and idempotent;
-    a no-op (False) where the C library is not glibc. Blocks over 32 MB are always mmapped by glibc (a
-    jemalloc / tcmalloc preload avoids that too)."""
+    a no-op (False) where the C library is not glibc, or where jemalloc / tcmalloc serves malloc (the
+    ``scaletrain`` command preloads one where installed: allocator.py; glibc also fragments its heap under a
+    training step, and always mmaps blocks over 32 MB)."""
+    if allocator_in_use() != "system":
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
