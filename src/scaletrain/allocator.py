@@ -96,3 +96,68 @@ def preload(argv: list[str]) -> None:
     env["LD_PRELOAD"] = " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
     env[_DONE] = "1"
     os.execve(sys.executable, [sys.executable, "-m", "scaletrain", *argv], env)
+
+
+_ARENAS_ALL = 4096  # jemalloc's MALLCTL_ARENAS_ALL: "arena.4096.*" addresses every arena
+
+
+def _process_symbol(name: str):
+    """``name`` from the libraries this process has loaded (a preloaded allocator's exports), else None."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+
+def _jemalloc_ctl(name: str, value: int | None = None) -> bool:
+    """jemalloc's ``mallctl(name, NULL, NULL, newp, newlen)``: a command (``value`` None) or an ssize_t setting."""
+    mallctl = _process_symbol("mallctl")
+    if mallctl is None:
+        return False
+    if value is None:
+        return mallctl(name.encode(), None, None, None, ctypes.c_size_t(0)) == 0
+    new = ctypes.c_ssize_t(value)
+    return mallctl(name.encode(), None, None, ctypes.byref(new), ctypes.c_size_t(ctypes.sizeof(new))) == 0
+
+
+def _jemalloc_arenas() -> int:
+    """jemalloc's ``arenas.narenas``: how many arenas exist (0 where it cannot be read)."""
+    mallctl = _process_symbol("mallctl")
+    count, size = ctypes.c_uint(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_uint))
+    if mallctl is None or mallctl(b"arenas.narenas", ctypes.byref(count), ctypes.byref(size), None, 0) != 0:
+        return 0
+    return count.value
+
+
+def release_free_memory() -> bool:
+    """Hand the memory this process's allocator holds free back to the kernel, now: glibc's ``malloc_trim``,
+    jemalloc's purge of every arena, tcmalloc's ``ReleaseFreeMemory`` (each about a millisecond). For code that
+    bounds its resident memory between batches (``scaletrain prepare``'s workers). False where it cannot."""
+    kind = in_use()
+    if kind == "jemalloc":
+        return _jemalloc_ctl(f"arena.{_ARENAS_ALL}.purge")
+    if kind == "tcmalloc":
+        release = _process_symbol("MallocExtension_ReleaseFreeMemory")
+        if release is not None:
+            release()
+        return release is not None
+    trim = _process_symbol("malloc_trim")  # glibc only
+    return bool(trim is not None and (trim(0) or True))
+
+
+def return_freed_memory_promptly() -> bool:
+    """From now on, give freed blocks back to the kernel when they are freed rather than keeping them for reuse:
+    for a process under a tight memory limit (DeepSpeed's ZeRO-3 offload builds a model module by module). glibc:
+    blocks over 1 MB get their own mappings (``M_MMAP_THRESHOLD``); jemalloc: no delay before purging dirty
+    pages, in every arena and in arenas made later. False where it cannot (tcmalloc, another libc)."""
+    kind = in_use()
+    if kind == "jemalloc":  # the default for arenas made later, then each existing arena's own setting
+        done = all([_jemalloc_ctl(f"arenas.{pages}_decay_ms", 0) for pages in ("dirty", "muzzy")])
+        for i in range(_jemalloc_arenas()):  # slots not yet in use refuse the setting; they take the default
+            for pages in ("dirty", "muzzy"):
+                _jemalloc_ctl(f"arena.{i}.{pages}_decay_ms", 0)
+        return done
+    if kind == "tcmalloc":
+        return False
+    mallopt = _process_symbol("mallopt")
+    return bool(mallopt is not None and mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD = 1 MB

@@ -17,29 +17,19 @@ peak of each batch depends on that batch only).
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-
-def _load_malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc only; elsewhere this is a no-op
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
+from scaletrain.allocator import release_free_memory
 
 
 def release_freed_memory() -> None:
-    """Give memory freed by the last batch back to the OS (glibc ``malloc_trim``, about 1 ms), so peak
-    RSS is set by the largest batch, not by how many batches ran before it."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    """Give memory freed by the last batch back to the OS (whichever allocator serves malloc: allocator.py),
+    so peak RSS is set by the largest batch, not by how many batches ran before it."""
+    release_free_memory()
 
 
 def resolve_workers(workers: int) -> int:

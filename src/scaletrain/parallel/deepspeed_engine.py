@@ -13,7 +13,6 @@ parallelism stay with the native engine.
 from __future__ import annotations
 
 import copy
-import ctypes
 import importlib
 import json
 import os
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.allocator import return_freed_memory_promptly
 from scaletrain.config import ConfigError, JobConfig, ModelConfig
 from scaletrain.model.llama import Transformer
 from scaletrain.model.presets import ffn_hidden_dim
@@ -289,16 +289,6 @@ def ensure_process_group_env() -> None:
                        "MASTER_PORT": str(port)})
 
 
-def return_freed_memory() -> None:
-    """Make glibc give freed tensors back to the OS. Its mmap threshold grows (up to 32 MB) as large blocks are
-    freed, after which blocks that size come from the heap and stay resident once freed: building a 257M-parameter
-    model module by module under NVMe offload left 0.8 GB resident this way (0.1 GB with a fixed threshold)."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MB: larger tensors get own mappings
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def skip_inference_comm_op() -> None:
     """Keep DeepSpeed from compiling its shared-memory all-reduce (``deepspeed_shm_comm``) when its comm starts.
     The op serves ``inference_all_reduce`` (tensor-parallel inference) only, which ZeRO training never calls, and
@@ -323,7 +313,10 @@ def build_partitioned_model(model_cfg: ModelConfig, ds_config: dict, seed: int) 
     skip_inference_comm_op()
     deepspeed.init_distributed()  # zero.Init reads the world size from DeepSpeed's comm
     if "offload_param" in ds_config["zero_optimization"]:
-        return_freed_memory()
+        # The allocator's mmap threshold grows (glibc: up to 32 MB) as large blocks are freed, after which blocks
+        # that size stay resident once freed: building a 257M-parameter model module by module under NVMe offload
+        # left 0.8 GB resident this way (0.1 GB with a fixed 1 MB threshold). jemalloc's pages wait 10 s.
+        return_freed_memory_promptly()
     # mem_efficient_linear=False: DeepSpeed's default replaces torch.nn.functional.linear process-wide.
     with deepspeed.zero.Init(config_dict_or_path=ds_config, mem_efficient_linear=False):
         model = Transformer(model_cfg)
