@@ -199,6 +199,23 @@ def test_qlora_build_never_holds_the_fp32_base(hf_base, monkeypatch):
         assert torch.equal(mine.weight.get_original_weight(), theirs.weight.get_original_weight())
 
 
+def test_a_finetune_materializes_without_a_reference_model(monkeypatch):
+    """A sharded or split fine-tune allocates its weights and computes the rotary tables only: the random
+    reference model that pretraining's layouts copy from (a second whole model on every rank) is not built,
+    since the base overwrites every weight. Ties survive (2-rank parity: tests/test_finetune_dist.py)."""
+    from scaletrain.model import Transformer
+    from scaletrain.parallel import init
+
+    monkeypatch.setattr(init, "build_model", lambda *a, **k: pytest.fail("a reference model was built"))
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16, tie_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    init.materialize([model], cfg, torch.device("cpu"), seed=0, distributed=True, weights=False)
+    reference = build_model(cfg, seed=0)
+    assert torch.equal(model.rope_cos, reference.rope_cos) and torch.equal(model.rope_sin, reference.rope_sin)
+    assert model.output.weight is model.tok_embeddings.weight and not model.rope_cos.is_meta
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("model_type", "mistral", "model_type is 'mistral'"),
     ("hidden_act", "gelu", "hidden_act = 'gelu'"),

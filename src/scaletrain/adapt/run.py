@@ -37,7 +37,8 @@ def build_finetuned_model(cfg: JobConfig, device: str = "cpu", adapters: dict | 
     state = base.state()
     held = hold_out_base(model, cfg.finetune, state)  # QLoRA: the 4-bit base, never whole in fp32
     model.to_empty(device=device)
-    model.init_weights()  # the rotary tables; every parameter is written just below
+    model.init_buffers()  # the rotary tables; every parameter is written just below
+    model.tie_weights()
     put_back(held)
     load_base_and_adapters([model], state, cfg.train.seed, adapters)
     return model

@@ -194,13 +194,19 @@ class Transformer(nn.Module):
         1/sqrt(2 * n_layers) as in GPT-2 so the residual variance does not grow with depth. Under muP
         (model.parametrization = "mup") the block matrices' std is further scaled by 1/sqrt(width_mult).
         """
+        self.init_buffers()
+        for name, module in self.named_modules():
+            self.init_module(name, module)
+        self.tie_weights()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The rotary tables, derived from the config (after materializing from the meta device); all that a
+        model whose every weight is then loaded (a fine-tune's base) needs besides."""
         cos, sin = rope_tables(head_width(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta,
                                device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        for name, module in self.named_modules():
-            self.init_module(name, module)
-        self.tie_weights()
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:

@@ -43,14 +43,24 @@ def copy_full_into(part: nn.Module, full: dict[str, torch.Tensor], names: list[s
 
 
 def materialize(parts: list[nn.Module], model_cfg: ModelConfig, device: torch.device, seed: int,
-                distributed: bool) -> None:
+                distributed: bool, weights: bool = True) -> None:
     """Allocate ``parts`` (built on meta) on ``device`` and initialise them.
 
     A single unsplit, unsharded model is initialised in place (exactly ``build_model``); anything split or
-    sharded copies from the reference model so every layout starts from the same weights.
+    sharded copies from the reference model so every layout starts from the same weights. ``weights=False``
+    (a fine-tune, whose every parameter is written from its base right after): the buffers only - no random
+    initialisation and no reference model, which was a whole second copy of the model on every rank.
     """
     for part in parts:
         part.to_empty(device=device)
+    if not weights:
+        torch.manual_seed(seed)  # every layout leaves the global generator in the same state
+        for part in parts:
+            part.init_buffers()
+            tie = getattr(part, "tie_weights", None)  # to_empty lost a tie made on the meta device (see below)
+            if tie is not None:
+                tie()
+        return
     if not distributed:
         (part,) = parts
         torch.manual_seed(seed)

@@ -100,11 +100,12 @@ def _dp_rank(mesh, dims: ParallelDims) -> int:
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, mesh, model_cfg: ModelConfig,
                 device: torch.device, seed: int, compile: bool = False, grad_accum_steps: int = 1,
-                vocab_limit: int | None = None) -> ParallelModel:
+                vocab_limit: int | None = None, init_weights: bool = True) -> ParallelModel:
     """Apply the configured parallelism to ``model`` (built on the meta device) and materialize it.
 
     ``vocab_limit``: the tokenizer's vocabulary when ``model_cfg.vocab_size`` is padded beyond it; the
-    loss masks the padding columns out (``cross_entropy``)."""
+    loss masks the padding columns out (``cross_entropy``). ``init_weights=False``: the weights are left
+    uninitialised for the caller to write (a fine-tune's base; ``init.materialize``)."""
     pp_ids = [0]
     parts = [model]
     if dims.pp > 1:  # 1. pipeline split
@@ -122,7 +123,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
         if dims.dp_shard > 1 or dims.cp > 1:  # 5. FSDP2 (HSDP with dp_replicate > 1)
             apply_fsdp(part, _dp_mesh(mesh, dims), reshard_after_forward=dims.zero_stage == 3,
                        param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload)
-    materialize(parts, model_cfg, device, seed, distributed=dims.world_size > 1)  # 6.
+    materialize(parts, model_cfg, device, seed, distributed=dims.world_size > 1, weights=init_weights)  # 6.
 
     pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, device=device,
                        dp_rank=_dp_rank(mesh, dims) if mesh is not None else 0, vocab_limit=vocab_limit)

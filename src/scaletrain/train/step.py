@@ -55,7 +55,8 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
         held = hold_out_base(model, cfg.finetune, base_state)  # QLoRA: the 4-bit base, never whole in fp32
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
-                     compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit)
+                     compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
+                     init_weights=not cfg.finetune.source)  # a fine-tune's weights come from its base, just below
     if cfg.finetune.source:  # the base's weights and the adapters' initial values, in every layout alike
         put_back(held)
         load_base_and_adapters(pm.modules, base_state, cfg.train.seed)
