@@ -17,7 +17,7 @@ the best sits there), judged on a held-out split that is not the reported one: t
 scored on the last 10%. QLoRA takes LoRA's rate (the same adapter). Each schedule decays to a tenth of its
 own peak rate.
 
-Then each method (full, LoRA on all seven projections, LoRA on attention only, DoRA, QLoRA, prompt, prefix)
+Then each method (full, LoRA on all seven projections, LoRA on attention only, DoRA, LoRA+, QLoRA, prompt, prefix)
 fine-tunes the base on bundled Tiny Shakespeare - a different style - in its own fresh process, so each peak
 resident memory is its own. Recorded per method: trainable parameters, peak memory (the process's peak RSS
 minus its RSS before the model was built: what training added), the bytes of the frozen base, median step
@@ -58,6 +58,7 @@ METHODS = {  # row -> its overrides; every learning rate comes from the sweep
     "lora": {"finetune.method": "lora", **LORA},
     "lora_attn": {"finetune.method": "lora", **LORA_ATTN},
     "dora": {"finetune.method": "lora", **LORA, "finetune.dora": "true"},
+    "lora_plus": {"finetune.method": "lora", **LORA, "finetune.lora_plus_ratio": "16"},
     "qlora": {"finetune.method": "qlora", **LORA},
     "prompt": {"finetune.method": "prompt", "finetune.virtual_tokens": "16"},
     "prefix": {"finetune.method": "prefix", "finetune.virtual_tokens": "16"},
@@ -69,7 +70,8 @@ METHODS = {  # row -> its overrides; every learning rate comes from the sweep
 # method alike: on the half-decade grid alone LoRA's best fell between points (3e-3: 1.8925, 5e-3 later:
 # 1.8897), so the grid's resolution, not the method, set part of the gap.
 SWEEP = {"full": ["3e-4", "1e-3", "3e-3"], "lora": ["3e-3", "1e-2", "3e-2"], "lora_attn": ["3e-3", "1e-2", "3e-2"],
-         "dora": ["3e-3", "1e-2", "3e-2"], "prompt": ["3e-2", "1e-1", "3e-1"], "prefix": ["1e-2", "3e-2", "1e-1"]}
+         "dora": ["3e-3", "1e-2", "3e-2"], "lora_plus": ["1e-3", "3e-3", "1e-2"],
+         "prompt": ["3e-2", "1e-1", "3e-1"], "prefix": ["1e-2", "3e-2", "1e-1"]}
 EXTEND = 2
 LR_FROM = {"qlora": "lora"}  # row -> whose swept rate it takes (QLoRA: the same adapter as LoRA); else its own
 COMMON = {"data.seq_len": "64", "train.batch_size": "4", "train.eval_batches": "20", "train.sample_tokens": "0",
@@ -246,6 +248,11 @@ def sweep(base: Path, steps: int, key: str, data: Path, methods: list[str], jobs
     done = json.loads(cache.read_text()) if cache.is_file() else {}
     if done.get("key") != key:
         done = {"key": key, "losses": {}}
+    # A method's losses stay valid while its own settings and grid do (adding a method reruns only that one).
+    for method in list(done["losses"]):
+        if done.get("methods", {}).get(method) != [METHODS.get(method), SWEEP.get(method)]:
+            done["losses"].pop(method)
+    done["methods"] = {m: [METHODS.get(m), SWEEP.get(m)] for m in done["losses"]}
     text = WORK / "sweep" / "input.txt"  # the first 90% of Tiny Shakespeare; the reported val is the rest
     full_text = data.read_text(encoding="utf-8")
     text.parent.mkdir(parents=True, exist_ok=True)
@@ -256,6 +263,7 @@ def sweep(base: Path, steps: int, key: str, data: Path, methods: list[str], jobs
         lrs = list(SWEEP[method])
         with lock:
             losses = done["losses"].setdefault(method, {})
+            done["methods"][method] = [METHODS[method], SWEEP[method]]
         for _ in range(EXTEND + 1):
             for lr in lrs:
                 if lr not in losses:
@@ -321,7 +329,7 @@ def main() -> int:
     data, dropped = shakespeare_text(base)
     methods = args.methods.split(",")
     swept_methods = sorted({LR_FROM.get(m, m) for m in methods})
-    design = hashlib.sha256(json.dumps([COMMON, METHODS, SWEEP, EXTEND, "1-2-5"]).encode()).hexdigest()[:12]
+    design = hashlib.sha256(json.dumps([COMMON, EXTEND, "1-2-5"]).encode()).hexdigest()[:12]  # + per method
     sweep_key = f"{key}-{args.steps}-{design}"
     swept = sweep(base, args.steps, sweep_key, data, swept_methods, args.jobs)
     best = {m: min(losses, key=losses.get) for m, losses in swept.items()}
@@ -349,7 +357,7 @@ def main() -> int:
               f"val {r['val_loss_after']:.4f}", flush=True)
     checks = {}
     if "full" in by_jemalloc:
-        for name in ("lora", "qlora", "dora"):
+        for name in ("lora", "qlora", "dora", "lora_plus"):
             if name in by_jemalloc:
                 checks[f"{name}_peak_memory_vs_full_jemalloc"] = (by_jemalloc[name]["peak_memory_mb"]
                                                                  / by_jemalloc["full"]["peak_memory_mb"])
@@ -360,7 +368,7 @@ def main() -> int:
         checks["lora_improvement_vs_full"] = lora["improvement"] / full["improvement"]
         checks["lora_trainable_percent"] = lora["trainable_percent"]
         checks["lora_peak_memory_vs_full"] = lora["peak_memory_mb"] / full["peak_memory_mb"]
-    for name in ("lora_attn", "dora", "qlora", "prompt", "prefix"):
+    for name in ("lora_attn", "dora", "lora_plus", "qlora", "prompt", "prefix"):
         if "full" in by and name in by:
             checks[f"{name}_improvement_vs_full"] = by[name]["improvement"] / by["full"]["improvement"]
     if "full" in by and "qlora" in by:

@@ -14,7 +14,7 @@ from scaletrain.adapt.export import base_model, merge_adapters, save_peft_adapte
 from scaletrain.adapt.run import build_finetuned_model
 from scaletrain.checkpoint.export import export_hf
 from scaletrain.cli import main
-from scaletrain.config import ConfigError, JobConfig, ModelConfig
+from scaletrain.config import ConfigError, JobConfig, ModelConfig, load_config
 from scaletrain.data.tokenizer import CharTokenizer
 from scaletrain.model import build_model
 
@@ -252,6 +252,27 @@ def test_cli_bad_input_exits_2(hf_base, tmp_path, tiny, capsys):
     assert "unknown target(s) attn" in capsys.readouterr().err
     assert main(_finetune_args(tmp_path / "nowhere", tmp_path / "c", tiny)) == 2
     assert "not a folder" in capsys.readouterr().err
+    assert main(_finetune_args(hf_base, tmp_path / "d", tiny, **{"finetune.method": "prompt",
+                                                                  "finetune.lora_plus_ratio": 16})) == 2
+    assert "finetune.lora_plus_ratio=16 scales the LoRA B matrices' learning rate" in capsys.readouterr().err
+
+
+def test_lora_plus_trains_b_at_ratio_times_the_rate(hf_base, tmp_path, tiny):
+    """LoRA+: every B matrix sits in a group at 16x the schedule's rate (the trainer sets lr x lr_scale each
+    step), every A matrix at 1x."""
+    from scaletrain.train.trainer import Trainer
+
+    over = {k: str(v) for k, v in tiny(tmp_path / "run", **{"train.steps": 2}).items() if not k.startswith("model.")}
+    cfg = load_config(None, {**over, "finetune.source": str(hf_base), "finetune.lora_plus_ratio": "16",
+                             "optim.lr": "1e-3", "schedule.warmup_steps": "0"})
+    trainer = Trainer(cfg, log=False)
+    names = {id(p): n for m in trainer.pm.modules for n, p in m.named_parameters()}
+    scale = {names[id(p)]: g["lr_scale"] for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert {v for k, v in scale.items() if k.endswith("lora_B")} == {16.0}
+    assert {v for k, v in scale.items() if k.endswith("lora_A")} == {1.0}
+    trainer.train_step()
+    lrs = {g["lr_scale"]: g["lr"] for g in trainer.optimizer.param_groups}
+    assert lrs[16.0] == pytest.approx(16 * lrs[1.0]) and lrs[1.0] > 0
 
 
 def test_changed_base_is_refused_on_resume_and_eval(hf_base, tmp_path, tiny, capsys):

@@ -253,6 +253,9 @@ class FinetuneConfig:
     rslora: bool = opt(False, "lora/qlora: rank-stabilised scaling alpha / sqrt(r)")
     dora: bool = opt(False, "lora/qlora: weight-decomposed LoRA (DoRA): a trainable magnitude per output row "
                             "scales the normalised W + B @ A (peft's use_dora)")
+    lora_plus_ratio: float = opt(1.0, "lora/qlora: LoRA+ (Hayou et al. 2024): the B matrices train at this many times "
+                                      "the learning rate of the rest (16 in the paper; peft's "
+                                      "create_loraplus_optimizer); 1 = plain LoRA", gt=0)
     instructions: str = opt("", "a JSONL file of {\"prompt\", \"response\"} or {\"messages\": [...]} lines to train on "
                                 "instead of data.path, loss on the responses only, one example a padded row "
                                 "(docs/finetuning.md); data.val_fraction of the examples are held out")

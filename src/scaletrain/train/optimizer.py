@@ -46,10 +46,26 @@ def mup_param_groups(model: nn.Module, weight_decay: float, width_mult: float) -
             {**no_decay, "lr_scale": 1.0}]
 
 
+def lora_plus_groups(model: nn.Module, groups: list[dict], ratio: float) -> list[dict]:
+    """LoRA+ (Hayou et al. 2024): each group split, the LoRA adapters' B matrices (``lora_B``) moved to a group of
+    their own whose ``lr_scale`` is ``ratio`` times the group's (peft's ``create_loraplus_optimizer`` does the
+    same). B starts at zero and sees the larger gradients' scale of the two; the paper found the update learns
+    faster when B's rate is ~16x A's."""
+    b_ids = {id(p) for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] == "lora_B"}
+    out = []
+    for group in groups:
+        scale = group.get("lr_scale", 1.0)
+        out.append({**group, "params": [p for p in group["params"] if id(p) not in b_ids], "lr_scale": scale})
+        b = [p for p in group["params"] if id(p) in b_ids]
+        if b:
+            out.append({**group, "params": b, "lr_scale": scale * ratio})
+    return out
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
-                    width_mult: float = 1.0) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; ``width_mult`` != 1 (muP): ``mup_param_groups``, each group's initial lr
-    already times its ``lr_scale``."""
+                    width_mult: float = 1.0, lora_plus_ratio: float = 1.0) -> torch.optim.AdamW:
+    """AdamW over ``param_groups``; ``width_mult`` != 1 (muP): ``mup_param_groups``; ``lora_plus_ratio`` != 1:
+    ``lora_plus_groups``. Each group's initial lr is already times its ``lr_scale``."""
     impl = cfg.implementation
     if impl == "auto":  # fused: one kernel per step; on the CPU too since torch 2.4, where foreach took ~4x longer
         impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
@@ -57,14 +73,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     if impl == "fused":
         kwargs.pop("foreach")
     groups = param_groups(model, cfg.weight_decay) if width_mult == 1.0 else \
-        [{**g, "lr": cfg.lr * g["lr_scale"]} for g in mup_param_groups(model, cfg.weight_decay, width_mult)]
+        mup_param_groups(model, cfg.weight_decay, width_mult)
+    if lora_plus_ratio != 1.0:
+        groups = lora_plus_groups(model, groups, lora_plus_ratio)
+    groups = [{**g, "lr": cfg.lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 
 def build_parallel_optimizer(pm: ParallelModel, cfg: OptimConfig, device: torch.device, zero_stage: int,
-                             width_mult: float = 1.0):
+                             width_mult: float = 1.0, lora_plus_ratio: float = 1.0):
     """AdamW over this rank's parameters (all parts), or ZeRO-1 (``ZeroRedundancyOptimizer``) around it."""
-    adamw = build_optimizer(nn.ModuleList(pm.modules), cfg, device, width_mult)
+    adamw = build_optimizer(nn.ModuleList(pm.modules), cfg, device, width_mult, lora_plus_ratio)
     if zero_stage != 1 or pm.dims.dp_replicate == 1:
         return adamw
     accepted = inspect.signature(torch.optim.AdamW.__init__).parameters

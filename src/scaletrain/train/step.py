@@ -65,7 +65,8 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
         if cfg.finetune.keep_zeros:  # a pruned base's masks held through a full fine-tune (adapt/masks.py)
             keep_zeros(pm.modules[0])
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
-    return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage, width_mult(cfg.model))
+    lora_plus = cfg.finetune.lora_plus_ratio if cfg.finetune.source else 1.0  # validate: lora/qlora only
+    return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage, width_mult(cfg.model), lora_plus)
 
 
 # glibc mallopt parameters (malloc.h)

@@ -37,6 +37,9 @@ def check_finetune(cfg: JobConfig, world_size: int) -> None:
     if ft.method in ("lora", "qlora") and (unknown or not ft.lora_targets):
         raise ConfigError(f"finetune.lora_targets: {'unknown target(s) ' + ', '.join(unknown) if unknown else 'empty'}"
                           f"; choose among {', '.join(TARGETS)}")
+    if ft.lora_plus_ratio != 1.0 and ft.method not in ("lora", "qlora"):
+        raise ConfigError(f"finetune.lora_plus_ratio={ft.lora_plus_ratio:g} scales the LoRA B matrices' learning rate; "
+                          f"finetune.method={ft.method} has none: use method=lora or qlora, or leave it at 1")
     if ft.method != "full" and (par.tp > 1 or par.pp > 1 or par.cp > 1 or par.low_comm != "none"):
         raise ConfigError(f"finetune.method={ft.method} runs with data parallelism (DDP, FSDP2) only; set "
                           f"parallel.tp/pp/cp=1 and parallel.low_comm=none, or use finetune.method=full")
