@@ -23,6 +23,7 @@ Library code (``from scaletrain... import``, ``python -m scaletrain.cli``) is ne
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import os
 import sys
 from pathlib import Path
@@ -75,6 +76,7 @@ def choose(setting: str) -> str | None:
     raise AllocatorError(f"{ENV}={setting}: choose auto, system, jemalloc, tcmalloc or the path of a shared library")
 
 
+@functools.cache  # fixed for the life of a process (and its forks): read once, not at every data batch
 def in_use() -> str:
     """Which allocator this process runs on: jemalloc, tcmalloc or system (from its mapped libraries)."""
     try:

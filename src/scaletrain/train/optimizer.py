@@ -49,8 +49,8 @@ def mup_param_groups(model: nn.Module, weight_decay: float, width_mult: float) -
 def lora_plus_groups(model: nn.Module, groups: list[dict], ratio: float) -> list[dict]:
     """LoRA+ (Hayou et al. 2024): each group split, the LoRA adapters' B matrices (``lora_B``) moved to a group of
     their own whose ``lr_scale`` is ``ratio`` times the group's (peft's ``create_loraplus_optimizer`` does the
-    same). B starts at zero and sees the larger gradients' scale of the two; the paper found the update learns
-    faster when B's rate is ~16x A's."""
+    same). The paper shows that one rate for both is inefficient for wide layers, and that the update learns
+    faster with B's rate ~16x A's."""
     b_ids = {id(p) for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] == "lora_B"}
     out = []
     for group in groups:
