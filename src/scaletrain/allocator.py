@@ -3,7 +3,7 @@
 A training step frees and re-allocates the same few hundred activation-sized blocks every step, interleaved
 with gradients and optimizer state that live longer, and glibc's heap fragments under that pattern. Measured
 side by side (docs/training.md, benchmarks/allocator.py and benchmarks/finetune.py): on jemalloc the default
-job's steps are 12% shorter and its peak resident memory 11% lower; a LoRA fine-tune's peak is 25-32% lower
+job's steps are 12% shorter and its peak resident memory 11% lower; a LoRA fine-tune's peak is 25-31% lower
 (7.2M-parameter base: 82 against 119 MiB; its live tensors peak at ~59 MiB). PyTorch's own CPU launcher
 (``torch.backends.xeon.run_cpu``) preloads tcmalloc or jemalloc for the same reason.
 
