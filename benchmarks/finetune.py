@@ -264,26 +264,25 @@ def sweep(base: Path, steps: int, key: str, data: Path, methods: list[str], jobs
         with lock:
             losses = done["losses"].setdefault(method, {})
             done["methods"][method] = [METHODS[method], SWEEP[method]]
+
+        def score(lr: str, note: str = "") -> None:  # one rate's val loss, run once and cached
+            if lr not in losses:
+                loss = child(method, steps, lr, f"sweep-{method}-{lr}", text)["val_loss_after"]
+                with lock:
+                    losses[lr] = loss
+                    cache.write_text(json.dumps(done, indent=1))
+            print(f"sweep {method:9s} lr {lr:>5s}: val {losses[lr]:.4f}{note}", flush=True)
+
         for _ in range(EXTEND + 1):
             for lr in lrs:
-                if lr not in losses:
-                    loss = child(method, steps, lr, f"sweep-{method}-{lr}", text)["val_loss_after"]
-                    with lock:
-                        losses[lr] = loss
-                        cache.write_text(json.dumps(done, indent=1))
-                print(f"sweep {method:9s} lr {lr:>5s}: val {losses[lr]:.4f}", flush=True)
+                score(lr)
             ordered = sorted(losses, key=float)
             best = min(ordered, key=losses.get)
             if best not in (ordered[0], ordered[-1]):
                 break
             lrs = [half_decade(best, 1 if best == ordered[-1] else -1)]
         for lr in between(min(losses, key=losses.get)):
-            if lr not in losses:
-                loss = child(method, steps, lr, f"sweep-{method}-{lr}", text)["val_loss_after"]
-                with lock:
-                    losses[lr] = loss
-                    cache.write_text(json.dumps(done, indent=1))
-            print(f"sweep {method:9s} lr {lr:>5s}: val {losses[lr]:.4f} (between)", flush=True)
+            score(lr, " (between)")
 
     if jobs > 1 and not (WORK / "data-sweep").is_dir():  # tokenize the sweep's text once, before runs race
         child("full", 1, "1e-3", "sweep-prepare", text)
