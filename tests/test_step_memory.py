@@ -1,4 +1,5 @@
-"""train/step.py:keep_freed_memory: a step's freed activations stay with malloc instead of being re-faulted."""
+"""allocator.py:keep_freed_memory (applied by train/step.py's build on the CPU): a step's freed activations
+stay with malloc instead of being re-faulted."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 SCRIPT = """
 import ctypes, resource, sys, torch
-from scaletrain.train.step import keep_freed_memory
+from scaletrain.allocator import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

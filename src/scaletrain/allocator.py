@@ -12,7 +12,7 @@ re-executes itself once with ``LD_PRELOAD`` set, before anything heavy is import
 (torchrun's workers, tune's trials) inherit it. ``SCALETRAIN_MALLOC`` says which:
 
 - ``auto`` (default): jemalloc if installed, else tcmalloc, else the system's malloc, silently;
-- ``system``: never preload (glibc, tuned by ``train/step.py:keep_freed_memory``);
+- ``system``: never preload (glibc, tuned by ``keep_freed_memory`` below);
 - ``jemalloc`` / ``tcmalloc``: that one, or a one-line error when it is not installed;
 - a path to an allocator's shared library.
 
@@ -147,6 +147,28 @@ def release_free_memory() -> bool:
     return bool(trim is not None and (trim(0) or True))
 
 
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc keep the memory a training step frees for the next step, instead of handing it back
+    to the kernel and page-faulting it in again (zeroed) on the next step.
+
+    By default glibc serves blocks above a dynamic threshold with a fresh ``mmap`` and trims the heap top when
+    more than twice that threshold is free; a step's activations and logits (megabytes each, freed at every
+    backward) cross both, so each step re-faulted ~20 MB (about 5,000 page faults, ~9 ms of a 360 ms step of a
+    4M-parameter model on one thread, measured in docs/compression.md) while a slightly smaller model did not.
+    Raising both thresholds (mmap: glibc's 32 MB maximum; trim: 1 GiB) keeps them. Process-wide and idempotent;
+    a no-op (False) where the C library is not glibc, or where jemalloc / tcmalloc serves malloc (the
+    ``scaletrain`` command preloads one where installed; glibc also fragments its heap under a training step,
+    and always mmaps blocks over 32 MB). Called by ``train/step.py: build_parallel_training`` on the CPU."""
+    mallopt = _process_symbol("mallopt") if in_use() == "system" else None
+    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+                and mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
 def return_freed_memory_promptly() -> bool:
     """From now on, give freed blocks back to the kernel when they are freed rather than keeping them for reuse:
     for a process under a tight memory limit (DeepSpeed's ZeRO-3 offload builds a model module by module). glibc:
@@ -162,4 +184,4 @@ def return_freed_memory_promptly() -> bool:
     if kind == "tcmalloc":
         return False
     mallopt = _process_symbol("mallopt")
-    return bool(mallopt is not None and mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD = 1 MB
+    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, 1 << 20))  # 1 MB

@@ -147,13 +147,3 @@ def read_hf_tensor(where: tuple[Path, str]) -> torch.Tensor:
     file, hf_name = where
     with safe_open(str(file), framework="pt") as fh:
         return fh.get_tensor(hf_name)
-
-
-def load_hf_state(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """All weights of the folder under our names, as stored (dtype kept), checked as ``hf_index`` says."""
-    index = hf_index(folder, cfg)
-    state = {ours: read_hf_tensor(where) for ours, where in index.items() if ours != "output.weight"
-             or not cfg.tie_embeddings}
-    if cfg.tie_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    return state

@@ -9,7 +9,6 @@ reaches every one of them.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from scaletrain.adapt.lora import put_back
 from scaletrain.adapt.masks import keep_zeros
 from scaletrain.adapt.methods import hold_out_base
 from scaletrain.adapt.qat import prepare_qat
-from scaletrain.allocator import in_use as allocator_in_use
+from scaletrain.allocator import keep_freed_memory
 from scaletrain.compress.fp8 import convert_to_fp8
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
@@ -67,33 +66,6 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
     lora_plus = cfg.finetune.lora_plus_ratio if cfg.finetune.source else 1.0  # validate: lora/qlora only
     return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage, width_mult(cfg.model), lora_plus)
-
-
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
-
-
-def keep_freed_memory() -> bool:
-    """Let glibc's malloc keep the memory a training step frees for the next step, instead of handing it back
-    to the kernel and page-faulting it in again (zeroed) on the next step.
-
-    By default glibc serves blocks above a dynamic threshold with a fresh ``mmap`` and trims the heap top when
-    more than twice that threshold is free; a step's activations and logits (megabytes each, freed at every
-    backward) cross both, so each step re-faulted ~20 MB (about 5,000 page faults, ~9 ms of a 360 ms step of a
-    4M-parameter model on one thread, measured in docs/compression.md) while a slightly smaller model did not.
-    Raising both thresholds (mmap: glibc's 32 MB maximum; trim: 1 GiB) keeps them. Process-wide and idempotent;
-    a no-op (False) where the C library is not glibc, or where jemalloc / tcmalloc serves malloc (the
-    ``scaletrain`` command preloads one where installed: allocator.py; glibc also fragments its heap under a
-    training step, and always mmaps blocks over 32 MB)."""
-    if allocator_in_use() != "system":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-                    and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-    except (OSError, AttributeError):
-        return False
 
 
 @dataclass
