@@ -105,11 +105,18 @@ def test_activation_checkpointing_order():
     assert sizes[0] > sizes[1] > sizes[2]
 
 
-@pytest.mark.parametrize("ac,batch,seq,vocab", [("none", 4, 64, 256), ("full", 4, 64, 256), ("none", 1, 16, 2048)])
-def test_peak_matches_a_real_step(ac, batch, seq, vocab):
-    """The simulated peak against exact tensor bytes of a real fp32 step (forward..AdamW), within 10%."""
+@pytest.mark.parametrize("ac,batch,seq,vocab,precision", [
+    ("none", 4, 64, 256, "fp32"), ("full", 4, 64, 256, "fp32"), ("none", 1, 16, 2048, "fp32"),
+    ("none", 8, 64, 256, "bf16"), ("full", 8, 64, 256, "bf16"), ("selective", 4, 64, 2048, "bf16")])
+def test_peak_matches_a_real_step(ac, batch, seq, vocab, precision):
+    """The simulated peak against exact tensor bytes of a real step (forward..AdamW), within 10%: fp32, and bf16
+    as the trainer runs it (autocast: fp32 weights, grads and moments; bf16 weight copies and activations)."""
     cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, ffn_hidden_dim=176, vocab_size=vocab, max_seq_len=64)
-    measured = single_process_run(cfg, batch, seq, ac, steps=1)["peak_bytes"]
-    predicted = memory_breakdown(Workload(cfg, seq, batch, 1e6), Plan(micro_batch=batch, activation_checkpointing=ac),
-                                 "cpu").tensor_total + resident_extras(cfg, batch, seq)
+    measured = single_process_run(cfg, batch, seq, ac, steps=1, precision=precision)["peak_bytes"]
+    plan = Plan(micro_batch=batch, activation_checkpointing=ac)
+    predicted = memory_breakdown(Workload(cfg, seq, batch, 1e6, precision), plan, "cpu").tensor_total + \
+        resident_extras(cfg, batch, seq)
     assert predicted == pytest.approx(measured, rel=0.10)
+    if precision == "bf16":  # the autocast recipe (fp32 weights, no master copy), not the ZeRO paper's bf16 ones
+        mem = memory_breakdown(Workload(cfg, seq, batch, 1e6, precision), plan, "cpu")
+        assert mem.master == 0 and mem.optimizer == pytest.approx(8 * num_params(cfg))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from scaletrain.allocator import return_freed_memory_promptly
-from scaletrain.config import ConfigError, JobConfig, ModelConfig
+from scaletrain.config import ConfigError, DeepSpeedConfig, JobConfig, ModelConfig
 from scaletrain.model.llama import Transformer
 from scaletrain.model.presets import ffn_hidden_dim
 from scaletrain.parallel.dims import ParallelDims
@@ -220,9 +220,14 @@ def check_nvme_path(path: str) -> None:
                           f"local disk this user can write")
 
 
-def check_deepspeed(cfg: JobConfig, world_size: int, device_type: str, precision: str) -> ParallelDims:
+def check_deepspeed(cfg: JobConfig, world_size: int, device_type: str, precision: str,
+                    here: bool = True) -> ParallelDims:
     """Every rule of a DeepSpeed job, in one line each; returns the data-parallel degrees the trainer uses
-    (ZeRO-3: every rank a shard, so nothing samples from a partial model on one rank; else replicas)."""
+    (ZeRO-3: every rank a shard, so nothing samples from a partial model on one rank; else replicas).
+
+    ``here``: the job runs on this machine, so this machine's installation counts too (DeepSpeed importable,
+    libaio for the NVMe op, the NVMe folder writable). The planner passes False: it plans for a target machine,
+    whose libraries are not the planning machine's."""
     p = cfg.parallel
     theirs = read_user_config(cfg.deepspeed.config) if cfg.deepspeed.config else {}
     stage = zero_stage(cfg, theirs)
@@ -252,22 +257,30 @@ def check_deepspeed(cfg: JobConfig, world_size: int, device_type: str, precision
     if ds.offload_optimizer != "none" and stage == 0:
         raise ConfigError(f"deepspeed.offload_optimizer={ds.offload_optimizer} needs ZeRO (parallel.zero_stage "
                           f"1, 2 or 3)")
-    if "nvme" in (ds.offload_optimizer, ds.offload_param):
-        check_nvme_path(ds.nvme_path)
-    missing = deepspeed_available()
-    if missing:
-        raise ConfigError(f"parallel.engine=deepspeed: {missing}")
-    if "nvme" in (ds.offload_optimizer, ds.offload_param):
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        if not AsyncIOBuilder().is_compatible(verbose=False):
-            raise ConfigError("NVMe offload needs DeepSpeed's async_io op, which needs libaio "
-                              "(apt install libaio-dev, then it compiles on first use)")
+    if here:
+        check_deepspeed_installation(ds)
     dims = ParallelDims.from_config(replace(p, dp_replicate=-1, dp_shard=1, zero_stage=0), world_size) if stage < 3 \
         else ParallelDims.from_config(replace(p, dp_replicate=1, dp_shard=-1, zero_stage=3), world_size)
     # The merge itself can fail (a conflict); check it now, before any process group exists.
     build_ds_config(cfg, dims.dp_size, precision)
     return dims
+
+
+def check_deepspeed_installation(ds: DeepSpeedConfig) -> None:
+    """What this machine must have to run the job: DeepSpeed itself, and for NVMe offload a writable folder and
+    the async-io op (libaio)."""
+    nvme = "nvme" in (ds.offload_optimizer, ds.offload_param)
+    if nvme:
+        check_nvme_path(ds.nvme_path)
+    missing = deepspeed_available()
+    if missing:
+        raise ConfigError(f"parallel.engine=deepspeed: {missing}")
+    if nvme:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            raise ConfigError("NVMe offload needs DeepSpeed's async_io op, which needs libaio "
+                              "(apt install libaio-dev, then it compiles on first use)")
 
 
 def build_ds_config(cfg: JobConfig, dp_size: int, precision: str) -> dict:

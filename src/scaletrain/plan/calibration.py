@@ -6,6 +6,7 @@ The cache file, the device fingerprint and the peak matmul rate live one layer d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -75,43 +76,65 @@ def _backward_rate(flops: float, t_fwd: float, t_both: float) -> float:
     return flops / (t_both - t_fwd) if t_both > 1.5 * t_fwd else 0.0
 
 
-def measure_gemm_curve(m: int = 1024) -> list[list[float]]:
+def amp_context(precision: str):
+    """The trainer's mixed precision (``train/precision.autocast`` on a CPU): fp32 weights, bf16 matmuls under
+    ``torch.autocast``; a plain context for fp32. Entered once per timed call, as the trainer enters it once
+    per forward: the casts of the fp32 weights (and their gradients back) are paid on every call."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def measure_gemm_curve(m: int = 1024, precision: str = "fp32") -> list[list[float]]:
     """[[width, forward FLOP/s, backward FLOP/s], ...] of a bias-free ``nn.Linear(w, w)`` on m rows: the
-    forward GEMM and the backward's two (input grad and weight grad, whose shapes run differently)."""
+    forward GEMM and the backward's two (input grad and weight grad, whose shapes run differently).
+    ``precision="bf16"``: as the trainer runs it under autocast (fp32 weight cast to bf16 on each call, bf16
+    input, the weight's gradient cast back to fp32)."""
     out = []
+    act = torch.bfloat16 if precision == "bf16" else torch.float32
     for w in GEMM_WIDTHS:
         if m * w * w > (1 << 34):  # ~34 GFLOP a forward: enough of the widest at 1024 rows
             continue
         layer = torch.nn.Linear(w, w, bias=False)
-        x = torch.randn(m, w, requires_grad=True)
-        grad = torch.randn(m, w)
+        x = torch.randn(m, w, dtype=act, requires_grad=True)
+        grad = torch.randn(m, w, dtype=act)
         flops = 2.0 * m * w * w
         reps = max(3, min(40, int(2e9 / flops)))
-        t_fwd = _best_time(lambda: layer(x), reps)
+
+        def fwd():
+            with amp_context(precision):
+                layer(x)
+
+        t_fwd = _best_time(fwd, reps)
 
         def fwd_bwd():
-            layer(x).backward(grad)
+            with amp_context(precision):
+                y = layer(x)
+            y.backward(grad)
+            layer.weight.grad = None
 
         t_both = _best_time(fwd_bwd, reps)
         out.append([float(w), flops / t_fwd, _backward_rate(2 * flops, t_fwd, t_both)])
     return out
 
 
-def measure_attention_curve(batch_heads: int = 16) -> dict[str, list[list[float]]]:
+def measure_attention_curve(batch_heads: int = 16, precision: str = "fp32") -> dict[str, list[list[float]]]:
     """{head_dim: [[seq_len, fwd FLOP/s, bwd FLOP/s], ...]} of causal SDPA, counting 4*T^2*hd per head
-    forward (QK^T and AV, no causal halving: the same convention as ``flops_per_token``)."""
+    forward (QK^T and AV, no causal halving: the same convention as ``flops_per_token``). ``precision="bf16"``:
+    q, k, v in bf16, as the projections under autocast return them."""
     import torch.nn.functional as F
 
+    act = torch.bfloat16 if precision == "bf16" else torch.float32
     out: dict[str, list[list[float]]] = {}
     for hd in ATTN_HEAD_DIMS:
         rows = []
         for seq in ATTN_SEQ_LENS:
             bh = max(1, batch_heads * 1024 // seq) if seq > 1024 else batch_heads  # long sequences: fewer heads
-            q, k, v = (torch.randn(1, bh, seq, hd, requires_grad=True) for _ in range(3))
+            q, k, v = (torch.randn(1, bh, seq, hd, dtype=act, requires_grad=True) for _ in range(3))
             fwd_flops = 4.0 * bh * seq * seq * hd
             reps = max(3, min(20, int(1e9 / fwd_flops)))
             t_fwd = _best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
-            grad = torch.randn(1, bh, seq, hd)
+            grad = torch.randn(1, bh, seq, hd, dtype=act)
 
             def fwd_bwd():
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
@@ -122,17 +145,25 @@ def measure_attention_curve(batch_heads: int = 16) -> dict[str, list[list[float]
     return out
 
 
-def measure_cross_entropy_curve(rows: int = 1024) -> list[list[float]]:
+def measure_cross_entropy_curve(rows: int = 1024, precision: str = "fp32") -> list[list[float]]:
     """[[vocab, seconds per logit element], ...] for cross-entropy forward + backward (log-softmax is
-    transcendental-bound on CPU, not bandwidth-bound)."""
+    transcendental-bound on CPU, not bandwidth-bound). ``precision="bf16"``: bf16 logits (the head's output
+    under autocast), which autocast computes the loss of in fp32."""
     import torch.nn.functional as F
 
+    act = torch.bfloat16 if precision == "bf16" else torch.float32
     out = []
     for vocab in CE_VOCABS:
         n = max(1, min(rows, CE_MAX_LOGITS // vocab))
-        logits = torch.randn(n, vocab, requires_grad=True)
+        logits = torch.randn(n, vocab, dtype=act, requires_grad=True)
         target = torch.randint(0, vocab, (n,))
-        t = _best_time(lambda: F.cross_entropy(logits, target).backward(), 5)
+
+        def fwd_bwd():
+            with amp_context(precision):
+                loss = F.cross_entropy(logits, target)
+            loss.backward()
+
+        t = _best_time(fwd_bwd, 5)
         out.append([float(vocab), t / (n * vocab)])
     return out
 
@@ -182,9 +213,10 @@ ELEMENTWISE_BATCHES = (1, 4, 16)
 REFERENCE_SHAPE = dict(dim=384, n_heads=6, ffn_hidden_dim=1024, vocab_size=512, max_seq_len=192)
 
 
-def reference_block_step(batch: int):
+def reference_block_step(batch: int, precision: str = "fp32"):
     """``(cfg, fwd_bwd)``: one reference TransformerBlock and a closure running its forward + backward on
-    ``batch`` sequences of ``max_seq_len`` tokens (gradients cleared after each call)."""
+    ``batch`` sequences of ``max_seq_len`` tokens (gradients cleared after each call), under the trainer's
+    autocast for ``precision="bf16"``."""
     cfg = ModelConfig(n_layers=1, **REFERENCE_SHAPE)
     seq = cfg.max_seq_len
     block = TransformerBlock(cfg)
@@ -193,13 +225,15 @@ def reference_block_step(batch: int):
     grad = torch.randn(batch, seq, cfg.dim)
 
     def fwd_bwd() -> None:
-        block(x, cos, sin).backward(grad)
+        with amp_context(precision):
+            y = block(x, cos, sin)
+        y.backward(grad)
         block.zero_grad(set_to_none=True)
 
     return cfg, fwd_bwd
 
 
-def measure_block_elementwise(entry: dict) -> tuple[list[list[float]], float]:
+def measure_block_elementwise(entry: dict, precision: str = "fp32") -> tuple[list[list[float]], float]:
     """([[saved elements, seconds per element], ...], aten ops per block fwd+bwd) of a reference block's
     work that the GEMM and attention curves do not cover.
 
@@ -207,14 +241,17 @@ def measure_block_elementwise(entry: dict) -> tuple[list[list[float]], float]:
     of the accuracy benchmark's rows. Its measured fwd+bwd time minus the GEMM and attention time the curves
     predict, minus per-op dispatch, divided by its saved activation elements, is the cost other shapes are
     charged at their own activation size (larger working sets fall out of cache and cost more per element).
+    ``precision="bf16"``: the block under autocast against ``entry``'s bf16 curves (its casts are elementwise
+    work too).
     """
     curve, n_ops = [], 0
+    rates = timing.precision_rates(entry, precision)
     for batch in ELEMENTWISE_BATCHES:
-        cfg, fwd_bwd = reference_block_step(batch)
+        cfg, fwd_bwd = reference_block_step(batch, precision)
         seq = cfg.max_seq_len
         n_ops = count_aten_ops(fwd_bwd)
         t = _best_time(fwd_bwd, max(3, 12 // batch), warmup=1)
-        predicted = timing.block_gemm_attention_seconds(cfg, batch, seq, entry, recompute=False)
+        predicted = timing.block_gemm_attention_seconds(cfg, batch, seq, rates, recompute=False)
         units = block_activation_elements(cfg, batch, seq)
         rest = t - predicted - n_ops * entry["op_overhead_s"]
         # Never let a noisy measurement make the elementwise cost vanish: keep at least 5% of the block.
@@ -313,14 +350,9 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
         for m, curve in entry["gemm_curve_by_rows"].items():
             log(f"nn.Linear fwd/bwd GFLOP/s by width, {m} rows: "
                 + ", ".join(f"w{int(w)} {f / 1e9:.0f}/{b / 1e9:.0f}" for w, f, b in curve))
-        curve, entry["block_ops"] = measure_block_elementwise(entry)
-        for _ in range(rounds - 1):
-            curve = _best_of(curve, measure_block_elementwise(entry)[0], higher_is_better=False)
-        entry["elementwise_curve"] = curve
-        entry["elementwise_s_per_element"] = curve[len(curve) // 2][1]
-        log("elementwise ns per saved activation element: " + ", ".join(
-            f"{units / 1e6:.1f}M: {sec * 1e9:.2f}" for units, sec in curve)
-            + f"; {entry['block_ops']:.0f} ops per block fwd+bwd")
+        _calibrate_block(entry, "fp32", rounds, log)
+        if "bf16" in dtypes and entry.get("matmul_flops_bf16", 0) >= BF16_CURVES_MIN_RATIO * entry["matmul_flops_fp32"]:
+            _calibrate_bf16(entry, rounds, log)
         entry["threads"] = torch.get_num_threads()
         entry["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         entry["memory_bytes"] = _total_ram()
@@ -332,6 +364,48 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
     data[key] = {**data.get(key, {}), **entry}
     save_calibration(data)
     return data[key]
+
+
+# bf16 curves are measured where bf16 matmuls run at least this fraction of fp32's: on an AVX2-only core (~0.01x)
+# they would take minutes, and neither the trainer's ``auto`` nor a sensible plan picks bf16 there (the time
+# model then scales the fp32 curves by the matmul ratio: ``timing.precision_rates``).
+BF16_CURVES_MIN_RATIO = 0.5
+
+
+def _calibrate_block(entry: dict, precision: str, rounds: int, log) -> None:
+    """The elementwise curve and aten op count of the reference block in ``precision`` (keys suffixed
+    ``_bf16`` for bf16), the best of ``rounds``."""
+    suffix = "" if precision == "fp32" else f"_{precision}"
+    curve, ops = measure_block_elementwise(entry, precision)
+    for _ in range(rounds - 1):
+        curve = _best_of(curve, measure_block_elementwise(entry, precision)[0], higher_is_better=False)
+    entry[f"elementwise_curve{suffix}"] = curve
+    entry[f"elementwise_s_per_element{suffix}"] = curve[len(curve) // 2][1]
+    entry[f"block_ops{suffix}"] = ops
+    log(f"{precision} elementwise ns per saved activation element: " + ", ".join(
+        f"{units / 1e6:.1f}M: {sec * 1e9:.2f}" for units, sec in curve) + f"; {ops:.0f} ops per block fwd+bwd")
+
+
+def _calibrate_bf16(entry: dict, rounds: int, log) -> None:
+    """The curves the CPU time model uses for ``train.precision = bf16`` (the trainer's autocast: fp32 weights
+    cast per forward, bf16 GEMMs and attention, the loss in fp32): GEMM, attention, cross-entropy and the
+    reference block, each as measured under autocast. The optimizer's curve is fp32's (fp32 weights)."""
+    measured: dict = {}
+    for _ in range(rounds):
+        this = {"gemm_curve_by_rows": ({str(m): measure_gemm_curve(m, "bf16") for m in GEMM_ROWS}, True),
+                "attention_curve": (measure_attention_curve(precision="bf16"), True),
+                "cross_entropy_curve": (measure_cross_entropy_curve(precision="bf16"), False)}
+        for key, (value, higher) in this.items():
+            measured[key] = _best_of(measured[key], value, higher) if key in measured else value
+    for row in entry_rows(measured):
+        if row[2] <= 0:
+            row[2] = row[1]
+    measured["gemm_curve"] = measured["gemm_curve_by_rows"][str(max(GEMM_ROWS))]
+    entry.update({f"{key}_bf16": value for key, value in measured.items()})
+    for m, curve in measured["gemm_curve_by_rows"].items():
+        log(f"bf16 (autocast) nn.Linear fwd/bwd GFLOP/s by width, {m} rows: "
+            + ", ".join(f"w{int(w)} {f / 1e9:.0f}/{b / 1e9:.0f}" for w, f, b in curve))
+    _calibrate_block(entry, "bf16", rounds, log)
 
 
 def _total_ram() -> float:

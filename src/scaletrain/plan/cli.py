@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.config import ConfigError, DataConfig, ModelConfig, build, load_config
+from scaletrain.plan.hardware import Hardware
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 from scaletrain.plan.timing import workload_utilisation
 
@@ -61,7 +62,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--global-batch", type=int, default=0,
                      help="sequences per optimizer step across all ranks (default: ~0.5M tokens on GPUs, 16 on CPU)")
     src.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
-                     help="auto = bf16 mixed precision on GPUs, fp32 on CPU")
+                     help="auto = what `scaletrain train` picks on the target: bf16 mixed precision on GPUs, and on "
+                          "a CPU bf16 where its bf16 matmuls measure at least 1.5x fp32's (else fp32); a --config's "
+                          "train.precision when given")
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--hardware", default="auto", help="catalog NAME, NAME:COUNT or NAME:COUNTxNODES "
                                                        "(e.g. h100-sxm:8x4), or auto (this machine, from doctor)")
@@ -95,8 +98,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--emit", default="", help="write the best plan as a runnable job TOML to this file")
 
 
-def workload_from_args(args: argparse.Namespace, device_kind: str) -> tuple[Workload, bool]:
-    """The workload and whether its token count is the Chinchilla convention."""
+def workload_from_args(args: argparse.Namespace, hardware: Hardware, this_machine: bool = False
+                       ) -> tuple[Workload, bool]:
+    """The workload and whether its token count is the Chinchilla convention. ``hardware`` is the target
+    (``this_machine``: ``--hardware auto``), whose precision ``auto`` resolves to what the trainer picks there."""
+    device_kind = hardware.kind
     job = load_config(args.config) if args.config else None
     if args.model:
         model = build(ModelConfig, {"preset": args.model}, presets=_presets())
@@ -115,7 +121,8 @@ def workload_from_args(args: argparse.Namespace, device_kind: str) -> tuple[Work
     seq = args.seq_len or (job.data.seq_len if job else min(1024, model.max_seq_len))
     if seq > model.max_seq_len:
         raise ConfigError(f"--seq-len {seq} exceeds the model's max_seq_len ({model.max_seq_len})")
-    precision = args.precision if args.precision != "auto" else ("bf16" if device_kind == "gpu" else "fp32")
+    requested = args.precision if args.precision != "auto" or job is None else job.train.precision
+    precision = planned_precision(requested, hardware, this_machine)
     if args.global_batch:
         batch = args.global_batch
     elif job is not None and not args.model:
@@ -129,6 +136,27 @@ def workload_from_args(args: argparse.Namespace, device_kind: str) -> tuple[Work
     chinchilla = args.tokens.strip().lower() in ("chinchilla", "chinchilla-optimal")
     tokens = CHINCHILLA_TOKENS_PER_PARAM * num_params(model) if chinchilla else parse_count(args.tokens, "--tokens")
     return Workload(model, seq, batch, tokens, precision), chinchilla
+
+
+def planned_precision(requested: str, hardware: Hardware, this_machine: bool) -> str:
+    """The precision the trainer would run ``requested`` in on ``hardware`` (``train/precision.resolve_precision``'s
+    rule): an explicit name as given; ``auto`` -> bf16 on a GPU (every catalog GPU has bf16), and on a CPU bf16
+    where its bf16 matmuls are at least ``BF16_MIN_SPEEDUP`` times fp32's -- on this machine the trainer's own
+    measurement (cached, the one ``train`` reads), on a catalog CPU its calibrated matmul rates."""
+    import torch
+
+    from scaletrain.train.precision import BF16_MIN_SPEEDUP, resolve_precision
+
+    if requested == "fp8":  # torchao's float8 GEMMs; the rest of the step (and its memory) is bf16's
+        return "bf16"
+    if requested != "auto":
+        return requested
+    if hardware.kind == "gpu":
+        return "bf16"
+    if this_machine:
+        return resolve_precision("auto", torch.device("cpu"))[0]
+    ratio = hardware.peak_flops.get("bf16", 0.0) / hardware.peak_flops["fp32"]
+    return "bf16" if ratio >= BF16_MIN_SPEEDUP else "fp32"
 
 
 def data_vocabulary(data: DataConfig) -> int:
@@ -159,6 +187,11 @@ def _presets() -> dict:
     return PRESETS
 
 
+def _is_auto(spec: str) -> bool:
+    """``--hardware auto`` (or ``auto:N``): this machine."""
+    return spec.strip().lower().split(":")[0] == "auto"
+
+
 def _pins(args: argparse.Namespace) -> dict:
     pins = {k[4:]: v for k, v in vars(args).items() if k.startswith("pin_") and v is not None}
     if "cpu_offload" in pins:
@@ -179,7 +212,7 @@ def run_plan(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json == "-", width=max(120, Console().width))
     try:
         cluster = parse_hardware(args.hardware, args.count, args.nodes)
-        workload, chinchilla = workload_from_args(args, cluster.hardware.kind)
+        workload, chinchilla = workload_from_args(args, cluster.hardware, _is_auto(args.hardware))
         prices, as_of = load_prices(args.prices)
         if args.top < 1:
             raise ConfigError(f"--top must be >= 1 (got {args.top})")

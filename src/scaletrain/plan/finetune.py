@@ -44,6 +44,7 @@ from scaletrain.plan.timing import (
     attention_seconds,
     gemm_seconds,
     gpu_utilisation,
+    precision_rates,
 )
 
 # Bytes per weight of torchao's NF4 with double quantization at QLoRA's blocks (64 weights a scale, 256
@@ -211,7 +212,8 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
     trainable = trainable_parameters(cfg, ft)
     micro_steps = max(1, workload.global_batch // (b * plan.dp))
     if hw.kind == "cpu":
-        per_micro, optimizer = _cpu_seconds(cfg, ft, plan, hw.calibration, b, seq, shapes, targets, n_ckpt, trainable)
+        rates = precision_rates(hw.calibration, workload.precision)  # bf16: the curves measured under autocast
+        per_micro, optimizer = _cpu_seconds(cfg, ft, plan, rates, b, seq, shapes, targets, n_ckpt, trainable)
     else:
         per_micro, optimizer = _gpu_seconds(workload, cfg, ft, hw, tokens, seq, shapes, targets, n_ckpt, trainable)
     comm = 0.0

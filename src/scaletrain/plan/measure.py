@@ -25,6 +25,7 @@ from scaletrain.hardware import measure_matmul_flops
 from scaletrain.model.config import ModelConfig, head_width
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.distributed import init_distributed
+from scaletrain.train.precision import autocast
 from scaletrain.train.step import build_parallel_training, training_step
 
 
@@ -133,20 +134,21 @@ def wait_for_quiet(peak: float, threshold: float = 0.85, tries: int = 40, log=pr
 
 
 def single_process_run(model_cfg: ModelConfig, batch: int, seq: int, ac: str = "none", ac_every: int = 2,
-                       steps: int = 5, seed: int = 0, accum: int = 1) -> dict:
+                       steps: int = 5, seed: int = 0, accum: int = 1, precision: str = "fp32") -> dict:
     """Measure the trainer's own training step on CPU in one process, with activation checkpointing
-    ``ac`` (``batch`` sequences per optimizer step, in ``accum`` micro-batches)."""
+    ``ac`` (``batch`` sequences per optimizer step, in ``accum`` micro-batches), in ``precision`` (fp32, or
+    bf16: the trainer's autocast)."""
     tracker = LiveTensorBytes().__enter__()  # from the start: every storage of the run is seen
     parallel = ParallelConfig(activation_checkpointing=ac, ac_every=ac_every)
     # The rope buffers and the batch are counted as at-rest bytes (the planner adds them the same way).
-    return _measure_trainer_step(model_cfg, parallel, 1, batch, seq, accum, seed, steps, tracker)
+    return _measure_trainer_step(model_cfg, parallel, 1, batch, seq, accum, seed, steps, tracker, precision)
 
 
 def _measure_trainer_step(model_cfg: ModelConfig, parallel: ParallelConfig, world_size: int, batch: int, seq: int,
-                          accum: int, seed: int, steps: int, tracker: LiveTensorBytes) -> dict:
-    """``build_parallel_training`` + ``training_step`` (fp32, AdamW defaults, clip 1.0) on random tokens:
-    ``batch`` rows per rank per optimizer step in ``accum`` micro-batches; data-parallel ranks read
-    different rows, tensor-parallel ranks the same ones."""
+                          accum: int, seed: int, steps: int, tracker: LiveTensorBytes, precision: str = "fp32") -> dict:
+    """``build_parallel_training`` + ``training_step`` (AdamW defaults, clip 1.0, the trainer's autocast for
+    ``precision``) on random tokens: ``batch`` rows per rank per optimizer step in ``accum`` micro-batches;
+    data-parallel ranks read different rows, tensor-parallel ranks the same ones."""
     cfg = JobConfig(model=model_cfg, parallel=parallel, optim=OptimConfig(),
                     train=TrainConfig(seed=seed, grad_accum_steps=accum))
     device = torch.device("cpu")
@@ -158,7 +160,8 @@ def _measure_trainer_step(model_cfg: ModelConfig, parallel: ParallelConfig, worl
     micro = list(zip(inputs.chunk(accum), targets.chunk(accum), [None] * accum))
 
     def step() -> float:
-        return training_step(pm, optimizer, iter(micro), accum, grad_clip=cfg.optim.grad_clip).loss
+        return training_step(pm, optimizer, iter(micro), accum, grad_clip=cfg.optim.grad_clip,
+                             autocast=lambda: autocast(precision, device)).loss
 
     return measure_step(step, tracker, steps=steps)
 

@@ -29,6 +29,7 @@ class Recipe:
     master: int  # fp32 copy kept by the optimizer when params are low precision
     optimizer: int  # Adam m and v
     activation: int
+    autocast: bool = False  # fp32 weights with low-precision matmuls (torch.autocast): see block_activation_bytes
 
 
 RECIPES = {
@@ -43,6 +44,10 @@ RECIPES["mixed"] = RECIPES["bf16"]
 # tests/test_deepspeed.py).
 RECIPES["deepspeed-fp32"] = Recipe(param=4, grad=4, master=4, optimizer=8, activation=4)
 RECIPES["fp16"] = RECIPES["bf16"]
+# The native trainer's bf16 / fp16 without FSDP's param_dtype (train/precision.autocast): the weights, their
+# gradients and Adam's moments stay fp32, torch.autocast runs the matmuls in bf16 and keeps a bf16 copy of each
+# weight from its forward to its backward; the residual stream and the norms stay fp32 (block_activation_bytes).
+RECIPES["autocast"] = Recipe(param=4, grad=4, master=0, optimizer=8, activation=2, autocast=True)
 
 # Stated margins on top of tensor bytes: the CUDA caching allocator fragments (~10% is what torchtitan /
 # PyTorch memory snapshots commonly show); a CUDA context + NCCL takes ~1 GiB; a CPU rank's Python +
@@ -94,6 +99,26 @@ def block_activation_elements(cfg: ModelConfig, batch: int, seq: int, tp: int = 
     return sharded + norm_region
 
 
+def block_activation_bytes(cfg: ModelConfig, batch: int, seq: int, recipe: Recipe, tp: int = 1,
+                           sequence_parallel: bool = False) -> float:
+    """Bytes one TransformerBlock saves for backward (``block_activation_elements`` x the recipe's bytes).
+
+    Under autocast the tensors are of two kinds: the residual stream and the norms stay fp32 (each norm's input,
+    its rstd, and SDPA's log-sum-exp), while the bf16 copies the linears cast their inputs to (y, y2), q, k, v,
+    the attention output and SwiGLU's four tensors are bf16."""
+    elements = block_activation_elements(cfg, batch, seq, tp, sequence_parallel)
+    if not recipe.autocast:
+        return elements * recipe.activation
+    bt = batch * seq
+    fp32 = (2 * bt * cfg.dim + 2 * bt) / (tp if sequence_parallel and tp > 1 else 1) + batch * cfg.n_heads * seq / tp
+    return fp32 * 4 + (elements - fp32) * recipe.activation
+
+
+def block_matrix_params(cfg: ModelConfig) -> int:
+    """Parameters of one block's linear layers (what autocast casts to bf16 on each forward)."""
+    return block_params(cfg) - 2 * cfg.dim
+
+
 def block_params(cfg: ModelConfig) -> int:
     """Parameters of one block (attention, SwiGLU, two norms)."""
     d = cfg.dim
@@ -141,13 +166,11 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     ``foreach_optimizer``: AdamW's foreach kernel (``optim.implementation = foreach``) allocates one temporary
     the size of the largest parameter group for sqrt(v); the fused kernel (the default on CPU and GPU) does not.
     """
-    cfg, rec = workload.model, _recipe(workload)
+    cfg, rec = workload.model, recipe_for(workload, plan)
     foreach = bool(foreach_optimizer)
     tp, pp = plan.tp, plan.pp
     psi = stage_params(cfg, pp, tp)
     deepspeed = plan.engine == "deepspeed"
-    if deepspeed and workload.precision == "fp32":
-        rec = RECIPES["deepspeed-fp32"]
     shards = plan.dp if deepspeed else plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate
     states = model_states(psi, plan.zero_stage, shards, rec)
     offloaded = 0.0
@@ -161,8 +184,9 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     b, t = plan.micro_batch, workload.seq_len // plan.cp
     d, v = cfg.dim, cfg.vocab_size
     layers = -(-cfg.n_layers // pp)
-    blk = block_activation_elements(cfg, b, t, tp, plan.sequence_parallel) * a
-    ckpt_input = b * t * d * a / (tp if plan.sequence_parallel and tp > 1 else 1)
+    blk = block_activation_bytes(cfg, b, t, rec, tp, plan.sequence_parallel)
+    # A checkpointed block keeps its input: the residual stream, fp32 under autocast.
+    ckpt_input = b * t * d * (4 if rec.autocast else a) / (tp if plan.sequence_parallel and tp > 1 else 1)
     ckpt = checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every)
     in_flight = 1 if pp == 1 else (plan.microbatches if plan.pp_schedule == "gpipe" else min(pp, plan.microbatches))
     per_block = [ckpt_input if i in ckpt else blk for i in range(layers)]
@@ -171,8 +195,13 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     saved_blocks = sum(per_block) + others
     # Final norm (input, normalized, output) and log-softmax output; logits in fp32 for the loss.
     bt = b * t
-    tail = 3 * bt * d * a + bt * v / tp * 4
+    tail = 3 * bt * d * (4 if rec.autocast else a) + bt * v / tp * 4
     logits = bt * v / tp * 4
+    # Under autocast the head returns bf16 logits, which the loss casts to fp32: both are alive in the forward.
+    fwd_logits = logits * (1.5 if rec.autocast else 1.0)
+    # Autocast's bf16 weight copies: each saved by its linear from the forward until that linear's backward.
+    cast_block = 2 * block_matrix_params(cfg) / tp if rec.autocast else 0.0
+    cast_head = 2 * v * d / tp if rec.autocast else 0.0
 
     block_p = block_params(cfg) / tp
     head_p = psi - layers * block_p
@@ -200,17 +229,21 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
 
     phases: list[tuple[str, dict]] = []
     # End of forward: every saved activation plus logits and log-softmax output side by side.
-    phases.append(("forward (loss)", dict(activations=saved_blocks + tail, transients=logits, held=held_params,
-                                          comm=fsdp_at_loss)))
+    # A checkpointed block's forward saves nothing, its casts included: they live again only in its recompute.
+    casts = (layers - len(ckpt)) * cast_block + cast_head
+    phases.append(("forward (loss)", dict(activations=saved_blocks + tail, transients=fwd_logits,
+                                          held=held_params + casts, comm=fsdp_at_loss)))
     # Loss backward: grad of log-probs and grad of logits next to the saved log-softmax output.
     phases.append(("backward (loss)", dict(activations=saved_blocks + tail, transients=2 * logits,
-                                           held=held_params, comm=fsdp_at_loss)))
+                                           held=held_params + casts, comm=fsdp_at_loss)))
     # Backward of each block, last first: saved activations shrink as gradients grow. A checkpointed block
     # is re-materialised whole (recomputed) just before its backward.
     for i in range(layers - 1, -1, -1):
         live = sum(per_block[:i]) + blk + others
         done = head_p + (layers - i) * block_p
-        phases.append((f"backward (block {i})", dict(activations=live, transients=bwd_tmp, held=held_params,
+        phases.append((f"backward (block {i})", dict(activations=live, transients=bwd_tmp,
+                                                      held=held_params + cast_block * (
+                                                          1 + sum(j not in ckpt for j in range(i))),
                                                       grads=done * grad_scale, comm=fsdp_in_block)))
     # Optimizer: all grads present; foreach AdamW allocates sqrt(v) for the largest param group.
     opt_tmp = (layers * block_p + (0 if cfg.tie_embeddings else v * d / tp)) * 4 / max(1, shards if
@@ -267,5 +300,14 @@ def _comm_buffers(plan: Plan, rec: Recipe, psi: float, block_p: float, bt: int, 
     return total
 
 
-def _recipe(workload: Workload) -> Recipe:
+def recipe_for(workload: Workload, plan: Plan) -> Recipe:
+    """The bytes recipe of ``plan``'s step: mixed precision without FSDP's bf16 ``param_dtype`` (which the
+    planner's jobs set for sharded plans, ``spec.job_config``) is the native trainer's autocast; DeepSpeed keeps
+    its own (the module in bf16, an fp32 master in the optimizer; in fp32 a flat fp32 copy too)."""
+    deepspeed = plan.engine == "deepspeed"
+    if deepspeed and workload.precision == "fp32":
+        return RECIPES["deepspeed-fp32"]
+    sharded = plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1
+    if not deepspeed and not sharded and workload.precision in ("bf16", "mixed", "fp16"):
+        return RECIPES["autocast"]
     return RECIPES[workload.precision]

@@ -96,7 +96,7 @@ def enumerate_plans(workload: Workload, cluster: Cluster, fixed: dict | None = N
 def _deepspeed_plans(workload: Workload, cluster: Cluster, fixed: dict) -> list[Plan]:
     """The DeepSpeed engine's candidates: ZeRO-1/2/3 over every rank (it is data parallel only), each without
     offload and with the optimizer state (at ZeRO-3 also the parameters) offloaded to CPU memory (GPUs) or NVMe.
-    The trainer's checks decide what is buildable (DeepSpeed installed, libaio for NVMe, ...)."""
+    The trainer's rules for the target decide what is buildable; this machine's libraries (DeepSpeed, libaio) do not."""
     world, gpu = cluster.world_size, cluster.hardware.kind == "gpu"
     micro = _micro_batches(workload.global_batch, world)
     plans = []

@@ -167,4 +167,5 @@ def check_plan(workload: Workload, plan: Plan, world_size: int, device_kind: str
                           f"({plan.micro_batch})"
                           + (f" x pipeline micro-batches ({plan.microbatches})" if plan.pp > 1 else ""))
     cfg = job_config(workload, plan, device_kind)
-    check_runnable(cfg, world_size, cfg.train.device, cfg.train.precision)
+    # here=False: the target machine's libraries (DeepSpeed, libaio for NVMe offload) are not this machine's.
+    check_runnable(cfg, world_size, cfg.train.device, cfg.train.precision, here=False)

@@ -60,6 +60,35 @@ def _interp(curve: list[list[float]], x: float, column: int = 1, log_y: bool = T
     return (1 - w) * ys[i - 1] + w * ys[i]
 
 
+# The calibration keys whose bf16 version (``KEY_bf16``: measured under the trainer's autocast) replaces them when
+# the step runs in bf16; the optimizer's and the dispatch rates are the same (fp32 weights, same ops).
+BF16_KEYS = ("gemm_curve_by_rows", "gemm_curve", "attention_curve", "cross_entropy_curve", "elementwise_curve",
+             "elementwise_s_per_element", "block_ops")
+
+
+def precision_rates(entry: dict, precision: str) -> dict:
+    """The calibration ``entry`` as the CPU time model reads it for a step in ``precision``: for bf16 (mixed),
+    the curves measured under autocast. A calibration without them (older, or a CPU whose bf16 matmuls are too
+    slow to be worth measuring) gets its fp32 GEMM and attention rates scaled by the measured bf16/fp32 matmul
+    ratio, the rest unchanged."""
+    if DTYPE_OF_PRECISION.get(precision, "fp32") != "bf16" or "gemm_curve" not in entry:
+        return entry
+    if all(f"{key}_bf16" in entry for key in BF16_KEYS):
+        return {**entry, **{key: entry[f"{key}_bf16"] for key in BF16_KEYS}}
+    ratio = float(entry.get("matmul_flops_bf16", 0.0)) / float(entry.get("matmul_flops_fp32", 1.0))
+    if ratio <= 0:
+        return entry
+
+    def scaled(curve: list[list[float]]) -> list[list[float]]:
+        return [[row[0], *(rate * ratio for rate in row[1:])] for row in curve]
+
+    rates = {**entry, "gemm_curve": scaled(entry["gemm_curve"]),
+             "attention_curve": {hd: scaled(c) for hd, c in entry.get("attention_curve", {}).items()}}
+    if "gemm_curve_by_rows" in entry:
+        rates["gemm_curve_by_rows"] = {m: scaled(c) for m, c in entry["gemm_curve_by_rows"].items()}
+    return rates
+
+
 def gemm_rate(entry: dict, width: float, rows: float, backward: bool = False) -> float:
     """FLOP/s of an ``nn.Linear`` of ``width`` on ``rows`` rows: the curves measured at several row counts
     (``gemm_curve_by_rows``) interpolated in log(rows), held beyond them; older calibrations have one curve."""
@@ -147,7 +176,7 @@ def step_time(workload: Workload, plan: Plan, cluster: Cluster) -> TimeBreakdown
 
 def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[float, float]:
     """(seconds per micro-batch on one stage, optimizer seconds) from the measured CPU rates."""
-    cfg, entry = workload.model, cluster.hardware.calibration
+    cfg, entry = workload.model, precision_rates(cluster.hardware.calibration, workload.precision)
     if "elementwise_s_per_element" not in entry:
         from scaletrain.config import ConfigError
 

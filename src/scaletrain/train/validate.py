@@ -97,13 +97,15 @@ def check_distillation(cfg: JobConfig) -> None:
                           "parallel.tp/pp/cp=1")
 
 
-def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str) -> ParallelDims:
+def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str,
+                   here: bool = True) -> ParallelDims:
     """Every rule a job must pass to run on ``world_size`` ranks of ``device_type`` ("cpu", "cuda"), with
     ``precision`` already resolved: cross-field config checks, option combinations, the parallel degrees
     and what they ask of the model and batch. Returns the resolved degrees; raises ``ConfigError``.
 
     ``cfg.model.vocab_size`` 0 (taken from the data later) skips the vocabulary checks; the trainer runs
-    ``ParallelDims.check_model`` again once the data's vocabulary is known."""
+    ``ParallelDims.check_model`` again once the data's vocabulary is known. ``here`` False (the planner, planning
+    for a target machine) skips what only this machine's installation decides (DeepSpeed, libaio)."""
     validate_job(cfg)
     check_feature_combinations(cfg, precision)
     check_finetune(cfg, world_size)
@@ -113,7 +115,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
         if cfg.finetune.source:
             raise ConfigError("fine-tuning (finetune.source) runs on the native engine only; drop "
                               "--parallel.engine=deepspeed (LoRA/QLoRA already keep the optimizer state small)")
-        dims = check_deepspeed(cfg, world_size, device_type, precision)
+        dims = check_deepspeed(cfg, world_size, device_type, precision, here)
     else:
         dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)

@@ -104,14 +104,18 @@ def trial_config(folder: Path, number: int, values: dict[str, Any], threads: int
 def predicted_memory(cfg: JobConfig, device_kind: str) -> float:
     """Bytes per device the planner's memory model (``plan/memory.py``) predicts for ``cfg`` on one device,
     after the trainer's own entry check (``check_runnable``), which raises ConfigError for a job it refuses."""
+    import torch
+
     from scaletrain.data.shards import read_manifest
     from scaletrain.plan.memory import memory_breakdown
     from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.train.precision import resolve_precision
     from scaletrain.train.trainer import prepare_data, resolve_vocab
     from scaletrain.train.validate import check_runnable
 
-    precision = cfg.train.precision if cfg.train.precision != "auto" else \
-        ("bf16" if device_kind == "gpu" else "fp32")
+    # auto: the trainer's own choice on this machine (bf16 on a CPU with fast bf16 matmuls), not a fixed rule
+    precision = cfg.train.precision if cfg.train.precision != "auto" else "bf16" if device_kind == "gpu" else \
+        resolve_precision("auto", torch.device("cpu"))[0]
     check_runnable(cfg, 1, "cuda" if device_kind == "gpu" else "cpu", precision)
     cfg, _ = resolve_vocab(cfg, read_manifest(prepare_data(cfg)))
     t = cfg.train
