@@ -165,3 +165,58 @@ def cpu_bf16_speedup(log: Callable[[str], None] | None = None) -> float:
     """bf16 over fp32 matmul throughput of one core of this CPU (both ``peak_flops``, so cached: the
     calibration ``doctor --clock cpu`` writes, else measured once in about half a second)."""
     return peak_flops("cpu", "bf16", log=log) / peak_flops("cpu", "fp32", log=log)
+
+
+def _thread_run_delays() -> dict[str, float] | None:
+    """{thread id: seconds it has spent runnable but waiting for a core} for every thread of this process
+    (Linux ``/proc/self/task/*/schedstat``, field 2); None where the kernel does not report it."""
+    out = {}
+    try:
+        for task in os.listdir("/proc/self/task"):
+            try:
+                fields = Path(f"/proc/self/task/{task}/schedstat").read_text().split()
+            except OSError:  # the thread ended between listdir and read
+                continue
+            out[task] = int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+    return out
+
+
+def _busy_jiffies() -> tuple[float, float] | None:
+    """(busy, total) CPU jiffies of the whole machine since boot (``/proc/stat``), or None."""
+    try:
+        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class CoreContention:
+    """How much of a measurement this process's threads spent waiting for a core that another process held.
+
+    ``with CoreContention() as c: work()`` then ``c.waited`` is the summed run-queue wait of this process's
+    threads divided by (wall time x torch threads): 0 on a quiet machine, ~0.5 when another busy process shares
+    every core at the same priority. It is what inflates a wall-clock timing, and unlike a load average it is
+    not raised by work at a lower priority (``nice``) that yields the cores. ``others`` is the share of the
+    machine's CPU time that other processes used meanwhile (from /proc/stat), for the record. Both are None
+    where the kernel does not report them."""
+
+    def __enter__(self) -> CoreContention:
+        self.waited: float | None = None
+        self.others: float | None = None
+        self._delays, self._busy = _thread_run_delays(), _busy_jiffies()
+        self._t0, self._cpu0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = max(time.perf_counter() - self._t0, 1e-9)
+        delays, busy = _thread_run_delays(), _busy_jiffies()
+        if self._delays is not None and delays is not None:
+            waited = sum(d - self._delays.get(t, 0.0) for t, d in delays.items())
+            self.waited = max(0.0, waited / (wall * max(1, torch.get_num_threads())))
+        if self._busy is not None and busy is not None and busy[1] > self._busy[1]:
+            machine_busy = (busy[0] - self._busy[0]) / (busy[1] - self._busy[1])  # share of all cores busy
+            ours = (time.process_time() - self._cpu0) / (wall * (os.cpu_count() or 1))
+            self.others = max(0.0, machine_busy - ours)

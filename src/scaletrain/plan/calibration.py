@@ -13,12 +13,16 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.config import ConfigError
 from scaletrain.hardware import (
     CLOCKS,
+    CoreContention,
+    calibration_path,
     comm_fingerprint,
     device_fingerprint,
     load_calibration,
     measure_matmul_flops,
+    peak_flops,
     save_calibration,
 )
 from scaletrain.model.config import ModelConfig
@@ -297,49 +301,87 @@ def _best_of(a, b, higher_is_better: bool):
 
 
 def calibrate(device: torch.device | str = "cpu", dtypes: tuple[str, ...] = ("fp32", "bf16"),
-              log=print, rounds: int = 1, clock: str = "wall") -> dict:
+              log=print, rounds: int = 1, clock: str = "wall", by: str = "`scaletrain doctor`") -> dict:
     """Measure every rate the planner uses for ``device`` and cache it under its fingerprint (~10 s a round).
 
     ``rounds`` > 1 repeats the CPU microbenchmarks and keeps the best of each point: on cores shared with
     other work, interference only ever makes a round slower. ``clock="cpu"`` times with process CPU time
-    (only meaningful with one torch thread): robust on a machine shared with other jobs.
+    (only meaningful with one torch thread): robust on a machine shared with other jobs. A round during which this
+    process waited for a core is dropped and repeated; a calibration that still cannot be trusted (busy throughout,
+    or contradicting itself: ``calibration_problems``) raises ``CalibrationError`` and is not cached. ``by``:
+    what measured it, for the plan's "measured on this machine by ..." line.
     """
     global _clock
     if clock == "cpu" and torch.get_num_threads() != 1:
         raise ValueError("calibrate(clock='cpu') needs torch.set_num_threads(1): CPU time sums all threads")
     previous, _clock = _clock, CLOCKS[clock]
     try:
-        return _calibrate(torch.device(device), dtypes, log, rounds, clock)
+        return _calibrate(torch.device(device), dtypes, log, rounds, clock, by)
     finally:
         _clock = previous
 
 
-def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, clock: str) -> dict:
+class CalibrationError(ConfigError):
+    """A calibration that cannot be trusted (taken on a busy machine, or contradicting itself): not cached."""
+
+
+# A round whose threads waited more than this share of the time for a core (another process held it) is
+# discarded on the wall clock: other work only ever adds time, and a calibration describes the machine.
+QUIET_WAIT = 0.10
+EXTRA_ROUNDS = 4  # busy rounds are retried this many times beyond ``rounds`` before giving up
+
+
+def _quiet_rounds(measure, merge_rules: dict[str, bool], rounds: int, clock: str, log, what: str,
+                  seen: dict) -> dict:
+    """Run ``measure()`` (a dict of measurements) until ``rounds`` quiet rounds, merging each quiet round's
+    values (``merge_rules``: key -> higher is better) point by point; a round whose threads waited more than
+    ``QUIET_WAIT`` for a core is dropped and retried (up to ``EXTRA_ROUNDS`` more). On the CPU clock with one
+    thread a busy round still counts (CPU time does not run while the thread waits). ``seen`` collects the
+    worst wait and others' load of the kept rounds. Raises ``CalibrationError`` when no round was quiet."""
+    merged: dict = {}
+    kept = tried = 0
+    robust = clock == "cpu" and torch.get_num_threads() == 1
+    while kept < rounds and tried < rounds + EXTRA_ROUNDS:
+        tried += 1
+        with CoreContention() as probe:
+            this = measure()
+        waited = probe.waited or 0.0
+        if waited > QUIET_WAIT and not robust:
+            log(f"{what}: round {tried} dropped, the machine was busy (this process waited {waited:.0%} of the "
+                f"time for a core; other processes used {probe.others or 0:.0%} of the CPUs)")
+            continue
+        kept += 1
+        seen["waited"] = max(seen.get("waited", 0.0), waited)
+        seen["others"] = max(seen.get("others", 0.0), probe.others or 0.0)
+        for key, value in this.items():
+            merged[key] = _best_of(merged[key], value, merge_rules[key]) if key in merged else value
+    if not kept:
+        raise CalibrationError(
+            f"the machine was too busy to calibrate ({what}: in {tried} rounds this process waited for a core more "
+            f"than {QUIET_WAIT:.0%} of the time): nothing was cached; rerun `scaletrain doctor` when other jobs are "
+            f"done (or `scaletrain doctor --clock cpu`, one thread timed by CPU time, on a shared machine)")
+    return merged
+
+
+def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, clock: str, by: str) -> dict:
     entry: dict = {}
+    seen: dict = {}
+    peaks = _quiet_rounds(lambda: {f"matmul_flops_{d}": measure_matmul_flops(
+        device, d, n=1024 if (device.type == "cuda" or d == "fp32") else 256,  # bf16 on AVX2 is ~100x slower
+        min_seconds=0.3, timer=_clock) for d in dtypes}, {f"matmul_flops_{d}": True for d in dtypes},
+        rounds, clock if device.type == "cpu" else "wall", log, "matmul peaks", seen)
+    entry.update(peaks)
     for dtype in dtypes:
-        # bf16 on an AVX2 CPU is ~100x slower: measure a smaller matmul so doctor stays quick.
-        n = 1024 if (device.type == "cuda" or dtype == "fp32") else 256
-        entry[f"matmul_flops_{dtype}"] = max(measure_matmul_flops(device, dtype, n=n, min_seconds=0.3, timer=_clock)
-                                             for _ in range(rounds))
         log(f"matmul {dtype}: {entry[f'matmul_flops_{dtype}'] / 1e9:,.1f} GFLOP/s")
     if device.type == "cpu":
-        measured: dict = {}
-        for _ in range(rounds):
-            this = {"op_overhead_s": (measure_op_overhead(), False),
-                    "memory_bandwidth": (measure_memory_bandwidth(), True),
-                    "gemm_curve_by_rows": ({str(m): measure_gemm_curve(m) for m in GEMM_ROWS}, True),
-                    "attention_curve": (measure_attention_curve(), True),
-                    "cross_entropy_curve": (measure_cross_entropy_curve(), False),
-                    "optimizer_curve": (measure_optimizer_curve(), False)}
-            for key, (value, higher) in this.items():
-                measured[key] = _best_of(measured[key], value, higher) if key in measured else value
-        # A backward that no round could time cleanly (see _backward_rate) is taken to run at its forward's
-        # rate rather than left at 0.
-        for row in entry_rows(measured):
-            if row[2] <= 0:
-                row[2] = row[1]
-        # The most rows' curve is also the plain gemm_curve (what older readers and gemm_efficiency use).
-        measured["gemm_curve"] = measured["gemm_curve_by_rows"][str(max(GEMM_ROWS))]
+        rules = {"op_overhead_s": False, "memory_bandwidth": True, "gemm_curve_by_rows": True, "attention_curve": True,
+                 "cross_entropy_curve": False, "optimizer_curve": False}
+        measured = _quiet_rounds(lambda: {
+            "op_overhead_s": measure_op_overhead(), "memory_bandwidth": measure_memory_bandwidth(),
+            "gemm_curve_by_rows": {str(m): measure_gemm_curve(m) for m in GEMM_ROWS},
+            "attention_curve": measure_attention_curve(), "cross_entropy_curve": measure_cross_entropy_curve(),
+            "optimizer_curve": measure_optimizer_curve()}, rules, rounds, clock, log, "fp32 curves", seen)
+        _fill_backward_rates(measured)
         entry.update(measured)
         log(f"memory bandwidth (copy): {entry['memory_bandwidth'] / 1e9:.1f} GB/s; "
             f"op dispatch {entry['op_overhead_s'] * 1e6:.1f} us")
@@ -350,20 +392,70 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
         for m, curve in entry["gemm_curve_by_rows"].items():
             log(f"nn.Linear fwd/bwd GFLOP/s by width, {m} rows: "
                 + ", ".join(f"w{int(w)} {f / 1e9:.0f}/{b / 1e9:.0f}" for w, f, b in curve))
-        _calibrate_block(entry, "fp32", rounds, log)
+        _calibrate_block(entry, "fp32", rounds, clock, log, seen)
         if "bf16" in dtypes and entry.get("matmul_flops_bf16", 0) >= BF16_CURVES_MIN_RATIO * entry["matmul_flops_fp32"]:
-            _calibrate_bf16(entry, rounds, log)
+            _calibrate_bf16(entry, rounds, clock, log, seen)
         entry["threads"] = torch.get_num_threads()
         entry["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         entry["memory_bytes"] = _total_ram()
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     entry["rounds"] = rounds
     entry["clock"] = clock
+    entry["measured_by"] = by
+    entry["core_wait"] = seen.get("waited", 0.0)  # the load it saw: the worst kept round's wait for a core
+    entry["other_processes_cpu"] = seen.get("others", 0.0)
+    if device.type == "cpu":  # one core's peaks (CPU clock, robust to other jobs): what the check compares with
+        for dtype in dtypes:
+            peak_flops(device, dtype)
+    problems = calibration_problems(entry, device)
+    if problems:
+        raise CalibrationError("this calibration contradicts itself, so it was not cached: " + "; ".join(problems)
+                               + " (another job was probably running: rerun `scaletrain doctor` on a quiet machine)")
     key = device_fingerprint(device)
     data = load_calibration()
     data[key] = {**data.get(key, {}), **entry}
     save_calibration(data)
     return data[key]
+
+
+def _fill_backward_rates(measured: dict) -> None:
+    """A backward that no round could time cleanly (``_backward_rate``) is taken to run at its forward's rate
+    rather than left at 0; the most rows' GEMM curve is also the plain ``gemm_curve`` (gemm_efficiency's)."""
+    for row in entry_rows(measured):
+        if row[2] <= 0:
+            row[2] = row[1]
+    measured["gemm_curve"] = measured["gemm_curve_by_rows"][str(max(GEMM_ROWS))]
+
+
+# A calibration at N threads whose matmul is slower than this fraction of one core's (the trainer's own
+# one-thread measurement, ``hardware.peak_flops``) contradicts itself: more cores never make a large matmul
+# slower on a quiet machine. And the bf16/fp32 ratio cannot differ between thread counts by more than this.
+MIN_THREAD_SCALING = 0.8
+MAX_RATIO_DISAGREEMENT = 3.0
+
+
+def calibration_problems(entry: dict, device: torch.device | str = "cpu") -> list[str]:
+    """What makes ``entry`` (a CPU calibration) contradict itself or this machine's one-core peaks; empty if
+    nothing. Used before caching one (``doctor``) and before planning with one (``--hardware auto``)."""
+    if torch.device(device).type != "cpu" or "matmul_flops_fp32" not in entry:
+        return []
+    one = load_calibration().get(device_fingerprint(device, threads=1), {})
+    threads = int(entry.get("threads", torch.get_num_threads()))
+    problems = []
+    for dtype in ("fp32", "bf16"):
+        mine, single = entry.get(f"matmul_flops_{dtype}"), one.get(f"matmul_flops_{dtype}")
+        if mine and single and threads > 1 and mine < MIN_THREAD_SCALING * single:
+            problems.append(f"{threads}-thread {dtype} matmul {mine / 1e9:.1f} GFLOP/s is slower than one "
+                            f"thread's {single / 1e9:.1f}")
+    if entry.get("matmul_flops_bf16") and one.get("matmul_flops_bf16") and one.get("matmul_flops_fp32"):
+        ratio = entry["matmul_flops_bf16"] / entry["matmul_flops_fp32"]
+        single = one["matmul_flops_bf16"] / one["matmul_flops_fp32"]
+        if max(ratio / single, single / ratio) > MAX_RATIO_DISAGREEMENT:
+            problems.append(f"bf16 runs {ratio:.2g}x fp32 with {threads} thread(s) but {single:.2g}x with one")
+    gemm = entry.get("gemm_curve")
+    if gemm and max(r[1] for r in gemm) > 1.5 * entry["matmul_flops_fp32"]:
+        problems.append("an nn.Linear ran 1.5x faster than the matmul peak")
+    return problems
 
 
 # bf16 curves are measured where bf16 matmuls run at least this fraction of fp32's: on an AVX2-only core (~0.01x)
@@ -372,40 +464,38 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
 BF16_CURVES_MIN_RATIO = 0.5
 
 
-def _calibrate_block(entry: dict, precision: str, rounds: int, log) -> None:
+def _calibrate_block(entry: dict, precision: str, rounds: int, clock: str, log, seen: dict) -> None:
     """The elementwise curve and aten op count of the reference block in ``precision`` (keys suffixed
-    ``_bf16`` for bf16), the best of ``rounds``."""
+    ``_bf16`` for bf16), the best of ``rounds`` quiet rounds."""
     suffix = "" if precision == "fp32" else f"_{precision}"
-    curve, ops = measure_block_elementwise(entry, precision)
-    for _ in range(rounds - 1):
-        curve = _best_of(curve, measure_block_elementwise(entry, precision)[0], higher_is_better=False)
+    ops = count_aten_ops(reference_block_step(1, precision)[1])
+    curve = _quiet_rounds(lambda: {"curve": measure_block_elementwise(entry, precision)[0]}, {"curve": False},
+                          rounds, clock, log, f"{precision} block", seen)["curve"]
     entry[f"elementwise_curve{suffix}"] = curve
     entry[f"elementwise_s_per_element{suffix}"] = curve[len(curve) // 2][1]
-    entry[f"block_ops{suffix}"] = ops
+    entry[f"block_ops{suffix}"] = float(ops)
     log(f"{precision} elementwise ns per saved activation element: " + ", ".join(
         f"{units / 1e6:.1f}M: {sec * 1e9:.2f}" for units, sec in curve) + f"; {ops:.0f} ops per block fwd+bwd")
 
 
-def _calibrate_bf16(entry: dict, rounds: int, log) -> None:
+def _calibrate_bf16(entry: dict, rounds: int, clock: str, log, seen: dict) -> None:
     """The curves the CPU time model uses for ``train.precision = bf16`` (the trainer's autocast: fp32 weights
     cast per forward, bf16 GEMMs and attention, the loss in fp32): GEMM, attention, cross-entropy and the
     reference block, each as measured under autocast. The optimizer's curve is fp32's (fp32 weights)."""
-    measured: dict = {}
-    for _ in range(rounds):
-        this = {"gemm_curve_by_rows": ({str(m): measure_gemm_curve(m, "bf16") for m in GEMM_ROWS}, True),
-                "attention_curve": (measure_attention_curve(precision="bf16"), True),
-                "cross_entropy_curve": (measure_cross_entropy_curve(precision="bf16"), False)}
-        for key, (value, higher) in this.items():
-            measured[key] = _best_of(measured[key], value, higher) if key in measured else value
-    for row in entry_rows(measured):
-        if row[2] <= 0:
-            row[2] = row[1]
-    measured["gemm_curve"] = measured["gemm_curve_by_rows"][str(max(GEMM_ROWS))]
+    measured = _quiet_rounds(lambda: {
+        "gemm_curve_by_rows": {str(m): measure_gemm_curve(m, "bf16") for m in GEMM_ROWS},
+        "attention_curve": measure_attention_curve(precision="bf16"),
+        "cross_entropy_curve": measure_cross_entropy_curve(precision="bf16")},
+        {"gemm_curve_by_rows": True, "attention_curve": True, "cross_entropy_curve": False}, rounds, clock, log,
+        "bf16 curves", seen)
+    _fill_backward_rates(measured)
     entry.update({f"{key}_bf16": value for key, value in measured.items()})
+    # The widest bf16 GEMMs are the matmul peak's kernel at larger sizes than its 256^3: take the better.
+    entry["matmul_flops_bf16"] = max(entry["matmul_flops_bf16"], max(r[1] for r in measured["gemm_curve"]))
     for m, curve in measured["gemm_curve_by_rows"].items():
         log(f"bf16 (autocast) nn.Linear fwd/bwd GFLOP/s by width, {m} rows: "
             + ", ".join(f"w{int(w)} {f / 1e9:.0f}/{b / 1e9:.0f}" for w, f, b in curve))
-    _calibrate_block(entry, "bf16", rounds, log)
+    _calibrate_block(entry, "bf16", rounds, clock, log, seen)
 
 
 def _total_ram() -> float:
@@ -423,6 +513,11 @@ def calibration_entry(device: torch.device | str = "cpu", measure_if_missing: bo
     data = load_calibration()
     entry = data.get(device_fingerprint(device), {})
     if "elementwise_s_per_element" not in entry and torch.device(device).type == "cpu" and measure_if_missing:
-        log("no calibration for this machine yet: measuring (~30 s; `scaletrain doctor` does this too)")
-        entry = calibrate(device, log=log)
+        log("no calibration for this machine yet: measuring (about a minute; `scaletrain doctor` does this too)")
+        entry = calibrate(device, log=log, rounds=2, by="`scaletrain plan --hardware auto` (no doctor calibration "
+                                                            "was cached)")
+    problems = calibration_problems(entry, device)
+    if problems:  # written by an older version, or by hand: never plan with it
+        raise CalibrationError(f"the cached calibration of this machine ({calibration_path()}) contradicts itself: "
+                               + "; ".join(problems) + "; rerun `scaletrain doctor` on a quiet machine")
     return {**entry, **data.get(comm_fingerprint(device), {})}

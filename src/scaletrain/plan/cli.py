@@ -352,7 +352,11 @@ def run_doctor(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(1)
-    report = doctor(log=lambda s: console.print(s), rounds=args.rounds, clock=args.clock)
+    try:
+        report = doctor(log=lambda s: console.print(s), rounds=args.rounds, clock=args.clock)
+    except ConfigError as exc:  # CalibrationError: a busy machine or a self-contradicting calibration
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if "system" in report:
         table = Table(title="This machine", show_header=False)
         for k, v in report["system"].items():

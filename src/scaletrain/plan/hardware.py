@@ -211,7 +211,11 @@ def with_calibration(hw: Hardware, entry: dict, name: str | None = None) -> Hard
         changes["cores"] = int(entry["cores"])
     if hw.kind == "cpu" and "gemm_efficiency" in entry:
         changes["utilisation"] = float(entry["gemm_efficiency"])
-        changes["utilisation_source"] = "measured by `scaletrain doctor` on this machine (GEMM / matmul peak)"
+        changes["utilisation_source"] = (
+            f"measured on this machine by {entry.get('measured_by', '`scaletrain doctor`')} at "
+            f"{entry.get('measured_at', '?')} ({entry.get('clock', 'wall')} clock, {entry.get('threads', '?')} "
+            f"thread(s), {entry.get('rounds', '?')} round(s); its threads waited {entry.get('core_wait', 0):.0%} "
+            f"for a core): GEMM / matmul peak")
     return replace(hw, **changes)
 
 

@@ -95,7 +95,7 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
         table.add_column(col, no_wrap=col == "plan")
     for i, (c, cost) in enumerate(zip(result.ranked[:top], costs)):
         table.add_row(str(i + 1), c.plan.label(), gib(c.memory.total), human(c.time.tokens_per_second),
-                      duration(c.time.step), f"{c.time.mfu:.0%}", duration(c.time.step * w.steps),
+                      duration(c.time.step), mfu_text(c.time.mfu), duration(c.time.step * w.steps),
                       f"{cost.device_hours:,.1f}", _money(cost.on_demand_usd), _money(cost.spot_usd))
     console.print(table)
     for i, c in enumerate(result.ranked[:top]):
@@ -113,6 +113,11 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
         for c in result.rejected[:3]:
             rej.add_row(c.plan.label(), c.reason)
         console.print(rej)
+
+
+def mfu_text(mfu: float) -> str:
+    """MFU as a percentage; above 100% it cannot be (the peak it divides by was measured too low): say so."""
+    return f"{mfu:.0%}" if mfu <= 1.0 else "n/a (peak measured too low: rerun `scaletrain doctor`)"
 
 
 def _money(x: float) -> str:
