@@ -76,6 +76,18 @@ def choose(setting: str) -> str | None:
     raise AllocatorError(f"{ENV}={setting}: choose auto, system, jemalloc, tcmalloc or the path of a shared library")
 
 
+def chosen_name() -> str:
+    """The allocator the ``scaletrain`` command runs on here (``SCALETRAIN_MALLOC``, else auto): jemalloc,
+    tcmalloc, system, or custom (a library path); system where the setting names a missing one."""
+    try:
+        library = choose(os.environ.get(ENV, "auto").strip() or "auto")
+    except AllocatorError:
+        return "system"
+    if library is None:
+        return "system"
+    return next((name for name in LIBRARIES if f"lib{name}" in Path(library).name), "custom")
+
+
 @functools.cache  # fixed for the life of a process (and its forks): read once, not at every data batch
 def in_use() -> str:
     """Which allocator this process runs on: jemalloc, tcmalloc or system (from its mapped libraries)."""

@@ -307,7 +307,8 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
                         virtual_tokens=args.virtual_tokens, dora=args.dora)
     pins = _pins(args)
     answer = finetune_answer(workload, cluster.hardware.memory_bytes, cluster.hardware.kind, ft,
-                             pins.get("micro_batch"), pins.get("activation_checkpointing", "none"))
+                             pins.get("micro_batch"), pins.get("activation_checkpointing", "none"),
+                             cluster.hardware.allocator)
     gib = 2**30
     console.print(f"fine-tuning {workload.model.preset or 'the model'} ({answer['total_parameters'] / 1e9:.2f}B "
                   f"parameters) with {args.method}: {answer['trainable_parameters']:,} trainable "

@@ -34,6 +34,7 @@ from scaletrain.plan.memory import (
     block_params,
     checkpointed_blocks,
     memory_breakdown,
+    recipe_for,
 )
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import (
@@ -44,6 +45,7 @@ from scaletrain.plan.timing import (
     attention_seconds,
     gemm_seconds,
     gpu_utilisation,
+    head_gemm_seconds,
     precision_rates,
 )
 
@@ -107,7 +109,7 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     frozen weights + trainable weights, their gradients and AdamW states."""
     if ft.method == "prompt":
         workload = dataclasses.replace(workload, seq_len=workload.seq_len + ft.virtual_tokens)
-    rec = RECIPES[workload.precision]
+    rec = recipe_for(workload, plan)  # bf16: the trainer's autocast (fp32 frozen and trainable weights)
     pretrain = memory_breakdown(workload, plan, device_kind)
     trainable = trainable_parameters(workload.model, ft)
     frozen = frozen_bytes(workload.model, ft, rec.param)
@@ -137,18 +139,19 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
 
 
 def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, ft: FinetuneConfig,
-                    micro_batch: int | None = None, activation_checkpointing: str = "none") -> dict:
+                    micro_batch: int | None = None, activation_checkpointing: str = "none",
+                    allocator: str = "system") -> dict:
     """Whether fine-tuning ``workload`` with ``ft`` fits one device of ``memory_bytes`` (data parallelism
     replicates the same per-device memory): the estimate at ``micro_batch`` (default: the largest that fits,
     up to the global batch, or 1), with the runtime and allocator margins the planner adds to pretraining.
     With activation checkpointing the activations are pretraining's checkpointed ones (no frozen-input saving
     is subtracted beyond what the recomputed blocks hold)."""
-    from scaletrain.plan.memory import ALLOCATOR_MARGIN, RUNTIME_BYTES
+    from scaletrain.plan.memory import RUNTIME_BYTES, allocator_margin
 
     def total(mb: int) -> tuple[float, dict]:
         est = finetune_memory(workload, Plan(micro_batch=mb, activation_checkpointing=activation_checkpointing),
                               ft, device_kind)
-        return est["tensor_total"] * (1 + ALLOCATOR_MARGIN[device_kind]) + RUNTIME_BYTES[device_kind], est
+        return est["tensor_total"] * (1 + allocator_margin(device_kind, allocator)) + RUNTIME_BYTES[device_kind], est
 
     if micro_batch is None:
         micro_batch = 1
@@ -276,8 +279,8 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
             + ops * (1 + recompute / 3) * entry["op_overhead_s"]
     vocab = cfg.vocab_size
     head_trains = ft.method == "full"
-    head_bwd = gemm_seconds(tokens, vocab, d, entry, True)
-    head = (gemm_seconds(tokens, vocab, d, entry) + (head_bwd if head_trains else head_bwd / 2)
+    head_bwd = head_gemm_seconds(tokens, vocab, d, entry, True)
+    head = (head_gemm_seconds(tokens, vocab, d, entry) + (head_bwd if head_trains else head_bwd / 2)
             + tokens * vocab * _interp(entry["cross_entropy_curve"], vocab) + 3 * tokens * d * elem
             + (vocab * d * elem if head_trains and not ft.freeze_embeddings else 0.0))
     optimizer = trainable * _interp(entry["optimizer_curve"], trainable)

@@ -78,6 +78,9 @@ class Hardware:
     # ``utilisation * attention_utilisation``. 0 and 1 (the defaults) make it one constant.
     utilisation_half_width: float = 0.0
     attention_utilisation: float = 1.0
+    # CPU: the malloc a run uses (memory.CPU_ALLOCATOR_MARGIN): this machine's for ``auto``, else glibc (a fresh
+    # machine has no jemalloc)
+    allocator: str = "system"
 
     def utilisation_at(self, dim: int, attention_share: float) -> float:
         """Model-FLOPs utilisation of a step whose GEMMs have width ``dim`` and whose FLOPs are a fraction

@@ -8,9 +8,11 @@ It sits above both the catalog (``hardware``) and the calibration, which therefo
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 
+from scaletrain import allocator
 from scaletrain.options import ConfigError
 from scaletrain.plan.calibration import calibration_entry
 from scaletrain.plan.hardware import CATALOG, Cluster, Hardware, catalog_listing, with_calibration
@@ -34,7 +36,8 @@ def hardware_from_calibration() -> Hardware:
                               "pass a catalog name instead")
         match = CATALOG[key]
         return with_calibration(match, calibration_entry("cuda"), name=f"auto ({match.name})")
-    return with_calibration(CATALOG["cpu"], calibration_entry("cpu"), name="auto (this cpu)")
+    hw = with_calibration(CATALOG["cpu"], calibration_entry("cpu"), name="auto (this cpu)")
+    return replace(hw, allocator=allocator.chosen_name())  # what `scaletrain train` runs on here
 
 
 _SPEC = re.compile(r"^(?P<name>[a-z0-9\-]+?)(?:[:@x*](?P<count>\d+))?(?:[x*](?P<nodes>\d+))?$")

@@ -111,7 +111,7 @@ def _deepspeed_plans(workload: Workload, cluster: Cluster, fixed: dict) -> list[
 
 def evaluate(workload: Workload, plan: Plan, cluster: Cluster) -> Candidate:
     """Memory, and time when it fits."""
-    mem = memory_breakdown(workload, plan, cluster.hardware.kind)
+    mem = memory_breakdown(workload, plan, cluster.hardware.kind, allocator=cluster.hardware.allocator)
     budget = cluster.hardware.memory_bytes / (cluster.devices_per_node if cluster.hardware.kind == "cpu" else 1)
     if mem.total > budget:
         return Candidate(plan, mem, None, False, f"needs {mem.total / GiB:.2f} GiB per device, has "

@@ -74,7 +74,9 @@ def precision_rates(entry: dict, precision: str) -> dict:
     if DTYPE_OF_PRECISION.get(precision, "fp32") != "bf16" or "gemm_curve" not in entry:
         return entry
     if all(f"{key}_bf16" in entry for key in BF16_KEYS):
-        return {**entry, **{key: entry[f"{key}_bf16"] for key in BF16_KEYS}}
+        optional = {key: entry[f"{key}_bf16"] for key in ("head_curve",) if f"{key}_bf16" in entry}
+        return {**{k: v for k, v in entry.items() if k != "head_curve"}, **optional,
+                **{key: entry[f"{key}_bf16"] for key in BF16_KEYS}}
     ratio = float(entry.get("matmul_flops_bf16", 0.0)) / float(entry.get("matmul_flops_fp32", 1.0))
     if ratio <= 0:
         return entry
@@ -84,6 +86,8 @@ def precision_rates(entry: dict, precision: str) -> dict:
 
     rates = {**entry, "gemm_curve": scaled(entry["gemm_curve"]),
              "attention_curve": {hd: scaled(c) for hd, c in entry.get("attention_curve", {}).items()}}
+    if "head_curve" in entry:
+        rates["head_curve"] = scaled(entry["head_curve"])
     if "gemm_curve_by_rows" in entry:
         rates["gemm_curve_by_rows"] = {m: scaled(c) for m, c in entry["gemm_curve_by_rows"].items()}
     return rates
@@ -105,6 +109,15 @@ def gemm_seconds(m: int, n: int, k: int, entry: dict, backward: bool = False) ->
     measured for an ``nn.Linear`` of width sqrt(n*k) on m rows."""
     flops = 2.0 * m * n * k * (2 if backward else 1)
     return flops / gemm_rate(entry, math.sqrt(n * k), m, backward)
+
+
+def head_gemm_seconds(tokens: int, vocab: int, dim: int, entry: dict, backward: bool = False) -> float:
+    """The output head's forward GEMM (tokens x dim) @ (dim x vocab), or its two backward GEMMs, at the rate
+    measured for the head's shape by model width (``head_curve``); older calibrations: the square GEMM curve."""
+    if "head_curve" not in entry:
+        return gemm_seconds(tokens, vocab, dim, entry, backward)
+    flops = 2.0 * tokens * vocab * dim * (2 if backward else 1)
+    return flops / _interp(entry["head_curve"], dim, 2 if backward else 1)
 
 
 def attention_seconds(batch_heads: int, seq: int, head_dim: int, entry: dict) -> tuple[float, float]:
@@ -205,7 +218,7 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
     blocks = (layers - n_ckpt) * block(False) + n_ckpt * block(True)
     tokens, vocab = b * t, cfg.vocab_size // tp
     # Output head GEMMs, cross-entropy per logit, final norm, and the embedding's dense V x d gradient.
-    head = (gemm_seconds(tokens, vocab, cfg.dim, entry) + gemm_seconds(tokens, vocab, cfg.dim, entry, True)
+    head = (head_gemm_seconds(tokens, vocab, cfg.dim, entry) + head_gemm_seconds(tokens, vocab, cfg.dim, entry, True)
             + tokens * vocab * _interp(entry["cross_entropy_curve"], vocab)
             + (3 * tokens * cfg.dim + cfg.vocab_size * cfg.dim / tp) * elem)
     psi = stage_params(cfg, plan.pp, tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else

@@ -122,7 +122,9 @@ def predicted_memory(cfg: JobConfig, device_kind: str) -> float:
     workload = Workload(cfg.model, cfg.data.seq_len, t.batch_size * t.grad_accum_steps, float(t.steps),
                         "bf16" if precision in ("bf16", "fp16") else "fp32")
     plan = Plan(micro_batch=t.batch_size, activation_checkpointing=cfg.parallel.activation_checkpointing)
-    return memory_breakdown(workload, plan, device_kind).total
+    from scaletrain.allocator import in_use
+
+    return memory_breakdown(workload, plan, device_kind, allocator=in_use()).total
 
 
 class Objective:
