@@ -390,6 +390,18 @@ def test_block_filter_leaves_embedding_and_head():
     assert not block_filter(nn.Linear(4, 4), "output")
 
 
+def test_int4_on_cuda_asks_for_the_tinygemm_layout_that_needs_no_extra_package():
+    """torchao 0.18's default int4 layout ("plain") needs the mslk package on CUDA too; the GPU machine has
+    none, so the CUDA config must name the tile-packed (tinygemm) layout torch itself runs."""
+    from scaletrain.compress.quantize import quantization_config
+
+    config, note = quantization_config("int4-weight", 128, device="cuda")
+    assert config.int4_packing_format == "tile_packed_to_4d" and config.group_size == 128
+    assert "tinygemm" in note
+    cpu_config, _ = quantization_config("int4-weight", 128, device="cpu")
+    assert type(cpu_config).__name__ == "IntxWeightOnlyConfig"
+
+
 def test_distillation_loss_is_zero_for_the_teacher_itself_and_mixes_with_the_data_loss():
     from scaletrain.adapt.distill import distillation_loss
 

@@ -5,7 +5,8 @@ and says in one line what it used instead, or why it cannot run:
 
 - ``int8-weight``: ``Int8WeightOnlyConfig`` (int8 weights, per-channel scales; activations stay float).
 - ``int8-dynamic``: ``Int8DynamicActivationInt8WeightConfig`` (activations quantized per token at run time).
-- ``int4-weight``: on CUDA ``Int4WeightOnlyConfig(group_size)`` (tinygemm-packed kernels); on the CPU that
+- ``int4-weight``: on CUDA ``Int4WeightOnlyConfig(group_size, int4_packing_format="tile_packed_to_4d")`` (torch's
+  tinygemm kernels; the default "plain" layout needs the ``mslk`` package on CUDA as well); on the CPU that
   config does not run with torchao 0.18 (its "plain" layout needs the ``mslk`` kernel package, "tile_packed"
   needs CUDA), so ``IntxWeightOnlyConfig(torch.int4, PerGroup(group_size))``: the same int4 values and
   per-group scales, stored one value per int8 byte (no packed kernel), dequantized in the matmul.
@@ -54,8 +55,9 @@ def quantization_config(method: str, group_size: int = 128, device: str = "cpu",
                           f"layer: int4 is unsupported for this model at that group size; choose a group size "
                           f"that divides {bad[0]}")
     if str(device).startswith("cuda"):
-        return Int4WeightOnlyConfig(group_size=group_size), f"int4 weight-only, group {group_size} (torchao " \
-                                                            f"Int4WeightOnlyConfig, tinygemm kernels)"
+        # The tinygemm layout, named: torchao 0.18's default (plain) needs the mslk kernel package on CUDA too.
+        return Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d"), \
+            f"int4 weight-only, group {group_size} (torchao Int4WeightOnlyConfig, tinygemm kernels)"
     return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size)), \
         (f"int4 weight-only, group {group_size}, via torchao IntxWeightOnlyConfig: Int4WeightOnlyConfig does not "
          f"run on this CPU (its plain layout needs the mslk package, tile-packed needs CUDA), so the int4 values "

@@ -1,0 +1,57 @@
+"""The GPU check's rehearsal (scripts/gpu_check.py --dry-run, docs/gpu.md): every check's set-up runs on the
+CPU, one entry per check in gpu_check.json, none failed (a check that cannot run on a CPU says why it skipped)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # ~20 processes (training, torchrun, fine-tuning, plan): ~80 s of CPU, minutes of wall time
+def test_dry_run_has_one_entry_per_check_and_none_failed(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path / "check"),
+                           "--total-s", "3000"], capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    doc = json.loads((tmp_path / "check" / "gpu_check.json").read_text())
+    names = [c.name for c in _script().CHECKS]
+    assert [e["name"] for e in doc["checks"]] == names, proc.stdout
+    failed = {e["name"]: e["reason"] for e in doc["checks"] if e["status"] == "failed"}
+    assert not failed, f"{failed}\n{proc.stdout[-3000:]}"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert doc["dry_run"] and doc["machine"]["torch"]
+    # What a CPU cannot run is skipped with its reason, not silently passed.
+    skipped = {e["name"]: e["reason"] for e in doc["checks"] if e["status"] == "skipped"}
+    assert set(skipped) == {"fp8", "sparse-2of4"} and all(skipped.values())
+    # The printed table: one row per check, in order.
+    rows = [line.split()[0] for line in proc.stdout.splitlines() if line.split() and line.split()[0] in names]
+    assert rows == names
+
+
+def test_only_runs_the_named_checks_and_refuses_an_unknown_one(tmp_path):
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--only", "nope"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown check(s) nope" in bad.stderr
+
+
+def test_hardware_names_match_the_planner_catalog():
+    from scaletrain.plan.hardware import CATALOG
+
+    name = _script().hardware_name
+    assert name("NVIDIA H100 80GB HBM3") == "h100-sxm" and name("NVIDIA H100 PCIe") == "h100-pcie"
+    assert name("NVIDIA H200") == "h200"
+    assert {name(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200")} <= set(CATALOG)
