@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.config import ConfigError, DataConfig, ModelConfig, build, load_config
+from scaletrain.files import guarded_write
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 from scaletrain.plan.timing import workload_utilisation
 
@@ -29,7 +30,8 @@ def write_json(doc: dict, target: str) -> None:
     if target == "-":
         print(text)
     else:
-        Path(target).write_text(text)
+        with guarded_write(f"the JSON {target}", Path(target).parent):
+            Path(target).write_text(text)
 
 def parse_count(text: str, what: str) -> float:
     """'300B', '1.5e9', '2_000_000', '10M' -> a number; ConfigError otherwise."""

@@ -27,7 +27,7 @@ from scaletrain.data.loader import TokenLoader, block_causal_mask, eval_batches
 from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import read_manifest
 from scaletrain.data.tokenizer import load_tokenizer
-from scaletrain.files import StorageError, free_bytes, human_bytes
+from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes
 from scaletrain.hardware import devices_in_job, peak_flops
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
@@ -143,7 +143,7 @@ class Trainer:
         verdict = self._claim_run_folder(cfg) if self.is_main else None
         run_id, refusal = rank_zero_object(verdict)
         if refusal:
-            raise ConfigError(refusal if self.is_main else f"rank 0 refused the run folder {self.run_dir}")
+            raise refusal if self.is_main else ConfigError(f"rank 0 refused the run folder {self.run_dir}")
         self.checkpoints.run_id = run_id
         if cfg.train.resume:  # a resume on another world size keeps the checkpoint's global batch
             complete = self.checkpoints.list_complete()
@@ -266,15 +266,16 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
-    def _claim_run_folder(self, cfg: JobConfig) -> tuple[str | None, str | None]:
-        """Rank 0: (run id, None), or (None, the one-line refusal) - a folder in use by another process, or a
-        fresh start over an earlier run's checkpoints without --overwrite."""
+    def _claim_run_folder(self, cfg: JobConfig) -> tuple[str | None, UserError | None]:
+        """Rank 0: (run id, None), or (None, the refusal) - a folder in use by another process, a fresh start
+        over an earlier run's checkpoints without --overwrite, or a path that cannot be made (StorageError)."""
         try:
-            self.lock = RunLock.take(self.run_dir)
+            with guarded_write(f"the run folder {self.run_dir}", self.run_dir):  # a path that cannot be made
+                self.lock = RunLock.take(self.run_dir)
             return claim_run_folder(self.run_dir, self.checkpoints, cfg.train.resume, cfg.train.overwrite,
                                     say=self._message), None
-        except ConfigError as exc:
-            return None, str(exc)
+        except (ConfigError, StorageError) as exc:
+            return None, exc
 
     def _disk_verdict(self) -> tuple[str, str | None]:
         """Rank 0, before training: what the checkpoints will take against the free space of the run folder's
