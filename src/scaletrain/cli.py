@@ -325,6 +325,9 @@ PLUGINS = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scaletrain.quiet import quiet_known_noise
+
+    quiet_known_noise()  # torchao's harmless import lines (QLoRA, compress)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:

@@ -12,9 +12,20 @@ import torch
 
 from scaletrain.compress import prune as unstructured
 from scaletrain.compress import structured
-from scaletrain.compress.quantize import GROUP_SIZES, METHODS, quantize_model
-from scaletrain.compress.run import load_run, load_source, state_bytes, write_run
+from scaletrain.compress.quantize import (
+    AUTO_GROUP_SIZE,
+    CPU_GROUP_SIZES,
+    GROUP_SIZES,
+    METHODS,
+    block_input_widths,
+    quantize_model,
+    resolve_group_size,
+)
+from scaletrain.compress.run import check_output, load_run, load_source, state_bytes, write_run
 from scaletrain.config import ConfigError
+from scaletrain.files import guarded_write
+
+DEFAULT_SPARSITY = 0.5
 
 
 def add_compress_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,8 +33,9 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="the new run folder to write (must not exist or be empty)")
     p.add_argument("--prune", choices=unstructured.METHODS, help="unstructured or 2:4 pruning by magnitude |W| or "
                                                                  "Wanda |W| x ||X||")
-    p.add_argument("--sparsity", type=float, default=0.5, help="--prune: fraction of block weights set to zero, "
-                                                               "in (0, 1)")
+    p.add_argument("--sparsity", type=float, default=None,
+                   help="--prune unstructured: fraction of block weights set to zero, in (0, 1); default 0.5, said "
+                        "in the output when it is not given (2:4 is always 0.5)")
     p.add_argument("--pattern", choices=("unstructured", "2:4"), default="unstructured",
                    help="--prune: any weights, or 2 of every 4 consecutive inputs (50%%)")
     p.add_argument("--scope", choices=unstructured.SCOPES, default="layer",
@@ -40,7 +52,11 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-blocks", type=int, default=0, help="structured: whole blocks removed (lowest influence)")
     p.add_argument("--quantize", choices=METHODS, help="post-training quantization of the block Linears (torchao), "
                                                        "after any pruning")
-    p.add_argument("--group-size", type=int, default=128, help=f"int4: weights per scale, one of {GROUP_SIZES}")
+    p.add_argument("--group-size", type=int, default=0,
+                   help=f"int4: weights per scale, one of {', '.join(map(str, CPU_GROUP_SIZES))} (a GPU: "
+                        f"{', '.join(map(str, GROUP_SIZES))}); default 0 = auto: {AUTO_GROUP_SIZE} where it divides "
+                        f"the input width of every block Linear, else the largest smaller size that does (16 for the "
+                        f"micro preset, whose SwiGLU is 688 wide), said in the output")
     p.add_argument("--calibration-sequences", type=int, default=64,
                    help="calibration set: this many sequences of data.seq_len tokens")
     p.add_argument("--calibration-text", help="a UTF-8 text file to calibrate on instead of the run's training data")
@@ -55,6 +71,8 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
 def calibration_batches(cfg, tokenizer, sequences: int, text: str | None, batch_size: int = 8) -> list[torch.Tensor]:
     """``sequences`` windows of data.seq_len tokens from the start of the run's training split (or ``text``)."""
     from scaletrain.data.loader import TokenStream
+    from scaletrain.data.prepare import read_text_file
+    from scaletrain.data.tokenizer import describe_skipped, encode_known
     from scaletrain.train.trainer import prepare_data
 
     if sequences < 1:
@@ -64,7 +82,10 @@ def calibration_batches(cfg, tokenizer, sequences: int, text: str | None, batch_
         path = Path(text)
         if not path.is_file():
             raise ConfigError(f"--calibration-text {text}: not a file")
-        ids = torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=torch.long)
+        ids, unknown = encode_known(tokenizer, read_text_file(path))  # not UTF-8: one DataError line naming it
+        if unknown:
+            print(describe_skipped(unknown), flush=True)
+        ids = torch.tensor(ids, dtype=torch.long)
     else:
         stream = TokenStream(str(prepare_data(cfg)), "train")
         ids = torch.from_numpy(stream.read(0, min(stream.total, sequences * seq)).astype("int64"))
@@ -85,15 +106,21 @@ def run_compress(args: argparse.Namespace) -> int:
         raise ConfigError("nothing to do: give --prune, --mlp-fraction / --head-fraction / --drop-blocks and/or "
                           "--quantize")
     if args.prune and args.pattern == "unstructured":
+        if args.sparsity is None:
+            args.sparsity = DEFAULT_SPARSITY
+            print(f"--sparsity not given: pruning {100 * DEFAULT_SPARSITY:.0f}% of the block weights (the default)")
         unstructured.check_sparsity(args.sparsity)
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):  # before any work (write_run checks again)
-        raise ConfigError(f"--out {out}: exists and is not empty; choose a new folder")
+    elif args.prune and args.sparsity not in (None, 0.5):
+        raise ConfigError(f"--sparsity {args.sparsity} with --pattern 2:4: the pattern fixes the sparsity at 50%; "
+                          f"drop --sparsity")
     torch.manual_seed(0)
     cfg, model, tokenizer, ckpt = load_source(args.run)
     if structural:  # bad input before any work
         structured.plan_sizes(cfg.model, args.mlp_fraction, args.drop_blocks)
         structured.plan_heads(cfg.model, args.head_fraction)
+    elif args.quantize == "int4-weight":
+        resolve_group_size(args.group_size, block_input_widths(model))
+    check_output(args.out)  # a path that cannot be written, before any work
     model_cfg, record, source_bytes = cfg.model, {}, state_bytes(model)
     needs_data = args.prune == "wanda" or structural
     calib = calibration_batches(cfg, tokenizer, args.calibration_sequences, args.calibration_text) \
@@ -115,8 +142,10 @@ def run_compress(args: argparse.Namespace) -> int:
         print(f"pruned {args.prune} {args.pattern}: {100 * record['prune']['sparsity']:.1f}% of the block weights "
               f"are zero (masks applied to dense weights: no speed-up on dense kernels)")
     if args.quantize:
+        group = resolve_group_size(args.group_size, block_input_widths(model))[0] \
+            if args.quantize == "int4-weight" else 0
         note = quantize_model(model, args.quantize, args.group_size)
-        record["quantize"] = {"method": args.quantize, "group_size": args.group_size, "note": note}
+        record["quantize"] = {"method": args.quantize, "group_size": group, "note": note}
         print(f"quantized: {note}")
     out = write_run(args.out, args.run, cfg, model_cfg, model, record, quantized=bool(args.quantize))
     print(f"wrote {out} ({state_bytes(model) / 1e6:.2f} MB of weights; {args.run} {ckpt.name}: "
@@ -172,5 +201,6 @@ def report(args: argparse.Namespace) -> int:
               f"{100 * r['perplexity_change']:>+7.1f}% {r['bytes'] / 1e6:>8.2f} {r['size_ratio']:>5.2f}x "
               f"{r['decode_tokens_per_s']:>12.1f} {r['speed_ratio']:>5.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        with guarded_write(f"the table {args.json}", args.json):
+            Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
