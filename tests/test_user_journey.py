@@ -126,3 +126,111 @@ def test_a_compress_command_prints_no_torchao_import_noise(base_run, tmp_path):
                            str(tmp_path / "q"), "--quantize", "int8-weight"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "Failed to load" not in done.stderr and "Enum subclass" not in done.stderr, done.stderr
+
+
+def test_int4_group_size_auto_fits_the_micro_preset():
+    """micro's SwiGLU is 688 = 43 x 16 wide: no size of 32-256 divides it, so auto takes 16 on the CPU (and says
+    why); an explicit size that does not divide is refused naming what would."""
+    from scaletrain.compress.quantize import resolve_group_size
+    from scaletrain.options import ConfigError
+
+    micro = (256, 256, 256, 256, 256, 688)
+    assert resolve_group_size(0, micro) == (16, "group size 16, not 128: 128 does not divide the input width 688")
+    assert resolve_group_size(0, (256, 512)) == (128, "")
+    assert resolve_group_size(0, (96,)) == (32, "group size 32, not 128: 128 does not divide the input width 96")
+    assert resolve_group_size(256, (256, 512)) == (256, "")
+    with pytest.raises(ConfigError, match="--group-size 128 does not divide the input width 688 of a Linear layer: "
+                                          "--group-size 16 \\(or 0, auto\\) divides them all"):
+        resolve_group_size(128, micro)
+    with pytest.raises(ConfigError, match="no group size it accepts \\(32, 64, 128, 256\\) divides every input"):
+        resolve_group_size(0, micro, device="cuda")
+
+
+def test_int4_quantizes_a_micro_model_on_the_cpu():
+    pytest.importorskip("torchao")
+    import torch
+
+    from scaletrain.compress.quantize import quantize_model
+    from scaletrain.config import ModelConfig
+    from scaletrain.model import PRESETS, build_model
+
+    model = build_model(ModelConfig(**PRESETS["micro"], vocab_size=65), seed=0).eval()
+    ids = torch.randint(0, 65, (1, 16))
+    with torch.no_grad():
+        before = model(ids)
+        note = quantize_model(model, "int4-weight", 0)
+        after = model(ids)
+    assert "group 16 (group size 16, not 128: 128 does not divide the input width 688)" in note
+    assert type(model.layers["0"].feed_forward.w2.weight).__name__ != "Parameter"
+    assert torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), dim=0) > 0.9  # close, not equal
+    assert not torch.equal(after, before)
+
+
+def test_compress_help_shows_the_default_group_size(capsys):
+    with pytest.raises(SystemExit):
+        main(["compress", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default 0 = auto: 128 where it divides the input width of every block Linear" in text
+
+
+def test_finetune_from_a_run_trains_on_its_data_and_says_so(tmp_path, capsys):
+    text = tmp_path / "lines.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300)))
+    base = tmp_path / "base"
+    assert main(["train", *flags(tiny_overrides(base, **{"train.steps": 2, "data.path": text}))]) == 0
+    ft = tmp_path / "ft"
+    over = {k: v for k, v in tiny_overrides(ft, **{"train.steps": 2, "finetune.method": "full"}).items()
+            if not k.startswith("model.")}
+    capsys.readouterr()
+    assert main(["finetune", "--from", str(base), *flags(over)]) == 0
+    said = capsys.readouterr().out
+    prepared = str((tmp_path / "base-data").resolve())
+    assert f"data.path not given: fine-tuning on the base run's data, {prepared}" in said
+    assert f"; data {prepared};" in said  # the start line names the data
+    from scaletrain.config import load_config
+
+    saved = load_config(ft / "config.toml")
+    assert saved.data.path == prepared
+    # A resume with the recipe that left data.path at its default is not refused for it.
+    assert main(["finetune", "--from", str(base), "--resume", *flags({**over, "train.steps": 3})]) == 0
+    # data.path given: used as given (here other text with the same characters).
+    other_text = tmp_path / "other.txt"
+    other_text.write_text("".join(f"line {i}: the lazy dog jumps over the quick brown fox.\n" for i in range(300)))
+    capsys.readouterr()
+    assert main(["finetune", "--from", str(base), *flags({**over, "train.run_dir": tmp_path / "ft2",
+                                                          "data.path": other_text})]) == 0
+    said = capsys.readouterr().out
+    assert f"; data {other_text};" in said and "data.path not given" not in said
+
+
+@pytest.fixture(scope="module")
+def qlora_run(base_run):
+    pytest.importorskip("torchao")
+    run = base_run.parent / "qlora"
+    over = {k: v for k, v in tiny_overrides(run, **{"train.steps": 2, "finetune.method": "qlora"}).items()
+            if not k.startswith("model.")}
+    assert main(["finetune", "--from", str(base_run), *flags(over)]) == 0
+    return run
+
+
+def test_export_of_a_qlora_run_says_which_base_and_keeps_an_earlier_export(qlora_run, tmp_path, capsys):
+    out = tmp_path / "hf"
+    capsys.readouterr()
+    assert main(["export", "--run", str(qlora_run), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "QLoRA: the original (unrounded) base + the adapter trained on its NF4-rounded copy" in said
+    adapter = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert main(["export", "--run", str(qlora_run), "--out", str(out), "--merge"]) == 2
+    assert f"--out {out} holds an earlier export and its adapter/; pass --overwrite" in one_error_line(capsys)
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == adapter  # untouched
+    assert main(["export", "--run", str(qlora_run), "--out", str(out), "--merge", "--overwrite"]) == 0
+    assert "--merge writes the NF4-rounded base + adapter, what the run trained" in capsys.readouterr().out
+    assert not (out / "adapter").exists()
+
+
+def test_compress_merges_a_qlora_run_instead_of_pointing_at_a_folder_it_refuses(qlora_run, tmp_path, capsys):
+    out = tmp_path / "int8"
+    capsys.readouterr()
+    assert main(["compress", "--run", str(qlora_run), "--out", str(out), "--quantize", "int8-weight"]) == 0
+    assert f"merged the qlora adapters of {qlora_run} into its base (the NF4-rounded base" in capsys.readouterr().out
+    assert main(["eval", "--run", str(out), "--batches", "2"]) == 0
