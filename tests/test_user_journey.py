@@ -234,3 +234,44 @@ def test_compress_merges_a_qlora_run_instead_of_pointing_at_a_folder_it_refuses(
     assert main(["compress", "--run", str(qlora_run), "--out", str(out), "--quantize", "int8-weight"]) == 0
     assert f"merged the qlora adapters of {qlora_run} into its base (the NF4-rounded base" in capsys.readouterr().out
     assert main(["eval", "--run", str(out), "--batches", "2"]) == 0
+
+
+def test_an_unknown_tokenizer_lists_the_choices(tmp_path, capsys):
+    assert main(["prepare", "--source.paths", "builtin:tinyshakespeare", "--out", str(tmp_path / "p"),
+                 "--tokenizer", "wordpiece"]) == 2
+    assert one_error_line(capsys) == ("ConfigError: tokenizer 'wordpiece': not a choice nor a file; choose 'char', "
+                                      "'bpe' or the path of a tokenizer.json")
+
+
+def test_plan_of_a_small_fine_tune_prints_sensible_counts(capsys):
+    assert main(["plan", "--model", "micro", "--vocab-size", "65", "--hardware", "cpu:1", "--tokens", "1M",
+                 "--method", "lora"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "fine-tuning micro (3.2M parameters) with lora" in text
+    assert "frozen base 12.2 MiB + trainable states 1.0 MiB" in text
+
+
+def test_warmup_longer_than_the_run_is_one_warning_line():
+    from scaletrain.config import ScheduleConfig
+    from scaletrain.train.schedule import warmup_warning
+
+    line = warmup_warning(20, 1e-3, ScheduleConfig(warmup_steps=100))
+    assert line == ("warning: schedule.warmup_steps=100 is not shorter than train.steps=20: the learning rate only "
+                    "rises, to 0.0002 at the last step instead of optim.lr=0.001; lower --schedule.warmup_steps "
+                    "to reach it")
+    assert warmup_warning(200, 1e-3, ScheduleConfig(warmup_steps=100)) == ""
+
+
+def test_a_run_on_prepared_bpe_data_records_bpe_and_warns_of_its_warmup(tmp_path, capsys):
+    prepared = tmp_path / "prepared"
+    assert main(["prepare", "--source.paths", "docs/examples/book.txt", "--out", str(prepared), "--tokenizer", "bpe",
+                 "--vocab-size", "300", "--filter.min_words=0", "--filter.min_chars=0"]) == 0
+    run = tmp_path / "run"
+    over = tiny_overrides(run, **{"train.steps": 2, "data.path": prepared, "schedule.warmup_steps": 5,
+                                  "data.seq_len": 16, "model.max_seq_len": 16, "train.batch_size": 2})
+    capsys.readouterr()
+    assert main(["train", *flags(over)]) == 0
+    assert "warning: schedule.warmup_steps=5 is not shorter than train.steps=2" in capsys.readouterr().out
+    from scaletrain.config import load_config
+
+    assert load_config(run / "config.toml").data.tokenizer == "bpe"  # not the unused default 'char'

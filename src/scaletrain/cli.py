@@ -77,10 +77,12 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
         # A fine-tune's saved [model] and data.tokenizer are its base's (adapt.resolve_finetune), not the recipe's,
         # and so is its data.path where the recipe left the default.
         from_base = ("model.", "data.tokenizer") if saved_cfg.finetune.source else ()
+        if (Path(saved_cfg.data.path) / "manifest.json").is_file():  # prepared data: the tokenizer is its record
+            from_base = (*from_base, "data.tokenizer")
         default_data = JobConfig().data.path
         differ = [(key, mine, theirs) for key, mine, theirs in config_differences(recipe, saved_cfg)
                   if key not in overrides and key not in RESUME_FREE_FIELDS and not key.startswith(from_base)
-                  and not (key == "data.path" and from_base and mine == default_data)
+                  and not (key == "data.path" and saved_cfg.finetune.source and mine == default_data)
                   and not (key == "model.vocab_size" and mine == 0)]  # 0: the data's, resolved in the saved one
         if differ:
             shown = ", ".join(f"{key} ({mine!r} vs saved {theirs!r})" for key, mine, theirs in differ[:6])
