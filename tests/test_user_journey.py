@@ -275,3 +275,33 @@ def test_a_run_on_prepared_bpe_data_records_bpe_and_warns_of_its_warmup(tmp_path
     from scaletrain.config import load_config
 
     assert load_config(run / "config.toml").data.tokenizer == "bpe"  # not the unused default 'char'
+
+
+def test_decode_speed_ratios_survive_a_load_spike_and_a_busy_machine_is_said():
+    from scaletrain.compress.cli import decode_speeds
+
+    # Variant 1 is truly 2x faster; round 2 of the original was hit by a 20x load spike (wall >> CPU).
+    quiet = {0: [(64, 1.0, 1.0), (64, 20.0, 1.0), (64, 1.0, 1.0)], 1: [(64, 0.5, 0.5)] * 3}
+    rates, ratios, busy = decode_speeds(quiet)
+    assert rates == {0: 64.0, 1: 128.0} and ratios == {0: 1.0, 1: 2.0} and busy == ""
+    # Every sample got a fifth of a core: the table says so.
+    loaded = {0: [(64, 5.0, 1.0)] * 3, 1: [(64, 2.5, 0.5)] * 3}
+    rates, ratios, busy = decode_speeds(loaded)
+    assert ratios[1] == 2.0 and busy.startswith("machine busy: this process got 0.20 of a core")
+
+
+def test_compress_report_interleaves_rounds_and_writes_json(base_run, tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["compress", "--run", str(base_run), "--out", str(out), "--prune", "magnitude",
+                 "--sparsity", "0.5"]) == 0
+    table = tmp_path / "t.json"
+    capsys.readouterr()
+    assert main(["compress", "--report", str(base_run), str(out), "--batches", "2", "--decode-tokens", "4",
+                 "--rounds", "2", "--json", str(table)]) == 0
+    said = capsys.readouterr().out
+    assert "decode: medians of 2 interleaved round(s) of 4 tokens at batch 1" in said
+    import json
+
+    rows = json.loads(table.read_text())
+    assert rows[0]["speed_ratio"] == 1.0 and rows[1]["decode_tokens_per_s"] > 0
+    assert isinstance(rows[1]["machine_busy"], bool)

@@ -64,7 +64,11 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: one table of these run folders (the original first): val perplexity, size, "
                         "decode tokens/s")
     p.add_argument("--batches", type=int, default=8, help="--report: validation batches scored")
-    p.add_argument("--decode-tokens", type=int, default=64, help="--report: tokens generated (batch 1) for speed")
+    p.add_argument("--decode-tokens", type=int, default=64, help="--report: tokens generated (batch 1) for speed; "
+                                                                 "0 = no speed columns")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--report: decode timings per run, interleaved across the runs (medians; a machine busy "
+                        "with other jobs is said)")
     p.add_argument("--json", help="--report: also write the table as JSON here")
 
 
@@ -154,19 +158,44 @@ def run_compress(args: argparse.Namespace) -> int:
 
 
 @torch.no_grad()
-def decode_tokens_per_second(model, cfg, tokenizer, tokens: int, prompt: list[int]) -> float:
-    """Greedy decoding at batch 1 through ``model.generate.generate`` (what `scaletrain generate` runs)."""
+def decode_sample(model, cfg, tokenizer, tokens: int, prompt: list[int]) -> tuple[int, float, float]:
+    """One greedy decode at batch 1 through ``model.generate.generate`` (what `scaletrain generate` runs):
+    (tokens generated, wall seconds, this process's CPU seconds over all its threads)."""
     from scaletrain.model.generate import generate
 
-    generate(model, prompt, 4, max_seq_len=cfg.data.seq_len, temperature=0.0, vocab_limit=tokenizer.vocab_size)
-    t0 = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     new = generate(model, prompt, tokens, max_seq_len=cfg.data.seq_len, temperature=0.0,
                    vocab_limit=tokenizer.vocab_size)
-    return len(new) / (time.perf_counter() - t0)
+    return len(new), time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(run: str, batches: int, decode_tokens: int) -> dict:
-    """Validation loss / perplexity (first ``batches`` batches), saved weight bytes, decode tokens/s."""
+# Below this share of one core (process CPU seconds per wall second, median over the samples) the process
+# mostly waited for other jobs: its wall-clock speeds say more about the machine than about the variants.
+BUSY_CPU_SHARE = 0.5
+
+
+def decode_speeds(samples: dict) -> tuple[dict, dict, str]:
+    """From interleaved ``samples`` (per variant, one (tokens, wall s, CPU s) per round, rounds in the same
+    order for every variant): (median tokens/s per variant, median per-round speed ratio to the first
+    variant, a 'machine busy' note or ""). The ratio of each round compares variants timed seconds apart, so a
+    load that comes and goes shifts both sides alike; its median drops the rounds a spike hit."""
+    import statistics
+
+    names = list(samples)
+    rates = {n: statistics.median(t / w for t, w, _ in samples[n]) for n in names}
+    base = samples[names[0]]
+    ratios = {n: statistics.median((t / w) / (bt / bw) for (t, w, _), (bt, bw, _) in zip(samples[n], base))
+              for n in names}
+    share = statistics.median(c / w for n in names for _, w, c in samples[n] if w > 0)
+    busy = "" if share >= BUSY_CPU_SHARE else (
+        f"machine busy: this process got {share:.2f} of a core while decoding (CPU time / wall time); the speeds "
+        f"are the machine's load more than the variants': re-run on a quiet machine (or with fewer threads)")
+    return rates, ratios, busy
+
+
+def measure(run: str, batches: int) -> tuple[dict, tuple]:
+    """Validation loss / perplexity (first ``batches`` batches) and saved weight bytes of ``run``; and what its
+    decode timing needs (model, config, tokenizer, prompt)."""
     from scaletrain.data.loader import TokenStream
     from scaletrain.train.evaluate import perplexity, token_loss
     from scaletrain.train.trainer import prepare_data
@@ -176,30 +205,50 @@ def measure(run: str, batches: int, decode_tokens: int) -> dict:
     n = min(stream.total, batches * cfg.train.batch_size * cfg.data.seq_len + 1)
     tokens = torch.from_numpy(stream.read(0, n).astype("int64"))
     loss, count = token_loss(model, tokens, cfg.data.seq_len, cfg.train.batch_size, vocab_limit=tokenizer.vocab_size)
-    prompt = tokens[:8].tolist()
-    speed = decode_tokens_per_second(model, cfg, tokenizer, decode_tokens, prompt) if decode_tokens else 0.0
     record = Path(run) / "compress.json"
     what = json.loads(record.read_text()) if record.is_file() else {}
     label = ", ".join(filter(None, [
         f"{what['prune']['method']} {what['prune']['pattern']}" if "prune" in what else "",
         "structured" if "structured" in what else "", what["quantize"]["method"] if "quantize" in what else ""]))
-    return {"run": str(run), "variant": label or "original", "val_loss": loss, "val_perplexity": perplexity(loss),
-            "tokens_scored": count, "bytes": state_bytes(model), "decode_tokens_per_s": speed}
+    row = {"run": str(run), "variant": label or "original", "val_loss": loss, "val_perplexity": perplexity(loss),
+           "tokens_scored": count, "bytes": state_bytes(model)}
+    return row, (model, cfg, tokenizer, tokens[:8].tolist())
 
 
 def report(args: argparse.Namespace) -> int:
-    rows = [measure(run, args.batches, args.decode_tokens) for run in args.report]
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds {args.rounds}: must be >= 1")
+    measured = [measure(run, args.batches) for run in args.report]
+    rows = [row for row, _ in measured]
+    busy = ""
+    if args.decode_tokens:
+        # Interleaved: every round times each variant once, the order reversed every other round, so no variant
+        # always runs first (warm caches) or last; one warm-up decode each first.
+        timings = [timing for _, timing in measured]
+        samples: dict[int, list] = {i: [] for i in range(len(rows))}
+        for model, cfg, tokenizer, prompt in timings:
+            decode_sample(model, cfg, tokenizer, 4, prompt)
+        for r in range(args.rounds):
+            for i in (range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))):
+                model, cfg, tokenizer, prompt = timings[i]
+                samples[i].append(decode_sample(model, cfg, tokenizer, args.decode_tokens, prompt))
+        rates, ratios, busy = decode_speeds(samples)
     base = rows[0]
     print(f"{'run':<36} {'variant':<24} {'val ppl':>9} {'d ppl':>8} {'MB':>8} {'size':>6} {'decode tok/s':>12} "
           f"{'speed':>6}")
-    for r in rows:
+    for i, r in enumerate(rows):
         r["perplexity_change"] = r["val_perplexity"] / base["val_perplexity"] - 1
         r["size_ratio"] = r["bytes"] / base["bytes"]
-        r["speed_ratio"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base["decode_tokens_per_s"] \
-            else 0.0
+        r["decode_tokens_per_s"] = rates[i] if args.decode_tokens else 0.0
+        r["speed_ratio"] = ratios[i] if args.decode_tokens else 0.0
+        r["machine_busy"] = bool(busy)
         print(f"{Path(r['run']).name[:36]:<36} {r['variant'][:24]:<24} {r['val_perplexity']:>9.2f} "
               f"{100 * r['perplexity_change']:>+7.1f}% {r['bytes'] / 1e6:>8.2f} {r['size_ratio']:>5.2f}x "
               f"{r['decode_tokens_per_s']:>12.1f} {r['speed_ratio']:>5.2f}x")
+    if args.decode_tokens:
+        print(f"decode: medians of {args.rounds} interleaved round(s) of {args.decode_tokens} tokens at batch 1 on "
+              f"{torch.get_num_threads()} thread(s); speed = the median of each round's ratio to the first run"
+              + (f"; {busy}" if busy else ""))
     if args.json:
         with guarded_write(f"the table {args.json}", args.json):
             Path(args.json).write_text(json.dumps(rows, indent=2))
