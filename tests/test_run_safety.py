@@ -344,7 +344,7 @@ def test_an_export_that_does_not_fit_is_one_line_and_keeps_the_previous_export(s
     run_ok(train_args(config, run, "--train.stop_at_step=5"))
     run_ok(["export", "--run", str(run)])
     before = (run / "export-hf" / "model.safetensors").read_bytes()
-    code, text = run_with_file_limit(len(before) // 2, ["export", "--run", str(run)])
+    code, text = run_with_file_limit(len(before) // 2, ["export", "--run", str(run), "--overwrite"])
     assert code == 2, text[-2000:]
     (line,) = [line for line in text.splitlines() if line.startswith("StorageError:")]
     assert "writing the export" in line and "needs about" in line

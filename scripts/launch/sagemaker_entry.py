@@ -88,7 +88,7 @@ def main() -> int:
     model_dir = env.get("SM_MODEL_DIR")
     if status == 0 and model_dir and is_rank_zero and hyperparameters(env).get("export", "true") == "true":
         status = subprocess.call([sys.executable, "-m", "scaletrain.cli", "export", "--run", checkpoint_dir(env),
-                                  "--out", model_dir])
+                                  "--out", model_dir, "--overwrite"])  # a restarted job exports again
     return status
 
 

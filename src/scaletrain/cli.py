@@ -17,6 +17,7 @@ from scaletrain.config import (
     config_differences,
     load_config,
     overrides_from_args,
+    read_toml,
     to_toml,
 )
 from scaletrain.options import UserError
@@ -62,14 +63,26 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
     run_dir = overrides.get("train.run_dir") or (recipe or JobConfig()).train.run_dir
     saved = Path(run_dir) / "config.toml"
     if not resume or not saved.is_file():
-        return load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides)
+        given = "data.path" in overrides or (args.config and "path" in read_toml(args.config).get("data", {}))
+        if cfg.finetune.source and not given:  # a fine-tune goes on with its base run's data unless told
+            from scaletrain.adapt.base import with_base_data
+            from scaletrain.parallel.distributed import say
+
+            cfg = with_base_data(cfg, announce=None if getattr(args, "print_config", False) else say)
+        return cfg
     overrides["train.resume"] = "true"  # the saved config keeps resume = false
     if recipe is not None:
         saved_cfg = load_config(saved)
-        # A fine-tune's saved [model] and data.tokenizer are its base's (adapt.resolve_finetune), not the recipe's.
+        # A fine-tune's saved [model] and data.tokenizer are its base's (adapt.resolve_finetune), not the recipe's,
+        # and so is its data.path where the recipe left the default.
         from_base = ("model.", "data.tokenizer") if saved_cfg.finetune.source else ()
+        if (Path(saved_cfg.data.path) / "manifest.json").is_file():  # prepared data: the tokenizer is its record
+            from_base = (*from_base, "data.tokenizer")
+        default_data = JobConfig().data.path
         differ = [(key, mine, theirs) for key, mine, theirs in config_differences(recipe, saved_cfg)
                   if key not in overrides and key not in RESUME_FREE_FIELDS and not key.startswith(from_base)
+                  and not (key == "data.path" and saved_cfg.finetune.source and mine == default_data)
                   and not (key == "model.vocab_size" and mine == 0)]  # 0: the data's, resolved in the saved one
         if differ:
             shown = ", ".join(f"{key} ({mine!r} vs saved {theirs!r})" for key, mine, theirs in differ[:6])
@@ -111,8 +124,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     counts = trainer.summary()
     trainable = "" if not n.finetune.source else \
         f" ({counts['trainable_parameters']:,} trainable, finetune.method={n.finetune.method})"
+    data = f"instructions {n.finetune.instructions}" if n.finetune.instructions else n.data.path
     say(f"model: {counts['parameters'] / 1e6:.2f}M parameters{trainable} ({n.model.n_layers} layers x {n.model.dim}), "
-        f"vocab {trainer.vocab_note}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
+        f"vocab {trainer.vocab_note}; data {data}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
         f"{precision}; run folder {trainer.run_dir}" + (f"; {trainer.disk_note}" if trainer.disk_note else ""))
     summary = trainer.train()
     if summary["preempted"]:
@@ -222,7 +236,12 @@ def _export_parser(sub) -> None:
     p.add_argument("--out", help="output folder (default: <run>/export-hf)")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA/QLoRA fine-tune: fold the adapters into the weights and write one plain folder "
-                        "(default for an adapter run: the base's folder plus a peft adapter in <out>/adapter)")
+                        "(default for an adapter run: the base's folder plus a peft adapter in <out>/adapter). "
+                        "QLoRA: the merged weights are the NF4-rounded base + adapter (what the run trained), "
+                        "the default folder holds the original base + adapter; their logits differ: merge to get "
+                        "what was trained, keep the adapter to stay on the original")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out (its adapter/ too); without it, that is refused")
     p.set_defaults(func=cmd_export)
 
 
@@ -231,8 +250,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.export import export_hf
     from scaletrain.compress.run import load_run  # any run folder; a quantized one is refused in one line
 
-    cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
     out = Path(args.out or Path(args.run) / "export-hf")
+    if (out / "config.json").is_file() and not args.overwrite:  # a folder of other files: export_hf refuses it
+        held = "an earlier export" + (" and its adapter/" if (out / "adapter").is_dir() else "")
+        raise ConfigError(f"--out {out} holds {held}; pass --overwrite to replace it, or choose a new folder")
+    cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
+    if cfg.finetune.method == "qlora":  # the two exports are not the same model: say which one this is
+        print("QLoRA: " + ("--merge writes the NF4-rounded base + adapter, what the run trained (without --merge: "
+                           "the original base + adapter, whose logits differ)" if args.merge else
+                           "the original (unrounded) base + the adapter trained on its NF4-rounded copy; "
+                           "--merge gives what the run trained (logits differ)"), flush=True)
     if args.merge:
         model = merge_adapters(model, cfg)
     if is_plain(model):
@@ -251,8 +278,9 @@ def _finetune_parser(sub) -> None:
     p = sub.add_parser("finetune", help="adapt an existing model (a run or a Hugging Face folder): full, lora, "
                                         "qlora, prompt or prefix tuning",
                        description="Fine-tune: `scaletrain train` with finetune.source set from --from. The [model] "
-                                   "fields and data.tokenizer come from the base; everything else (data, steps, "
-                                   "parallelism, resume) works as for train. See docs/finetuning.md.")
+                                   "fields and data.tokenizer come from the base, and so does the data when the base "
+                                   "is a run and data.path is not given (its prepared tokens); everything else "
+                                   "(steps, parallelism, resume) works as for train. See docs/finetuning.md.")
     p.add_argument("--from", dest="source", required=True,
                    help="the base: a scaletrain run folder or a Hugging Face Llama folder")
     p.add_argument("--config", help="TOML recipe (see configs/)")
@@ -325,6 +353,9 @@ PLUGINS = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scaletrain.quiet import quiet_known_noise
+
+    quiet_known_noise()  # torchao's harmless import lines (QLoRA, compress)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:

@@ -89,7 +89,9 @@ def guarded_write(what: str, where: str | Path, cleanup: tuple[str | Path, ...] 
     """Run a block that writes ``what`` under ``where``; a storage failure (see ``is_storage_error``) removes the
     ``cleanup`` paths (temporary files or folders that would go on filling the disk; or a function that lists
     them at that moment) and becomes one
-    ``StorageError`` line: what failed, why, bytes needed vs free, and ``intact`` (what is still good).
+    ``StorageError`` line: what failed, why, bytes needed vs free, and ``intact`` (what is still good); or,
+    when the path itself is the problem (a parent that is a file, a folder not writable: ``path_problem``),
+    what is in the way, without free-space advice.
     Other errors pass through unchanged: they are bugs, and their traceback is what a developer needs."""
     try:
         yield
@@ -98,6 +100,9 @@ def guarded_write(what: str, where: str | Path, cleanup: tuple[str | Path, ...] 
             raise
         for path in cleanup() if callable(cleanup) else cleanup:
             remove_quietly(path)
+        blocked = path_problem(exc, where)
+        if blocked:  # not a matter of space: say what is in the way, not how much is free
+            raise StorageError(f"writing {what} failed: {blocked}; choose another path") from None
         try:
             free = human_bytes(free_bytes(where))
         except OSError:
@@ -106,6 +111,36 @@ def guarded_write(what: str, where: str | Path, cleanup: tuple[str | Path, ...] 
         tail = f"; {intact}" if intact else ""
         raise StorageError(f"writing {what} failed: {storage_reason(exc)} ({need}{free} free on the disk of "
                            f"{where}){tail}") from None
+
+
+# Failures that are the path's fault, not the disk's fullness: a parent that is a file, a folder that cannot
+# be written to, a read-only file system.
+_PATH_ERRNOS = {errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                errno.ENAMETOOLONG}
+
+
+def path_problem(exc: BaseException, where: str | Path) -> str:
+    """The real cause of a write that failed because of its path (``"runs/x is a file, not a folder"``,
+    ``"/data is not writable"``), or "" when ``exc`` is not such a failure (a full disk, an I/O error)."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    if exc is None or exc.errno not in _PATH_ERRNOS:
+        return ""
+    target = Path(exc.filename or where)
+    if exc.errno == errno.ENAMETOOLONG:
+        return f"{target}: the name is too long"
+    existing = target
+    while not existing.exists() and existing != existing.parent:  # the nearest part of the path that exists
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir() and exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return f"{existing} is a file, not a folder"
+    if exc.errno == errno.EISDIR:
+        return f"{target} is a folder where a file was to be written"
+    if exc.errno == errno.EROFS:
+        return f"{existing} is on a read-only file system"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"{existing} is not writable (permission denied)"
+    return ""
 
 
 def remove_quietly(path: str | Path) -> None:

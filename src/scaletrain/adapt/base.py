@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from scaletrain.adapt.hf_import import hf_index, hf_model_config, read_hf_tensor, safetensors_files
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager
 from scaletrain.checkpoint.state import model_tensors
-from scaletrain.config import ConfigError, ModelConfig, load_config
+from scaletrain.config import ConfigError, DataConfig, ModelConfig, load_config
+from scaletrain.data.shards import MANIFEST
 from scaletrain.files import file_sha256
 from scaletrain.model import build_model
 
@@ -38,6 +39,7 @@ class Base:
     tokenizer: Path  # its tokenizer.json
     sha256: str
     checkpoint: Path | None = None  # a run's checkpoint folder
+    data: str = ""  # a run's data: its prepared token folder if it is still there, else its data.path
 
     def reference(self) -> dict:
         """What an adapter checkpoint records about its base (``meta.json``'s ``base``)."""
@@ -126,7 +128,8 @@ def _open(path: Path, *stamp) -> Base:
         if checkpoint is None:
             raise CheckpointError(f"finetune.source: {path} has no complete checkpoint")
         tokenizer = path / "tokenizer.json"
-        return Base("run", path, cfg.model, tokenizer, file_sha256(checkpoint / "meta.json"), checkpoint)
+        return Base("run", path, cfg.model, tokenizer, file_sha256(checkpoint / "meta.json"), checkpoint,
+                    run_data(path, cfg.data))
     if (path / "config.json").is_file():
         model = hf_model_config(path)
         tokenizer = path / "tokenizer.json"
@@ -139,6 +142,15 @@ def _open(path: Path, *stamp) -> Base:
         return Base("hf", path, model, tokenizer, digest.hexdigest())
     raise ConfigError(f"finetune.source: {path} has neither config.toml (a scaletrain run) nor config.json "
                       f"(a Hugging Face folder)")
+
+
+def run_data(run: Path, data: DataConfig) -> str:
+    """What a run trained on: its prepared token folder (data.cache_dir, else <run>/data, as the trainer
+    prepares it) while it holds a manifest, else its data.path as written."""
+    prepared = Path(data.cache_dir) if data.cache_dir else run / "data"
+    if not prepared.is_absolute():  # relative to where it was trained: try the run's parent too
+        prepared = prepared if (prepared / MANIFEST).is_file() else run.parent / prepared
+    return str(prepared.resolve()) if (prepared / MANIFEST).is_file() else data.path
 
 
 def resolve_finetune(cfg, announce=None):
@@ -167,3 +179,20 @@ def resolve_finetune(cfg, announce=None):
     if announce is not None and cfg.model != model:
         announce(f"fine-tuning {base.path} ({base.kind}): [model] and data.tokenizer taken from it")
     return dataclasses.replace(cfg, model=model, data=dataclasses.replace(cfg.data, tokenizer=str(base.tokenizer)))
+
+
+def with_base_data(cfg, announce=None):
+    """``cfg`` (a JobConfig whose data.path was not given) fine-tuning on its base run's data: a fine-tune (a
+    recovery after compression above all) goes on with what the base learnt from, where the default corpus
+    would silently change the task. A Hugging Face base (no data known), or instruction tuning: unchanged."""
+    import dataclasses
+
+    if not cfg.finetune.source or cfg.finetune.instructions:
+        return cfg
+    base = open_base(cfg.finetune.source)
+    if not base.data or base.data == cfg.data.path:
+        return cfg
+    if announce is not None:
+        announce(f"data.path not given: fine-tuning on the base run's data, {base.data} (set data.path to choose "
+                 f"other text)")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=base.data))

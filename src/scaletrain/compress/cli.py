@@ -12,9 +12,20 @@ import torch
 
 from scaletrain.compress import prune as unstructured
 from scaletrain.compress import structured
-from scaletrain.compress.quantize import GROUP_SIZES, METHODS, quantize_model
-from scaletrain.compress.run import load_run, load_source, state_bytes, write_run
+from scaletrain.compress.quantize import (
+    AUTO_GROUP_SIZE,
+    CPU_GROUP_SIZES,
+    GROUP_SIZES,
+    METHODS,
+    block_input_widths,
+    quantize_model,
+    resolve_group_size,
+)
+from scaletrain.compress.run import check_output, load_run, load_source, state_bytes, write_run
 from scaletrain.config import ConfigError
+from scaletrain.files import guarded_write
+
+DEFAULT_SPARSITY = 0.5
 
 
 def add_compress_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,8 +33,9 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="the new run folder to write (must not exist or be empty)")
     p.add_argument("--prune", choices=unstructured.METHODS, help="unstructured or 2:4 pruning by magnitude |W| or "
                                                                  "Wanda |W| x ||X||")
-    p.add_argument("--sparsity", type=float, default=0.5, help="--prune: fraction of block weights set to zero, "
-                                                               "in (0, 1)")
+    p.add_argument("--sparsity", type=float, default=None,
+                   help="--prune unstructured: fraction of block weights set to zero, in (0, 1); default 0.5, said "
+                        "in the output when it is not given (2:4 is always 0.5)")
     p.add_argument("--pattern", choices=("unstructured", "2:4"), default="unstructured",
                    help="--prune: any weights, or 2 of every 4 consecutive inputs (50%%)")
     p.add_argument("--scope", choices=unstructured.SCOPES, default="layer",
@@ -40,7 +52,11 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop-blocks", type=int, default=0, help="structured: whole blocks removed (lowest influence)")
     p.add_argument("--quantize", choices=METHODS, help="post-training quantization of the block Linears (torchao), "
                                                        "after any pruning")
-    p.add_argument("--group-size", type=int, default=128, help=f"int4: weights per scale, one of {GROUP_SIZES}")
+    p.add_argument("--group-size", type=int, default=0,
+                   help=f"int4: weights per scale, one of {', '.join(map(str, CPU_GROUP_SIZES))} (a GPU: "
+                        f"{', '.join(map(str, GROUP_SIZES))}); default 0 = auto: {AUTO_GROUP_SIZE} where it divides "
+                        f"the input width of every block Linear, else the largest smaller size that does (16 for the "
+                        f"micro preset, whose SwiGLU is 688 wide), said in the output")
     p.add_argument("--calibration-sequences", type=int, default=64,
                    help="calibration set: this many sequences of data.seq_len tokens")
     p.add_argument("--calibration-text", help="a UTF-8 text file to calibrate on instead of the run's training data")
@@ -48,13 +64,19 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead: one table of these run folders (the original first): val perplexity, size, "
                         "decode tokens/s")
     p.add_argument("--batches", type=int, default=8, help="--report: validation batches scored")
-    p.add_argument("--decode-tokens", type=int, default=64, help="--report: tokens generated (batch 1) for speed")
+    p.add_argument("--decode-tokens", type=int, default=64, help="--report: tokens generated (batch 1) for speed; "
+                                                                 "0 = no speed columns")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--report: decode timings per run, interleaved across the runs (medians; a machine busy "
+                        "with other jobs is said)")
     p.add_argument("--json", help="--report: also write the table as JSON here")
 
 
 def calibration_batches(cfg, tokenizer, sequences: int, text: str | None, batch_size: int = 8) -> list[torch.Tensor]:
     """``sequences`` windows of data.seq_len tokens from the start of the run's training split (or ``text``)."""
     from scaletrain.data.loader import TokenStream
+    from scaletrain.data.prepare import read_text_file
+    from scaletrain.data.tokenizer import describe_skipped, encode_known
     from scaletrain.train.trainer import prepare_data
 
     if sequences < 1:
@@ -64,7 +86,10 @@ def calibration_batches(cfg, tokenizer, sequences: int, text: str | None, batch_
         path = Path(text)
         if not path.is_file():
             raise ConfigError(f"--calibration-text {text}: not a file")
-        ids = torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8")), dtype=torch.long)
+        ids, unknown = encode_known(tokenizer, read_text_file(path))  # not UTF-8: one DataError line naming it
+        if unknown:
+            print(describe_skipped(unknown), flush=True)
+        ids = torch.tensor(ids, dtype=torch.long)
     else:
         stream = TokenStream(str(prepare_data(cfg)), "train")
         ids = torch.from_numpy(stream.read(0, min(stream.total, sequences * seq)).astype("int64"))
@@ -85,15 +110,21 @@ def run_compress(args: argparse.Namespace) -> int:
         raise ConfigError("nothing to do: give --prune, --mlp-fraction / --head-fraction / --drop-blocks and/or "
                           "--quantize")
     if args.prune and args.pattern == "unstructured":
+        if args.sparsity is None:
+            args.sparsity = DEFAULT_SPARSITY
+            print(f"--sparsity not given: pruning {100 * DEFAULT_SPARSITY:.0f}% of the block weights (the default)")
         unstructured.check_sparsity(args.sparsity)
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):  # before any work (write_run checks again)
-        raise ConfigError(f"--out {out}: exists and is not empty; choose a new folder")
+    elif args.prune and args.sparsity not in (None, 0.5):
+        raise ConfigError(f"--sparsity {args.sparsity} with --pattern 2:4: the pattern fixes the sparsity at 50%; "
+                          f"drop --sparsity")
     torch.manual_seed(0)
     cfg, model, tokenizer, ckpt = load_source(args.run)
     if structural:  # bad input before any work
         structured.plan_sizes(cfg.model, args.mlp_fraction, args.drop_blocks)
         structured.plan_heads(cfg.model, args.head_fraction)
+    elif args.quantize == "int4-weight":
+        resolve_group_size(args.group_size, block_input_widths(model))
+    check_output(args.out)  # a path that cannot be written, before any work
     model_cfg, record, source_bytes = cfg.model, {}, state_bytes(model)
     needs_data = args.prune == "wanda" or structural
     calib = calibration_batches(cfg, tokenizer, args.calibration_sequences, args.calibration_text) \
@@ -115,8 +146,10 @@ def run_compress(args: argparse.Namespace) -> int:
         print(f"pruned {args.prune} {args.pattern}: {100 * record['prune']['sparsity']:.1f}% of the block weights "
               f"are zero (masks applied to dense weights: no speed-up on dense kernels)")
     if args.quantize:
+        group = resolve_group_size(args.group_size, block_input_widths(model))[0] \
+            if args.quantize == "int4-weight" else 0
         note = quantize_model(model, args.quantize, args.group_size)
-        record["quantize"] = {"method": args.quantize, "group_size": args.group_size, "note": note}
+        record["quantize"] = {"method": args.quantize, "group_size": group, "note": note}
         print(f"quantized: {note}")
     out = write_run(args.out, args.run, cfg, model_cfg, model, record, quantized=bool(args.quantize))
     print(f"wrote {out} ({state_bytes(model) / 1e6:.2f} MB of weights; {args.run} {ckpt.name}: "
@@ -125,19 +158,44 @@ def run_compress(args: argparse.Namespace) -> int:
 
 
 @torch.no_grad()
-def decode_tokens_per_second(model, cfg, tokenizer, tokens: int, prompt: list[int]) -> float:
-    """Greedy decoding at batch 1 through ``model.generate.generate`` (what `scaletrain generate` runs)."""
+def decode_sample(model, cfg, tokenizer, tokens: int, prompt: list[int]) -> tuple[int, float, float]:
+    """One greedy decode at batch 1 through ``model.generate.generate`` (what `scaletrain generate` runs):
+    (tokens generated, wall seconds, this process's CPU seconds over all its threads)."""
     from scaletrain.model.generate import generate
 
-    generate(model, prompt, 4, max_seq_len=cfg.data.seq_len, temperature=0.0, vocab_limit=tokenizer.vocab_size)
-    t0 = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     new = generate(model, prompt, tokens, max_seq_len=cfg.data.seq_len, temperature=0.0,
                    vocab_limit=tokenizer.vocab_size)
-    return len(new) / (time.perf_counter() - t0)
+    return len(new), time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(run: str, batches: int, decode_tokens: int) -> dict:
-    """Validation loss / perplexity (first ``batches`` batches), saved weight bytes, decode tokens/s."""
+# Below this share of one core (process CPU seconds per wall second, median over the samples) the process
+# mostly waited for other jobs: its wall-clock speeds say more about the machine than about the variants.
+BUSY_CPU_SHARE = 0.5
+
+
+def decode_speeds(samples: dict) -> tuple[dict, dict, str]:
+    """From interleaved ``samples`` (per variant, one (tokens, wall s, CPU s) per round, rounds in the same
+    order for every variant): (median tokens/s per variant, median per-round speed ratio to the first
+    variant, a 'machine busy' note or ""). The ratio of each round compares variants timed seconds apart, so a
+    load that comes and goes shifts both sides alike; its median drops the rounds a spike hit."""
+    import statistics
+
+    names = list(samples)
+    rates = {n: statistics.median(t / w for t, w, _ in samples[n]) for n in names}
+    base = samples[names[0]]
+    ratios = {n: statistics.median((t / w) / (bt / bw) for (t, w, _), (bt, bw, _) in zip(samples[n], base))
+              for n in names}
+    share = statistics.median(c / w for n in names for _, w, c in samples[n] if w > 0)
+    busy = "" if share >= BUSY_CPU_SHARE else (
+        f"machine busy: this process got {share:.2f} of a core while decoding (CPU time / wall time); the speeds "
+        f"are the machine's load more than the variants': re-run on a quiet machine (or with fewer threads)")
+    return rates, ratios, busy
+
+
+def measure(run: str, batches: int) -> tuple[dict, tuple]:
+    """Validation loss / perplexity (first ``batches`` batches) and saved weight bytes of ``run``; and what its
+    decode timing needs (model, config, tokenizer, prompt)."""
     from scaletrain.data.loader import TokenStream
     from scaletrain.train.evaluate import perplexity, token_loss
     from scaletrain.train.trainer import prepare_data
@@ -147,30 +205,51 @@ def measure(run: str, batches: int, decode_tokens: int) -> dict:
     n = min(stream.total, batches * cfg.train.batch_size * cfg.data.seq_len + 1)
     tokens = torch.from_numpy(stream.read(0, n).astype("int64"))
     loss, count = token_loss(model, tokens, cfg.data.seq_len, cfg.train.batch_size, vocab_limit=tokenizer.vocab_size)
-    prompt = tokens[:8].tolist()
-    speed = decode_tokens_per_second(model, cfg, tokenizer, decode_tokens, prompt) if decode_tokens else 0.0
     record = Path(run) / "compress.json"
     what = json.loads(record.read_text()) if record.is_file() else {}
     label = ", ".join(filter(None, [
         f"{what['prune']['method']} {what['prune']['pattern']}" if "prune" in what else "",
         "structured" if "structured" in what else "", what["quantize"]["method"] if "quantize" in what else ""]))
-    return {"run": str(run), "variant": label or "original", "val_loss": loss, "val_perplexity": perplexity(loss),
-            "tokens_scored": count, "bytes": state_bytes(model), "decode_tokens_per_s": speed}
+    row = {"run": str(run), "variant": label or "original", "val_loss": loss, "val_perplexity": perplexity(loss),
+           "tokens_scored": count, "bytes": state_bytes(model)}
+    return row, (model, cfg, tokenizer, tokens[:8].tolist())
 
 
 def report(args: argparse.Namespace) -> int:
-    rows = [measure(run, args.batches, args.decode_tokens) for run in args.report]
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds {args.rounds}: must be >= 1")
+    measured = [measure(run, args.batches) for run in args.report]
+    rows = [row for row, _ in measured]
+    busy = ""
+    if args.decode_tokens:
+        # Interleaved: every round times each variant once, the order reversed every other round, so no variant
+        # always runs first (warm caches) or last; one warm-up decode each first.
+        timings = [timing for _, timing in measured]
+        samples: dict[int, list] = {i: [] for i in range(len(rows))}
+        for model, cfg, tokenizer, prompt in timings:
+            decode_sample(model, cfg, tokenizer, 4, prompt)
+        for r in range(args.rounds):
+            for i in (range(len(rows)) if r % 2 == 0 else reversed(range(len(rows)))):
+                model, cfg, tokenizer, prompt = timings[i]
+                samples[i].append(decode_sample(model, cfg, tokenizer, args.decode_tokens, prompt))
+        rates, ratios, busy = decode_speeds(samples)
     base = rows[0]
     print(f"{'run':<36} {'variant':<24} {'val ppl':>9} {'d ppl':>8} {'MB':>8} {'size':>6} {'decode tok/s':>12} "
           f"{'speed':>6}")
-    for r in rows:
+    for i, r in enumerate(rows):
         r["perplexity_change"] = r["val_perplexity"] / base["val_perplexity"] - 1
         r["size_ratio"] = r["bytes"] / base["bytes"]
-        r["speed_ratio"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base["decode_tokens_per_s"] \
-            else 0.0
+        r["decode_tokens_per_s"] = rates[i] if args.decode_tokens else 0.0
+        r["speed_ratio"] = ratios[i] if args.decode_tokens else 0.0
+        r["machine_busy"] = bool(busy)
         print(f"{Path(r['run']).name[:36]:<36} {r['variant'][:24]:<24} {r['val_perplexity']:>9.2f} "
               f"{100 * r['perplexity_change']:>+7.1f}% {r['bytes'] / 1e6:>8.2f} {r['size_ratio']:>5.2f}x "
               f"{r['decode_tokens_per_s']:>12.1f} {r['speed_ratio']:>5.2f}x")
+    if args.decode_tokens:
+        print(f"decode: medians of {args.rounds} interleaved round(s) of {args.decode_tokens} tokens at batch 1 on "
+              f"{torch.get_num_threads()} thread(s); speed = the median of each round's ratio to the first run"
+              + (f"; {busy}" if busy else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        with guarded_write(f"the table {args.json}", args.json):
+            Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

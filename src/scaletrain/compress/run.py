@@ -22,13 +22,14 @@ import torch
 from torch import nn
 
 from scaletrain.adapt import run as adapt_run
-from scaletrain.adapt.export import is_plain
+from scaletrain.adapt.export import is_plain, merge_adapters
 from scaletrain.checkpoint.manager import CheckpointManager
 from scaletrain.checkpoint.state import model_tensors
 from scaletrain.compress.prune import use_sparse_kernels
 from scaletrain.compress.quantize import quantize_model
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, load_config, to_toml
 from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
+from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model import Transformer
 
 RECORD = "compress.json"
@@ -44,13 +45,19 @@ def source_data_cache(cfg: JobConfig, run: Path) -> str:
 
 
 def load_source(run_dir: str | Path) -> tuple[JobConfig, nn.Module, Tokenizer, Path]:
-    """The run to compress, as one plain model (a fine-tune with adapters must be merged first)."""
+    """The run to compress, as one plain model: a LoRA / QLoRA fine-tune has its adapters merged in (what
+    ``export --merge`` writes; said in one line); prompt and prefix tuning are refused (nothing to merge)."""
     cfg, model, tokenizer, ckpt = load_run(run_dir)
     if (Path(run_dir) / RECORD).is_file() and (Path(run_dir) / QUANTIZED).is_file():
         raise ConfigError(f"--run {run_dir}: is already quantized; compress the run it came from")
     if not is_plain(model):
-        raise ConfigError(f"--run {run_dir}: is an adapter fine-tune; merge it first (`scaletrain export --merge "
-                          f"--run {run_dir}`) and fine-tune or compress the merged folder")
+        method = cfg.finetune.method
+        if method in ("prompt", "prefix"):
+            raise ConfigError(f"--run {run_dir}: is a {method}-tuning run, whose virtual tokens are inputs, not "
+                              f"weights: compress its base ({cfg.finetune.source}) instead")
+        model = merge_adapters(model, cfg)
+        rounded = " (the NF4-rounded base, as `export --merge`)" if method == "qlora" else ""
+        print(f"merged the {method} adapters of {run_dir} into its base{rounded} before compressing", flush=True)
     return cfg, model, tokenizer, ckpt
 
 
@@ -66,20 +73,38 @@ def write_run(out: str | Path, source: str | Path, cfg: JobConfig, model_cfg: Mo
         cfg, model=model_cfg, finetune=FinetuneConfig(),  # a plain model now (a full fine-tune's weights)
         train=dataclasses.replace(cfg.train, run_dir=str(out), resume=False, overwrite=False, stop_at_step=0),
         data=dataclasses.replace(cfg.data, cache_dir=source_data_cache(cfg, source)))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(to_toml(new))
-    shutil.copyfile(source / "tokenizer.json", out / "tokenizer.json")
     record = {"source": str(source.resolve()), "source_checkpoint": str(ckpt) if ckpt else None, **record}
-    if quantized:
-        (out / QUANTIZED).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}, out / QUANTIZED)
-    else:
-        manager = CheckpointManager(out / "checkpoints", keep_last=1)
-        manager.save(step, {"model": model_tensors([model])}, {}, {"compressed_from": record["source"]})
-        manager.close()
-    record["weight_bytes"] = state_bytes(model)
-    (out / RECORD).write_text(json.dumps(record, indent=2))
+    with guarded_write(f"the compressed run {out}", out, needed=state_bytes(model)):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(to_toml(new))
+        shutil.copyfile(source / "tokenizer.json", out / "tokenizer.json")
+        if quantized:
+            (out / QUANTIZED).parent.mkdir(parents=True, exist_ok=True)
+            torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}, out / QUANTIZED)
+        else:
+            manager = CheckpointManager(out / "checkpoints", keep_last=1)
+            manager.save(step, {"model": model_tensors([model])}, {}, {"compressed_from": record["source"]})
+            manager.close()
+        record["weight_bytes"] = state_bytes(model)
+        (out / RECORD).write_text(json.dumps(record, indent=2))
     return out
+
+
+def check_output(out: str | Path) -> None:
+    """Refuse, before any work, an ``out`` that is not a new or empty folder, or whose path cannot be written (a
+    parent that is a file, a folder not writable: one StorageError line). The folder is made to see that it can
+    be, and what this made is removed again (``write_run`` makes it), so a later refusal leaves nothing behind."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out}: exists and is not an empty folder; choose a new folder")
+    if out.exists():
+        return
+    made = out  # the outermost folder this makes
+    while not made.parent.exists() and made.parent != made.parent.parent:
+        made = made.parent
+    with guarded_write(f"the compressed run {out}", out):
+        out.mkdir(parents=True)
+    remove_quietly(made)  # empty folders only, all made here
 
 
 def load_run(run_dir: str | Path, device: str = "cpu", quantized_ok: bool = True

@@ -8,6 +8,7 @@ Each stage receives only its own section.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from scaletrain.config import ConfigError, opt
 
@@ -142,6 +143,10 @@ def validate(cfg: PrepareConfig) -> None:
         raise ConfigError("filter.max_top_ngram_fraction takes at most 3 values (n = 2, 3, 4)")
     if len(cfg.filter.max_dup_ngram_fraction) > 6:
         raise ConfigError("filter.max_dup_ngram_fraction takes at most 6 values (n = 5..10)")
+    kind = cfg.tokenizer.kind
+    if kind not in ("bpe", "char") and not Path(kind).is_file():
+        what = "no such file" if kind.endswith(".json") or "/" in kind else "not a choice nor a file"
+        raise ConfigError(f"tokenizer {kind!r}: {what}; choose 'char', 'bpe' or the path of a tokenizer.json")
     if cfg.augment.fim_rate > 0 and cfg.tokenizer.kind != "bpe":
         raise ConfigError("augment.fim_rate > 0 needs tokenizer.kind = 'bpe' (the FIM sentinels are added "
                           "as special tokens when the BPE is trained)")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.config import ConfigError, DataConfig, ModelConfig, build, load_config
+from scaletrain.files import guarded_write
 from scaletrain.plan.hardware import Hardware
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 from scaletrain.plan.timing import workload_utilisation
@@ -30,7 +31,8 @@ def write_json(doc: dict, target: str) -> None:
     if target == "-":
         print(text)
     else:
-        Path(target).write_text(text)
+        with guarded_write(f"the JSON {target}", Path(target).parent):
+            Path(target).write_text(text)
 
 def parse_count(text: str, what: str) -> float:
     """'300B', '1.5e9', '2_000_000', '10M' -> a number; ConfigError otherwise."""
@@ -298,6 +300,7 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     """``scaletrain plan --method``: the memory per device and step time of fine-tuning, and whether it fits."""
     from scaletrain.config import FinetuneConfig
     from scaletrain.plan.finetune import finetune_answer, finetune_step_time
+    from scaletrain.plan.report import gib, human
     from scaletrain.plan.spec import Plan
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
@@ -309,15 +312,14 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     answer = finetune_answer(workload, cluster.hardware.memory_bytes, cluster.hardware.kind, ft,
                              pins.get("micro_batch"), pins.get("activation_checkpointing", "none"),
                              cluster.hardware.allocator)
-    gib = 2**30
-    console.print(f"fine-tuning {workload.model.preset or 'the model'} ({answer['total_parameters'] / 1e9:.2f}B "
+    console.print(f"fine-tuning {workload.model.preset or 'the model'} ({human(answer['total_parameters'])} "
                   f"parameters) with {args.method}: {answer['trainable_parameters']:,} trainable "
                   f"({100 * answer['trainable_parameters'] / answer['total_parameters']:.2f}%)")
     console.print(f"per device at micro-batch {answer['micro_batch']} x {answer['seq_len']} tokens: "
-                  f"{answer['per_device_bytes'] / gib:.1f} GiB = frozen base {answer['frozen_bytes'] / gib:.1f} + "
-                  f"trainable states {answer['trainable_state_bytes'] / gib:.2f} + activations "
-                  f"{answer['activations'] / gib:.1f} + loss / runtime; {cluster.hardware.name} has "
-                  f"{answer['device_memory_bytes'] / gib:.0f} GiB: " + ("fits" if answer["fits"] else "does NOT fit"))
+                  f"{gib(answer['per_device_bytes'])} = frozen base {gib(answer['frozen_bytes'])} + "
+                  f"trainable states {gib(answer['trainable_state_bytes'])} + activations "
+                  f"{gib(answer['activations'])} + loss / runtime; {cluster.hardware.name} has "
+                  f"{gib(answer['device_memory_bytes'])}: " + ("fits" if answer["fits"] else "does NOT fit"))
     timing = finetune_step_time(workload, Plan(dp_replicate=cluster.world_size, micro_batch=answer["micro_batch"],
                                                activation_checkpointing=pins.get("activation_checkpointing", "none")),
                                 cluster, ft)

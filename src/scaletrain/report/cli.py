@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from scaletrain.files import guarded_write
 from scaletrain.options import ConfigError
 
 
@@ -37,8 +38,16 @@ def plan_prediction(path: str) -> dict:
         raise ConfigError(f"--plan {path}: not a `scaletrain plan --json` document with a plan that fits") from None
 
 
+def write_page(out: Path, html: str) -> Path:
+    """Write the page (and its folder) through ``guarded_write``: a path that cannot be written is one line."""
+    with guarded_write(f"the report {out}", out.parent):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(html)
+    return out
+
+
 def run_report(args: argparse.Namespace) -> int:
-    from scaletrain.report.runs import read_run
+    from scaletrain.report.runs import RUN_FILES, has_run_files, read_run
 
     try:
         import plotly  # noqa: F401
@@ -53,6 +62,9 @@ def run_report(args: argparse.Namespace) -> int:
     if args.price < 0:
         raise ConfigError(f"--price must be >= 0 (got {args.price})")
     prediction = plan_prediction(args.plan) if args.plan else None
+    if all(Path(path).is_dir() and not has_run_files(path) for path in args.runs):  # nothing to draw
+        raise ConfigError(f"{', '.join(args.runs)}: not a run folder (it holds none of {', '.join(RUN_FILES)}); "
+                          f"pass the train.run_dir of a run")
     runs, names = [], set()
     for path in args.runs:
         run = read_run(path)
@@ -62,9 +74,7 @@ def run_report(args: argparse.Namespace) -> int:
         if prediction and not (run.config and run.config.prediction.plan):
             run.plan_prediction = prediction
         runs.append(run)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(runs, price=args.price, title=args.title))
+    out = write_page(Path(args.out), render(runs, price=args.price, title=args.title))
     for run in runs:
         for note in run.missing:
             print(f"{run.name}: {note}")
@@ -80,8 +90,6 @@ def _report_studies(args: argparse.Namespace) -> int:
     if others:
         study = next(path for path in args.runs if is_study_folder(path))
         raise ConfigError(f"{others[0]} is a run folder and {study} a tune folder: report them in two commands")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_studies(args.runs, args.title))
+    out = write_page(Path(args.out), render_studies(args.runs, args.title))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {len(args.runs)} tune stud(ies); opens offline)")
     return 0

@@ -125,6 +125,15 @@ class RunData:
         return statistics.median(values) if values else None
 
 
+# What the trainer writes into a run folder (any one is enough to draw something).
+RUN_FILES = ("config.toml", "run.json", "run_info.json", "metrics.jsonl", "monitor", "checkpoints")
+
+
+def has_run_files(path: str | Path) -> bool:
+    """Whether ``path`` holds anything a run writes (``RUN_FILES``): an empty folder has nothing to draw."""
+    return any((Path(path) / name).exists() for name in RUN_FILES)
+
+
 def read_run(path: str | Path, name: str = "") -> RunData:
     """Read a run folder (``train.run_dir``); ``ConfigError`` only when it is not a folder."""
     run_dir = Path(path)

@@ -32,3 +32,14 @@ def lr_at(step: int, peak_lr: float, total_steps: int, cfg: ScheduleConfig) -> f
     if cfg.name == "linear":
         return peak_lr + (cfg.min_lr - peak_lr) * progress
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak_lr - cfg.min_lr)
+
+
+def warmup_warning(total_steps: int, peak_lr: float, cfg: ScheduleConfig) -> str:
+    """One warning line when the warmup does not end within the run (the learning rate never reaches
+    optim.lr: e.g. the default 100 warmup steps in a 20-step run), else ""."""
+    if cfg.warmup_steps < total_steps or total_steps < 1:
+        return ""
+    reached = lr_at(total_steps - 1, peak_lr, total_steps, cfg)
+    return (f"warning: schedule.warmup_steps={cfg.warmup_steps} is not shorter than train.steps={total_steps}: the "
+            f"learning rate only rises, to {reached:.3g} at the last step instead of optim.lr={peak_lr:g}; lower "
+            f"--schedule.warmup_steps to reach it")

@@ -25,9 +25,9 @@ from scaletrain.config import ConfigError, JobConfig, to_toml
 from scaletrain.data.instructions import InstructionLoader, instruction_eval_batches, instruction_splits
 from scaletrain.data.loader import TokenLoader, block_causal_mask, eval_batches
 from scaletrain.data.prepare import ensure_prepared
-from scaletrain.data.shards import read_manifest
+from scaletrain.data.shards import MANIFEST, read_manifest
 from scaletrain.data.tokenizer import load_tokenizer
-from scaletrain.files import StorageError, free_bytes, human_bytes
+from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes
 from scaletrain.hardware import devices_in_job, peak_flops
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
@@ -58,7 +58,7 @@ from scaletrain.train.monitor import WINDOW_KEYS, ResourceMonitor, finish_run_in
 from scaletrain.train.precision import autocast, grad_scaler, resolve_device, resolve_precision
 from scaletrain.train.preemption import INTERRUPTED, PreemptionHandler
 from scaletrain.train.profile import StepProfiler
-from scaletrain.train.schedule import lr_at
+from scaletrain.train.schedule import lr_at, warmup_warning
 from scaletrain.train.step import build_parallel_training, training_step
 from scaletrain.train.validate import check_runnable
 
@@ -100,6 +100,18 @@ def resolve_vocab(cfg: JobConfig, manifest: dict, tp: int = 1) -> tuple[JobConfi
     return cfg, f"{data_vocab} -> {vocab} (padded {why}; padding rows {masked})"
 
 
+def record_tokenizer(cfg: JobConfig, manifest: dict, data_dir: Path) -> JobConfig:
+    """``cfg`` with data.tokenizer saying what the data's tokenizer really is. With a prepared folder as data.path
+    the setting is not used (the folder has its tokenizer), and its default 'char' would stand in the run's
+    config.toml beside a BPE tokenizer.json: the folder's kind ('bpe', 'char') or its file is recorded instead.
+    A fine-tune already records its base's tokenizer file."""
+    if cfg.finetune.source or not (Path(cfg.data.path) / MANIFEST).is_file():
+        return cfg
+    kind = manifest["tokenizer"].get("kind")
+    real = kind if kind in ("bpe", "char") else str(data_dir / manifest["tokenizer"]["file"])
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=real))
+
+
 def resolve_compile(cfg: JobConfig, device: torch.device, announce: bool) -> JobConfig:
     """``cfg`` with train.compile turned off, and one warning line, where torch.compile cannot run (a CPU
     without a C++ compiler): a recipe that compiles still trains, eagerly."""
@@ -129,6 +141,8 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         # Checked before any process-group work, so a bad config fails fast on every rank.
         self.dims = dims = check_runnable(cfg, world_size_from_env(), self.device.type, self.precision)
+        if not cfg.train.resume and warmup_warning(cfg.train.steps, cfg.optim.lr, cfg.schedule):
+            self._message(warmup_warning(cfg.train.steps, cfg.optim.lr, cfg.schedule))
         self.env = init_distributed(self.device.type)
         self.device = self.env.device
         self.is_main = self.env.is_main
@@ -143,7 +157,7 @@ class Trainer:
         verdict = self._claim_run_folder(cfg) if self.is_main else None
         run_id, refusal = rank_zero_object(verdict)
         if refusal:
-            raise ConfigError(refusal if self.is_main else f"rank 0 refused the run folder {self.run_dir}")
+            raise refusal if self.is_main else ConfigError(f"rank 0 refused the run folder {self.run_dir}")
         self.checkpoints.run_id = run_id
         if cfg.train.resume:  # a resume on another world size keeps the checkpoint's global batch
             complete = self.checkpoints.list_complete()
@@ -171,6 +185,7 @@ class Trainer:
                 self.data_dir = prepare_data(cfg)
             manifest = read_manifest(self.data_dir)
             tokenizer_file = self.data_dir / manifest["tokenizer"]["file"]
+            cfg = record_tokenizer(cfg, manifest, self.data_dir)
         cfg, self.vocab_note = resolve_vocab(cfg, manifest, dims.tp)  # the note: for the model log line
         self.cfg = cfg
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)  # now with the vocab
@@ -266,15 +281,16 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
-    def _claim_run_folder(self, cfg: JobConfig) -> tuple[str | None, str | None]:
-        """Rank 0: (run id, None), or (None, the one-line refusal) - a folder in use by another process, or a
-        fresh start over an earlier run's checkpoints without --overwrite."""
+    def _claim_run_folder(self, cfg: JobConfig) -> tuple[str | None, UserError | None]:
+        """Rank 0: (run id, None), or (None, the refusal) - a folder in use by another process, a fresh start
+        over an earlier run's checkpoints without --overwrite, or a path that cannot be made (StorageError)."""
         try:
-            self.lock = RunLock.take(self.run_dir)
+            with guarded_write(f"the run folder {self.run_dir}", self.run_dir):  # a path that cannot be made
+                self.lock = RunLock.take(self.run_dir)
             return claim_run_folder(self.run_dir, self.checkpoints, cfg.train.resume, cfg.train.overwrite,
                                     say=self._message), None
-        except ConfigError as exc:
-            return None, str(exc)
+        except (ConfigError, StorageError) as exc:
+            return None, exc
 
     def _disk_verdict(self) -> tuple[str, str | None]:
         """Rank 0, before training: what the checkpoints will take against the free space of the run folder's

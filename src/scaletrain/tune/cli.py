@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from scaletrain.config import JobConfig, add_config_arguments, load_config, overrides_from_args, to_toml
+from scaletrain.files import guarded_write
 from scaletrain.options import ConfigError
 
 
@@ -55,9 +56,10 @@ def run_tune(args: argparse.Namespace) -> int:
     folder = Path(args.dir or f"{cfg.train.run_dir}-tune")
     job_text, space_text = to_toml(cfg), Path(args.space).read_text()
     st.same_setup(folder, job_text, space_text)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "job.toml").write_text(job_text)
-    (folder / "space.toml").write_text(space_text)
+    with guarded_write(f"the tune folder {folder}", folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "job.toml").write_text(job_text)
+        (folder / "space.toml").write_text(space_text)
     device_kind = "gpu" if resolve_device(cfg.train.device).type == "cuda" else "cpu"
     # Workers on one CPU share its cores: one thread each unless the job says otherwise.
     threads = cfg.train.threads or (max(1, (os.cpu_count() or 1) // args.parallel)
@@ -128,6 +130,8 @@ def run_lr_find(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be >= 10 and --divisor > 0 (got {args.steps}, {args.divisor:g})")
     cfg = _job(args)
     out = Path(args.out or f"{cfg.train.run_dir}-lr-find")
+    with guarded_write(f"the lr-find folder {out}", out):  # before the sweep, not after it
+        out.mkdir(parents=True, exist_ok=True)
     result = lr_find(cfg, out / "run", args.start, args.end, args.steps, divisor=args.divisor, rule=args.rule)
     print(curve_table(result))
     path = save(result, out, args.config or "(defaults)")

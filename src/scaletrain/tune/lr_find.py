@@ -26,6 +26,7 @@ import math
 from pathlib import Path
 
 from scaletrain.config import JobConfig
+from scaletrain.files import guarded_write
 
 
 @dataclasses.dataclass
@@ -139,7 +140,8 @@ def curve_table(result: LRFindResult, rows: int = 12) -> str:
 
 
 def save(result: LRFindResult, out: Path, cfg_path: str) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "lr_find.json"
-    path.write_text(json.dumps({"config": cfg_path, **result.as_dict()}, indent=1))
+    with guarded_write(f"the curve {path}", out):
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"config": cfg_path, **result.as_dict()}, indent=1))
     return path
