@@ -29,7 +29,7 @@ that exited neither 0, 75 nor by our kill, a process left after a blow, a run th
 the run was left, wall time of the soak vs the reference, and the wall time lost per blow
 ((soak - rounds x reference) / blows).
 
-    .venv/bin/python benchmarks/soak.py                          # 50 blows in all, ~10+ minutes on 2 cores
+    .venv/bin/python benchmarks/soak.py                          # 50 blows in all, 35 minutes on 2 busy cores
     .venv/bin/python benchmarks/soak.py --kills-single 4 --kills-fsdp 6 --steps 40   # a quick look
 
 Writes benchmarks/out/soak.json (``--out benchmarks/results/soak.json`` replaces the tracked result).
