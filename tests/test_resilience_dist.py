@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import time
 
+import psutil
 import pytest
 
 from faults import (
@@ -24,6 +26,8 @@ from faults import (
     worker_pids,
     write_config,
 )
+from scaletrain.checkpoint.manager import CheckpointManager
+from scaletrain.checkpoint.run_folder import RunLock
 from scaletrain.config import load_config
 from scaletrain.train.trainer import Trainer
 
@@ -131,3 +135,59 @@ def test_elastic_restart_resumes_from_the_latest_checkpoint(straight2, tmp_path)
     assert code == 0, text[-5000:]
     assert "elastic restart 1: resuming" in text and "resumed from" in text
     assert_same_run(folder / "ddp", run)
+
+
+def test_workers_whose_torchrun_agent_died_checkpoint_and_exit(tmp_path):
+    """kill -9 of torchrun's agent alone. Its workers are in sessions of their own and get no signal; without a
+    watch they trained on as orphans holding the run folder (a restart refused, naming their PID). Now each
+    notices at the next step that its launcher is gone, the ranks checkpoint that step together and exit
+    within seconds; the folder is free and --resume continues from that checkpoint."""
+    config = write_config(tmp_path, steps=400, interval=0)  # no periodic checkpoint: the stop writes the only one
+    run = tmp_path / "run"
+    args = ["train", "--config", str(config), f"--train.run_dir={run}", *PLANS["fsdp"]]
+    proc = launch(args, nproc=2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    wait_for(lambda: last_step(run) >= 3, proc, what="step 3")
+    ranks = [psutil.Process(pid) for pid in worker_pids(proc).values()]
+    assert len(ranks) == 2
+    proc.kill()  # the agent alone
+    proc.wait()
+    _, still_running = psutil.wait_procs(ranks, timeout=60)
+    text = output(proc)
+    for rank in still_running:
+        rank.kill()
+    assert not still_running, f"orphaned workers still training 60 s after their agent died:\n{text[-3000:]}"
+    assert "(launcher lost: torchrun's agent (PID" in text, text[-3000:]
+    stopped = int(text.split("stopped at step ")[1].split(" ")[0])
+    assert stopped < 400
+    CheckpointManager.verify(run / "checkpoints" / f"step-{stopped:08d}")
+    RunLock.take(run).release()  # free: no process holds the folder any more
+    out = run_ok(args + ["--resume", f"--train.steps={stopped + 2}"], nproc=2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    assert f"resumed from {run / 'checkpoints' / f'step-{stopped:08d}'}" in out
+
+
+def test_a_rank_whose_peer_stops_answering_fails_after_the_collective_timeout(tmp_path):
+    """A peer that stops answering without closing its connections (a lost node, a hung process: here SIGSTOP)
+    would hold the other rank in a collective forever; parallel.collective_timeout_seconds bounds it: the rank
+    fails with gloo's timeout error, and torchrun's agent (or the restart) takes over from there."""
+    config = write_config(tmp_path, steps=400, interval=0)
+    run = tmp_path / "run"
+    args = ["train", "--config", str(config), f"--train.run_dir={run}", *PLANS["ddp"],
+            "--parallel.collective_timeout_seconds=5"]
+    proc = launch(args, nproc=2, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    try:
+        wait_for(lambda: last_step(run) >= 3, proc, what="step 3")
+        pids = worker_pids(proc)
+        rank0, rank1 = psutil.Process(pids[0]), psutil.Process(pids[1])
+        rank1.suspend()
+        t0 = time.monotonic()
+        gone, _ = psutil.wait_procs([rank0], timeout=60)
+        waited = time.monotonic() - t0
+    finally:
+        for process in psutil.Process(proc.pid).children(recursive=True):
+            process.kill()
+        proc.kill()
+        proc.wait()
+    text = output(proc)
+    assert gone, f"rank 0 still waiting for its stopped peer 60 s later:\n{text[-3000:]}"
+    assert waited < 40, waited
+    assert "Timed out" in text or "timed out" in text, text[-3000:]

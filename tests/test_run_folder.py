@@ -11,6 +11,7 @@ import pytest
 
 from scaletrain.cli import build_parser, main, resolve_job_config
 from scaletrain.config import load_config, to_toml
+from scaletrain.train.preemption import PreemptionHandler, torchrun_launcher
 from scaletrain.train.trainer import Trainer
 
 
@@ -191,3 +192,17 @@ def test_trigger_file_is_consumed_and_a_stale_one_ignored(tmp_path, tiny):
     assert resumed.resume()
     summary = resumed.train()
     assert not summary["preempted"] and summary["steps"] == 8
+
+
+def test_a_lost_launcher_is_a_notice_and_only_torchrun_workers_watch_theirs(monkeypatch):
+    """A worker whose parent is no longer the launcher it started under stops as for SIGTERM; a process that
+    torchrun did not start watches nothing (a plain run outlives the shell that started it). The real
+    processes: test_resilience_dist.py::test_workers_whose_torchrun_agent_died_checkpoint_and_exit."""
+    watching = PreemptionHandler(launcher=os.getppid())
+    assert not watching.should_stop()
+    orphaned = PreemptionHandler(launcher=os.getppid() + 1)  # re-parented: the parent is not the launcher any more
+    assert orphaned.should_stop() and orphaned.reason.startswith("launcher lost")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert torchrun_launcher() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert torchrun_launcher() == (os.getppid() if os.getppid() > 1 else None)  # 1: re-parented already

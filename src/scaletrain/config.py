@@ -202,6 +202,12 @@ class ParallelConfig:
                                "docs/tuning.md)", choices=("none", "throughput"))
     balance_interval: int = opt(10, "balance = throughput: steps between two re-measurements of the ranks' speeds",
                                 ge=1)
+    collective_timeout_seconds: float = opt(600.0, "seconds a rank waits in a collective (and in the process group's "
+                                                   "set-up) for the other ranks before it fails with an error: "
+                                                   "bounds the hang when a peer dies without closing its "
+                                                   "connections (a lost node) or stops answering; must exceed the "
+                                                   "longest wait of one rank for another (rank 0 preparing the "
+                                                   "data, a synchronous checkpoint, a cold torch.compile)", gt=0)
 
 
 @dataclass

@@ -35,6 +35,7 @@ pickle written by torch, and is only read after its sha256 matched the one our J
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import enum
 import json
 import os
@@ -89,9 +90,12 @@ class CheckpointManager:
     """Save and find checkpoints of one run. In a distributed run every method is collective (all ranks
     call it); rank 0 alone finalises, prunes and verifies."""
 
-    def __init__(self, folder: str | Path, keep_last: int = 2, keep_every: int = 0, run_id: str | None = None):
+    def __init__(self, folder: str | Path, keep_last: int = 2, keep_every: int = 0, run_id: str | None = None,
+                 collective_timeout_s: float | None = None):
         """``run_id``: the run these checkpoints belong to (written into each ``meta.json``); retention deletes
-        only checkpoints of this run. None: every checkpoint in the folder counts as this run's."""
+        only checkpoints of this run. None: every checkpoint in the folder counts as this run's.
+        ``collective_timeout_s``: how long the save's collectives wait for a rank that stopped answering (the
+        training loop's, ``parallel.collective_timeout_seconds``); None: torch's default (30 min on gloo)."""
         self.folder = Path(folder)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.run_id = run_id
@@ -99,7 +103,8 @@ class CheckpointManager:
         self.world_size = dist.get_world_size() if _distributed() else 1
         # DCP's plan/result exchange runs on its own gloo group: a background save must not interleave
         # with the training loop's collectives on the default group (and gloo handles CPU objects on GPU runs).
-        self.group = dist.new_group(backend="gloo") if _distributed() else None
+        timeout = None if collective_timeout_s is None else datetime.timedelta(seconds=collective_timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if _distributed() else None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None
         self._stager = None  # created at the first asynchronous save

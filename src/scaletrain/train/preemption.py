@@ -8,10 +8,18 @@ The handler only sets a flag — never does work inside the signal handler — a
 Ctrl-C (SIGINT) is the same graceful stop, asked for by a person: the first one finishes the step, saves and
 exits 130 (the shell's code for Ctrl-C) with the command that resumes; a second Ctrl-C stops at once
 (KeyboardInterrupt), for when even the save is too long to wait for.
+
+A lost launcher is a notice too. torchrun's agent starts each worker in a session of its own, so when the
+agent dies (``kill -9``, the OOM killer, a crashed login node) nothing signals the workers: they would train
+on as orphans, holding the run folder's lock (a restart is refused naming their PID) and, on a GPU, its
+memory, with nobody left to restart them. A worker started by torchrun remembers its parent, the agent, and
+``should_stop()`` compares ``os.getppid()`` with it after each step (one system call): once the worker has
+been re-parented, the run stops as for SIGTERM - the ranks agree, the step is checkpointed, exit 75.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -25,15 +33,28 @@ INTERRUPTED = "SIGINT"
 SAME_CTRL_C = 1.5  # seconds: SIGINTs closer than this are one Ctrl-C (see PreemptionHandler._on_signal)
 
 
+def torchrun_launcher() -> int | None:
+    """The PID of the torchrun agent that started this process (its parent), or None when torchrun did not
+    start it. A plain process is not watched: a shell that exits (``nohup``, a closed terminal) is no reason to
+    stop training."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    parent = os.getppid()
+    return parent if parent > 1 else None  # already re-parented to init: nothing left to watch
+
+
 class PreemptionHandler:
     """Catches SIGTERM/SIGUSR1 (and an optional trigger file) and remembers when the notice came."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self, trigger_file: str = "", grace_seconds: float = 60.0, started: float | None = None):
+    def __init__(self, trigger_file: str = "", grace_seconds: float = 60.0, started: float | None = None,
+                 launcher: int | None = None):
         """``started``: the run's start (``time.time()``, default now); a trigger file older than it is a
-        leftover from an earlier run and ignored."""
+        leftover from an earlier run and ignored. ``launcher``: the parent PID to watch (``torchrun_launcher``,
+        taken when the process started); None watches nothing."""
         self.trigger_file = Path(trigger_file) if trigger_file else None
+        self.launcher = launcher
         self.grace_seconds = grace_seconds
         self.started = time.time() if started is None else started
         self.notice_time: float | None = None
@@ -71,12 +92,16 @@ class PreemptionHandler:
         return self.reason == INTERRUPTED
 
     def should_stop(self) -> bool:
-        """True once a signal arrived or a trigger file written since the run started exists. The file is
-        consumed (deleted) when acted on: left in place it would stop the resumed run after its first step."""
+        """True once a signal arrived, a trigger file written since the run started exists, or the launcher
+        is gone. The file is consumed (deleted) when acted on: left in place it would stop the resumed run
+        after its first step."""
         if self.notice_time is None and self._fresh_trigger():
             self.notice_time = time.monotonic()
             self.reason = f"trigger file {self.trigger_file}"
             self.trigger_file.unlink(missing_ok=True)  # another rank may have consumed it already
+        if self.notice_time is None and self.launcher is not None and os.getppid() != self.launcher:
+            self.notice_time = time.monotonic()
+            self.reason = f"launcher lost: torchrun's agent (PID {self.launcher}) is gone"
         return self.notice_time is not None
 
     def _fresh_trigger(self) -> bool:

@@ -56,7 +56,7 @@ from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, mfu, peak_memory_bytes
 from scaletrain.train.monitor import WINDOW_KEYS, ResourceMonitor, finish_run_info, timed, write_run_info
 from scaletrain.train.precision import autocast, grad_scaler, resolve_device, resolve_precision
-from scaletrain.train.preemption import INTERRUPTED, PreemptionHandler
+from scaletrain.train.preemption import INTERRUPTED, PreemptionHandler, torchrun_launcher
 from scaletrain.train.profile import StepProfiler
 from scaletrain.train.schedule import lr_at, warmup_warning
 from scaletrain.train.step import build_parallel_training, training_step
@@ -130,6 +130,7 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, *, log: bool = True):
         self.started = time.time()  # a preemption trigger file older than this is an earlier run's leftover
+        self.launcher = torchrun_launcher()  # taken first: the agent may die during the set-up below
         self.device = resolve_device(cfg.train.device)
         # Rank 0 speaks for the job (parallel/distributed.py: is_rank_zero, also before the process group), and
         # alone measures for precision = auto: the others take its decision (_agree_on_precision).
@@ -143,14 +144,15 @@ class Trainer:
         self.dims = dims = check_runnable(cfg, world_size_from_env(), self.device.type, self.precision)
         if not cfg.train.resume and warmup_warning(cfg.train.steps, cfg.optim.lr, cfg.schedule):
             self._message(warmup_warning(cfg.train.steps, cfg.optim.lr, cfg.schedule))
-        self.env = init_distributed(self.device.type)
+        self.env = init_distributed(self.device.type, cfg.parallel.collective_timeout_seconds)
         self.device = self.env.device
         self.is_main = self.env.is_main
         if cfg.train.precision == "auto" and self.env.world_size > 1:
             self._agree_on_precision()
         self.run_dir = Path(cfg.train.run_dir)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
-                                             cfg.checkpoint.keep_every)
+                                             cfg.checkpoint.keep_every,
+                                             collective_timeout_s=cfg.parallel.collective_timeout_seconds)
         # One writer per run folder: rank 0 takes the folder's lock and decides what this run is there (a
         # resume, a refused or an --overwrite fresh start); every rank gets the run id or the refusal.
         self.lock: RunLock | None = None
@@ -510,7 +512,8 @@ class Trainer:
         stop_at = cfg.train.stop_at_step or cfg.train.steps
         if self._run_files_pending:  # a resume that never called resume(): the files are due all the same
             self._write_run_files()
-        notice = PreemptionHandler(cfg.checkpoint.trigger_file, cfg.checkpoint.grace_seconds, self.started).install()
+        notice = PreemptionHandler(cfg.checkpoint.trigger_file, cfg.checkpoint.grace_seconds, self.started,
+                                   launcher=self.launcher).install()
         if self.is_main:  # the report's header (train/monitor.py)
             write_run_info(self.run_dir, self.device, self.env.world_size, start_step=state.step)
         self.monitor = ResourceMonitor(cfg.monitor, self.run_dir, self.env.rank, self.device).start()
