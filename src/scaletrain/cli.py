@@ -183,10 +183,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _export_parser(sub) -> None:
-    p = sub.add_parser("export", help="export a run's latest checkpoint (Hugging Face Llama folder)")
+    p = sub.add_parser("export", help="export a run's latest checkpoint (Hugging Face Llama folder, or GGUF)")
     p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
-    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + model.safetensors + tokenizer")
-    p.add_argument("--out", help="output folder (default: <run>/export-hf)")
+    p.add_argument("--format", default="hf", choices=["hf", "gguf"],
+                   help="hf: config.json + model.safetensors + tokenizer; gguf: one file for llama.cpp / Ollama "
+                        "(tokenizer and chat template inside; needs scaletrain[gguf])")
+    p.add_argument("--out", help="output folder (default: <run>/export-hf), or file for gguf (<run>/model.gguf)")
+    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"],
+                   help="gguf: the weights' type (norms stay f32)")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA/QLoRA fine-tune: fold the adapters into the weights and write one plain folder "
                         "(default for an adapter run: the base's folder plus a peft adapter in <out>/adapter)")
@@ -199,9 +203,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.compress.run import load_run  # any run folder; a quantized one is refused in one line
 
     cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
-    out = Path(args.out or Path(args.run) / "export-hf")
     if args.merge:
         model = merge_adapters(model, cfg)
+    if args.format == "gguf":
+        from scaletrain.checkpoint.gguf import export_gguf
+
+        out = export_gguf(model, cfg.model, tokenizer, args.out or Path(args.run) / "model.gguf", args.dtype,
+                          name=Path(args.run).resolve().name)
+        print(f"exported {ckpt.name} to {out} ({args.dtype}, {out.stat().st_size / 1e6:.2f} MB; run it with "
+              f"llama.cpp: llama-cli -m {out}, or Ollama: see docs/inference.md)")
+        return 0
+    out = Path(args.out or Path(args.run) / "export-hf")
     if is_plain(model):
         export_hf(model, cfg.model, tokenizer, out)
         merged = " with the adapters merged" if cfg.finetune.source and cfg.finetune.method != "full" else ""

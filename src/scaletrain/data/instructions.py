@@ -74,6 +74,16 @@ def end_text(tokenizer: Tokenizer) -> str | None:
     return None if tokenizer.eos_id is not None else "\n\n"
 
 
+def jinja_chat_template(tokenizer: Tokenizer) -> str:
+    """The messages template above as a Jinja chat template (Hugging Face's ``chat_template``, GGUF's
+    ``tokenizer.chat_template``), for runtimes that render conversations themselves (llama.cpp, Ollama)."""
+    end = "{{ eos_token }}" if tokenizer.eos_id is not None else "\n\n"
+    return ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+            "{{ 'Assistant:\n' + message['content'] }}" + end + "{% else %}"
+            "{{ message['role'] | capitalize + ':\n' + message['content'] + '\n\n' }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ 'Assistant:\n' }}{% endif %}")
+
+
 def encode_example(segments: list[tuple[str, bool]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     """Token ids and, per id, whether it is a target. A target segment ends with the end token."""
     ids: list[int] = []
