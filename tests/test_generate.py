@@ -157,3 +157,12 @@ def test_bad_input_is_one_line():
         generate_batch(model, [list(range(17))], 4, max_seq_len=16)
     with pytest.raises(ConfigError, match="must not be empty"):
         stop_at_strings(str, ["", "x"])
+
+
+def test_decode_report_has_prefill_and_decode_at_batch_1_and_8():
+    from scaletrain.model.generate import decode_report
+
+    row = decode_report(tiny_model(), VOCAB, prompt_tokens=8, new_tokens=6, max_seq_len=10)  # slides past 10
+    assert sorted(row) == ["decode_tokens_per_s_batch1", "decode_tokens_per_s_batch8",
+                           "prefill_tokens_per_s_batch1", "prefill_tokens_per_s_batch8"]
+    assert all(v > 0 for v in row.values())

@@ -126,7 +126,8 @@ def run_compress(args: argparse.Namespace) -> int:
 
 @torch.no_grad()
 def decode_tokens_per_second(model, cfg, tokenizer, tokens: int, prompt: list[int]) -> float:
-    """Greedy decoding at batch 1 through ``model.generate.generate`` (what `scaletrain generate` runs)."""
+    """Greedy decoding at batch 1 through ``model.generate.generate`` (what `scaletrain generate` runs: with the KV
+    cache)."""
     from scaletrain.model.generate import generate
 
     generate(model, prompt, 4, max_seq_len=cfg.data.seq_len, temperature=0.0, vocab_limit=tokenizer.vocab_size)
@@ -139,6 +140,7 @@ def decode_tokens_per_second(model, cfg, tokenizer, tokens: int, prompt: list[in
 def measure(run: str, batches: int, decode_tokens: int) -> dict:
     """Validation loss / perplexity (first ``batches`` batches), saved weight bytes, decode tokens/s."""
     from scaletrain.data.loader import TokenStream
+    from scaletrain.model.generate import decode_report
     from scaletrain.train.evaluate import perplexity, token_loss
     from scaletrain.train.trainer import prepare_data
 
@@ -149,13 +151,16 @@ def measure(run: str, batches: int, decode_tokens: int) -> dict:
     loss, count = token_loss(model, tokens, cfg.data.seq_len, cfg.train.batch_size, vocab_limit=tokenizer.vocab_size)
     prompt = tokens[:8].tolist()
     speed = decode_tokens_per_second(model, cfg, tokenizer, decode_tokens, prompt) if decode_tokens else 0.0
+    # prefill and decode tokens/s with the KV cache at batch 1 and 8 (random prompts of 8 tokens), into --json
+    rates = decode_report(model, tokenizer.vocab_size, len(prompt), decode_tokens, cfg.data.seq_len) \
+        if decode_tokens else {}
     record = Path(run) / "compress.json"
     what = json.loads(record.read_text()) if record.is_file() else {}
     label = ", ".join(filter(None, [
         f"{what['prune']['method']} {what['prune']['pattern']}" if "prune" in what else "",
         "structured" if "structured" in what else "", what["quantize"]["method"] if "quantize" in what else ""]))
     return {"run": str(run), "variant": label or "original", "val_loss": loss, "val_perplexity": perplexity(loss),
-            "tokens_scored": count, "bytes": state_bytes(model), "decode_tokens_per_s": speed}
+            "tokens_scored": count, "bytes": state_bytes(model), "decode_tokens_per_s": speed, **rates}
 
 
 def report(args: argparse.Namespace) -> int:

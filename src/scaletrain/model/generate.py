@@ -172,14 +172,15 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 @torch.no_grad()
 def decode_speed(model: nn.Module, vocab_size: int, prompt_tokens: int, new_tokens: int, batch_size: int = 1,
-                 use_cache: bool = True, seed: int = 0) -> dict[str, float]:
+                 use_cache: bool = True, seed: int = 0, max_seq_len: int | None = None) -> dict[str, float]:
     """Prefill and decode tokens/s of greedy generation: ``batch_size`` random prompts of ``prompt_tokens``,
     ``new_tokens`` generated each (no stop token). Prefill = the first step (the prompt's forward and the first
-    token); decode = the rest, per generated token of all rows."""
+    token); decode = the rest, per generated token of all rows. ``max_seq_len``: the context (default: prompt +
+    new tokens; a shorter one slides, as ``stream`` does)."""
     rng = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab_size, (batch_size, prompt_tokens), generator=rng).tolist()
-    steps = stream(model, prompts, new_tokens, max_seq_len=prompt_tokens + new_tokens, vocab_limit=vocab_size,
-                   use_cache=use_cache)
+    steps = stream(model, prompts, new_tokens, max_seq_len=max_seq_len or prompt_tokens + new_tokens,
+                   vocab_limit=vocab_size, use_cache=use_cache)
     start = time.perf_counter()
     next(steps)
     prefilled = time.perf_counter()
@@ -188,3 +189,16 @@ def decode_speed(model: nn.Module, vocab_size: int, prompt_tokens: int, new_toke
     return {"prefill_tokens_per_second": batch_size * prompt_tokens / (prefilled - start),
             "decode_tokens_per_second": generated / (end - prefilled) if generated else 0.0,
             "prefill_seconds": prefilled - start, "decode_seconds": end - prefilled}
+
+
+def decode_report(model: nn.Module, vocab_size: int, prompt_tokens: int, new_tokens: int, max_seq_len: int,
+                  batch_sizes: tuple[int, ...] = (1, 8)) -> dict[str, float]:
+    """``decode_speed`` with the KV cache at each batch size, as flat fields for a report row
+    (``prefill_tokens_per_s_batch1``, ``decode_tokens_per_s_batch1``, ... ``_batch8``); one warm-up step first."""
+    decode_speed(model, vocab_size, prompt_tokens, 2, max_seq_len=max_seq_len)
+    row = {}
+    for batch in batch_sizes:
+        rates = decode_speed(model, vocab_size, prompt_tokens, new_tokens, batch_size=batch, max_seq_len=max_seq_len)
+        row[f"prefill_tokens_per_s_batch{batch}"] = rates["prefill_tokens_per_second"]
+        row[f"decode_tokens_per_s_batch{batch}"] = rates["decode_tokens_per_second"]
+    return row
