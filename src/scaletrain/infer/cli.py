@@ -150,9 +150,9 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     from scaletrain.infer.chat import Chat
 
-    sampling_of(args)
+    sampling = sampling_of(args)
     cfg, model, tokenizer, _ = load_run(args.run)
-    chat = Chat(model, tokenizer, cfg.data.seq_len, sampling_of(args), args.max_tokens, args.stop,
+    chat = Chat(model, tokenizer, cfg.data.seq_len, sampling, args.max_tokens, args.stop,
                 torch.Generator().manual_seed(args.seed), system=args.system)
     chat.loop(sys.stdin, sys.stdout)
     return 0

@@ -161,7 +161,7 @@ def stop_at_strings(decode: Callable[[list[int]], str], stops: list[str]) -> Cal
     """A ``stop`` for ``stream``: a row ends once its decoded text holds one of ``stops``."""
     if any(not s for s in stops):
         raise ConfigError("--stop: a stop string must not be empty")
-    return lambda _row, tokens: any(s in decode(tokens[-64:]) or s in decode(tokens) for s in stops)
+    return lambda _row, tokens: any(s in decode(tokens) for s in stops)
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:
