@@ -8,8 +8,8 @@ Llama, the rows of wq and wk are permuted within each head (``rotary_to_interlea
 unchanged, each pair now adjacent.
 
 Tokenizer: a byte-level BPE run is written as llama.cpp's ``gpt2`` vocabulary (tokens, merges, special-token
-types and ids); a character vocabulary as a ``gpt2`` vocabulary of single byte-level characters and no
-merges, which llama.cpp encodes one character a token as we do (ASCII characters; others decode but cannot
+types and ids); a character vocabulary as a ``gpt2`` vocabulary of single byte-level characters and one merge that
+can never apply, which llama.cpp encodes one character a token as we do (ASCII characters; others decode but cannot
 be typed). The rows of a padded vocabulary are not written (they are never a token), as in the Hugging Face
 export. The chat template is ours (``data.instructions.jinja_chat_template``).
 
@@ -34,6 +34,7 @@ from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 DTYPES = ("f32", "f16", "q8_0")
+NO_MERGE = "<|no-merge|>"
 
 # scaletrain name suffix -> llama.cpp GGUF name suffix, per block ("blk.<i>.<name>").
 _BLOCK = {
@@ -129,7 +130,9 @@ def _vocabulary(tokenizer: Tokenizer, rows: int) -> tuple[list[str], list[int], 
         byte_char = _byte_to_unicode()
         tokens = ["".join(byte_char[b] for b in c.encode("utf-8")) for c in tokenizer.chars]
         types = [gguf.TokenType.NORMAL] * len(tokens)
-        merges = []
+        # llama.cpp refuses a gpt2 vocabulary without merges; one between two multi-character strings that no
+        # merge produces can never apply (symbols start as single characters), so every character stays a token
+        merges = [f"{NO_MERGE} {NO_MERGE}"]
     return tokens[:rows], [int(t) for t in types[:rows]], merges
 
 
@@ -195,11 +198,10 @@ def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, d
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
     tokens, types, merges = _vocabulary(tokenizer, rows)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name for GPT-2's pre-tokenizer regex
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    if merges:
-        writer.add_token_merges(merges)
+    writer.add_token_merges(merges)
     if tokenizer.bos_id is not None:
         writer.add_bos_token_id(tokenizer.bos_id)
     if tokenizer.eos_id is not None:
