@@ -74,3 +74,12 @@ def test_bad_generate_input_is_one_line(run, argv, message, capsys):
     assert main(["generate", "--run", str(run)] + argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_too_long_prompt_in_a_prompts_file_is_named(run, tmp_path, capsys):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"prompt": "ROMEO:"}) + "\n" + json.dumps({"prompt": "x" * 65}) + "\n")
+    assert main(["generate", "--run", str(run), "--prompts-file", str(src), "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "prompt 2 is 65 tokens; it must be 1 to 64" in err and err.count("\n") == 1
+    assert not (tmp_path / "o.jsonl").exists()

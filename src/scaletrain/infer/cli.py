@@ -116,6 +116,10 @@ def _generate_file(args, model, tokenizer, kw) -> int:
 
     records = read_prompts(args.prompts_file)
     prompts = [tokenizer.encode(r["prompt"]) for r in records]
+    for number, ids in enumerate(prompts, 1):  # named by their place in the file, before any is generated
+        if not ids or len(ids) > kw["max_seq_len"]:
+            raise ConfigError(f"{args.prompts_file}: prompt {number} is {len(ids)} tokens; it must be 1 to "
+                              f"{kw['max_seq_len']} (the model's context, data.seq_len)")
     generator = torch.Generator().manual_seed(args.seed)
     columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
