@@ -196,44 +196,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
-    p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
-    p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_generate)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from scaletrain.compress.run import load_run  # any run folder, quantized ones too
-    from scaletrain.model.generate import generate
-
-    if args.max_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise ConfigError("--max-tokens, --temperature and --top-k must be >= 0 and --top-p in (0, 1]")
-    cfg, model, tokenizer, _ = load_run(args.run)
-    prompt = tokenizer.encode(args.prompt)
-    if not prompt:
-        raise ConfigError("--prompt must not be empty")
-    # Cropped at the context the run trained on (data.seq_len, from its config.toml), not model.max_seq_len:
-    # positions the model never saw turn the text to gibberish.
-    new = generate(model, prompt, args.max_tokens, max_seq_len=cfg.data.seq_len, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed),
-                   stop_id=tokenizer.eos_id, vocab_limit=tokenizer.vocab_size)
-    print(args.prompt + tokenizer.decode(new))
-    return 0
-
-
 def _export_parser(sub) -> None:
-    p = sub.add_parser("export", help="export a run's latest checkpoint (Hugging Face Llama folder)")
+    p = sub.add_parser("export", help="export a run's latest checkpoint (Hugging Face Llama folder, or GGUF)")
     p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
-    p.add_argument("--format", default="hf", choices=["hf"], help="hf: config.json + model.safetensors + tokenizer")
-    p.add_argument("--out", help="output folder (default: <run>/export-hf)")
+    p.add_argument("--format", default="hf", choices=["hf", "gguf"],
+                   help="hf: config.json + model.safetensors + tokenizer; gguf: one file for llama.cpp / Ollama "
+                        "(tokenizer and chat template inside; needs scaletrain[gguf])")
+    p.add_argument("--out", help="output folder (default: <run>/export-hf), or file for gguf (<run>/model.gguf)")
+    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"],
+                   help="gguf: the weights' type (norms stay f32)")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA/QLoRA fine-tune: fold the adapters into the weights and write one plain folder "
                         "(default for an adapter run: the base's folder plus a peft adapter in <out>/adapter). "
@@ -262,6 +233,15 @@ def cmd_export(args: argparse.Namespace) -> int:
                            "--merge gives what the run trained (logits differ)"), flush=True)
     if args.merge:
         model = merge_adapters(model, cfg)
+    if args.format == "gguf":
+        from scaletrain.checkpoint.gguf import export_gguf
+
+        out = export_gguf(model, cfg.model, tokenizer, args.out or Path(args.run) / "model.gguf", args.dtype,
+                          name=Path(args.run).resolve().name)
+        print(f"exported {ckpt.name} to {out} ({args.dtype}, {out.stat().st_size / 1e6:.2f} MB; run it with "
+              f"llama.cpp: llama-cli -m {out}, or Ollama: see docs/inference.md)")
+        return 0
+    out = Path(args.out or Path(args.run) / "export-hf")
     if is_plain(model):
         export_hf(model, cfg.model, tokenizer, out)
         merged = " with the adapters merged" if cfg.finetune.source and cfg.finetune.method != "full" else ""
@@ -325,7 +305,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _train_parser(sub)
     _eval_parser(sub)
-    _generate_parser(sub)
     _export_parser(sub)
     _finetune_parser(sub)
     wanted = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
@@ -335,6 +314,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 PLUGINS = [
+    ("generate", "scaletrain.infer.cli", "add_generate_arguments", "run_generate",
+     "continue a prompt (or a JSONL file of prompts, batched) with a run's model; --stream"),
+    ("chat", "scaletrain.infer.cli", "add_chat_arguments", "run_chat",
+     "talk to a run's model in the terminal (its instruction template; /reset, /system TEXT, /exit)"),
     ("prepare", "scaletrain.data.cli", "add_prepare_arguments", "run_prepare",
      "clean, deduplicate and tokenize raw text into sharded token files"),
     ("plan", "scaletrain.plan.cli", "add_plan_arguments", "run_plan",

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.model.cache import KVCache, LayerCache
 from scaletrain.model.llama import Attention, apply_rope, rope_tables
 
 
@@ -29,8 +30,12 @@ class PromptEmbedding(nn.Embedding):
         super().__init__(num_embeddings, dim, device=device, dtype=dtype)
         self.prompt = nn.Parameter(torch.empty(virtual_tokens, dim, device=device, dtype=dtype))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    takes_cache = True  # the model passes its KV cache: the virtual tokens go in at the first forward only
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         h = super().forward(tokens)  # (B, T, d)
+        if cache is not None and cache.length > 0:  # decoding: the virtual tokens are cached already
+            return h
         return torch.cat([self.prompt.to(h.dtype).expand(h.shape[0], -1, -1), h], dim=1)  # (B, P + T, d)
 
     @torch.no_grad()
@@ -46,7 +51,11 @@ class SkipPromptLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
         self.virtual_tokens = virtual_tokens
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    takes_cache = True
+
+    def forward(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None and cache.length > 0:  # decoding: no virtual positions in this forward
+            return super().forward(h)
         return super().forward(h[:, self.virtual_tokens:])
 
 
@@ -77,7 +86,9 @@ class PrefixAttention(Attention):
         return self._tables[key]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        if cache is not None:
+            return self._forward_cached(x, cache)
         if attn_mask is not None:
             raise ValueError("prefix tuning does not take an attention mask (data.document_attention)")
         bsz, seqlen, _ = x.shape
@@ -97,6 +108,33 @@ class PrefixAttention(Attention):
         # (T, P + T): every prefix entry visible, causal among the real tokens. (SDPA's is_causal would align
         # the triangle top-left, hiding most of the prefix from the first positions.)
         visible = torch.ones(seqlen, n_prefix + seqlen, dtype=torch.bool, device=x.device).tril(n_prefix)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+    def _forward_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """With a KV cache: the prefix stays out of the cache (it is the same for every row and step) and is put
+        in front of the cached keys and values at every step, visible to every position; the tokens' rotary
+        positions are the cache's, shifted by P."""
+        bsz, seqlen, _ = x.shape
+        n_prefix = self.virtual_tokens
+        cos, sin = self._rope(cache.owner.capacity, x.device)  # (capacity, hd) for positions P..
+        positions = cache.positions  # (B, T)
+        cos, sin = cos[positions], sin[positions]  # (B, T, hd)
+        q = apply_rope(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, H, T, hd)
+        k = apply_rope(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        k, v = cache.update(k, v)  # (B, KV, S, hd)
+        pk = self.prefix_key.to(k.dtype).view(n_prefix, -1, self.head_dim).transpose(0, 1)  # (KV, P, hd)
+        pv = self.prefix_value.to(v.dtype).view(n_prefix, -1, self.head_dim).transpose(0, 1)  # (KV, P, hd)
+        k = torch.cat([pk.expand(bsz, -1, -1, -1), k], dim=2)  # (B, KV, P + S, hd)
+        v = torch.cat([pv.expand(bsz, -1, -1, -1), v], dim=2)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        mask = cache.mask  # (B, 1, T, S)
+        visible = torch.cat([mask.new_ones(*mask.shape[:3], n_prefix), mask], dim=-1)  # (B, 1, T, P + S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 

@@ -24,6 +24,7 @@ from scaletrain.compress.quantize import (
 from scaletrain.compress.run import check_output, load_run, load_source, state_bytes, write_run
 from scaletrain.config import ConfigError
 from scaletrain.files import guarded_write
+from scaletrain.model.generate import decode_report
 
 DEFAULT_SPARSITY = 0.5
 
@@ -159,8 +160,8 @@ def run_compress(args: argparse.Namespace) -> int:
 
 @torch.no_grad()
 def decode_sample(model, cfg, tokenizer, tokens: int, prompt: list[int]) -> tuple[int, float, float]:
-    """One greedy decode at batch 1 through ``model.generate.generate`` (what `scaletrain generate` runs):
-    (tokens generated, wall seconds, this process's CPU seconds over all its threads)."""
+    """One greedy decode at batch 1 through ``model.generate.generate`` (what `scaletrain generate` runs: with the
+    KV cache): (tokens generated, wall seconds, this process's CPU seconds over all its threads)."""
     from scaletrain.model.generate import generate
 
     wall, cpu = time.perf_counter(), time.process_time()
@@ -233,6 +234,9 @@ def report(args: argparse.Namespace) -> int:
                 model, cfg, tokenizer, prompt = timings[i]
                 samples[i].append(decode_sample(model, cfg, tokenizer, args.decode_tokens, prompt))
         rates, ratios, busy = decode_speeds(samples)
+        # prefill and decode tokens/s with the KV cache at batch 1 and 8 (random prompts of 8 tokens), into --json
+        for row, (model, cfg, tokenizer, prompt) in zip(rows, timings):
+            row.update(decode_report(model, tokenizer.vocab_size, len(prompt), args.decode_tokens, cfg.data.seq_len))
     base = rows[0]
     print(f"{'run':<36} {'variant':<24} {'val ppl':>9} {'d ppl':>8} {'MB':>8} {'size':>6} {'decode tok/s':>12} "
           f"{'speed':>6}")

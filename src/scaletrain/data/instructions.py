@@ -32,6 +32,7 @@ from scaletrain.data.tokenizer import DataError, Tokenizer
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
 INSTRUCTION = "Instruction:\n{prompt}\n\nResponse:\n"
+ASSISTANT = "Assistant:\n"
 
 
 def _segments(record: object, where: str) -> list[tuple[str, bool]]:
@@ -44,15 +45,43 @@ def _segments(record: object, where: str) -> list[tuple[str, bool]]:
             and m.get("role") in ("system", "user", "assistant") for m in messages):
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: 'messages' has no assistant turn to learn from")
-        out = []
-        for m in messages:
-            if m["role"] == "assistant":
-                out += [("Assistant:\n", False), (m["content"], True)]
-            else:
-                out.append((f"{m['role'].capitalize()}:\n{m['content']}\n\n", False))
-        return out
+        return message_segments(messages)
     raise DataError(f"{where}: needs string fields 'prompt' and 'response', or a 'messages' list of "
                     f"{{'role': system|user|assistant, 'content': str}}")
+
+
+def message_segments(messages: list[dict]) -> list[tuple[str, bool]]:
+    """Chat messages [{"role", "content"}] in the template, as [(text, is_target)]: the assistant's words are
+    the targets (each followed by ``end`` in ``encode_example``)."""
+    out = []
+    for m in messages:
+        if m["role"] == "assistant":
+            out += [(ASSISTANT, False), (m["content"], True)]
+        else:
+            out.append((f"{m['role'].capitalize()}:\n{m['content']}\n\n", False))
+    return out
+
+
+def chat_prompt(messages: list[dict], tokenizer: Tokenizer) -> list[int]:
+    """The ids a model fine-tuned on this template reads before its next answer: the conversation so far, then
+    "Assistant:\n" (``scaletrain chat``)."""
+    ids, _ = encode_example(message_segments(messages) + [(ASSISTANT, False)], tokenizer)
+    return ids
+
+
+def end_text(tokenizer: Tokenizer) -> str | None:
+    """What ends an answer as text, when the tokenizer has no end-of-text token ("\n\n"); else None."""
+    return None if tokenizer.eos_id is not None else "\n\n"
+
+
+def jinja_chat_template(tokenizer: Tokenizer) -> str:
+    """The messages template above as a Jinja chat template (Hugging Face's ``chat_template``, GGUF's
+    ``tokenizer.chat_template``), for runtimes that render conversations themselves (llama.cpp, Ollama)."""
+    end = "{{ eos_token }}" if tokenizer.eos_id is not None else "\n\n"
+    return ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+            "{{ 'Assistant:\n' + message['content'] }}" + end + "{% else %}"
+            "{{ message['role'] | capitalize + ':\n' + message['content'] + '\n\n' }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ 'Assistant:\n' }}{% endif %}")
 
 
 def encode_example(segments: list[tuple[str, bool]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:

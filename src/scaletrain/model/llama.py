@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.model.cache import KVCache, LayerCache
 from scaletrain.model.config import ModelConfig, head_width
 from scaletrain.model.mup import attention_scale, hidden_init_scale, output_multiplier
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
@@ -120,12 +121,17 @@ class Attention(nn.Module):
         self.scale = attention_scale(cfg)  # None = SDPA's 1/sqrt(head_dim); muP: ~1/head_dim (model/mup.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        """x (B, T, d); cos, sin (T, hd), or (B, T, hd) per row with a cache. With ``cache`` the new keys and
+        values are stored and the T queries attend over every cached slot (S of them) under ``attn_mask``
+        (B, 1, T, S), the cache's mask."""
         bsz, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = apply_rope(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, H, T, hd)
         k = apply_rope(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, KV, S, hd): the cached slots and these
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:  # grouped-query attention: each KV head serves n_rep query heads
             k = k.repeat_interleave(n_rep, dim=1)
@@ -160,8 +166,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
+                attn_mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        if cache is None:
+            x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
+        else:
+            x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -226,8 +235,14 @@ class Transformer(nn.Module):
         elif isinstance(module, nn.RMSNorm):
             nn.init.ones_(module.weight)
 
-    def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab). On a middle pipeline stage, hidden in / hidden out."""
+    def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                padding: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab). On a middle pipeline stage, hidden in / hidden out.
+
+        With ``cache`` (generation, ``model/cache.py``): the tokens follow the cached ones; ``padding`` (B, T)
+        bool marks left padding. Without (training, evaluation) nothing below the first ``if`` changes."""
+        if cache is not None:
+            return self._forward_cached(tokens, cache, padding)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)
         seqlen = h.shape[1]
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]  # (T, hd)
@@ -238,6 +253,24 @@ class Transformer(nn.Module):
             return h
         logits = self.output(h)  # (B, T, vocab)
         return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, padding: torch.Tensor | None) -> torch.Tensor:
+        """The forward of one generation step; a whole model (embedding and head) on one device."""
+        h = _call_with_cache(self.tok_embeddings, tokens, cache)  # (B, T', d): T' > T with virtual tokens in front
+        seqlen = h.shape[1]
+        cache.begin(tokens.shape[1], seqlen, padding, h.device)
+        cos, sin = self.rope_cos[cache.positions], self.rope_sin[cache.positions]  # (B, T', hd): per-row positions
+        for name, layer in self.layers.items():
+            h = layer(h, cos, sin, cache.mask, cache.layer(name))
+        logits = _call_with_cache(self.output, self.norm(h), cache)  # (B, T, vocab)
+        cache.end(seqlen)
+        return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
+
+
+def _call_with_cache(module: nn.Module, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """``module(x)``, given the cache when it asks for it (``takes_cache``): prompt tuning's embedding and head
+    change the sequence length at the first forward only and need to know which one this is."""
+    return module(x, cache=cache) if getattr(module, "takes_cache", False) else module(x)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:

@@ -1,0 +1,210 @@
+"""Export a run to one GGUF file for llama.cpp and Ollama, through the ``gguf`` package (the format's reference
+writer; optional extra ``scaletrain[gguf]``).
+
+Layout: llama.cpp's ``llama`` architecture (the tensor names of ``gguf.TENSOR_NAMES``, the hyperparameters
+under ``llama.*``). Our rotary layout is Hugging Face's rotate-half (pairs (i, i + hd/2)); llama.cpp's Llama
+rotates adjacent pairs (2i, 2i + 1), so, as llama.cpp's ``convert_hf_to_gguf.py`` does for a Hugging Face
+Llama, the rows of wq and wk are permuted within each head (``rotary_to_interleaved``): q.k per head is
+unchanged, each pair now adjacent.
+
+Tokenizer: a byte-level BPE run is written as llama.cpp's ``gpt2`` vocabulary (tokens, merges, special-token
+types and ids); a character vocabulary as a ``gpt2`` vocabulary of single byte-level characters and one merge that
+can never apply, which llama.cpp encodes one character a token as we do (ASCII characters; others decode but cannot
+be typed). The rows of a padded vocabulary are not written (they are never a token), as in the Hugging Face
+export. The chat template is ours (``data.instructions.jinja_chat_template``).
+
+dtypes: f32; f16 and q8_0 for the 2-D weights (the norms stay f32, as in llama.cpp's converter; a matrix
+whose rows are not a multiple of q8_0's block of 32 is written f16).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from scaletrain.config import ConfigError, ModelConfig
+from scaletrain.data.instructions import jinja_chat_template
+from scaletrain.data.tokenizer import BPETokenizer, Tokenizer
+from scaletrain.files import guarded_write, remove_quietly
+from scaletrain.model.config import head_width
+from scaletrain.model.presets import ffn_hidden_dim, kv_heads
+
+DTYPES = ("f32", "f16", "q8_0")
+NO_MERGE = "<|no-merge|>"
+
+# scaletrain name suffix -> llama.cpp GGUF name suffix, per block ("blk.<i>.<name>").
+_BLOCK = {
+    "attention.wq.weight": "attn_q.weight",
+    "attention.wk.weight": "attn_k.weight",
+    "attention.wv.weight": "attn_v.weight",
+    "attention.wo.weight": "attn_output.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight",
+    "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+    "attention_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+}
+_TOP = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+        "output.weight": "output.weight"}
+
+
+def gguf_name(name: str) -> str:
+    """Our parameter name -> llama.cpp's tensor name."""
+    if name.startswith("layers."):
+        _, index, rest = name.split(".", 2)
+        return f"blk.{index}.{_BLOCK[rest]}"
+    return _TOP[name]
+
+
+def rotary_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """wq or wk (n_heads * hd, dim) from rotate-half row order to llama.cpp's adjacent pairs: within each head,
+    rows (i, i + hd/2) become rows (2i, 2i + 1) (llama.cpp's ``LlamaModel.permute``)."""
+    out_features = weight.shape[0]
+    return (weight.reshape(n_heads, 2, out_features // n_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def gguf_state(model: nn.Module, cfg: ModelConfig, vocab_rows: int) -> dict[str, np.ndarray]:
+    """llama.cpp name -> fp32 array (tied head omitted: llama.cpp reuses token_embd)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("rope_") or (name == "output.weight" and cfg.tie_embeddings):
+            continue
+        tensor = tensor.detach().float().cpu()
+        if name in ("tok_embeddings.weight", "output.weight"):
+            tensor = tensor[:vocab_rows]
+        if name.endswith("attention.wq.weight"):
+            tensor = rotary_to_interleaved(tensor, cfg.n_heads)
+        elif name.endswith("attention.wk.weight"):
+            tensor = rotary_to_interleaved(tensor, kv_heads(cfg))
+        out[gguf_name(name)] = tensor.contiguous().numpy()
+    return out
+
+
+def check_exportable(model: nn.Module, cfg: ModelConfig) -> None:
+    """One ConfigError line when llama.cpp's llama architecture cannot run this model."""
+    if cfg.parametrization != "standard":
+        raise ConfigError(f"--format gguf: model.parametrization={cfg.parametrization} is not an architecture "
+                          f"llama.cpp knows (its logit and attention scales are not Llama's)")
+    kinds = {type(m).__name__ for m in model.modules()}
+    adapters = kinds & {"PromptEmbedding", "PrefixAttention"}
+    if adapters:
+        raise ConfigError(f"--format gguf: a prompt/prefix-tuned model ({', '.join(sorted(adapters))}) is not an "
+                          f"architecture llama.cpp knows; export it as a Hugging Face folder with its peft adapter "
+                          f"(--format hf)")
+    if "LoRALinear" in kinds or "NF4Linear" in kinds:
+        raise ConfigError("--format gguf: a LoRA/QLoRA fine-tune must be merged first: add --merge")
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (what byte-level BPE vocabularies store)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _vocabulary(tokenizer: Tokenizer, rows: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) in llama.cpp's gpt2 form, ``rows`` long."""
+    import gguf
+
+    if isinstance(tokenizer, BPETokenizer):
+        import json
+
+        data = json.loads(tokenizer.tok.to_str())
+        tokens = [tokenizer.tok.id_to_token(i) for i in range(tokenizer.vocab_size)]
+        special = {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
+        types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"].get("merges", [])]
+    else:
+        byte_char = _byte_to_unicode()
+        tokens = ["".join(byte_char[b] for b in c.encode("utf-8")) for c in tokenizer.chars]
+        types = [gguf.TokenType.NORMAL] * len(tokens)
+        # llama.cpp refuses a gpt2 vocabulary without merges; one between two multi-character strings that no
+        # merge produces can never apply (symbols start as single characters), so every character stays a token
+        merges = [f"{NO_MERGE} {NO_MERGE}"]
+    return tokens[:rows], [int(t) for t in types[:rows]], merges
+
+
+def _tensor(array: np.ndarray, dtype: str):
+    """(data, raw dtype) for ``add_tensor``: 1-D tensors stay f32."""
+    import gguf
+
+    if array.ndim == 1 or dtype == "f32":
+        return array.astype(np.float32), gguf.GGMLQuantizationType.F32
+    if dtype == "q8_0" and array.shape[-1] % 32 == 0:
+        return gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+    return array.astype(np.float16), gguf.GGMLQuantizationType.F16
+
+
+def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path, dtype: str = "f32",
+                name: str = "scaletrain") -> Path:
+    """Write ``model`` as one GGUF file ``out`` (written beside it and renamed into place)."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError("--format gguf needs the gguf package: pip install 'scaletrain[gguf]'") from None
+    check_exportable(model, cfg)
+    rows = min(cfg.vocab_size, tokenizer.vocab_size)  # a padded vocabulary's extra rows are never a token
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.tmp"
+    with guarded_write(f"the GGUF file {out}", out.parent, cleanup=(tmp,),
+                       needed=sum(p.numel() * p.element_size() for p in model.parameters())):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_quietly(tmp)
+        writer = gguf.GGUFWriter(str(tmp), "llama")
+        _write_metadata(writer, cfg, tokenizer, rows, dtype, name)
+        for tensor_name, array in gguf_state(model, cfg, rows).items():
+            data, raw = _tensor(array, dtype)
+            writer.add_tensor(tensor_name, data, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    return out
+
+
+def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, dtype: str, name: str) -> None:
+    import gguf
+
+    head_dim = head_width(cfg)
+    writer.add_name(name)
+    writer.add_context_length(cfg.max_seq_len)
+    writer.add_embedding_length(cfg.dim)
+    writer.add_block_count(cfg.n_layers)
+    writer.add_feed_forward_length(ffn_hidden_dim(cfg))
+    writer.add_head_count(cfg.n_heads)
+    writer.add_head_count_kv(kv_heads(cfg))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_vocab_size(rows)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
+    tokens, types, merges = _vocabulary(tokenizer, rows)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name for GPT-2's pre-tokenizer regex
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    if tokenizer.bos_id is not None:
+        writer.add_bos_token_id(tokenizer.bos_id)
+    if tokenizer.eos_id is not None:
+        writer.add_eos_token_id(tokenizer.eos_id)
+    writer.add_add_bos_token(False)  # our models are trained without a BOS in front
+    writer.add_chat_template(jinja_chat_template(tokenizer))

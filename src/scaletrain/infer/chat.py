@@ -1,0 +1,106 @@
+"""``scaletrain chat``: a terminal conversation in the template the run was fine-tuned with.
+
+The history is rendered with ``data.instructions.chat_prompt`` (the template fine-tuning trains on: "System:",
+"User:", "Assistant:" blocks), the answer streamed as it is generated and ended by the tokenizer's end token,
+or "\\n\\n" without one (the template's end). Before each answer the conversation is cut, oldest turns first,
+until it leaves room for the answer (``--max-tokens``, at most half the context) within the trained context;
+each cut is announced. A message that does not fit even alone is refused, and the conversation kept.
+"""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+import torch
+from torch import nn
+
+from scaletrain.data.instructions import chat_prompt, end_text
+from scaletrain.data.tokenizer import DataError, Tokenizer
+from scaletrain.infer.text import StreamPrinter
+from scaletrain.model.generate import Sampling, stop_at_strings, stream
+
+
+class Chat:
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, context: int, sampling: Sampling, max_tokens: int,
+                 stops: list[str], generator: torch.Generator, system: str = ""):
+        self.model, self.tokenizer, self.context = model, tokenizer, context
+        self.sampling, self.max_tokens, self.generator = sampling, max_tokens, generator
+        end = end_text(tokenizer)
+        self.stops = list(stops) + ([end] if end else [])
+        self.system = system
+        self.history: list[dict] = []
+
+    def messages(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+
+    def prompt_ids(self, out: TextIO) -> list[int] | None:
+        """The rendered conversation, oldest turns dropped until the answer has room; None when the last message
+        alone does not fit (it is then removed)."""
+        room = min(self.max_tokens, self.context // 2)
+        dropped = 0
+        ids = chat_prompt(self.messages(), self.tokenizer)
+        while len(ids) + room > self.context and len(self.history) > 1:
+            self.history.pop(0)  # the oldest user message, and the answer to it
+            if self.history and self.history[0]["role"] == "assistant":
+                self.history.pop(0)
+            dropped += 1
+            ids = chat_prompt(self.messages(), self.tokenizer)
+        if dropped:
+            out.write(f"(dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} to stay within the "
+                      f"model's {self.context}-token context)\n")
+        if len(ids) >= self.context:
+            self.history.pop()
+            out.write(f"(not sent: this message is {len(ids)} tokens with the template"
+                      f"{' and system message' if self.system else ''}, the model's context is {self.context})\n")
+            return None
+        return ids
+
+    def answer(self, text: str, out: TextIO) -> str | None:
+        """Stream the model's answer to the user's ``text``; the answer (None when the message was refused)."""
+        self.history.append({"role": "user", "content": text})
+        try:
+            ids = self.prompt_ids(out)
+        except DataError as exc:  # a character the char tokenizer does not know
+            self.history.pop()
+            out.write(f"(not sent: {exc})\n")
+            return None
+        if ids is None:
+            return None
+        printer = StreamPrinter(self.tokenizer.decode, self.stops, out)
+        stop = stop_at_strings(self.tokenizer.decode, self.stops) if self.stops else None
+        for step in stream(self.model, [ids], min(self.max_tokens, self.context - len(ids)), max_seq_len=self.context,
+                           sampling=self.sampling, generator=self.generator, stop_id=self.tokenizer.eos_id,
+                           vocab_limit=self.tokenizer.vocab_size, stop=stop):
+            for _, token in step:
+                printer.add(token)
+        answer = printer.finish()
+        out.write("\n")
+        self.history.append({"role": "assistant", "content": answer})
+        return answer
+
+    def loop(self, lines: TextIO, out: TextIO) -> None:
+        """Read messages and commands from ``lines`` until /exit or the end of input."""
+        interactive = lines.isatty()
+        if interactive:
+            out.write(f"chat with the model ({self.context}-token context); /reset, /system TEXT, /exit\n")
+        while True:
+            if interactive:
+                out.write("> ")
+                out.flush()
+            line = lines.readline()
+            if not line:
+                break
+            text = line.rstrip("\n")
+            if not text.strip():
+                continue
+            if text.strip() == "/exit":
+                break
+            if text.strip() == "/reset":
+                self.history = []
+                out.write("(conversation reset)\n")
+            elif text.startswith("/system"):
+                self.system = text[len("/system"):].strip()
+                out.write(f"(system message {'set' if self.system else 'cleared'})\n")
+            else:
+                self.answer(text, out)
+            out.flush()

@@ -1,0 +1,103 @@
+"""A key/value cache for incremental decoding: prefill the prompt once, then one token a forward pass.
+
+``Transformer.forward(tokens, cache=cache)`` writes each block's keys and values of the new positions into the
+cache and attends over everything cached so far; without a cache (training, evaluation) the forward is the
+one it always was. The buffers are static (allocated once, at the first forward, for ``max_tokens`` slots per
+row, in the dtype and device of the keys), as in gpt-fast's ``KVCache``; the model reads only the filled
+prefix.
+
+Batches of prompts of different lengths are **left-padded**: every row's last prompt token sits in the same
+slot, so one decode step serves all rows. The slots of the padding are marked invalid: no query attends to
+them, and each row's rotary positions count only its valid slots (a row padded by 3 has its first token at
+position 0, as when it is run alone). A padding query attends to itself only, so its (unused) output is
+finite - a row of a mask with nothing visible would make softmax NaN, and NaN times a zero weight is NaN.
+
+Positions an embedding puts in front of the tokens (prompt tuning's virtual tokens) are valid slots too:
+the cache is given the token count and the model's sequence length, and counts the difference as front
+positions of the first forward (``extra``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """One block's keys and values, (B, KV, slots, hd) each, allocated at its first ``update``."""
+
+    def __init__(self, owner: KVCache):
+        self.owner = owner
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(B, T) rotary positions of this forward's new slots."""
+        return self.owner.positions
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, S) bool: which of the S filled slots each new position may attend to."""
+        return self.owner.mask
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new keys/values k, v (B, KV, T, hd); return all filled ones, (B, KV, S, hd)."""
+        start, end = self.owner.length, self.owner.length + k.shape[2]
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
+            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every block for ``batch_size`` rows and up to ``max_tokens`` tokens a row
+    (padding included). Pass it to every forward of one generation; ``length`` slots are filled."""
+
+    def __init__(self, batch_size: int, max_tokens: int):
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        self.capacity = 0  # slots: max_tokens + the front positions of the first forward (``extra``)
+        self.extra = 0
+        self.length = 0
+        self.valid: torch.Tensor | None = None  # (B, capacity) bool: the slot holds a token, not padding
+        self.positions: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self.layers: dict[str, LayerCache] = {}
+
+    @property
+    def tokens(self) -> int:
+        """Token slots filled (padding included, front positions not)."""
+        return self.length - self.extra
+
+    def layer(self, name: str) -> LayerCache:
+        if name not in self.layers:
+            self.layers[name] = LayerCache(self)
+        return self.layers[name]
+
+    def begin(self, n_tokens: int, seqlen: int, padding: torch.Tensor | None, device: torch.device) -> None:
+        """Called by the model before its blocks: ``n_tokens`` tokens became ``seqlen`` positions (more when the
+        embedding put positions in front, at the first forward only); ``padding`` (B, n_tokens) bool marks
+        left padding. Sets this forward's ``positions`` and ``mask``."""
+        if self.valid is None:
+            self.extra = seqlen - n_tokens
+            self.capacity = self.max_tokens + self.extra
+            self.valid = torch.ones(self.batch_size, self.capacity, dtype=torch.bool, device=device)
+        start, end = self.length, self.length + seqlen
+        if end > self.capacity:
+            raise ValueError(f"KV cache full: {self.tokens} + {n_tokens} tokens > {self.max_tokens} slots")
+        if padding is not None:
+            self.valid[:, end - n_tokens:end] = ~padding.to(device)
+        valid = self.valid[:, :end]  # (B, S)
+        # a slot's position = the valid slots before it (padding slots get their neighbour's, unused)
+        self.positions = (valid.cumsum(1) - 1).clamp_(min=0)[:, start:end]  # (B, T)
+        slots = torch.arange(end, device=device)
+        query_slots = slots[start:end, None]  # (T, 1)
+        causal = slots[None, :] <= query_slots  # (T, S)
+        self.mask = ((causal[None] & valid[:, None, :]) | (slots[None, :] == query_slots)[None]).unsqueeze(1)
+
+    def end(self, seqlen: int) -> None:
+        """Called by the model after its head: the new positions are now cached."""
+        self.length += seqlen
