@@ -58,7 +58,7 @@ class OptimConfig:
                              "the blocks' weight matrices and AdamW on embeddings, head, norms and biases "
                              "(docs/training.md)", choices=("adamw", "muon"))
     lr: float = opt(1e-3, "peak learning rate", gt=0)
-    weight_decay: float = opt(0.1, "AdamW decoupled weight decay for matrices (norms, biases and "
+    weight_decay: float = opt(0.1, "decoupled weight decay for matrices, AdamW's and Muon's (norms, biases and "
                                     "embeddings get none)", ge=0)
     beta1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = opt(0.99, "AdamW beta2 (0.99 suits small data; large runs use 0.95)", ge=0, lt=1)
