@@ -71,19 +71,24 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
 
 COMPILE_SUFFIX = "_compile"
 PADDED_SUFFIX = "_padded"
+MUON_SUFFIX = "_muon"  # optim.name = muon (train/muon.py), the reference too; before any _padded / _compile
+MUON = dataclasses.replace(OPTIM, name="muon")
 # The "tokenizer" of the _padded strategies: 60 tokens in 64 rows (with 63 the 5 x + 3 stream learns too
 # little in 5 steps for the parity check's "it learns" condition).
 PADDED_VOCAB = MODEL.vocab_size - 4
 
 
-def resolve(name: str) -> tuple[dict, int, bool, int | None]:
-    """(ParallelConfig fields, grad_accum_steps, compile, vocab_limit) of a strategy name; ``X_compile`` is X
-    compiled, ``X_padded`` is X on data with fewer tokens than the model's vocabulary (None: as many)."""
+def resolve(name: str) -> tuple[dict, int, bool, int | None, OptimConfig]:
+    """(ParallelConfig fields, grad_accum_steps, compile, vocab_limit, optimizer) of a strategy name; ``X_compile``
+    is X compiled, ``X_padded`` is X on data with fewer tokens than the model's vocabulary (None: as many),
+    ``X_muon`` is X with Muon + AdamW instead of AdamW."""
     compiled = name.endswith(COMPILE_SUFFIX)
     name = name.removesuffix(COMPILE_SUFFIX)
     vocab_limit = PADDED_VOCAB if name.endswith(PADDED_SUFFIX) else None
-    fields, accum = STRATEGIES[name.removesuffix(PADDED_SUFFIX)]
-    return fields, accum, compiled, vocab_limit
+    name = name.removesuffix(PADDED_SUFFIX)
+    optim = MUON if name.endswith(MUON_SUFFIX) else OPTIM
+    fields, accum = STRATEGIES[name.removesuffix(MUON_SUFFIX)]
+    return fields, accum, compiled, vocab_limit, optim
 
 
 def batches(step: int, accum: int, vocab: int = MODEL.vocab_size) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -103,12 +108,13 @@ def batches(step: int, accum: int, vocab: int = MODEL.vocab_size) -> list[tuple[
     return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.chunk(accum)]
 
 
-def reference_losses(accum: int, device: torch.device | None = None, vocab_limit: int | None = None) -> list[float]:
+def reference_losses(accum: int, device: torch.device | None = None, vocab_limit: int | None = None,
+                     optim: OptimConfig = OPTIM) -> list[float]:
     """One process, the whole global batch per step (accumulated over the same micro-batches), eager.
     With ``vocab_limit`` the logits are sliced to it: what the parallel loss's -inf mask must equal."""
     device = device or torch.device("cpu")
     model = build_model(MODEL, device, seed=SEED)
-    opt = build_optimizer(model, OPTIM, device)
+    opt = build_optimizer(model, optim, device)
     losses = []
     for step in range(STEPS):
         total = 0.0
@@ -125,16 +131,16 @@ def reference_losses(accum: int, device: torch.device | None = None, vocab_limit
     return losses
 
 
-def job(fields: dict, accum: int = 1, compile: bool = False) -> JobConfig:
-    """The tiny job of every strategy: only the [parallel] section, accumulation and compile differ."""
-    return JobConfig(model=MODEL, optim=OPTIM, parallel=ParallelConfig(**fields),
+def job(fields: dict, accum: int = 1, compile: bool = False, optim: OptimConfig = OPTIM) -> JobConfig:
+    """The tiny job of every strategy: only the [parallel] section, accumulation, compile and optimizer differ."""
+    return JobConfig(model=MODEL, optim=optim, parallel=ParallelConfig(**fields),
                      train=TrainConfig(seed=SEED, compile=compile, grad_accum_steps=accum))
 
 
 def parallel_losses(fields: dict, accum: int, compile: bool, device: torch.device,
-                    vocab_limit: int | None = None) -> tuple[list[float], dict]:
+                    vocab_limit: int | None = None, optim: OptimConfig = OPTIM) -> tuple[list[float], dict]:
     """The trainer's own build and step (``build_parallel_training`` + ``training_step``) for one strategy."""
-    cfg = job(fields, accum, compile)
+    cfg = job(fields, accum, compile, optim)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     local_batch = GLOBAL_BATCH // accum // dims.dp_size
     dims.check_model(cfg.parallel, MODEL, SEQ, local_batch)
@@ -148,6 +154,7 @@ def parallel_losses(fields: dict, accum: int, compile: bool, device: torch.devic
         losses.append(training_step(pm, opt, micro, accum, grad_clip=OPTIM.grad_clip).loss)
     return losses, {"dims": dataclasses.asdict(dims), "seconds": time.perf_counter() - t0,
                     "all_reduce_calls": pm.comm.all_reduce_calls,
+                    "muon_gathered_bytes": getattr(opt, "gathered_bytes", 0),  # FSDP2 + Muon's all-gathers
                     # frames torch.compile compiled during this run: 0 would mean the eager path ran
                     "compiled_frames": dynamo_counters["frames"]["ok"] - frames_before}
 
@@ -209,15 +216,17 @@ def main() -> int:
             print(f"{name:>16}: memory " + " | ".join(f"rank {r['rank']}: P {r['params_at_rest']}/"
                   f"{r['params_in_step']} G {r['grads']} O {r['optimizer_states']}" for r in gathered), flush=True)
     for name in filter(None, args.strategies.split(",")):
-        fields, accum, compiled, vocab_limit = resolve(name)
-        if vocab_limit not in ref_cache:  # always one eager process and one batch of k * b rows, whatever k is
-            ref_cache[vocab_limit] = reference_losses(1, device, vocab_limit)
-        ref = ref_cache[vocab_limit]
-        losses, info = parallel_losses(fields, accum, compiled, device, vocab_limit)
+        fields, accum, compiled, vocab_limit, optim = resolve(name)
+        key = (vocab_limit, optim.name)
+        if key not in ref_cache:  # always one eager process and one batch of k * b rows, whatever k is
+            ref_cache[key] = reference_losses(1, device, vocab_limit, optim)
+        ref = ref_cache[key]
+        losses, info = parallel_losses(fields, accum, compiled, device, vocab_limit, optim)
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
         records.append({"kind": "parity", "strategy": name, "world_size": dist.get_world_size(),
                         "grad_accum_steps": accum, "vocab_limit": vocab_limit,
-                        "compile": compiled, "device": device.type, "reference": ref, "parallel": losses,
+                        "compile": compiled, "optimizer": optim.name, "device": device.type, "reference": ref,
+                        "parallel": losses,
                         "max_rel_diff": rel, **info})
         if rank == 0:
             print(f"{name:>16}: max rel diff {rel:.2e}  ({info['seconds']:.1f} s)", flush=True)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from dist_parity import MODEL
+
 pytestmark = pytest.mark.distributed
 TESTS = Path(__file__).parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -49,7 +51,8 @@ def parity_run(tmp_path_factory, nproc: int, strategies: list[str], memory: list
 # vocabulary-sharded logits under TP, in the pipeline's loss_fn under PP) vs a reference on sliced logits.
 WORLD2 = ["ddp", "ddp_accum2", "zero1", "fsdp2", "fsdp3", "fsdp3_accum2", "fsdp3_ac", "fsdp3_offload", "fsdp3_bf16",
           "tp", "tp_sp", "pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_1f1b_accum2", "ddp_compile", "fsdp3_compile",
-          "tp_padded", "tp_sp_padded", "pp_1f1b_padded"]
+          "tp_padded", "tp_sp_padded", "pp_1f1b_padded",
+          "ddp_muon", "ddp_accum2_muon", "fsdp2_muon", "fsdp3_muon", "fsdp3_accum2_muon", "pp_1f1b_muon"]
 WORLD4 = ["hsdp", "fsdp_tp", "fsdp_tp_nosp", "pp_fsdp", "pp_tp", "pp_tp_padded"]
 
 
@@ -97,6 +100,19 @@ def test_padded_strategies_mask_a_padding_column(world2, world4):
     records = {**world2["parity"], **world4["parity"]}
     assert {name for name, r in records.items() if r["vocab_limit"] == 60} == \
         {name for name in WORLD2 + WORLD4 if name.endswith("_padded")}
+
+
+def test_muon_under_fsdp2_gathers_each_matrix_once_per_step(world2):
+    """Muon (train/muon.py) on FSDP2 shards: each rank all-gathers every block matrix's update once a step (it
+    receives the other rank's half: 4 bytes x half the matrix elements); DDP and pipeline ranks hold whole
+    matrices and gather nothing. The parity rows above show the gathered update is the single-process one."""
+    block = MODEL.dim * MODEL.dim * 4 + 3 * MODEL.dim * MODEL.ffn_hidden_dim  # wq, wk, wv, wo, w1, w2, w3
+    per_step = MODEL.n_layers * block * 4 // 2
+    parity = world2["parity"]
+    for name in ("fsdp2_muon", "fsdp3_muon", "fsdp3_accum2_muon"):
+        assert parity[name]["optimizer"] == "muon"
+        assert parity[name]["muon_gathered_bytes"] == 5 * per_step
+    assert parity["ddp_muon"]["muon_gathered_bytes"] == parity["pp_1f1b_muon"]["muon_gathered_bytes"] == 0
 
 
 def test_bf16_mixed_precision_stays_close(world2):

@@ -40,6 +40,21 @@ def test_loss_falls(tmp_path, tiny):
     assert [e["step"] for e in summary["evals"]] == [0, 30, 60]
 
 
+def test_summary_counts_eval_sample_and_checkpoint_stalls(tmp_path, tiny, capsys):
+    """The seconds spent evaluating, sampling and checkpointing, and their share of the loop's wall time, are in
+    the summary and on the done line."""
+    overrides = tiny(tmp_path / "run", **{"train.steps": 20, "train.eval_interval": 10, "train.sample_tokens": 20,
+                                          "checkpoint.interval": 10})
+    assert main(args(overrides)) == 0
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")][0]
+    assert "eval/sample/checkpoint " in done and "% of " in done and "eval " in done, done
+    summary = Trainer(load_config(None, {**overrides, "train.run_dir": str(tmp_path / "again")}), log=False).train()
+    stalls = summary["stall_seconds"]
+    assert set(stalls) == {"eval", "sample", "checkpoint"} and all(v > 0 for v in stalls.values())
+    assert summary["stall_share"] == pytest.approx(sum(stalls.values()) / summary["loop_seconds"])
+    assert 0 < summary["stall_share"] < 1
+
+
 def test_resume_is_bitwise_exact(tmp_path, tiny):
     straight = tmp_path / "straight"
     split = tmp_path / "split"

@@ -54,8 +54,11 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = opt("adamw", "adamw, or muon: Muon (torch.optim.Muon: orthogonalized momentum, one state buffer) on "
+                             "the blocks' weight matrices and AdamW on embeddings, head, norms and biases "
+                             "(docs/training.md)", choices=("adamw", "muon"))
     lr: float = opt(1e-3, "peak learning rate", gt=0)
-    weight_decay: float = opt(0.1, "AdamW decoupled weight decay for matrices (norms, biases and "
+    weight_decay: float = opt(0.1, "decoupled weight decay for matrices, AdamW's and Muon's (norms, biases and "
                                     "embeddings get none)", ge=0)
     beta1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = opt(0.99, "AdamW beta2 (0.99 suits small data; large runs use 0.95)", ge=0, lt=1)
@@ -63,6 +66,15 @@ class OptimConfig:
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping", ge=0)
     implementation: str = opt("auto", "AdamW kernel: auto (fused on CPU and GPU), fused, foreach, loop",
                               choices=("auto", "fused", "foreach", "loop"))
+    muon_lr: float = opt(0.0, "muon: peak learning rate of the Muon matrices (the schedule scales it with optim.lr); "
+                              "0 = optim.lr, right with muon_adjust_lr = match_rms_adamw (Moonlight); Keller "
+                              "Jordan's recipe is 0.02 with original", ge=0)
+    muon_adjust_lr: str = opt("match_rms_adamw", "muon: per-matrix lr by shape, torch.optim.Muon's adjust_lr_fn: "
+                                                 "match_rms_adamw (0.2 sqrt(max(rows, cols)): updates of AdamW's "
+                                                 "RMS, so AdamW's lr and weight decay carry over; Liu et al. 2025) "
+                                                 "or original (sqrt(max(1, rows/cols)); Keller Jordan)",
+                              choices=("match_rms_adamw", "original"))
+    muon_momentum: float = opt(0.95, "muon: momentum (Nesterov) of the Muon matrices", ge=0, lt=1)
 
 
 @dataclass

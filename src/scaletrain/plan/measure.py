@@ -134,22 +134,24 @@ def wait_for_quiet(peak: float, threshold: float = 0.85, tries: int = 40, log=pr
 
 
 def single_process_run(model_cfg: ModelConfig, batch: int, seq: int, ac: str = "none", ac_every: int = 2,
-                       steps: int = 5, seed: int = 0, accum: int = 1, precision: str = "fp32") -> dict:
+                       steps: int = 5, seed: int = 0, accum: int = 1, precision: str = "fp32",
+                       optim: OptimConfig | None = None) -> dict:
     """Measure the trainer's own training step on CPU in one process, with activation checkpointing
     ``ac`` (``batch`` sequences per optimizer step, in ``accum`` micro-batches), in ``precision`` (fp32, or
-    bf16: the trainer's autocast)."""
+    bf16: the trainer's autocast); ``optim``: AdamW's defaults unless given."""
     tracker = LiveTensorBytes().__enter__()  # from the start: every storage of the run is seen
     parallel = ParallelConfig(activation_checkpointing=ac, ac_every=ac_every)
     # The rope buffers and the batch are counted as at-rest bytes (the planner adds them the same way).
-    return _measure_trainer_step(model_cfg, parallel, 1, batch, seq, accum, seed, steps, tracker, precision)
+    return _measure_trainer_step(model_cfg, parallel, 1, batch, seq, accum, seed, steps, tracker, precision, optim)
 
 
 def _measure_trainer_step(model_cfg: ModelConfig, parallel: ParallelConfig, world_size: int, batch: int, seq: int,
-                          accum: int, seed: int, steps: int, tracker: LiveTensorBytes, precision: str = "fp32") -> dict:
-    """``build_parallel_training`` + ``training_step`` (AdamW defaults, clip 1.0, the trainer's autocast for
-    ``precision``) on random tokens: ``batch`` rows per rank per optimizer step in ``accum`` micro-batches;
-    data-parallel ranks read different rows, tensor-parallel ranks the same ones."""
-    cfg = JobConfig(model=model_cfg, parallel=parallel, optim=OptimConfig(),
+                          accum: int, seed: int, steps: int, tracker: LiveTensorBytes, precision: str = "fp32",
+                          optim: OptimConfig | None = None) -> dict:
+    """``build_parallel_training`` + ``training_step`` (AdamW defaults unless ``optim``, clip 1.0, the trainer's
+    autocast for ``precision``) on random tokens: ``batch`` rows per rank per optimizer step in ``accum``
+    micro-batches; data-parallel ranks read different rows, tensor-parallel ranks the same ones."""
+    cfg = JobConfig(model=model_cfg, parallel=parallel, optim=optim or OptimConfig(),
                     train=TrainConfig(seed=seed, grad_accum_steps=accum))
     device = torch.device("cpu")
     dims = ParallelDims.from_config(parallel, world_size)

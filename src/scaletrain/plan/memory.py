@@ -172,13 +172,22 @@ class MemoryBreakdown:
         return asdict(self)
 
 
+def muon_matrix_params(cfg: ModelConfig, layers: int, tp: int = 1) -> float:
+    """Parameters Muon takes (``optim.name = muon``, train/muon.py) in ``layers`` blocks per tensor-parallel
+    rank: every block weight but the two norms."""
+    return layers * block_matrix_params(cfg) / tp
+
+
 def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
-                     foreach_optimizer: bool | None = None, allocator: str = "system") -> MemoryBreakdown:
+                     foreach_optimizer: bool | None = None, allocator: str = "system",
+                     optimizer: str = "adamw") -> MemoryBreakdown:
     """Simulate the live bytes of one step and return the breakdown at its peak.
 
     ``foreach_optimizer``: AdamW's foreach kernel (``optim.implementation = foreach``) allocates one temporary
     the size of the largest parameter group for sqrt(v); the fused kernel (the default on CPU and GPU) does not.
     ``allocator`` (CPU): the malloc the run uses (``CPU_ALLOCATOR_MARGIN``), ``Hardware.allocator``.
+    ``optimizer = "muon"``: the blocks' matrices keep one fp32 momentum buffer instead of AdamW's two moments,
+    and the step holds Newton-Schulz's temporaries of the largest matrix (the whole matrix, gathered, under FSDP).
     """
     cfg, rec = workload.model, recipe_for(workload, plan)
     foreach = bool(foreach_optimizer)
@@ -187,6 +196,9 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     deepspeed = plan.engine == "deepspeed"
     shards = plan.dp if deepspeed else plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate
     states = model_states(psi, plan.zero_stage, shards, rec)
+    layers = -(-cfg.n_layers // pp)
+    if optimizer == "muon" and psi:  # half the optimizer bytes of the Muon matrices: m only, no v
+        states["optimizer"] *= 1 - muon_matrix_params(cfg, layers, tp) / psi / 2
     offloaded = 0.0
     if plan.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded params, grads and states live in host memory
         offloaded = sum(states.values())
@@ -197,7 +209,6 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     a = rec.activation
     b, t = plan.micro_batch, workload.seq_len // plan.cp
     d, v = cfg.dim, cfg.vocab_size
-    layers = -(-cfg.n_layers // pp)
     blk = block_activation_bytes(cfg, b, t, rec, tp, plan.sequence_parallel)
     # A checkpointed block keeps its input: the residual stream, fp32 under autocast.
     ckpt_input = b * t * d * (4 if rec.autocast else a) / (tp if plan.sequence_parallel and tp > 1 else 1)
@@ -262,8 +273,11 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     # Optimizer: all grads present; foreach AdamW allocates sqrt(v) for the largest param group.
     opt_tmp = (layers * block_p + (0 if cfg.tie_embeddings else v * d / tp)) * 4 / max(1, shards if
                                                                                        plan.zero_stage >= 1 else 1)
-    phases.append(("optimizer step", dict(activations=0.0, transients=opt_tmp if foreach and not plan.cpu_offload
-                                          else 0.0, held=0.0, grads=full_grad_bytes)))
+    opt_transient = opt_tmp if foreach and not plan.cpu_offload else 0.0
+    if optimizer == "muon":  # the (gathered) update, its copy in the Newton-Schulz dtype, the Gram matrix and X
+        opt_transient = 4 * max(d, ffn_hidden_dim(cfg)) * d * 4
+    phases.append(("optimizer step", dict(activations=0.0, transients=opt_transient, held=0.0,
+                                          grads=full_grad_bytes)))
 
     best_name, best, best_total = "", {}, -1.0
     for name, ph in phases:

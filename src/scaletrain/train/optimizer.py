@@ -1,4 +1,5 @@
-"""AdamW with parameter groups: weight decay on matrices only."""
+"""AdamW with parameter groups: weight decay on matrices only; or Muon on the blocks' matrices + AdamW on the
+rest (``optim.name = "muon"``, train/muon.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from scaletrain.config import OptimConfig
 from scaletrain.parallel import ParallelModel
 from scaletrain.parallel.ddp import build_zero1_optimizer
+from scaletrain.train.muon import Muon, MuonAdamW, muon_matrices
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -77,7 +79,27 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
     if lora_plus_ratio != 1.0:
         groups = lora_plus_groups(model, groups, lora_plus_ratio)
     groups = [{**g, "lr": cfg.lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
+    if cfg.name == "muon":
+        return build_muon(model, groups, cfg, device, kwargs)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+
+
+def build_muon(model: nn.Module, groups: list[dict], cfg: OptimConfig, device: torch.device,
+               adamw_kwargs: dict) -> MuonAdamW:
+    """``groups`` (AdamW's) with the blocks' matrices (``muon_matrices``) moved to one Muon group at
+    ``optim.muon_lr`` (0: optim.lr), ``lr_scale`` = muon_lr / lr so the trainer's schedule scales both alike.
+    Newton-Schulz in bf16 on a GPU, fp32 on a CPU (train/muon.py)."""
+    matrices = muon_matrices(model)
+    by_id = {id(p): p for g in groups for p in g["params"]}
+    adamw_groups = [{**g, "params": [p for p in g["params"] if id(p) not in matrices]} for g in groups]
+    adamw_groups = [g for g in adamw_groups if g["params"]]
+    scale = (cfg.muon_lr or cfg.lr) / cfg.lr
+    muon_group = {"params": [by_id[i] for i in by_id if i in matrices], "lr_scale": scale, "lr": cfg.lr * scale}
+    adamw = torch.optim.AdamW(adamw_groups or [{"params": []}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                              eps=cfg.eps, **adamw_kwargs)
+    muon = Muon([muon_group], lr=cfg.lr * scale, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return MuonAdamW(adamw, muon)
 
 
 def build_parallel_optimizer(pm: ParallelModel, cfg: OptimConfig, device: torch.device, zero_stage: int,

@@ -235,6 +235,9 @@ class Trainer:
         self._peak_remeasured = False
         self.step_times: list[float] = []
         self.data_times: list[float] = []  # seconds of each step spent waiting for batches (monitor.timed)
+        # Seconds the loop spent not training, by cause, and the loop's wall time: the summary's stall share.
+        self.stall_seconds = {"eval": 0.0, "sample": 0.0, "checkpoint": 0.0}
+        self.loop_seconds = 0.0
         self.monitor: ResourceMonitor | None = None
         self.evals: list[dict] = []
         # Hooks for commands over runs (tune/): ``on_eval(step, val_loss)`` after each evaluation (a tune trial
@@ -454,7 +457,11 @@ class Trainer:
     def save(self, blocking: bool | None = None) -> Path:
         """Write a checkpoint of the current step (collective). Asynchronous when checkpoint.async_save is
         set, unless ``blocking``; the folder is complete once ``self.checkpoints.wait()`` returns."""
-        return self.checkpoint.save(not self.cfg.checkpoint.async_save if blocking is None else blocking)
+        t0 = time.perf_counter()
+        try:
+            return self.checkpoint.save(not self.cfg.checkpoint.async_save if blocking is None else blocking)
+        finally:
+            self.stall_seconds["checkpoint"] += time.perf_counter() - t0
 
     def resume(self) -> bool:
         """Load the newest good checkpoint; False when there is none (any world size or plan)."""
@@ -519,6 +526,7 @@ class Trainer:
         self.monitor = ResourceMonitor(cfg.monitor, self.run_dir, self.env.rank, self.device).start()
         profiler = StepProfiler(cfg.profile, self.run_dir, self.env.rank, self.device, self._message).start()
         rollbacks_seen = self.guard.rollbacks
+        loop_start = time.perf_counter()
         try:
             if state.step == 0 and eval_every:
                 self._eval_and_report(logger)
@@ -562,7 +570,10 @@ class Trainer:
                     self._eval_and_report(logger)
                 if cfg.checkpoint.enabled:
                     self.save()
+            t0 = time.perf_counter()
             self.checkpoints.close()  # an asynchronous save completes before the run ends
+            self.stall_seconds["checkpoint"] += time.perf_counter() - t0
+            self.loop_seconds = time.perf_counter() - loop_start
         finally:
             profiler.stop()
             self.monitor.stop()
@@ -649,14 +660,18 @@ class Trainer:
         return [round(float(t), 1) for t in every]
 
     def _eval_and_report(self, logger: MetricsLogger) -> None:
+        t0 = time.perf_counter()
         val_loss = self.evaluate()
+        self.stall_seconds["eval"] += time.perf_counter() - t0
         self.evals.append({"step": self.state.step, "val_loss": val_loss})
         logger.log({"step": self.state.step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss)})
         logger.message(f"step {self.state.step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
         if self.on_eval is not None:
             self.on_eval(self.state.step, val_loss)
         if self.cfg.train.sample_tokens and self.is_main and not self.pm.sharded:
+            t0 = time.perf_counter()
             text = self.sample(self.cfg.train.sample_tokens)
+            self.stall_seconds["sample"] += time.perf_counter() - t0
             logger.log({"step": self.state.step, "sample": text})  # for the report
             logger.message("--- sample ---\n" + text.strip() + "\n--------------")
 
@@ -672,4 +687,11 @@ class Trainer:
                 "trainable_parameters": parameter_counts(self.pm.modules)[0],
                 "all_reduce_calls": self.pm.comm.all_reduce_calls, "all_reduce_bytes": self.pm.comm.all_reduce_bytes,
                 "preempted": self.preempted, "skipped_updates": self.guard.skipped_total,
-                "rollbacks": self.guard.rollbacks}
+                "rollbacks": self.guard.rollbacks, **self._stalls()}
+
+    def _stalls(self) -> dict:
+        """Seconds of the training loop spent evaluating, sampling and checkpointing (rank 0's), and their share
+        of the loop's wall time (``stall_share``; NaN before ``train`` has run)."""
+        total = sum(self.stall_seconds.values())
+        return {"loop_seconds": self.loop_seconds, "stall_seconds": dict(self.stall_seconds),
+                "stall_share": total / self.loop_seconds if self.loop_seconds else float("nan")}

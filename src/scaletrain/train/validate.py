@@ -71,6 +71,27 @@ def check_mup(cfg: JobConfig) -> None:
                           f"model.dim divisible by n_heads")
 
 
+def check_optimizer(cfg: JobConfig) -> None:
+    """optim.name = muon (train/muon.py): Newton-Schulz needs each whole matrix, which FSDP2 gathers per matrix
+    but tensor / context parallelism splits across ranks that compute different things; ZeRO-1, DeepSpeed and
+    low-communication replicas build their own AdamW; muP scales the hidden matrices' lr its own way."""
+    o, par = cfg.optim, cfg.parallel
+    if o.name != "muon":
+        if o.muon_lr or o.muon_adjust_lr != "match_rms_adamw" or o.muon_momentum != 0.95:
+            raise ConfigError(f"optim.muon_* settings apply to optim.name=muon (got optim.name={o.name}); set "
+                              f"optim.name=muon or drop them")
+        return
+    if par.tp > 1 or par.cp > 1:
+        raise ConfigError("optim.name=muon needs whole weight matrices: not with parallel.tp > 1 or parallel.cp > 1 "
+                          "(FSDP2, parallel.dp_shard, gathers each matrix for its update)")
+    if par.engine != "native" or par.zero_stage == 1 or par.low_comm != "none":
+        raise ConfigError("optim.name=muon runs on the native engine with DDP or FSDP2 (parallel.zero_stage 0, 2 or "
+                          "3, parallel.low_comm=none); ZeRO-1, DeepSpeed and local SGD / DiLoCo build their own AdamW")
+    if cfg.model.parametrization == "mup":
+        raise ConfigError("optim.name=muon with model.parametrization=mup is not supported (muP scales the hidden "
+                          "matrices' AdamW lr; Muon scales its own by shape): use one of them")
+
+
 def check_distillation(cfg: JobConfig) -> None:
     """finetune.teacher (adapt/distill.py): a fine-tune on one model part whose logits are plain tensors;
     finetune.qat (adapt/qat.py): a full fine-tune without tensor/pipeline/context parallelism."""
@@ -110,6 +131,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     check_feature_combinations(cfg, precision)
     check_finetune(cfg, world_size)
     check_mup(cfg)
+    check_optimizer(cfg)
     check_distillation(cfg)
     if cfg.parallel.engine == "deepspeed":  # its own rules (ds_config, offload, ZeRO-3 x pp), data parallel only
         if cfg.finetune.source:
