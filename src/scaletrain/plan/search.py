@@ -219,7 +219,7 @@ def what_would_fit(workload: Workload, plan: Plan, cluster: Cluster) -> str:
             check_plan(workload, variant, cluster.world_size, cluster.hardware.kind)
         except ConfigError:
             continue
-        mem = memory_breakdown(workload, variant, cluster.hardware.kind)
+        mem = memory_breakdown(workload, variant, cluster.hardware.kind, allocator=cluster.hardware.allocator)
         if mem.total <= budget:
             return f"{text} would fit ({mem.total / GiB:.2f} GiB of {budget / GiB:.2f} GiB)"
     # Nothing on this hardware: how many devices ZeRO-3 + full AC + micro-batch 1 would need.
@@ -228,7 +228,8 @@ def what_would_fit(workload: Workload, plan: Plan, cluster: Cluster) -> str:
     for scale in (2, 4, 8, 16, 32, 64):
         n = lean.dp_shard * scale
         more = replace(lean, dp_shard=n)
-        if memory_breakdown(workload, more, cluster.hardware.kind).total <= budget:
+        fits = memory_breakdown(workload, more, cluster.hardware.kind, allocator=cluster.hardware.allocator).total
+        if fits <= budget:
             return (f"no knob on {cluster.world_size} devices fits; with activation_checkpointing=full, micro_batch=1 "
                     f"and zero_stage 3 it needs about {n * plan.tp * plan.pp * plan.cp} devices "
                     f"(or a device with more memory)")
