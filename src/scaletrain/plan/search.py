@@ -228,8 +228,8 @@ def what_would_fit(workload: Workload, plan: Plan, cluster: Cluster) -> str:
     for scale in (2, 4, 8, 16, 32, 64):
         n = lean.dp_shard * scale
         more = replace(lean, dp_shard=n)
-        fits = memory_breakdown(workload, more, cluster.hardware.kind, allocator=cluster.hardware.allocator).total
-        if fits <= budget:
+        needed = memory_breakdown(workload, more, cluster.hardware.kind, allocator=cluster.hardware.allocator).total
+        if needed <= budget:
             return (f"no knob on {cluster.world_size} devices fits; with activation_checkpointing=full, micro_batch=1 "
                     f"and zero_stage 3 it needs about {n * plan.tp * plan.pp * plan.cp} devices "
                     f"(or a device with more memory)")
