@@ -60,6 +60,35 @@ def scaletrain_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "scaletrain"]
 
 
+def step_ratio(steps: int = 100, warmup: int = 10) -> dict:
+    """Median ms of the recipe's training step (compiled, as it runs) with AdamW and with Muon, alternating step
+    by step in this process (load slows both alike), and Muon's over AdamW's."""
+    from dataclasses import replace
+
+    from scaletrain.config import load_config
+    from scaletrain.train.trainer import Trainer
+
+    scratch = Path(tempfile.mkdtemp(prefix="step-ratio-"))
+    try:
+        base = load_config(str(RECIPE), {"checkpoint.enabled": "false", "monitor.enabled": "false",
+                                         "logging.tensorboard": "false"})
+        trainers = {name: Trainer(replace(base, optim=replace(base.optim, name=name),
+                                          train=replace(base.train, run_dir=str(scratch / name))), log=False)
+                    for name in OPTIMIZERS}
+        times: dict[str, list[float]] = {name: [] for name in trainers}
+        for i in range(steps + warmup):
+            for name, trainer in trainers.items():
+                t0 = time.perf_counter()
+                trainer.train_step()
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    med = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    return {"median_ms": med, "steps": steps,
+            **({"muon_over_adamw": med["muon"] / med["adamw"]} if len(med) == 2 else {})}
+
+
 def run_recipe(optimizer: str, cache_dir: Path, run_dir: Path, target: float, extra: list[str]) -> dict:
     """One whole training process of the recipe; the time (from launch) and step of the first evaluation at
     or below ``target``, the whole process's wall time, the val curve and the done line."""
@@ -129,6 +158,8 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=NANOGPT["final_val_loss"])
     parser.add_argument("--eval-interval", type=int, default=250, help="the recipe's is 250")
     parser.add_argument("--steps", type=int, default=0, help="override train.steps (0 = the recipe's 2000)")
+    parser.add_argument("--ratio-steps", type=int, default=100, help="interleaved steps of the step-time ratio "
+                        "(0 = skip)")
     parser.add_argument("--optimizers", default="adamw,muon", help="which rows to run (comma-separated)")
     parser.add_argument("--flags", default="", help="extra flags for every run, e.g. '--train.compile=false'")
     parser.add_argument("--muon-flags", default="", help="extra flags for the Muon runs, e.g. "
@@ -147,7 +178,8 @@ def main() -> int:
         rounds = [one_round(i, args.target, extra, scratch) for i in range(args.rounds)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    summary = summarize(rounds)
+    summary = summarize(rounds) if rounds else {"load_factor": float("nan"), "rows": {}}
+    summary["side_by_side"] = step_ratio(args.ratio_steps) if args.ratio_steps else None
     result = {"benchmark": "time_to_loss", "recipe": str(RECIPE.relative_to(ROOT)), "target": args.target,
               "eval_interval": args.eval_interval, "flags": args.flags, "optimizers": OPTIMIZERS,
               "nanogpt_reference": NANOGPT,
@@ -165,6 +197,11 @@ def main() -> int:
               f"{_ratio(row['to_target_over_nanogpt_load_adjusted']):>7s} {row['wall_s']:8.1f} "
               f"{row['wall_over_nanogpt']:9.2f} {row['wall_over_nanogpt_load_adjusted']:7.2f} "
               f"{row['final_val_loss']:9.4f}")
+    if summary["side_by_side"]:
+        sbs = summary["side_by_side"]
+        print("step time, one process, alternating: " + ", ".join(f"{k} {v:.1f} ms" for k, v in
+                                                                   sbs["median_ms"].items())
+              + (f"; Muon / AdamW {sbs['muon_over_adamw']:.2f}" if "muon_over_adamw" in sbs else ""))
     print(f"wrote {args.out}")
     return 0
 
