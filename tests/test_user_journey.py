@@ -305,3 +305,14 @@ def test_compress_report_interleaves_rounds_and_writes_json(base_run, tmp_path, 
     rows = json.loads(table.read_text())
     assert rows[0]["speed_ratio"] == 1.0 and rows[1]["decode_tokens_per_s"] > 0
     assert isinstance(rows[1]["machine_busy"], bool)
+
+
+def test_a_fine_tune_longer_than_the_default_context_is_not_refused_before_its_base_is_read():
+    """Found by the first GPU check: `finetune --from BASE --data.seq_len=1024` was refused because validation
+    applied the default model.max_seq_len (128) to a fine-tune, whose [model] comes from its base (and whose
+    rotary tables are lengthened to data.seq_len). Pretraining still gets the one-line refusal."""
+    from scaletrain.config import ConfigError, DataConfig, FinetuneConfig, JobConfig, validate_job
+
+    validate_job(JobConfig(finetune=FinetuneConfig(source="base", method="lora"), data=DataConfig(seq_len=1024)))
+    with pytest.raises(ConfigError, match=r"data.seq_len \(1024\) must be <= model.max_seq_len \(128\)"):
+        validate_job(JobConfig(data=DataConfig(seq_len=1024)))

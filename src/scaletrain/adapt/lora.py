@@ -207,7 +207,8 @@ def _to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> nn
 
 @torch.no_grad()
 def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor], block_size: int = 64,
-                       scaler_block_size: int = 256) -> list[tuple[nn.Module, nn.Parameter]]:
+                       scaler_block_size: int = 256, device: torch.device | str = "cpu"
+                       ) -> list[tuple[nn.Module, nn.Parameter]]:
     """QLoRA, on the meta model before it is materialized: every frozen projection of the blocks - adapted
     (``LoRALinear``) or not (then an ``NF4Linear``) - gets its weight as torchao NF4 (4-bit NormalFloat,
     block-wise absmax scales themselves quantized to int8: "double quantization"), read from ``base_state``
@@ -229,7 +230,9 @@ def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor],
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, plain)
             module = plain
-        held.append((module, _to_nf4(base_state[f"{name}.weight"], block_size, scaler_block_size)))
+        # Quantized where the model will run: the 4-bit weights must live on the training device (found by the
+        # first GPU check: a CUDA QLoRA step met its NF4 base on the CPU).
+        held.append((module, _to_nf4(base_state[f"{name}.weight"].to(device), block_size, scaler_block_size)))
         module.weight = nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
     return held
 

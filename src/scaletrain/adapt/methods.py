@@ -95,10 +95,12 @@ def load_base_and_adapters(parts: list[nn.Module], base_state: Mapping[str, torc
         copy_full_into(part, full, names=list(params))
 
 
-def hold_out_base(model: nn.Module, ft: FinetuneConfig, base_state: Mapping[str, torch.Tensor]) -> list:
-    """On the meta model, before ``parallelize``: QLoRA's 4-bit base, read and quantized tensor by tensor
-    (``lora.quantize_from_base``); nothing for the other methods. Give the result to ``put_back`` after."""
-    return quantize_from_base(model, base_state) if ft.method == "qlora" else []
+def hold_out_base(model: nn.Module, ft: FinetuneConfig, base_state: Mapping[str, torch.Tensor],
+                  device: torch.device | str = "cpu") -> list:
+    """On the meta model, before ``parallelize``: QLoRA's 4-bit base, read and quantized tensor by tensor on
+    ``device`` (``lora.quantize_from_base``); nothing for the other methods. Give the result to ``put_back``
+    after."""
+    return quantize_from_base(model, base_state, device=device) if ft.method == "qlora" else []
 
 
 def trainable_names(modules: list[nn.Module]) -> set[str]:

@@ -21,6 +21,7 @@ from scaletrain.hardware import (
     comm_fingerprint,
     device_fingerprint,
     load_calibration,
+    matmul_size,
     measure_matmul_flops,
     peak_flops,
     save_calibration,
@@ -385,7 +386,7 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
     entry: dict = {}
     seen: dict = {}
     peaks = _quiet_rounds(lambda: {f"matmul_flops_{d}": measure_matmul_flops(
-        device, d, n=1024 if (device.type == "cuda" or d == "fp32") else 256,  # bf16 on AVX2 is ~100x slower
+        device, d, n=matmul_size(device, d),  # small for CPU bf16 (AVX2: ~100x slower), large on a GPU
         min_seconds=0.3, timer=_clock) for d in dtypes}, {f"matmul_flops_{d}": True for d in dtypes},
         rounds, clock if device.type == "cpu" else "wall", log, "matmul peaks", seen)
     entry.update(peaks)

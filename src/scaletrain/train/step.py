@@ -51,7 +51,7 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     if cfg.finetune.source:  # fine-tuning: freeze / add adapters on the meta model (adapt/, docs/finetuning.md)
         apply_method(model, cfg.finetune)
         base_state = open_base(cfg.finetune.source).state()
-        held = hold_out_base(model, cfg.finetune, base_state)  # QLoRA: the 4-bit base, never whole in fp32
+        held = hold_out_base(model, cfg.finetune, base_state, device)  # QLoRA: the 4-bit base, never whole in fp32
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
                      compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
