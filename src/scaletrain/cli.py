@@ -155,8 +155,11 @@ def _stall_note(summary: dict) -> str:
     stalls, wall = summary.get("stall_seconds", {}), summary.get("loop_seconds", 0.0)
     if not wall:
         return ""
-    parts = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stalls.items() if seconds >= 0.05)
-    return f"; eval/sample/checkpoint {100 * summary['stall_share']:.1f}% of {wall:.0f} s" + \
+    def seconds(x: float) -> str:  # 0.031 s, 1.2 s, 95 s: short runs keep their digits
+        return f"{x:.2g} s" if x < 1 else f"{x:.1f} s" if x < 10 else f"{x:.0f} s"
+
+    parts = ", ".join(f"{name} {seconds(value)}" for name, value in stalls.items())
+    return f"; eval/sample/checkpoint {100 * summary['stall_share']:.1f}% of {seconds(wall)}" + \
         (f" ({parts})" if parts else "")
 
 

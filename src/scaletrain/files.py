@@ -96,7 +96,9 @@ def guarded_write(what: str, where: str | Path, cleanup: tuple[str | Path, ...] 
     try:
         yield
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit, StorageError)) or not is_storage_error(exc):
+        # A UserError is already the one line for its user (a run folder in use, raised from the lock's EAGAIN):
+        # its OSError cause must not turn it into a storage error.
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, UserError)) or not is_storage_error(exc):
             raise
         for path in cleanup() if callable(cleanup) else cleanup:
             remove_quietly(path)
