@@ -94,23 +94,36 @@ class PrefixAttention(Attention):
         bsz, seqlen, _ = x.shape
         n_prefix = self.virtual_tokens
         cos, sin = self._rope(seqlen, x.device)  # (T, hd) for positions P..P+T-1
-        q = apply_rope(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, H, T, hd)
-        k = apply_rope(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, KV, T, hd)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        pk = self.prefix_key.to(k.dtype).view(n_prefix, -1, self.head_dim).transpose(0, 1)  # (KV, P, hd)
-        pv = self.prefix_value.to(v.dtype).view(n_prefix, -1, self.head_dim).transpose(0, 1)  # (KV, P, hd)
-        k = torch.cat([pk.expand(bsz, -1, -1, -1), k], dim=2)  # (B, KV, P + T, hd)
-        v = torch.cat([pv.expand(bsz, -1, -1, -1), v], dim=2)
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
+        q, k, v = self._project(x, cos, sin)
+        k, v = self._with_prefix(k, v, q.shape[1])  # (B, H, P + T, hd)
         # (T, P + T): every prefix entry visible, causal among the real tokens. (SDPA's is_causal would align
         # the triangle top-left, hiding most of the prefix from the first positions.)
         visible = torch.ones(seqlen, n_prefix + seqlen, dtype=torch.bool, device=x.device).tril(n_prefix)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q (B, H, T, hd) and k, v (B, KV, T, hd) of ``x``, rotary applied to q and k."""
+        bsz, seqlen, _ = x.shape
+        q = apply_rope(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def _with_prefix(self, k: torch.Tensor, v: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The learned prefix (P keys and values) in front of ``k``, ``v`` (B, KV, S, hd), the KV heads repeated
+        to ``n_heads`` (grouped-query attention): (B, H, P + S, hd) each."""
+        bsz = k.shape[0]
+        pk = self.prefix_key.to(k.dtype).view(self.virtual_tokens, -1, self.head_dim).transpose(0, 1)  # (KV, P, hd)
+        pv = self.prefix_value.to(v.dtype).view(self.virtual_tokens, -1, self.head_dim).transpose(0, 1)
+        k = torch.cat([pk.expand(bsz, -1, -1, -1), k], dim=2)
+        v = torch.cat([pv.expand(bsz, -1, -1, -1), v], dim=2)
+        n_rep = n_heads // k.shape[1]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        return k, v
 
     def _forward_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """With a KV cache: the prefix stays out of the cache (it is the same for every row and step) and is put
@@ -121,18 +134,9 @@ class PrefixAttention(Attention):
         cos, sin = self._rope(cache.owner.capacity, x.device)  # (capacity, hd) for positions P..
         positions = cache.positions  # (B, T)
         cos, sin = cos[positions], sin[positions]  # (B, T, hd)
-        q = apply_rope(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, H, T, hd)
-        k = apply_rope(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, KV, T, hd)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        q, k, v = self._project(x, cos, sin)
         k, v = cache.update(k, v)  # (B, KV, S, hd)
-        pk = self.prefix_key.to(k.dtype).view(n_prefix, -1, self.head_dim).transpose(0, 1)  # (KV, P, hd)
-        pv = self.prefix_value.to(v.dtype).view(n_prefix, -1, self.head_dim).transpose(0, 1)  # (KV, P, hd)
-        k = torch.cat([pk.expand(bsz, -1, -1, -1), k], dim=2)  # (B, KV, P + S, hd)
-        v = torch.cat([pv.expand(bsz, -1, -1, -1), v], dim=2)
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
+        k, v = self._with_prefix(k, v, q.shape[1])  # (B, H, P + S, hd)
         mask = cache.mask  # (B, 1, T, S)
         visible = torch.cat([mask.new_ones(*mask.shape[:3], n_prefix), mask], dim=-1)  # (B, 1, T, P + S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
