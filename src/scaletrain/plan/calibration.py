@@ -454,12 +454,13 @@ MIN_THREAD_SCALING = 0.8
 MAX_RATIO_DISAGREEMENT = 3.0
 
 
-def calibration_problems(entry: dict, device: torch.device | str = "cpu") -> list[str]:
-    """What makes ``entry`` (a CPU calibration) contradict itself or this machine's one-core peaks; empty if
-    nothing. Used before caching one (``doctor``) and before planning with one (``--hardware auto``)."""
+def calibration_problems(entry: dict, device: torch.device | str = "cpu", cache: dict | None = None) -> list[str]:
+    """What makes ``entry`` (a CPU calibration) contradict itself or this machine's one-core peaks (in ``cache``,
+    the calibration file, read when not given); empty if nothing. Used before caching one (``doctor``) and
+    before planning with one (``--hardware auto``)."""
     if torch.device(device).type != "cpu" or "matmul_flops_fp32" not in entry:
         return []
-    one = load_calibration().get(device_fingerprint(device, threads=1), {})
+    one = (load_calibration() if cache is None else cache).get(device_fingerprint(device, threads=1), {})
     threads = int(entry.get("threads", torch.get_num_threads()))
     problems = []
     for dtype in ("fp32", "bf16"):
@@ -488,9 +489,10 @@ def _calibrate_block(entry: dict, precision: str, rounds: int, clock: str, log, 
     """The elementwise curve and aten op count of the reference block in ``precision`` (keys suffixed
     ``_bf16`` for bf16), the best of ``rounds`` quiet rounds."""
     suffix = "" if precision == "fp32" else f"_{precision}"
-    ops = count_aten_ops(reference_block_step(1, precision)[1])
-    curve = _quiet_rounds(lambda: {"curve": measure_block_elementwise(entry, precision)[0]}, {"curve": False},
-                          rounds, clock, log, f"{precision} block", seen)["curve"]
+    # measure_block_elementwise counts the block's aten ops too (the same number every round)
+    measured = _quiet_rounds(lambda: dict(zip(("curve", "ops"), measure_block_elementwise(entry, precision))),
+                             {"curve": False, "ops": False}, rounds, clock, log, f"{precision} block", seen)
+    curve, ops = measured["curve"], measured["ops"]
     entry[f"elementwise_curve{suffix}"] = curve
     entry[f"elementwise_s_per_element{suffix}"] = curve[len(curve) // 2][1]
     entry[f"block_ops{suffix}"] = float(ops)
@@ -538,7 +540,8 @@ def calibration_entry(device: torch.device | str = "cpu", measure_if_missing: bo
         log("no calibration for this machine yet: measuring (about a minute; `scaletrain doctor` does this too)")
         entry = calibrate(device, log=log, rounds=2, by="`scaletrain plan --hardware auto` (no doctor calibration "
                                                             "was cached)")
-    problems = calibration_problems(entry, device)
+        data = load_calibration()  # with the one-core peaks calibrate measured
+    problems = calibration_problems(entry, device, data)
     if problems:  # written by an older version, or by hand: never plan with it
         raise CalibrationError(f"the cached calibration of this machine ({calibration_path()}) contradicts itself: "
                                + "; ".join(problems) + "; rerun `scaletrain doctor` on a quiet machine")

@@ -113,10 +113,10 @@ def predicted_memory(cfg: JobConfig, device_kind: str) -> float:
     from scaletrain.train.trainer import prepare_data, resolve_vocab
     from scaletrain.train.validate import check_runnable
 
-    # auto: the trainer's own choice on this machine (bf16 on a CPU with fast bf16 matmuls), not a fixed rule
-    precision = cfg.train.precision if cfg.train.precision != "auto" else "bf16" if device_kind == "gpu" else \
-        resolve_precision("auto", torch.device("cpu"))[0]
-    check_runnable(cfg, 1, "cuda" if device_kind == "gpu" else "cpu", precision)
+    # the trainer's own rule on this machine (auto: bf16 on a CPU with fast bf16 matmuls), not a copy of it
+    device = "cuda" if device_kind == "gpu" else "cpu"
+    precision = resolve_precision(cfg.train.precision, torch.device(device))[0]
+    check_runnable(cfg, 1, device, precision)
     cfg, _ = resolve_vocab(cfg, read_manifest(prepare_data(cfg)))
     t = cfg.train
     workload = Workload(cfg.model, cfg.data.seq_len, t.batch_size * t.grad_accum_steps, float(t.steps),
