@@ -6,6 +6,7 @@ its own module (schedule, optimizer, precision, metrics, checkpoint, data).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -142,8 +143,8 @@ class Trainer:
             torch.set_num_threads(cfg.train.threads)
         # Checked before any process-group work, so a bad config fails fast on every rank.
         self.dims = dims = check_runnable(cfg, world_size_from_env(), self.device.type, self.precision)
-        if not cfg.train.resume and warmup_warning(cfg.train.steps, cfg.optim.lr, cfg.schedule):
-            self._message(warmup_warning(cfg.train.steps, cfg.optim.lr, cfg.schedule))
+        if not cfg.train.resume and (warning := warmup_warning(cfg.train.steps, cfg.optim.lr, cfg.schedule)):
+            self._message(warning)
         self.env = init_distributed(self.device.type, cfg.parallel.collective_timeout_seconds)
         self.device = self.env.device
         self.is_main = self.env.is_main
@@ -457,11 +458,8 @@ class Trainer:
     def save(self, blocking: bool | None = None) -> Path:
         """Write a checkpoint of the current step (collective). Asynchronous when checkpoint.async_save is
         set, unless ``blocking``; the folder is complete once ``self.checkpoints.wait()`` returns."""
-        t0 = time.perf_counter()
-        try:
+        with self._stall("checkpoint"):
             return self.checkpoint.save(not self.cfg.checkpoint.async_save if blocking is None else blocking)
-        finally:
-            self.stall_seconds["checkpoint"] += time.perf_counter() - t0
 
     def resume(self) -> bool:
         """Load the newest good checkpoint; False when there is none (any world size or plan)."""
@@ -570,9 +568,8 @@ class Trainer:
                     self._eval_and_report(logger)
                 if cfg.checkpoint.enabled:
                     self.save()
-            t0 = time.perf_counter()
-            self.checkpoints.close()  # an asynchronous save completes before the run ends
-            self.stall_seconds["checkpoint"] += time.perf_counter() - t0
+            with self._stall("checkpoint"):
+                self.checkpoints.close()  # an asynchronous save completes before the run ends
             self.loop_seconds = time.perf_counter() - loop_start
         finally:
             profiler.stop()
@@ -660,18 +657,16 @@ class Trainer:
         return [round(float(t), 1) for t in every]
 
     def _eval_and_report(self, logger: MetricsLogger) -> None:
-        t0 = time.perf_counter()
-        val_loss = self.evaluate()
-        self.stall_seconds["eval"] += time.perf_counter() - t0
+        with self._stall("eval"):
+            val_loss = self.evaluate()
         self.evals.append({"step": self.state.step, "val_loss": val_loss})
         logger.log({"step": self.state.step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss)})
         logger.message(f"step {self.state.step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
         if self.on_eval is not None:
             self.on_eval(self.state.step, val_loss)
         if self.cfg.train.sample_tokens and self.is_main and not self.pm.sharded:
-            t0 = time.perf_counter()
-            text = self.sample(self.cfg.train.sample_tokens)
-            self.stall_seconds["sample"] += time.perf_counter() - t0
+            with self._stall("sample"):
+                text = self.sample(self.cfg.train.sample_tokens)
             logger.log({"step": self.state.step, "sample": text})  # for the report
             logger.message("--- sample ---\n" + text.strip() + "\n--------------")
 
@@ -688,6 +683,15 @@ class Trainer:
                 "all_reduce_calls": self.pm.comm.all_reduce_calls, "all_reduce_bytes": self.pm.comm.all_reduce_bytes,
                 "preempted": self.preempted, "skipped_updates": self.guard.skipped_total,
                 "rollbacks": self.guard.rollbacks, **self._stalls()}
+
+    @contextlib.contextmanager
+    def _stall(self, cause: str):
+        """Count the block's wall time as a stall of ``cause`` (eval, sample, checkpoint): the summary's share."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stall_seconds[cause] += time.perf_counter() - t0
 
     def _stalls(self) -> dict:
         """Seconds of the training loop spent evaluating, sampling and checkpointing (rank 0's), and their share
