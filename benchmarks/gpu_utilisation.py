@@ -34,7 +34,7 @@ from dataclasses import replace
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.config import ModelConfig, build
 from scaletrain.model.presets import PRESETS, flops_per_token
-from scaletrain.plan.hardware import CATALOG, Cluster, Hardware
+from scaletrain.plan.catalog import CATALOG, Cluster, Hardware
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import gpu_utilisation, step_time
 

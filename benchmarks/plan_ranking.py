@@ -36,7 +36,7 @@ from pathlib import Path
 from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.config import ModelConfig, build
 from scaletrain.model.presets import PRESETS
-from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.search import Candidate, search
 from scaletrain.plan.spec import Plan, Workload

@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import from its own layer or a lower one)::
 
-    base (options, files, quiet)  <  model  <  config, hardware  <  data, parallel  <  checkpoint
+    base (options, files, quiet)  <  model  <  config, peak  <  data, parallel  <  checkpoint
     <  train, infer  <  plan, report, tune  <  cli
 
 Every import counts, including the ones inside functions: a late import hides a circle from Python,
@@ -22,7 +22,7 @@ PACKAGE = "scaletrain"
 LAYERS: dict[str, int] = {
     "options": 0, "files": 0, "assets": 0, "lazy": 0, "allocator": 0, "quiet": 0,
     "model": 1,
-    "config": 2, "hardware": 2,
+    "config": 2, "peak": 2,
     "data": 3, "parallel": 3,
     "checkpoint": 4, "adapt": 4, "compress": 4,
     "train": 5, "infer": 5,

@@ -164,7 +164,7 @@ def train_numbers(ctx: Ctx, run: Path) -> dict:
     bf16 peak of the planner's catalog), peak memory, losses."""
     from scaletrain.config import load_config
     from scaletrain.model.presets import flops_per_token
-    from scaletrain.plan.hardware import CATALOG
+    from scaletrain.plan.catalog import CATALOG
 
     cfg = load_config(run / "config.toml")
     rec = last_step_record(run)
@@ -677,7 +677,7 @@ CHECKS = [
 
 
 def hardware_name(device_name: str) -> str:
-    """The planner's catalog entry for a CUDA device name (plan/hardware.py)."""
+    """The planner's catalog entry for a CUDA device name (plan/catalog.py)."""
     name = device_name.lower()
     if "h200" in name:
         return "h200"

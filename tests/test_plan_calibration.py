@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from scaletrain.hardware import _thread_run_delays, device_fingerprint, load_calibration, save_calibration
+from scaletrain.peak import _thread_run_delays, device_fingerprint, load_calibration, save_calibration
 from scaletrain.plan import calibration
 from scaletrain.plan.calibration import CalibrationError, calibration_problems
+from scaletrain.plan.catalog import CATALOG, with_calibration
 from scaletrain.plan.cli import add_plan_arguments, planned_precision, run_plan
-from scaletrain.plan.hardware import CATALOG, with_calibration
 from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
 from scaletrain.plan.report import mfu_text
 from scaletrain.plan.timing import BF16_KEYS, precision_rates
@@ -27,7 +27,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def one_core(fp32: float, bf16: float) -> None:
-    """Cache one core's peaks, as ``hardware.peak_flops`` writes them (what ``train.precision = auto`` reads)."""
+    """Cache one core's peaks, as ``peak.peak_flops`` writes them (what ``train.precision = auto`` reads)."""
     data = load_calibration()
     data[device_fingerprint("cpu", threads=1)] = {"matmul_flops_fp32": fp32, "matmul_flops_bf16": bf16}
     save_calibration(data)

@@ -7,9 +7,9 @@ import pytest
 
 from scaletrain.config import ConfigError, ModelConfig, build, load_config
 from scaletrain.model.presets import PRESETS
+from scaletrain.plan.catalog import CATALOG, Cluster
 from scaletrain.plan.cost import PRICES, load_prices, training_cost
 from scaletrain.plan.emit import write_config
-from scaletrain.plan.hardware import CATALOG, Cluster
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown
 from scaletrain.plan.search import enumerate_plans, search, what_would_fit

@@ -270,7 +270,7 @@ def test_compiled_training_matches_eager(tmp_path, tiny):
 
 def test_peak_measurement_says_where_it_is_cached(tmp_path, monkeypatch):
     """A training run that measures the peak matmul rate for MFU says so and where it wrote it."""
-    from scaletrain.hardware import calibration_path, peak_flops
+    from scaletrain.peak import calibration_path, peak_flops
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
     said = []
@@ -335,7 +335,7 @@ def test_precision_auto_follows_the_measured_bf16_speed(monkeypatch):
 def test_bf16_speedup_is_measured_once_on_one_core_and_cached(tmp_path, monkeypatch, keep_threads):
     """The ratio auto decides on: one core's bf16 and fp32 matmul rates, measured once (single-threaded, on
     the process-CPU-time clock), cached where the log line says, then read back without measuring."""
-    from scaletrain import hardware
+    from scaletrain import peak
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
     calls = []
@@ -344,14 +344,14 @@ def test_bf16_speedup_is_measured_once_on_one_core_and_cached(tmp_path, monkeypa
         calls.append((dtype, torch.get_num_threads(), timer))
         return {"fp32": 80e9, "bf16": 0.8e9}[dtype]
 
-    monkeypatch.setattr(hardware, "measure_matmul_flops", fake)
+    monkeypatch.setattr(peak, "measure_matmul_flops", fake)
     torch.set_num_threads(2)
     said = []
-    assert hardware.cpu_bf16_speedup(said.append) == pytest.approx(0.01)
-    assert [(d, t) for d, t, _ in calls] == [("bf16", 1), ("fp32", 1)] and calls[0][2] is hardware.CLOCKS["cpu"]
+    assert peak.cpu_bf16_speedup(said.append) == pytest.approx(0.01)
+    assert [(d, t) for d, t, _ in calls] == [("bf16", 1), ("fp32", 1)] and calls[0][2] is peak.CLOCKS["cpu"]
     assert torch.get_num_threads() == 2  # the caller's threads are back
-    assert len(said) == 2 and all(str(hardware.calibration_path()) in line for line in said)
-    assert hardware.cpu_bf16_speedup(said.append) == pytest.approx(0.01) and len(calls) == 2  # cached
+    assert len(said) == 2 and all(str(peak.calibration_path()) in line for line in said)
+    assert peak.cpu_bf16_speedup(said.append) == pytest.approx(0.01) and len(calls) == 2  # cached
 
 
 # What torchrun sets in a rank (torch 2.13, 1 node): --standalone and an explicit c10d rendezvous differ in
@@ -370,7 +370,7 @@ def test_mfu_does_not_depend_on_the_launcher(tmp_path, tiny, monkeypatch, keep_t
     """One definition, one peak: MFU = model FLOPs/s over one device's measured peak (one CPU core) times the
     devices used (every rank's threads). The same step time gives the same MFU under any launcher's
     environment; the peak is measured once, single-threaded, whatever the run's thread count."""
-    from scaletrain import hardware
+    from scaletrain import peak
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
     measured_with = []
@@ -379,7 +379,7 @@ def test_mfu_does_not_depend_on_the_launcher(tmp_path, tiny, monkeypatch, keep_t
         measured_with.append(torch.get_num_threads())
         return 50e9
 
-    monkeypatch.setattr(hardware, "measure_matmul_flops", fake)
+    monkeypatch.setattr(peak, "measure_matmul_flops", fake)
     mfus, peaks = {}, {}
     for launch, env in LAUNCHES.items():
         with monkeypatch.context() as m:

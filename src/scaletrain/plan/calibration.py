@@ -1,7 +1,7 @@
 """This machine's full calibration (``scaletrain doctor``): the rates the CPU time model multiplies by.
 
 The cache file, the device fingerprint and the peak matmul rate live one layer down in
-``scaletrain.hardware`` (the trainer's MFU needs them too); this module adds the planner's curves.
+``scaletrain.peak`` (the trainer's MFU needs them too); this module adds the planner's curves.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import ConfigError
-from scaletrain.hardware import (
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.llama import TransformerBlock, rope_tables
+from scaletrain.peak import (
     CLOCKS,
     CoreContention,
     calibration_path,
@@ -26,8 +28,6 @@ from scaletrain.hardware import (
     peak_flops,
     save_calibration,
 )
-from scaletrain.model.config import ModelConfig
-from scaletrain.model.llama import TransformerBlock, rope_tables
 from scaletrain.plan import timing
 from scaletrain.plan.memory import block_activation_elements
 
@@ -417,7 +417,7 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
             _calibrate_bf16(entry, rounds, clock, log, seen)
         entry["threads"] = torch.get_num_threads()
         entry["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        entry["memory_bytes"] = _total_ram()
+        entry["memory_bytes"] = total_ram_bytes()
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     entry["rounds"] = rounds
     entry["clock"] = clock
@@ -448,7 +448,7 @@ def _fill_backward_rates(measured: dict) -> None:
 
 
 # A calibration at N threads whose matmul is slower than this fraction of one core's (the trainer's own
-# one-thread measurement, ``hardware.peak_flops``) contradicts itself: more cores never make a large matmul
+# one-thread measurement, ``peak.peak_flops``) contradicts itself: more cores never make a large matmul
 # slower on a quiet machine. And the bf16/fp32 ratio cannot differ between thread counts by more than this.
 MIN_THREAD_SCALING = 0.8
 MAX_RATIO_DISAGREEMENT = 3.0
@@ -522,7 +522,7 @@ def _calibrate_bf16(entry: dict, rounds: int, clock: str, log, seen: dict) -> No
     _calibrate_block(entry, "bf16", rounds, clock, log, seen)
 
 
-def _total_ram() -> float:
+def total_ram_bytes() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):

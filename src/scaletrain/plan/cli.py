@@ -15,10 +15,18 @@ import re
 import sys
 from pathlib import Path
 
-from scaletrain.config import ConfigError, DataConfig, ModelConfig, build, load_config
+from scaletrain.config import (
+    ConfigError,
+    DataConfig,
+    FinetuneConfig,
+    ModelConfig,
+    PredictionConfig,
+    build,
+    load_config,
+)
 from scaletrain.files import guarded_write
-from scaletrain.plan.hardware import Hardware
-from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
+from scaletrain.plan.catalog import Hardware
+from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -255,7 +263,6 @@ def run_plan(args: argparse.Namespace) -> int:
         write_json(doc, args.json)
     if args.emit and result.ranked:
         best = result.ranked[0]
-        from scaletrain.config import PredictionConfig
 
         predicted = PredictionConfig(plan=f"{best.plan.label()} on {cluster.describe()}", step_seconds=best.time.step,
                                      memory_bytes=float(best.memory.total),
@@ -298,10 +305,8 @@ def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as
 
 def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     """``scaletrain plan --method``: the memory per device and step time of fine-tuning, and whether it fits."""
-    from scaletrain.config import FinetuneConfig
     from scaletrain.plan.finetune import finetune_answer, finetune_step_time
     from scaletrain.plan.report import gib, human
-    from scaletrain.plan.spec import Plan
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     if args.lora_rank < 1 or args.virtual_tokens < 1:
@@ -345,7 +350,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from scaletrain.plan.doctor import run_doctor as doctor
+    from scaletrain.plan.doctor import measure_machine
 
     console = Console(stderr=args.json == "-")
     if args.rounds < 1:
@@ -356,7 +361,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(1)
     try:
-        report = doctor(log=lambda s: console.print(s), rounds=args.rounds, clock=args.clock)
+        report = measure_machine(log=lambda s: console.print(s), rounds=args.rounds, clock=args.clock)
     except ConfigError as exc:  # CalibrationError: a busy machine or a self-contradicting calibration
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scaletrain.config import ConfigError
+from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.cost import Cost, training_cost
-from scaletrain.plan.hardware import Cluster
 from scaletrain.plan.search import Candidate, search
 from scaletrain.plan.spec import Workload
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from scaletrain.hardware import CLOCKS, calibration_path, comm_fingerprint, cpu_name, load_calibration, save_calibration
+from scaletrain.peak import CLOCKS, calibration_path, comm_fingerprint, cpu_name, load_calibration, save_calibration
 from scaletrain.plan import calibration
 
 
@@ -22,7 +22,7 @@ def system_info() -> dict:
     info = {
         "cpu": cpu_name(), "cpu_cores": os.cpu_count(),
         "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "ram_bytes": calibration._total_ram(), "disk_free_bytes": shutil.disk_usage(os.getcwd()).free,
+        "ram_bytes": calibration.total_ram_bytes(), "disk_free_bytes": shutil.disk_usage(os.getcwd()).free,
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "torch_threads": torch.get_num_threads(), "gpus": [],
     }
@@ -179,7 +179,7 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
 
     from scaletrain.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
     from scaletrain.parallel import ParallelDims, forward_backward
-    from scaletrain.plan.hardware import CATALOG, Cluster, with_calibration
+    from scaletrain.plan.catalog import CATALOG, Cluster, with_calibration
     from scaletrain.plan.spec import Plan, Workload
     from scaletrain.plan.timing import cpu_micro_seconds, tp_bandwidth_seconds
     from scaletrain.train.step import build_parallel_training
@@ -228,7 +228,7 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
     return out
 
 
-def run_doctor(log=print, rounds: int = 3, clock: str = "wall") -> dict:
+def measure_machine(log=print, rounds: int = 3, clock: str = "wall") -> dict:
     """System info plus calibration; under torchrun only the all-reduce (rank 0 saves it)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist

@@ -24,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from scaletrain.config import FinetuneConfig, ModelConfig
+from scaletrain.config import ConfigError, FinetuneConfig, ModelConfig
 from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads, matmul_params, num_params
-from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.memory import (
     RECIPES,
+    RUNTIME_BYTES,
+    allocator_margin,
     block_activation_elements,
     block_params,
     checkpointed_blocks,
@@ -41,11 +43,12 @@ from scaletrain.plan.timing import (
     DTYPE_OF_PRECISION,
     GPU_LAUNCH_SECONDS,
     OPS_PER_BLOCK,
-    _interp,
     attention_seconds,
     gemm_seconds,
     gpu_utilisation,
+    group_link,
     head_gemm_seconds,
+    interp_curve,
     precision_rates,
 )
 
@@ -146,7 +149,6 @@ def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, f
     up to the global batch, or 1), with the runtime and allocator margins the planner adds to pretraining.
     With activation checkpointing the activations are pretraining's checkpointed ones (no frozen-input saving
     is subtracted beyond what the recomputed blocks hold)."""
-    from scaletrain.plan.memory import RUNTIME_BYTES, allocator_margin
 
     def total(mb: int) -> tuple[float, dict]:
         est = finetune_memory(workload, Plan(micro_batch=mb, activation_checkpointing=activation_checkpointing),
@@ -221,9 +223,8 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
         per_micro, optimizer = _gpu_seconds(workload, cfg, ft, hw, tokens, seq, shapes, targets, n_ckpt, trainable)
     comm = 0.0
     if plan.dp > 1:  # data parallelism all-reduces the trainable gradients only
-        from scaletrain.plan.timing import _group_link
 
-        bw, _ = _group_link(cluster, plan.dp, 1)
+        bw, _ = group_link(cluster, plan.dp, 1)
         comm = 2 * (plan.dp - 1) / plan.dp * trainable * 4 / bw
         if hw.kind == "gpu":  # overlapped with the backward, as for pretraining
             comm = max(0.0, comm - per_micro * micro_steps * 2 / 3)
@@ -235,13 +236,12 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
 def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, b: int, seq: int,
                  shapes: dict, targets: list[str], n_ckpt: int, trainable: int) -> tuple[float, float]:
     if "elementwise_s_per_element" not in entry:
-        from scaletrain.config import ConfigError
 
         raise ConfigError("the CPU time model needs this machine's calibration: run `scaletrain doctor` "
                           "(or plan with --hardware auto)")
     tokens, d, r = b * seq, cfg.dim, ft.lora_rank
     units = block_activation_elements(cfg, b, seq)
-    elem = _interp(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
+    elem = interp_curve(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
         entry["elementwise_s_per_element"]
     dequant = float(entry.get("nf4_dequant_s_per_element", REFERENCE_NF4_DEQUANT_S_PER_ELEMENT))
     att_f, att_b = attention_seconds(b * cfg.n_heads, seq, head_width(cfg), entry)
@@ -281,9 +281,9 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
     head_trains = ft.method == "full"
     head_bwd = head_gemm_seconds(tokens, vocab, d, entry, True)
     head = (head_gemm_seconds(tokens, vocab, d, entry) + (head_bwd if head_trains else head_bwd / 2)
-            + tokens * vocab * _interp(entry["cross_entropy_curve"], vocab) + 3 * tokens * d * elem
+            + tokens * vocab * interp_curve(entry["cross_entropy_curve"], vocab) + 3 * tokens * d * elem
             + (vocab * d * elem if head_trains and not ft.freeze_embeddings else 0.0))
-    optimizer = trainable * _interp(entry["optimizer_curve"], trainable)
+    optimizer = trainable * interp_curve(entry["optimizer_curve"], trainable)
     return total + head, optimizer
 
 

@@ -15,7 +15,7 @@ import torch
 from scaletrain import allocator
 from scaletrain.options import ConfigError
 from scaletrain.plan.calibration import calibration_entry
-from scaletrain.plan.hardware import CATALOG, Cluster, Hardware, catalog_listing, with_calibration
+from scaletrain.plan.catalog import CATALOG, Cluster, Hardware, catalog_listing, with_calibration
 
 
 def catalog_key_for_gpu(name: str) -> str | None:

@@ -7,11 +7,11 @@ import math
 from rich.console import Console
 from rich.table import Table
 
+from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.cost import Cost
-from scaletrain.plan.hardware import Cluster
 from scaletrain.plan.search import Candidate, SearchResult
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
-from scaletrain.plan.timing import workload_utilisation
+from scaletrain.plan.timing import DTYPE_OF_PRECISION, workload_utilisation
 
 FLOPS_FORMULA = ("6 * N_matmul + 12 * n_layers * seq_len * dim per token (forward + backward = 3x forward; "
                  "N_matmul = weights of every matmul incl. the output head, not the embedding lookup; attention "
@@ -147,6 +147,5 @@ def breakdown_table(c: Candidate) -> Table:
 
 
 def _dtype(w: Workload) -> str:
-    from scaletrain.plan.timing import DTYPE_OF_PRECISION
 
     return DTYPE_OF_PRECISION[w.precision]

@@ -9,10 +9,10 @@ is checked (``spec.check_plan``), its memory simulated (``memory``) and, if it f
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from scaletrain.config import ConfigError
-from scaletrain.plan.hardware import Cluster
+from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.memory import MemoryBreakdown, memory_breakdown
 from scaletrain.plan.spec import Plan, Workload, check_plan
 from scaletrain.plan.timing import TimeBreakdown, step_time
@@ -29,7 +29,6 @@ class Candidate:
     reason: str = ""  # why it fails, or why it ranks where it does
 
     def as_dict(self) -> dict:
-        from dataclasses import asdict
 
         return {"plan": {k: v for k, v in asdict(self.plan).items() if k != "notes"}, "label": self.plan.label(),
                 "fits": self.fits, "reason": self.reason,

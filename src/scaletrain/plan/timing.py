@@ -23,10 +23,10 @@ import bisect
 import math
 from dataclasses import asdict, dataclass
 
-from scaletrain.config import ModelConfig
+from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, flops_per_token, kv_heads
-from scaletrain.plan.hardware import LINKS, Cluster, Hardware
+from scaletrain.plan.catalog import LINKS, Cluster, Hardware
 from scaletrain.plan.memory import RECIPES, block_activation_elements, checkpointed_blocks, stage_params
 from scaletrain.plan.spec import Plan, Workload
 
@@ -45,7 +45,7 @@ FOREACH_OPS_PER_STEP = 11
 DTYPE_OF_PRECISION = {"fp32": "fp32", "bf16": "bf16", "mixed": "bf16", "fp16": "fp16"}
 
 
-def _interp(curve: list[list[float]], x: float, column: int = 1, log_y: bool = True) -> float:
+def interp_curve(curve: list[list[float]], x: float, column: int = 1, log_y: bool = True) -> float:
     """Piecewise-linear interpolation in log(x) (clamped at the ends) of a measured curve."""
     xs = [row[0] for row in curve]
     ys = [row[column] for row in curve]
@@ -99,9 +99,9 @@ def gemm_rate(entry: dict, width: float, rows: float, backward: bool = False) ->
     column = 2 if backward else 1
     by_rows = entry.get("gemm_curve_by_rows")
     if not by_rows:
-        return _interp(entry["gemm_curve"], width, column)
-    points = sorted((float(m), _interp(curve, width, column)) for m, curve in by_rows.items())
-    return _interp([[m, rate] for m, rate in points], rows)
+        return interp_curve(entry["gemm_curve"], width, column)
+    points = sorted((float(m), interp_curve(curve, width, column)) for m, curve in by_rows.items())
+    return interp_curve([[m, rate] for m, rate in points], rows)
 
 
 def gemm_seconds(m: int, n: int, k: int, entry: dict, backward: bool = False) -> float:
@@ -117,7 +117,7 @@ def head_gemm_seconds(tokens: int, vocab: int, dim: int, entry: dict, backward: 
     if "head_curve" not in entry:
         return gemm_seconds(tokens, vocab, dim, entry, backward)
     flops = 2.0 * tokens * vocab * dim * (2 if backward else 1)
-    return flops / _interp(entry["head_curve"], dim, 2 if backward else 1)
+    return flops / interp_curve(entry["head_curve"], dim, 2 if backward else 1)
 
 
 def attention_seconds(batch_heads: int, seq: int, head_dim: int, entry: dict) -> tuple[float, float]:
@@ -125,7 +125,7 @@ def attention_seconds(batch_heads: int, seq: int, head_dim: int, entry: dict) ->
     curves = entry["attention_curve"]
     nearest = min(curves, key=lambda hd: abs(math.log(int(hd)) - math.log(head_dim)))
     flops = 4.0 * batch_heads * seq * seq * head_dim
-    return flops / _interp(curves[nearest], seq, 1), 2 * flops / _interp(curves[nearest], seq, 2)
+    return flops / interp_curve(curves[nearest], seq, 1), 2 * flops / interp_curve(curves[nearest], seq, 2)
 
 
 def _block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int, int]]:
@@ -191,7 +191,6 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
     """(seconds per micro-batch on one stage, optimizer seconds) from the measured CPU rates."""
     cfg, entry = workload.model, precision_rates(cluster.hardware.calibration, workload.precision)
     if "elementwise_s_per_element" not in entry:
-        from scaletrain.config import ConfigError
 
         raise ConfigError("the CPU time model needs this machine's calibration: run `scaletrain doctor` "
                           "(or plan with --hardware auto)")
@@ -207,7 +206,7 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
     units = block_activation_elements(cfg, b, t, tp, plan.sequence_parallel)
     ops = entry["block_ops"]
     # Cost per element at this block's working-set size (curve), else the single reference value.
-    elem = _interp(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
+    elem = interp_curve(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
         entry["elementwise_s_per_element"]
 
     def block(recompute: bool) -> float:
@@ -219,11 +218,11 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
     tokens, vocab = b * t, cfg.vocab_size // tp
     # Output head GEMMs, cross-entropy per logit, final norm, and the embedding's dense V x d gradient.
     head = (head_gemm_seconds(tokens, vocab, cfg.dim, entry) + head_gemm_seconds(tokens, vocab, cfg.dim, entry, True)
-            + tokens * vocab * _interp(entry["cross_entropy_curve"], vocab)
+            + tokens * vocab * interp_curve(entry["cross_entropy_curve"], vocab)
             + (3 * tokens * cfg.dim + cfg.vocab_size * cfg.dim / tp) * elem)
     psi = stage_params(cfg, plan.pp, tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
                                             plan.dp_replicate if plan.zero_stage == 1 else 1)
-    optimizer = psi * _interp(entry["optimizer_curve"], psi) * share
+    optimizer = psi * interp_curve(entry["optimizer_curve"], psi) * share
     if plan.tp > 1 or (plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1):
         # Parameters are DTensors (FSDP2 shards, TP placements): every foreach op of AdamW and of the
         # gradient clipping goes through DTensor dispatch once per parameter tensor.
@@ -293,7 +292,7 @@ def offload_transfer_seconds(workload: Workload, plan: Plan, hw) -> float:
     return seconds
 
 
-def _group_link(cluster: Cluster, degree: int, inner: int) -> tuple[float, str]:
+def group_link(cluster: Cluster, degree: int, inner: int) -> tuple[float, str]:
     """Bus bandwidth (bytes/s) of a process group of ``degree`` ranks whose stride is ``inner``."""
     hw = cluster.hardware
     spans_nodes = degree * inner > cluster.devices_per_node
@@ -330,7 +329,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
     latency = 0.0 if gpu else float(calib.get("collective_latency_s", 0.0))
     layers = -(-cfg.n_layers // plan.pp)
     if plan.tp > 1:
-        bw, _ = _group_link(cluster, plan.tp, 1)
+        bw, _ = group_link(cluster, plan.tp, 1)
         # Per block: 2 all-reduces forward + 2 backward, or with sequence parallelism the same bytes as
         # 4 all-gathers + 4 reduce-scatters.
         collectives = 8 if plan.sequence_parallel else 4
@@ -350,20 +349,20 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
                     "dtensor_op_overhead_s", 0.0)
         exposed += out["tp"]
     if plan.cp > 1:
-        bw, _ = _group_link(cluster, plan.cp, inner_tp)
+        bw, _ = group_link(cluster, plan.cp, inner_tp)
         kv = tokens * kv_heads(cfg) * head_width(cfg) * 2 * rec.activation / plan.tp
         out["cp"] = micro * cfg.n_layers / plan.pp * 3 * (plan.cp - 1) * kv / bw
         exposed += max(0.0, out["cp"] - 0.5 * compute) if gpu else out["cp"]
     shard = plan.dp_shard * plan.cp
     if plan.zero_stage >= 2 and shard > 1:
-        bw, _ = _group_link(cluster, plan.dp_shard, inner_cp)
+        bw, _ = group_link(cluster, plan.dp_shard, inner_cp)
         gathers = 2 if plan.zero_stage == 3 else 1  # stage 3 gathers again for backward
         frac = (shard - 1) / shard
         out["fsdp"] = micro * ((gathers * psi * rec.param + psi * max(rec.grad, 4)) * frac / bw
                                + (gathers + 1) * (layers + 1) * latency)  # one collective per unit and pass
         exposed += max(0.0, out["fsdp"] - compute) if gpu else out["fsdp"]
     if plan.dp_replicate > 1:
-        bw, _ = _group_link(cluster, plan.dp_replicate, plan.dp_shard * inner_cp)
+        bw, _ = group_link(cluster, plan.dp_replicate, plan.dp_shard * inner_cp)
         n = plan.dp_replicate
         grads = psi / (shard if plan.zero_stage >= 2 else 1) * max(rec.grad, 4 if plan.zero_stage >= 2 else 0)
         buckets = max(1.0, grads / 25e6)  # DDP's default 25 MB buckets, one all-reduce each
@@ -373,7 +372,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
             out["dp"] += (n - 1) / n * psi * rec.param / bw + tensors * latency
         exposed += max(0.0, out["dp"] - compute * 2 / 3) if gpu else out["dp"]
     if plan.pp > 1:
-        bw, _ = _group_link(cluster, plan.pp, plan.dp * inner_cp)
+        bw, _ = group_link(cluster, plan.pp, plan.dp * inner_cp)
         out["pp"] = micro * 2 * act / bw
         exposed += out["pp"]
     return out, exposed

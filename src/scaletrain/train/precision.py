@@ -9,7 +9,7 @@ import torch
 
 from scaletrain.compress.fp8 import check_fp8_device
 from scaletrain.config import ConfigError
-from scaletrain.hardware import cpu_bf16_speedup
+from scaletrain.peak import cpu_bf16_speedup
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

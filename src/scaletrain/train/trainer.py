@@ -29,7 +29,6 @@ from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import MANIFEST, read_manifest
 from scaletrain.data.tokenizer import load_tokenizer
 from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes
-from scaletrain.hardware import devices_in_job, peak_flops
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
 from scaletrain.options import UserError
@@ -46,6 +45,7 @@ from scaletrain.parallel.distributed import (
     say,
     world_size_from_env,
 )
+from scaletrain.peak import devices_in_job, peak_flops
 from scaletrain.train.adaptive import (
     BatchRamp,
     LoadBalancer,
@@ -498,7 +498,7 @@ class Trainer:
 
     def _job_peak_flops(self, remeasure: bool = False) -> float:
         """The job's peak FLOP/s, MFU's denominator (docs/training.md): one device's measured peak
-        (``hardware.peak_flops``, a GPU or one CPU core; rank 0's number on every rank) times the devices the
+        (``peak.peak_flops``, a GPU or one CPU core; rank 0's number on every rank) times the devices the
         job runs on (``devices_in_job``). Collective under torchrun: every rank calls it."""
         per_device = peak_flops(self.device, self._peak_dtype, remeasure, log=self._message) \
             if self.env.rank == 0 else 0.0

@@ -52,7 +52,7 @@ def run_tune(args: argparse.Namespace) -> int:
         raise ConfigError(f"--trials and --parallel must be >= 1 (got {args.trials}, {args.parallel})")
     params = load_space(args.space)  # a bad space is refused before anything is written
     cfg = _job(args)
-    st._optuna()  # installed? (one line saying how, before anything is written)
+    st.optuna_module()  # installed? (one line saying how, before anything is written)
     folder = Path(args.dir or f"{cfg.train.run_dir}-tune")
     job_text, space_text = to_toml(cfg), Path(args.space).read_text()
     st.same_setup(folder, job_text, space_text)
@@ -98,7 +98,7 @@ def run_tune(args: argparse.Namespace) -> int:
         return 0
     top = st.best_trial(study)
     print(f"best: trial {top.number}, final val loss {top.value:.4f}: "
-          + ", ".join(f"{k}={st._fmt(v)}" for k, v in top.params.items())
+          + ", ".join(f"{k}={st.format_value(v)}" for k, v in top.params.items())
           + f"; its job is {best} (scaletrain train --config {best}); scaletrain report {folder} draws the study")
     return 0
 

@@ -39,7 +39,7 @@ HEARTBEAT_SECONDS = 5  # a worker's running trial pings the storage this often
 GRACE_SECONDS = 20  # a trial without a ping for this long belongs to a dead worker: failed, then retried
 
 
-def _optuna():
+def optuna_module():
     try:
         import optuna
     except ImportError:
@@ -53,7 +53,7 @@ def _optuna():
 
 def open_storage(folder: Path) -> Any:
     """The study's SQLite storage with heartbeats (a killed worker's trial is failed and retried)."""
-    optuna = _optuna()
+    optuna = optuna_module()
     return optuna.storages.RDBStorage(
         f"sqlite:///{folder.resolve() / 'study.db'}", heartbeat_interval=HEARTBEAT_SECONDS,
         grace_period=GRACE_SECONDS,
@@ -65,7 +65,7 @@ def open_storage(folder: Path) -> Any:
 def open_study(folder: Path, seed: int, pruner: str, startup_trials: int, worker: int) -> Any:
     """The folder's study with this worker's TPE sampler (a seed of its own, and the constant liar so
     parallel workers do not all propose the same point) and pruner."""
-    optuna = _optuna()
+    optuna = optuna_module()
     sampler = optuna.samplers.TPESampler(seed=seed + 1000 * worker, n_startup_trials=startup_trials,
                                          constant_liar=True)
     chosen = optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=0) \
@@ -76,7 +76,7 @@ def open_study(folder: Path, seed: int, pruner: str, startup_trials: int, worker
 
 def finished_count(study: Any) -> int:
     """Trials that count towards ``--trials``: complete, pruned and skipped ones (failed ones are retried)."""
-    states = _optuna().trial.TrialState
+    states = optuna_module().trial.TrialState
     return len(study.get_trials(deepcopy=False, states=(states.COMPLETE, states.PRUNED)))
 
 
@@ -137,11 +137,11 @@ class Objective:
         self.device_kind, self.threads, self.say = device_kind, threads, say
 
     def __call__(self, trial: Any) -> float:
-        optuna = _optuna()
+        optuna = optuna_module()
         from scaletrain.train.trainer import Trainer
 
         values = {p.name: p.suggest(trial) for p in self.params}
-        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+        shown = ", ".join(f"{k}={format_value(v)}" for k, v in values.items())
         try:
             cfg = trial_config(self.folder, trial.number, values, self.threads)
             need = predicted_memory(cfg, self.device_kind)
@@ -195,7 +195,7 @@ class Objective:
 
 def run_worker(folder: Path, worker: int, total: int, settings: dict) -> None:
     """Run trials of the folder's study until it holds ``total`` finished ones (shared with other workers)."""
-    optuna = _optuna()
+    optuna = optuna_module()
     params = load_space(folder / "space.toml")
     study = open_study(folder, settings["seed"], settings["pruner"], settings["startup_trials"], worker)
     objective = Objective(folder, params, settings["memory_limit"], settings["device_kind"], settings["threads"],
@@ -232,7 +232,7 @@ def start_workers(folder: Path, count: int, total: int, settings: dict) -> list[
 
 # -- results ---------------------------------------------------------------------------------------------------
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
@@ -252,7 +252,7 @@ def trial_rows(study: Any) -> list[dict]:
 
 
 def best_trial(study: Any) -> Any | None:
-    states = _optuna().trial.TrialState
+    states = optuna_module().trial.TrialState
     done = study.get_trials(deepcopy=False, states=(states.COMPLETE,))
     return min(done, key=lambda t: t.value) if done else None
 
@@ -280,7 +280,7 @@ def trial_table(rows: list[dict], params: list[str]) -> str:
         if r["state"] == "pruned" and r["intermediate"]:
             value = f"({list(r['intermediate'].values())[-1]:.4f})"
         lines.append([str(r["number"]) + ("*" if r["baseline"] else ""), r["state"], value, str(r["steps"]),
-                      *[_fmt(r["params"].get(p, "-")) for p in params]])
+                      *[format_value(r["params"].get(p, "-")) for p in params]])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
@@ -295,7 +295,7 @@ def write_best(study: Any, folder: Path) -> Path | None:
     over["train.run_dir"] = f"{base.train.run_dir}-best"
     cfg = load_config(folder / "job.toml", over)
     header = (f"# The best trial (#{best.number}, final val loss {best.value:.4f}) of the study in {folder}:\n"
-              f"# {', '.join(f'{k} = {_fmt(v)}' for k, v in best.params.items())}\n"
+              f"# {', '.join(f'{k} = {format_value(v)}' for k, v in best.params.items())}\n"
               f"#   scaletrain train --config {folder / 'best.toml'}\n")
     path = folder / "best.toml"
     path.write_text(header + to_toml(cfg))
