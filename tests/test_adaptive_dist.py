@@ -1,4 +1,4 @@
-"""parallel.balance = "throughput" on 2 real gloo ranks, one made slower (tests/slow_rank_train.py): the slow
+"""parallel.balance = "throughput" on 2 real gloo ranks, one made slower (tests/helpers/slow_rank_train.py): the slow
 rank takes fewer micro-batches, every step's loss and gradient norm equal a single process's on the same global
 batch (1e-5 relative), and a resume keeps the saved split."""
 
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from faults import TESTS, TORCHRUN, env
+from helpers.faults import HELPERS, TORCHRUN, env
 from scaletrain.config import load_config
 from scaletrain.train.adaptive import split_counts
 from scaletrain.train.trainer import Trainer
@@ -60,7 +60,7 @@ def test_throughput_balance_matches_one_process_and_resumes_its_split(tmp_path):
     # The reference: one process, the same 8 micro-batches of 4 sequences a step (data prepared once, here).
     Trainer(load_config(config, {"train.grad_accum_steps": "8", "train.run_dir": str(single)})).train()
     common = f"parallel.balance=throughput,parallel.dp_replicate=2,train.run_dir={balanced}"
-    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", str(TESTS / "slow_rank_train.py"), "--config",
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", str(HELPERS / "slow_rank_train.py"), "--config",
            str(config), "--out", str(tmp_path / "r.json"), f"part1:{common},train.stop_at_step=4",
            f"part2:{common},train.resume=true"]
     proc = subprocess.run(cmd, env=env(SLOW_RANK="1", SLOW_SECONDS="0.05"), capture_output=True, text=True,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import tiny_overrides
+from helpers.tiny import tiny_overrides
 from scaletrain.cli import main
 
 

@@ -263,7 +263,7 @@ def test_head_fraction_that_is_not_whole_kv_groups_is_refused(fraction):
 
 
 def test_a_model_whose_head_width_is_not_dim_over_heads_trains_and_plans(tmp_path, capsys):
-    from conftest import tiny_overrides
+    from helpers.tiny import tiny_overrides
 
     cfg = ModelConfig(vocab_size=50, dim=32, n_layers=1, n_heads=3, n_kv_heads=1, head_dim=12, max_seq_len=16)
     model = build_model(cfg, seed=0)
@@ -280,7 +280,7 @@ def test_a_model_whose_head_width_is_not_dim_over_heads_trains_and_plans(tmp_pat
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
-    from conftest import tiny_overrides
+    from helpers.tiny import tiny_overrides
 
     run = tmp_path_factory.mktemp("compress") / "base"
     over = tiny_overrides(run, **{"train.steps": 15, "model.n_heads": 4, "model.n_kv_heads": 2})
@@ -319,7 +319,7 @@ def test_pruned_run_folder_is_zero_where_masked_and_exports(base_run, tmp_path, 
 
 
 def test_structured_run_trains_on_with_finetune(base_run, tmp_path, capsys):
-    from conftest import tiny_overrides
+    from helpers.tiny import tiny_overrides
 
     out = tmp_path / "small"
     assert main(["compress", "--run", str(base_run), "--out", str(out), "--mlp-fraction", "0.25",
@@ -420,7 +420,7 @@ def test_distillation_loss_is_zero_for_the_teacher_itself_and_mixes_with_the_dat
 
 
 def test_structured_run_distilled_from_the_original(base_run, tmp_path, capsys):
-    from conftest import tiny_overrides
+    from helpers.tiny import tiny_overrides
 
     small = tmp_path / "small"
     assert main(["compress", "--run", str(base_run), "--out", str(small), "--mlp-fraction", "0.5",
@@ -445,7 +445,7 @@ def test_structured_run_distilled_from_the_original(base_run, tmp_path, capsys):
 
 def test_qat_finetune_fake_quantizes_and_quantizes_after(base_run, tmp_path, capsys):
     pytest.importorskip("torchao")
-    from conftest import tiny_overrides
+    from helpers.tiny import tiny_overrides
     from scaletrain.adapt.qat import prepare_qat
     from scaletrain.config import FinetuneConfig
 
@@ -491,7 +491,7 @@ def test_fp8_filter_skips_small_and_odd_layers_and_the_cpu_is_refused(tmp_path, 
 
 
 def test_full_finetune_keeps_the_pruned_zeros(base_run, tmp_path):
-    from conftest import tiny_overrides
+    from helpers.tiny import tiny_overrides
     from scaletrain.adapt.masks import zero_count
 
     pruned = tmp_path / "wanda"

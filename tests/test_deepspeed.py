@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from faults import (
-    TESTS,
+from helpers.faults import (
+    HELPERS,
     TORCHRUN,
     assert_same_run,
     env,
@@ -130,7 +130,7 @@ def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
     nvme = ["ds3_nvme"] if os.environ.get("SCALETRAIN_TEST_NVME") == "1" and AsyncIOBuilder().is_compatible(
         verbose=False) else []
     strategies = ",".join(["native", "ds1", "ds2", "ds3", "ds2_cpu", "ds2_bf16", "ds3_bf16", *nvme])
-    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(TESTS / "deepspeed_parity.py"),
+    proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(HELPERS / "deepspeed_parity.py"),
                            "--out", str(out), "--strategies", strategies, "--nvme", str(tmp_path / "swap")],
                           env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

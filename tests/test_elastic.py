@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
-from faults import kill, worker_pids
+from helpers.faults import kill, worker_pids
+from helpers.launch import HELPERS, env_for_ranks, free_port
+from helpers.tiny import tiny_overrides
 from scaletrain.checkpoint.manager import CheckpointManager
-from test_launch import env_for_ranks, free_port
 
 TESTS = Path(__file__).parent
 GLOBAL_BATCH = 8  # sequences per step: 4 x 2 micro-batches on one rank, 4 x 1 on each of two
@@ -66,7 +66,7 @@ def elastic_run(tmp: Path, steps: int = 16, slow: float = 0.05, join_at: int = 3
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-test",
            "--max-restarts=5", "--monitor-interval=0.5", "--rdzv-conf=last_call_timeout=1,join_timeout=120",
-           str(TESTS / "slow_rank_train.py"), "train", *flags(tmp, steps), "--resume"]
+           str(HELPERS / "slow_rank_train.py"), "train", *flags(tmp, steps), "--resume"]
     hold = tmp / "hold"
     # Long enough steps to leave during; held at step join_at until the join.
     env = env_for_ranks(SLOW_RANK="all", SLOW_SECONDS=str(slow), HOLD_FILE=str(hold))

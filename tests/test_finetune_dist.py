@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from test_finetune import CHARS
-from test_parallel_dist import PARITY_RTOL, torchrun
+from helpers.launch import PARITY_RTOL, torchrun
+from helpers.tiny import CHARS
 
 pytestmark = pytest.mark.distributed
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from faults import assert_same_run, last_step, launch, run_ok, wait_for, write_config
-from test_finetune import CHARS
+from helpers.faults import assert_same_run, last_step, launch, run_ok, wait_for, write_config
+from helpers.tiny import CHARS
 
 STEPS, INTERVAL = 40, 5
 

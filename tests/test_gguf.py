@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_overrides
+from helpers.tiny import tiny_overrides
 from scaletrain.checkpoint.gguf import export_gguf, gguf_state, rotary_to_interleaved
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, ModelConfig, build

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from helpers.launch import env_for_ranks, free_port
+from helpers.tiny import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch"
@@ -29,24 +29,10 @@ SHARDED = {"parallel.dp_shard": -1}  # FSDP2 over the ranks present (what the te
 pytestmark = pytest.mark.distributed
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def flags(run_dir: Path, **extra) -> list[str]:
     over = tiny_overrides(run_dir, **{"train.steps": STEPS, "checkpoint.interval": 0,
                                             "logging.log_interval": 1, **extra})
     return [f"--{k}={v}" for k, v in over.items()]
-
-
-def env_for_ranks(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
 
 
 def losses(run_dir: Path) -> list[float]:

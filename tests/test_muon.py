@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from faults import assert_same_run, last_step, launch, run_ok, train_args, wait_for, write_config
+from helpers.faults import assert_same_run, last_step, launch, run_ok, train_args, wait_for, write_config
 from scaletrain.cli import main
 from scaletrain.config import ModelConfig, OptimConfig, load_config
 from scaletrain.model import build_model

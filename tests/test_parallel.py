@@ -151,7 +151,7 @@ def test_materialize_gives_the_single_process_weights(distributed):
 
 
 def test_grad_accumulation_matches_one_big_batch():
-    import dist_parity
+    from helpers import dist_parity
 
     one_batch = dist_parity.reference_losses(accum=1)
     accumulated = dist_parity.reference_losses(accum=4)  # 4 micro-batches of 2 rows == 1 batch of 8

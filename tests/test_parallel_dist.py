@@ -1,6 +1,6 @@
 """Distributed tests with real gloo processes launched by torchrun.
 
-One launch per world size runs the whole parity matrix of that size (tests/dist_parity.py): 5 AdamW
+One launch per world size runs the whole parity matrix of that size (tests/helpers/dist_parity.py): 5 AdamW
 steps of a tiny Llama from the same initialisation, parallel losses vs a single-process run on the
 same global batches. Further launches cover the per-rank memory accounting, ``scaletrain train`` under
 torchrun end to end (parity with a single process, checkpoint + resume), and DiLoCo vs DDP.
@@ -9,7 +9,6 @@ torchrun end to end (parity with a single process, checkpoint + resume), and DiL
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,28 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from dist_parity import MODEL
+from helpers.dist_parity import MODEL
+from helpers.launch import HELPERS, PARITY_RTOL, torchrun
 
 pytestmark = pytest.mark.distributed
-TESTS = Path(__file__).parent
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-PARITY_RTOL = 1e-5
-
-
-def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Launch ``nproc`` gloo ranks; the rendezvous TCP store is not shared with the workers
-    (sharing it breaks gloo's re-initialisation)."""
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([*TORCHRUN, f"--nproc-per-node={nproc}", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
-
 def parity_run(tmp_path_factory, nproc: int, strategies: list[str], memory: list[str] = ()) -> dict:
     out = tmp_path_factory.mktemp(f"parity{nproc}") / "results.json"
-    torchrun(nproc, str(TESTS / "dist_parity.py"), "--out", str(out), "--strategies", ",".join(strategies),
+    torchrun(nproc, str(HELPERS / "dist_parity.py"), "--out", str(out), "--strategies", ",".join(strategies),
              "--memory", ",".join(memory))
     records = json.loads(out.read_text())
     return {"parity": {r["strategy"]: r for r in records if r["kind"] == "parity"},
@@ -281,7 +265,7 @@ def test_diloco_reaches_ddp_loss_with_h_times_fewer_all_reduces(tmp_path):
     config.write_text(low_comm_recipe(tmp_path / "data"))
     out = tmp_path / "runs.json"
     common = "parallel.dp_replicate=2,checkpoint.enabled=false,logging.log_interval=50"
-    torchrun(2, str(TESTS / "dist_train.py"), "--config", str(config), "--out", str(out),
+    torchrun(2, str(HELPERS / "dist_train.py"), "--config", str(config), "--out", str(out),
              f"ddp:{common},train.run_dir={tmp_path / 'ddp'}",
              f"diloco:{common},parallel.low_comm=diloco,parallel.sync_every=10,train.run_dir={tmp_path / 'diloco'}")
     runs = json.loads(out.read_text())

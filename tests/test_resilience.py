@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from faults import (
+from helpers.faults import (
     assert_same_run,
     finish,
     last_step,

@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from faults import (
-    TESTS,
+from helpers.faults import (
+    HELPERS,
     TORCHRUN,
     assert_same_run,
     env,
@@ -36,8 +36,8 @@ RTOL = 1e-5
 
 
 def dist_train(nproc: int, config, out, *runs: str) -> dict:
-    """Several named runs (see tests/dist_train.py) in one torchrun launch."""
-    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(TESTS / "dist_train.py"), "--config",
+    """Several named runs (see tests/helpers/dist_train.py) in one torchrun launch."""
+    cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(HELPERS / "dist_train.py"), "--config",
            str(config), "--out", str(out), *runs]
     proc = subprocess.run(cmd, env=env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), capture_output=True, text=True,
                           timeout=600)

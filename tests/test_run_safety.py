@@ -17,8 +17,8 @@ import time
 import pytest
 import torch
 
-from faults import (
-    TESTS,
+from helpers.faults import (
+    HELPERS,
     assert_same_run,
     env,
     finish,
@@ -172,7 +172,7 @@ LIMITED = textwrap.dedent("""
 def run_with_file_limit(limit: int, args: list[str]) -> tuple[int, str]:
     """``scaletrain`` in a process that may write no file larger than ``limit`` bytes (a real EFBIG from the
     kernel, as a full disk gives ENOSPC, through the same write paths)."""
-    script = LIMITED.format(tests=str(TESTS))
+    script = LIMITED.format(tests=str(HELPERS))
     proc = subprocess.run([sys.executable, "-c", script, str(limit), *args], capture_output=True, text=True,
                           env=env(), timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
@@ -273,7 +273,7 @@ def test_ctrl_c_under_torchrun_saves_on_every_rank(straight, tmp_path):
     config, _ = straight
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(TESTS / "fault_train.py"), *train_args(config, run, "--parallel.dp_shard=2")]
+           str(HELPERS / "fault_train.py"), *train_args(config, run, "--parallel.dp_shard=2")]
     log = (tmp_path / "log.txt").open("w+")
     proc = subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

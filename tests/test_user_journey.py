@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from conftest import tiny_overrides
+from helpers.tiny import tiny_overrides
 from scaletrain.cli import main
 
 SPACE = "docs/examples/baby_space.toml"

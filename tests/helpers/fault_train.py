@@ -3,7 +3,7 @@
 SLOW_FINALIZE=<seconds> delays the last part of every checkpoint save (hashing, marker, rename) so a test
 can hit a save while it is in flight - with an asynchronous save, while training goes on.
 
-    python tests/fault_train.py train --config tiny.toml ...
+    python tests/helpers/fault_train.py train --config tiny.toml ...
 """
 
 from __future__ import annotations

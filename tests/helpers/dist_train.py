@@ -2,7 +2,7 @@
 the scaling benchmark). Each run is ``name:key=value,key=value`` (dotted config overrides on top of
 ``--config``); rank 0 writes ``{name: summary + loss curve}`` as JSON.
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_train.py --config c.toml --out r.json \\
+    torchrun --standalone --nproc-per-node 2 tests/helpers/dist_train.py --config c.toml --out r.json \\
         "ddp:parallel.dp_replicate=2" "diloco:parallel.dp_replicate=2,parallel.low_comm=diloco"
 """
 

@@ -7,7 +7,7 @@ ZeRO-1/2/3 (through ``build_deepspeed_training`` / ``deepspeed_training_step``, 
 path). Rank 0 writes one JSON record: the loss curves, and per rank the model-state bytes each DeepSpeed stage
 holds next to the planner's prediction (``plan/memory.py:model_states``).
 
-    torchrun --standalone --nproc-per-node 2 tests/deepspeed_parity.py --out r.json \\
+    torchrun --standalone --nproc-per-node 2 tests/helpers/deepspeed_parity.py --out r.json \\
         --strategies native,ds1,ds2,ds3,ds2_cpu,ds2_bf16,ds3_bf16,ds3_nvme --nvme /tmp/swap
 """
 

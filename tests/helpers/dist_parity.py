@@ -10,11 +10,11 @@ suffix ``_padded`` (before any ``_compile``) the data has 60 tokens in the model
 vocabulary padded for the plan: the parallel loss masks the 4 padding columns (``vocab_limit``; under TP on
 the vocabulary-sharded logits, where they lie in the last rank's shard) and the reference slices them off.
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_parity.py --out r.json --strategies ddp,fsdp3,ddp_compile
+    torchrun --standalone --nproc-per-node 2 tests/helpers/dist_parity.py --out r.json --strategies ddp,fsdp3
 
 On GPUs (one per rank, nccl; each rank takes GPU ``LOCAL_RANK``) add ``--device cuda``:
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_parity.py --device cuda --out r.json \\
+    torchrun --standalone --nproc-per-node 2 tests/helpers/dist_parity.py --device cuda --out r.json \\
         --strategies fsdp3,fsdp3_bf16,ddp_compile,fsdp3_compile,fsdp3_bf16_compile
 """
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-TESTS = Path(__file__).parent
-FAULT_TRAIN = [sys.executable, str(TESTS / "fault_train.py")]
+HELPERS = Path(__file__).parent  # the scripts launched below live here
+FAULT_TRAIN = [sys.executable, str(HELPERS / "fault_train.py")]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 # Slow enough (~20-30 ms a step on 2 cores) that a kill lands mid-run, small enough to train in seconds.
@@ -69,7 +69,7 @@ def launch(args: list[str], nproc: int = 1, torchrun_args: tuple[str, ...] = (),
     if nproc == 1:
         cmd = [*FAULT_TRAIN, *args]
     else:
-        cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *torchrun_args, str(TESTS / "fault_train.py"),
+        cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *torchrun_args, str(HELPERS / "fault_train.py"),
                *args]
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, env=env(**extra_env), stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -1,4 +1,4 @@
-"""``tests/dist_train.py`` (or, with a first argument ``train``, the ``scaletrain`` command) with one rank made
+"""``tests/helpers/dist_train.py`` (or, with a first argument ``train``, the ``scaletrain`` command) with one rank made
 slower: a stand-in for an unequal worker (parallel.balance tests and benchmarks/balance.py), or with every rank
 slowed, a run long enough to add and remove nodes during it (the elastic test and benchmarks/elastic.py).
 
@@ -7,7 +7,7 @@ rank (a slower device does the same work later); SLOW_THREADS=<n> also gives tha
 HOLD_FILE=<path>: while that file exists, the slowed ranks wait before each micro-batch (a test holds a run
 at a step until a second node has joined).
 
-    SLOW_RANK=1 SLOW_SECONDS=0.02 torchrun --standalone --nproc-per-node 2 tests/slow_rank_train.py \\
+    SLOW_RANK=1 SLOW_SECONDS=0.02 torchrun --standalone --nproc-per-node 2 tests/helpers/slow_rank_train.py \\
         --config c.toml --out r.json "balanced:parallel.balance=throughput,parallel.dp_replicate=2"
 """
 

@@ -1,0 +1,3 @@
+"""Code the tests share, kept out of the ``test_*.py`` files: tiny configs (``tiny``), process launchers
+(``launch``), fault injection (``faults``), and the scripts torchrun starts (``dist_parity``, ``dist_train``,
+``fault_train``, ``slow_rank_train``, ``deepspeed_parity``). A test imports from here, never from another test."""
