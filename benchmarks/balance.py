@@ -2,8 +2,8 @@
 
 Two gloo ranks train the same tiny model (dim 32, 2 layers, char-level Tiny Shakespeare, seq 32, micro-batch
 4, 4 micro-batches per rank per step = 32 sequences a step, 60 AdamW steps) through the real ``Trainer`` in one
-``torchrun`` launch of tests/slow_rank_train.py. Rank 1 is made slower: ``--slow-seconds`` before each of its
-micro-batches (a slower device doing the same work later; ``--slow-threads`` can give it fewer torch threads
+``torchrun`` launch of tests/helpers/slow_rank_train.py. Rank 1 is made slower: ``--slow-seconds`` before each
+of its micro-batches (a slower device doing the same work later; ``--slow-threads`` can give it fewer torch threads
 instead or as well). Equal and balanced runs alternate ``--repeats`` times in the same process group, so
 machine load hits both alike; each run's median step time is taken, and the medians over repeats are reported,
 with the split the balancer settled on and the largest relative loss difference between the two (the gradient
@@ -52,8 +52,8 @@ def main() -> int:
                              f"train.run_dir={tmp / mode / str(i)}")
         out = tmp / "r.json"
         os.environ.update(SLOW_RANK="1", SLOW_SECONDS=str(args.slow_seconds), SLOW_THREADS=str(args.slow_threads))
-        run_ranks([str(ROOT / "tests" / "slow_rank_train.py"), "--config", str(config), "--out", str(out), *specs],
-                  2, "balance benchmark")
+        script = ROOT / "tests" / "helpers" / "slow_rank_train.py"
+        run_ranks([str(script), "--config", str(config), "--out", str(out), *specs], 2, "balance benchmark")
         runs = json.loads(out.read_text())
         rows = [json.loads(line) for line in (tmp / "throughput" / "0" / "metrics.jsonl").read_text().splitlines()]
         counts = [r.get("micro_batches_per_rank") for r in rows]

@@ -4,7 +4,7 @@ All three train the tiny recipe of ``test_diloco_reaches_ddp_loss_with_h_times_f
 (``low_comm_recipe`` in tests/test_parallel_dist.py: dim 64, 4 layers, 4 heads, char-level Tiny
 Shakespeare, seq 64, 8 sequences per rank, 200 AdamW steps, warm-up 20) from the same initialisation
 and the same data order, through the real ``Trainer``, in one ``torchrun`` launch of
-tests/dist_train.py. Only the data-parallel mode differs:
+tests/helpers/dist_train.py. Only the data-parallel mode differs:
 
 - DDP: gradients all-reduced every step (DDP's bucketed all-reduce, counted by a comm hook);
 - local SGD, H = 10: weights averaged every 10 steps;
@@ -65,8 +65,8 @@ def run_seed(seed: int, eval_batches: int, tmp: Path) -> dict:
         every = {**COMMON, **overrides, "train.seed": seed, "train.eval_batches": eval_batches,
                  "train.run_dir": tmp / f"{name}-{seed}"}
         specs.append(f"{name}:" + ",".join(f"{k}={v}" for k, v in every.items()))
-    run_ranks([str(ROOT / "tests" / "dist_train.py"), "--config", str(config), "--out", str(out), *specs], 2,
-              f"seed {seed}", timeout=1800)
+    script = ROOT / "tests" / "helpers" / "dist_train.py"
+    run_ranks([str(script), "--config", str(config), "--out", str(out), *specs], 2, f"seed {seed}", timeout=1800)
     return json.loads(out.read_text())
 
 
