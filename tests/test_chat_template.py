@@ -18,7 +18,7 @@ import pytest
 
 from scaletrain.cli import main
 from scaletrain.data.chat import encode_conversation, uses_base_template
-from scaletrain.data.instructions import chat_prompt, preview, read_instructions, render_prompt
+from scaletrain.data.instructions import chat_prompt, preview, read_instructions, render_prompt, stop_ids
 from scaletrain.data.tokenizer import DataError, HFTokenizer, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -149,6 +149,13 @@ def test_special_tokens_are_the_folders_own(family):
 
 
 @needs_shared
+@pytest.mark.parametrize("family, end", [("qwen3", "<|im_end|>"), ("llama3_1", "<|eot_id|>")])
+def test_generation_stops_at_the_templates_end_of_turn(family, end):
+    hf = _tokenizer(SHARED / family).transformers_tokenizer()
+    assert stop_ids(SHARED / family) == [hf.convert_tokens_to_ids(end)]  # also each folder's eos_token
+
+
+@needs_shared
 def test_plain_template_puts_one_bos_first_with_llama3(tmp_path):
     """The plain template encodes an example in pieces: Llama 3's BOS (its post-processor's) comes once, first."""
     tokenizer = _tokenizer(SHARED / "llama3_1")
@@ -218,6 +225,18 @@ def test_render_prompt_is_the_training_template(tmp_path):
     assert render_prompt(messages, no_template) == chat_prompt(messages, plain)  # auto: ours
     with pytest.raises(DataError, match="has no chat_template"):
         render_prompt(messages, no_template, chat_template="base")
+
+
+def test_stop_ids_follow_the_template(tmp_path):
+    """A template whose turns close with a token other than the EOS (as Gemma's <end_of_turn>): both stop."""
+    folder = tmp_path / "eos_apart"
+    shutil.copytree(FIXTURE, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    hf = load_tokenizer(folder / "tokenizer.json").transformers_tokenizer()
+    end, eos = hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")
+    assert stop_ids(folder) == [end, eos]
+    assert stop_ids(folder, chat_template="plain") == [eos]
 
 
 def test_preview_brackets_the_targets(tmp_path):

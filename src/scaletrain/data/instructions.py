@@ -28,7 +28,8 @@ example a row, cut at ``seq_len + 1`` tokens (counted and reported) and padded w
 attends to another and every loss token belongs to its own example. The loss is the mean over a
 micro-batch's answer tokens.
 
-``render_prompt`` gives generation the prompt a model fine-tuned either way reads;
+``render_prompt`` gives generation the prompt a model fine-tuned either way reads, ``stop_ids`` the tokens
+that end its answer;
 ``python -m scaletrain.data.instructions FOLDER FILE.jsonl [N]`` prints the first N examples of a file with
 their targets in ``[`` ``]``.
 """
@@ -277,6 +278,21 @@ def render_prompt(messages: list[dict], tokenizer_folder: str | Path, add_genera
         return list(hf(render(hf, messages, add_generation_prompt), add_special_tokens=False)["input_ids"])
     segments = message_segments(messages) + ([(ASSISTANT, False)] if add_generation_prompt else [])
     return encode_example(segments, tokenizer)[0]
+
+
+def stop_ids(tokenizer_folder: str | Path, chat_template: str = "auto") -> list[int]:
+    """The ids that end an answer in the template training used, for generation to stop at: with the base's
+    template, the token that closes an assistant turn (the last target of a one-turn conversation:
+    ``<|im_end|>``, ``<|eot_id|>``, Gemma's ``<end_of_turn>``, which is not always the EOS) and the EOS; with
+    the plain template, the EOS (none when the tokenizer has none: "\\n\\n" text ends it, ``end_text``)."""
+    tokenizer = folder_tokenizer(tokenizer_folder)
+    ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    if uses_base_template(tokenizer, chat_template):
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        tokens, target = encode_conversation(probe, tokenizer.transformers_tokenizer())
+        last = max(i for i, t in enumerate(target) if t)
+        ids = list(dict.fromkeys([tokens[last]] + ids))
+    return ids
 
 
 def preview(folder: str | Path, path: str | Path, count: int = 3, chat_template: str = "auto") -> str:
