@@ -277,6 +277,11 @@ class FinetuneConfig:
     instructions: str = opt("", "a JSONL file of {\"prompt\", \"response\"} or {\"messages\": [...]} lines to train on "
                                 "instead of data.path, loss on the responses only, one example a padded row "
                                 "(docs/finetuning.md); data.val_fraction of the examples are held out")
+    chat_template: str = opt("auto", "instructions: the template conversations are rendered in: base (the base's "
+                                     "own chat_template, e.g. Qwen3's ChatML, Llama 3's headers; an error if it has "
+                                     "none), plain (scaletrain's \"User:\" / \"Assistant:\" text) or auto (base when "
+                                     "the base's tokenizer folder has a chat template, else plain)",
+                             choices=("auto", "base", "plain"))
     virtual_tokens: int = opt(16, "prompt/prefix: number of trainable virtual tokens", ge=1)
     freeze_embeddings: bool = opt(False, "full: keep the input embedding (and a tied head) frozen")
     freeze_blocks: int = opt(0, "full: keep the first k transformer blocks frozen", ge=0)

@@ -5,49 +5,74 @@ Accepted lines (one JSON object per line, blank lines skipped):
     {"prompt": "...", "response": "..."}
     {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
 
-The template is plain text in letters, colons and newlines only, so it works with any tokenizer - even a
-character vocabulary learnt from a play (no special tokens, no '#')::
+Two templates, chosen by ``finetune.chat_template`` (``uses_base_template``):
+
+- the base's own chat template ('auto' when the base's tokenizer folder has one, or 'base'): the
+  conversation is rendered by transformers' ``apply_chat_template`` and the targets are the assistant turns'
+  contents and end-of-turn tokens, found in the rendered text (data/chat.py). A prompt/response line is the
+  conversation [user: prompt, assistant: response].
+- our plain template ('plain', or 'auto' for a base without a template): plain text in letters, colons and
+  newlines only, so it works with any tokenizer - even a character vocabulary learnt from a play (no special
+  tokens, no '#')::
 
     prompt/response:  "Instruction:\\n{prompt}\\n\\nResponse:\\n" + "{response}" + end
     messages:         "{Role}:\\n{content}\\n\\n" per system/user message, and "Assistant:\\n" + "{content}" + end
                       per assistant message
 
-``end`` is the tokenizer's end-of-text token when it has one, else "\\n\\n". Only the response / assistant
-tokens (and ``end``) are targets; everything else has target -100, which ``F.cross_entropy`` ignores.
+  ``end`` is the tokenizer's end-of-text token when it has one, else "\\n\\n". Only the response / assistant
+  tokens (and ``end``) are targets. The pieces are encoded one by one without special tokens, after the ones
+  the tokenizer puts before every text (Llama 3's ``<|begin_of_text|>``), once.
 
-Padded, not packed: one example a row, cut at ``seq_len + 1`` tokens (counted and reported) and padded
-with target -100, so no example attends to another and every loss token belongs to its own example.
-The loss is the mean over a micro-batch's answer tokens.
+Everything that is no target has target -100, which ``F.cross_entropy`` ignores. Padded, not packed: one
+example a row, cut at ``seq_len + 1`` tokens (counted and reported) and padded with target -100, so no example
+attends to another and every loss token belongs to its own example. The loss is the mean over a
+micro-batch's answer tokens.
+
+``render_prompt`` gives generation the prompt a model fine-tuned either way reads, ``stop_ids`` the tokens
+that end its answer;
+``python -m scaletrain.data.instructions FOLDER FILE.jsonl [N]`` prints the first N examples of a file with
+their targets in ``[`` ``]``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from scaletrain.data.tokenizer import DataError, Tokenizer
+from scaletrain.data.chat import encode_conversation, mask_preview, render, uses_base_template
+from scaletrain.data.tokenizer import BPETokenizer, DataError, Tokenizer, load_tokenizer
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
 INSTRUCTION = "Instruction:\n{prompt}\n\nResponse:\n"
 ASSISTANT = "Assistant:\n"
 
 
-def _segments(record: object, where: str) -> list[tuple[str, bool]]:
-    """One JSONL record as [(text, is_target)]."""
+def _conversation(record: object, where: str) -> tuple[list[dict], bool]:
+    """One JSONL record as (messages, whether it was a prompt/response pair)."""
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
-        return [(INSTRUCTION.format(prompt=record["prompt"]), False), (record["response"], True)]
+        return [{"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["response"]}], True
     messages = record.get("messages") if isinstance(record, dict) else None
     if isinstance(messages, list) and messages and all(
             isinstance(m, dict) and isinstance(m.get("content"), str)
             and m.get("role") in ("system", "user", "assistant") for m in messages):
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: 'messages' has no assistant turn to learn from")
-        return message_segments(messages)
+        return messages, False
     raise DataError(f"{where}: needs string fields 'prompt' and 'response', or a 'messages' list of "
                     f"{{'role': system|user|assistant, 'content': str}}")
+
+
+def _segments(messages: list[dict], is_pair: bool) -> list[tuple[str, bool]]:
+    """A conversation in the plain template as [(text, is_target)]."""
+    if is_pair:
+        return [(INSTRUCTION.format(prompt=messages[0]["content"]), False), (messages[1]["content"], True)]
+    return message_segments(messages)
 
 
 def message_segments(messages: list[dict]) -> list[tuple[str, bool]]:
@@ -86,10 +111,10 @@ def jinja_chat_template(tokenizer: Tokenizer) -> str:
 
 def encode_example(segments: list[tuple[str, bool]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     """Token ids and, per id, whether it is a target. A target segment ends with the end token."""
-    ids: list[int] = []
-    target: list[bool] = []
+    ids: list[int] = tokenizer.prefix_ids()
+    target: list[bool] = [False] * len(ids)
     for text, is_target in segments:
-        piece = tokenizer.encode(text)
+        piece = tokenizer.encode_text(text)
         ids += piece
         target += [is_target] * len(piece)
         if is_target:
@@ -99,11 +124,14 @@ def encode_example(segments: list[tuple[str, bool]], tokenizer: Tokenizer) -> tu
     return ids, target
 
 
-def read_instructions(path: str | Path, tokenizer: Tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every example of a JSONL file as (ids, is_target) arrays; a bad line is a DataError naming it."""
+def read_instructions(path: str | Path, tokenizer: Tokenizer,
+                      chat_template: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every example of a JSONL file as (ids, is_target) arrays, in the template ``chat_template`` chooses
+    (module docstring); a bad line is a DataError naming it."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"finetune.instructions: file not found: {path}")
+    hf = tokenizer.transformers_tokenizer() if uses_base_template(tokenizer, chat_template) else None
     examples = []
     with path.open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
@@ -114,7 +142,12 @@ def read_instructions(path: str | Path, tokenizer: Tokenizer) -> list[tuple[np.n
                 record = json.loads(line)
             except ValueError:
                 raise DataError(f"{where}: not a JSON object") from None
-            ids, target = encode_example(_segments(record, where), tokenizer)
+            messages, is_pair = _conversation(record, where)
+            try:
+                ids, target = (encode_conversation(messages, hf) if hf is not None
+                               else encode_example(_segments(messages, is_pair), tokenizer))
+            except DataError as exc:
+                raise DataError(f"{where}: {exc}") from None
             examples.append((np.array(ids, dtype=np.int64), np.array(target, dtype=bool)))
     if not examples:
         raise DataError(f"{path}: no examples")
@@ -199,10 +232,11 @@ def instruction_eval_batches(examples: list, seq_len: int, batch_size: int, num_
 
 
 def instruction_splits(path: str | Path, tokenizer: Tokenizer, seq_len: int, val_fraction: float, seed: int,
-                       message=print) -> tuple[list, list]:
-    """(train, val) examples of a JSONL file for rows of ``seq_len``; says how many were cut, and drops (with
-    a count) those whose answer starts beyond ``seq_len`` (no target left: nothing to learn)."""
-    examples = read_instructions(path, tokenizer)
+                       message=print, chat_template: str = "auto") -> tuple[list, list]:
+    """(train, val) examples of a JSONL file for rows of ``seq_len``, in the template ``chat_template``
+    (finetune.chat_template) chooses; says how many were cut, and drops (with a count) those whose answer
+    starts beyond ``seq_len`` (no target left: nothing to learn)."""
+    examples = read_instructions(path, tokenizer, chat_template)
     cut = truncated(examples, seq_len)
     kept = [(ids, t) for ids, t in examples if t[1:seq_len + 1].any()]
     if not kept:
@@ -215,3 +249,71 @@ def instruction_splits(path: str | Path, tokenizer: Tokenizer, seq_len: int, val
         raise DataError(f"{path}: {len(kept)} example(s) leave none for validation; add examples or set "
                         f"data.val_fraction > 0")
     return train, val
+
+
+@lru_cache(maxsize=4)
+def _tokenizer_of(folder: Path, stamp: tuple) -> Tokenizer:
+    return load_tokenizer(folder / "tokenizer.json")
+
+
+def folder_tokenizer(folder: str | Path) -> Tokenizer:
+    """The tokenizer of a folder (a Hugging Face folder or a run), loaded again only when its files change."""
+    folder = Path(folder).resolve()
+    if not (folder / "tokenizer.json").is_file():
+        raise DataError(f"{folder}: no tokenizer.json")
+    stamp = tuple((p.name, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if "token" in p.name
+                  or p.name.startswith("chat_template"))
+    return _tokenizer_of(folder, stamp)
+
+
+def render_prompt(messages: list[dict], tokenizer_folder: str | Path, add_generation_prompt: bool = True,
+                  chat_template: str = "auto") -> list[int]:
+    """The token ids of ``messages`` as a model fine-tuned with ``finetune.chat_template = chat_template`` read
+    them in training - with ``add_generation_prompt``, what it reads before its next answer (``generate``,
+    ``chat``). ``tokenizer_folder``: the base's Hugging Face folder or a run folder (a run fine-tuned from a
+    Hugging Face folder keeps its tokenizer files). The plain template's generation prompt is "Assistant:\\n"."""
+    tokenizer = folder_tokenizer(tokenizer_folder)
+    if uses_base_template(tokenizer, chat_template):
+        hf = tokenizer.transformers_tokenizer()
+        return list(hf(render(hf, messages, add_generation_prompt), add_special_tokens=False)["input_ids"])
+    segments = message_segments(messages) + ([(ASSISTANT, False)] if add_generation_prompt else [])
+    return encode_example(segments, tokenizer)[0]
+
+
+def stop_ids(tokenizer_folder: str | Path, chat_template: str = "auto") -> list[int]:
+    """The ids that end an answer in the template training used, for generation to stop at: with the base's
+    template, the token that closes an assistant turn (the last target of a one-turn conversation:
+    ``<|im_end|>``, ``<|eot_id|>``, Gemma's ``<end_of_turn>``, which is not always the EOS) and the EOS; with
+    the plain template, the EOS (none when the tokenizer has none: "\\n\\n" text ends it, ``end_text``)."""
+    tokenizer = folder_tokenizer(tokenizer_folder)
+    ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    if uses_base_template(tokenizer, chat_template):
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        tokens, target = encode_conversation(probe, tokenizer.transformers_tokenizer())
+        last = max(i for i, t in enumerate(target) if t)
+        ids = list(dict.fromkeys([tokens[last]] + ids))
+    return ids
+
+
+def preview(folder: str | Path, path: str | Path, count: int = 3, chat_template: str = "auto") -> str:
+    """The first ``count`` examples of an instruction JSONL as a fine-tune from ``folder`` sees them: the
+    tokens as text, the targets between ``[`` and ``]``."""
+    tokenizer = folder_tokenizer(folder)
+    if uses_base_template(tokenizer, chat_template):
+        decode = tokenizer.transformers_tokenizer().decode
+    elif isinstance(tokenizer, BPETokenizer):  # show the end-of-text token, which decode leaves out
+        decode = partial(tokenizer.tok.decode, skip_special_tokens=False)
+    else:
+        decode = tokenizer.decode
+    examples = read_instructions(path, tokenizer, chat_template)[:count]
+    return "\n\n".join(f"--- example {n} ---\n{mask_preview(ids.tolist(), target.tolist(), decode)}"
+                        for n, (ids, target) in enumerate(examples, 1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (3, 4):
+        sys.exit("usage: python -m scaletrain.data.instructions TOKENIZER_FOLDER FILE.jsonl [COUNT]")
+    try:
+        print(preview(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) == 4 else 3))
+    except DataError as exc:
+        sys.exit(f"error: {exc}")

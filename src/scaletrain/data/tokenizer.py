@@ -1,12 +1,18 @@
-"""Tokenizers: character-level (nanoGPT-comparable) and byte-level BPE (Hugging Face ``tokenizers``).
+"""Tokenizers: character-level (nanoGPT-comparable), byte-level BPE (Hugging Face ``tokenizers``), and a
+Hugging Face model folder's own tokenizer.
 
-Both are saved as one ``tokenizer.json`` and loaded with ``load_tokenizer``; a char tokenizer's file is
-tagged ``"type": "scaletrain.char"`` so the two formats cannot be confused.
+All are saved as one ``tokenizer.json`` and loaded with ``load_tokenizer``; a char tokenizer's file is
+tagged ``"type": "scaletrain.char"`` so the two formats cannot be confused. A ``tokenizer.json`` with a
+``tokenizer_config.json`` beside it (a Hugging Face folder, or a run fine-tuned from one) is an
+``HFTokenizer``: the ``tokenizers`` library encodes with the file as it is (normalizer, pre-tokenizer, the
+post-processor that adds BOS), and the config names its BOS/EOS tokens and chat template, which
+``data/chat.py`` renders through transformers.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -53,6 +59,14 @@ class CharTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def encode_text(self, text: str) -> list[int]:
+        """``encode`` without special tokens (a char vocabulary has none)."""
+        return self.encode(text)
+
+    def prefix_ids(self) -> list[int]:
+        """The special tokens the tokenizer puts before every text: none."""
+        return []
 
     def encode_array(self, text: str, dtype: str = "<u2") -> np.ndarray:
         """Vectorised ``encode``: code points -> ids with one searchsorted (~100x faster than a dict
@@ -113,6 +127,24 @@ class BPETokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts)]
 
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` alone, without what the post-processor adds around it (Llama 3's ``<|begin_of_text|>``):
+        the pieces of one example are encoded one by one, and a BOS before each would be wrong."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def prefix_ids(self) -> list[int]:
+        """The special tokens the post-processor puts before every text (Llama 3: ``<|begin_of_text|>``; our
+        own BPE and Qwen: none), so that an example encoded in pieces starts as one encoded whole would."""
+        for text in ("a", "0", " "):  # a text the vocabulary knows: its leading special tokens are the prefix
+            try:
+                encoding = self.tok.encode(text)
+            except Exception:  # a vocabulary without this character nor an unknown token
+                continue
+            mask = encoding.special_tokens_mask
+            if not all(mask):
+                return encoding.ids[:mask.index(0)]
+        return []
+
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode(list(ids))
 
@@ -120,11 +152,90 @@ class BPETokenizer:
         self.tok.save(str(path))
 
 
+# What a Hugging Face folder's tokenizer is made of (transformers reads the same files); copied as they are
+# into a run folder or a prepared data folder with the tokenizer.json, so that they keep the chat template.
+HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+
+
+class HFTokenizer(BPETokenizer):
+    """A Hugging Face folder's ``tokenizer.json`` with its ``tokenizer_config.json``: encoded by ``tokenizers``
+    as the file says, with the BOS/EOS tokens the config names (``eos_token``: Qwen3's ``<|im_end|>``, Llama
+    3.1's ``<|eot_id|>``) and its chat template (rendered by ``data/chat.py`` through transformers).
+
+    Padding side and pad token do not matter here: instruction rows are padded on the right with target
+    -100 (data/instructions.py) and attention is causal, so no real token ever sees a pad."""
+
+    def __init__(self, tok, folder: Path, config: dict, special_map: dict):
+        super().__init__(tok)
+        self.folder = folder
+        self.config = config
+        # tokenizer_config.json's value first, then special_tokens_map.json's (older folders), as transformers
+        # reads them; a folder that names none keeps what BPETokenizer found (our own "<|eos|>", if any).
+        for attr, key in (("eos_id", "eos_token"), ("bos_id", "bos_token")):
+            name = _token_name(config[key] if key in config else special_map.get(key))
+            if name is not None:
+                token_id = tok.token_to_id(name)
+                if token_id is None:
+                    raise DataError(f"{folder / 'tokenizer_config.json'}: {key} {name!r} is not in tokenizer.json")
+                setattr(self, attr, token_id)
+            elif key in config:  # named as null (Qwen3's bos_token): there is none
+                setattr(self, attr, None)
+        self._transformers = None
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the folder brings its own chat template (in tokenizer_config.json or a separate file)."""
+        return bool(self.config.get("chat_template")) or any(
+            (self.folder / name).is_file() for name in ("chat_template.jinja", "chat_template.json"))
+
+    def transformers_tokenizer(self):
+        """The folder loaded by transformers' ``AutoTokenizer`` (for ``apply_chat_template``), once."""
+        if self._transformers is None:
+            self._transformers = load_transformers_tokenizer(self.folder)
+        return self._transformers
+
+    def save(self, path: str | Path) -> None:
+        """``path`` (a tokenizer.json) and the folder's other tokenizer files beside it, copied unchanged."""
+        path = Path(path)
+        for source, target in [(self.folder / "tokenizer.json", path)] + [
+                (self.folder / name, path.parent / name) for name in HF_TOKENIZER_FILES]:
+            if source.is_file() and source.resolve() != target.resolve():  # a resumed run saves onto itself
+                shutil.copyfile(source, target)
+
+
+def _token_name(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_transformers_tokenizer(folder: str | Path):
+    """transformers' tokenizer of a Hugging Face folder (what ``apply_chat_template`` belongs to); without
+    transformers installed, a DataError saying what to install."""
+    folder = Path(folder)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(f"{folder}: rendering its chat template needs transformers (pip install "
+                        f"'scaletrain[finetune]'), or set finetune.chat_template = 'plain'") from None
+    try:
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises many types (OSError, ValueError, ...); one line for people
+        first_line = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise DataError(f"{folder}: transformers cannot load its tokenizer ({first_line})") from None
+    jinja = folder / "chat_template.jinja"
+    if not hf.chat_template and jinja.is_file():  # older transformers read only tokenizer_config.json's
+        hf.chat_template = jinja.read_text(encoding="utf-8")
+    return hf
+
+
 Tokenizer = CharTokenizer | BPETokenizer
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load either kind from a ``tokenizer.json``."""
+    """Load any kind from a ``tokenizer.json``; one with a ``tokenizer_config.json`` beside it is an
+    ``HFTokenizer``."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"tokenizer file not found: {p}")
@@ -137,14 +248,31 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         if not isinstance(chars, (list, str)) or not chars or not all(isinstance(c, str) for c in chars):
             raise DataError(f"{p}: a char tokenizer without a valid \"chars\" list; re-create it (scaletrain prepare)")
         return CharTokenizer(list(chars))
-    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import Tokenizer as RustTokenizer
 
     try:
-        tok = BPETokenizer(HFTokenizer.from_file(str(p)))
+        rust = RustTokenizer.from_file(str(p))
     except Exception as exc:  # tokenizers raises its own Exception type
         raise DataError(f"{p}: cannot load as a Hugging Face tokenizer ({exc})") from None
+    config_file = p.parent / "tokenizer_config.json"
+    if config_file.is_file():
+        config = _read_config(config_file)
+        special_map = p.parent / "special_tokens_map.json"
+        tok = HFTokenizer(rust, p.parent, config, _read_config(special_map) if special_map.is_file() else {})
+    else:
+        tok = BPETokenizer(rust)
     tok.source = str(p)  # named in encoding errors (data/encode.py)
     return tok
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read as JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{path}: not a JSON object")
+    return config
 
 
 def encode_known(tokenizer: Tokenizer, text: str) -> tuple[list[int], Counter]:

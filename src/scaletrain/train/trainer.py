@@ -177,7 +177,7 @@ class Trainer:
             self.data_dir, tokenizer_file = None, Path(cfg.data.tokenizer)
             self.instructions = instruction_splits(cfg.finetune.instructions, load_tokenizer(tokenizer_file),
                                                    cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed,
-                                                   self._message)
+                                                   self._message, chat_template=cfg.finetune.chat_template)
             manifest = {"vocab_size": load_tokenizer(tokenizer_file).vocab_size}
         else:
             if self.is_main:  # rank 0 prepares the data once; the others then find it cached
