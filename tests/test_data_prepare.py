@@ -302,3 +302,23 @@ def test_char_level_hf_tokenizer_with_unknown_characters(tmp_path, capsys):
     assert cli_main([str(corpus / "shakespeare"), "--out", str(tmp_path / "unk"), "--tokenizer",
                      str(tmp_path / "unk.json"), "--workers", "1"]) == 0
     assert read_manifest(tmp_path / "unk")["vocab_size"] == len(vocab) + 1
+
+
+def test_a_hugging_face_tokenizer_folders_special_tokens_are_part_of_the_fingerprint(tmp_path):
+    """Prepared data of a Hugging Face tokenizer ends each document with the folder's EOS: a changed
+    tokenizer_config.json (another EOS) must not reuse data prepared with the old one."""
+    import shutil
+
+    from scaletrain.data.prepare import fingerprints
+    from scaletrain.data.prepare_config import minimal_config
+
+    folder = tmp_path / "tok"
+    shutil.copytree(FIXTURES / "chatml_tokenizer", folder)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Some text.\n", encoding="utf-8")
+    cfg = minimal_config(str(corpus), str(tmp_path / "out"), tokenizer=str(folder / "tokenizer.json"))
+    before = fingerprints(cfg)
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text(encoding="utf-8").replace('"eos_token"', '"eos_token_was"', 1), encoding="utf-8")
+    after = fingerprints(cfg)
+    assert before[0] == after[0] and before[1] != after[1]  # cleaning reused, tokens redone

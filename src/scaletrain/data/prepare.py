@@ -277,6 +277,10 @@ def fingerprints(cfg: PrepareConfig) -> tuple[str, str]:
     tok_file = Path(cfg.tokenizer.kind)
     if cfg.tokenizer.kind not in ("bpe", "char") and tok_file.is_file():
         tok["sha256"] = file_sha256(tok_file)
+        # A Hugging Face folder's special tokens (the EOS appended after each document) live beside the file.
+        for side in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (tok_file.parent / side).is_file():
+                tok[side] = file_sha256(tok_file.parent / side)
     whole = _digest([stage1, tok, c["augment"], c["split"], c["output"]["dtype"], c["output"]["shard_mb"]])
     return stage1, whole
 
