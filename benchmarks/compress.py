@@ -126,8 +126,8 @@ def short_base_comparison(short: Path) -> dict:
     (sequential) Wanda, scored on the same validation batches as everything else."""
     import shutil
 
+    from scaletrain.checkpoint.run import load_run
     from scaletrain.compress.cli import calibration_batches
-    from scaletrain.compress.run import load_run
     from scaletrain.train.evaluate import perplexity, token_loss
 
     cfg, model, tok, _ = load_run(short)
@@ -151,7 +151,7 @@ def torch_val(cfg):
     import torch
 
     from scaletrain.data.loader import TokenStream
-    from scaletrain.train.trainer import prepare_data
+    from scaletrain.data.run_data import prepare_data
 
     stream = TokenStream(str(prepare_data(cfg)), "val")
     return torch.from_numpy(stream.read(0, 16 * BATCH * SEQ + 1).astype("int64"))
@@ -203,8 +203,9 @@ def build_variants(base: Path, base_steps: int, recovery_fraction: float, reuse:
 def measure_all(args, base: Path) -> int:
     import torch
 
+    from scaletrain.checkpoint.run import load_run
     from scaletrain.compress.cli import calibration_batches
-    from scaletrain.compress.run import load_run, state_bytes
+    from scaletrain.compress.run import state_bytes
     from scaletrain.compress.structured import count
     from scaletrain.config import JobConfig, OptimConfig, TrainConfig
     from scaletrain.model.presets import matmul_params

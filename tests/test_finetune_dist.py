@@ -20,8 +20,8 @@ def _losses(run: Path) -> list[float]:
 
 
 def test_lora_ddp_and_fsdp2_match_single_process(tmp_path):
-    from scaletrain.adapt.run import load_run
     from scaletrain.checkpoint.export import export_hf
+    from scaletrain.checkpoint.run import load_run
     from scaletrain.config import ModelConfig
     from scaletrain.data.tokenizer import CharTokenizer
     from scaletrain.model import build_model

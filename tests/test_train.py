@@ -117,7 +117,7 @@ def test_eval_and_generate_commands(tmp_path, tiny, capsys):
     capsys.readouterr()
     assert main(["eval", "--run", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "validation split: loss" in out and "perplexity" in out
+    assert out.startswith("val loss ") and "perplexity" in out and "evenly spread over the val split" in out
     text = tmp_path / "t.txt"
     text.write_text("ROMEO:\nWhat light through yonder window breaks?\n" * 20)
     assert main(["eval", "--run", str(run), "--text", str(text)]) == 0

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.config import ConfigError, JobConfig, ModelConfig, ParallelConfig, load_config
+from scaletrain.data.run_data import resolve_vocab
 from scaletrain.model import build_model
 from scaletrain.model.generate import generate
 from scaletrain.parallel import ParallelDims
@@ -18,7 +19,7 @@ from scaletrain.parallel.dims import padded_vocab_size
 from scaletrain.parallel.tensor import cross_entropy
 from scaletrain.train.evaluate import token_loss
 from scaletrain.train.step import training_step
-from scaletrain.train.trainer import Trainer, resolve_vocab
+from scaletrain.train.trainer import Trainer
 
 
 @pytest.mark.parametrize("vocab,tp,expected", [

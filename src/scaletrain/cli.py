@@ -169,44 +169,42 @@ def _eval_parser(sub) -> None:
     p.add_argument("--text", help="a UTF-8 text file (or builtin:NAME) to score instead of the run's validation "
                                   "split (with a char tokenizer, characters outside its vocabulary are skipped and "
                                   "counted)")
-    p.add_argument("--batches", type=int, default=0,
-                   help="batches (train.batch_size x data.seq_len tokens) to score from the start of the validation "
-                        "split or --text; 0 = all of it")
+    p.add_argument("--batches", type=int, default=None,
+                   help="batches of train.batch_size x data.seq_len tokens to score: of the validation split, spread "
+                        "evenly over it as training's eval spreads them (default: train.eval_batches, so the loss is "
+                        "the val_loss the run recorded for this checkpoint; 0 = every window); of --text, from its "
+                        "start (default: all of it)")
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
+
+    cfg, model, tokenizer, ckpt = load_run(args.run)
+    if not args.text:  # the run's validation loss: the number training's eval computes (train/evaluate.py)
+        from scaletrain.train.evaluate import score_run
+
+        print(f"{score_run(cfg, model, tokenizer, args.batches).line} ({ckpt.name})")
+        return 0
     import torch
 
-    from scaletrain.compress.run import load_run  # any run folder, quantized ones too
-    from scaletrain.data.loader import TokenStream
     from scaletrain.data.prepare import read_text_file
     from scaletrain.data.sources import resolve_source
     from scaletrain.data.tokenizer import DataError, describe_skipped, encode_known
     from scaletrain.train.evaluate import perplexity, token_loss
-    from scaletrain.train.trainer import prepare_data
 
-    cfg, model, tokenizer, ckpt = load_run(args.run)
-    if args.text:
-        path = resolve_source(args.text) if args.text.startswith("builtin:") else Path(args.text)
-        if not path.is_file():
-            raise DataError(f"text file not found: {path}")
-        ids, unknown = encode_known(tokenizer, read_text_file(path))  # a char tokenizer skips what it lacks
-        if unknown:
-            print(describe_skipped(unknown), flush=True)
-        tokens = torch.tensor(ids, dtype=torch.long)
-        if args.batches:
-            tokens = tokens[: args.batches * cfg.train.batch_size * cfg.data.seq_len + 1]
-        source = str(path)
-    else:
-        stream = TokenStream(str(prepare_data(cfg)), "val")
-        n = stream.total if not args.batches else min(stream.total,
-                                                      args.batches * cfg.train.batch_size * cfg.data.seq_len + 1)
-        tokens = torch.from_numpy(stream.read(0, n).astype("int64"))
-        source = "validation split"
+    path = resolve_source(args.text) if args.text.startswith("builtin:") else Path(args.text)
+    if not path.is_file():
+        raise DataError(f"text file not found: {path}")
+    ids, unknown = encode_known(tokenizer, read_text_file(path))  # a char tokenizer skips what it lacks
+    if unknown:
+        print(describe_skipped(unknown), flush=True)
+    tokens = torch.tensor(ids, dtype=torch.long)
+    if args.batches:
+        tokens = tokens[: args.batches * cfg.train.batch_size * cfg.data.seq_len + 1]
     loss, count = token_loss(model, tokens, cfg.data.seq_len, cfg.train.batch_size,
                              vocab_limit=tokenizer.vocab_size)
-    print(f"{source}: loss {loss:.4f}, perplexity {perplexity(loss):.2f} over {count:,} tokens ({ckpt.name})")
+    print(f"{path}: loss {loss:.4f}, perplexity {perplexity(loss):.2f} over {count:,} tokens ({ckpt.name})")
     return 0
 
 
@@ -233,7 +231,7 @@ def _export_parser(sub) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.adapt.export import base_model, is_plain, merge_adapters, save_peft_adapter
     from scaletrain.checkpoint.export import export_hf
-    from scaletrain.compress.run import load_run  # any run folder; a quantized one is refused in one line
+    from scaletrain.checkpoint.run import load_run  # any run folder; a quantized one is refused in one line
 
     out = Path(args.out or Path(args.run) / "export-hf")
     if (out / "config.json").is_file() and not args.overwrite:  # a folder of other files: export_hf refuses it

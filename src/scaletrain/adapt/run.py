@@ -1,5 +1,5 @@
-"""A run folder read back whatever it trained: a pretraining run (``checkpoint/run.py``) or a fine-tune,
-whose checkpoint holds only the trainable tensors and a reference to its base (checked by checksum)."""
+"""A fine-tune read back (for ``checkpoint.run.load_run``, the one loader of every run): its checkpoint holds
+only the trainable tensors and a reference to its base (checked by checksum)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ from torch import nn
 from scaletrain.adapt.base import open_base
 from scaletrain.adapt.lora import put_back
 from scaletrain.adapt.methods import apply_method, hold_out_base, load_base_and_adapters, trainable_names
-from scaletrain.checkpoint import run as plain_run
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
 from scaletrain.checkpoint.state import model_tensors
-from scaletrain.config import ConfigError, JobConfig, load_config
-from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
+from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
 
 
@@ -44,21 +42,11 @@ def build_finetuned_model(cfg: JobConfig, device: str = "cpu", adapters: dict | 
     return model
 
 
-def load_run(run_dir: str | Path, device: str = "cpu") -> tuple[JobConfig, nn.Module, Tokenizer, Path]:
-    """(config, model with the newest good checkpoint's weights, tokenizer, checkpoint path), for any run."""
-    run = Path(run_dir)
-    if not (run / "config.toml").is_file():
-        raise ConfigError(f"{run}: not a run folder (no config.toml); pass the train.run_dir of a run")
-    cfg = load_config(run / "config.toml")
-    if not cfg.finetune.source:
-        return plain_run.load_run(run, device)
-    path = CheckpointManager(run / "checkpoints").latest()
-    if path is None:
-        raise CheckpointError(f"{run}: no complete checkpoint yet")
-    check_base(path, open_base(cfg.finetune.source).reference())
+def load_finetuned(cfg: JobConfig, checkpoint: Path, device: str = "cpu") -> nn.Module:
+    """The fine-tune of ``cfg`` with ``checkpoint``'s trainable tensors over its base, frozen."""
+    check_base(checkpoint, open_base(cfg.finetune.source).reference())
     model = build_finetuned_model(cfg, device)
     names = trainable_names([model])
-    load_tensors(path, {"model": {k: v for k, v in model_tensors([model]).items() if k in names}})
+    load_tensors(checkpoint, {"model": {k: v for k, v in model_tensors([model]).items() if k in names}})
     model.requires_grad_(False)
-    model.eval()
-    return cfg, model, load_tokenizer(run / "tokenizer.json"), path
+    return model

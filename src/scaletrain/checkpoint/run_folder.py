@@ -37,6 +37,10 @@ RUN_FILE = "run.json"
 # A fresh run replaces these leftovers of an earlier one (moved aside, never appended to).
 RUN_LOGS = ("metrics.jsonl", "tensorboard", "config.toml", "tokenizer.json", RUN_FILE, "run_info.json", "monitor",
             "profile")
+# A compressed run (compress/run.py) holds what was done to its source, and a quantized one its torchao tensors
+# (which DCP does not write) in one torch.save file: checkpoint/run.py tells the kinds of run apart by these.
+COMPRESS_RECORD = "compress.json"
+QUANTIZED_WEIGHTS = Path("quantized") / "model.pt"
 
 _HELD: dict[str, RunLock] = {}  # locks this process holds, by folder: a second Trainer in it may reuse one
 

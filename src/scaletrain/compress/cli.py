@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.checkpoint.run import load_run, run_kind
 from scaletrain.compress import prune as unstructured
 from scaletrain.compress import structured
 from scaletrain.compress.quantize import (
@@ -21,7 +22,7 @@ from scaletrain.compress.quantize import (
     quantize_model,
     resolve_group_size,
 )
-from scaletrain.compress.run import check_output, load_run, load_source, state_bytes, write_run
+from scaletrain.compress.run import check_output, state_bytes, write_run
 from scaletrain.config import ConfigError
 from scaletrain.files import guarded_write
 from scaletrain.model.generate import decode_report
@@ -64,7 +65,9 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", nargs="+", metavar="RUN",
                    help="instead: one table of these run folders (the original first): val perplexity, size, "
                         "decode tokens/s")
-    p.add_argument("--batches", type=int, default=8, help="--report: validation batches scored")
+    p.add_argument("--batches", type=int, default=None,
+                   help="--report: validation batches scored, evenly spread over the val split as training's eval "
+                        "spreads them (default: the run's train.eval_batches, the windows its val_loss was on)")
     p.add_argument("--decode-tokens", type=int, default=64, help="--report: tokens generated (batch 1) for speed; "
                                                                  "0 = no speed columns")
     p.add_argument("--rounds", type=int, default=3,
@@ -73,12 +76,32 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="--report: also write the table as JSON here")
 
 
+def load_source(run_dir: str | Path) -> tuple:
+    """The run to compress, as one plain model (config, model, tokenizer, checkpoint): a LoRA / QLoRA fine-tune has
+    its adapters merged in (what ``export --merge`` writes; said in one line); prompt and prefix tuning are refused
+    (nothing to merge), and so is a run already quantized."""
+    from scaletrain.adapt.export import is_plain, merge_adapters
+
+    cfg, model, tokenizer, ckpt = load_run(run_dir)
+    if run_kind(Path(run_dir), cfg) == "quantized":
+        raise ConfigError(f"--run {run_dir}: is already quantized; compress the run it came from")
+    if not is_plain(model):
+        method = cfg.finetune.method
+        if method in ("prompt", "prefix"):
+            raise ConfigError(f"--run {run_dir}: is a {method}-tuning run, whose virtual tokens are inputs, not "
+                              f"weights: compress its base ({cfg.finetune.source}) instead")
+        model = merge_adapters(model, cfg)
+        rounded = " (the NF4-rounded base, as `export --merge`)" if method == "qlora" else ""
+        print(f"merged the {method} adapters of {run_dir} into its base{rounded} before compressing", flush=True)
+    return cfg, model, tokenizer, ckpt
+
+
 def calibration_batches(cfg, tokenizer, sequences: int, text: str | None, batch_size: int = 8) -> list[torch.Tensor]:
     """``sequences`` windows of data.seq_len tokens from the start of the run's training split (or ``text``)."""
     from scaletrain.data.loader import TokenStream
     from scaletrain.data.prepare import read_text_file
+    from scaletrain.data.run_data import prepare_data
     from scaletrain.data.tokenizer import describe_skipped, encode_known
-    from scaletrain.train.trainer import prepare_data
 
     if sequences < 1:
         raise ConfigError(f"--calibration-sequences {sequences}: must be >= 1")
@@ -194,18 +217,18 @@ def decode_speeds(samples: dict) -> tuple[dict, dict, str]:
     return rates, ratios, busy
 
 
-def measure(run: str, batches: int) -> tuple[dict, tuple]:
-    """Validation loss / perplexity (first ``batches`` batches) and saved weight bytes of ``run``; and what its
-    decode timing needs (model, config, tokenizer, prompt)."""
+def measure(run: str, batches: int | None) -> tuple[dict, tuple]:
+    """Validation loss / perplexity (``score_run``: training's eval windows, ``batches`` of them or the run's
+    train.eval_batches) and saved weight bytes of ``run``; and what its decode timing needs (model, config,
+    tokenizer, prompt: the val split's first 8 tokens)."""
     from scaletrain.data.loader import TokenStream
-    from scaletrain.train.evaluate import perplexity, token_loss
-    from scaletrain.train.trainer import prepare_data
+    from scaletrain.data.run_data import prepare_data
+    from scaletrain.train.evaluate import perplexity, score_run
 
     cfg, model, tokenizer, _ = load_run(run)
-    stream = TokenStream(str(prepare_data(cfg)), "val")
-    n = min(stream.total, batches * cfg.train.batch_size * cfg.data.seq_len + 1)
-    tokens = torch.from_numpy(stream.read(0, n).astype("int64"))
-    loss, count = token_loss(model, tokens, cfg.data.seq_len, cfg.train.batch_size, vocab_limit=tokenizer.vocab_size)
+    score = score_run(cfg, model, tokenizer, batches)
+    prompt = TokenStream(str(prepare_data(cfg)), "val").read(0, 8).astype("int64").tolist()
+    loss, count = score.loss, score.windows * cfg.data.seq_len
     record = Path(run) / "compress.json"
     what = json.loads(record.read_text()) if record.is_file() else {}
     label = ", ".join(filter(None, [
@@ -213,7 +236,8 @@ def measure(run: str, batches: int) -> tuple[dict, tuple]:
         "structured" if "structured" in what else "", what["quantize"]["method"] if "quantize" in what else ""]))
     row = {"run": str(run), "variant": label or "original", "val_loss": loss, "val_perplexity": perplexity(loss),
            "tokens_scored": count, "bytes": state_bytes(model)}
-    return row, (model, cfg, tokenizer, tokens[:8].tolist())
+    row["scored"] = score.windows_text
+    return row, (model, cfg, tokenizer, prompt)
 
 
 def report(args: argparse.Namespace) -> int:
@@ -253,6 +277,8 @@ def report(args: argparse.Namespace) -> int:
         print(f"decode: medians of {args.rounds} interleaved round(s) of {args.decode_tokens} tokens at batch 1 on "
               f"{torch.get_num_threads()} thread(s); speed = the median of each round's ratio to the first run"
               + (f"; {busy}" if busy else ""))
+    for scored in dict.fromkeys(r.pop("scored") for r in rows):  # said once when every run had the same windows
+        print(f"val ppl: {scored}")
     if args.json:
         with guarded_write(f"the table {args.json}", args.json):
             Path(args.json).write_text(json.dumps(rows, indent=2))

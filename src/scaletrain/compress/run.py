@@ -6,8 +6,9 @@ same ``CheckpointManager`` the trainer uses, so every command reads it as it rea
 of unstructured / 2:4 pruning are in the saved weights (they are the mask).
 
 A quantized model's weights are torchao tensor subclasses, which DCP does not write; they are saved with
-``torch.save`` in ``quantized/model.pt`` (``compress.json`` names the method), and ``load_run`` rebuilds the
-model, quantizes it with the same config and assigns the saved tensors.
+``torch.save`` in ``quantized/model.pt`` (``compress.json`` names the method), and ``load_quantized`` rebuilds
+the model, quantizes it with the same config and assigns the saved tensors. Both kinds are read through
+``checkpoint.run.load_run``, which calls this module's step for its kind.
 """
 
 from __future__ import annotations
@@ -21,44 +22,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from scaletrain.adapt import run as adapt_run
-from scaletrain.adapt.export import is_plain, merge_adapters
 from scaletrain.checkpoint.manager import CheckpointManager
+from scaletrain.checkpoint.run_folder import COMPRESS_RECORD as RECORD
+from scaletrain.checkpoint.run_folder import QUANTIZED_WEIGHTS as QUANTIZED
 from scaletrain.checkpoint.state import model_tensors
 from scaletrain.compress.prune import use_sparse_kernels
 from scaletrain.compress.quantize import quantize_model
-from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, load_config, to_toml
-from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
+from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, to_toml
+from scaletrain.data.run_data import data_cache_dir
 from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model import Transformer
-
-RECORD = "compress.json"
-QUANTIZED = Path("quantized") / "model.pt"
-
-
-def source_data_cache(cfg: JobConfig, run: Path) -> str:
-    """Where the source run's prepared data is, so the compressed run evaluates on the same split without
-    preparing it again (``train.prepare_data``'s rule: data.cache_dir, else <run_dir>/data)."""
-    if cfg.data.cache_dir:
-        return str(Path(cfg.data.cache_dir).resolve())
-    return str((run / "data").resolve())
-
-
-def load_source(run_dir: str | Path) -> tuple[JobConfig, nn.Module, Tokenizer, Path]:
-    """The run to compress, as one plain model: a LoRA / QLoRA fine-tune has its adapters merged in (what
-    ``export --merge`` writes; said in one line); prompt and prefix tuning are refused (nothing to merge)."""
-    cfg, model, tokenizer, ckpt = load_run(run_dir)
-    if (Path(run_dir) / RECORD).is_file() and (Path(run_dir) / QUANTIZED).is_file():
-        raise ConfigError(f"--run {run_dir}: is already quantized; compress the run it came from")
-    if not is_plain(model):
-        method = cfg.finetune.method
-        if method in ("prompt", "prefix"):
-            raise ConfigError(f"--run {run_dir}: is a {method}-tuning run, whose virtual tokens are inputs, not "
-                              f"weights: compress its base ({cfg.finetune.source}) instead")
-        model = merge_adapters(model, cfg)
-        rounded = " (the NF4-rounded base, as `export --merge`)" if method == "qlora" else ""
-        print(f"merged the {method} adapters of {run_dir} into its base{rounded} before compressing", flush=True)
-    return cfg, model, tokenizer, ckpt
 
 
 def write_run(out: str | Path, source: str | Path, cfg: JobConfig, model_cfg: ModelConfig, model: nn.Module,
@@ -72,7 +45,8 @@ def write_run(out: str | Path, source: str | Path, cfg: JobConfig, model_cfg: Mo
     new = dataclasses.replace(
         cfg, model=model_cfg, finetune=FinetuneConfig(),  # a plain model now (a full fine-tune's weights)
         train=dataclasses.replace(cfg.train, run_dir=str(out), resume=False, overwrite=False, stop_at_step=0),
-        data=dataclasses.replace(cfg.data, cache_dir=source_data_cache(cfg, source)))
+        # The source's prepared data: the compressed run evaluates on the same split without preparing it again.
+        data=dataclasses.replace(cfg.data, cache_dir=str(data_cache_dir(cfg, source).resolve())))
     record = {"source": str(source.resolve()), "source_checkpoint": str(ckpt) if ckpt else None, **record}
     with guarded_write(f"the compressed run {out}", out, needed=state_bytes(model)):
         out.mkdir(parents=True, exist_ok=True)
@@ -107,22 +81,17 @@ def check_output(out: str | Path) -> None:
     remove_quietly(made)  # empty folders only, all made here
 
 
-def load_run(run_dir: str | Path, device: str = "cpu", quantized_ok: bool = True
-             ) -> tuple[JobConfig, nn.Module, Tokenizer, Path]:
-    """Any run folder: a quantized one (rebuilt with its torchao config) or any other (``adapt.run``).
-    ``quantized_ok=False`` (export): a quantized run is a one-line ConfigError."""
-    run = Path(run_dir)
-    record_file = run / RECORD
-    if not (record_file.is_file() and (run / QUANTIZED).is_file()):
-        cfg, model, tokenizer, path = adapt_run.load_run(run, device)
-        if record_file.is_file() and json.loads(record_file.read_text()).get("prune", {}).get("pattern") == "2:4":
-            use_sparse_kernels(model, device)  # sm80+ GPUs: torchao's 2:4 kernels; elsewhere the dense weights
-        return cfg, model, tokenizer, path
-    if not quantized_ok:
-        raise ConfigError(f"{run}: is quantized (torchao tensors, which a Hugging Face Llama folder cannot hold); "
-                          f"export the run it was quantized from ({json.loads(record_file.read_text())['source']})")
-    record = json.loads(record_file.read_text())
-    cfg = load_config(run / "config.toml")
+def use_pruned_kernels(run: Path, model: nn.Module, device: str) -> None:
+    """A 2:4-pruned run on sm80+ GPUs: torchao's 2:4 kernels; elsewhere (and for other patterns) the dense
+    weights, zeros included."""
+    if json.loads((run / RECORD).read_text()).get("prune", {}).get("pattern") == "2:4":
+        use_sparse_kernels(model, device)
+
+
+def load_quantized(run: Path, cfg: JobConfig, device: str = "cpu") -> nn.Module:
+    """A quantized run's model: built from config.toml, quantized with the record's torchao config, and the
+    saved tensors assigned (a file that does not fit the config is a one-line ConfigError)."""
+    record = json.loads((run / RECORD).read_text())
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=device)
@@ -136,8 +105,7 @@ def load_run(run_dir: str | Path, device: str = "cpu", quantized_ok: bool = True
         raise ConfigError(f"{run / QUANTIZED}: does not match the model of config.toml (missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]})")
     model.tie_weights()
-    model.eval()
-    return cfg, model, load_tokenizer(run / "tokenizer.json"), run / QUANTIZED
+    return model
 
 
 def state_bytes(model: nn.Module) -> int:

@@ -1,6 +1,6 @@
 """``scaletrain generate`` (one prompt, or a JSONL file of them in batches) and ``scaletrain chat``.
 
-Both read any run folder through ``compress.run.load_run`` (trained, fine-tuned with adapters, pruned,
+Both read any run folder through ``checkpoint.run.load_run`` (trained, fine-tuned with adapters, pruned,
 quantized) and generate with the KV cache (``model/generate.py``) within the context the run was trained on
 (``data.seq_len``).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.compress.run import load_run
+from scaletrain.checkpoint.run import load_run
 from scaletrain.data.tokenizer import DataError
 from scaletrain.files import guarded_write
 from scaletrain.infer.text import StreamPrinter

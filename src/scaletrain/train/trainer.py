@@ -23,20 +23,15 @@ from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.run_folder import RunLock, checkpoint_disk_check, claim_run_folder
 from scaletrain.checkpoint.training import RNGState, TrainingCheckpoint, TrainState, match_global_batch, saved_config
 from scaletrain.config import ConfigError, JobConfig, to_toml
-from scaletrain.data.instructions import InstructionLoader, instruction_eval_batches, instruction_splits
-from scaletrain.data.loader import TokenLoader, block_causal_mask, eval_batches
-from scaletrain.data.prepare import ensure_prepared
-from scaletrain.data.shards import MANIFEST, read_manifest
-from scaletrain.data.tokenizer import load_tokenizer
+from scaletrain.data.instructions import InstructionLoader
+from scaletrain.data.loader import TokenLoader, block_causal_mask
+from scaletrain.data.run_data import training_data, validation_batches
 from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
 from scaletrain.options import UserError
-from scaletrain.parallel import forward_loss
 from scaletrain.parallel.compile import compile_unavailable
-from scaletrain.parallel.dims import VOCAB_MULTIPLE, padded_vocab_size
 from scaletrain.parallel.distributed import (
-    barrier,
     destroy_distributed,
     init_distributed,
     is_rank_zero,
@@ -53,6 +48,7 @@ from scaletrain.train.adaptive import (
     micro_grad_sq_mean,
     timed_micro_batches,
 )
+from scaletrain.train.evaluate import validation_loss
 from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, mfu, peak_memory_bytes
 from scaletrain.train.monitor import WINDOW_KEYS, ResourceMonitor, finish_run_info, timed, write_run_info
@@ -66,51 +62,6 @@ from scaletrain.train.validate import check_runnable
 
 class TrainingError(UserError, RuntimeError):
     """Training cannot go on (e.g. non-finite steps with nothing to roll back to); printed as one line."""
-
-
-def prepare_data(cfg: JobConfig) -> Path:
-    """The prepared token folder for ``cfg.data`` (preparing raw text into the cache once)."""
-    cache = cfg.data.cache_dir or str(Path(cfg.train.run_dir) / "data")
-    return ensure_prepared(cfg.data.path, cache, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
-                           val_fraction=cfg.data.val_fraction, seed=cfg.train.seed)
-
-
-def resolve_vocab(cfg: JobConfig, manifest: dict, tp: int = 1) -> tuple[JobConfig, str]:
-    """Fill model.vocab_size from the data, padded for the plan (``padded_vocab_size``: a multiple of ``tp``,
-    and of 64 where that adds at most 1% rows), or check that an explicit model.vocab_size covers the data's.
-
-    Returns the config and the vocabulary as the model log line says it, e.g. "65 -> 66 (padded for
-    parallel.tp=2; ...)". Rows beyond the tokenizer's vocabulary are masked out of the loss and sampling
-    (the trainer passes the tokenizer's size on as ``vocab_limit``)."""
-    data_vocab = manifest["vocab_size"]
-    explicit = cfg.model.vocab_size != 0
-    if not explicit:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                                 vocab_size=padded_vocab_size(data_vocab, tp)))
-    if cfg.model.vocab_size < data_vocab:
-        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's tokenizer "
-                          f"vocabulary ({data_vocab}); set it to 0 to use the data's")
-    vocab = cfg.model.vocab_size
-    if vocab == data_vocab:
-        return cfg, str(vocab)
-    masked = "masked out of the loss and sampling"
-    if explicit:
-        return cfg, f"{vocab} (model.vocab_size; tokenizer {data_vocab}, rows >= {data_vocab} {masked})"
-    multiple = math.lcm(VOCAB_MULTIPLE, tp)
-    why = f"to a multiple of {multiple}" if vocab % multiple == 0 else f"for parallel.tp={tp}"
-    return cfg, f"{data_vocab} -> {vocab} (padded {why}; padding rows {masked})"
-
-
-def record_tokenizer(cfg: JobConfig, manifest: dict, data_dir: Path) -> JobConfig:
-    """``cfg`` with data.tokenizer saying what the data's tokenizer really is. With a prepared folder as data.path
-    the setting is not used (the folder has its tokenizer), and its default 'char' would stand in the run's
-    config.toml beside a BPE tokenizer.json: the folder's kind ('bpe', 'char') or its file is recorded instead.
-    A fine-tune already records its base's tokenizer file."""
-    if cfg.finetune.source or not (Path(cfg.data.path) / MANIFEST).is_file():
-        return cfg
-    kind = manifest["tokenizer"].get("kind")
-    real = kind if kind in ("bpe", "char") else str(data_dir / manifest["tokenizer"]["file"])
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=real))
 
 
 def resolve_compile(cfg: JobConfig, device: torch.device, announce: bool) -> JobConfig:
@@ -170,29 +121,14 @@ class Trainer:
                 if cfg.train.grad_accum_steps != accum:
                     self._message(f"train.grad_accum_steps {accum} -> {cfg.train.grad_accum_steps}: keeps the "
                                   f"checkpoint's global batch on {dims.dp_size} data-parallel rank(s)")
-        self.instructions: tuple[list, list] | None = None  # (train, val) instruction examples
-        if cfg.finetune.instructions:  # instruction JSONL (data/instructions.py) instead of a text corpus
-            if self.is_main:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.data_dir, tokenizer_file = None, Path(cfg.data.tokenizer)
-            self.instructions = instruction_splits(cfg.finetune.instructions, load_tokenizer(tokenizer_file),
-                                                   cfg.data.seq_len, cfg.data.val_fraction, cfg.train.seed,
-                                                   self._message, chat_template=cfg.finetune.chat_template)
-            manifest = {"vocab_size": load_tokenizer(tokenizer_file).vocab_size}
-        else:
-            if self.is_main:  # rank 0 prepares the data once; the others then find it cached
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                self.data_dir = prepare_data(cfg)
-            barrier()
-            if not self.is_main:
-                self.data_dir = prepare_data(cfg)
-            manifest = read_manifest(self.data_dir)
-            tokenizer_file = self.data_dir / manifest["tokenizer"]["file"]
-            cfg = record_tokenizer(cfg, manifest, self.data_dir)
-        cfg, self.vocab_note = resolve_vocab(cfg, manifest, dims.tp)  # the note: for the model log line
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Instruction JSONL or a text corpus prepared once (data/run_data.py), and the vocabulary it gives the model.
+        self.data = training_data(cfg, self.is_main, self._message, dims.tp)
+        cfg, self.tokenizer, self.vocab_note = self.data.cfg, self.data.tokenizer, self.data.vocab_note
+        self.data_dir, self.instructions = self.data.data_dir, self.data.instructions
         self.cfg = cfg
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)  # now with the vocab
-        self.tokenizer = load_tokenizer(tokenizer_file)
         self._run_config = saved_config(cfg)
         # The run folder is self-contained (tokenizer.json, config.toml). On a resume they are rewritten only
         # once the checkpoint has loaded: settings that do not fit it (another vocabulary or width) must not
@@ -416,30 +352,11 @@ class Trainer:
         return inputs, targets, mask
 
     # -- evaluation and samples ---------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, data_dir: Path | None = None, split: str = "val") -> float:
-        """Mean loss over a fixed, evenly spread set of ``eval_batches`` batches of ``split`` (every rank
-        scores the same batches; pipeline ranks pass them through their stages)."""
-        for module in self.pm.modules:
-            module.eval()
-        losses = []
-        if self.instructions is not None and data_dir is None:  # the held-out instruction examples
-            batches = instruction_eval_batches(self.instructions[1], self.cfg.data.seq_len,
-                                               self.cfg.train.batch_size, self.cfg.train.eval_batches)
-        else:
-            batches = eval_batches(str(data_dir or self.data_dir), split, self.cfg.data.seq_len,
-                                   self.cfg.train.batch_size, self.cfg.train.eval_batches,
-                                   return_doc_ids=self.cfg.data.document_attention)
-        for batch in batches:
-            inputs, targets, mask = self._batch(batch)
-            if self.pm.pipeline is not None and len(inputs) != self.cfg.train.batch_size:
-                continue  # a short last batch cannot be cut into the pipeline schedule's micro-batches
-            loss = forward_loss(self.pm, inputs, targets, autocast=lambda: autocast(self.precision, self.device),
-                                attn_mask=mask)
-            losses.append(self.pm.replicas.step_loss(loss, self.dims, self.device))
-        for module in self.pm.modules:
-            module.train()
-        return float(torch.stack(losses).mean())
+    def evaluate(self) -> float:
+        """The run's validation loss: ``validation_loss`` over ``validation_batches`` (train.eval_batches batches
+        evenly spread over the val split, or the first held-out instruction examples), as ``scaletrain eval``."""
+        return validation_loss(self.pm, validation_batches(self.cfg, self.data), self.precision,
+                               self.cfg.train.batch_size)[0]
 
     def sample(self, max_new_tokens: int) -> str:
         """Text from the current model; its own generator keeps the training RNG untouched."""

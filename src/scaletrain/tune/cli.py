@@ -43,8 +43,8 @@ def _job(args: argparse.Namespace) -> JobConfig:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from scaletrain.data.run_data import prepare_data
     from scaletrain.train.precision import resolve_device
-    from scaletrain.train.trainer import prepare_data
     from scaletrain.tune import study as st
     from scaletrain.tune.space import load_space
 

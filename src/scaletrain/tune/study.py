@@ -106,11 +106,11 @@ def predicted_memory(cfg: JobConfig, device_kind: str) -> float:
     after the trainer's own entry check (``check_runnable``), which raises ConfigError for a job it refuses."""
     import torch
 
+    from scaletrain.data.run_data import prepare_data, resolve_vocab
     from scaletrain.data.shards import read_manifest
     from scaletrain.plan.memory import memory_breakdown
     from scaletrain.plan.spec import Plan, Workload
     from scaletrain.train.precision import resolve_precision
-    from scaletrain.train.trainer import prepare_data, resolve_vocab
     from scaletrain.train.validate import check_runnable
 
     # the trainer's own rule on this machine (auto: bf16 on a CPU with fast bf16 matmuls), not a copy of it

@@ -1,0 +1,129 @@
+"""A run's data: the prepared token folder (or instruction examples) a run trains on, the vocabulary the model
+gets from it, and the validation windows that training's evaluation and ``scaletrain eval`` both score.
+
+The trainer, ``tune`` and ``compress`` call these instead of restating where a run's data lives."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from scaletrain.config import ConfigError, JobConfig
+from scaletrain.data.instructions import instruction_eval_batches, instruction_splits
+from scaletrain.data.loader import eval_batches
+from scaletrain.data.prepare import ensure_prepared
+from scaletrain.data.shards import MANIFEST, read_manifest
+from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
+from scaletrain.parallel.dims import VOCAB_MULTIPLE, padded_vocab_size
+from scaletrain.parallel.distributed import barrier
+
+
+def data_cache_dir(cfg: JobConfig, run_dir: str | Path | None = None) -> Path:
+    """Where a run's prepared tokens are: data.cache_dir, else <run_dir>/data (``run_dir`` defaults to
+    train.run_dir; a compressed run passes the folder it read its source from)."""
+    return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(run_dir or cfg.train.run_dir) / "data"
+
+
+def prepare_data(cfg: JobConfig) -> Path:
+    """The prepared token folder for ``cfg.data`` (preparing raw text into the cache once)."""
+    return ensure_prepared(cfg.data.path, str(data_cache_dir(cfg)), tokenizer=cfg.data.tokenizer,
+                           vocab_size=cfg.data.vocab_size, val_fraction=cfg.data.val_fraction, seed=cfg.train.seed)
+
+
+def resolve_vocab(cfg: JobConfig, manifest: dict, tp: int = 1) -> tuple[JobConfig, str]:
+    """Fill model.vocab_size from the data, padded for the plan (``padded_vocab_size``: a multiple of ``tp``,
+    and of 64 where that adds at most 1% rows), or check that an explicit model.vocab_size covers the data's.
+
+    Returns the config and the vocabulary as the model log line says it, e.g. "65 -> 66 (padded for
+    parallel.tp=2; ...)". Rows beyond the tokenizer's vocabulary are masked out of the loss and sampling
+    (the trainer passes the tokenizer's size on as ``vocab_limit``)."""
+    data_vocab = manifest["vocab_size"]
+    explicit = cfg.model.vocab_size != 0
+    if not explicit:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                 vocab_size=padded_vocab_size(data_vocab, tp)))
+    if cfg.model.vocab_size < data_vocab:
+        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's tokenizer "
+                          f"vocabulary ({data_vocab}); set it to 0 to use the data's")
+    vocab = cfg.model.vocab_size
+    if vocab == data_vocab:
+        return cfg, str(vocab)
+    masked = "masked out of the loss and sampling"
+    if explicit:
+        return cfg, f"{vocab} (model.vocab_size; tokenizer {data_vocab}, rows >= {data_vocab} {masked})"
+    multiple = math.lcm(VOCAB_MULTIPLE, tp)
+    why = f"to a multiple of {multiple}" if vocab % multiple == 0 else f"for parallel.tp={tp}"
+    return cfg, f"{data_vocab} -> {vocab} (padded {why}; padding rows {masked})"
+
+
+def record_tokenizer(cfg: JobConfig, manifest: dict, data_dir: Path) -> JobConfig:
+    """``cfg`` with data.tokenizer saying what the data's tokenizer really is. With a prepared folder as data.path
+    the setting is not used (the folder has its tokenizer), and its default 'char' would stand in the run's
+    config.toml beside a BPE tokenizer.json: the folder's kind ('bpe', 'char') or its file is recorded instead.
+    A fine-tune already records its base's tokenizer file."""
+    if cfg.finetune.source or not (Path(cfg.data.path) / MANIFEST).is_file():
+        return cfg
+    kind = manifest["tokenizer"].get("kind")
+    real = kind if kind in ("bpe", "char") else str(data_dir / manifest["tokenizer"]["file"])
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=real))
+
+
+@dataclass
+class TrainingData:
+    """What a run trains and evaluates on: a prepared token folder, or instruction examples (then
+    ``data_dir`` is None), the tokenizer, and the config with its tokenizer and vocabulary resolved."""
+
+    cfg: JobConfig
+    tokenizer: Tokenizer
+    vocab_note: str  # the vocabulary as the model log line says it (``resolve_vocab``)
+    data_dir: Path | None = None
+    instructions: tuple[list, list] | None = None  # (train, val) instruction examples
+
+
+def training_data(cfg: JobConfig, is_main: bool = True, say: Callable[[str], None] = print,
+                  tp: int = 1) -> TrainingData:
+    """The data of ``cfg``: instruction JSONL (finetune.instructions, data/instructions.py) split into train and
+    validation examples, or a text corpus prepared once (rank 0 prepares, the other ranks wait at a barrier and
+    then find it cached). ``tp``: the tensor-parallel degree the vocabulary is padded for."""
+    if cfg.finetune.instructions:
+        tokenizer = load_tokenizer(Path(cfg.data.tokenizer))
+        instructions = instruction_splits(cfg.finetune.instructions, tokenizer, cfg.data.seq_len,
+                                          cfg.data.val_fraction, cfg.train.seed, say,
+                                          chat_template=cfg.finetune.chat_template)
+        cfg, vocab_note = resolve_vocab(cfg, {"vocab_size": tokenizer.vocab_size}, tp)
+        return TrainingData(cfg, tokenizer, vocab_note, instructions=instructions)
+    if is_main:
+        data_dir = prepare_data(cfg)
+    barrier()
+    if not is_main:
+        data_dir = prepare_data(cfg)
+    manifest = read_manifest(data_dir)
+    cfg = record_tokenizer(cfg, manifest, data_dir)
+    cfg, vocab_note = resolve_vocab(cfg, manifest, tp)
+    return TrainingData(cfg, load_tokenizer(data_dir / manifest["tokenizer"]["file"]), vocab_note, data_dir=data_dir)
+
+
+def validation_batches(cfg: JobConfig, data: TrainingData, num_batches: int | None = None,
+                       split: str = "val") -> Iterator[tuple[torch.Tensor, ...]]:
+    """The batches every validation loss of a run is computed over: ``num_batches`` (default train.eval_batches;
+    <= 0: all) batches of train.batch_size windows of data.seq_len tokens, spread evenly over the split (the
+    same windows at every evaluation), or the first held-out instruction examples in file order."""
+    count = cfg.train.eval_batches if num_batches is None else num_batches
+    if data.instructions is not None:
+        return instruction_eval_batches(data.instructions[1], cfg.data.seq_len, cfg.train.batch_size, count)
+    return eval_batches(str(data.data_dir), split, cfg.data.seq_len, cfg.train.batch_size, count,
+                        return_doc_ids=cfg.data.document_attention)
+
+
+def describe_validation(cfg: JobConfig, data: TrainingData, num_batches: int | None = None) -> str:
+    """Which windows ``validation_batches`` scores, for the line that prints the loss."""
+    where = ("the first held-out instruction examples in file order" if data.instructions is not None
+             else "evenly spread over the val split")
+    if num_batches is None or num_batches == cfg.train.eval_batches:
+        return f"{where} (the windows training's eval scores)"
+    return f"{where} (training's eval scores train.eval_batches={cfg.train.eval_batches} batches)"
