@@ -184,3 +184,22 @@ def test_name_table_is_family_aware():
         "layers.1.attention_post_norm.weight"
     assert from_hf("model.layers.1.self_attn.q_proj.bias", "qwen2") == "layers.1.attention.wq.bias"
     assert from_hf("model.layers.1.self_attn.k_norm.weight", "qwen3") == "layers.1.attention.k_norm.weight"
+
+
+# The published parameter counts of the presets' models (their model cards / safetensors headers).
+PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920, "llama-3.2-1b": 1_235_814_400,
+             "smollm2-135m": 134_515_008, "gemma-3-270m": 268_098_176, "gemma-3-1b": 999_885_952,
+             "mistral-7b-v0.3": 7_248_023_552}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_family_presets_have_the_published_shapes(preset):
+    """The planner's closed-form count = the module's = the published one (bias, q/k norms, head_dim, post norms)."""
+    from scaletrain.model.presets import PRESETS, num_params
+
+    cfg = ModelConfig(**PRESETS[preset])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters()) == PUBLISHED[preset]
+    assert model_config_from_hf(hf_config_from_model_config(cfg), preset) == ModelConfig(
+        **{**PRESETS[preset], "n_kv_heads": cfg.n_kv_heads})

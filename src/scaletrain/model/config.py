@@ -18,7 +18,9 @@ DEFAULT_CONTEXT = 128
 @dataclass
 class ModelConfig:
     preset: str = opt("", "named size from scaletrain.model.presets (nano, micro, small, gpt2-124m, "
-                          "llama-1b, llama-8b, llama-70b); model fields set in the same TOML or on the command "
+                          "llama-1b, llama-8b, llama-70b; the open families' published shapes: qwen2.5-0.5b, "
+                          "qwen3-0.6b, llama-3.2-1b, smollm2-135m, gemma-3-270m, gemma-3-1b, mistral-7b-v0.3); "
+                          "model fields set in the same TOML or on the command "
                           "line override it, and a preset on the command line overrides the TOML's fields it sets")
     vocab_size: int = opt(0, "vocabulary size; 0 = the prepared data's tokenizer's, padded to a multiple of "
                              "parallel.tp, and of lcm(64, tp) when that adds at most 1% rows (50257 -> 50304, "
