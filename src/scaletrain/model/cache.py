@@ -65,6 +65,8 @@ class KVCache:
         self.valid: torch.Tensor | None = None  # (B, capacity) bool: the slot holds a token, not padding
         self.positions: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
+        self.slot_positions: torch.Tensor | None = None  # (B, S): the rotary position of every filled slot
+        self._windows: dict[int, torch.Tensor] = {}  # sliding window -> its mask, for this forward
         self.layers: dict[str, LayerCache] = {}
 
     @property
@@ -92,11 +94,22 @@ class KVCache:
             self.valid[:, end - n_tokens:end] = ~padding.to(device)
         valid = self.valid[:, :end]  # (B, S)
         # a slot's position = the valid slots before it (padding slots get their neighbour's, unused)
-        self.positions = (valid.cumsum(1) - 1).clamp_(min=0)[:, start:end]  # (B, T)
+        self.slot_positions = (valid.cumsum(1) - 1).clamp_(min=0)  # (B, S)
+        self.positions = self.slot_positions[:, start:end]  # (B, T)
+        self._windows = {}
         slots = torch.arange(end, device=device)
         query_slots = slots[start:end, None]  # (T, 1)
         causal = slots[None, :] <= query_slots  # (T, S)
         self.mask = ((causal[None] & valid[:, None, :]) | (slots[None, :] == query_slots)[None]).unsqueeze(1)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """(B, 1, T, S) bool: ``mask``, and each new position sees only the slots of the last ``window`` positions
+        (itself included): a sliding-window layer's mask (Gemma 3's local layers). Every slot stays cached, so
+        it is exact for any length the cache holds; built once a forward for all such layers."""
+        if window not in self._windows:
+            recent = self.slot_positions[:, None, :] > self.positions[:, :, None] - window  # (B, T, S)
+            self._windows[window] = self.mask & recent.unsqueeze(1)
+        return self._windows[window]
 
     def end(self, seqlen: int) -> None:
         """Called by the model after its head: the new positions are now cached."""

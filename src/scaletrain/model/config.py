@@ -18,7 +18,9 @@ DEFAULT_CONTEXT = 128
 @dataclass
 class ModelConfig:
     preset: str = opt("", "named size from scaletrain.model.presets (nano, micro, small, gpt2-124m, "
-                          "llama-1b, llama-8b, llama-70b); model fields set in the same TOML or on the command "
+                          "llama-1b, llama-8b, llama-70b; the open families' published shapes: qwen2.5-0.5b, "
+                          "qwen3-0.6b, llama-3.2-1b, smollm2-135m, gemma-3-270m, gemma-3-1b, mistral-7b-v0.3); "
+                          "model fields set in the same TOML or on the command "
                           "line override it, and a preset on the command line overrides the TOML's fields it sets")
     vocab_size: int = opt(0, "vocabulary size; 0 = the prepared data's tokenizer's, padded to a multiple of "
                              "parallel.tp, and of lcm(64, tp) when that adds at most 1% rows (50257 -> 50304, "
@@ -46,7 +48,56 @@ class ModelConfig:
     mup_base_width: int = opt(128, "mup: the width whose hyperparameters transfer (at dim = mup_base_width "
                                    "muP equals the standard parametrization)", ge=1)
 
+    family: str = opt("llama", "the Hugging Face model family (config.json model_type) whose names and class an "
+                               "import reads and an export writes: llama, mistral, qwen2, qwen3, gemma3_text, "
+                               "phi3, smollm3 (model/families.py)",
+                      choices=("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "smollm3"))
+    # The options below are what the open model families compute differently from Llama (model/families.py
+    # maps each family's config.json onto them); the defaults are the Llama computation above, unchanged.
+    qkv_bias: bool = opt(False, "bias on the q, k and v projections (Qwen2/2.5); the output projection has none")
+    qk_norm: bool = opt(False, "RMSNorm over each head's queries and keys before the rotary embedding (Qwen3, "
+                               "Gemma 3)")
+    activation: str = opt("silu", "the gated feed-forward's activation: silu (SwiGLU) or gelu_tanh (GeGLU with "
+                                  "the tanh approximation of GELU, Gemma)", choices=("silu", "gelu_tanh"))
+    norm_plus_one: bool = opt(False, "RMSNorm gains stored as offsets from 1 and applied as (1 + w), the "
+                                     "normalization computed in fp32 (Gemma)")
+    scale_embeddings: bool = opt(False, "multiply the token embeddings by sqrt(dim), rounded to the model's "
+                                        "dtype (Gemma)")
+    post_norms: bool = opt(False, "also RMSNorm each sublayer's output before it is added to the residual "
+                                  "(Gemma 3's post_attention_layernorm and post_feedforward_layernorm)")
+    query_pre_attn_scalar: float = opt(0.0, "attention logits scaled by query_pre_attn_scalar**-0.5 instead of "
+                                             "head_dim**-0.5; 0 = head_dim (Gemma 3 sets it)", ge=0)
+    rope_scaling: str = opt("none", "rotary frequency scaling as Hugging Face computes it: none, linear "
+                                    "(frequencies / rope_scaling_factor), llama3 (Llama 3.1/3.2's smoothed "
+                                    "low-frequency scaling), dynamic (NTK: plain rotary within "
+                                    "rope_original_max_seq_len, which max_seq_len must not exceed)",
+                            choices=("none", "linear", "llama3", "dynamic"))
+    rope_scaling_factor: float = opt(1.0, "rope_scaling's factor", gt=0)
+    rope_low_freq_factor: float = opt(1.0, "llama3 rope scaling: low_freq_factor", gt=0)
+    rope_high_freq_factor: float = opt(4.0, "llama3 rope scaling: high_freq_factor", gt=0)
+    rope_original_max_seq_len: int = opt(0, "llama3 / dynamic rope scaling: the pretraining context "
+                                            "(original_max_position_embeddings)", ge=0)
+    sliding_window: int = opt(0, "layers in sliding_layers attend only to the last sliding_window positions "
+                                 "(themselves included); 0 = every layer sees the whole context (Gemma 3's "
+                                 "local layers, Mistral v0.1, Phi-3)", ge=0)
+    sliding_layers: list[int] = opt([], "the layers (0-based) that use sliding_window; [] = all of them when "
+                                        "sliding_window > 0")
+    local_rope_theta: float = opt(0.0, "rotary base of the sliding_layers, which then get plain (unscaled) rotary "
+                                       "embeddings; 0 = the same tables as every layer (Gemma 3: 10000)", ge=0)
+    no_rope_layers: list[int] = opt([], "the layers (0-based) with no rotary embedding at all (SmolLM3's NoPE "
+                                        "layers)")
+
 
 def head_width(cfg: ModelConfig) -> int:
     """The width of one attention head: ``head_dim``, or ``dim // n_heads`` when it is 0."""
     return cfg.head_dim or cfg.dim // cfg.n_heads
+
+
+def is_sliding(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block ``layer`` attends within ``cfg.sliding_window`` (Gemma 3's local layers)."""
+    return cfg.sliding_window > 0 and (not cfg.sliding_layers or layer in cfg.sliding_layers)
+
+
+def has_local_rope(cfg: ModelConfig) -> bool:
+    """Whether the sliding layers have rotary tables of their own (``local_rope_theta``)."""
+    return cfg.local_rope_theta > 0 and any(is_sliding(cfg, i) for i in range(cfg.n_layers))

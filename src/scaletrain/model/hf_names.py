@@ -1,4 +1,5 @@
-"""The one table between our parameter / module names and the Hugging Face ones (Llama layout).
+"""The one table between our parameter / module names and the Hugging Face ones (Llama layout, and the few
+names a family changes: ``family`` is the config.json's model_type, default "llama").
 
 Every place that reads or writes a Hugging Face folder, a peft adapter or names a projection by its role
 (``finetune.lora_targets``, tensor-parallel plans, structured pruning) goes through this module, so a model
@@ -22,12 +23,22 @@ PROJECTIONS: dict[str, tuple[str, str]] = {
     "down": ("feed_forward.w2", "mlp.down_proj"),
 }
 
-# Our module inside a block -> the Hugging Face module inside a decoder layer, projections and norms.
+# Our module inside a block -> the Hugging Face module inside a decoder layer, projections and norms (Llama
+# layout; also Mistral, Qwen2/3, SmolLM and Phi-3 once its fused projections are split, model/families.py).
 BLOCK_MODULES: dict[str, str] = {
     **{ours: theirs for ours, theirs in PROJECTIONS.values()},
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attention.q_norm": "self_attn.q_norm",  # Qwen3, Gemma 3 (model.qk_norm)
+    "attention.k_norm": "self_attn.k_norm",
 }
+
+# Families whose blocks name a module differently: family -> {our module: theirs}, over BLOCK_MODULES. In Gemma 3
+# post_attention_layernorm normalizes the attention's *output* (our attention_post_norm, model.post_norms), and
+# the norm before the feed-forward, our ffn_norm, is pre_feedforward_layernorm.
+_GEMMA3_BLOCK = {"ffn_norm": "pre_feedforward_layernorm", "attention_post_norm": "post_attention_layernorm",
+                 "ffn_post_norm": "post_feedforward_layernorm"}
+FAMILY_BLOCK_MODULES: dict[str, dict[str, str]] = {"gemma3_text": _GEMMA3_BLOCK, "gemma3": _GEMMA3_BLOCK}
 
 # Our top-level parameter -> the Hugging Face one.
 TOP_LEVEL: dict[str, str] = {
@@ -48,24 +59,29 @@ def _split_param(name: str) -> tuple[str, str]:
     return module, kind
 
 
-def to_hf(name: str) -> str:
+def block_modules(family: str = "llama") -> dict[str, str]:
+    """Our module inside a block -> the Hugging Face one, for ``family`` (a config.json model_type)."""
+    return {**BLOCK_MODULES, **FAMILY_BLOCK_MODULES.get(family, {})}
+
+
+def to_hf(name: str, family: str = "llama") -> str:
     """Our parameter (or module) name -> the Hugging Face one; KeyError for a name the table does not know."""
     if name in TOP_LEVEL:
         return TOP_LEVEL[name]
     if not name.startswith(OUR_BLOCK_PREFIX):
         raise KeyError(name)
     _, index, rest = name.split(".", 2)
-    if rest in BLOCK_MODULES:  # a module name
-        return f"{HF_BLOCK_PREFIX}{index}.{BLOCK_MODULES[rest]}"
+    table = block_modules(family)
+    if rest in table:  # a module name
+        return f"{HF_BLOCK_PREFIX}{index}.{table[rest]}"
     module, kind = _split_param(rest)
-    return f"{HF_BLOCK_PREFIX}{index}.{BLOCK_MODULES[module]}.{kind}"
+    return f"{HF_BLOCK_PREFIX}{index}.{table[module]}.{kind}"
 
 
 _FROM_HF_TOP = {theirs: ours for ours, theirs in TOP_LEVEL.items()}
-_FROM_HF_BLOCK = {theirs: ours for ours, theirs in BLOCK_MODULES.items()}
 
 
-def from_hf(name: str) -> str | None:
+def from_hf(name: str, family: str = "llama") -> str | None:
     """The Hugging Face parameter name -> ours; '' for a derived buffer we compute (rotary frequencies); None
     for a name the table does not know (callers refuse it rather than drop it)."""
     if name in _FROM_HF_TOP:
@@ -76,7 +92,7 @@ def from_hf(name: str) -> str | None:
         return None
     _, _, index, rest = name.split(".", 3)
     module, kind = _split_param(rest)
-    ours = _FROM_HF_BLOCK.get(module)
+    ours = {theirs: ours for ours, theirs in block_modules(family).items()}.get(module)
     return f"{OUR_BLOCK_PREFIX}{index}.{ours}.{kind}" if ours else None
 
 

@@ -1,5 +1,10 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention via SDPA.
 
+The open families people fine-tune (Qwen2/3, Mistral, Gemma 3, Phi-3, SmolLM) are this decoder with a few
+options of ``ModelConfig`` (q/k/v bias, q/k norms, GeGLU, (1 + w) norms, scaled embeddings, post-sublayer norms,
+rotary scaling, sliding-window layers with their own rotary base, layers without rotary); each option's default
+is the Llama computation, unchanged. ``model/families.py`` maps a family's config.json onto them.
+
 Pure PyTorch: nothing here knows about distribution. Blocks live in a ``ModuleDict`` keyed "0".."L-1" so
 pipeline splitting can delete blocks and keep parameter names stable; the embedding, final norm and
 output head may be set to ``None`` on a pipeline stage that does not own them.
@@ -16,16 +21,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.model.cache import KVCache, LayerCache
-from scaletrain.model.config import ModelConfig, head_width
+from scaletrain.model.config import ModelConfig, has_local_rope, head_width, is_sliding
 from scaletrain.model.mup import attention_scale, hidden_init_scale, output_multiplier
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
+from scaletrain.options import ConfigError
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies (hd/2,) under ``cfg.rope_scaling``, computed as Hugging Face's
+    ``modeling_rope_utils`` does (so the tables agree to the last bit)."""
+    factor = cfg.rope_scaling_factor
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling != "llama3":  # none; dynamic is plain rotary within its original context
+        return inv_freq
+    # Llama 3.1: wavelengths above the original context / low_freq_factor are stretched by factor, those below
+    # it / high_freq_factor kept, the band between interpolated.
+    old_context = cfg.rope_original_max_seq_len
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
+                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables, each (max_seq_len, head_dim), in the rotate-half layout Hugging Face Llama uses,
     except that the first half of ``sin`` is negated: the sign of rotate-half folded into the table, so
-    ``apply_rope`` needs no negation (see there)."""
+    ``apply_rope`` needs no negation (see there). ``cfg``: its ``rope_scaling`` applied (none without)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if cfg is not None and cfg.rope_scaling != "none":
+        inv_freq = scale_frequencies(inv_freq, cfg)
     t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
@@ -108,17 +137,58 @@ class RMSNorm(nn.RMSNorm):
         return super().forward(x)
 
 
+class OffsetRMSNorm(nn.RMSNorm):
+    """Gemma's RMSNorm: the gain is stored as an offset from 1 and applied as ``(1 + w)``, normalization and gain
+    computed in fp32 and the product rounded once to the input's dtype (``Gemma3RMSNorm``). Initialised to 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+def make_norm(dim: int, cfg: ModelConfig) -> nn.RMSNorm:
+    """The model's RMSNorm over ``dim`` features: (1 + w) with ``norm_plus_one`` (Gemma), plain otherwise."""
+    return OffsetRMSNorm(dim, eps=cfg.norm_eps) if cfg.norm_plus_one else RMSNorm(dim, eps=cfg.norm_eps)
+
+
+def window_mask(seqlen: int, window: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool: causal, and each position sees only the last ``window`` positions (itself included), as
+    Hugging Face's ``sliding_window_overlay`` (kv > q - window)."""
+    positions = torch.arange(seqlen, device=device)
+    distance = positions[:, None] - positions[None, :]  # (T, T): query - key
+    return (distance >= 0) & (distance < window)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = kv_heads(cfg)
         self.head_dim = head_width(cfg)
-        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        # Qwen3 / Gemma 3: each head's queries and keys normalized (over head_dim) before the rotation.
+        self.q_norm = make_norm(self.head_dim, cfg) if cfg.qk_norm else None
+        self.k_norm = make_norm(self.head_dim, cfg) if cfg.qk_norm else None
         self.scale = attention_scale(cfg)  # None = SDPA's 1/sqrt(head_dim); muP: ~1/head_dim (model/mup.py)
+        self.sliding_window = cfg.sliding_window if is_sliding(cfg, layer_id) else 0  # 0 = the whole context
+        self.use_rope = layer_id not in cfg.no_rope_layers  # SmolLM3's NoPE layers have no rotary embedding
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q (B, H, T, hd) and k, v (B, KV, T, hd) of ``x`` (B, T, d): projected, q/k-normed (``qk_norm``) and
+        rotated (unless this layer has no rotary embedding)."""
+        bsz, seqlen, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, KV, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        return q.transpose(1, 2), k.transpose(1, 2), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
@@ -126,12 +196,14 @@ class Attention(nn.Module):
         values are stored and the T queries attend over every cached slot (S of them) under ``attn_mask``
         (B, 1, T, S), the cache's mask."""
         bsz, seqlen, _ = x.shape
-        # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
-        q = apply_rope(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, H, T, hd)
-        k = apply_rope(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, KV, T, hd)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        q, k, v = self._project(x, cos, sin)  # (B, H, T, hd), (B, KV, T, hd) x 2
         if cache is not None:
             k, v = cache.update(k, v)  # (B, KV, S, hd): the cached slots and these
+            if self.sliding_window:
+                attn_mask = cache.owner.window_mask(self.sliding_window)  # (B, 1, T, S)
+        elif self.sliding_window and seqlen > self.sliding_window:  # a shorter sequence: the window is all of it
+            window = window_mask(seqlen, self.sliding_window, x.device)  # (T, T)
+            attn_mask = window if attn_mask is None else attn_mask & window
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:  # grouped-query attention: each KV head serves n_rep query heads
             k = k.repeat_interleave(n_rep, dim=1)
@@ -145,28 +217,42 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); with ``activation = "gelu_tanh"`` GeGLU (Gemma): GELU's tanh form for silu."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, activation: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.gelu = activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu:
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg))
+        self.attention_norm = make_norm(cfg.dim, cfg)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = make_norm(cfg.dim, cfg)  # Gemma 3 calls it pre_feedforward_layernorm
+        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg), cfg.activation)
+        # Gemma 3: each sublayer's output normalized before the residual add ("sandwich" norms).
+        self.post_norms = cfg.post_norms
+        if cfg.post_norms:
+            self.attention_post_norm = make_norm(cfg.dim, cfg)
+            self.ffn_post_norm = make_norm(cfg.dim, cfg)
+        # The sliding-window layers' own rotary tables (Gemma 3's local layers): the model picks them by this.
+        self.local_rope = has_local_rope(cfg) and is_sliding(cfg, layer_id)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        if self.post_norms:
+            attended = self.attention(self.attention_norm(x), cos, sin, attn_mask, cache)
+            x = x + self.attention_post_norm(attended)
+            return x + self.ffn_post_norm(self.feed_forward(self.ffn_norm(x)))
         if cache is None:
             x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
         else:
@@ -179,16 +265,21 @@ class Transformer(nn.Module):
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (> 0) before building the model")
+        check_rope(cfg)
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm: nn.RMSNorm | None = RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.norm: nn.RMSNorm | None = make_norm(cfg.dim, cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.output_multiplier = output_multiplier(cfg)  # 1, or muP's 1/width_mult (model/mup.py)
-        cos, sin = rope_tables(head_width(cfg), cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(head_width(cfg), cfg.max_seq_len, cfg.rope_theta, cfg=cfg)
         # Not persistent: derived from the config, so checkpoints hold only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if has_local_rope(cfg):  # Gemma 3's local layers: plain rotary with their own base
+            cos, sin = rope_tables(head_width(cfg), cfg.max_seq_len, cfg.local_rope_theta)
+            self.register_buffer("rope_cos_local", cos, persistent=False)
+            self.register_buffer("rope_sin_local", sin, persistent=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -213,9 +304,14 @@ class Transformer(nn.Module):
         """The rotary tables, derived from the config (after materializing from the meta device); all that a
         model whose every weight is then loaded (a fine-tune's base) needs besides."""
         cos, sin = rope_tables(head_width(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta,
-                               device=self.rope_cos.device)
+                               device=self.rope_cos.device, cfg=self.cfg)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        if has_local_rope(self.cfg):
+            cos, sin = rope_tables(head_width(self.cfg), self.cfg.max_seq_len, self.cfg.local_rope_theta,
+                                   device=self.rope_cos.device)
+            self.rope_cos_local.copy_(cos)
+            self.rope_sin_local.copy_(sin)
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
@@ -230,8 +326,12 @@ class Transformer(nn.Module):
             nn.init.normal_(module.weight, mean=0.0,
                             std=hidden_std / math.sqrt(2 * self.cfg.n_layers) if is_residual_out
                             else hidden_std if is_hidden else std)
+            if module.bias is not None:  # q/k/v bias (Qwen2)
+                nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, OffsetRMSNorm):  # (1 + w): a gain of 1 is w = 0
+            nn.init.zeros_(module.weight)
         elif isinstance(module, nn.RMSNorm):
             nn.init.ones_(module.weight)
 
@@ -243,28 +343,58 @@ class Transformer(nn.Module):
         bool marks left padding. Without (training, evaluation) nothing below the first ``if`` changes."""
         if cache is not None:
             return self._forward_cached(tokens, cache, padding)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)
+        h = self.embed(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)
         seqlen = h.shape[1]
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]  # (T, hd)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, attn_mask)
+        if has_local_rope(self.cfg):
+            local = self.rope_cos_local[:seqlen], self.rope_sin_local[:seqlen]
+            for layer in self.layers.values():
+                h = layer(h, *(local if layer.local_rope else (cos, sin)), attn_mask)
+        else:
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, attn_mask)
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
         logits = self.output(h)  # (B, T, vocab)
         return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) -> (B, T, d): the embedding, times sqrt(dim) with ``scale_embeddings`` (Gemma)."""
+        return self._scale_embeddings(self.tok_embeddings(tokens))
+
+    def _scale_embeddings(self, h: torch.Tensor) -> torch.Tensor:
+        # Gemma: sqrt(dim) rounded to the model's dtype first (bf16 makes sqrt(3072) = 55.5), as transformers does.
+        if not self.cfg.scale_embeddings:
+            return h
+        return h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype, device=h.device)
+
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, padding: torch.Tensor | None) -> torch.Tensor:
         """The forward of one generation step; a whole model (embedding and head) on one device."""
         h = _call_with_cache(self.tok_embeddings, tokens, cache)  # (B, T', d): T' > T with virtual tokens in front
+        h = self._scale_embeddings(h)
         seqlen = h.shape[1]
         cache.begin(tokens.shape[1], seqlen, padding, h.device)
         cos, sin = self.rope_cos[cache.positions], self.rope_sin[cache.positions]  # (B, T', hd): per-row positions
+        if has_local_rope(self.cfg):
+            local = self.rope_cos_local[cache.positions], self.rope_sin_local[cache.positions]
         for name, layer in self.layers.items():
-            h = layer(h, cos, sin, cache.mask, cache.layer(name))
+            tables = local if layer.local_rope else (cos, sin)
+            h = layer(h, *tables, cache.mask, cache.layer(name))
         logits = _call_with_cache(self.output, self.norm(h), cache)  # (B, T, vocab)
         cache.end(seqlen)
         return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
+
+
+def check_rope(cfg: ModelConfig) -> None:
+    """The rotary scalings' own requirements, one line each."""
+    if cfg.rope_scaling == "llama3" and cfg.rope_original_max_seq_len <= 0:
+        raise ConfigError("model.rope_scaling = llama3 needs model.rope_original_max_seq_len (the pretraining "
+                          "context, original_max_position_embeddings)")
+    if cfg.rope_scaling == "dynamic" and cfg.max_seq_len > cfg.rope_original_max_seq_len:
+        raise ConfigError(f"model.rope_scaling = dynamic is computed only within its original context "
+                          f"(model.rope_original_max_seq_len = {cfg.rope_original_max_seq_len}); "
+                          f"model.max_seq_len {cfg.max_seq_len} is longer: lower it")
 
 
 def _call_with_cache(module: nn.Module, x: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -41,10 +41,11 @@ def output_multiplier(cfg: ModelConfig) -> float:
 
 
 def attention_scale(cfg: ModelConfig) -> float | None:
-    """SDPA's ``scale``: None (1/sqrt(head_dim)) in the standard parametrization; under muP
+    """SDPA's ``scale``: None (1/sqrt(head_dim)) in the standard parametrization (query_pre_attn_scalar**-0.5 when
+    that is set); under muP
     sqrt(base_head_dim) / head_dim, which is 1/sqrt(head_dim) at the base width and 1/head_dim in shape."""
-    if not is_mup(cfg):
-        return None
+    if not is_mup(cfg):  # Gemma 3 scales by query_pre_attn_scalar**-0.5 instead of head_dim**-0.5
+        return cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
     head_dim = head_width(cfg)
     # the head width at dim = mup_base_width: with head_dim set, heads scale with the width like dim // n_heads
     base_head_dim = max(1, cfg.mup_base_width // cfg.n_heads if not cfg.head_dim

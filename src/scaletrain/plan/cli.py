@@ -25,6 +25,7 @@ from scaletrain.config import (
     load_config,
 )
 from scaletrain.files import guarded_write
+from scaletrain.model.presets import PRESETS
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
@@ -59,8 +60,7 @@ def parse_count(text: str, what: str) -> float:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``scaletrain plan``."""
     src = parser.add_argument_group("model and data")
-    src.add_argument("--model", default="", help="preset name (nano, micro, small, gpt2-124m, llama-1b, llama-8b, "
-                                                 "llama-70b); or use --config")
+    src.add_argument("--model", default="", help=f"preset name ({', '.join(PRESETS)}); or use --config")
     src.add_argument("--config", default="", help="a job TOML: its [model], data.seq_len, train batch and "
                                                   "precision are the defaults of this plan")
     src.add_argument("--vocab-size", type=int, default=0, help="vocabulary size (needed when the preset has none)")

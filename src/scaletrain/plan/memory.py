@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from scaletrain.config import ModelConfig
 from scaletrain.model.config import head_width
-from scaletrain.model.presets import ffn_hidden_dim, kv_heads, num_params
+from scaletrain.model.presets import block_params, block_vector_params, ffn_hidden_dim, num_params
 from scaletrain.plan.spec import Plan, Workload
 
 
@@ -129,14 +129,7 @@ def block_activation_bytes(cfg: ModelConfig, batch: int, seq: int, recipe: Recip
 
 def block_matrix_params(cfg: ModelConfig) -> int:
     """Parameters of one block's linear layers (what autocast casts to bf16 on each forward)."""
-    return block_params(cfg) - 2 * cfg.dim
-
-
-def block_params(cfg: ModelConfig) -> int:
-    """Parameters of one block (attention, SwiGLU, two norms)."""
-    d = cfg.dim
-    hd = head_width(cfg)
-    return d * (cfg.n_heads * hd + 2 * kv_heads(cfg) * hd) + cfg.n_heads * hd * d + 3 * d * ffn_hidden_dim(cfg) + 2 * d
+    return block_params(cfg) - block_vector_params(cfg)
 
 
 def stage_params(cfg: ModelConfig, pp: int, tp: int) -> float:

@@ -1,0 +1,205 @@
+"""The open families as options of our decoder (model/families.py): for each family's published config.json,
+shrunk (tests/fixtures/families/), our logits equal the transformers model's, the KV-cached forward equals the
+full one, and Hugging Face -> ours -> Hugging Face is bitwise the same tensors and loads in the family's class."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletrain.model import Transformer
+from scaletrain.model.cache import KVCache
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.families import (
+    ARCHITECTURES,
+    hf_config_from_model_config,
+    load_hf_tensors,
+    model_config_from_hf,
+    state_dict_from_hf,
+    state_dict_to_hf,
+)
+from scaletrain.model.hf_names import from_hf, to_hf
+from scaletrain.options import ConfigError
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+FIXTURES = Path(__file__).parent / "fixtures" / "families"
+FAMILIES = sorted(p.stem for p in FIXTURES.glob("*.json"))
+SEQ = 24  # longer than the Gemma 3 (8) and Phi-3 (12) fixtures' sliding windows
+CONTEXT = 64
+
+
+def _fixture(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    """(name, the saved config.json as a dict, its tensors, the transformers model) for one fixture: built from
+    the config with random weights (every norm, bias and offset moved off its init), saved with save_pretrained."""
+    name = request.param
+    torch.manual_seed(0)
+    hf_config = transformers.AutoConfig.for_model(**_fixture(name))
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").float()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf_model.eval()
+    folder = tmp_path_factory.mktemp(name)
+    hf_model.save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    tensors = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    return name, saved, tensors, hf_model
+
+
+def _ours(config: dict, tensors: dict) -> Transformer:
+    cfg = model_config_from_hf(config, "config.json", max_seq_len=CONTEXT)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_hf_tensors(model, tensors)
+    return model.eval()
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def test_logits_equal_transformers(family):
+    """fp32, same weights, same input: max |ours - theirs| <= 1e-4 (Gemma 3 and Phi-3: past the window)."""
+    name, config, tensors, hf_model = family
+    model = _ours(config, tensors)
+    tokens = _tokens()
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf_model(tokens).logits
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() <= 1e-4, name
+
+
+def test_cached_forward_equals_full(family):
+    """Prefill 10 tokens, then one a step past every sliding window: the logits of the full forward."""
+    _, config, tensors, _ = family
+    model = _ours(config, tensors)
+    tokens = _tokens()
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(2, CONTEXT)
+        steps = [model(tokens[:, :10], cache=cache)]
+        steps += [model(tokens[:, i:i + 1], cache=cache) for i in range(10, SEQ)]
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() <= 1e-4
+
+
+def test_cached_left_padded_row_equals_alone(family):
+    """A row left-padded in a batch (cache positions and windows count only its tokens) = the row alone."""
+    _, config, tensors, _ = family
+    model = _ours(config, tensors)
+    tokens = _tokens()
+    padded = torch.cat([tokens[:1], torch.cat([torch.zeros(1, 5, dtype=torch.long), tokens[1:, 5:]], 1)])
+    padding = torch.zeros_like(padded, dtype=torch.bool)
+    padding[1, :5] = True
+    with torch.no_grad():
+        batch = model(padded, cache=KVCache(2, CONTEXT), padding=padding)[1, 5:]
+        alone = model(tokens[1:, 5:])[0]
+    assert (batch - alone).abs().max().item() <= 1e-4
+
+
+def test_round_trip_is_bitwise_and_loads_in_the_family_class(family):
+    """HF tensors -> ours -> HF: the same names and bits; our config -> config.json -> ours: the same config; the
+    export builds the family's own class and computes the same logits."""
+    name, config, tensors, hf_model = family
+    cfg = model_config_from_hf(config, "config.json", max_seq_len=CONTEXT)
+    back = state_dict_to_hf(state_dict_from_hf(tensors, cfg), cfg)
+    assert sorted(back) == sorted(tensors)
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+    exported = hf_config_from_model_config(cfg)
+    assert exported["architectures"] == [ARCHITECTURES[cfg.family]] == config["architectures"]
+    assert model_config_from_hf(exported, "exported", max_seq_len=CONTEXT) == cfg
+    # The token ids are the tokenizer's, not the model's: an export copies them from the base's config.json.
+    tokens_ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    hf_config = transformers.AutoConfig.for_model(**tokens_ids, **exported)
+    reloaded = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").float().eval()
+    missing, unexpected = reloaded.load_state_dict(back, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    reloaded.tie_weights()
+    tokens = _tokens()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits), name
+
+
+def test_gemma3_multimodal_config_reads_its_text_config():
+    text = _fixture("gemma3_text")
+    cfg = model_config_from_hf({"model_type": "gemma3", "text_config": text}, "config.json")
+    assert cfg == model_config_from_hf(text, "config.json")
+    assert cfg.sliding_layers == [0, 2] and cfg.local_rope_theta == 10000.0 and cfg.rope_scaling == "linear"
+
+
+@pytest.mark.parametrize("family_name, change, field", [
+    ("llama", {"model_type": "gpt_neox"}, "model_type"),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "longrope"),
+    ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+    ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3_text", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("mistral", {"hidden_size": None}, "hidden_size"),
+    ("qwen3", {"head_dim": 15}, "head_dim"),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 32},
+     "max_position_embeddings"),
+])
+def test_unsupported_fields_are_refused_in_one_line(family_name, change, field):
+    config = {k: v for k, v in {**_fixture(family_name), **change}.items() if v is not None}
+    with pytest.raises(ConfigError) as err:
+        model_config_from_hf(config, "x/config.json", max_seq_len=CONTEXT)
+    message = str(err.value)
+    assert "\n" not in message and field in message and message.startswith("x/config.json")
+
+
+def test_an_export_the_family_cannot_express_is_refused():
+    with pytest.raises(ConfigError, match="qk_norm"):
+        hf_config_from_model_config(ModelConfig(vocab_size=64, family="llama", qk_norm=True))
+    with pytest.raises(ConfigError, match="sliding_window"):
+        hf_config_from_model_config(ModelConfig(vocab_size=64, family="llama", sliding_window=8))
+
+
+def test_default_config_exports_as_llama():
+    cfg = ModelConfig(vocab_size=64)
+    hf = hf_config_from_model_config(cfg)
+    assert hf["model_type"] == "llama" and hf["rope_scaling"] is None and hf["head_dim"] == 32
+    assert model_config_from_hf(hf, "x", max_seq_len=cfg.max_seq_len) == ModelConfig(
+        vocab_size=64, n_kv_heads=4, norm_eps=cfg.norm_eps)
+
+
+def test_name_table_is_family_aware():
+    """Gemma 3's post_attention_layernorm is the attention output's norm, not the one before the feed-forward."""
+    assert to_hf("layers.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert to_hf("layers.0.ffn_norm.weight", "gemma3_text") == "model.layers.0.pre_feedforward_layernorm.weight"
+    assert from_hf("model.layers.1.post_attention_layernorm.weight", "gemma3_text") == \
+        "layers.1.attention_post_norm.weight"
+    assert from_hf("model.layers.1.self_attn.q_proj.bias", "qwen2") == "layers.1.attention.wq.bias"
+    assert from_hf("model.layers.1.self_attn.k_norm.weight", "qwen3") == "layers.1.attention.k_norm.weight"
+
+
+# The published parameter counts of the presets' models (their model cards / safetensors headers).
+PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920, "llama-3.2-1b": 1_235_814_400,
+             "smollm2-135m": 134_515_008, "gemma-3-270m": 268_098_176, "gemma-3-1b": 999_885_952,
+             "mistral-7b-v0.3": 7_248_023_552}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_family_presets_have_the_published_shapes(preset):
+    """The planner's closed-form count = the module's = the published one (bias, q/k norms, head_dim, post norms)."""
+    from scaletrain.model.presets import PRESETS, num_params
+
+    cfg = ModelConfig(**PRESETS[preset])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters()) == PUBLISHED[preset]
+    assert model_config_from_hf(hf_config_from_model_config(cfg), preset) == ModelConfig(
+        **{**PRESETS[preset], "n_kv_heads": cfg.n_kv_heads})
