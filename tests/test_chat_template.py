@@ -8,6 +8,7 @@ chat_template.jinja) always runs.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from functools import cache
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from scaletrain.cli import main
 from scaletrain.data.chat import encode_conversation, uses_base_template
@@ -301,3 +303,40 @@ def test_finetune_on_messages_with_the_bases_template(chatml_base, tmp_path, tin
         assert len(err.splitlines()) == 1
     finally:
         (tmp_path / "moved.jinja").rename(chatml_base / "chat_template.jinja")
+
+
+def test_chat_and_generate_render_in_the_runs_template(chatml_base, tmp_path, tiny, capsys):
+    """A run fine-tuned with its base's template talks in it: ``chat`` and a ``messages`` line of ``generate
+    --prompts-file`` render the conversation as training did and stop at the template's end of turn."""
+    from scaletrain.checkpoint.run import load_run
+    from scaletrain.infer.chat import Chat, conversation_format
+    from scaletrain.model.generate import Sampling
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                                     {"role": "assistant", "content": f"Answer {i}."}]}) + "\n"
+                            for i in range(10)))
+    run = tmp_path / "run"
+    assert main(_finetune(chatml_base, run, tiny, data)) == 0
+    cfg, model, tokenizer, _ = load_run(run)
+    render, ends = conversation_format(run, tokenizer, cfg.finetune.chat_template)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Question 3?"}]
+    hf = _tokenizer(FIXTURE).transformers_tokenizer()
+    expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert render(messages) == _ids(expected)
+    assert ends[0] == hf.convert_tokens_to_ids("<|im_end|>") and tokenizer.eos_id in ends
+    chat = Chat(model, tokenizer, cfg.data.seq_len, Sampling(temperature=0.0), 8, [], torch.Generator(),
+                system="Be brief.", render=render, stop_ids=ends)
+    chat.history.append({"role": "user", "content": "Question 3?"})
+    assert chat.prompt_ids(io.StringIO()) == _ids(expected)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"prompt": "Question"}) + "\n")
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompts-file", str(prompts), "--max-tokens", "6",
+                 "--temperature", "0"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [sorted(r) for r in lines] == [["completion", "messages"], ["completion", "prompt"]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    assert main(["generate", "--run", str(run), "--prompts-file", str(bad)]) == 2
+    assert f"{bad}:1: \"messages\" must be a non-empty list" in capsys.readouterr().err

@@ -166,3 +166,17 @@ def test_decode_report_has_prefill_and_decode_at_batch_1_and_8():
     assert sorted(row) == ["decode_tokens_per_s_batch1", "decode_tokens_per_s_batch8",
                            "prefill_tokens_per_s_batch1", "prefill_tokens_per_s_batch8"]
     assert all(v > 0 for v in row.values())
+
+
+def test_several_stop_ids_end_a_row_at_any_of_them():
+    """A chat template's end of turn and the EOS both end an answer (``stop_id`` takes one id or several)."""
+    from scaletrain.config import ModelConfig
+    from scaletrain.model import build_model
+    from scaletrain.model.generate import generate
+
+    cfg = ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, ffn_hidden_dim=32, max_seq_len=16)
+    model = build_model(cfg, seed=0).eval()
+    free = generate(model, [1, 2, 3], 6, max_seq_len=16, temperature=0.0)
+    assert len(free) == 6
+    assert generate(model, [1, 2, 3], 6, max_seq_len=16, temperature=0.0, stop_id=[31, free[2]]) == free[:free.index(free[2])]
+    assert generate(model, [1, 2, 3], 6, max_seq_len=16, temperature=0.0, stop_id=free[0]) == []

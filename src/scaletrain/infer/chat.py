@@ -1,31 +1,53 @@
 """``scaletrain chat``: a terminal conversation in the template the run was fine-tuned with.
 
-The history is rendered with ``data.instructions.chat_prompt`` (the template fine-tuning trains on: "System:",
-"User:", "Assistant:" blocks), the answer streamed as it is generated and ended by the tokenizer's end token,
-or "\\n\\n" without one (the template's end). Before each answer the conversation is cut, oldest turns first,
-until it leaves room for the answer (``--max-tokens``, at most half the context) within the trained context;
-each cut is announced. A message that does not fit even alone is refused, and the conversation kept.
+The history is rendered in the template the run was fine-tuned with (``conversation_format``): the base's own
+chat template (``finetune.chat_template``, rendered by transformers' ``apply_chat_template``) when the run used
+it, else scaletrain's plain template ("System:", "User:", "Assistant:" blocks, ``data.instructions.chat_prompt``).
+The answer is streamed as it is generated and ended by the template's end-of-turn token or the EOS, or by
+"\\n\\n" with a tokenizer that has neither (the plain template's end). Before each answer the conversation is
+cut, oldest turns first, until it leaves room for the answer (``--max-tokens``, at most half the context)
+within the trained context; each cut is announced. A message that does not fit even alone is refused, and
+the conversation kept.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
 
 import torch
 from torch import nn
 
-from scaletrain.data.instructions import chat_prompt, end_text
+from scaletrain.data.chat import uses_base_template
+from scaletrain.data.instructions import chat_prompt, end_text, render_prompt, stop_ids
 from scaletrain.data.tokenizer import DataError, Tokenizer
 from scaletrain.infer.text import StreamPrinter
 from scaletrain.model.generate import Sampling, stop_at_strings, stream
 
+Render = Callable[[list[dict]], list[int]]
+
+
+def conversation_format(run_dir: str | Path, tokenizer: Tokenizer, chat_template: str) -> tuple[Render, list[int]]:
+    """How a run reads a conversation: (messages -> the prompt ids that end where its answer starts, the ids that
+    end an answer). ``chat_template``: the run's ``finetune.chat_template``; with the base's template the run
+    folder holds the base's tokenizer files (tokenizer_config.json with its chat_template)."""
+    if uses_base_template(tokenizer, chat_template):
+        return (lambda messages: render_prompt(messages, run_dir, True, chat_template)), stop_ids(run_dir,
+                                                                                                  chat_template)
+    return (lambda messages: chat_prompt(messages, tokenizer)), [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+
 
 class Chat:
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, context: int, sampling: Sampling, max_tokens: int,
-                 stops: list[str], generator: torch.Generator, system: str = ""):
+                 stops: list[str], generator: torch.Generator, system: str = "",
+                 render: Render | None = None, stop_ids: list[int] | None = None):
         self.model, self.tokenizer, self.context = model, tokenizer, context
         self.sampling, self.max_tokens, self.generator = sampling, max_tokens, generator
-        end = end_text(tokenizer)
+        # The plain template unless the run's own (conversation_format) is given.
+        self.render = render or (lambda messages: chat_prompt(messages, tokenizer))
+        self.stop_ids = stop_ids if stop_ids is not None else [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+        end = end_text(tokenizer) if render is None else None
         self.stops = list(stops) + ([end] if end else [])
         self.system = system
         self.history: list[dict] = []
@@ -38,13 +60,13 @@ class Chat:
         alone does not fit (it is then removed)."""
         room = min(self.max_tokens, self.context // 2)
         dropped = 0
-        ids = chat_prompt(self.messages(), self.tokenizer)
+        ids = self.render(self.messages())
         while len(ids) + room > self.context and len(self.history) > 1:
             self.history.pop(0)  # the oldest user message, and the answer to it
             if self.history and self.history[0]["role"] == "assistant":
                 self.history.pop(0)
             dropped += 1
-            ids = chat_prompt(self.messages(), self.tokenizer)
+            ids = self.render(self.messages())
         if dropped:
             out.write(f"(dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} to stay within the "
                       f"model's {self.context}-token context)\n")
@@ -69,7 +91,7 @@ class Chat:
         printer = StreamPrinter(self.tokenizer.decode, self.stops, out)
         stop = stop_at_strings(self.tokenizer.decode, self.stops) if self.stops else None
         for step in stream(self.model, [ids], min(self.max_tokens, self.context - len(ids)), max_seq_len=self.context,
-                           sampling=self.sampling, generator=self.generator, stop_id=self.tokenizer.eos_id,
+                           sampling=self.sampling, generator=self.generator, stop_id=self.stop_ids,
                            vocab_limit=self.tokenizer.vocab_size, stop=stop):
             for _, token in step:
                 printer.add(token)

@@ -17,6 +17,7 @@ import torch
 from scaletrain.checkpoint.run import load_run
 from scaletrain.data.tokenizer import DataError
 from scaletrain.files import guarded_write
+from scaletrain.infer.chat import Chat, Render, conversation_format
 from scaletrain.infer.text import StreamPrinter
 from scaletrain.model.generate import Sampling, cut_at_stop, generate_batch, stop_at_strings, stream
 from scaletrain.options import ConfigError
@@ -70,7 +71,8 @@ def run_generate(args: argparse.Namespace) -> int:
               vocab_limit=tokenizer.vocab_size, use_cache=not args.no_cache,
               stop=stop_at_strings(tokenizer.decode, args.stop) if args.stop else None)
     if args.prompts_file:
-        return _generate_file(args, model, tokenizer, kw)
+        render, ends = conversation_format(args.run, tokenizer, cfg.finetune.chat_template)
+        return _generate_file(args, model, tokenizer, {**kw, "stop_id": ends}, render)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ConfigError("--prompt must not be empty")
@@ -90,7 +92,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def read_prompts(path: str) -> list[dict]:
-    """The lines of a prompts file; a bad line is one DataError naming it."""
+    """The lines of a prompts file: {"prompt": text} (continued as it is) or {"messages": [{"role", "content"},
+    ...]} (a conversation, rendered in the run's chat template); a bad line is one DataError naming it."""
     file = Path(path)
     if not file.is_file():
         raise DataError(f"--prompts-file: file not found: {file}")
@@ -102,20 +105,28 @@ def read_prompts(path: str) -> list[dict]:
             record = json.loads(line)
         except ValueError:
             record = None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-            raise DataError(f"{file}:{number}: needs a JSON object with a non-empty string field \"prompt\"")
+        if isinstance(record, dict) and "messages" in record and "prompt" not in record:
+            messages = record["messages"]
+            if not (isinstance(messages, list) and messages and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)):
+                raise DataError(f"{file}:{number}: \"messages\" must be a non-empty list of {{\"role\", "
+                                f"\"content\"}} objects with string values")
+        elif not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise DataError(f"{file}:{number}: needs a JSON object with a non-empty string field \"prompt\" or a "
+                            f"\"messages\" list")
         records.append(record)
     if not records:
         raise DataError(f"{file}: no prompts")
     return records
 
 
-def _generate_file(args, model, tokenizer, kw) -> int:
+def _generate_file(args, model, tokenizer, kw, render: Render) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     records = read_prompts(args.prompts_file)
-    prompts = [tokenizer.encode(r["prompt"]) for r in records]
+    prompts = [tokenizer.encode(r["prompt"]) if "prompt" in r else render(r["messages"]) for r in records]
     for number, ids in enumerate(prompts, 1):  # named by their place in the file, before any is generated
         if not ids or len(ids) > kw["max_seq_len"]:
             raise ConfigError(f"{args.prompts_file}: prompt {number} is {len(ids)} tokens; it must be 1 to "
@@ -152,11 +163,10 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from scaletrain.infer.chat import Chat
-
     sampling = sampling_of(args)
     cfg, model, tokenizer, _ = load_run(args.run)
+    render, ends = conversation_format(args.run, tokenizer, cfg.finetune.chat_template)
     chat = Chat(model, tokenizer, cfg.data.seq_len, sampling, args.max_tokens, args.stop,
-                torch.Generator().manual_seed(args.seed), system=args.system)
+                torch.Generator().manual_seed(args.seed), system=args.system, render=render, stop_ids=ends)
     chat.loop(sys.stdin, sys.stdout)
     return 0

@@ -16,7 +16,7 @@ than it is refused; once prompt + generated tokens fill it, every further step r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -83,14 +83,17 @@ def left_pad(rows: list[list[int]], device: torch.device, pad_id: int = 0) -> tu
 
 @torch.no_grad()
 def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, max_seq_len: int,
-           sampling: Sampling | None = None, generator: torch.Generator | None = None, stop_id: int | None = None,
+           sampling: Sampling | None = None, generator: torch.Generator | None = None,
+           stop_id: int | Collection[int] | None = None,
            vocab_limit: int | None = None, stop: Callable[[int, list[int]], bool] | None = None,
            use_cache: bool = True) -> Iterator[list[tuple[int, int]]]:
     """Yield, at each step, [(row, token)] for the rows still going. A row ends after ``max_new_tokens``, at
-    ``stop_id`` (not yielded) or when ``stop(row, its new tokens)`` says so (the token that made it is
-    yielded). ``vocab_limit``: only ids below it are produced (the tokenizer's vocabulary when the model's is
-    padded). ``max_seq_len``: the trained context (see the module docstring)."""
+    ``stop_id`` (one id or several, e.g. a chat template's end of turn and the EOS; not yielded) or when
+    ``stop(row, its new tokens)`` says so (the token that made it is yielded). ``vocab_limit``: only ids below
+    it are produced (the tokenizer's vocabulary when the model's is padded). ``max_seq_len``: the trained
+    context (see the module docstring)."""
     sampling = sampling or Sampling(temperature=0.0)
+    stop_ids = set() if stop_id is None else {stop_id} if isinstance(stop_id, int) else set(stop_id)
     too_long = [i for i, p in enumerate(prompts) if len(p) > max_seq_len]
     if too_long:
         raise ConfigError(f"prompt {too_long[0] + 1} is {len(prompts[too_long[0]])} tokens, longer than the "
@@ -126,7 +129,7 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
                 rows[i].append(token)  # every row advances (a finished one too, unread) to keep the batch aligned
                 if i not in going:
                     continue
-                if stop_id is not None and token == stop_id:
+                if token in stop_ids:
                     going.remove(i)
                     continue
                 new[i].append(token)
@@ -149,7 +152,7 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: i
 
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, max_seq_len: int,
              temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
-             generator: torch.Generator | None = None, stop_id: int | None = None,
+             generator: torch.Generator | None = None, stop_id: int | Collection[int] | None = None,
              vocab_limit: int | None = None, use_cache: bool = True) -> list[int]:
     """Sample up to ``max_new_tokens`` after ``prompt``; temperature 0 is greedy. Returns only the new tokens."""
     return generate_batch(model, [prompt], max_new_tokens, max_seq_len=max_seq_len,
