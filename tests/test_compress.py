@@ -470,7 +470,7 @@ def test_qat_finetune_fake_quantizes_and_quantizes_after(base_run, tmp_path, cap
 
 
 def test_fp8_filter_skips_small_and_odd_layers_and_the_cpu_is_refused(tmp_path, capsys):
-    from scaletrain.compress.fp8 import check_fp8_device, fp8_filter
+    from scaletrain.train.fp8 import check_fp8_device, fp8_filter
 
     keep = fp8_filter(1024)
     assert keep(nn.Linear(4096, 14336), "layers.0.feed_forward.w1")

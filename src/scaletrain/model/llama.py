@@ -125,13 +125,27 @@ class Attention(nn.Module):
         """x (B, T, d); cos, sin (T, hd), or (B, T, hd) per row with a cache. With ``cache`` the new keys and
         values are stored and the T queries attend over every cached slot (S of them) under ``attn_mask``
         (B, 1, T, S), the cache's mask."""
+        q, k, v = self.project(x, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, KV, S, hd): the cached slots and these
+        return self.attend(q, k, v, attn_mask)
+
+    # project and attend are the two halves of forward, apart so that a variant that changes only the keys,
+    # values and mask between them (prefix tuning, adapt/prompt.py) reuses the rest, the muP scale included.
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q (B, H, T, hd) and k, v (B, KV, T, hd) of ``x`` (B, T, d), rotary applied to q and k."""
         bsz, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
         q = apply_rope(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, H, T, hd)
         k = apply_rope(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, KV, S, hd): the cached slots and these
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, H, T, hd) over k, v (B, KV, S, hd): causal without ``attn_mask``, else under it (broadcast to
+        (B, H, T, S), True = visible); then the output projection, (B, T, d)."""
+        bsz, _, seqlen, _ = q.shape
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:  # grouped-query attention: each KV head serves n_rep query heads
             k = k.repeat_interleave(n_rep, dim=1)

@@ -177,9 +177,9 @@ def measure_nf4_dequant(n: int = 512, reps: int = 7) -> float:
     thread's rate, as the CPU calibration measures; needs ``torch.set_num_threads(1)`` to mean one core)."""
     import torch
 
-    from scaletrain.adapt.lora import _to_nf4
+    from scaletrain.adapt.lora import to_nf4
 
-    weight = _to_nf4(torch.randn(n, n), 64, 256)
+    weight = to_nf4(torch.randn(n, n), 64, 256)
     weight.to(torch.float32)
     best = float("inf")
     for _ in range(reps):
@@ -221,9 +221,9 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
         per_micro, optimizer = _gpu_seconds(workload, cfg, ft, hw, tokens, seq, shapes, targets, n_ckpt, trainable)
     comm = 0.0
     if plan.dp > 1:  # data parallelism all-reduces the trainable gradients only
-        from scaletrain.plan.timing import _group_link
+        from scaletrain.plan.timing import group_link
 
-        bw, _ = _group_link(cluster, plan.dp, 1)
+        bw, _ = group_link(cluster, plan.dp, 1)
         comm = 2 * (plan.dp - 1) / plan.dp * trainable * 4 / bw
         if hw.kind == "gpu":  # overlapped with the backward, as for pretraining
             comm = max(0.0, comm - per_micro * micro_steps * 2 / 3)

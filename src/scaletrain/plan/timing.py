@@ -293,7 +293,7 @@ def offload_transfer_seconds(workload: Workload, plan: Plan, hw) -> float:
     return seconds
 
 
-def _group_link(cluster: Cluster, degree: int, inner: int) -> tuple[float, str]:
+def group_link(cluster: Cluster, degree: int, inner: int) -> tuple[float, str]:
     """Bus bandwidth (bytes/s) of a process group of ``degree`` ranks whose stride is ``inner``."""
     hw = cluster.hardware
     spans_nodes = degree * inner > cluster.devices_per_node
@@ -330,7 +330,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
     latency = 0.0 if gpu else float(calib.get("collective_latency_s", 0.0))
     layers = -(-cfg.n_layers // plan.pp)
     if plan.tp > 1:
-        bw, _ = _group_link(cluster, plan.tp, 1)
+        bw, _ = group_link(cluster, plan.tp, 1)
         # Per block: 2 all-reduces forward + 2 backward, or with sequence parallelism the same bytes as
         # 4 all-gathers + 4 reduce-scatters.
         collectives = 8 if plan.sequence_parallel else 4
@@ -350,20 +350,20 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
                     "dtensor_op_overhead_s", 0.0)
         exposed += out["tp"]
     if plan.cp > 1:
-        bw, _ = _group_link(cluster, plan.cp, inner_tp)
+        bw, _ = group_link(cluster, plan.cp, inner_tp)
         kv = tokens * kv_heads(cfg) * head_width(cfg) * 2 * rec.activation / plan.tp
         out["cp"] = micro * cfg.n_layers / plan.pp * 3 * (plan.cp - 1) * kv / bw
         exposed += max(0.0, out["cp"] - 0.5 * compute) if gpu else out["cp"]
     shard = plan.dp_shard * plan.cp
     if plan.zero_stage >= 2 and shard > 1:
-        bw, _ = _group_link(cluster, plan.dp_shard, inner_cp)
+        bw, _ = group_link(cluster, plan.dp_shard, inner_cp)
         gathers = 2 if plan.zero_stage == 3 else 1  # stage 3 gathers again for backward
         frac = (shard - 1) / shard
         out["fsdp"] = micro * ((gathers * psi * rec.param + psi * max(rec.grad, 4)) * frac / bw
                                + (gathers + 1) * (layers + 1) * latency)  # one collective per unit and pass
         exposed += max(0.0, out["fsdp"] - compute) if gpu else out["fsdp"]
     if plan.dp_replicate > 1:
-        bw, _ = _group_link(cluster, plan.dp_replicate, plan.dp_shard * inner_cp)
+        bw, _ = group_link(cluster, plan.dp_replicate, plan.dp_shard * inner_cp)
         n = plan.dp_replicate
         grads = psi / (shard if plan.zero_stage >= 2 else 1) * max(rec.grad, 4 if plan.zero_stage >= 2 else 0)
         buckets = max(1.0, grads / 25e6)  # DDP's default 25 MB buckets, one all-reduce each
@@ -373,7 +373,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
             out["dp"] += (n - 1) / n * psi * rec.param / bw + tensors * latency
         exposed += max(0.0, out["dp"] - compute * 2 / 3) if gpu else out["dp"]
     if plan.pp > 1:
-        bw, _ = _group_link(cluster, plan.pp, plan.dp * inner_cp)
+        bw, _ = group_link(cluster, plan.pp, plan.dp * inner_cp)
         out["pp"] = micro * 2 * act / bw
         exposed += out["pp"]
     return out, exposed
