@@ -4,7 +4,7 @@
 prompt.py); the model file is untouched. After ``parallelize`` has materialized the model,
 ``load_base_and_adapters`` writes the base's weights and the adapters' initial values into every rank's
 parameters (sharded or not): the same values in every layout, as ``parallel/init.py`` does for
-pretraining.
+pretraining. ``FinetuneMethod`` is the two as one model converter (train/converters.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from scaletrain.adapt.lora import LoRALinear, apply_lora, check_lora_targets, is
 from scaletrain.adapt.prompt import PrefixAttention, PromptEmbedding, apply_prefix_tuning, apply_prompt_tuning
 from scaletrain.config import ConfigError, FinetuneConfig
 from scaletrain.parallel.init import copy_full_into
-
-ADAPTER_METHODS = ("lora", "qlora", "prompt", "prefix")
 
 
 def apply_method(model: nn.Module, ft: FinetuneConfig) -> None:
