@@ -227,7 +227,7 @@ def check_train_fp16(ctx: Ctx) -> dict:
 
 
 # -- fp8 vs bf16 ------------------------------------------------------------------------------------------
-# Block Linears of at least 1024 in both dimensions: the ones compress/fp8.py converts (gpt2-124m's 768-wide
+# Block Linears of at least 1024 in both dimensions: the ones train/fp8.py converts (gpt2-124m's 768-wide
 # ones would stay bf16, and the comparison would be bf16 against itself).
 FP8_MODEL = {"model.dim": 2048, "model.n_layers": 4, "model.n_heads": 16, "model.n_kv_heads": 0,
              "model.ffn_hidden_dim": 5632, "model.vocab_size": 50304, "model.tie_embeddings": "false",
@@ -273,12 +273,12 @@ def check_fp8(ctx: Ctx) -> dict:
 
 
 def fp8_linear_count(model_cfg) -> int:
-    """How many Linears the trainer's converter (compress/fp8.py's filter) turns into Float8Linear for this
+    """How many Linears the trainer's converter (train/fp8.py's filter) turns into Float8Linear for this
     model (the trainer does not log the count)."""
     import torch
 
-    from scaletrain.compress.fp8 import fp8_filter
     from scaletrain.model import Transformer
+    from scaletrain.train.fp8 import fp8_filter
 
     with torch.device("meta"):
         model = Transformer(model_cfg)

@@ -184,8 +184,8 @@ def test_qlora_build_never_holds_the_fp32_base(hf_base, monkeypatch):
 
     job = _job(hf_base, method="qlora", lora_targets=["q", "k", "v", "o", "gate", "up", "down"])
     cfg = JobConfig(model=job.model, optim=OptimConfig(), train=TrainConfig(seed=0), finetune=job.finetune)
-    live_at_quantize, to_nf4 = [], lora._to_nf4
-    monkeypatch.setattr(lora, "_to_nf4", lambda *a: live_at_quantize.append(tracker.live) or to_nf4(*a))
+    live_at_quantize, to_nf4 = [], lora.to_nf4
+    monkeypatch.setattr(lora, "to_nf4", lambda *a: live_at_quantize.append(tracker.live) or to_nf4(*a))
     with LiveTensorBytes() as tracker:
         pm, _ = build_parallel_training(cfg, ParallelDims.from_config(ParallelConfig(), 1), torch.device("cpu"))
     layers = [m for name, m in pm.modules[0].named_modules() if isinstance(m, torch.nn.Linear)
@@ -472,11 +472,11 @@ def test_run_base_is_read_tensor_by_tensor(tmp_path, tiny):
 def test_hf_base_is_read_tensor_by_tensor(hf_base):
     """A Hugging Face base, too, is read one tensor at a time (HFWeights), with the same values as stored."""
     from scaletrain.adapt.base import HFWeights, open_base
-    from scaletrain.adapt.hf_import import _our_name
+    from scaletrain.model.hf_names import from_hf
 
     base = open_base(str(hf_base))
     weights = base.state()
-    stored = {_our_name(k): v for k, v in load_file(str(hf_base / "model.safetensors")).items() if _our_name(k)}
+    stored = {from_hf(k): v for k, v in load_file(str(hf_base / "model.safetensors")).items() if from_hf(k)}
     assert isinstance(weights, HFWeights) and set(weights) == set(stored) and "nothing" not in weights
     for name, tensor in stored.items():
         assert torch.equal(weights[name], tensor.float()), name

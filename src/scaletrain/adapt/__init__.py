@@ -6,7 +6,6 @@ alone, and ``base`` and ``methods`` load the checkpoint stack and the parallel p
 
 from scaletrain.lazy import lazy_exports
 
-_WHERE = {"Base": "base", "open_base": "base", "resolve_finetune": "base", "ADAPTER_METHODS": "methods",
-          "apply_method": "methods", "load_base_and_adapters": "methods", "parameter_counts": "methods"}
+_WHERE = {"Base": "base", "open_base": "base", "resolve_finetune": "base", "parameter_counts": "methods"}
 __all__ = list(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -16,22 +16,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from scaletrain.adapt.base import open_base
-from scaletrain.adapt.lora import TARGETS, LoRALinear, merge_lora
+from scaletrain.adapt.lora import LoRALinear, merge_lora
 from scaletrain.adapt.prompt import PrefixAttention, PromptEmbedding, SkipPromptLinear
 from scaletrain.config import ConfigError, JobConfig
 from scaletrain.model import Transformer
 from scaletrain.model.config import head_width
+from scaletrain.model.hf_names import hf_module_name, to_hf
 from scaletrain.model.presets import kv_heads
-
-_HF_BLOCK_MODULE = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-                    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-                    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-                    "feed_forward.w2": "mlp.down_proj"}
-
-
-def _hf_module(name: str) -> str:
-    _, index, rest = name.split(".", 2)  # layers.<i>.attention.wq
-    return f"model.layers.{index}.{_HF_BLOCK_MODULE[rest]}"
 
 
 def peft_adapter(model: nn.Module, cfg: JobConfig) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -43,14 +34,14 @@ def peft_adapter(model: nn.Module, cfg: JobConfig) -> tuple[dict, dict[str, torc
     if ft.method in ("lora", "qlora"):
         for name, module in model.named_modules():
             if isinstance(module, LoRALinear):
-                key = f"base_model.model.{_hf_module(name)}"
+                key = f"base_model.model.{to_hf(name)}"  # the module's name in transformers' Llama
                 tensors[f"{key}.lora_A.weight"] = module.lora_A.detach().float().cpu().contiguous()
                 tensors[f"{key}.lora_B.weight"] = module.lora_B.detach().float().cpu().contiguous()
                 if module.dora:  # peft's name for DoRA's magnitude in adapter_model.safetensors
                     tensors[f"{key}.lora_magnitude_vector"] = module.lora_magnitude.detach().float().cpu().contiguous()
         config = {**common, "peft_type": "LORA", "r": ft.lora_rank, "lora_alpha": ft.lora_alpha,
                   "lora_dropout": ft.lora_dropout, "use_rslora": ft.rslora, "bias": "none", "fan_in_fan_out": False,
-                  "target_modules": sorted(TARGETS[t][1] for t in ft.lora_targets), "init_lora_weights": True,
+                  "target_modules": sorted(hf_module_name(t) for t in ft.lora_targets), "init_lora_weights": True,
                   "use_dora": ft.dora}
         return config, tensors
     prompt = {**common, "num_virtual_tokens": ft.virtual_tokens, "num_layers": m.n_layers,

@@ -14,10 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from scaletrain.checkpoint.export import _BLOCK
 from scaletrain.config import ConfigError, ModelConfig
-
-_FROM_HF_BLOCK = {hf: ours for ours, hf in _BLOCK.items()}
+from scaletrain.model.hf_names import from_hf
 
 # config.json fields whose other values this model does not compute (field -> accepted values).
 _REQUIRED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None)}
@@ -85,22 +83,6 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     raise ConfigError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def _our_name(hf_name: str) -> str | None:
-    if hf_name == "model.embed_tokens.weight":
-        return "tok_embeddings.weight"
-    if hf_name == "model.norm.weight":
-        return "norm.weight"
-    if hf_name == "lm_head.weight":
-        return "output.weight"
-    if hf_name.startswith("model.layers."):
-        _, _, index, rest = hf_name.split(".", 3)
-        ours = _FROM_HF_BLOCK.get(rest)
-        return f"layers.{index}.{ours}" if ours else None
-    if hf_name.endswith("rotary_emb.inv_freq"):
-        return ""  # derived from the config; we compute it
-    return None
-
-
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of our model for ``cfg`` and its shape (the model built on the meta device)."""
     from scaletrain.model import Transformer
@@ -119,10 +101,12 @@ def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, tuple[Path, str]
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as fh:
             for hf_name in fh.keys():
-                ours = _our_name(hf_name)
+                ours = from_hf(hf_name)  # the one name table (model/hf_names.py)
                 if ours == "":
                     continue
-                if ours is None:
+                # A name the table maps but this model lacks (a bias, a block beyond n_layers) is refused too; a
+                # tied model may still carry its lm_head (dropped below).
+                if ours is None or (ours not in shapes and ours != "output.weight"):
                     raise ConfigError(f"{file}: tensor {hf_name} has no place in a Llama model (unsupported "
                                       f"architecture?)")
                 shape = tuple(fh.get_slice(hf_name).get_shape())

@@ -25,16 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# finetune.lora_targets name -> (our module suffix in a block, Hugging Face / peft module name)
-TARGETS: dict[str, tuple[str, str]] = {
-    "q": ("attention.wq", "q_proj"),
-    "k": ("attention.wk", "k_proj"),
-    "v": ("attention.wv", "v_proj"),
-    "o": ("attention.wo", "o_proj"),
-    "gate": ("feed_forward.w1", "gate_proj"),
-    "up": ("feed_forward.w3", "up_proj"),
-    "down": ("feed_forward.w2", "down_proj"),
-}
+from scaletrain.model.hf_names import PROJECTIONS, block_suffix
+from scaletrain.options import ConfigError
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -72,13 +64,6 @@ class LoRALinear(nn.Linear):
         new.weight = linear.weight
         new.weight.requires_grad_(False)
         return new
-
-    @torch.no_grad()
-    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
-        """peft's initialisation: A ~ kaiming_uniform(a=sqrt(5)) (nn.Linear's default), B = 0."""
-        bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform with a=sqrt(5) on a (r, in) matrix
-        self.lora_A.uniform_(-bound, bound, generator=generator)
-        self.lora_B.zero_()
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_nf4(self.weight):
@@ -133,13 +118,21 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
 
 
-def lora_module_names(model: nn.Module, targets: list[str]) -> list[str]:
-    """Names of the modules ``targets`` (finetune.lora_targets) select in ``model``'s blocks, in order."""
-    unknown = [t for t in targets if t not in TARGETS]
+def check_lora_targets(targets: list[str]) -> None:
+    """The one rule for ``finetune.lora_targets``: a non-empty list of projection roles (model/hf_names.py)."""
+    unknown = [t for t in targets if t not in PROJECTIONS]
     if unknown:
-        raise ValueError(f"finetune.lora_targets: unknown target(s) {', '.join(unknown)}; choose among "
-                         f"{', '.join(TARGETS)}")
-    suffixes = tuple(TARGETS[t][0] for t in targets)
+        raise ConfigError(f"finetune.lora_targets: unknown target(s) {', '.join(unknown)}; choose among "
+                          f"{', '.join(PROJECTIONS)}")
+    if not targets:
+        raise ConfigError(f"finetune.lora_targets is empty, which would match no module of the model; choose "
+                          f"among {', '.join(PROJECTIONS)}")
+
+
+def lora_module_names(model: nn.Module, targets: list[str]) -> list[str]:
+    """Names of the modules ``targets`` (finetune.lora_targets, checked by ``check_lora_targets``) select in
+    ``model``'s blocks, in order."""
+    suffixes = tuple(block_suffix(t) for t in targets)
     return [name for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and name.startswith("layers.") and name.endswith(suffixes)]
 
@@ -189,7 +182,8 @@ class NF4Linear(nn.Linear):
 NF4_CHUNK = 1 << 16
 
 
-def _to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> nn.Parameter:
+def to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> nn.Parameter:
+    """``weight`` as a frozen torchao NF4 parameter (QLoRA's 4-bit base; the planner measures its bytes)."""
     from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 
     # torchao needs blocks that tile the matrix and scaler blocks that tile the blocks' scales; QLoRA's
@@ -232,7 +226,7 @@ def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor],
             module = plain
         # Quantized where the model will run: the 4-bit weights must live on the training device (found by the
         # first GPU check: a CUDA QLoRA step met its NF4 base on the CPU).
-        held.append((module, _to_nf4(base_state[f"{name}.weight"].to(device), block_size, scaler_block_size)))
+        held.append((module, to_nf4(base_state[f"{name}.weight"].to(device), block_size, scaler_block_size)))
         module.weight = nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
     return held
 

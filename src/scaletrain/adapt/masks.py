@@ -24,8 +24,3 @@ def keep_zeros(model: nn.Module) -> int:
                 held += zeros
     return held
 
-
-def zero_count(model: nn.Module) -> int:
-    """Exact zeros over the block Linear weights (to check a fine-tune kept them)."""
-    return sum(int((m.weight == 0).sum()) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and n.startswith("layers."))

@@ -4,7 +4,7 @@
 prompt.py); the model file is untouched. After ``parallelize`` has materialized the model,
 ``load_base_and_adapters`` writes the base's weights and the adapters' initial values into every rank's
 parameters (sharded or not): the same values in every layout, as ``parallel/init.py`` does for
-pretraining.
+pretraining. ``FinetuneMethod`` is the two as one model converter (train/converters.py).
 """
 
 from __future__ import annotations
@@ -16,20 +16,16 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from scaletrain.adapt.lora import LoRALinear, apply_lora, is_nf4, quantize_from_base
+from scaletrain.adapt.base import open_base
+from scaletrain.adapt.lora import LoRALinear, apply_lora, check_lora_targets, is_nf4, put_back, quantize_from_base
 from scaletrain.adapt.prompt import PrefixAttention, PromptEmbedding, apply_prefix_tuning, apply_prompt_tuning
 from scaletrain.config import ConfigError, FinetuneConfig
 from scaletrain.parallel.init import copy_full_into
 
-ADAPTER_METHODS = ("lora", "qlora", "prompt", "prefix")
-
 
 def apply_method(model: nn.Module, ft: FinetuneConfig) -> None:
     """Freeze and convert ``model`` (a full ``Transformer``, on meta or real) for ``ft.method``, in place."""
-    if ft.method == "full":
-        if ft.freeze_blocks > len(model.layers):
-            raise ConfigError(f"finetune.freeze_blocks ({ft.freeze_blocks}) exceeds the base's {len(model.layers)} "
-                              f"blocks")
+    if ft.method == "full":  # freeze_blocks <= the base's blocks: train/validate.py:check_finetune
         if ft.freeze_embeddings:
             model.tok_embeddings.weight.requires_grad_(False)
         for index in range(ft.freeze_blocks):
@@ -37,14 +33,8 @@ def apply_method(model: nn.Module, ft: FinetuneConfig) -> None:
         return
     model.requires_grad_(False)
     if ft.method in ("lora", "qlora"):
-        try:
-            names = apply_lora(model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout, ft.rslora,
-                               ft.dora)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if not names:
-            raise ConfigError(f"finetune.lora_targets {ft.lora_targets} match no module of the model; choose among "
-                              f"q, k, v, o, gate, up, down")
+        check_lora_targets(ft.lora_targets)  # also train/validate.py's rule; here for callers that skip it
+        apply_lora(model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout, ft.rslora, ft.dora)
     elif ft.method == "prompt":
         apply_prompt_tuning(model, ft.virtual_tokens)
     elif ft.method == "prefix":
@@ -103,9 +93,30 @@ def hold_out_base(model: nn.Module, ft: FinetuneConfig, base_state: Mapping[str,
     return quantize_from_base(model, base_state, device=device) if ft.method == "qlora" else []
 
 
-def trainable_names(modules: list[nn.Module]) -> set[str]:
-    """Names of the parameters that train (what an adapter checkpoint holds)."""
-    return {name for m in modules for name, p in m.named_parameters() if p.requires_grad}
+class FinetuneMethod:
+    """``finetune.method`` on the base ``finetune.source``, as a model converter (train/converters.py) and for
+    the single-device build of a run (adapt/run.py): ``convert`` freezes the meta model and swaps in the
+    adapters (QLoRA: reads and quantizes its 4-bit base, never whole in fp32); once the model is materialized,
+    ``load`` writes the base's weights and the adapters' values into it."""
+
+    def __init__(self, ft: FinetuneConfig, seed: int, device: torch.device | str = "cpu"):
+        self.ft, self.seed, self.device = ft, seed, device
+        self.base_state: Mapping[str, torch.Tensor] = {}
+        self.held: list = []
+
+    def convert(self, model: nn.Module) -> None:
+        apply_method(model, self.ft)
+        self.base_state = open_base(self.ft.source).state()
+        self.held = hold_out_base(model, self.ft, self.base_state, self.device)
+
+    def load(self, parts: list[nn.Module], adapters: dict[str, torch.Tensor] | None = None) -> None:
+        """The 4-bit base back in place, then the base's weights and ``adapters`` (default: initial values)."""
+        put_back(self.held)
+        load_base_and_adapters(parts, self.base_state, self.seed, adapters)
+
+    def after_parallelize(self, pm) -> None:
+        """Every rank's parameters (plain or DTensor shards) of ``pm`` (a ``ParallelModel``)."""
+        self.load(pm.modules)
 
 
 def parameter_counts(modules: list[nn.Module]) -> tuple[int, int]:

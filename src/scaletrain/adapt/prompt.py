@@ -16,11 +16,10 @@ token weights.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.model.cache import KVCache, LayerCache
-from scaletrain.model.llama import Attention, apply_rope, rope_tables
+from scaletrain.model.llama import Attention, rope_tables
 
 
 class PromptEmbedding(nn.Embedding):
@@ -37,11 +36,6 @@ class PromptEmbedding(nn.Embedding):
         if cache is not None and cache.length > 0:  # decoding: the virtual tokens are cached already
             return h
         return torch.cat([self.prompt.to(h.dtype).expand(h.shape[0], -1, -1), h], dim=1)  # (B, P + T, d)
-
-    @torch.no_grad()
-    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
-        """peft's RANDOM init of the prompt embedding: nn.Embedding's normal(0, 1)."""
-        self.prompt.normal_(generator=generator)
 
 
 class SkipPromptLinear(nn.Linear):
@@ -72,12 +66,6 @@ class PrefixAttention(Attention):
         self.rope_theta = cfg.rope_theta
         self._tables: dict = {}  # (T, device) -> rotary tables for positions P..P+T-1 (derived, not state)
 
-    @torch.no_grad()
-    def reset_adapter(self, generator: torch.Generator | None = None) -> None:
-        """peft's PrefixEncoder embedding init: normal(0, 1)."""
-        self.prefix_key.normal_(generator=generator)
-        self.prefix_value.normal_(generator=generator)
-
     def _rope(self, seqlen: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seqlen, device)
         if key not in self._tables:
@@ -87,60 +75,35 @@ class PrefixAttention(Attention):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
-        if cache is not None:
-            return self._forward_cached(x, cache)
-        if attn_mask is not None:
+        """The model's attention (``Attention.project``, ``Attention.attend``) with the prefix put in front of
+        the keys and values and the tokens' rotary positions shifted by P. With a KV cache the prefix stays out
+        of the cache (it is the same for every row and step) and is put in front of the cached keys and values
+        at every step; the positions are the cache's, shifted by P."""
+        if attn_mask is not None and cache is None:
             raise ValueError("prefix tuning does not take an attention mask (data.document_attention)")
-        bsz, seqlen, _ = x.shape
-        n_prefix = self.virtual_tokens
-        cos, sin = self._rope(seqlen, x.device)  # (T, hd) for positions P..P+T-1
-        q, k, v = self._project(x, cos, sin)
-        k, v = self._with_prefix(k, v, q.shape[1])  # (B, H, P + T, hd)
-        # (T, P + T): every prefix entry visible, causal among the real tokens. (SDPA's is_causal would align
-        # the triangle top-left, hiding most of the prefix from the first positions.)
-        visible = torch.ones(seqlen, n_prefix + seqlen, dtype=torch.bool, device=x.device).tril(n_prefix)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        n_prefix, seqlen = self.virtual_tokens, x.shape[1]
+        if cache is None:
+            cos, sin = self._rope(seqlen, x.device)  # (T, hd) for positions P..P+T-1
+        else:
+            cos, sin = self._rope(cache.owner.capacity, x.device)  # (capacity, hd) for positions P..
+            cos, sin = cos[cache.positions], sin[cache.positions]  # (B, T, hd)
+        q, k, v = self.project(x, cos, sin)
+        if cache is None:
+            # (T, P + T): every prefix entry visible, causal among the real tokens. (SDPA's is_causal would
+            # align the triangle top-left, hiding most of the prefix from the first positions.)
+            visible = torch.ones(seqlen, n_prefix + seqlen, dtype=torch.bool, device=x.device).tril(n_prefix)
+        else:
+            k, v = cache.update(k, v)  # (B, KV, S, hd)
+            mask = cache.mask  # (B, 1, T, S)
+            visible = torch.cat([mask.new_ones(*mask.shape[:3], n_prefix), mask], dim=-1)  # (B, 1, T, P + S)
+        return self.attend(q, *self._with_prefix(k, v), visible)
 
-
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q (B, H, T, hd) and k, v (B, KV, T, hd) of ``x``, rotary applied to q and k."""
-        bsz, seqlen, _ = x.shape
-        q = apply_rope(self.wq(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(self.wk(x).view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        return q, k, v
-
-    def _with_prefix(self, k: torch.Tensor, v: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The learned prefix (P keys and values) in front of ``k``, ``v`` (B, KV, S, hd), the KV heads repeated
-        to ``n_heads`` (grouped-query attention): (B, H, P + S, hd) each."""
+    def _with_prefix(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The learned prefix (P keys and values) in front of ``k``, ``v`` (B, KV, S, hd): (B, KV, P + S, hd)."""
         bsz = k.shape[0]
         pk = self.prefix_key.to(k.dtype).view(self.virtual_tokens, -1, self.head_dim).transpose(0, 1)  # (KV, P, hd)
         pv = self.prefix_value.to(v.dtype).view(self.virtual_tokens, -1, self.head_dim).transpose(0, 1)
-        k = torch.cat([pk.expand(bsz, -1, -1, -1), k], dim=2)
-        v = torch.cat([pv.expand(bsz, -1, -1, -1), v], dim=2)
-        n_rep = n_heads // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        return k, v
-
-    def _forward_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """With a KV cache: the prefix stays out of the cache (it is the same for every row and step) and is put
-        in front of the cached keys and values at every step, visible to every position; the tokens' rotary
-        positions are the cache's, shifted by P."""
-        bsz, seqlen, _ = x.shape
-        n_prefix = self.virtual_tokens
-        cos, sin = self._rope(cache.owner.capacity, x.device)  # (capacity, hd) for positions P..
-        positions = cache.positions  # (B, T)
-        cos, sin = cos[positions], sin[positions]  # (B, T, hd)
-        q, k, v = self._project(x, cos, sin)
-        k, v = cache.update(k, v)  # (B, KV, S, hd)
-        k, v = self._with_prefix(k, v, q.shape[1])  # (B, H, P + S, hd)
-        mask = cache.mask  # (B, 1, T, S)
-        visible = torch.cat([mask.new_ones(*mask.shape[:3], n_prefix), mask], dim=-1)  # (B, 1, T, P + S)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return torch.cat([pk.expand(bsz, -1, -1, -1), k], dim=2), torch.cat([pv.expand(bsz, -1, -1, -1), v], dim=2)
 
 
 def apply_prompt_tuning(model: nn.Module, virtual_tokens: int) -> None:

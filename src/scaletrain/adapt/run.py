@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from scaletrain.adapt.base import open_base
-from scaletrain.adapt.lora import put_back
-from scaletrain.adapt.methods import apply_method, hold_out_base, load_base_and_adapters, trainable_names
+from scaletrain.adapt.methods import FinetuneMethod
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
-from scaletrain.checkpoint.state import model_tensors
+from scaletrain.checkpoint.state import model_tensors, trainable_names
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
 
@@ -28,17 +27,14 @@ def check_base(checkpoint: Path, reference: dict) -> None:
 
 def build_finetuned_model(cfg: JobConfig, device: str = "cpu", adapters: dict | None = None) -> nn.Module:
     """The base of ``cfg.finetune.source`` with the method's adapters (initial values unless ``adapters``)."""
-    base = open_base(cfg.finetune.source)
+    method = FinetuneMethod(cfg.finetune, cfg.train.seed)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    apply_method(model, cfg.finetune)
-    state = base.state()
-    held = hold_out_base(model, cfg.finetune, state)  # QLoRA: the 4-bit base, never whole in fp32
+    method.convert(model)  # QLoRA: the 4-bit base, never whole in fp32
     model.to_empty(device=device)
     model.init_buffers()  # the rotary tables; every parameter is written just below
     model.tie_weights()
-    put_back(held)
-    load_base_and_adapters([model], state, cfg.train.seed, adapters)
+    method.load([model], adapters)
     return model
 
 

@@ -19,20 +19,8 @@ from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
 from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.config import head_width
+from scaletrain.model.hf_names import to_hf
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
-
-# scaletrain name suffix -> Hugging Face Llama name suffix, per block.
-_BLOCK = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -69,19 +57,12 @@ def hf_state_dict(model: nn.Module, cfg: ModelConfig) -> dict:
     for name, tensor in model.state_dict().items():
         if name in ("tok_embeddings.weight", "output.weight"):
             tensor = tensor[:cfg.vocab_size]
-        if name == "tok_embeddings.weight":
-            key = "model.embed_tokens.weight"
-        elif name == "norm.weight":
-            key = "model.norm.weight"
-        elif name == "output.weight":
-            if cfg.tie_embeddings:
-                continue
-            key = "lm_head.weight"
-        elif name.startswith("layers."):
-            _, index, rest = name.split(".", 2)
-            key = f"model.layers.{index}.{_BLOCK[rest]}"
-        else:
-            raise KeyError(f"no Hugging Face name for parameter {name!r}")
+        if name == "output.weight" and cfg.tie_embeddings:
+            continue
+        try:
+            key = to_hf(name)  # the one name table (model/hf_names.py)
+        except KeyError:
+            raise KeyError(f"no Hugging Face name for parameter {name!r}") from None
         out[key] = tensor.detach().to("cpu").contiguous()
     return out
 

@@ -31,33 +31,31 @@ from scaletrain.data.instructions import jinja_chat_template
 from scaletrain.data.tokenizer import BPETokenizer, Tokenizer
 from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.config import head_width
+from scaletrain.model.hf_names import block_suffix, to_hf
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 DTYPES = ("f32", "f16", "q8_0")
 NO_MERGE = "<|no-merge|>"
 
-# scaletrain name suffix -> llama.cpp GGUF name suffix, per block ("blk.<i>.<name>").
-_BLOCK = {
-    "attention.wq.weight": "attn_q.weight",
-    "attention.wk.weight": "attn_k.weight",
-    "attention.wv.weight": "attn_v.weight",
-    "attention.wo.weight": "attn_output.weight",
-    "feed_forward.w1.weight": "ffn_gate.weight",
-    "feed_forward.w3.weight": "ffn_up.weight",
-    "feed_forward.w2.weight": "ffn_down.weight",
-    "attention_norm.weight": "attn_norm.weight",
-    "ffn_norm.weight": "ffn_norm.weight",
+# Hugging Face module inside a decoder layer -> llama.cpp's ("blk.<i>.<name>"), as llama.cpp's
+# convert_hf_to_gguf.py maps them; our side comes from the one name table (model/hf_names.py).
+_GGUF_BLOCK = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
-_TOP = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-        "output.weight": "output.weight"}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
 
 
 def gguf_name(name: str) -> str:
-    """Our parameter name -> llama.cpp's tensor name."""
-    if name.startswith("layers."):
-        _, index, rest = name.split(".", 2)
-        return f"blk.{index}.{_BLOCK[rest]}"
-    return _TOP[name]
+    """Our parameter name -> llama.cpp's tensor name (through the Hugging Face name)."""
+    hf = to_hf(name)
+    if hf in _GGUF_TOP:
+        return _GGUF_TOP[hf]
+    _, _, index, rest = hf.split(".", 3)  # model.layers.<i>.<module>.<kind>
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{index}.{_GGUF_BLOCK[module]}.{kind}"
 
 
 def rotary_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -77,9 +75,9 @@ def gguf_state(model: nn.Module, cfg: ModelConfig, vocab_rows: int) -> dict[str,
         tensor = tensor.detach().float().cpu()
         if name in ("tok_embeddings.weight", "output.weight"):
             tensor = tensor[:vocab_rows]
-        if name.endswith("attention.wq.weight"):
+        if name.endswith(f"{block_suffix('q')}.weight"):
             tensor = rotary_to_interleaved(tensor, cfg.n_heads)
-        elif name.endswith("attention.wk.weight"):
+        elif name.endswith(f"{block_suffix('k')}.weight"):
             tensor = rotary_to_interleaved(tensor, kv_heads(cfg))
         out[gguf_name(name)] = tensor.contiguous().numpy()
     return out

@@ -31,8 +31,17 @@ from torch import nn
 
 from scaletrain.model import Transformer
 from scaletrain.model.config import ModelConfig, head_width
+from scaletrain.model.hf_names import PROJECTIONS, block_suffix
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 from scaletrain.options import ConfigError
+
+# A block's projection weight (``attention.wq.weight``) -> its role (``q``), from the one name table.
+_ROLE_OF_WEIGHT = {f"{block_suffix(role)}.weight": role for role in PROJECTIONS}
+
+
+def _weight(block: nn.Module, role: str) -> torch.Tensor:
+    """The float64 copy of a block's projection weight by role (model/hf_names.py)."""
+    return block.get_submodule(block_suffix(role)).weight.detach().double()
 
 
 @torch.no_grad()
@@ -61,8 +70,8 @@ def importance(model: Transformer, batches: Iterable[torch.Tensor]) -> dict[str,
             x, y = args[0].detach().flatten(0, 1).double(), out.detach().flatten(0, 1).double()
             cos_sum[i] += torch.nn.functional.cosine_similarity(x, y, dim=-1).sum()
 
-        hooks.append(block.feed_forward.w2.register_forward_pre_hook(w2_hook))
-        hooks.append(block.attention.wo.register_forward_pre_hook(wo_hook))
+        hooks.append(block.get_submodule(block_suffix("down")).register_forward_pre_hook(w2_hook))
+        hooks.append(block.get_submodule(block_suffix("o")).register_forward_pre_hook(wo_hook))
         hooks.append(block.register_forward_hook(block_hook))
     try:
         was_training = model.training
@@ -76,10 +85,10 @@ def importance(model: Transformer, batches: Iterable[torch.Tensor]) -> dict[str,
             h.remove()
     if tokens == 0:
         raise ConfigError("structured pruning needs a calibration set (--calibration-sequences > 0)")
-    w2_norms = torch.stack([model.layers[n].feed_forward.w2.weight.detach().double().norm(dim=0) for n in names])
+    w2_norms = torch.stack([_weight(model.layers[n], "down").norm(dim=0) for n in names])
     heads = []
     for i, n in enumerate(names):
-        wo = model.layers[n].attention.wo.weight.detach().double().view(-1, n_heads, hd).transpose(0, 1)  # H,d,hd
+        wo = _weight(model.layers[n], "o").view(-1, n_heads, hd).transpose(0, 1)  # H,d,hd
         per_head = torch.einsum("hdi,hdj,hji->h", wo, wo, gram[i]).clamp_min(0)  # ||wo_h o_h||^2 over tokens
         heads.append(per_head.view(kv_heads(model.cfg), -1).sum(1).sqrt())  # KV groups: their query heads
     return {"neurons": (act.sqrt() * w2_norms).float(), "heads": torch.stack(heads).float(),
@@ -145,17 +154,14 @@ def prune_structured(model: Transformer, scores: dict[str, torch.Tensor], mlp_fr
         q_cols = ((group[:, None] * per_group + torch.arange(per_group))[..., None] * hd + torch.arange(hd)).flatten()
         kv_cols = (group[:, None] * hd + torch.arange(hd)).flatten()
         prefix = f"layers.{new_i}."
+        rows = {"gate": neurons, "up": neurons, "q": q_cols, "k": kv_cols, "v": kv_cols}  # kept output rows
+        cols = {"down": neurons, "o": q_cols}  # kept input columns
         for key, t in old.state_dict().items():
-            if key in ("feed_forward.w1.weight", "feed_forward.w3.weight"):
-                t = t[neurons]
-            elif key == "feed_forward.w2.weight":
-                t = t[:, neurons]
-            elif key == "attention.wq.weight":
-                t = t[q_cols]
-            elif key in ("attention.wk.weight", "attention.wv.weight"):
-                t = t[kv_cols]
-            elif key == "attention.wo.weight":
-                t = t[:, q_cols]
+            role = _ROLE_OF_WEIGHT.get(key)
+            if role in rows:
+                t = t[rows[role]]
+            elif role in cols:
+                t = t[:, cols[role]]
             state[prefix + key] = t.clone()
     for key, t in model.state_dict().items():
         if not key.startswith(("layers.", "rope_")):

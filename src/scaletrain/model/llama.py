@@ -176,7 +176,29 @@ class Attention(nn.Module):
         self.sliding_window = cfg.sliding_window if is_sliding(cfg, layer_id) else 0  # 0 = the whole context
         self.use_rope = layer_id not in cfg.no_rope_layers  # SmolLM3's NoPE layers have no rotary embedding
 
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        """x (B, T, d); cos, sin (T, hd), or (B, T, hd) per row with a cache. With ``cache`` the new keys and
+        values are stored and the T queries attend over every cached slot (S of them) under ``attn_mask``
+        (B, 1, T, S), the cache's mask."""
+        q, k, v = self.project(x, cos, sin)
+        seqlen = x.shape[1]
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, KV, S, hd): the cached slots and these
+            if self.sliding_window:
+                attn_mask = cache.owner.window_mask(self.sliding_window)  # (B, 1, T, S)
+        elif self.sliding_window and seqlen > self.sliding_window:  # a shorter sequence: the window is all of it
+            attn_mask = self.windowed(attn_mask, seqlen, x.device)
+        return self.attend(q, k, v, attn_mask)
+
+    def windowed(self, attn_mask: torch.Tensor | None, seqlen: int, device: torch.device) -> torch.Tensor:
+        """``attn_mask`` (or causal) confined to this layer's sliding window, over T = ``seqlen`` queries and keys."""
+        window = window_mask(seqlen, self.sliding_window, device)  # (T, T)
+        return window if attn_mask is None else attn_mask & window
+
+    # project and attend are the two halves of forward, apart so that a variant that changes only the keys,
+    # values and mask between them (prefix tuning, adapt/prompt.py) reuses the rest, the muP scale included.
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q (B, H, T, hd) and k, v (B, KV, T, hd) of ``x`` (B, T, d): projected, q/k-normed (``qk_norm``) and
         rotated (unless this layer has no rotary embedding)."""
         bsz, seqlen, _ = x.shape
@@ -190,20 +212,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         return q.transpose(1, 2), k.transpose(1, 2), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn_mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
-        """x (B, T, d); cos, sin (T, hd), or (B, T, hd) per row with a cache. With ``cache`` the new keys and
-        values are stored and the T queries attend over every cached slot (S of them) under ``attn_mask``
-        (B, 1, T, S), the cache's mask."""
-        bsz, seqlen, _ = x.shape
-        q, k, v = self._project(x, cos, sin)  # (B, H, T, hd), (B, KV, T, hd) x 2
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, KV, S, hd): the cached slots and these
-            if self.sliding_window:
-                attn_mask = cache.owner.window_mask(self.sliding_window)  # (B, 1, T, S)
-        elif self.sliding_window and seqlen > self.sliding_window:  # a shorter sequence: the window is all of it
-            window = window_mask(seqlen, self.sliding_window, x.device)  # (T, T)
-            attn_mask = window if attn_mask is None else attn_mask & window
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, H, T, hd) over k, v (B, KV, S, hd): causal without ``attn_mask``, else under it (broadcast to
+        (B, H, T, S), True = visible); then the output projection, (B, T, d)."""
+        bsz, _, seqlen, _ = q.shape
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:  # grouped-query attention: each KV head serves n_rep query heads
             k = k.repeat_interleave(n_rep, dim=1)

@@ -27,6 +27,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from scaletrain.model.hf_names import PROJECTIONS, block_suffix
+
+# Projections split by input rows (their outputs are partial sums, reduced once); the others by output columns.
+ROW_SPLIT = ("o", "down")
+
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> nn.Module:
     """Split ``model`` (a full model or one pipeline stage) over ``tp_mesh`` in place."""
@@ -56,15 +61,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
                                    desired_input_layouts=(residual, None, None, None), use_local_output=True),
             "attention": PrepareModuleInput(input_layouts=(residual, None, None, None),
                                             desired_input_layouts=(Replicate(), None, None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
             "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-            "feed_forward.w3": ColwiseParallel(),
         }
+        for role in PROJECTIONS:  # the projections by role (model/hf_names.py)
+            plan[block_suffix(role)] = (RowwiseParallel(output_layouts=residual) if role in ROW_SPLIT
+                                        else ColwiseParallel())
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()

@@ -290,7 +290,8 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
             ("cost", cost)]
 
 
-def table(rows: list[tuple], header: tuple | None = None) -> str:
+def html_table(rows: list[tuple], header: tuple | None = None) -> str:
+    """An HTML table of ``rows`` (escaped), with an optional header row."""
     out = ["<table>"]
     if header:
         out.append("<tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>")
@@ -331,7 +332,7 @@ def render(runs: list[RunData], price: float = 0.0, title: str = "scaletrain rep
     parts.append("<h2>Runs</h2><div class='grid'>")
     for i, run in enumerate(runs):
         swatch = f"<span class='swatch' style='background:{COLOURS[i % len(COLOURS)]}'></span>"
-        parts.append(f"<div><h3>{swatch}{html.escape(run.name)}</h3>{table(header_rows(run, price))}")
+        parts.append(f"<div><h3>{swatch}{html.escape(run.name)}</h3>{html_table(header_rows(run, price))}")
         if run.missing:
             parts.append("<p class='note'><b>Missing or incomplete:</b></p><ul class='note'>"
                          + "".join(f"<li>{html.escape(m)}</li>" for m in run.missing) + "</ul>")
@@ -345,7 +346,8 @@ def render(runs: list[RunData], price: float = 0.0, title: str = "scaletrain rep
             if rows:
                 p = run_prediction(run)
                 parts.append(f"<h3>{html.escape(run.name)}: plan {html.escape(str(p.get('plan', '')))}</h3>"
-                             + table(rows, ("quantity", "predicted", "measured", "error (measured / predicted - 1)")))
+                             + html_table(rows, ("quantity", "predicted", "measured",
+                                                 "error (measured / predicted - 1)")))
         parts.append("<p>Measured: the median of the logged step times (the first window, which pays compilation, "
                      "left out), the largest peak memory any rank logged (max allocated on a GPU; the process's "
                      "peak RSS on a CPU, which includes the runtime), the median tokens/s.</p>")
@@ -362,13 +364,13 @@ def render(runs: list[RunData], price: float = 0.0, title: str = "scaletrain rep
     parts.append("<h2>Events (NaN guard, rollbacks, preemption)</h2>")
     events = [(run.name, e["step"], e["kind"], e["detail"], _fmt_time(e.get("time"))) for run in runs
               for e in run.events]
-    parts.append(table(events, ("run", "step", "event", "detail", "time")) if events
+    parts.append(html_table(events, ("run", "step", "event", "detail", "time")) if events
                  else "<p>None: no skipped update, rollback or preemption.</p>")
 
     parts.append("<h2>Checkpoints</h2>")
     ckpts = [(run.name, c["name"], "complete" if c["complete"] else "INCOMPLETE (no meta.json)",
               f"{c['bytes'] / 2**20:,.1f} MiB", _fmt_time(c["time"])) for run in runs for c in run.checkpoints]
-    parts.append(table(ckpts, ("run", "checkpoint", "state", "size", "written")) if ckpts
+    parts.append(html_table(ckpts, ("run", "checkpoint", "state", "size", "written")) if ckpts
                  else "<p>No checkpoints.</p>")
 
     parts.append("<h2>Samples</h2>")
@@ -383,8 +385,9 @@ def render(runs: list[RunData], price: float = 0.0, title: str = "scaletrain rep
     for run in runs:
         if run.top_ops:
             parts.append(f"<h2>Profile: top operators of {html.escape(run.name)} (rank 0, by self time)</h2>")
-            parts.append(table([(o["name"], f"{o['self_us'] / 1000:,.2f} ms", o["calls"], f"{100 * o['share']:.1f}%")
-                                 for o in run.top_ops], ("operator", "self time", "calls", "share")))
+            rows = [(o["name"], f"{o['self_us'] / 1000:,.2f} ms", o["calls"], f"{100 * o['share']:.1f}%")
+                    for o in run.top_ops]
+            parts.append(html_table(rows, ("operator", "self time", "calls", "share")))
     parts.append("<h2>Configs</h2>")
     for run in runs:
         parts.append(f"<details><summary>{html.escape(run.name)}: config.toml</summary>"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.options import ConfigError
-from scaletrain.report.html import COLOURS, CSS, table
+from scaletrain.report.html import COLOURS, CSS, html_table
 
 STUDY_FILE = "study.json"
 STATE_STYLE = {"complete": COLOURS[0], "pruned": "#999999", "skipped": "#dddddd", "fail": COLOURS[1]}
@@ -108,7 +108,7 @@ def study_section(name: str, doc: dict, fig_html) -> str:
     rows = [(str(t["number"]) + ("*" if t["baseline"] else ""), t["state"],
              "-" if _shown_value(t) is None else f"{_shown_value(t):.4f}", t["steps"],
              *[t["params"].get(k, "-") for k in names], t.get("note", "")) for t in trials]
-    parts.append(table(rows, ("trial", "state", "val loss", "steps", *names, "note")))
+    parts.append(html_table(rows, ("trial", "state", "val loss", "steps", *names, "note")))
     return "\n".join(parts)
 
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import torch
 
-from scaletrain.compress.fp8 import check_fp8_device
 from scaletrain.config import ConfigError
 from scaletrain.peak import cpu_bf16_speedup
+from scaletrain.train.fp8 import check_fp8_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -37,7 +37,7 @@ def resolve_precision(name: str, device: torch.device, log: Callable[[str], None
     fp32 on a CPU without measuring, for a rank that takes rank 0's decision once the process group exists."""
     if name == "fp16" and device.type != "cuda":
         raise ConfigError("train.precision=fp16 needs a GPU; use fp32 (or bf16) on the CPU")
-    if name == "fp8":  # torchao Float8Linear (compress/fp8.py): a GPU with fp8 tensor cores, else one line
+    if name == "fp8":  # torchao Float8Linear (train/fp8.py): a GPU with fp8 tensor cores, else one line
         check_fp8_device(device)
     if name != "auto":
         return name, ""

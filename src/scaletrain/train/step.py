@@ -15,19 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from scaletrain.adapt import apply_method, load_base_and_adapters, open_base
-from scaletrain.adapt.distill import attach_teacher
-from scaletrain.adapt.lora import put_back
-from scaletrain.adapt.masks import keep_zeros
-from scaletrain.adapt.methods import hold_out_base
-from scaletrain.adapt.qat import prepare_qat
 from scaletrain.allocator import keep_freed_memory
-from scaletrain.compress.fp8 import convert_to_fp8
 from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
 from scaletrain.model.mup import width_mult
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.parallelize import ParallelModel, clip_grad_norm_, forward_backward, parallelize
+from scaletrain.train.converters import build_converters
 from scaletrain.train.optimizer import build_parallel_optimizer
 
 # (inputs (B, T), targets (B, T), attention mask (B, 1, T, T) or None), already on the device.
@@ -36,7 +30,8 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.device, mesh: object | None = None,
                             vocab_limit: int | None = None) -> tuple[ParallelModel, torch.optim.Optimizer]:
-    """Model on the meta device -> ``parallelize`` (split, shard, materialize, init) -> optimizer.
+    """Model on the meta device -> converters (train/converters.py) -> ``parallelize`` (split, shard,
+    materialize, init) -> converters after parallelize -> optimizer.
 
     ``mesh`` defaults to ``dims.build_mesh`` (needs the process group when the world size is > 1). The
     weights are the same seeded initialisation in every layout (``cfg.train.seed``). ``vocab_limit``: the
@@ -45,24 +40,13 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
         keep_freed_memory()
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    if cfg.train.precision == "fp8":  # torchao Float8Linear, before TP / AC / compile / FSDP (compress/fp8.py)
-        convert_to_fp8(model, fsdp=dims.dp_shard > 1)
-    held = []
-    if cfg.finetune.source:  # fine-tuning: freeze / add adapters on the meta model (adapt/, docs/finetuning.md)
-        apply_method(model, cfg.finetune)
-        base_state = open_base(cfg.finetune.source).state()
-        held = hold_out_base(model, cfg.finetune, base_state, device)  # QLoRA: the 4-bit base, never whole in fp32
+    converters = build_converters(cfg, dims, device)  # fp8, fine-tuning, QAT, ... (train/converters.py)
+    converters.convert(model)
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
                      compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
-                     init_weights=not cfg.finetune.source)  # a fine-tune's weights come from its base, just below
-    if cfg.finetune.source:  # the base's weights and the adapters' initial values, in every layout alike
-        put_back(held)
-        load_base_and_adapters(pm.modules, base_state, cfg.train.seed)
-        attach_teacher(pm, cfg.finetune, cfg.data.tokenizer)  # finetune.teacher: distillation (adapt/distill.py)
-        prepare_qat(pm.modules[0], cfg.finetune)  # finetune.qat: fake-quantized weights (adapt/qat.py)
-        if cfg.finetune.keep_zeros:  # a pruned base's masks held through a full fine-tune (adapt/masks.py)
-            keep_zeros(pm.modules[0])
+                     init_weights=not converters.loads_weights)  # a fine-tune's weights come from its base
+    converters.after_parallelize(pm)
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
     lora_plus = cfg.finetune.lora_plus_ratio if cfg.finetune.source else 1.0  # validate: lora/qlora only
     return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage, width_mult(cfg.model), lora_plus)

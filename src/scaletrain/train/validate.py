@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from scaletrain.adapt.lora import TARGETS
+from scaletrain.adapt.lora import check_lora_targets
+from scaletrain.adapt.qat import check_qat
 from scaletrain.config import ConfigError, JobConfig, validate_job
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.deepspeed_engine import check_deepspeed
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.train.adaptive import check_adaptive
+from scaletrain.train.fp8 import check_fp8_available
 
 
 def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
@@ -33,10 +35,11 @@ def check_finetune(cfg: JobConfig, world_size: int) -> None:
         raise ConfigError("finetune.instructions needs finetune.source (the base whose tokenizer reads them)")
     if not ft.source:
         return
-    unknown = [t for t in ft.lora_targets if t not in TARGETS]
-    if ft.method in ("lora", "qlora") and (unknown or not ft.lora_targets):
-        raise ConfigError(f"finetune.lora_targets: {'unknown target(s) ' + ', '.join(unknown) if unknown else 'empty'}"
-                          f"; choose among {', '.join(TARGETS)}")
+    if ft.method in ("lora", "qlora"):
+        check_lora_targets(ft.lora_targets)
+    if ft.method == "full" and ft.freeze_blocks > cfg.model.n_layers:
+        raise ConfigError(f"finetune.freeze_blocks ({ft.freeze_blocks}) exceeds the base's {cfg.model.n_layers} "
+                          f"blocks")
     if ft.lora_plus_ratio != 1.0 and ft.method not in ("lora", "qlora"):
         raise ConfigError(f"finetune.lora_plus_ratio={ft.lora_plus_ratio:g} scales the LoRA B matrices' learning rate; "
                           f"finetune.method={ft.method} has none: use method=lora or qlora, or leave it at 1")
@@ -92,7 +95,7 @@ def check_optimizer(cfg: JobConfig) -> None:
                           "matrices' AdamW lr; Muon scales its own by shape): use one of them")
 
 
-def check_distillation(cfg: JobConfig) -> None:
+def check_distillation(cfg: JobConfig, here: bool = True) -> None:
     """finetune.teacher (adapt/distill.py): a fine-tune on one model part whose logits are plain tensors;
     finetune.qat (adapt/qat.py): a full fine-tune without tensor/pipeline/context parallelism."""
     ft = cfg.finetune
@@ -101,6 +104,7 @@ def check_distillation(cfg: JobConfig) -> None:
                           "finetune.method=full")
     if ft.qat and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         raise ConfigError("finetune.qat runs with data parallelism (DDP, FSDP2) only; set parallel.tp/pp/cp=1")
+    check_qat(ft, cfg.model, here)  # torchao, the int4 group size against the model's widths
     if ft.keep_zeros and (ft.method != "full" or not ft.source):
         raise ConfigError("finetune.keep_zeros holds the base's zeros in weights that train: it needs finetune.source "
                           "and finetune.method=full (LoRA keeps the frozen base's zeros anyway)")
@@ -132,7 +136,9 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     check_finetune(cfg, world_size)
     check_mup(cfg)
     check_optimizer(cfg)
-    check_distillation(cfg)
+    check_distillation(cfg, here)
+    if precision == "fp8" and here:  # the device was checked with the precision (train/precision.py)
+        check_fp8_available()
     if cfg.parallel.engine == "deepspeed":  # its own rules (ds_config, offload, ZeRO-3 x pp), data parallel only
         if cfg.finetune.source:
             raise ConfigError("fine-tuning (finetune.source) runs on the native engine only; drop "

@@ -7,8 +7,8 @@ parallelism, activation checkpointing, compile and FSDP2, as torchao and torchti
 (``parallel.dp_shard > 1``) the weights are all-gathered in float8 (``enable_fsdp_float8_all_gather``).
 fp8 pays off only with ``train.compile = true`` (the casts fuse) and on large matmuls.
 
-UNTESTED on a GPU here (no GPU is lent to this project's CPU machines): the filter and the device check are
-tested; the conversion follows torchao 0.18's documented API.
+A training precision, applied by the converter list (train/converters.py). The filter and the refusals are
+tested on the CPU; the conversion itself needs a GPU (``scripts/gpu_check.py --only fp8``, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -50,13 +50,20 @@ def check_fp8_device(device: torch.device) -> None:
                           f"{torch.cuda.get_device_name(device)} is sm{major}{minor}: use bf16")
 
 
-def convert_to_fp8(model: nn.Module, fsdp: bool = False, min_dim: int = MIN_FP8_DIM) -> int:
-    """Swap the filtered Linears of ``model`` (on meta, before parallelize) for ``Float8Linear``; returns how many
-    (0: every Linear is too small to gain, and the run is plain bf16)."""
+def check_fp8_available() -> None:
+    """One-line ConfigError unless torchao's float8 training is installed (checked before the run folder is
+    taken: train/validate.py)."""
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        import torchao.float8  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"train.precision=fp8 needs torchao (pip install 'scaletrain[compress]'): {exc}") from None
+
+
+def convert_to_fp8(model: nn.Module, fsdp: bool = False, min_dim: int = MIN_FP8_DIM) -> int:
+    """Swap the filtered Linears of ``model`` (on meta, before parallelize) for ``Float8Linear``; returns how many
+    (0: every Linear is too small to gain, and the run is plain bf16). torchao is there: ``check_fp8_available``."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
     keep = fp8_filter(min_dim)
     chosen = sum(1 for fqn, m in model.named_modules() if keep(m, fqn))
     if chosen:
