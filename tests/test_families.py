@@ -203,3 +203,27 @@ def test_family_presets_have_the_published_shapes(preset):
     assert num_params(cfg) == sum(p.numel() for p in model.parameters()) == PUBLISHED[preset]
     assert model_config_from_hf(hf_config_from_model_config(cfg), preset) == ModelConfig(
         **{**PRESETS[preset], "n_kv_heads": cfg.n_kv_heads})
+
+
+def test_a_family_folder_is_a_fine_tuning_base(family, tmp_path):
+    """``finetune --from FOLDER`` reads the family's folder lazily (headers first, then tensor by tensor; a fused
+    Phi-3 projection row by row) into the same model transformers computes."""
+    import dataclasses
+
+    from scaletrain.adapt import resolve_finetune
+    from scaletrain.adapt.export import base_model
+    from scaletrain.config import JobConfig
+
+    name, _, _, hf_model = family
+    hf_model.save_pretrained(tmp_path)
+    for file in (FIXTURES.parent / "chatml_tokenizer").iterdir():  # a base needs its tokenizer (384 < 512 ids)
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    cfg = JobConfig()
+    cfg = resolve_finetune(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=16),
+                                               finetune=dataclasses.replace(cfg.finetune, source=str(tmp_path),
+                                                                            method="lora")))
+    assert ARCHITECTURES[cfg.model.family] == type(hf_model).__name__
+    ids = _tokens()
+    with torch.no_grad():
+        diff = (base_model(cfg).eval()(ids).float() - hf_model(ids).logits).abs().max()
+    assert diff <= 1e-4, (name, diff)

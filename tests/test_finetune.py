@@ -218,7 +218,7 @@ def test_a_finetune_materializes_without_a_reference_model(monkeypatch):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("model_type", "mistral", "model_type is 'mistral'"),
+    ("model_type", "falcon", "model_type 'falcon' is not supported"),
     ("hidden_act", "gelu", "hidden_act = 'gelu'"),
     ("intermediate_size", 48, "has shape"),
 ])

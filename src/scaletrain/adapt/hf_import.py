@@ -1,4 +1,5 @@
-"""Import a local Hugging Face Llama folder: the reverse of ``scaletrain export`` (checkpoint/export.py).
+"""Import a local Hugging Face folder of a supported family (model/families.py): the reverse of ``scaletrain
+export`` (checkpoint/export.py).
 
 Reads ``config.json`` into a ``ModelConfig`` and ``model.safetensors`` (or the shards listed in
 ``model.safetensors.index.json``) into our parameter names. Only safetensors are read: a pickled
@@ -15,10 +16,10 @@ import torch
 from safetensors import safe_open
 
 from scaletrain.config import ConfigError, ModelConfig
-from scaletrain.model.hf_names import from_hf
+from scaletrain.model.families import check_fused_rows, hf_places, model_config_from_hf
 
-# config.json fields whose other values this model does not compute (field -> accepted values).
-_REQUIRED = {"hidden_act": ("silu",), "attention_bias": (False, None), "mlp_bias": (False, None)}
+# Where one of our parameters is in a Hugging Face folder: (safetensors file, tensor name, rows of it or None).
+HFPlace = tuple[Path, str, "slice | None"]
 
 
 def _read_json(path: Path) -> dict:
@@ -29,38 +30,12 @@ def _read_json(path: Path) -> dict:
 
 
 def hf_model_config(folder: str | Path) -> ModelConfig:
-    """``config.json`` of a Llama folder as our ``ModelConfig``; an unsupported architecture or field is a
-    ConfigError naming it."""
+    """``config.json`` of a Hugging Face folder of a supported family (model/families.py: Llama, Mistral, Qwen2/3,
+    Gemma 3, Phi-3, SmolLM) as our ``ModelConfig``; what we do not compute is a ConfigError naming the field."""
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{folder}: no config.json (expected a Hugging Face Llama folder or a scaletrain run)")
-    hf = _read_json(path)
-    if hf.get("model_type") != "llama":
-        raise ConfigError(f"{path}: model_type is {hf.get('model_type')!r}; only 'llama' (LlamaForCausalLM) "
-                          f"can be imported")
-    for key, accepted in _REQUIRED.items():
-        if hf.get(key, accepted[0]) not in accepted:
-            raise ConfigError(f"{path}: {key} = {hf[key]!r} is not supported (needs {accepted[0]!r})")
-    rope = hf.get("rope_scaling") or {}
-    params = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type")) or params.get("rope_type", "default")
-    if rope_type not in ("default", None):
-        raise ConfigError(f"{path}: rope scaling {rope_type!r} is not supported (plain rotary embeddings only)")
-    try:
-        dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or dim // n_heads)
-        if head_dim % 2:
-            raise ConfigError(f"{path}: head_dim {head_dim} must be even (rotary embeddings)")
-        return ModelConfig(
-            vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
-            head_dim=0 if head_dim * n_heads == dim else head_dim,
-            n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), ffn_hidden_dim=int(hf["intermediate_size"]),
-            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-            rope_theta=float(params.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=float(hf.get("initializer_range", 0.02)))
-    except KeyError as exc:
-        raise ConfigError(f"{path}: missing field {exc.args[0]}") from None
+        raise ConfigError(f"{folder}: no config.json (expected a Hugging Face model folder or a scaletrain run)")
+    return model_config_from_hf(_read_json(path), path)
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -92,28 +67,29 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, tuple[Path, str]]:
-    """Where each weight of the folder is: our name -> (safetensors file, its name there), from the files'
-    headers only (no tensor is read). Checks that every parameter of ``cfg``'s model is there with its shape;
-    an unknown tensor name is refused rather than dropped. A tied head points at the embedding."""
+def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, HFPlace]:
+    """Where each weight of the folder is: our name -> (safetensors file, its name there, its rows or None), from
+    the files' headers only (no tensor is read). Checks that every parameter of ``cfg``'s model is there with its
+    shape; an unknown tensor name is refused rather than dropped. A tied head points at the embedding."""
     shapes = expected_shapes(cfg)
-    index: dict[str, tuple[Path, str]] = {}
+    index: dict[str, HFPlace] = {}
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as fh:
             for hf_name in fh.keys():
-                ours = from_hf(hf_name)  # the one name table (model/hf_names.py)
-                if ours == "":
-                    continue
+                places = hf_places(hf_name, cfg)  # the one name table (model/hf_names.py), per family
                 # A name the table maps but this model lacks (a bias, a block beyond n_layers) is refused too; a
                 # tied model may still carry its lm_head (dropped below).
-                if ours is None or (ours not in shapes and ours != "output.weight"):
-                    raise ConfigError(f"{file}: tensor {hf_name} has no place in a Llama model (unsupported "
+                if places is None or any(ours not in shapes and ours != "output.weight" for ours, _ in places):
+                    raise ConfigError(f"{file}: tensor {hf_name} has no place in a {cfg.family} model (another "
                                       f"architecture?)")
                 shape = tuple(fh.get_slice(hf_name).get_shape())
-                if ours in shapes and shape != shapes[ours]:
-                    raise ConfigError(f"{file}: {hf_name} has shape {shape} but config.json implies "
-                                      f"{shapes[ours]}")
-                index[ours] = (file, hf_name)
+                check_fused_rows(f"{file}: {hf_name}", shape[0] if shape else 0, places)
+                for ours, rows in places:
+                    part = shape if rows is None else (rows.stop - rows.start, *shape[1:])
+                    if ours in shapes and part != shapes[ours]:
+                        raise ConfigError(f"{file}: {hf_name} has shape {shape} but config.json implies "
+                                          f"{shapes[ours]}{'' if rows is None else ' for ' + ours}")
+                    index[ours] = (file, hf_name, rows)
     if cfg.tie_embeddings:
         index.pop("output.weight", None)
         shapes.pop("output.weight", None)
@@ -126,8 +102,8 @@ def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, tuple[Path, str]
     return index
 
 
-def read_hf_tensor(where: tuple[Path, str]) -> torch.Tensor:
-    """One tensor of ``hf_index`` (as stored: dtype kept)."""
-    file, hf_name = where
+def read_hf_tensor(where: HFPlace) -> torch.Tensor:
+    """One tensor of ``hf_index`` (as stored: dtype kept); a part of a fused tensor reads only its rows."""
+    file, hf_name, rows = where
     with safe_open(str(file), framework="pt") as fh:
-        return fh.get_tensor(hf_name)
+        return fh.get_tensor(hf_name) if rows is None else fh.get_slice(hf_name)[rows.start:rows.stop]

@@ -286,75 +286,91 @@ def _check_expressed(cfg: ModelConfig, hf: dict) -> None:
                               f"({ARCHITECTURES[cfg.family]} computes {theirs.get(name)!r})")
 
 
-def split_fused(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Phi-3's fused ``qkv_proj`` (rows: q, then k, then v) and ``gate_up_proj`` (gate, then up) as the Llama
-    layout's separate projections; other tensors as they are."""
-    q_rows, kv_rows = cfg.n_heads * head_width(cfg), kv_heads(cfg) * head_width(cfg)
-    out = {}
-    for name, tensor in hf_tensors.items():
-        if name.endswith("self_attn.qkv_proj.weight"):
-            if tensor.shape[0] != q_rows + 2 * kv_rows:
-                raise ConfigError(f"{name} has {tensor.shape[0]} rows but config.json implies "
-                                  f"{q_rows + 2 * kv_rows} (q {q_rows} + k, v {kv_rows} each)")
-            stem = name[: -len("qkv_proj.weight")]
-            q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
-            out.update({f"{stem}q_proj.weight": q, f"{stem}k_proj.weight": k, f"{stem}v_proj.weight": v})
-        elif name.endswith("mlp.gate_up_proj.weight"):
-            stem = name[: -len("gate_up_proj.weight")]
-            gate, up = tensor.chunk(2)
-            out.update({f"{stem}gate_proj.weight": gate, f"{stem}up_proj.weight": up})
-        else:
-            out[name] = tensor
-    return out
+# Phi-3's fused tensors: the suffix -> the Llama layout's separate ones, in the order their rows are stacked.
+_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                        "self_attn.v_proj.weight"),
+          "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
+def _fused_rows(suffix: str, cfg: ModelConfig) -> list[int]:
+    """Rows of each part of a fused Phi-3 tensor (q, k, v or gate, up)."""
+    if suffix == "self_attn.qkv_proj.weight":
+        q_rows, kv_rows = cfg.n_heads * head_width(cfg), kv_heads(cfg) * head_width(cfg)
+        return [q_rows, kv_rows, kv_rows]
+    return [ffn_hidden_dim(cfg)] * 2
+
+
+def text_decoder_name(name: str) -> str | None:
+    """A tensor name of Gemma 3's multimodal checkpoint as the text decoder's (transformers 4's
+    ``language_model.model.``, 5's ``model.language_model.``); None for the vision tower and projector (left out on
+    purpose). Other names as they are."""
+    if name.startswith(_GEMMA3_NOT_TEXT):
+        return None
+    for prefix, plain in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                          ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return plain + name[len(prefix):]
+    return name
+
+
+def hf_places(name: str, cfg: ModelConfig) -> list[tuple[str, slice | None]] | None:
+    """Where one of a family's tensors goes in our model: [(our parameter, its rows of the tensor or None for all
+    of it)]; [] for what is not ours to read (a derived rotary buffer, Gemma 3's vision tower); None for a name with
+    no place in the model (refused by the callers, never dropped). Phi-3's fused ``qkv_proj`` / ``gate_up_proj``
+    give one place per part."""
+    name = text_decoder_name(name)
+    if name is None:
+        return []
+    if cfg.family == "phi3":
+        for fused, parts in _FUSED.items():
+            if name.endswith(fused):
+                stem, starts = name[: -len(fused)], 0
+                places = []
+                for part, rows in zip(parts, _fused_rows(fused, cfg)):
+                    ours = from_hf(stem + part, cfg.family)
+                    if not ours:
+                        return None
+                    places.append((ours, slice(starts, starts + rows)))
+                    starts += rows
+                return places
+    ours = from_hf(name, cfg.family)
+    if ours is None:
+        return None
+    return [] if ours == "" else [(ours, None)]
+
+
+def check_fused_rows(name: str, rows: int, places: list[tuple[str, slice | None]]) -> None:
+    """A fused tensor must have exactly the rows its parts take (else the split would be silently wrong)."""
+    if places and places[-1][1] is not None and places[-1][1].stop != rows:
+        raise ConfigError(f"{name} has {rows} rows but config.json implies {places[-1][1].stop} "
+                          f"({' + '.join(str(r.stop - r.start) for _, r in places)})")
 
 
 def join_fused(hf_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of ``split_fused``: separate q/k/v and gate/up projections as Phi-3's fused ones."""
+    """Separate q/k/v and gate/up projections (Hugging Face names) as Phi-3's fused ones (the export)."""
+    parts = {part: fused for fused, group in _FUSED.items() for part in group}
     out = {}
     for name, tensor in hf_tensors.items():
-        if name.endswith("self_attn.q_proj.weight"):
-            stem = name[: -len("q_proj.weight")]
-            out[f"{stem}qkv_proj.weight"] = torch.cat(
-                [tensor, hf_tensors[f"{stem}k_proj.weight"], hf_tensors[f"{stem}v_proj.weight"]])
-        elif name.endswith("mlp.gate_proj.weight"):
-            stem = name[: -len("gate_proj.weight")]
-            out[f"{stem}gate_up_proj.weight"] = torch.cat([tensor, hf_tensors[f"{stem}up_proj.weight"]])
-        elif not name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")):
+        suffix = next((p for p in parts if name.endswith(p)), None)
+        if suffix is None:
             out[name] = tensor
-    return out
-
-
-def _text_decoder_names(hf_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Gemma 3's multimodal checkpoint as a text decoder's names (transformers 4's ``language_model.model.`` and 5's
-    ``model.language_model.``); the vision tower and projector are left out."""
-    out = {}
-    for name, tensor in hf_tensors.items():
-        if name.startswith(_GEMMA3_NOT_TEXT):
-            continue
-        for prefix, plain in (("language_model.model.", "model."), ("model.language_model.", "model."),
-                              ("language_model.lm_head.", "lm_head.")):
-            if name.startswith(prefix):
-                name = plain + name[len(prefix):]
-                break
-        out[name] = tensor
+        elif suffix == _FUSED[parts[suffix]][0]:  # the first part: stack the group here
+            stem = name[: -len(suffix)]
+            out[stem + parts[suffix]] = torch.cat([hf_tensors[stem + p] for p in _FUSED[parts[suffix]]])
     return out
 
 
 def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A family's tensors (Hugging Face names) as our parameters (``Transformer.state_dict`` names, the tied head
     included when tied). A name with no place in the model is refused, not dropped."""
-    if any(name.startswith(("language_model.", "model.language_model.")) for name in hf_tensors):
-        hf_tensors = _text_decoder_names(hf_tensors)
-    if cfg.family == "phi3":
-        hf_tensors = split_fused(hf_tensors, cfg)
     out = {}
     for name, tensor in hf_tensors.items():
-        ours = from_hf(name, cfg.family)
-        if ours == "":
-            continue
-        if ours is None:
+        places = hf_places(name, cfg)
+        if places is None:
             raise ConfigError(f"tensor {name} has no place in a {cfg.family} model (another architecture?)")
-        out[ours] = tensor
+        check_fused_rows(name, tensor.shape[0], places)
+        for ours, rows in places:
+            out[ours] = tensor if rows is None else tensor[rows]
     if cfg.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
