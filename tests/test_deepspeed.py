@@ -29,10 +29,10 @@ from faults import (
     write_config,
 )
 from scaletrain.config import ConfigError, load_config
-from scaletrain.parallel.deepspeed_engine import build_ds_config, deepspeed_available
+from scaletrain.parallel.deepspeed_engine import build_ds_config, deepspeed_missing_reason
 
 ROOT = Path(__file__).resolve().parents[1]
-NO_DEEPSPEED = deepspeed_available()
+NO_DEEPSPEED = deepspeed_missing_reason()
 needs_deepspeed = pytest.mark.skipif(NO_DEEPSPEED is not None, reason=f"{NO_DEEPSPEED}")
 RTOL = 1e-5
 
