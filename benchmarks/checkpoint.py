@@ -9,7 +9,7 @@ folder. Every round does, in alternating order:
   memory (DCP's staging) and then write them. The loop's stall is that call plus the time its next
   optimizer step waits for the copy to finish (``wait_staged``). The steps that run during the write are
   timed and compared with the median step with nothing in flight (the copy and the write compete for the
-  same cores: reported as the interference, "extra step s"), then ``trainer.checkpoints.wait()`` before
+  same cores: reported as the interference, "extra step s"), then ``trainer.checkpoint_store.wait()`` before
   the next round.
 
 Each round also times a plain ``clone()`` of the same tensors, the cost of a copy made in the loop.
@@ -87,7 +87,7 @@ def timed_steps(trainer: Trainer, n: int) -> list[float]:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        trainer.train_step()
+        trainer.step()
         times.append(time.perf_counter() - t0)
     return times
 
@@ -106,7 +106,7 @@ def sync_save(trainer: Trainer) -> dict:
     t0 = time.perf_counter()
     path = trainer.save(blocking=True)
     stall = time.perf_counter() - t0
-    return {"stall_s": stall, "manager_blocked_s": trainer.checkpoints.last_save_seconds["blocked"],
+    return {"stall_s": stall, "manager_blocked_s": trainer.checkpoint_store.last_save_seconds["blocked"],
             "size_mb": folder_mb(path)}
 
 
@@ -120,16 +120,16 @@ def async_save(trainer: Trainer, max_steps: int) -> dict:
     done_at: list[float] = []
     # The manager's in-flight future; its callback stamps the moment the checkpoint is complete (written,
     # hashed, renamed), which the loop itself only learns at its next wait().
-    trainer.checkpoints._pending.add_done_callback(lambda _: done_at.append(time.perf_counter()))
+    trainer.checkpoint_store._pending.add_done_callback(lambda _: done_at.append(time.perf_counter()))
     during = []
     while not done_at and len(during) < max_steps:
         during += timed_steps(trainer, 1)
     t_wait = time.perf_counter()
-    trainer.checkpoints.wait()
+    trainer.checkpoint_store.wait()
     # The copy runs in the background too; the loop waits for it only before its next optimizer step.
-    staging_wait = trainer.checkpoints.last_save_seconds.get("staging_wait", 0.0)
+    staging_wait = trainer.checkpoint_store.last_save_seconds.get("staging_wait", 0.0)
     return {"stall_s": stall + staging_wait, "save_call_s": stall, "staging_wait_s": staging_wait,
-            "manager_blocked_s": trainer.checkpoints.last_save_seconds["blocked"],
+            "manager_blocked_s": trainer.checkpoint_store.last_save_seconds["blocked"],
             "step_s_during_write": during, "wait_s": time.perf_counter() - t_wait,
             "complete_s": done_at[0] - t0, "size_mb": folder_mb(path),
             "rss_staging_mb": rss_staged - rss_before, "rss_delta_after_complete_mb": rss_mb() - rss_before}
@@ -158,12 +158,12 @@ def check_async_checkpoint(trainer: Trainer) -> dict:
     step = trainer.state.step
     path = trainer.save(blocking=False)
     timed_steps(trainer, 2)  # the live weights and moments change while the copy is written
-    trainer.checkpoints.wait()
+    trainer.checkpoint_store.wait()
     t0 = time.perf_counter()
     meta = CheckpointManager.verify(path)
     verify_s = time.perf_counter() - t0
     loaded = {part: {k: torch.zeros_like(t) for k, t in tensors.items()} for part, tensors in snapshot.items()}
-    trainer.checkpoints.load(path, loaded)
+    trainer.checkpoint_store.load(path, loaded)
     equal = all(torch.equal(loaded[part][k], snapshot[part][k]) for part in snapshot for k in snapshot[part])
     moved = any(not torch.equal(live["model"][k], snapshot["model"][k]) for k in snapshot["model"])
     return {"checkpoint": path.name, "meta_step": meta["step"], "step_at_save": step, "files": sorted(meta["files"]),
@@ -255,7 +255,7 @@ def main() -> int:
                   f"{r['async']['stall_s']:.2f} s (complete {r['async']['complete_s']:.2f} s), clone "
                   f"{r['clone_s']:.2f} s, load {r['load_average_1min']:.1f}", flush=True)
         check = check_async_checkpoint(trainer)
-        trainer.checkpoints.close()
+        trainer.checkpoint_store.close()
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -52,12 +52,12 @@ def probe(mode: str, run_dir: str) -> dict:
                                     "logging.tensorboard": "false"})
     trainer = Trainer(cfg, log=False)
     cpu0, t0 = cpu_seconds(), time.perf_counter()
-    trainer.train_step()
+    trainer.step()
     first_s, first_cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     walls, cpus = [], []
     for _ in range(40):
         cpu0, t0 = cpu_seconds(), time.perf_counter()
-        trainer.train_step()
+        trainer.step()
         walls.append(time.perf_counter() - t0)
         cpus.append(cpu_seconds() - cpu0)
     return {"mode": mode, "first_step_s": first_s, "first_step_cpu_s": first_cpu,

@@ -54,7 +54,7 @@ def block(trainer: Trainer, steps: int, monitor: ResourceMonitor | None,
     try:
         for i in range(steps):
             t0 = time.perf_counter()
-            trainer.train_step()
+            trainer.step()
             times.append(time.perf_counter() - t0)
             if monitor is not None and (i + 1) % log_interval == 0:
                 monitor.window()  # what the trainer does at a log step

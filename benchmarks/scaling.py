@@ -86,10 +86,10 @@ def worker(name: str, steps: int, run_dir: str, cache: str, out: str) -> None:
     trainer = Trainer(load_config(None, {k: str(v) for k, v in overrides.items()}))
     state_bytes = _local_bytes(trainer.pm.parameters())
     inner = getattr(trainer.optimizer, "optim", trainer.optimizer)  # ZeRO-1 keeps its shard's AdamW in .optim
-    trainer.train_step()  # creates the optimizer states
+    trainer.step()  # creates the optimizer states
     state_bytes += _local_bytes(v for s in inner.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
     trainer.train()
-    times = trainer.step_times[3:]  # skip warm-up steps
+    times = trainer.throughput.step_times[3:]  # skip warm-up steps
     from scaletrain.train.metrics import peak_memory_bytes
 
     mine = {"model_state_mb": state_bytes / 2**20, "peak_rss_mb": peak_memory_bytes(trainer.device) / 2**20}

@@ -63,7 +63,7 @@ class NanoGPTLayout(nn.Module):
 
 
 def side_by_side(cfg, steps: int = 120, warmup: int = 10) -> dict:
-    """Median step times, alternating step by step in this process: our train_step compiled (the recipe)
+    """Median step times, alternating step by step in this process: our Trainer.step compiled (the recipe)
     and eager, and the nanoGPT-layout step eager (the reference measured 41.4 ms on these machines) and
     compiled (40.0 ms there). Load slows every contender alike, so the ratios hold where absolute times drift."""
     from dataclasses import replace
@@ -85,7 +85,7 @@ def side_by_side(cfg, steps: int = 120, warmup: int = 10) -> dict:
             opt.zero_grad(set_to_none=True)
         return step
 
-    contenders = {**{name: (lambda i, t=t: t.train_step()) for name, t in ours.items()},
+    contenders = {**{name: (lambda i, t=t: t.step()) for name, t in ours.items()},
                   "nanogpt_layout_eager": ref_step_fn(False), "nanogpt_layout_compiled": ref_step_fn(True)}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for i in range(steps + warmup):  # the warmup steps include the compilations

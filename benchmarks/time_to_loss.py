@@ -79,7 +79,7 @@ def step_ratio(steps: int = 100, warmup: int = 10) -> dict:
         for i in range(steps + warmup):
             for name, trainer in trainers.items():
                 t0 = time.perf_counter()
-                trainer.train_step()
+                trainer.step()
                 if i >= warmup:
                     times[name].append(time.perf_counter() - t0)
     finally:

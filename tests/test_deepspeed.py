@@ -29,10 +29,10 @@ from helpers.faults import (
     write_config,
 )
 from scaletrain.config import ConfigError, load_config
-from scaletrain.parallel.deepspeed_engine import build_ds_config, deepspeed_available
+from scaletrain.parallel.deepspeed_engine import build_ds_config, deepspeed_missing_reason
 
 ROOT = Path(__file__).resolve().parents[1]
-NO_DEEPSPEED = deepspeed_available()
+NO_DEEPSPEED = deepspeed_missing_reason()
 needs_deepspeed = pytest.mark.skipif(NO_DEEPSPEED is not None, reason=f"{NO_DEEPSPEED}")
 RTOL = 1e-5
 
@@ -103,6 +103,26 @@ def test_precision_maps_to_ds_config_and_fp16_needs_a_gpu():
     recompute = load_config(None, {"parallel.engine": "deepspeed", "parallel.activation_checkpointing": "full"})
     with pytest.raises(ConfigError, match="activation_checkpointing is not applied by the deepspeed engine"):
         check_deepspeed(recompute, 1, "cpu", "fp32")  # it used to be accepted and silently not applied
+
+
+def test_engines_are_chosen_from_the_config_and_share_one_interface(tmp_path):
+    """The trainer holds an engine (train/engine.py) instead of being subclassed: ``engine_for`` picks it from
+    parallel.engine, and every method of the TrainingEngine protocol has the same parameters on each engine,
+    so the trainer never passes an engine arguments it does not take."""
+    import inspect
+
+    from scaletrain.checkpoint import CheckpointManager
+    from scaletrain.train.engine import NativeEngine, TrainingEngine, engine_for
+    from scaletrain.train.engine_deepspeed import DeepSpeedEngine
+
+    store = CheckpointManager(tmp_path / "checkpoints")
+    native, deepspeed = (engine_for(load_config(None, {"parallel.engine": name}), "fp32", store)
+                         for name in ("native", "deepspeed"))
+    assert type(native) is NativeEngine and type(deepspeed) is DeepSpeedEngine
+    for name in ("build", "step", "checkpoint", "sampling_model", "describe"):
+        protocol = list(inspect.signature(getattr(TrainingEngine, name)).parameters)[1:]  # without self
+        for engine in (native, deepspeed):
+            assert list(inspect.signature(getattr(engine, name)).parameters) == protocol, (engine, name)
 
 
 @needs_deepspeed

@@ -271,7 +271,7 @@ def test_lora_plus_trains_b_at_ratio_times_the_rate(hf_base, tmp_path, tiny):
     scale = {names[id(p)]: g["lr_scale"] for g in trainer.optimizer.param_groups for p in g["params"]}
     assert {v for k, v in scale.items() if k.endswith("lora_B")} == {16.0}
     assert {v for k, v in scale.items() if k.endswith("lora_A")} == {1.0}
-    trainer.train_step()
+    trainer.step()
     lrs = {g["lr_scale"]: g["lr"] for g in trainer.optimizer.param_groups}
     assert lrs[16.0] == pytest.approx(16 * lrs[1.0]) and lrs[1.0] > 0
 

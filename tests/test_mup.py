@@ -76,7 +76,7 @@ def test_trainer_sets_the_hidden_matrices_lr_over_width_mult(tmp_path, tiny):
                                      "schedule.name": "constant", "schedule.warmup_steps": 0, "optim.lr": 4e-3,
                                      "checkpoint.enabled": "false"})
     trainer = Trainer(load_config(None, over), log=False)
-    trainer.train_step()
+    trainer.step()
     lrs = sorted({round(g["lr"], 12) for g in trainer.optimizer.param_groups})
     assert lrs == [pytest.approx(4e-3 / 2), pytest.approx(4e-3)]  # dim 32 / base 16: width_mult 2
     trainer.close()

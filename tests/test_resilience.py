@@ -162,28 +162,28 @@ def test_async_save_resume_is_bitwise_exact(tmp_path, tiny):
 def test_nan_guard_skips_then_rolls_back_and_skips_the_data(tmp_path, tiny):
     trainer = _tiny_trainer(tmp_path, tiny, **{"train.rollback_after": 3})
     for _ in range(5):
-        trainer.train_step()
+        trainer.step()
     trainer.save()
     good = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     cursor_at_save = trainer.train_loader.state_dict()["cursor"]
     for _ in range(2):
-        trainer.train_step()
+        trainer.step()
     with torch.no_grad():  # a corrupted weight: every loss from now on is NaN
         trainer.model.norm.weight[0] = math.nan
     poisoned = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    first = trainer.train_step()
+    first = trainer.step()
     assert first.get("skipped_update") == 1 and math.isnan(first["loss"])
     for k, v in trainer.model.state_dict().items():  # a skipped step changes no weight
         assert torch.equal(v, poisoned[k]) or torch.isnan(v).any(), k
-    trainer.train_step()
-    trainer.train_step()  # the third bad step in a row: roll back to step 5
+    trainer.step()
+    trainer.step()  # the third bad step in a row: roll back to step 5
     assert trainer.guard.rollbacks == 1 and trainer.guard.skipped_total == 3
     assert trainer.state.step == 5
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, good[k]), k
     # the data position was kept: the 5 batches consumed since the checkpoint are not replayed
     assert trainer.train_loader.state_dict()["cursor"] == cursor_at_save + 5 * 4
-    after = trainer.train_step()
+    after = trainer.step()
     assert math.isfinite(after["loss"]) and "skipped_update" not in after and trainer.state.step == 6
 
 
@@ -193,6 +193,6 @@ def test_nan_guard_without_checkpoint_stops_with_a_clear_error(tmp_path, tiny):
     trainer = _tiny_trainer(tmp_path, tiny, **{"train.rollback_after": 2})
     with torch.no_grad():
         trainer.model.norm.weight[0] = math.inf
-    trainer.train_step()
+    trainer.step()
     with pytest.raises(TrainingError, match="no checkpoint to roll back to"):
-        trainer.train_step()
+        trainer.step()

@@ -175,7 +175,7 @@ def test_trigger_file_is_consumed_and_a_stale_one_ignored(tmp_path, tiny):
 
     # Written during the run: acted on at the end of that step, then deleted.
     trainer = Trainer(load_config(None, overrides), log=False)
-    step = trainer.train_step
+    step = trainer.step
 
     def step_then_notice() -> dict:
         record = step()
@@ -183,7 +183,7 @@ def test_trigger_file_is_consumed_and_a_stale_one_ignored(tmp_path, tiny):
             trigger.write_text("reclaimed in 120 s")
         return record
 
-    trainer.train_step = step_then_notice
+    trainer.step = step_then_notice
     summary = trainer.train()
     assert summary["preempted"] == f"trigger file {trigger}" and summary["steps"] == 3
     assert not trigger.exists()

@@ -201,10 +201,10 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_and_leaves_the_previous_one_
 
 
 def test_no_room_for_one_checkpoint_is_refused_before_training(tmp_path, tiny, monkeypatch, capsys):
-    import scaletrain.train.trainer as trainer_module
+    import scaletrain.checkpoint.run_folder as run_folder_module
     from scaletrain.cli import main
 
-    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(run_folder_module, "free_bytes", lambda path: 1000)
     overrides = tiny(tmp_path / "run", **{"train.steps": 2})
     argv = ["train", *[f"--{k}={v}" for k, v in overrides.items()]]
     assert main(argv) == 2

@@ -93,7 +93,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tiny):
     acc = Trainer(load_config(None, tiny(tmp_path / "b", **{"train.batch_size": 4, "train.grad_accum_steps": 2})),
                   log=False)
     for _ in range(3):
-        la, lb = big.train_step()["loss"], acc.train_step()["loss"]
+        la, lb = big.step()["loss"], acc.step()["loss"]
         assert la == pytest.approx(lb, rel=1e-5)
     for (n, p), (_, q) in zip(big.model.named_parameters(), acc.model.named_parameters()):
         assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), n
@@ -231,7 +231,7 @@ def test_document_attention_trains_with_the_block_causal_mask(tmp_path, tiny):
         masked = float(F.cross_entropy(trainer.model(x, attn_mask=block_causal_mask(doc)).flatten(0, 1), y.flatten()))
         plain = float(F.cross_entropy(trainer.model(x).flatten(0, 1), y.flatten()))
     assert abs(masked - plain) > 1e-4
-    assert trainer.train_step()["loss"] == pytest.approx(masked, rel=1e-6)
+    assert trainer.step()["loss"] == pytest.approx(masked, rel=1e-6)
     assert math.isfinite(trainer.evaluate())
 
     with pytest.raises(ConfigError, match="data.document_attention"):
@@ -248,7 +248,7 @@ def test_compile_without_a_cxx_compiler_trains_eagerly(tmp_path, tiny, monkeypat
     trainer = Trainer(load_config(None, tiny(tmp_path / "run", **{"train.compile": "true"})))
     assert "no C++ compiler" in capsys.readouterr().out
     assert trainer.cfg.train.compile is False
-    assert math.isfinite(trainer.train_step()["loss"])
+    assert math.isfinite(trainer.step()["loss"])
 
 
 def test_compiled_training_matches_eager(tmp_path, tiny):
@@ -261,7 +261,7 @@ def test_compiled_training_matches_eager(tmp_path, tiny):
         counters.clear()
         cfg = load_config(None, tiny(tmp_path / f"run{compiled}", **{"train.compile": str(compiled).lower()}))
         trainer = Trainer(cfg, log=False)
-        losses_by_mode[compiled] = [trainer.train_step()["loss"] for _ in range(4)]
+        losses_by_mode[compiled] = [trainer.step()["loss"] for _ in range(4)]
         assert (counters["stats"]["unique_graphs"] > 0) == compiled
         assert math.isfinite(trainer.evaluate())
         assert len(trainer.sample(12)) > 0
@@ -386,11 +386,11 @@ def test_mfu_does_not_depend_on_the_launcher(tmp_path, tiny, monkeypatch, keep_t
             for key, value in ({**TORCHRUN_ENV, **env} if env else {}).items():
                 m.setenv(key, value)
             trainer = Trainer(load_config(None, tiny(tmp_path / "run", **{"train.threads": 1})), log=False)
-            trainer.step_times = [0.05]
-            peaks[launch] = trainer.peak_flops
+            trainer.throughput.step_times = [0.05]
+            peaks[launch] = trainer.throughput.peak_flops
             mfus[launch] = trainer._step_record({})["mfu"]
     assert peaks == dict.fromkeys(LAUNCHES, 50e9) and len(set(mfus.values())) == 1, (peaks, mfus)
     assert mfus["plain"] == pytest.approx(trainer.flops_per_token * trainer.tokens_per_step / 0.05 / 50e9)
     two = Trainer(load_config(None, tiny(tmp_path / "run", **{"train.threads": 2})), log=False)
-    assert two.peak_flops == 2 * 50e9  # two cores' worth, from the same one-core measurement
+    assert two.throughput.peak_flops == 2 * 50e9  # two cores' worth, from the same one-core measurement
     assert measured_with == [1]  # measured once (fp32), on one thread, then read from the cache

@@ -102,10 +102,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     # Every line below is said by rank 0 only (``say``); errors are printed by every rank (main).
     from scaletrain.parallel.distributed import restart_attempt, say
-    from scaletrain.train.trainer import Trainer
+    from scaletrain.train.trainer import Trainer  # every engine (parallel.engine) behind the one trainer
 
-    if cfg.parallel.engine == "deepspeed":  # the same loop over deepspeed.initialize (optional extra)
-        from scaletrain.train.deepspeed_trainer import DeepSpeedTrainer as Trainer
     if restart_attempt() > 0 and not cfg.train.resume:  # torchrun --max-restarts restarted us after a failure
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
         say(f"elastic restart {restart_attempt()}: resuming from the latest checkpoint")

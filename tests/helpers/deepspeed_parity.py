@@ -3,7 +3,7 @@
 For each strategy it trains a tiny Llama for a few AdamW steps (2 micro-batches accumulated per step, gradient
 clipping on) on the same global batches from the same seed: the native engine's ZeRO-1
 (ZeroRedundancyOptimizer over DDP, through ``build_parallel_training`` / ``training_step``) and DeepSpeed's
-ZeRO-1/2/3 (through ``build_deepspeed_training`` / ``deepspeed_training_step``, the DeepSpeed trainer's own
+ZeRO-1/2/3 (through ``build_deepspeed_training`` / ``deepspeed_training_step``, the DeepSpeed engine's own
 path). Rank 0 writes one JSON record: the loss curves, and per rank the model-state bytes each DeepSpeed stage
 holds next to the planner's prediction (``plan/memory.py:model_states``).
 
@@ -24,7 +24,7 @@ from scaletrain.config import JobConfig, ModelConfig, OptimConfig, ParallelConfi
 from scaletrain.model.presets import num_params
 from scaletrain.parallel.distributed import destroy_distributed, init_distributed
 from scaletrain.plan.memory import RECIPES, model_states
-from scaletrain.train.deepspeed_trainer import build_deepspeed_training, deepspeed_training_step
+from scaletrain.train.engine_deepspeed import build_deepspeed_training, deepspeed_training_step
 from scaletrain.train.step import build_parallel_training, training_step
 from scaletrain.train.validate import check_runnable
 

@@ -316,10 +316,6 @@ class CheckpointManager:
         except (OSError, ValueError):
             return False
 
-    def _barrier(self) -> None:
-        if _distributed():
-            dist.barrier(group=self.group)
-
     # -- finding and verifying -------------------------------------------------------------------------
     def list_complete(self) -> list[Path]:
         """Folders with a completion marker, oldest first."""

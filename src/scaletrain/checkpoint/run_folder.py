@@ -14,6 +14,8 @@ A run folder (``train.run_dir``) belongs to one run at a time:
 - A run id: every fresh run gets one (``run.json``); each checkpoint's ``meta.json`` carries it, a resume
   takes it from the checkpoint it loads, and retention (``CheckpointManager._retain``) only ever deletes
   checkpoints of the current run.
+- ``disk_verdict``: before step 1, what the checkpoints will take against the disk's free space (a refusal
+  when not even one fits): nothing tells a person how much disk the checkpoints take unless we do.
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from torch import nn
+
 from scaletrain.checkpoint.manager import CheckpointManager
-from scaletrain.files import human_bytes
-from scaletrain.options import ConfigError
+from scaletrain.config import CheckpointConfig
+from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes
+from scaletrain.options import ConfigError, UserError
 
 LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
@@ -172,6 +178,21 @@ def claim_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume
     return run_id
 
 
+def take_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume: bool, overwrite: bool,
+                    say: Callable[[str], None] = print) -> tuple[RunLock | None, str | None, UserError | None]:
+    """Rank 0 of a job: take the folder's lock, then ``claim_run_folder``. Returns (the lock, run id, None), or
+    (the lock if taken, None, the refusal): a folder in use by another process, a fresh start over an earlier
+    run's checkpoints without --overwrite, or a path that cannot be made (StorageError). The refusal is
+    returned, not raised, so rank 0 can hand it to the other ranks first."""
+    run_dir, lock = Path(run_dir), None
+    try:
+        with guarded_write(f"the run folder {run_dir}", run_dir):  # a path that cannot be made
+            lock = RunLock.take(run_dir)
+        return lock, claim_run_folder(run_dir, checkpoints, resume, overwrite, say=say), None
+    except (ConfigError, StorageError) as exc:
+        return lock, None, exc
+
+
 def _read_run_id(run_dir: Path) -> str | None:
     try:
         return json.loads((run_dir / RUN_FILE).read_text()).get("run_id")
@@ -210,3 +231,33 @@ def checkpoint_disk_check(run_dir: str | Path, bytes_per_checkpoint: int, copies
                 f"the one being written) need {human_bytes(need)} but {human_bytes(free)} are free in {run_dir}; "
                 f"lower checkpoint.keep_last or free space before the run gets there")
     return None
+
+
+def checkpoint_bytes(total_params: int, modules: Iterable[nn.Module], trainable_weights_only: bool) -> int:
+    """Estimated bytes of one checkpoint: fp32 weights + AdamW's two moments of the trainable ones. ``modules``:
+    this rank's parts (the trainable share is theirs); ``trainable_weights_only``: a fine-tune's checkpoint
+    holds only the trainable tensors (the base is referenced, not copied)."""
+    local = [p for m in modules for p in m.parameters()]
+    trainable = total_params * sum(p.numel() for p in local if p.requires_grad) / (sum(p.numel() for p in local) or 1)
+    saved_weights = trainable if trainable_weights_only else total_params
+    return int(4 * (saved_weights + 2 * trainable))
+
+
+def disk_verdict(run_dir: str | Path, store: CheckpointManager, cfg: CheckpointConfig, bytes_per_checkpoint: int,
+                 say: Callable[[str], None]) -> tuple[str, str | None]:
+    """Rank 0, before training: the checkpoints against the free space of the run folder's disk: (note for the
+    start line, None), or ("", refusal) when not even one fits; ``say`` gets a warning when all retained ones
+    do not fit (``checkpoint_disk_check``)."""
+    if not cfg.enabled:
+        return "", None
+    existing = len([p for p in store.list_complete() if store.belongs_to_run(p)])
+    copies = max(1, cfg.keep_last + 1 - existing)
+    free = free_bytes(run_dir)
+    try:
+        warning = checkpoint_disk_check(run_dir, bytes_per_checkpoint, copies, free)
+    except ConfigError as exc:
+        return "", str(exc)
+    if warning:
+        say(warning)
+    size = human_bytes(bytes_per_checkpoint)
+    return f"checkpoints ~{size} each, {cfg.keep_last} kept ({human_bytes(free)} free)", None

@@ -71,10 +71,13 @@ def saved_config(cfg: JobConfig) -> JobConfig:
                                                               overwrite=False))
 
 
-def match_global_batch(cfg: JobConfig, checkpoint_meta: dict, dp_size: int) -> JobConfig:
-    """Resuming on another number of data-parallel ranks: keep the checkpoint's global batch (sequences per
-    optimizer step) by changing gradient accumulation, so the run goes on with the same optimisation."""
-    saved = checkpoint_meta.get("global_batch")
+def match_global_batch(cfg: JobConfig, store: CheckpointManager, dp_size: int,
+                       say: Callable[[str], None]) -> JobConfig:
+    """Resuming (train.resume) on another number of data-parallel ranks: keep the global batch (sequences per
+    optimizer step) of the newest complete checkpoint in ``store`` by changing gradient accumulation, so the
+    run goes on with the same optimisation; ``say`` tells of the change."""
+    complete = store.list_complete() if cfg.train.resume else []
+    saved = CheckpointManager.read_meta(complete[-1]).get("global_batch") if complete else None
     if not saved:
         return cfg
     target = saved["sequences"]
@@ -85,6 +88,8 @@ def match_global_batch(cfg: JobConfig, checkpoint_meta: dict, dp_size: int) -> J
         raise ConfigError(f"cannot keep the checkpoint's global batch of {target} sequences with train.batch_size="
                           f"{cfg.train.batch_size} on {dp_size} data-parallel rank(s); choose a batch_size that "
                           f"divides {target // dp_size if target % dp_size == 0 else target}")
+    say(f"train.grad_accum_steps {cfg.train.grad_accum_steps} -> {target // per_micro}: keeps the checkpoint's "
+        f"global batch on {dp_size} data-parallel rank(s)")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=target // per_micro))
 
 

@@ -18,11 +18,15 @@ compiles that code once and reuses it, and it composes with FSDP2, TP, AC and pi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
 import torch
 from torch import nn
+
+from scaletrain.config import JobConfig
+from scaletrain.parallel.distributed import say
 
 
 def compile_unavailable(device: torch.device) -> str | None:
@@ -33,6 +37,18 @@ def compile_unavailable(device: torch.device) -> str | None:
         if not any(c and shutil.which(c) for c in candidates):
             return "no C++ compiler (g++/clang++, or $CXX) found for inductor's CPU kernels"
     return None
+
+
+def resolve_compile(cfg: JobConfig, device: torch.device, announce: bool) -> JobConfig:
+    """``cfg`` with train.compile turned off, and one warning line, where torch.compile cannot run (a CPU
+    without a C++ compiler): a recipe that compiles still trains, eagerly."""
+    reason = compile_unavailable(device) if cfg.train.compile else None
+    if reason is None:
+        return cfg
+    if announce:
+        say(f"warning: train.compile=true but {reason}; training eagerly "
+            "(install g++ to compile, or set train.compile=false to silence this)")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
 
 
 def apply_compile(model: nn.Module, *, whole_model: bool = False) -> None:

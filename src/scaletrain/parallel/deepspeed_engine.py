@@ -3,8 +3,8 @@
 This module holds what does not depend on the trainer: the rules a DeepSpeed job must pass (asked by
 ``train/validate.py:check_runnable``), the ``ds_config`` built from our config and merged with a user's
 ``ds_config.json`` (ours fills what theirs leaves out; a key both set to different values is a one-line
-error), and ``deepspeed.initialize``. The training step, checkpoints and the trainer live in
-``train/deepspeed_trainer.py``.
+error), and ``deepspeed.initialize``. The engine the trainer holds (build, step, checkpoints) is
+``train/engine_deepspeed.py``.
 
 DeepSpeed here is data parallel only (every rank a ZeRO data-parallel rank): tensor, context and pipeline
 parallelism stay with the native engine.
@@ -49,7 +49,7 @@ OWNED_SECTIONS = {"optimizer": "[optim] (AdamW: lr, beta1, beta2, eps, weight_de
                   "scheduler": "[schedule] (the trainer sets the learning rate every step)"}
 
 
-def deepspeed_available() -> str | None:
+def deepspeed_missing_reason() -> str | None:
     """None when ``import deepspeed`` works, else why not (one line)."""
     try:
         import deepspeed  # noqa: F401
@@ -272,7 +272,7 @@ def check_deepspeed_installation(ds: DeepSpeedConfig) -> None:
     nvme = "nvme" in (ds.offload_optimizer, ds.offload_param)
     if nvme:
         check_nvme_path(ds.nvme_path)
-    missing = deepspeed_available()
+    missing = deepspeed_missing_reason()
     if missing:
         raise ConfigError(f"parallel.engine=deepspeed: {missing}")
     if nvme:

@@ -109,6 +109,16 @@ def rank_zero_value(value: float, device: torch.device) -> float:
     return float(box.item())
 
 
+def any_rank(*flags: bool, device: torch.device) -> tuple[bool, ...]:
+    """Each flag, True on every rank when any rank has it (e.g. a notice that reaches the ranks a step apart);
+    one all-reduce for all of them. Collective under a process group: every rank calls it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tuple(bool(f) for f in flags)
+    box = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in box.tolist())
+
+
 def barrier() -> None:
     """A barrier over all ranks; a no-op in a single process."""
     if dist.is_initialized():

@@ -15,6 +15,8 @@ and by what the loss is divided; the step itself is ``train/step.py:training_ste
   micro-batches and rank r keeps the r-th contiguous run of its count, and every micro-batch's loss is
   divided by M / W (DDP then averages over W), so the gradient is exactly the mean over the M micro-batches:
   the uniform-batch gradient. The counts are saved with the checkpoint (deterministic resume).
+- ``Adaptive``: the three together as the trainer's step uses them: ``plan`` a step (how many micro-batches
+  this rank runs, which it skips, the loss divisor), read its ``batches``, then ``after_step``.
 - ``NoiseScale``: McCandlish et al. 2018, appendix A. From the squared norms of small-batch gradients
   (one micro-batch, B_small sequences) and of the step's gradient (B_big sequences):
   |G|^2 ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small) and
@@ -27,39 +29,49 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from scaletrain.config import BatchConfig, ConfigError, JobConfig
+from scaletrain.parallel import ParallelDims
+from scaletrain.train.monitor import timed
 
 
-def check_adaptive(cfg: JobConfig, dp_size: int, precision: str) -> None:
-    """The [batch] and parallel.balance rules (called by ``train/validate.py:check_runnable``): one line each."""
-    b, par = cfg.batch, cfg.parallel
+def _check_ramp(cfg: JobConfig, dp_size: int) -> None:
+    """The batch ramp's rules (``check_adaptive``)."""
+    b = cfg.batch
     per_micro = cfg.train.batch_size * dp_size
     full = per_micro * cfg.train.grad_accum_steps
     if b.ramp_start == 0 and (b.ramp_increment or b.ramp_samples):
         raise ConfigError("batch.ramp_increment / batch.ramp_samples are set but batch.ramp_start is 0 (no ramp); "
                           "set batch.ramp_start to the first global batch, or the others to 0")
-    if b.ramp_start:
-        if par.engine != "native":
-            raise ConfigError("batch.ramp_start: the batch ramp runs on the native engine (DeepSpeed fixes its "
-                              "accumulation at initialisation); drop --parallel.engine=deepspeed or the ramp")
-        if not b.ramp_increment or not b.ramp_samples:
-            raise ConfigError("batch.ramp_start needs batch.ramp_increment > 0 and batch.ramp_samples > 0")
-        if b.ramp_start >= full:
-            raise ConfigError(f"batch.ramp_start ({b.ramp_start}) must be below the full global batch ({full} = "
-                              f"train.batch_size x train.grad_accum_steps x {dp_size} data-parallel rank(s)); "
-                              f"raise train.grad_accum_steps or lower batch.ramp_start")
-        if (full - b.ramp_start) % b.ramp_increment:
-            raise ConfigError(f"batch.ramp_increment ({b.ramp_increment}) must divide the ramp's span "
-                              f"({full} - {b.ramp_start} = {full - b.ramp_start} sequences)")
-        if b.ramp_start % per_micro or b.ramp_increment % per_micro:
-            raise ConfigError(f"batch.ramp_start ({b.ramp_start}) and batch.ramp_increment ({b.ramp_increment}) "
-                              f"must be multiples of train.batch_size x data-parallel ranks ({per_micro}): the "
-                              f"ramp is done by gradient accumulation")
+    if not b.ramp_start:
+        return
+    if cfg.parallel.engine != "native":
+        raise ConfigError("batch.ramp_start: the batch ramp runs on the native engine (DeepSpeed fixes its "
+                          "accumulation at initialisation); drop --parallel.engine=deepspeed or the ramp")
+    if not b.ramp_increment or not b.ramp_samples:
+        raise ConfigError("batch.ramp_start needs batch.ramp_increment > 0 and batch.ramp_samples > 0")
+    if b.ramp_start >= full:
+        raise ConfigError(f"batch.ramp_start ({b.ramp_start}) must be below the full global batch ({full} = "
+                          f"train.batch_size x train.grad_accum_steps x {dp_size} data-parallel rank(s)); "
+                          f"raise train.grad_accum_steps or lower batch.ramp_start")
+    if (full - b.ramp_start) % b.ramp_increment:
+        raise ConfigError(f"batch.ramp_increment ({b.ramp_increment}) must divide the ramp's span "
+                          f"({full} - {b.ramp_start} = {full - b.ramp_start} sequences)")
+    if b.ramp_start % per_micro or b.ramp_increment % per_micro:
+        raise ConfigError(f"batch.ramp_start ({b.ramp_start}) and batch.ramp_increment ({b.ramp_increment}) "
+                          f"must be multiples of train.batch_size x data-parallel ranks ({per_micro}): the "
+                          f"ramp is done by gradient accumulation")
+
+
+def check_adaptive(cfg: JobConfig, dp_size: int, precision: str) -> None:
+    """The [batch] and parallel.balance rules (called by ``train/validate.py:check_runnable``): one line each."""
+    b, par = cfg.batch, cfg.parallel
+    _check_ramp(cfg, dp_size)
     if par.balance == "throughput" and dp_size > 1:
         if par.dp_shard > 1 or par.tp > 1 or par.pp > 1 or par.cp > 1 or par.low_comm != "none" \
                 or par.engine != "native":
@@ -214,3 +226,92 @@ def micro_grad_sq_mean(values: list[float], device: torch.device, world_size: in
     if world_size > 1:
         dist.all_reduce(box)
     return float(box[0] / box[1]) if box[1] > 0 else float("nan")
+
+
+@dataclass
+class StepPlan:
+    """One step's share of the global stream of micro-batches for this rank (``Adaptive.plan``)."""
+
+    global_batch: int  # sequences over all ranks (the ramp's)
+    mine: int  # micro-batches this rank runs (the step's ``accum``)
+    skip_before: int = 0  # other ranks' micro-batches before mine in the global stream (parallel.balance)
+    skip_after: int = 0  # ... and after mine
+    counts: list[int] | None = None  # every rank's micro-batches (parallel.balance), for the log
+    loss_divisor: float | None = None  # what each micro-batch's loss is divided by (None: ``mine``)
+    micro_grad_sq: list[float] | None = None  # filled by the step on a noise-scale step
+    micro_seconds: list[float] = field(default_factory=list)  # this rank's timed micro-batches (parallel.balance)
+
+
+class Adaptive:
+    """The batch ramp, the load balancer and the noise-scale estimate of one run. The last two are saved with
+    the checkpoint: ``__init__`` adds them to ``local_state``."""
+
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, dp_rank: int, device: torch.device, world_size: int,
+                 local_state: dict):
+        self.batch_size, self.seq_len, self.dp_size, self.dp_rank = \
+            cfg.train.batch_size, cfg.data.seq_len, dims.dp_size, dp_rank
+        self.device, self.world_size = device, world_size
+        self.noise_interval, self.log_batch = cfg.batch.noise_scale_interval, bool(cfg.batch.ramp_start)
+        self.ramp = BatchRamp(cfg.batch, cfg.train.batch_size * cfg.train.grad_accum_steps * dims.dp_size)
+        self.balancer = None
+        if cfg.parallel.balance == "throughput" and dims.dp_size > 1:
+            self.balancer = LoadBalancer(dp_rank, dims.dp_size, cfg.parallel.balance_interval, device)
+            local_state["balance"] = self.balancer
+        self.noise = NoiseScale() if cfg.batch.noise_scale_interval else None
+        if self.noise is not None:
+            local_state["noise_scale"] = self.noise
+        self.latest: dict = {}  # the balancer's and noise scale's latest values, in every logged record
+
+    def lr_factor(self, step: int) -> float:
+        """The ramp's learning-rate factor (1 without a ramp)."""
+        return self.ramp.lr_factor(step)
+
+    def plan(self, step: int) -> StepPlan:
+        """This rank's micro-batches of ``step``: the ramp's global batch, split by the balancer."""
+        global_batch = self.ramp.batch_at(step)
+        per_rank = global_batch // (self.batch_size * self.dp_size)
+        plan = StepPlan(global_batch, per_rank)
+        if self.balancer is not None:
+            plan.counts = counts = self.balancer.counts(per_rank * self.dp_size)
+            r = self.dp_rank
+            plan.mine, plan.skip_before, plan.skip_after = counts[r], sum(counts[:r]), sum(counts[r + 1:])
+            plan.loss_divisor = float(per_rank)  # M / W: DDP's average over W then makes it the mean over all M
+        if self.noise is not None and (step + 1) % self.noise_interval == 0:
+            plan.micro_grad_sq = []
+        return plan
+
+    def batches(self, plan: StepPlan, loader: Iterator, to_device: Callable, data_seconds: list[float]) -> Iterator:
+        """This rank's ``plan.mine`` micro-batches on the device, after skipping the other ranks' share before
+        them; ``data_seconds[0]`` accumulates the wait for the loader (``monitor.timed``)."""
+        def mine() -> Iterator:
+            for _ in range(plan.skip_before):
+                next(loader)
+            for _ in range(plan.mine):
+                yield to_device(next(loader))
+
+        batches = timed(mine(), data_seconds)
+        return timed_micro_batches(batches, plan.micro_seconds) if self.balancer is not None else batches
+
+    def skip_rest(self, plan: StepPlan, loader: Iterator) -> None:
+        """Past the other ranks' micro-batches after this rank's (the loader stays on the global stream)."""
+        for _ in range(plan.skip_after):
+            next(loader)
+
+    def after_step(self, plan: StepPlan, step: int, grad_norm: float, record: dict) -> None:
+        """The ramp's batch, the balancer's split and re-measurement, the noise-scale update (collective where
+        they gather from the ranks); their latest values go into ``record``. ``step``: the one just done."""
+        if self.log_batch:
+            record["global_batch"] = plan.global_batch
+        if self.balancer is not None:
+            self.balancer.record(plan.micro_seconds)
+            record["micro_batches_per_rank"] = plan.counts
+            if self.balancer.after_step(step):
+                self.latest["balance_micro_seconds"] = self.balancer.last_seconds
+        if plan.micro_grad_sq is not None:
+            small_sq = micro_grad_sq_mean(plan.micro_grad_sq, self.device, self.world_size)
+            b_small, b_big = self.batch_size, plan.global_batch
+            if math.isfinite(small_sq) and math.isfinite(grad_norm) and b_big > b_small:
+                gns = self.noise.update(b_small, small_sq, b_big, grad_norm ** 2)
+                self.latest.update({"gns_b_simple": gns["gns_b_simple"], "gns_step": step,
+                                    "critical_batch_tokens": gns["gns_b_simple"] * self.seq_len})
+        record.update(self.latest)

@@ -1,16 +1,23 @@
-"""Step metrics (loss, tokens/s, MFU, memory) to a terminal, a JSONL file and TensorBoard."""
+"""Step metrics (loss, tokens/s, MFU, memory) to a terminal, a JSONL file and TensorBoard; ``Throughput``
+measures the loop (step and data times, tokens/s, MFU against the job's peak, the stalls)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
+import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from scaletrain.config import LoggingConfig
+from scaletrain.parallel.distributed import any_rank, rank_zero_value
+from scaletrain.peak import devices_in_job, peak_flops
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -22,11 +29,85 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def per_rank_peak_memory_mb(device: torch.device, world_size: int) -> list[float]:
+    """Every rank's peak memory in MiB (one small all-gather; collective), so rank 0 can log them all."""
+    mine = torch.tensor([peak_memory_bytes(device) / 2**20], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    return [round(float(t), 1) for t in every]
+
+
 def mfu(flops_per_token: float, tokens_per_second: float, job_peak_flops: float) -> float:
     """Model FLOPs utilisation: the model's training FLOPs per token (``model.flops_per_token``) times the
-    job's tokens/s, over the job's peak FLOP/s (``Trainer._job_peak_flops``: one device's measured peak times
+    job's tokens/s, over the job's peak FLOP/s (``Throughput.job_peak_flops``: one device's measured peak times
     the devices the job runs on). Nothing of how the job was launched enters it."""
     return flops_per_token * tokens_per_second / job_peak_flops
+
+
+class Throughput:
+    """How fast the training loop runs and where its time goes: every step's wall time and wait for data,
+    tokens/s and MFU against the job's measured peak, and the stalls (seconds spent evaluating, sampling and
+    checkpointing) against the loop's wall time."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, device: torch.device, precision: str,
+                 world_size: int, rank: int, log: Callable[[str], None]):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.device, self.world_size, self.rank, self.log = device, world_size, rank, log
+        self._peak_dtype = "bf16" if precision == "bf16" else "fp32"
+        self.peak_flops = self.job_peak_flops()
+        self._peak_remeasured = False
+        self.step_times: list[float] = []
+        self.data_times: list[float] = []  # seconds of each step spent waiting for batches (monitor.timed)
+        self.stall_seconds = {"eval": 0.0, "sample": 0.0, "checkpoint": 0.0}
+        self.loop_seconds = 0.0
+
+    def job_peak_flops(self, remeasure: bool = False) -> float:
+        """The job's peak FLOP/s, MFU's denominator (docs/training.md): one device's measured peak
+        (``peak.peak_flops``, a GPU or one CPU core; rank 0's number on every rank) times the devices the
+        job runs on (``devices_in_job``). Collective under torchrun: every rank calls it."""
+        per_device = peak_flops(self.device, self._peak_dtype, remeasure, log=self.log) if self.rank == 0 else 0.0
+        devices = devices_in_job(self.device.type, self.world_size, torch.get_num_threads())
+        return rank_zero_value(per_device, self.device) * devices
+
+    def record(self, steps: int) -> dict:
+        """Median step time, tokens/s, MFU, peak memory (every rank's too) and the data-wait share of the last
+        ``steps`` steps, for the log. Collective under torchrun: every rank calls it."""
+        recent = self.step_times[-steps:]
+        step_s = statistics.median(recent)
+        tokens_per_second = self.tokens_per_step / step_s
+        if not self._peak_remeasured and \
+                any_rank(mfu(self.flops_per_token, tokens_per_second, self.peak_flops) > 1, device=self.device)[0]:
+            # Above the cached "peak" (on any rank): it was measured on a busy machine. Measure again, once.
+            self._peak_remeasured = True
+            self.peak_flops = self.job_peak_flops(remeasure=True)
+        per_rank = {"peak_memory_mb_per_rank": per_rank_peak_memory_mb(self.device, self.world_size)} \
+            if self.world_size > 1 else {}
+        return {"step_ms": 1000 * step_s, "tokens_per_second": tokens_per_second,
+                "mfu": mfu(self.flops_per_token, tokens_per_second, self.peak_flops),
+                "peak_memory_mb": peak_memory_bytes(self.device) / 2**20, **per_rank,
+                "data_share": sum(self.data_times[-len(recent):]) / sum(recent)}
+
+    def median(self) -> dict:
+        """The whole run's median step time, tokens/s and MFU (NaN before any step)."""
+        median_s = statistics.median(self.step_times or [float("nan")])
+        return {"median_step_ms": 1000 * median_s, "tokens_per_second": self.tokens_per_step / median_s,
+                "mfu": mfu(self.flops_per_token, self.tokens_per_step / median_s, self.peak_flops)}
+
+    @contextlib.contextmanager
+    def stall(self, cause: str) -> Iterator[None]:
+        """Count the block's wall time as a stall of ``cause`` (eval, sample, checkpoint): the summary's share."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stall_seconds[cause] += time.perf_counter() - t0
+
+    def stalls(self) -> dict:
+        """Seconds of the training loop spent evaluating, sampling and checkpointing (rank 0's), and their share
+        of the loop's wall time (``stall_share``; NaN before ``train`` has run)."""
+        total = sum(self.stall_seconds.values())
+        return {"loop_seconds": self.loop_seconds, "stall_seconds": dict(self.stall_seconds),
+                "stall_share": total / self.loop_seconds if self.loop_seconds else float("nan")}
 
 
 class MetricsLogger:
@@ -66,13 +147,7 @@ class MetricsLogger:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "time"):
-                    self.tb.add_scalar(key, value, record["step"])
-                elif isinstance(value, list) and key.endswith("_per_rank"):  # the resource monitor's per rank
-                    for rank, v in enumerate(value):
-                        if isinstance(v, (int, float)):
-                            self.tb.add_scalar(f"{key[:-len('_per_rank')]}/rank{rank}", v, record["step"])
+            self._to_tensorboard(record)
         if "loss" in record:
             info = (f"loss {record['loss']:.4f} | {record['step_ms']:.1f} ms/step | "
                     f"{record['tokens_per_second']:,.0f} tok/s | MFU {100 * record['mfu']:.1f}%")
@@ -82,6 +157,16 @@ class MetricsLogger:
             elif self.mode == "plain":
                 print(f"step {record['step']:>6} | {info} | lr {record['lr']:.2e} | "
                       f"mem {record['peak_memory_mb']:.0f} MB", flush=True)
+
+    def _to_tensorboard(self, record: dict) -> None:
+        """Every number of ``record`` as a scalar at its step; a per-rank list as one scalar per rank."""
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key not in ("step", "time"):
+                self.tb.add_scalar(key, value, record["step"])
+            elif isinstance(value, list) and key.endswith("_per_rank"):  # the resource monitor's per rank
+                for rank, v in enumerate(value):
+                    if isinstance(v, (int, float)):
+                        self.tb.add_scalar(f"{key[:-len('_per_rank')]}/rank{rank}", v, record["step"])
 
     def advance(self, step: int) -> None:
         if self.progress is not None:

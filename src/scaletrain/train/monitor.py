@@ -11,7 +11,7 @@ Every ``monitor.interval`` seconds it reads, for this process and this rank's de
 
 Each sample is a line of ``<run_dir>/monitor/rank<N>.jsonl`` (every rank: wall-time curves at the sampling
 resolution). The training loop asks ``window()`` at each log step for the means (utilisation) and maxima
-(memory) since the last log step; the trainer gathers those over the ranks and rank 0 writes them into
+(memory) since the last log step; ``gathered_window`` gathers those over the ranks and rank 0 writes them into
 ``metrics.jsonl`` beside the loss. Reading NVML and psutil costs ~0.1 ms a sample, off the training thread:
 ``benchmarks/monitor_overhead.py`` measures what it costs the step.
 
@@ -21,6 +21,7 @@ The GPU parts are written against the documented NVML / torch.cuda APIs and are 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -32,13 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from scaletrain.allocator import in_use as allocator_in_use
 from scaletrain.config import MonitorConfig
 
 # The keys a window reduces by their mean (utilisations, power, temperature); the others by their maximum.
 MEAN_KEYS = ("process_cpu_percent", "system_cpu_percent", "gpu_util_percent", "gpu_power_w", "gpu_temperature_c")
-# Keys of ``window()`` that every rank reports (gathered into per-rank lists by the trainer).
+# Keys of ``window()`` that every rank reports (gathered into per-rank lists by ``gathered_window``).
 WINDOW_KEYS = ("process_cpu_percent", "system_cpu_percent", "rss_mb", "available_mb", "gpu_util_percent",
                "gpu_memory_used_mb", "gpu_power_w", "gpu_temperature_c", "cuda_max_allocated_mb",
                "cuda_max_reserved_mb")
@@ -163,6 +165,23 @@ class ResourceMonitor:
         self._thread.join(timeout=max(5.0, 2 * self.cfg.interval))
         self._thread = None
         self._file.close()
+
+
+def gathered_window(monitor: ResourceMonitor | None, device: torch.device, world_size: int) -> dict:
+    """The monitor's window as rank 0 logs it: rank 0's values, plus a per-rank list of each value where the
+    ranks differ (one small all-gather; collective: every rank calls it)."""
+    mine = monitor.window() if monitor is not None else {}
+    if world_size == 1:
+        return mine
+    vector = torch.tensor([mine.get(k, float("nan")) for k in WINDOW_KEYS], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(vector) for _ in range(world_size)]
+    dist.all_gather(every, vector)
+    out = dict(mine)
+    for i, key in enumerate(WINDOW_KEYS):
+        values = [float(t[i]) for t in every]
+        if not all(math.isnan(v) for v in values) and len({round(v, 1) for v in values}) > 1:
+            out[f"{key}_per_rank"] = [None if math.isnan(v) else round(v, 2) for v in values]
+    return out
 
 
 def timed(batches: Iterator[Any], seconds: list[float]) -> Iterator[Any]:

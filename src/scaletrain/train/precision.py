@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from scaletrain.config import ConfigError
+from scaletrain.parallel.distributed import rank_zero_value
 from scaletrain.peak import cpu_bf16_speedup
 from scaletrain.train.fp8 import check_fp8_device
 
@@ -52,6 +53,14 @@ def resolve_precision(name: str, device: torch.device, log: Callable[[str], None
     ratio = f"{speedup:.2g}" if speedup < 10 else f"{speedup:.0f}"  # 0.01, 2.3, 16: never 1.6e+01
     return chosen, (f"precision auto -> {chosen}: bf16 matmul measured {ratio}x fp32 on this CPU "
                     f"(bf16 from {BF16_MIN_SPEEDUP}x)")
+
+
+def agree_on_precision(precision: str, why: str, device: torch.device) -> tuple[str, str]:
+    """``(precision, why)`` of rank 0 on every rank, for ``train.precision = auto`` under torchrun: only rank 0
+    measured, before the process group existed, and ranks must not train in different precisions.
+    Collective: every rank calls it."""
+    chosen = "bf16" if rank_zero_value(float(precision == "bf16"), device) else "fp32"
+    return (precision, why) if chosen == precision else (chosen, f"precision auto -> {chosen}: rank 0's measurement")
 
 
 def autocast(precision: str, device: torch.device):

@@ -23,7 +23,16 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
+
+from scaletrain.checkpoint import CheckpointManager
+from scaletrain.config import CheckpointConfig
+from scaletrain.files import StorageError
+from scaletrain.parallel.distributed import any_rank
+from scaletrain.train.metrics import MetricsLogger
 
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again" — schedulers and wrappers can requeue on it.
 PREEMPTED_EXIT_CODE = 75
@@ -119,3 +128,35 @@ class PreemptionHandler:
         if self.notice_time is None:
             return float("inf")
         return self.grace_seconds - (time.monotonic() - self.notice_time)
+
+
+def stop_reason(notice: PreemptionHandler, store: CheckpointManager, device: torch.device) -> str:
+    """After a step, on every rank (collective): why the run stops now, or "" to go on - a notice on any rank
+    (one may reach the ranks a step apart). An asynchronous save that failed in the background on any rank is
+    raised now, not at the end: that rank raises its own StorageError (``wait``), the others say where to look;
+    the previous checkpoint is intact and nothing else is written."""
+    stop, save_failed = any_rank(notice.should_stop(), store.background_failed(), device=device)
+    if save_failed:
+        store.wait()
+        raise StorageError(f"an asynchronous checkpoint save failed on another rank (see its message); the previous "
+                           f"checkpoint in {store.folder} is intact")
+    return (notice.reason or "another rank's notice") if stop else ""
+
+
+def save_on_notice(notice: PreemptionHandler, reason: str, step: int, cfg: CheckpointConfig,
+                   save: Callable[[], object], logger: MetricsLogger) -> None:
+    """Preempted (``reason``) after ``step``: ``save`` this step's checkpoint synchronously (when checkpoints are
+    enabled), log how long it took and say how the run goes on."""
+    t0 = time.perf_counter()
+    if cfg.enabled:
+        save()
+    took, left = time.perf_counter() - t0, notice.seconds_left()
+    logger.log({"step": step, "preempted": reason, "checkpoint_seconds": round(took, 3)})
+    if not cfg.enabled:
+        logger.message(f"stopped ({reason}) at step {step}: nothing saved (checkpoint.enabled = false)")
+        return
+    if reason == INTERRUPTED:  # the command says it (cli.cmd_train), whatever the progress mode
+        return
+    logger.message(f"preempted ({reason}) at step {step}: checkpoint written in {took:.1f} s"
+                   + (f"; WARNING: past the {cfg.grace_seconds:.0f} s grace period"
+                      if left < 0 else f", {left:.0f} s of grace left") + "; `--resume` continues")

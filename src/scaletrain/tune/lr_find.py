@@ -104,7 +104,7 @@ def lr_find(cfg: JobConfig, run_dir: Path, start: float = 1e-6, end: float = 1.0
         for step in range(steps):
             lr = lr_at_step(step, start, end, steps)
             try:
-                loss = trainer.train_step()["loss"]
+                loss = trainer.step()["loss"]
             except TrainingError:  # non-finite steps and no checkpoint to roll back to: diverged
                 loss = math.nan
             if not math.isfinite(loss):

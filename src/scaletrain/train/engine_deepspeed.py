@@ -1,7 +1,7 @@
-"""The DeepSpeed engine behind the same trainer (``parallel.engine = "deepspeed"``).
-
-``DeepSpeedTrainer`` is the ``Trainer`` with three pieces swapped, so the loop, data, schedule, evaluation,
-metrics and logging are the native engine's own:
+"""The DeepSpeed engine (``parallel.engine = "deepspeed"``): the ``TrainingEngine`` of ``train/engine.py``
+over ``deepspeed.initialize``, so the trainer's loop, data, schedule, evaluation, metrics and logging are the
+native engine's own. The ds_config, the DeepSpeed job rules and ``initialize`` are in
+``parallel/deepspeed_engine.py``; this module is what the trainer calls:
 
 - build: the model initialised exactly as the native engine does (``build_model`` from ``train.seed``; under
   ZeRO-3 built inside ``deepspeed.zero.Init``, partitioned and offloaded module by module), our
@@ -30,15 +30,19 @@ import torch
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.deepspeed_format import TAG, convert_to_universal, is_deepspeed_checkpoint
 from scaletrain.checkpoint.manager import CheckpointError
-from scaletrain.checkpoint.training import RNGState, saved_config
+from scaletrain.checkpoint.training import RNGState, TrainState, saved_config
 from scaletrain.config import JobConfig, to_toml
 from scaletrain.model import build_model
 from scaletrain.parallel import ParallelDims, ParallelModel
-from scaletrain.parallel.deepspeed_engine import build_ds_config, build_partitioned_model, initialize
+from scaletrain.parallel.deepspeed_engine import (
+    build_ds_config,
+    build_partitioned_model,
+    initialize,
+    read_user_config,
+)
 from scaletrain.parallel.distributed import barrier
 from scaletrain.train.optimizer import build_optimizer, param_groups
 from scaletrain.train.step import MicroBatch, StepResult
-from scaletrain.train.trainer import Trainer
 
 
 def build_optimizer_for(model: torch.nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -55,8 +59,6 @@ def build_optimizer_for(model: torch.nn.Module, cfg: JobConfig, device: torch.de
 
 
 def _their_zero(cfg: JobConfig) -> dict:
-    from scaletrain.parallel.deepspeed_engine import read_user_config
-
     return read_user_config(cfg.deepspeed.config).get("zero_optimization", {}) if cfg.deepspeed.config else {}
 
 
@@ -81,9 +83,15 @@ def build_deepspeed_training(cfg: JobConfig, dims: ParallelDims, device: torch.d
 def deepspeed_training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: Iterator[MicroBatch],
                             accum: int, *, grad_clip: float, autocast: Callable = contextlib.nullcontext,
                             scaler: torch.amp.GradScaler | None = None,
-                            before_update: Callable[[float, float], bool] | None = None) -> StepResult:
+                            before_update: Callable[[float, float], bool] | None = None,
+                            loss_divisor: float | None = None, micro_grad_sq: list[float] | None = None) -> StepResult:
     """One optimizer step through the engine (``training_step``'s signature; ``grad_clip`` and the
-    accumulation are DeepSpeed's, from the ds_config built from the same fields)."""
+    accumulation are DeepSpeed's, from the ds_config built from the same fields). DeepSpeed divides every
+    micro-batch's loss by its fixed accumulation and synchronises inside ``engine.backward``, so the
+    load balancer's ``loss_divisor`` and the noise scale's ``micro_grad_sq`` cannot be served
+    (``check_runnable`` refuses parallel.balance and batch.noise_scale_interval with this engine)."""
+    if loss_divisor is not None or micro_grad_sq is not None:
+        raise ValueError("the DeepSpeed engine takes neither loss_divisor nor micro_grad_sq (native engine only)")
     engine = pm.parts[0]
     loss_sum = None
     for _ in range(accum):
@@ -105,30 +113,32 @@ def deepspeed_training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer,
 class DeepSpeedCheckpoint:
     """Save / resume / roll back through DeepSpeed's own checkpoint files, inside our step folders."""
 
-    def __init__(self, manager: CheckpointManager, trainer: DeepSpeedTrainer, local: dict):
-        self.manager, self.trainer, self.local = manager, trainer, local
+    def __init__(self, manager: CheckpointManager, pm: ParallelModel, local: dict, state: TrainState,
+                 cfg: JobConfig, ds_config: dict, message: Callable[[str], None]):
+        self.manager, self.pm, self.local, self.state = manager, pm, local, state
+        self.cfg, self.ds_config, self.message = cfg, ds_config, message
 
     @property
     def engine(self):
-        return self.trainer.pm.parts[0]
+        return self.pm.parts[0]
 
     def meta(self) -> dict:
-        t = self.trainer
-        cfg, dims = t.cfg, t.dims
-        return {"engine": "deepspeed", "zero_stage": t.ds_config["zero_optimization"]["stage"],
-                "tokens_seen": t.state.tokens_seen, "dp_size": dims.dp_size,
+        cfg, dims, stage = self.cfg, self.pm.dims, self.ds_config["zero_optimization"]["stage"]
+        return {"engine": "deepspeed", "zero_stage": stage,
+                "tokens_seen": self.state.tokens_seen, "dp_size": dims.dp_size,
                 "plan": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": 1, "pp": 1, "cp": 1,
-                         "zero_stage": t.ds_config["zero_optimization"]["stage"], "low_comm": "none"},
+                         "zero_stage": stage, "low_comm": "none"},
                 "global_batch": {"sequences": cfg.train.batch_size * cfg.train.grad_accum_steps * dims.dp_size,
                                  "seq_len": cfg.data.seq_len},
                 "optimizer_state": True,
                 "config_sha256": hashlib.sha256(to_toml(saved_config(cfg), comments=False).encode()).hexdigest()}
 
     def save(self, blocking: bool = True) -> Path:
+        """DeepSpeed writes synchronously, whatever ``blocking`` asks."""
         def write(folder: Path) -> None:
             self.engine.save_checkpoint(str(folder), tag=TAG, save_latest=False)
 
-        return self.manager.save_with(self.trainer.state.step, write, self.local, self.meta())
+        return self.manager.save_with(self.state.step, write, self.local, self.meta())
 
     def _load(self, path: Path, local_names: tuple[str, ...]) -> dict:
         meta = CheckpointManager.read_meta(path)
@@ -143,7 +153,7 @@ class DeepSpeedCheckpoint:
                 raise CheckpointError(f"{path}: written by {meta.get('world_size')} ranks (now "
                                       f"{self.manager.world_size}) but the engine was built for a checkpoint of "
                                       f"this world size; start the resume again")
-            load_dir = self.trainer.run_dir / "universal" / path.name
+            load_dir = Path(self.cfg.train.run_dir) / "universal" / path.name
             if self.manager.rank == 0:
                 convert_to_universal(path, load_dir)
             barrier()
@@ -154,61 +164,61 @@ class DeepSpeedCheckpoint:
         local, own = self.manager.load_local(path)
         for name in local_names:
             if name == "rng" and not own:  # another world size: fresh streams, as the native engine does
-                RNGState.reseed(self.trainer.cfg.train.seed, int(meta["step"]), self.manager.rank)
+                RNGState.reseed(self.cfg.train.seed, int(meta["step"]), self.manager.rank)
             elif name in local:
                 self.local[name].load_state_dict(local[name])
         return meta
 
     def resume(self) -> Path | None:
         self.manager.remove_partial()
-        path = self.manager.latest(warn=self.trainer._message)
+        path = self.manager.latest(warn=self.message)
         if path is None:
             return None
         self._load(path, tuple(self.local))
-        self.trainer._message(f"resumed from {path} (step {self.trainer.state.step}, DeepSpeed checkpoint)")
+        self.message(f"resumed from {path} (step {self.state.step}, DeepSpeed checkpoint)")
         return path
 
     def roll_back(self) -> Path | None:
         self.manager.wait()
-        path = self.manager.latest(warn=self.trainer._message)
+        path = self.manager.latest(warn=self.message)
         if path is None:
             return None
-        tokens = self.trainer.state.tokens_seen
+        tokens = self.state.tokens_seen
         self._load(path, ("train_state", "scaler"))
-        self.trainer.state.tokens_seen = tokens
+        self.state.tokens_seen = tokens
         return path
 
 
-class DeepSpeedTrainer(Trainer):
-    """``Trainer`` over ``deepspeed.initialize`` (see the module docstring)."""
+class DeepSpeedEngine:
+    """The ``TrainingEngine`` over ``deepspeed.initialize`` (see the module docstring)."""
 
-    training_step = staticmethod(deepspeed_training_step)
+    def __init__(self, precision: str, store: CheckpointManager):
+        self.precision, self.store = precision, store
+        self.ds_config: dict = {}  # set by build
 
-    def __init__(self, cfg: JobConfig, *, log: bool = True):
-        super().__init__(cfg, log=log)
-        engine = self.pm.parts[0]
-        self.model = engine.module  # sampling on rank 0 alone: the plain module (whole unless ZeRO-3)
-        stage = self.ds_config["zero_optimization"]["stage"]
-        self._message(f"engine: DeepSpeed ZeRO-{stage}"
-                      + "".join(f", {k.replace('offload_', '')} offload to {v['device']}"
-                                for k, v in self.ds_config["zero_optimization"].items() if k.startswith("offload_")))
-
-    def build_model_and_optimizer(self, cfg: JobConfig, dims: ParallelDims) -> tuple:
-        complete = self.checkpoints.list_complete() if cfg.train.resume else []
+    def build(self, cfg: JobConfig, dims: ParallelDims, device: torch.device,
+              vocab_limit: int | None) -> tuple[ParallelModel, torch.optim.Optimizer]:
+        """A resume on another world size builds the engine to load DeepSpeed's universal checkpoint."""
+        complete = self.store.list_complete() if cfg.train.resume else []
         other_world = bool(complete) and CheckpointManager.read_meta(complete[-1]).get("world_size") != \
-            self.env.world_size
-        pm, optimizer, self.ds_config = build_deepspeed_training(cfg, dims, self.device, self.precision,
-                                                                 vocab_limit=self.tokenizer.vocab_size,
-                                                                 load_universal=other_world)
+            self.store.world_size
+        pm, optimizer, self.ds_config = build_deepspeed_training(cfg, dims, device, self.precision,
+                                                                 vocab_limit=vocab_limit, load_universal=other_world)
         return pm, optimizer
 
-    def make_checkpoint(self, local_state: dict) -> DeepSpeedCheckpoint:
-        return DeepSpeedCheckpoint(self.checkpoints, self, local_state)
+    step = staticmethod(deepspeed_training_step)
 
-    def save(self, blocking: bool | None = None) -> Path:
-        return self.checkpoint.save()  # DeepSpeed writes synchronously
+    def checkpoint(self, store: CheckpointManager, pm: ParallelModel, optimizer: torch.optim.Optimizer,
+                   local: dict, state: TrainState, cfg: JobConfig,
+                   message: Callable[[str], None]) -> DeepSpeedCheckpoint:
+        """DeepSpeed's own files; ``optimizer`` is inside the engine and saved with it."""
+        return DeepSpeedCheckpoint(store, pm, local, state, cfg, self.ds_config, message)
 
+    def sampling_model(self, pm: ParallelModel) -> torch.nn.Module:
+        return pm.parts[0].module  # the plain module (whole unless ZeRO-3)
 
-def trainer_class(cfg: JobConfig) -> type[Trainer]:
-    """The trainer of ``cfg.parallel.engine``."""
-    return DeepSpeedTrainer if cfg.parallel.engine == "deepspeed" else Trainer
+    def describe(self) -> str | None:
+        zero = self.ds_config["zero_optimization"]
+        return f"engine: DeepSpeed ZeRO-{zero['stage']}" + "".join(
+            f", {k.replace('offload_', '')} offload to {v['device']}" for k, v in zero.items()
+            if k.startswith("offload_"))
