@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import ConfigError, JobConfig
-from scaletrain.data.instructions import instruction_eval_batches, instruction_splits
-from scaletrain.data.loader import eval_batches
+from scaletrain.data.instructions import InstructionLoader, instruction_eval_batches, instruction_splits
+from scaletrain.data.loader import TokenLoader, eval_batches
 from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import MANIFEST, read_manifest
 from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -83,6 +83,18 @@ class TrainingData:
     vocab_note: str  # the vocabulary as the model log line says it (``resolve_vocab``)
     data_dir: Path | None = None
     instructions: tuple[list, list] | None = None  # (train, val) instruction examples
+
+    def train_loader(self, dp_rank: int, dp_size: int, balanced: bool = False) -> InstructionLoader | TokenLoader:
+        """This data-parallel rank's loader of the train split. ``balanced`` (parallel.balance = "throughput"):
+        every rank walks the one global stream of micro-batches and keeps its own run of them
+        (train/adaptive.py), so the loader is the single-process one on every rank."""
+        cfg = self.cfg
+        if self.instructions is not None:
+            return InstructionLoader(self.instructions[0], cfg.data.seq_len, cfg.train.batch_size, rank=dp_rank,
+                                     world_size=dp_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+        return TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
+                           rank=0 if balanced else dp_rank, world_size=1 if balanced else dp_size,
+                           seed=cfg.train.seed, shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
 
 
 def training_data(cfg: JobConfig, is_main: bool = True, say: Callable[[str], None] = print,

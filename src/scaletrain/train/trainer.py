@@ -20,8 +20,7 @@ from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.run_folder import RunLock, checkpoint_bytes, disk_verdict, take_run_folder
 from scaletrain.checkpoint.training import RNGState, TrainState, match_global_batch, saved_config
 from scaletrain.config import ConfigError, JobConfig, to_toml
-from scaletrain.data.instructions import InstructionLoader
-from scaletrain.data.loader import TokenLoader, block_causal_mask
+from scaletrain.data.loader import block_causal_mask
 from scaletrain.data.run_data import training_data, validation_batches
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
@@ -132,18 +131,8 @@ class Trainer:
             self._message(line)
         self.model = self.engine.sampling_model(self.pm)
         self.scaler = grad_scaler(self.precision, self.device)
-        if self.instructions is not None:
-            self.train_loader = InstructionLoader(self.instructions[0], cfg.data.seq_len, cfg.train.batch_size,
-                                                  rank=self.pm.dp_rank, world_size=dims.dp_size,
-                                                  seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-        else:
-            # parallel.balance: every rank walks the one global stream of micro-batches and keeps its own run of
-            # them (train/adaptive.py), so the loader is the single-process one on every rank.
-            balanced = cfg.parallel.balance == "throughput" and dims.dp_size > 1
-            self.train_loader = TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
-                                            rank=0 if balanced else self.pm.dp_rank,
-                                            world_size=1 if balanced else dims.dp_size, seed=cfg.train.seed,
-                                            shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
+        self.train_loader = self.data.train_loader(self.pm.dp_rank, dims.dp_size,
+                                                   cfg.parallel.balance == "throughput" and dims.dp_size > 1)
         self.state = TrainState(schedule=dataclasses.asdict(cfg.schedule))
         self.guard = NonFiniteGuard(self.pm.replicas.rollback_after(cfg.train.rollback_after))
         # Small per-rank state, saved beside the sharded model and optimizer tensors.
