@@ -351,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()  # torchao's harmless import lines (QLoRA, compress)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
+    from scaletrain.train.monitor import record_invocation  # torch: imported after --help has answered
+
+    record_invocation(argv)  # run_info.json records the command as given, also when called from Python
     try:
         return args.func(args) or 0
     except UserError as exc:  # ConfigError, DataError, CheckpointError, TrainingError, StorageError

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import threading
@@ -237,6 +238,27 @@ def hardware_info(device: torch.device, world_size: int) -> dict[str, Any]:
     return info
 
 
+# The command line of this process's ``scaletrain`` invocation, as ``cli.main`` received it (a call from Python,
+# ``main(["train", ...])``, has a sys.argv of its own program: pytest's, a notebook kernel's).
+_COMMAND: list[str] | None = None
+
+
+def record_invocation(argv: list[str]) -> None:
+    """Remember the ``scaletrain`` arguments this process runs (``cli.main`` calls it) for run_info.json."""
+    global _COMMAND
+    _COMMAND = list(argv)
+
+
+def invocation() -> str:
+    """'scaletrain train --config ...' as run: the arguments ``cli.main`` got, else this process's own."""
+    if _COMMAND is not None:
+        return shlex.join(["scaletrain", *_COMMAND])
+    program = Path(sys.argv[0]).name
+    if program in ("__main__.py", "cli.py"):  # python -m scaletrain / torchrun -m scaletrain.cli
+        program = "scaletrain"
+    return shlex.join([program, *sys.argv[1:]])
+
+
 def write_run_info(run_dir: str | Path, device: torch.device, world_size: int, **extra: Any) -> Path:
     """``<run_dir>/run_info.json``: the command, git commit, hardware, torch version and start time (rank 0,
     at the start of training; ``finish_run_info`` adds the end). One record per invocation, so a resumed
@@ -247,10 +269,7 @@ def write_run_info(run_dir: str | Path, device: torch.device, world_size: int, *
     except (OSError, json.JSONDecodeError):
         doc = {}
     segments = doc.get("segments", [])
-    program = Path(sys.argv[0]).name
-    if program in ("__main__.py", "cli.py"):  # python -m scaletrain / torchrun -m scaletrain.cli
-        program = "scaletrain"
-    segments.append({"command": " ".join([program, *sys.argv[1:]]), "started": round(time.time(), 3),
+    segments.append({"command": invocation(), "started": round(time.time(), 3),
                      "git_commit": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
                      "allocator": allocator_in_use(),  # memory numbers depend on it (allocator.py)
                      "hardware": hardware_info(device, world_size), **extra})
