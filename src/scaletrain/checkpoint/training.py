@@ -181,11 +181,18 @@ class TrainingCheckpoint:
     def roll_back(self) -> Path | None:
         """Back to the last good checkpoint's weights, optimizer and counters (None when there is none);
         the data position is kept, so the batches since are skipped, not replayed."""
-        self.manager.wait()
-        path = self.manager.latest(warn=self.message)
-        if path is None:
-            return None
-        tokens = self.state.tokens_seen
-        self.load(path, ("train_state", "scaler"))
-        self.state.tokens_seen = tokens  # tokens really consumed, skipped ones included
-        return path
+        return roll_back_to_latest(self)
+
+
+def roll_back_to_latest(checkpoint) -> Path | None:
+    """A run checkpoint's ``roll_back`` (every engine's: ``checkpoint.manager``, ``.state``, ``.message`` and
+    ``.load(path, local_names)``): the latest complete checkpoint's weights, optimizer, counters and scaler,
+    with the data position kept (the batches since are skipped, not replayed); None when there is none."""
+    checkpoint.manager.wait()
+    path = checkpoint.manager.latest(warn=checkpoint.message)
+    if path is None:
+        return None
+    tokens = checkpoint.state.tokens_seen
+    checkpoint.load(path, ("train_state", "scaler"))
+    checkpoint.state.tokens_seen = tokens  # tokens really consumed, skipped ones included
+    return path

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from scaletrain.plan.report import duration
 from scaletrain.report.runs import RunData
 
 # Plotly's default colour cycle: one colour per run, so a run keeps its colour on every plot.
@@ -247,15 +248,7 @@ def _fmt_time(t: float | None) -> str:
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 1:
-        return f"{1000 * seconds:.1f} ms"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.2f} h"
+    return "-" if seconds is None else duration(seconds)
 
 
 def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:

@@ -30,7 +30,7 @@ import torch
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.deepspeed_format import TAG, convert_to_universal, is_deepspeed_checkpoint
 from scaletrain.checkpoint.manager import CheckpointError
-from scaletrain.checkpoint.training import RNGState, TrainState, saved_config
+from scaletrain.checkpoint.training import RNGState, TrainState, roll_back_to_latest, saved_config
 from scaletrain.config import JobConfig, to_toml
 from scaletrain.model import build_model
 from scaletrain.parallel import ParallelDims, ParallelModel
@@ -140,7 +140,7 @@ class DeepSpeedCheckpoint:
 
         return self.manager.save_with(self.state.step, write, self.local, self.meta())
 
-    def _load(self, path: Path, local_names: tuple[str, ...]) -> dict:
+    def load(self, path: Path, local_names: tuple[str, ...]) -> dict:
         meta = CheckpointManager.read_meta(path)
         if not is_deepspeed_checkpoint(path):
             raise CheckpointError(f"{path}: written by the native engine; resume it with --parallel.engine=native "
@@ -174,19 +174,12 @@ class DeepSpeedCheckpoint:
         path = self.manager.latest(warn=self.message)
         if path is None:
             return None
-        self._load(path, tuple(self.local))
+        self.load(path, tuple(self.local))
         self.message(f"resumed from {path} (step {self.state.step}, DeepSpeed checkpoint)")
         return path
 
     def roll_back(self) -> Path | None:
-        self.manager.wait()
-        path = self.manager.latest(warn=self.message)
-        if path is None:
-            return None
-        tokens = self.state.tokens_seen
-        self._load(path, ("train_state", "scaler"))
-        self.state.tokens_seen = tokens
-        return path
+        return roll_back_to_latest(self)
 
 
 class DeepSpeedEngine:
