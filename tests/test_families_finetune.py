@@ -219,3 +219,78 @@ def test_qlora_keeps_biases_and_norms_in_full_precision(workdir):
     with torch.no_grad():  # the forward adds the bias to the 4-bit product
         proj = model.layers["0"].attention.wk
         assert torch.allclose(proj(x) - frozen_linear(x, proj.weight, None), proj.bias.expand(3, -1), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2"])
+def test_compress_a_family_fine_tune(workdir, name):
+    """A LoRA fine-tune of Qwen3 (q/k norms) and Qwen2 (q/k/v biases): head and neuron pruning cut the biases with
+    their rows and keep the norms, the pruned run evaluates and exports to the family's class with its logits;
+    unstructured pruning and int8 quantization evaluate."""
+    run = workdir / "runs" / f"compress-{name}"
+    assert _finetune(workdir, _base(workdir, name), run, **{"finetune.method": "lora"}) == 0
+    pruned = workdir / "compressed" / f"{name}-heads"
+    assert main(["compress", "--run", str(run), "--out", str(pruned), "--head-fraction", "0.5", "--mlp-fraction",
+                 "0.25", "--calibration-sequences", "4"]) == 0
+    cfg, model, _, _ = load_run(pruned)
+    assert cfg.model.family == name and cfg.model.n_heads == 2
+    if name == "qwen2":
+        assert model.layers["0"].attention.wq.bias.shape == (2 * 16,)
+    assert main(["eval", "--run", str(pruned), "--batches", "1"]) == 0
+    assert main(["export", "--run", str(pruned), "--out", str(pruned / "hf")]) == 0
+    ids = _ids()
+    with torch.no_grad():
+        ours = model.eval()(ids)
+    cls, theirs = _hf_logits(pruned / "hf", ids)
+    assert cls == ARCHITECTURES[name] and (ours - theirs).abs().max().item() <= 1e-4
+    for extra in (["--prune", "wanda", "--calibration-sequences", "4"], ["--quantize", "int8-weight"]):
+        out = workdir / "compressed" / f"{name}-{extra[1]}"
+        assert main(["compress", "--run", str(run), "--out", str(out), *extra]) == 0
+        assert main(["eval", "--run", str(out), "--batches", "1"]) == 0
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3_text"])
+def test_gguf_of_another_layout_is_refused_in_one_line(workdir, name, capsys):
+    pytest.importorskip("gguf")
+    run = workdir / "runs" / f"gguf-{name}"
+    assert _finetune(workdir, _base(workdir, name), run, **{"finetune.method": "full"}) == 0
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(workdir / f"{name}.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and name in err and "convert_hf_to_gguf.py" in err
+
+
+def _broken_base(workdir: Path, tag: str, config_change: dict | None = None) -> Path:
+    folder = workdir / "broken" / tag
+    shutil.copytree(_base(workdir, "qwen3"), folder, dirs_exist_ok=True)
+    if config_change:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **config_change}))
+    return folder
+
+
+def test_bad_family_folders_are_one_line_exit_2(workdir, capsys):
+    """An unsupported model_type, a rope scaling we do not compute, only pickled weights, a config/weights shape
+    mismatch, and the base's template asked for when the tokenizer has none: one line each, exit 2."""
+    unsupported = _broken_base(workdir, "gpt_neox", {"model_type": "gpt_neox"})
+    yarn = _broken_base(workdir, "yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                              "original_max_position_embeddings": 4096}})
+    pickled = _broken_base(workdir, "pickled")
+    torch.save(safetensors_torch.load_file(str(pickled / "model.safetensors")), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    mismatch = _broken_base(workdir, "mismatch", {"intermediate_size": 128})
+    no_template = _broken_base(workdir, "no_template")
+    (no_template / "chat_template.jinja").unlink()
+    chat = workdir / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "content": "Hello."}]}) + "\n")
+    cases = [(unsupported, {}, "model_type 'gpt_neox' is not supported"),
+             (yarn, {}, "rope_scaling type 'yarn' is not computed"),
+             (pickled, {}, "only pickled weights"),
+             (mismatch, {}, "has shape"),
+             (no_template, {"finetune.instructions": chat, "finetune.chat_template": "base"},
+              "tokenizer_config.json has no chat_template")]
+    for base, extra, message in cases:
+        capsys.readouterr()
+        assert _finetune(workdir, base, workdir / "runs" / f"bad-{base.name}", **extra) == 2, base.name
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err

@@ -256,7 +256,7 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"llama.cpp: llama-cli -m {out}, or Ollama: see docs/inference.md)")
         return 0
     out = Path(args.out or Path(args.run) / "export-hf")
-    base, family_class = hf_base_folder(cfg.finetune.source), ARCHITECTURES[cfg.model.family]
+    base, family_class = hf_base_folder(args.run, cfg), ARCHITECTURES[cfg.model.family]
     if is_plain(model):
         export_hf(model, cfg.model, tokenizer, out, base)
         merged = " with the adapters merged" if cfg.finetune.source and cfg.finetune.method != "full" else ""

@@ -22,7 +22,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import nn
 
-from scaletrain.config import ConfigError, ModelConfig
+from scaletrain.checkpoint.run_folder import COMPRESS_RECORD
+from scaletrain.config import ConfigError, JobConfig, ModelConfig, load_config
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, HFTokenizer, Tokenizer
 from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.config import head_width
@@ -33,9 +34,16 @@ TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 GENERATION_CONFIG = "generation_config.json"
 
 
-def hf_base_folder(source: str) -> Path | None:
-    """The Hugging Face folder a run was fine-tuned from (``finetune.source``), while it is there; None for a run
-    trained from scratch or from a scaletrain run."""
+def hf_base_folder(run: str | Path, cfg: JobConfig) -> Path | None:
+    """The Hugging Face folder the run at ``run`` (config ``cfg``) comes from, while it is there: its
+    ``finetune.source``, or for a compressed run that of the run it was compressed from; None for a run trained
+    from scratch or from a scaletrain run."""
+    source = cfg.finetune.source
+    record = Path(run) / COMPRESS_RECORD
+    if not source and record.is_file():
+        origin = Path(json.loads(record.read_text(encoding="utf-8")).get("source") or "")
+        if (origin / "config.toml").is_file():
+            source = load_config(origin / "config.toml").finetune.source
     folder = Path(source) if source else None
     if folder is None or (folder / "config.toml").is_file() or not (folder / "config.json").is_file():
         return None
