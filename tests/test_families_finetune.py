@@ -194,7 +194,7 @@ def _has_torchao() -> bool:
 def test_every_method_trains_and_evaluates_on_every_family(workdir, name, method):
     if method == "qlora" and not _has_torchao():
         pytest.skip("finetune.method=qlora needs torchao (pip install scaletrain[qlora])")
-    run = workdir / "runs" / f"{method}-{name}"
+    run = workdir / "runs" / f"matrix-{method}-{name}"
     assert _finetune(workdir, _base(workdir, name), run, **METHODS[method], **{"optim.lr": 0.01}) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
