@@ -207,7 +207,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _export_parser(sub) -> None:
-    p = sub.add_parser("export", help="export a run's latest checkpoint (Hugging Face Llama folder, or GGUF)")
+    p = sub.add_parser("export", help="export a run's latest checkpoint (a Hugging Face folder of its family's "
+                                      "class, or GGUF)")
     p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
     p.add_argument("--format", default="hf", choices=["hf", "gguf"],
                    help="hf: config.json + model.safetensors + tokenizer; gguf: one file for llama.cpp / Ollama "
@@ -228,8 +229,9 @@ def _export_parser(sub) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.adapt.export import base_model, is_plain, merge_adapters, save_peft_adapter
-    from scaletrain.checkpoint.export import export_hf
+    from scaletrain.checkpoint.export import export_hf, hf_base_folder
     from scaletrain.checkpoint.run import load_run  # any run folder; a quantized one is refused in one line
+    from scaletrain.model.families import ARCHITECTURES
 
     out = Path(args.out or Path(args.run) / "export-hf")
     if (out / "config.json").is_file() and not args.overwrite:  # a folder of other files: export_hf refuses it
@@ -252,15 +254,16 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"llama.cpp: llama-cli -m {out}, or Ollama: see docs/inference.md)")
         return 0
     out = Path(args.out or Path(args.run) / "export-hf")
+    base, family_class = hf_base_folder(args.run, cfg), ARCHITECTURES[cfg.model.family]
     if is_plain(model):
-        export_hf(model, cfg.model, tokenizer, out)
+        export_hf(model, cfg.model, tokenizer, out, base)
         merged = " with the adapters merged" if cfg.finetune.source and cfg.finetune.method != "full" else ""
-        print(f"exported {ckpt.name}{merged} to {out} (load with transformers.LlamaForCausalLM.from_pretrained)")
+        print(f"exported {ckpt.name}{merged} to {out} (load with transformers.{family_class}.from_pretrained)")
         return 0
-    export_hf(base_model(cfg), cfg.model, tokenizer, out)  # the base, unchanged, and the adapter beside it
+    export_hf(base_model(cfg), cfg.model, tokenizer, out, base)  # the base, unchanged, and the adapter beside it
     adapter = save_peft_adapter(model, cfg, out / "adapter")
     print(f"exported the base to {out} and the {cfg.finetune.method} adapter of {ckpt.name} to {adapter} (load with "
-          f"peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained({str(out)!r}), {str(adapter)!r}))")
+          f"peft.PeftModel.from_pretrained({family_class}.from_pretrained({str(out)!r}), {str(adapter)!r}))")
     return 0
 
 
@@ -272,7 +275,8 @@ def _finetune_parser(sub) -> None:
                                    "is a run and data.path is not given (its prepared tokens); everything else "
                                    "(steps, parallelism, resume) works as for train. See docs/finetuning.md.")
     p.add_argument("--from", dest="source", required=True,
-                   help="the base: a scaletrain run folder or a Hugging Face Llama folder")
+                   help="the base: a scaletrain run folder or a Hugging Face folder of a supported family "
+                        "(docs/families.md)")
     p.add_argument("--config", help="TOML recipe (see configs/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.run_dir")

@@ -35,14 +35,15 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 
 class LoRALinear(nn.Linear):
-    """A bias-free ``nn.Linear`` whose frozen ``weight`` (out, in) gets the update ``scaling * lora_B @ lora_A``.
+    """An ``nn.Linear`` whose frozen ``weight`` (out, in) gets the update ``scaling * lora_B @ lora_A``; a frozen
+    ``bias`` (Qwen2's q/k/v) stays as it is, outside the update, as in peft.
 
     ``lora_A`` (r, in) starts Kaiming-uniform and ``lora_B`` (out, r) at zero (peft's default), so a fresh
     adapter leaves the model's function unchanged."""
 
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0,
-                 rslora: bool = False, device=None, dtype=None, dora: bool = False):
-        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+                 rslora: bool = False, device=None, dtype=None, dora: bool = False, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.rank = rank
         self.dora = dora
         if dora:  # DoRA's magnitude; its initial value is the base's row norms (methods.load_base_and_adapters)
@@ -56,21 +57,18 @@ class LoRALinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float, rslora: bool,
                     dora: bool = False) -> LoRALinear:
-        """A LoRA layer sharing ``linear``'s weight parameter (meta or real)."""
-        if linear.bias is not None:
-            raise ValueError("LoRA here adapts bias-free projections only")
+        """A LoRA layer sharing ``linear``'s weight and bias parameters (meta or real), both frozen."""
         new = cls(linear.in_features, linear.out_features, rank, alpha, dropout, rslora,
-                  device=linear.weight.device, dtype=linear.weight.dtype, dora=dora)
+                  device=linear.weight.device, dtype=linear.weight.dtype, dora=dora, bias=linear.bias is not None)
         new.weight = linear.weight
         new.weight.requires_grad_(False)
+        if linear.bias is not None:
+            new.bias = linear.bias
+            new.bias.requires_grad_(False)
         return new
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        if is_nf4(self.weight):
-            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
-
-            return linear_nf4(x, self.weight)
-        return F.linear(x, self.weight)
+        return frozen_linear(x, self.weight, self.bias)
 
     def _adapter_input(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's input: dropout, then the adapter's dtype - except under autocast, which casts it for the
@@ -97,8 +95,12 @@ class LoRALinear(nn.Linear):
         """peft's ``lora.Linear`` + ``DoraLinearLayer``, op for op: base + (m/n - 1) * base + m/n * s * B A x."""
         result = self.base_forward(x)
         x_adapter = self._adapter_input(x)
-        # with dropout, the magnitude rescales the base output of the dropped input, as in peft
-        base = result if isinstance(self.lora_dropout, nn.Identity) else F.linear(x_adapter, self._plain_weight())
+        # with dropout, the magnitude rescales the base output of the dropped input, as in peft; the bias is not
+        # rescaled (peft subtracts it from the base output first)
+        if not isinstance(self.lora_dropout, nn.Identity):
+            base = F.linear(x_adapter, self._plain_weight())
+        else:
+            base = result if self.bias is None else result - self.bias
         weight = self._plain_weight().to(self.lora_A.dtype)
         norm = torch.linalg.norm(weight + self.scaling * (self.lora_B @ self.lora_A).detach(), dim=1).detach()
         scale = (self.lora_magnitude / norm).view(1, -1)
@@ -155,7 +157,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for name, module in list(model.named_modules()):
         if isinstance(module, (LoRALinear, NF4Linear)):
             parent_name, _, child = name.rpartition(".")
-            plain = nn.Linear(module.in_features, module.out_features, bias=False, device="cpu")
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="cpu")
+            if module.bias is not None:  # frozen, not part of the update (peft merges the weight only)
+                plain.bias.copy_(module.bias)
             if isinstance(module, LoRALinear):
                 plain.weight.copy_(module.merged_weight())
             else:  # a 4-bit projection without adapter: dequantized
@@ -164,15 +168,22 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) for a frozen weight, plain or 4-bit NF4 (torchao's ``linear_nf4``); the bias stays full precision."""
+    if not is_nf4(weight):
+        return F.linear(x, weight, bias)
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+    out = linear_nf4(x, weight)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
 class NF4Linear(nn.Linear):
-    """A frozen, bias-free linear layer whose weight is stored in 4-bit NF4 (QLoRA's non-adapted projections)."""
+    """A frozen linear layer whose weight is stored in 4-bit NF4 (QLoRA's non-adapted projections); a bias (Qwen2's
+    q/k/v) stays in full precision."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if is_nf4(self.weight):
-            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
-
-            return linear_nf4(x, self.weight)
-        return F.linear(x, self.weight)
+        return frozen_linear(x, self.weight, self.bias)
 
 
 # Elements torchao quantizes at a time: its nearest-code search holds ~130 bytes of temporaries per element
@@ -208,8 +219,8 @@ def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor],
     block-wise absmax scales themselves quantized to int8: "double quantization"), read from ``base_state``
     and quantized one tensor at a time, so the fp32 base is never whole in memory. (Materializing the model
     first and quantizing after held all of it at once: on a GPU, the fp32 base of the 7B model a user wants to
-    fit on a 24 GB card.) The embedding, the output head and the norms stay in full precision, as in QLoRA
-    (and bitsandbytes' default for ``lm_head``).
+    fit on a 24 GB card.) The embedding, the output head, the norms and the biases stay in full precision, as in
+    QLoRA (and bitsandbytes' default for ``lm_head``).
 
     Each module keeps an empty placeholder through ``parallelize`` (nothing to allocate or initialise);
     ``put_back`` returns the 4-bit weights afterwards. Returns the (module, NF4 weight) pairs."""
@@ -220,7 +231,9 @@ def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor],
         if not isinstance(module, LoRALinear):
             if module.weight.requires_grad:
                 continue  # trainable: not part of the frozen base
-            plain = NF4Linear(module.in_features, module.out_features, bias=False, device="meta")
+            plain = NF4Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+            if module.bias is not None:  # loaded from the base as every other full-precision parameter
+                plain.bias.requires_grad_(False)
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, plain)
             module = plain

@@ -1,7 +1,14 @@
-"""Export a run to a Hugging Face Llama folder (config.json, model.safetensors, tokenizer files).
+"""Export a run to a Hugging Face folder of its family's own class (config.json, model.safetensors, tokenizer files).
 
-Our rotary layout is Hugging Face's rotate-half, so the weights map one to one by name; no permutation.
-``transformers.LlamaForCausalLM.from_pretrained(folder)`` gives the same logits (tested to 1e-5).
+The config is the family's (``model/families.py``: ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
+``Gemma3ForCausalLM``, ...), the tensors under the family's names (Phi-3's q/k/v and gate/up joined again), so
+``transformers.AutoModelForCausalLM.from_pretrained(folder)`` builds that class and gives the same logits (tested
+to 1e-4 per family). Our rotary layout is Hugging Face's rotate-half: no permutation.
+
+A fine-tune of a Hugging Face folder keeps what belongs to its base and not to the weights: the token ids of its
+config.json (``bos_token_id``, ``eos_token_id``, ``pad_token_id``), its ``generation_config.json``, its vocabulary
+size (a published vocabulary is often larger than its tokenizer's) and its tokenizer files as they were (the
+chat template included).
 """
 
 from __future__ import annotations
@@ -15,56 +22,63 @@ from pathlib import Path
 from safetensors.torch import save_file
 from torch import nn
 
-from scaletrain.config import ConfigError, ModelConfig
-from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
+from scaletrain.checkpoint.run_folder import COMPRESS_RECORD
+from scaletrain.config import ConfigError, JobConfig, ModelConfig, load_config
+from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, HFTokenizer, Tokenizer
 from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.config import head_width
-from scaletrain.model.hf_names import to_hf
-from scaletrain.model.presets import ffn_hidden_dim, kv_heads
+from scaletrain.model.families import ARCHITECTURES, hf_config_from_model_config, state_dict_to_hf
+
+# What a base's config.json says about its tokenizer rather than its weights: carried over to the export.
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+GENERATION_CONFIG = "generation_config.json"
 
 
-def hf_config(cfg: ModelConfig) -> dict:
-    head_dim = head_width(cfg)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.dim,
-        "intermediate_size": ffn_hidden_dim(cfg),
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": kv_heads(cfg),
-        "head_dim": head_dim,
-        "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,  # transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers >= 5
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "torch_dtype": "float32",
-    }
+def hf_base_folder(run: str | Path, cfg: JobConfig) -> Path | None:
+    """The Hugging Face folder the run at ``run`` (config ``cfg``) comes from, while it is there: its
+    ``finetune.source``, or for a compressed run that of the run it was compressed from; None for a run trained
+    from scratch or from a scaletrain run."""
+    source = cfg.finetune.source
+    record = Path(run) / COMPRESS_RECORD
+    if not source and record.is_file():
+        origin = Path(json.loads(record.read_text(encoding="utf-8")).get("source") or "")
+        if (origin / "config.toml").is_file():
+            source = load_config(origin / "config.toml").finetune.source
+    folder = Path(source) if source else None
+    if folder is None or (folder / "config.toml").is_file() or not (folder / "config.json").is_file():
+        return None
+    return folder
+
+
+def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None = None, base: Path | None = None) -> dict:
+    """The family's config.json for ``cfg``: every field its class reads, the token ids of ``base``'s config.json
+    (else the tokenizer's BOS/EOS), fp32 weights."""
+    out = {**hf_config_from_model_config(cfg), "torch_dtype": "float32"}
+    if base is not None:
+        base_config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+        if base_config.get("model_type") == "gemma3":  # the multimodal checkpoint: its ids may sit in text_config
+            base_config = {**base_config.get("text_config", {}), **base_config}
+        out.update({k: base_config[k] for k in TOKEN_ID_FIELDS if k in base_config})
+    elif tokenizer is not None:
+        out.update({k: v for k, v in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id))
+                    if v is not None})
+    return out
 
 
 def hf_state_dict(model: nn.Module, cfg: ModelConfig) -> dict:
-    """Our parameter names -> Hugging Face Llama names (contiguous CPU tensors, tied head omitted).
+    """Our parameters as the family's tensors (contiguous CPU tensors, tied head omitted, Phi-3's fused).
 
     The embedding and output rows are cut to ``cfg.vocab_size``, which may be below the model's: a padded
     vocabulary's extra rows (``padded_vocab_size``) are never a token and are not exported."""
-    out = {}
+    state = {}
     for name, tensor in model.state_dict().items():
         if name in ("tok_embeddings.weight", "output.weight"):
             tensor = tensor[:cfg.vocab_size]
-        if name == "output.weight" and cfg.tie_embeddings:
-            continue
-        try:
-            key = to_hf(name)  # the one name table (model/hf_names.py)
-        except KeyError:
-            raise KeyError(f"no Hugging Face name for parameter {name!r}") from None
-        out[key] = tensor.detach().to("cpu").contiguous()
-    return out
+        state[name] = tensor.detach().to("cpu").contiguous()
+    try:
+        return state_dict_to_hf(state, cfg)  # the one name table (model/hf_names.py), per family
+    except KeyError as exc:
+        raise KeyError(f"no Hugging Face name for parameter {exc.args[0]!r}") from None
 
 
 def _char_tokenizer_as_hf(tok: CharTokenizer):
@@ -77,19 +91,23 @@ def _char_tokenizer_as_hf(tok: CharTokenizer):
     return hf
 
 
-def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str | Path) -> Path:
-    """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json``.
+def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str | Path,
+              base: Path | None = None) -> Path:
+    """Write ``config.json``, ``model.safetensors``, ``tokenizer.json`` and the tokenizer's other files.
 
-    The exported vocabulary is the tokenizer's: a model padded beyond it (for tensor parallelism or a
-    GPU-friendly size) loses its padding rows, so config.json and the weights match the tokenizer files."""
-    if cfg.parametrization != "standard":  # LlamaForCausalLM has no logit multiplier nor 1/head_dim attention
-        raise ConfigError(f"model.parametrization={cfg.parametrization} cannot be exported as a Hugging Face Llama "
-                          f"(its logit and attention scales are not Llama's); only standard models export")
+    Without ``base`` the exported vocabulary is the tokenizer's: a model padded beyond it (for tensor parallelism
+    or a GPU-friendly size) loses its padding rows, so config.json and the weights match the tokenizer files. With
+    ``base`` (the Hugging Face folder a run was fine-tuned from, ``hf_base_folder``) the vocabulary is the base's,
+    as are the token ids and ``generation_config.json``."""
+    if cfg.parametrization != "standard":  # the families' classes have no logit multiplier nor 1/head_dim attention
+        raise ConfigError(f"model.parametrization={cfg.parametrization} cannot be exported as a Hugging Face "
+                          f"{ARCHITECTURES[cfg.family]} (its logit and attention scales are not the family's); "
+                          f"only standard models export")
     if cfg.dim % cfg.n_heads:  # transformers 5's LlamaConfig validates this even when head_dim is given
         raise ConfigError(f"model.n_heads {cfg.n_heads} does not divide model.dim {cfg.dim}: transformers' LlamaConfig "
                           f"refuses that (even with head_dim {head_width(cfg)}); head-prune to a count that divides "
                           f"dim (e.g. compress --head-fraction 0.5) to export")
-    if cfg.vocab_size > tokenizer.vocab_size:
+    if base is None and cfg.vocab_size > tokenizer.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=tokenizer.vocab_size)
     out = Path(out_dir)
     # Written into a hidden folder and renamed into place: a failed write (a full disk) leaves the previous
@@ -102,16 +120,21 @@ def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir:
                        needed=sum(p.numel() * p.element_size() for p in model.parameters())):
         remove_quietly(tmp)
         tmp.mkdir(parents=True)
-        _write_hf(model, cfg, tokenizer, tmp)
+        _write_hf(model, cfg, tokenizer, tmp, base)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     return out
 
 
-def _write_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: Path) -> None:
-    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2))
+def _write_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: Path, base: Path | None) -> None:
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer, base), indent=2))
     save_file(hf_state_dict(model, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if base is not None and (base / GENERATION_CONFIG).is_file():
+        shutil.copyfile(base / GENERATION_CONFIG, out / GENERATION_CONFIG)
+    if isinstance(tokenizer, HFTokenizer):  # a Hugging Face folder's tokenizer: its files as they are
+        tokenizer.save(out / "tokenizer.json")
+        return
     hf_tok = tokenizer.tok if isinstance(tokenizer, BPETokenizer) else _char_tokenizer_as_hf(tokenizer)
     hf_tok.save(str(out / "tokenizer.json"))
     special = {}

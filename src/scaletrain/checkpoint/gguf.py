@@ -83,11 +83,24 @@ def gguf_state(model: nn.Module, cfg: ModelConfig, vocab_rows: int) -> dict[str,
     return out
 
 
+# The families whose tensors and metadata this writer's llama architecture holds (SmolLM2 is a llama).
+GGUF_FAMILIES = ("llama", "mistral")
+
+
 def check_exportable(model: nn.Module, cfg: ModelConfig) -> None:
     """One ConfigError line when llama.cpp's llama architecture cannot run this model."""
     if cfg.parametrization != "standard":
         raise ConfigError(f"--format gguf: model.parametrization={cfg.parametrization} is not an architecture "
                           f"llama.cpp knows (its logit and attention scales are not Llama's)")
+    if cfg.family not in GGUF_FAMILIES:
+        raise ConfigError(f"--format gguf: the {cfg.family} family is not written here (only the Llama layout: "
+                          f"{', '.join(GGUF_FAMILIES)}, SmolLM2); export a Hugging Face folder (scaletrain export "
+                          f"--run RUN --out hf) and convert it with llama.cpp's convert_hf_to_gguf.py")
+    for field, used in (("rope_scaling", cfg.rope_scaling != "none"), ("sliding_window", cfg.sliding_window > 0)):
+        if used:
+            raise ConfigError(f"--format gguf: model.{field} = {getattr(cfg, field)!r} is not written here (plain "
+                              f"Llama only); export a Hugging Face folder (scaletrain export --run RUN --out hf) and "
+                              f"convert it with llama.cpp's convert_hf_to_gguf.py")
     kinds = {type(m).__name__ for m in model.modules()}
     adapters = kinds & {"PromptEmbedding", "PrefixAttention"}
     if adapters:

@@ -30,6 +30,7 @@ from scaletrain.compress.prune import use_sparse_kernels
 from scaletrain.compress.quantize import quantize_model
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, to_toml
 from scaletrain.data.run_data import data_cache_dir
+from scaletrain.data.tokenizer import HF_TOKENIZER_FILES
 from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model import Transformer
 
@@ -52,6 +53,9 @@ def write_run(out: str | Path, source: str | Path, cfg: JobConfig, model_cfg: Mo
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(new))
         shutil.copyfile(source / "tokenizer.json", out / "tokenizer.json")
+        for name in HF_TOKENIZER_FILES:  # a Hugging Face tokenizer's other files: its chat template, special tokens
+            if (source / name).is_file():
+                shutil.copyfile(source / name, out / name)
         if quantized:
             (out / QUANTIZED).parent.mkdir(parents=True, exist_ok=True)
             torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}, out / QUANTIZED)

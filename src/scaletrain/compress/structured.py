@@ -35,8 +35,10 @@ from scaletrain.model.hf_names import PROJECTIONS, block_suffix
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 from scaletrain.options import ConfigError
 
-# A block's projection weight (``attention.wq.weight``) -> its role (``q``), from the one name table.
-_ROLE_OF_WEIGHT = {f"{block_suffix(role)}.weight": role for role in PROJECTIONS}
+# A block's projection weight (``attention.wq.weight``) or bias (Qwen2's q/k/v) -> its role (``q``), from the one
+# name table. A bias is cut by the same output rows as its weight; the q/k norms (Qwen3, Gemma 3) act over one
+# head's width, which pruning keeps, so they are copied as they are.
+_ROLE_OF_WEIGHT = {f"{block_suffix(role)}.{kind}": role for role in PROJECTIONS for kind in ("weight", "bias")}
 
 
 def _weight(block: nn.Module, role: str) -> torch.Tensor:
@@ -159,7 +161,7 @@ def prune_structured(model: Transformer, scores: dict[str, torch.Tensor], mlp_fr
         for key, t in old.state_dict().items():
             role = _ROLE_OF_WEIGHT.get(key)
             if role in rows:
-                t = t[rows[role]]
+                t = t[rows[role]]  # a weight's rows, or a bias's entries
             elif role in cols:
                 t = t[:, cols[role]]
             state[prefix + key] = t.clone()

@@ -378,7 +378,8 @@ class Transformer(nn.Module):
 
     def _scale_embeddings(self, h: torch.Tensor) -> torch.Tensor:
         # Gemma: sqrt(dim) rounded to the model's dtype first (bf16 makes sqrt(3072) = 55.5), as transformers does.
-        if not self.cfg.scale_embeddings:
+        # Prompt tuning's embedding scales its real tokens itself (its virtual tokens are not: adapt/prompt.py).
+        if not self.cfg.scale_embeddings or getattr(self.tok_embeddings, "scales_itself", False):
             return h
         return h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype, device=h.device)
 
