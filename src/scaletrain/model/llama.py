@@ -262,14 +262,16 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
-        if self.post_norms:
+        # The cache is passed only when there is one: tensor parallelism's input plan for the attention
+        # (parallel/tensor.py) lays out its four training inputs by position.
+        if cache is None:
+            attended = self.attention(self.attention_norm(x), cos, sin, attn_mask)
+        else:
             attended = self.attention(self.attention_norm(x), cos, sin, attn_mask, cache)
+        if self.post_norms:
             x = x + self.attention_post_norm(attended)
             return x + self.ffn_post_norm(self.feed_forward(self.ffn_norm(x)))
-        if cache is None:
-            x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
-        else:
-            x = x + self.attention(self.attention_norm(x), cos, sin, attn_mask, cache)
+        x = x + attended
         return x + self.feed_forward(self.ffn_norm(x))
 
 

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from scaletrain.config import ConfigError, ModelConfig, ParallelConfig
+from scaletrain.model.config import is_sliding
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -155,6 +156,10 @@ class ParallelDims:
             if seq_len != model.max_seq_len:
                 raise ConfigError(f"parallel.cp > 1 shards the rotary tables with the sequence: set model.max_seq_len "
                                   f"({model.max_seq_len}) equal to data.seq_len ({seq_len})")
+            if any(is_sliding(model, i) for i in range(model.n_layers)) and model.sliding_window < seq_len:
+                raise ConfigError(f"model.sliding_window ({model.sliding_window}) is shorter than data.seq_len "
+                                  f"({seq_len}): context parallelism's ring attention takes no window mask; use "
+                                  f"parallel.cp=1, or data.seq_len <= the window")
 
     # -- derived quantities -------------------------------------------------------------------------
     def pp_microbatches(self, cfg: ParallelConfig) -> int:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.config import ModelConfig, ParallelConfig
+from scaletrain.model.config import has_local_rope
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.context import context_parallel_context
@@ -236,4 +237,7 @@ def _cp_context(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor):
     if pm.dims.cp == 1:
         return contextlib.nullcontext()
     module = pm.modules[0]
-    return context_parallel_context(pm.mesh["cp"], [inputs, targets, module.rope_cos, module.rope_sin], [1, 1, 0, 0])
+    tables = [module.rope_cos, module.rope_sin]
+    if has_local_rope(module.cfg):  # Gemma 3's local layers read tables of their own: sharded the same way
+        tables += [module.rope_cos_local, module.rope_sin_local]
+    return context_parallel_context(pm.mesh["cp"], [inputs, targets, *tables], [1, 1] + [0] * len(tables))

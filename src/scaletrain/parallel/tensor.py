@@ -66,17 +66,32 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         for role in PROJECTIONS:  # the projections by role (model/hf_names.py)
             plan[block_suffix(role)] = (RowwiseParallel(output_layouts=residual) if role in ROW_SPLIT
                                         else ColwiseParallel())
+        if block.attention.q_norm is not None:
+            # Qwen3 / Gemma 3 q/k norms act over head_dim on each rank's own heads, (B, T, H/tp, hd): the heads
+            # dimension is the shard, the weights are replicated and their gradients summed over the ranks.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        norms = _residual_norms(block)
         if sequence_parallel:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
+            # The pre-norms' outputs go to the sublayers' input plans as DTensors; a post norm's is added to the
+            # plain local residual, so it returns its local sequence shard.
+            plan.update({name: SequenceParallel(use_local_output=name.endswith("post_norm")) for name in norms})
         for name, style in plan.items():
             parallelize_module(block if name == "" else block.get_submodule(name), tp_mesh, style)
         if not sequence_parallel:
-            _replicate(block.attention_norm, tp_mesh)
-            _replicate(block.ffn_norm, tp_mesh)
+            for name in norms:
+                _replicate(block.get_submodule(name), tp_mesh)
     if model.norm is not None and not sequence_parallel:
         _replicate(model.norm, tp_mesh)
     return model
+
+
+def _residual_norms(block: nn.Module) -> list[str]:
+    """The norms of a block that read or write the residual stream (B, T, d): the two before the sublayers, and
+    Gemma 3's two after them (``post_norms``), which take the row-split projections' reduced outputs. Under
+    sequence parallelism each is split along the sequence like the residual; otherwise it is replicated."""
+    names = ["attention_norm", "ffn_norm"]
+    return names + (["attention_post_norm", "ffn_post_norm"] if getattr(block, "post_norms", False) else [])
 
 
 def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
