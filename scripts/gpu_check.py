@@ -266,9 +266,15 @@ def check_fp8(ctx: Ctx) -> dict:
     out["fp8_linears"] = fp8_linear_count(load_config(ctx.folder / "fp8" / "config.toml").model)
     if not out["fp8_linears"]:
         raise Failed("no block Linear is large enough for Float8Linear: the fp8 run was bf16")
-    if abs(loss_change) > 0.01:
-        raise Failed(f"fp8 loss after {GPT2_STEPS} steps {fp8['train_loss']:.4f} vs bf16 {bf16['train_loss']:.4f} "
-                     f"({100 * loss_change:+.2f}%, limit 1%)")
+    # Quality: the validation loss (the mean over the eval windows; the last train loss is one batch's, and
+    # moved by +-1.2% between runs of the same recipe) may not be worse in fp8 than in bf16 by more than 1%. A
+    # lower fp8 loss is no defect: the first H100 run had -0.94% train / -0.19% val, the second -1.21% train.
+    val_change = fp8["val_loss"] / bf16["val_loss"] - 1
+    out["val_loss_change"] = round(val_change, 5)
+    if val_change > 0.01:
+        raise Failed(f"fp8 validation loss after {GPT2_STEPS} steps {fp8['val_loss']:.4f} vs bf16 "
+                     f"{bf16['val_loss']:.4f} ({100 * val_change:+.2f}%, limit +1%); train loss "
+                     f"{100 * loss_change:+.2f}%")
     return out
 
 
@@ -507,7 +513,7 @@ def check_lora_qlora(ctx: Ctx) -> dict:
 # -- inference: torchao weight-only quantization, 2:4 sparsity ----------------------------------------------
 def decode_speed(model, cfg, vocab: int, tokens: int) -> float:
     """Greedy decoding tokens/s at batch 1 through ``scaletrain.model.generate`` (what `scaletrain generate`
-    and `compress --report` run); it has no KV cache yet, so each token re-reads the whole context."""
+    and `compress --report` run), with its KV cache (model/cache.py), eager (no compiled decode step)."""
     import torch
 
     from scaletrain.model.generate import generate
@@ -547,7 +553,7 @@ def check_quant_decode(ctx: Ctx) -> dict:
     for method in ("int8-weight", "int4-weight"):
         out[f"{method}_speedup"] = round(out[f"{method}_tokens_per_second"] / out["bf16_tokens_per_second"], 3)
     out["notes"] = notes
-    out["kv_cache"] = "none: scaletrain.model.generate recomputes the whole context per token"
+    out["kv_cache"] = "model/cache.py's KV cache (generate's default), eager: no compiled decode step"
     return out
 
 
@@ -661,7 +667,7 @@ CHECKS = [
     Check("train-bf16-eager", 60, check_train_bf16_eager, PRETRAIN_KEYS),
     Check("train-fp16", 60, check_train_fp16, ("tokens_per_second", "val_loss", "skipped_updates_logged",
                                                "peak_memory_mib")),
-    Check("fp8", 170, check_fp8, ("bf16_step_ms", "fp8_step_ms", "fp8_speedup", "loss_change", "fp8_linears")),
+    Check("fp8", 170, check_fp8, ("bf16_step_ms", "fp8_step_ms", "fp8_speedup", "val_loss_change", "fp8_linears")),
     Check("resume-kill9", 90, check_resume_kill9, ("killed_at_step", "steps", "losses_differing",
                                                    "tensors_differing")),
     Check("nccl-fsdp-ddp", 60, check_nccl_fsdp_ddp, ("backend", "max_relative_loss_difference")),
