@@ -12,6 +12,7 @@ trainable tensors plus this reference):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -158,8 +159,6 @@ def resolve_finetune(cfg, announce=None):
     has the base's shape and reads its data with the base's tokenizer. Prompt and prefix tuning place the
     real tokens after the virtual ones, so the rotary tables (derived, not learned) are lengthened to cover
     data.seq_len + finetune.virtual_tokens. Without a source, ``cfg`` unchanged."""
-    import dataclasses
-
     ft = cfg.finetune
     if not ft.source:
         return cfg
@@ -185,8 +184,6 @@ def with_base_data(cfg, announce=None):
     """``cfg`` (a JobConfig whose data.path was not given) fine-tuning on its base run's data: a fine-tune (a
     recovery after compression above all) goes on with what the base learnt from, where the default corpus
     would silently change the task. A Hugging Face base (no data known), or instruction tuning: unchanged."""
-    import dataclasses
-
     if not cfg.finetune.source or cfg.finetune.instructions:
         return cfg
     base = open_base(cfg.finetune.source)

@@ -25,7 +25,7 @@ from scaletrain.compress.quantize import (
 from scaletrain.compress.run import check_output, state_bytes, write_run
 from scaletrain.config import ConfigError
 from scaletrain.files import guarded_write
-from scaletrain.model.generate import decode_report
+from scaletrain.model.generate import decode_report, generate
 
 DEFAULT_SPARSITY = 0.5
 
@@ -185,8 +185,6 @@ def run_compress(args: argparse.Namespace) -> int:
 def decode_sample(model, cfg, tokenizer, tokens: int, prompt: list[int]) -> tuple[int, float, float]:
     """One greedy decode at batch 1 through ``model.generate.generate`` (what `scaletrain generate` runs: with the
     KV cache): (tokens generated, wall seconds, this process's CPU seconds over all its threads)."""
-    from scaletrain.model.generate import generate
-
     wall, cpu = time.perf_counter(), time.process_time()
     new = generate(model, prompt, tokens, max_seq_len=cfg.data.seq_len, temperature=0.0,
                    vocab_limit=tokenizer.vocab_size)
