@@ -32,9 +32,11 @@ from scaletrain.plan.memory import (
     RECIPES,
     RUNTIME_BYTES,
     allocator_margin,
+    block_activation_bytes,
     block_activation_elements,
     block_params,
     checkpointed_blocks,
+    masked_attention_layers,
     memory_breakdown,
     recipe_for,
 )
@@ -44,11 +46,13 @@ from scaletrain.plan.timing import (
     GPU_LAUNCH_SECONDS,
     OPS_PER_BLOCK,
     attention_seconds,
+    family_block_ops,
     gemm_seconds,
     gpu_utilisation,
     group_link,
     head_gemm_seconds,
     interp_curve,
+    masked_attention_factor,
     precision_rates,
 )
 
@@ -124,6 +128,12 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     unsaved = unsaved_activation_elements(workload.model, ft, plan.micro_batch, workload.seq_len) \
         if plan.activation_checkpointing == "none" else 0.0
     activations = pretrain.saved_activations - rec.activation * unsaved
+    if ft.method != "full" and plan.activation_checkpointing == "none":
+        # Frozen norm gains: the family norms (q/k, post-sublayer, (1 + w)) save no normalized copy for them.
+        b, t = plan.micro_batch, workload.seq_len
+        model = workload.model
+        activations -= model.n_layers * (block_activation_bytes(model, b, t, rec)
+                                         - block_activation_bytes(model, b, t, rec, norms_train=False))
     if ft.dora and ft.method in ("lora", "qlora") and plan.activation_checkpointing == "none":
         # DoRA's magnitude multiplies the base output and the scaled adapter output: both are saved for its
         # gradient (one (tokens, out) tensor each per adapted projection)
@@ -170,7 +180,7 @@ def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, f
 # at 256^2..1024^2), used when the calibration has no ``nf4_dequant_s_per_element`` of this machine.
 REFERENCE_NF4_DEQUANT_S_PER_ELEMENT = 5.0e-9
 # aten ops a LoRA adapter adds to a projection, forward + backward (dropout, two matmuls, scale, add; their
-# gradients): counted on ``LoRALinear`` with calibration.count_aten_ops.
+# gradients): counted on ``LoRALinear`` with measure.count_aten_ops.
 OPS_PER_ADAPTER = 14
 
 
@@ -249,8 +259,9 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
         att_f, att_b = (a * (1 + 2 * ft.virtual_tokens / seq) for a in (att_f, att_b))
     total = 0.0
     for block in range(cfg.n_layers):
-        fwd = att_f + sum(gemm_seconds(tokens, o, i, entry) for i, o in shapes.values())
-        bwd = att_b
+        masked = masked_attention_factor(seq) if masked_attention_layers(cfg, seq, range(block, block + 1)) else 1.0
+        fwd = att_f * masked + sum(gemm_seconds(tokens, o, i, entry) for i, o in shapes.values())
+        bwd = att_b * masked
         for name, (i, o) in shapes.items():
             both = gemm_seconds(tokens, o, i, entry, backward=True)  # input and weight gradient GEMMs
             if _weight_trains(ft, block):
@@ -261,7 +272,7 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
                     bwd += i * o * dequant
             if ft.method == "qlora":
                 fwd += i * o * dequant
-        ops = entry["block_ops"] + OPS_PER_ADAPTER * len(targets)
+        ops = entry["block_ops"] + family_block_ops(cfg) + OPS_PER_ADAPTER * len(targets)
         for name in targets:  # x @ A^T (r wide), then @ B^T; both train, so full backward GEMMs
             i, o = shapes[name]
             fwd += gemm_seconds(tokens, r, i, entry) + gemm_seconds(tokens, o, r, entry)
@@ -293,7 +304,9 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
     gradient of every weight plus 2 more for each trainable one; attention's backward twice its forward."""
     rec = RECIPES[workload.precision]
     n_matmul = matmul_params(cfg)
-    attention_fwd = 4.0 * cfg.n_layers * seq * cfg.dim
+    # QK^T and AV over the heads' width (n_heads x head_dim, not dim: Qwen3, Gemma 3); a sliding-window layer's
+    # masked SDPA does the whole square, twice the causal kernel's work (timing._gpu_micro_seconds)
+    attention_fwd = 4.0 * (cfg.n_layers + masked_attention_layers(cfg, seq)) * seq * cfg.n_heads * head_width(cfg)
     lora_params = sum(ft.lora_rank * sum(shapes[t]) for t in targets) * cfg.n_layers
     weight_grads = (2.0 * n_matmul if ft.method == "full" else 0.0) + 2.0 * lora_params
     forward = 2.0 * (n_matmul + lora_params) + attention_fwd
