@@ -16,7 +16,8 @@ the frozen head has no weight gradient and the embedding none; AdamW steps only 
 LoRA adds its two thin GEMMs a target, forward and backward (DoRA also the row norms of W + s B A each
 forward). QLoRA dequantizes every 4-bit weight once in
 the forward and once more for the input gradient (torchao's ``LinearNF4``), at the rate
-``measure_nf4_dequant`` measures (CPU) or at memory bandwidth (GPU).
+``measure_nf4_dequant`` measures (CPU) or, on a GPU, as ``GPU_NF4_DEQUANT_BYTES_PER_WEIGHT`` bytes of traffic a
+weight at memory bandwidth (calibrated on the GPU check's measured QLoRA step).
 """
 
 from __future__ import annotations
@@ -179,6 +180,13 @@ def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, f
 # CPU (2 vCPU AMD EPYC, torch 2.13, torchao 0.18: ``measure_nf4_dequant()``, process CPU time, best of 7
 # at 256^2..1024^2), used when the calibration has no ``nf4_dequant_s_per_element`` of this machine.
 REFERENCE_NF4_DEQUANT_S_PER_ELEMENT = 5.0e-9
+# Effective bytes of memory traffic per weight of one NF4 -> bf16 dequantization on a GPU (torchao's ``NF4Tensor``
+# in eager mode: unpacking the nibbles, the code lookup and both scale levels run as a dozen elementwise kernels with
+# integer and fp32 intermediates, not one pass over 4.5 bits in and 16 out). Calibrated on the GPU check
+# (benchmarks/results/gpu_check.json, ``lora-qlora``: a 0.99B Llama, 973M projection weights, 4 x 1024 tokens, bf16,
+# H100 SXM at 3.35 TB/s): QLoRA's step took 154.7 ms against LoRA's 65.4 ms; the 89.3 ms gap over two passes is 154
+# bytes a weight. The 2.5 bytes of a single read-and-write pass predicted 92,439 tokens/s where 26,484 were measured.
+GPU_NF4_DEQUANT_BYTES_PER_WEIGHT = 154.0
 # aten ops a LoRA adapter adds to a projection, forward + backward (dropout, two matmuls, scale, add; their
 # gradients): counted on ``LoRALinear`` with measure.count_aten_ops.
 OPS_PER_ADAPTER = 14
@@ -322,8 +330,8 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
         adapted = cfg.n_layers * sum(shapes[t][0] * shapes[t][1] for t in targets)
         seconds += 2.0 * ft.lora_rank * adapted / rate \
             + adapted * 3 * rec.param / hw.memory_bandwidth
-    if ft.method == "qlora":  # read 4-bit codes, write the dequantized weight, twice a micro-batch
+    if ft.method == "qlora":  # torchao's eager dequantization of every 4-bit weight, twice a micro-batch
         projections = cfg.n_layers * sum(i * o for i, o in shapes.values())
-        seconds += 2 * projections * (NF4_BYTES_PER_WEIGHT + rec.param) / hw.memory_bandwidth
+        seconds += 2 * projections * GPU_NF4_DEQUANT_BYTES_PER_WEIGHT / hw.memory_bandwidth
     optimizer = trainable * 3 * 20 / hw.memory_bandwidth  # pretraining's ~3 passes of 20 bytes a parameter
     return seconds, optimizer
