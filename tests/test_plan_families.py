@@ -131,11 +131,13 @@ def _family_folder(name: str, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
+@pytest.mark.parametrize("method,precision", [("lora", "fp32"), ("qlora", "fp32"), ("lora", "bf16"),
+                                              ("qlora", "bf16")])
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen2", "qwen3"])
-def test_family_finetune_peak_matches_a_real_step(family, method, tmp_path):
+def test_family_finetune_peak_matches_a_real_step(family, method, precision, tmp_path):
     """The fine-tuning planner against the exact live tensor bytes of the trainer's step on a family's folder
-    (frozen norm gains, sliding-window masks, NF4 base with full-precision biases), within 10%."""
+    (frozen norm gains, sliding-window masks, NF4 base with full-precision biases; under bf16 autocast the frozen
+    weights' bf16 copies), within 10%."""
     if method == "qlora":
         pytest.importorskip("torchao")
     from scaletrain.adapt import resolve_finetune
@@ -143,6 +145,7 @@ def test_family_finetune_peak_matches_a_real_step(family, method, tmp_path):
     from scaletrain.parallel import ParallelDims
     from scaletrain.plan.finetune import finetune_memory
     from scaletrain.plan.measure import LiveTensorBytes, measure_step
+    from scaletrain.train.precision import autocast
     from scaletrain.train.step import build_parallel_training, training_step
 
     ft = FinetuneConfig(source=str(_family_folder(family, tmp_path)), method=method)
@@ -155,9 +158,10 @@ def test_family_finetune_peak_matches_a_real_step(family, method, tmp_path):
     gen = torch.Generator().manual_seed(0)
     micro = [(torch.randint(0, 384, (batch, seq), generator=gen), torch.randint(0, 384, (batch, seq), generator=gen),
               None)]
-    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker,
-                            steps=1)["peak_bytes"]
-    workload = Workload(model=model, seq_len=seq, global_batch=batch, train_tokens=batch * seq)
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0,
+                                                  autocast=lambda: autocast(precision, torch.device("cpu"))).loss,
+                            tracker, steps=1)["peak_bytes"]
+    workload = Workload(model=model, seq_len=seq, global_batch=batch, train_tokens=batch * seq, precision=precision)
     predicted = finetune_memory(workload, Plan(micro_batch=batch), cfg.finetune, "cpu")["tensor_total"]
     predicted += resident_extras(model, batch, seq)
     assert predicted == pytest.approx(measured, rel=0.10)

@@ -35,6 +35,7 @@ from scaletrain.plan.memory import (
     allocator_margin,
     block_activation_bytes,
     block_activation_elements,
+    block_matrix_params,
     block_params,
     checkpointed_blocks,
     masked_attention_layers,
@@ -141,13 +142,21 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
         shapes = _projection_shapes(workload.model)
         activations += rec.activation * workload.model.n_layers * sum(2 * bt * shapes[t][1]
                                                                       for t in ft.lora_targets if t in shapes)
-    loss_phase = at_rest + activations + 2 * logits
+    # Under autocast each linear keeps the bf16 copy of its fp32 weight from its forward to its backward (pretraining's
+    # ``cast_block`` / ``cast_head``): every frozen projection of the blocks that are not checkpointed, and the head;
+    # QLoRA's NF4 projections keep nothing (torchao dequantizes them again for the backward).
+    casts = 0.0
+    if rec.autocast:
+        cfg = workload.model
+        kept = cfg.n_layers - len(checkpointed_blocks(cfg.n_layers, plan.activation_checkpointing, plan.ac_every))
+        casts = 2 * ((0 if ft.method == "qlora" else kept * block_matrix_params(cfg)) + cfg.vocab_size * cfg.dim)
+    loss_phase = at_rest + activations + casts + 2 * logits
     # Optimizer: every trainable gradient (the fused AdamW kernel, the default, allocates no temporary).
     optimizer_phase = at_rest + trainable * rec.grad
     tensor_total = max(loss_phase, optimizer_phase)
     return {"method": ft.method, "trainable_parameters": trainable, "frozen_bytes": frozen,
             "trainable_state_bytes": trainable * (rec.param + rec.grad + rec.master + rec.optimizer),
-            "activations": activations, "tensor_total": tensor_total,
+            "activations": activations, "weight_casts": casts, "tensor_total": tensor_total,
             "peak_phase": "loss" if loss_phase >= optimizer_phase else "optimizer step",
             "pretraining_tensor_total": pretrain.tensor_total}
 
