@@ -29,6 +29,7 @@ from scaletrain.peak import (
     save_calibration,
 )
 from scaletrain.plan import timing
+from scaletrain.plan.measure import count_aten_ops
 from scaletrain.plan.memory import block_activation_elements
 
 # --------------------------------------------------------------------------------------------------
@@ -280,22 +281,6 @@ def measure_block_elementwise(entry: dict, precision: str = "fp32") -> tuple[lis
         # Never let a noisy measurement make the elementwise cost vanish: keep at least 5% of the block.
         curve.append([float(units), max(rest, 0.05 * t) / units])
     return curve, float(n_ops)
-
-
-def count_aten_ops(fn) -> int:
-    """Number of aten ops ``fn`` dispatches (forward and autograd backward)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            _Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Count():
-        fn()
-    return _Count.n
 
 
 def entry_rows(measured: dict) -> list[list[float]]:

@@ -16,7 +16,8 @@ the frozen head has no weight gradient and the embedding none; AdamW steps only 
 LoRA adds its two thin GEMMs a target, forward and backward (DoRA also the row norms of W + s B A each
 forward). QLoRA dequantizes every 4-bit weight once in
 the forward and once more for the input gradient (torchao's ``LinearNF4``), at the rate
-``measure_nf4_dequant`` measures (CPU) or at memory bandwidth (GPU).
+``measure_nf4_dequant`` measures (CPU) or, on a GPU, as ``GPU_NF4_DEQUANT_BYTES_PER_WEIGHT`` bytes of traffic a
+weight at memory bandwidth (calibrated on the GPU check's measured QLoRA step).
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ from scaletrain.plan.memory import (
     RECIPES,
     RUNTIME_BYTES,
     allocator_margin,
+    block_activation_bytes,
     block_activation_elements,
+    block_matrix_params,
     block_params,
     checkpointed_blocks,
+    masked_attention_layers,
     memory_breakdown,
     recipe_for,
 )
@@ -44,11 +48,13 @@ from scaletrain.plan.timing import (
     GPU_LAUNCH_SECONDS,
     OPS_PER_BLOCK,
     attention_seconds,
+    family_block_ops,
     gemm_seconds,
     gpu_utilisation,
     group_link,
     head_gemm_seconds,
     interp_curve,
+    masked_attention_factor,
     precision_rates,
 )
 
@@ -124,19 +130,33 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     unsaved = unsaved_activation_elements(workload.model, ft, plan.micro_batch, workload.seq_len) \
         if plan.activation_checkpointing == "none" else 0.0
     activations = pretrain.saved_activations - rec.activation * unsaved
+    if ft.method != "full" and plan.activation_checkpointing == "none":
+        # Frozen norm gains: the family norms (q/k, post-sublayer, (1 + w)) save no normalized copy for them.
+        b, t = plan.micro_batch, workload.seq_len
+        model = workload.model
+        activations -= model.n_layers * (block_activation_bytes(model, b, t, rec)
+                                         - block_activation_bytes(model, b, t, rec, norms_train=False))
     if ft.dora and ft.method in ("lora", "qlora") and plan.activation_checkpointing == "none":
         # DoRA's magnitude multiplies the base output and the scaled adapter output: both are saved for its
         # gradient (one (tokens, out) tensor each per adapted projection)
         shapes = _projection_shapes(workload.model)
         activations += rec.activation * workload.model.n_layers * sum(2 * bt * shapes[t][1]
                                                                       for t in ft.lora_targets if t in shapes)
-    loss_phase = at_rest + activations + 2 * logits
+    # Under autocast each linear keeps the bf16 copy of its fp32 weight from its forward to its backward (pretraining's
+    # ``cast_block`` / ``cast_head``): every frozen projection of the blocks that are not checkpointed, and the head;
+    # QLoRA's NF4 projections keep nothing (torchao dequantizes them again for the backward).
+    casts = 0.0
+    if rec.autocast:
+        cfg = workload.model
+        kept = cfg.n_layers - len(checkpointed_blocks(cfg.n_layers, plan.activation_checkpointing, plan.ac_every))
+        casts = 2 * ((0 if ft.method == "qlora" else kept * block_matrix_params(cfg)) + cfg.vocab_size * cfg.dim)
+    loss_phase = at_rest + activations + casts + 2 * logits
     # Optimizer: every trainable gradient (the fused AdamW kernel, the default, allocates no temporary).
     optimizer_phase = at_rest + trainable * rec.grad
     tensor_total = max(loss_phase, optimizer_phase)
     return {"method": ft.method, "trainable_parameters": trainable, "frozen_bytes": frozen,
             "trainable_state_bytes": trainable * (rec.param + rec.grad + rec.master + rec.optimizer),
-            "activations": activations, "tensor_total": tensor_total,
+            "activations": activations, "weight_casts": casts, "tensor_total": tensor_total,
             "peak_phase": "loss" if loss_phase >= optimizer_phase else "optimizer step",
             "pretraining_tensor_total": pretrain.tensor_total}
 
@@ -169,8 +189,15 @@ def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, f
 # CPU (2 vCPU AMD EPYC, torch 2.13, torchao 0.18: ``measure_nf4_dequant()``, process CPU time, best of 7
 # at 256^2..1024^2), used when the calibration has no ``nf4_dequant_s_per_element`` of this machine.
 REFERENCE_NF4_DEQUANT_S_PER_ELEMENT = 5.0e-9
+# Effective bytes of memory traffic per weight of one NF4 -> bf16 dequantization on a GPU (torchao's ``NF4Tensor``
+# in eager mode: unpacking the nibbles, the code lookup and both scale levels run as a dozen elementwise kernels with
+# integer and fp32 intermediates, not one pass over 4.5 bits in and 16 out). Calibrated on the GPU check
+# (benchmarks/results/gpu_check.json, ``lora-qlora``: a 0.99B Llama, 973M projection weights, 4 x 1024 tokens, bf16,
+# H100 SXM at 3.35 TB/s): QLoRA's step took 154.7 ms against LoRA's 65.4 ms; the 89.3 ms gap over two passes is 154
+# bytes a weight. The 2.5 bytes of a single read-and-write pass predicted 92,439 tokens/s where 26,484 were measured.
+GPU_NF4_DEQUANT_BYTES_PER_WEIGHT = 154.0
 # aten ops a LoRA adapter adds to a projection, forward + backward (dropout, two matmuls, scale, add; their
-# gradients): counted on ``LoRALinear`` with calibration.count_aten_ops.
+# gradients): counted on ``LoRALinear`` with measure.count_aten_ops.
 OPS_PER_ADAPTER = 14
 
 
@@ -249,8 +276,9 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
         att_f, att_b = (a * (1 + 2 * ft.virtual_tokens / seq) for a in (att_f, att_b))
     total = 0.0
     for block in range(cfg.n_layers):
-        fwd = att_f + sum(gemm_seconds(tokens, o, i, entry) for i, o in shapes.values())
-        bwd = att_b
+        masked = masked_attention_factor(seq) if masked_attention_layers(cfg, seq, range(block, block + 1)) else 1.0
+        fwd = att_f * masked + sum(gemm_seconds(tokens, o, i, entry) for i, o in shapes.values())
+        bwd = att_b * masked
         for name, (i, o) in shapes.items():
             both = gemm_seconds(tokens, o, i, entry, backward=True)  # input and weight gradient GEMMs
             if _weight_trains(ft, block):
@@ -261,7 +289,7 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
                     bwd += i * o * dequant
             if ft.method == "qlora":
                 fwd += i * o * dequant
-        ops = entry["block_ops"] + OPS_PER_ADAPTER * len(targets)
+        ops = entry["block_ops"] + family_block_ops(cfg) + OPS_PER_ADAPTER * len(targets)
         for name in targets:  # x @ A^T (r wide), then @ B^T; both train, so full backward GEMMs
             i, o = shapes[name]
             fwd += gemm_seconds(tokens, r, i, entry) + gemm_seconds(tokens, o, r, entry)
@@ -293,7 +321,9 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
     gradient of every weight plus 2 more for each trainable one; attention's backward twice its forward."""
     rec = RECIPES[workload.precision]
     n_matmul = matmul_params(cfg)
-    attention_fwd = 4.0 * cfg.n_layers * seq * cfg.dim
+    # QK^T and AV over the heads' width (n_heads x head_dim, not dim: Qwen3, Gemma 3); a sliding-window layer's
+    # masked SDPA does the whole square, twice the causal kernel's work (timing._gpu_micro_seconds)
+    attention_fwd = 4.0 * (cfg.n_layers + masked_attention_layers(cfg, seq)) * seq * cfg.n_heads * head_width(cfg)
     lora_params = sum(ft.lora_rank * sum(shapes[t]) for t in targets) * cfg.n_layers
     weight_grads = (2.0 * n_matmul if ft.method == "full" else 0.0) + 2.0 * lora_params
     forward = 2.0 * (n_matmul + lora_params) + attention_fwd
@@ -309,8 +339,8 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
         adapted = cfg.n_layers * sum(shapes[t][0] * shapes[t][1] for t in targets)
         seconds += 2.0 * ft.lora_rank * adapted / rate \
             + adapted * 3 * rec.param / hw.memory_bandwidth
-    if ft.method == "qlora":  # read 4-bit codes, write the dequantized weight, twice a micro-batch
+    if ft.method == "qlora":  # torchao's eager dequantization of every 4-bit weight, twice a micro-batch
         projections = cfg.n_layers * sum(i * o for i, o in shapes.values())
-        seconds += 2 * projections * (NF4_BYTES_PER_WEIGHT + rec.param) / hw.memory_bandwidth
+        seconds += 2 * projections * GPU_NF4_DEQUANT_BYTES_PER_WEIGHT / hw.memory_bandwidth
     optimizer = trainable * 3 * 20 / hw.memory_bandwidth  # pretraining's ~3 passes of 20 bytes a parameter
     return seconds, optimizer

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from scaletrain.config import JobConfig, OptimConfig, ParallelConfig, TrainConfig
-from scaletrain.model.config import ModelConfig, head_width
+from scaletrain.model.config import ModelConfig, has_local_rope, head_width
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.distributed import init_distributed
 from scaletrain.peak import measure_matmul_flops
@@ -86,6 +86,22 @@ class LiveTensorBytes(TorchDispatchMode):
         if self.track_resize:
             self._resync()
         return out
+
+
+def count_aten_ops(fn) -> int:
+    """Number of aten ops ``fn`` dispatches (forward and autograd backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        fn()
+    return _Count.n
 
 
 def measure_step(step: Callable[[], object], tracker: LiveTensorBytes, steps: int = 5, warmup: int = 2) -> dict:
@@ -169,9 +185,11 @@ def _measure_trainer_step(model_cfg: ModelConfig, parallel: ParallelConfig, worl
 
 
 def resident_extras(model_cfg: ModelConfig, batch: int, seq: int) -> int:
-    """Bytes the planner adds outside the model states: rope tables and one batch of int64 tokens."""
+    """Bytes the planner adds outside the model states: rope tables (two sets with Gemma 3's local layers' own
+    base) and one batch of int64 tokens."""
     head_dim = head_width(model_cfg)
-    return 2 * model_cfg.max_seq_len * head_dim * 4 + 2 * batch * seq * 8
+    tables = 2 if has_local_rope(model_cfg) else 1
+    return tables * 2 * model_cfg.max_seq_len * head_dim * 4 + 2 * batch * seq * 8
 
 
 def distributed_run(model_cfg: ModelConfig, parallel: dict, batch_per_rank: int, seq: int, steps: int = 5,

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from scaletrain.config import ModelConfig
-from scaletrain.model.config import head_width
-from scaletrain.model.presets import block_params, block_vector_params, ffn_hidden_dim, num_params
+from scaletrain.model.config import head_width, is_sliding
+from scaletrain.model.presets import block_params, block_vector_params, ffn_hidden_dim, kv_heads, num_params
 from scaletrain.plan.spec import Plan, Workload
 
 
@@ -109,22 +109,69 @@ def block_activation_elements(cfg: ModelConfig, batch: int, seq: int, tp: int = 
         norm_region = (4 * bt * d + 2 * bt) / tp + 2 * bt * d
     else:
         norm_region = 6 * bt * d + 2 * bt
-    return sharded + norm_region
+    return sharded + norm_region + family_norm_elements(cfg, batch, seq) / tp
+
+
+def family_norm_elements(cfg: ModelConfig, batch: int, seq: int, autocast: bool = False,
+                         norms_train: bool = True) -> float:
+    """Elements the norms of the family options save beyond the Llama block's two (0 for a Llama).
+
+    Every norm saves its input and rstd; it also saves its normalized input when its gain gets a gradient
+    (``norms_train``) through a separate product: Gemma's ``(1 + w)`` norm (``OffsetRMSNorm``), or under autocast
+    a norm whose input is bf16 (q, k and each sublayer's output: ``nn.RMSNorm``'s decomposition, as the fused
+    fp32 one needs equal dtypes); under autocast the input it saves is an fp32 copy. The (1 + w) norms also save
+    1 + w. Per block:
+
+    * ``norm_plus_one``: the two pre-norms' normalized inputs (2 BTd) when they train;
+    * ``post_norms``: two more norms of width d over the sublayer outputs;
+    * ``qk_norm``: one norm of width head_dim over each query and key head, (H + KV) BT rows.
+
+    Checked against ``saved_tensors_hooks`` in tests/test_plan_families.py (fp32 and autocast, trained and frozen
+    norms). Under autocast all of it is fp32 (``block_activation_bytes``)."""
+    bt, d, hd = batch * seq, cfg.dim, head_width(cfg)
+    offset_normed = norms_train and cfg.norm_plus_one  # (1 + w) saves normed x for w's gradient
+    low_normed = norms_train and (cfg.norm_plus_one or autocast)  # ... and so does a decomposed bf16-input norm
+    total = 2 * bt * d if offset_normed else 0.0
+    if cfg.post_norms:
+        total += 2 * (bt * d * (1 + low_normed) + bt)
+    if cfg.qk_norm:
+        total += bt * (cfg.n_heads + kv_heads(cfg)) * (hd * (1 + low_normed) + 1)
+    if cfg.norm_plus_one:  # 1 + w of each norm
+        total += 2 * d + (2 * d if cfg.post_norms else 0) + (2 * hd if cfg.qk_norm else 0)
+    return total
+
+
+def masked_attention_layers(cfg: ModelConfig, seq: int, layers: range | None = None) -> int:
+    """How many of ``layers`` (default: all) attend through an explicit (T, T) mask at sequence ``seq``: the
+    sliding-window layers once ``seq`` exceeds the window (``Attention.windowed``; shorter, the window is the
+    whole causal context and plain causal SDPA runs)."""
+    if cfg.sliding_window <= 0 or seq <= cfg.sliding_window:
+        return 0
+    return sum(is_sliding(cfg, i) for i in (layers if layers is not None else range(cfg.n_layers)))
+
+
+def attention_mask_bytes(cfg: ModelConfig, seq: int, recipe: Recipe) -> float:
+    """Bytes one masked layer's SDPA saves for its mask: the (T, T) boolean window converted to an additive mask
+    in the attention's dtype (fp32, bf16 under autocast), one per layer, shared by the batch."""
+    return seq * seq * recipe.activation
 
 
 def block_activation_bytes(cfg: ModelConfig, batch: int, seq: int, recipe: Recipe, tp: int = 1,
-                           sequence_parallel: bool = False) -> float:
+                           sequence_parallel: bool = False, norms_train: bool = True) -> float:
     """Bytes one TransformerBlock saves for backward (``block_activation_elements`` x the recipe's bytes).
 
     Under autocast the tensors are of two kinds: the residual stream and the norms stay fp32 (each norm's input,
     its rstd, and SDPA's log-sum-exp), while the bf16 copies the linears cast their inputs to (y, y2), q, k, v,
-    the attention output and SwiGLU's four tensors are bf16."""
-    elements = block_activation_elements(cfg, batch, seq, tp, sequence_parallel)
+    the attention output and SwiGLU's four tensors are bf16. ``norms_train`` False (a fine-tune's frozen norms):
+    the family norms save no normalized copies (``family_norm_elements``)."""
+    family = family_norm_elements(cfg, batch, seq)
+    elements = block_activation_elements(cfg, batch, seq, tp, sequence_parallel) - family / tp
     if not recipe.autocast:
-        return elements * recipe.activation
+        return (elements + family_norm_elements(cfg, batch, seq, False, norms_train) / tp) * recipe.activation
     bt = batch * seq
     fp32 = (2 * bt * cfg.dim + 2 * bt) / (tp if sequence_parallel and tp > 1 else 1) + batch * cfg.n_heads * seq / tp
-    return fp32 * 4 + (elements - fp32) * recipe.activation
+    fp32_family = family_norm_elements(cfg, batch, seq, True, norms_train) / tp
+    return (fp32 + fp32_family) * 4 + (elements - fp32) * recipe.activation
 
 
 def block_matrix_params(cfg: ModelConfig) -> int:
@@ -207,7 +254,10 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     ckpt_input = b * t * d * (4 if rec.autocast else a) / (tp if plan.sequence_parallel and tp > 1 else 1)
     ckpt = checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every)
     in_flight = 1 if pp == 1 else (plan.microbatches if plan.pp_schedule == "gpipe" else min(pp, plan.microbatches))
-    per_block = [ckpt_input if i in ckpt else blk for i in range(layers)]
+    # A sliding-window layer's SDPA also saves its (T, T) mask (not under checkpointing: only in the recompute).
+    mask = attention_mask_bytes(cfg, t, rec)
+    full_block = [blk + mask * masked_attention_layers(cfg, t, range(i, i + 1)) for i in range(layers)]
+    per_block = [ckpt_input if i in ckpt else full_block[i] for i in range(layers)]
     # Other in-flight pipeline micro-batches keep their whole stage's saved activations.
     others = (in_flight - 1) * sum(per_block)
     saved_blocks = sum(per_block) + others
@@ -257,7 +307,7 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     # Backward of each block, last first: saved activations shrink as gradients grow. A checkpointed block
     # is re-materialised whole (recomputed) just before its backward.
     for i in range(layers - 1, -1, -1):
-        live = sum(per_block[:i]) + blk + others
+        live = sum(per_block[:i]) + full_block[i] + others
         done = head_p + (layers - i) * block_p
         phases.append((f"backward (block {i})", dict(activations=live, transients=bwd_tmp,
                                                       held=held_params + cast_block * (

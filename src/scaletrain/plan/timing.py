@@ -20,6 +20,8 @@ context-parallel traffic is exposed. On CPU (gloo) the same cores compute and co
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -27,7 +29,13 @@ from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, flops_per_token, kv_heads
 from scaletrain.plan.catalog import LINKS, Cluster, Hardware
-from scaletrain.plan.memory import RECIPES, block_activation_elements, checkpointed_blocks, stage_params
+from scaletrain.plan.memory import (
+    RECIPES,
+    block_activation_elements,
+    checkpointed_blocks,
+    masked_attention_layers,
+    stage_params,
+)
 from scaletrain.plan.spec import Plan, Workload
 
 # aten ops one scaletrain block dispatches in forward + backward (calibration.count_aten_ops; 206 on
@@ -128,6 +136,49 @@ def attention_seconds(batch_heads: int, seq: int, head_dim: int, entry: dict) ->
     return flops / interp_curve(curves[nearest], seq, 1), 2 * flops / interp_curve(curves[nearest], seq, 2)
 
 
+# torch's CPU flash-attention kernel walks the keys in blocks of 512 and, when causal, stops at the diagonal's
+# block; with an explicit mask (the sliding-window layers, ``Attention.windowed``) it walks them all. The masked
+# layer therefore costs what the causal calibration curve prices times 2n / (n + 1) over n = T / 512 key blocks:
+# 1 up to 512 positions, ~1.6 at 2048 (measured 1.0 at 512, 1.7 at 2048, forward + backward, one thread).
+CPU_ATTENTION_KEY_BLOCK = 512
+
+
+def masked_attention_factor(seq: int) -> float:
+    """CPU seconds of a masked (sliding-window) layer's SDPA over a causal one's at sequence ``seq``: the window
+    saves nothing on this kernel, which skips only the causal upper triangle's key blocks."""
+    n = max(1.0, seq / CPU_ATTENTION_KEY_BLOCK)
+    return 2 * n / (n + 1)
+
+
+def family_block_ops(cfg: ModelConfig) -> int:
+    """aten ops (forward + backward) the family options add to a block over the calibrated Llama block
+    (``block_ops``): q/k norms, post-sublayer norms, (1 + w) norms, biases; counted on a tiny block of the same
+    options (measure.count_aten_ops), 0 for a Llama."""
+    options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+               if f.name in ("qkv_bias", "qk_norm", "activation", "norm_plus_one", "post_norms")}
+    return _family_block_ops(tuple(sorted(options.items())), cfg.n_heads // (cfg.n_kv_heads or cfg.n_heads))
+
+
+@functools.cache
+def _family_block_ops(options: tuple, group: int) -> int:
+    import torch
+
+    from scaletrain.model.config import ModelConfig as Model
+    from scaletrain.model.llama import TransformerBlock, rope_tables
+    from scaletrain.plan.measure import count_aten_ops
+
+    def ops(cfg: Model) -> int:
+        block = TransformerBlock(cfg)
+        cos, sin = rope_tables(8, 4, 10000.0)
+        x = torch.randn(1, 4, cfg.dim, requires_grad=True)
+        return count_aten_ops(lambda: block(x, cos, sin).sum().backward())
+
+    tiny = Model(dim=16, n_heads=2 * group, n_kv_heads=2, head_dim=8, ffn_hidden_dim=16, vocab_size=16, max_seq_len=4)
+    if not any(v not in (False, "silu") for _, v in options):
+        return 0
+    return max(0, ops(dataclasses.replace(tiny, **dict(options))) - ops(tiny))
+
+
 def _block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int, int]]:
     d, hd, h = cfg.dim, head_width(cfg), ffn_hidden_dim(cfg)
     q, kv = cfg.n_heads * hd // tp, kv_heads(cfg) * hd // tp
@@ -204,7 +255,7 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
     layers = -(-cfg.n_layers // plan.pp)
     n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
     units = block_activation_elements(cfg, b, t, tp, plan.sequence_parallel)
-    ops = entry["block_ops"]
+    ops = entry["block_ops"] + family_block_ops(cfg)
     # Cost per element at this block's working-set size (curve), else the single reference value.
     elem = interp_curve(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
         entry["elementwise_s_per_element"]
@@ -215,6 +266,10 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
         return rate_bound * share + ops * (1 + recompute / 3) * entry["op_overhead_s"]
 
     blocks = (layers - n_ckpt) * block(False) + n_ckpt * block(True)
+    masked = masked_attention_layers(cfg, t, range(layers))
+    if masked:  # sliding-window layers: SDPA with an explicit mask, over every key block (masked_attention_factor)
+        att_f, att_b = attention_seconds(b * cfg.n_heads // tp, t, head_width(cfg), entry)
+        blocks += masked * (masked_attention_factor(t) - 1) * (att_f + att_b) * share
     tokens, vocab = b * t, cfg.vocab_size // tp
     # Output head GEMMs, cross-entropy per logit, final norm, and the embedding's dense V x d gradient.
     head = (head_gemm_seconds(tokens, vocab, cfg.dim, entry) + head_gemm_seconds(tokens, vocab, cfg.dim, entry, True)
@@ -254,6 +309,10 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     model_flops = workload.flops_per_token * tokens / (plan.tp * plan.pp * plan.cp)
     block_share = 1.0 - 6.0 * cfg.vocab_size * cfg.dim / workload.flops_per_token  # all but the head
     executed = model_flops * (1 + block_share * (n_ckpt / layers) / 3)
+    # A sliding-window layer runs SDPA with an explicit mask: the memory-efficient kernel over the whole square,
+    # twice the causal kernel's work (the window saves nothing there); counted once more at the same rate.
+    masked = masked_attention_layers(cfg, workload.seq_len, range(layers))
+    executed += masked * 12.0 * workload.seq_len * cfg.n_heads * head_width(cfg) * tokens / (plan.tp * plan.cp)
     rate = hw.flops(DTYPE_OF_PRECISION[workload.precision]) * gpu_utilisation(hw, cfg, workload.seq_len)
     # Kernels run asynchronously, but a micro-batch cannot finish faster than the host launches its kernels:
     # eager PyTorch issues ~OPS_PER_BLOCK aten ops per block (counted on scaletrain's block, fwd + bwd).
