@@ -192,10 +192,11 @@ REFERENCE_NF4_DEQUANT_S_PER_ELEMENT = 5.0e-9
 # Effective bytes of memory traffic per weight of one NF4 -> bf16 dequantization on a GPU (torchao's ``NF4Tensor``
 # in eager mode: unpacking the nibbles, the code lookup and both scale levels run as a dozen elementwise kernels with
 # integer and fp32 intermediates, not one pass over 4.5 bits in and 16 out). Calibrated on the GPU check
-# (benchmarks/results/gpu_check.json, ``lora-qlora``: a 0.99B Llama, 973M projection weights, 4 x 1024 tokens, bf16,
-# H100 SXM at 3.35 TB/s): QLoRA's step took 154.7 ms against LoRA's 65.4 ms; the 89.3 ms gap over two passes is 154
-# bytes a weight. The 2.5 bytes of a single read-and-write pass predicted 92,439 tokens/s where 26,484 were measured.
-GPU_NF4_DEQUANT_BYTES_PER_WEIGHT = 154.0
+# (``lora-qlora``: a 0.99B Llama, 973M projection weights, 4 x 1024 tokens, bf16, H100 SXM at 3.35 TB/s), run twice:
+# QLoRA's step took 154.7 ms against LoRA's 65.4 ms in the first run (a gap of 89.3 ms over two passes: 154 bytes a
+# weight), 186.7 ms against 77.0 ms in the second (benchmarks/results/gpu_check.json: 109.7 ms, 189 bytes); the mean,
+# 171. The 2.5 bytes of a single read-and-write pass predicted 92,439 tokens/s where 26,484 and 21,941 were measured.
+GPU_NF4_DEQUANT_BYTES_PER_WEIGHT = 171.0
 # aten ops a LoRA adapter adds to a projection, forward + backward (dropout, two matmuls, scale, add; their
 # gradients): counted on ``LoRALinear`` with measure.count_aten_ops.
 OPS_PER_ADAPTER = 14
