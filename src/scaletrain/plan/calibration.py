@@ -29,7 +29,7 @@ from scaletrain.peak import (
     save_calibration,
 )
 from scaletrain.plan import timing
-from scaletrain.plan.measure import count_aten_ops
+from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.memory import block_activation_elements
 
 # --------------------------------------------------------------------------------------------------

@@ -198,7 +198,7 @@ REFERENCE_NF4_DEQUANT_S_PER_ELEMENT = 5.0e-9
 # 171. The 2.5 bytes of a single read-and-write pass predicted 92,439 tokens/s where 26,484 and 21,941 were measured.
 GPU_NF4_DEQUANT_BYTES_PER_WEIGHT = 171.0
 # aten ops a LoRA adapter adds to a projection, forward + backward (dropout, two matmuls, scale, add; their
-# gradients): counted on ``LoRALinear`` with measure.count_aten_ops.
+# gradients): counted on ``LoRALinear`` with aten_ops.count_aten_ops.
 OPS_PER_ADAPTER = 14
 
 

@@ -88,22 +88,6 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def count_aten_ops(fn) -> int:
-    """Number of aten ops ``fn`` dispatches (forward and autograd backward)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            _Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Count():
-        fn()
-    return _Count.n
-
-
 def measure_step(step: Callable[[], object], tracker: LiveTensorBytes, steps: int = 5, warmup: int = 2) -> dict:
     """Peak tensor bytes of one steady-state step and median seconds per step.
 

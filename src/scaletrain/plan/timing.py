@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, flops_per_token, kv_heads
+from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.catalog import LINKS, Cluster, Hardware
 from scaletrain.plan.memory import (
     RECIPES,
@@ -38,7 +39,7 @@ from scaletrain.plan.memory import (
 )
 from scaletrain.plan.spec import Plan, Workload
 
-# aten ops one scaletrain block dispatches in forward + backward (calibration.count_aten_ops; 206 on
+# aten ops one scaletrain block dispatches in forward + backward (aten_ops.count_aten_ops; 206 on
 # torch 2.13) and the host-side cost of launching one CUDA kernel (a few microseconds, per NVIDIA's CUDA
 # C++ Best Practices Guide; 5 us is typical of eager PyTorch).
 OPS_PER_BLOCK = 206
@@ -153,7 +154,7 @@ def masked_attention_factor(seq: int) -> float:
 def family_block_ops(cfg: ModelConfig) -> int:
     """aten ops (forward + backward) the family options add to a block over the calibrated Llama block
     (``block_ops``): q/k norms, post-sublayer norms, (1 + w) norms, biases; counted on a tiny block of the same
-    options (measure.count_aten_ops), 0 for a Llama."""
+    options (aten_ops.count_aten_ops), 0 for a Llama."""
     options = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                if f.name in ("qkv_bias", "qk_norm", "activation", "norm_plus_one", "post_norms")}
     return _family_block_ops(tuple(sorted(options.items())), cfg.n_heads // (cfg.n_kv_heads or cfg.n_heads))
@@ -165,7 +166,6 @@ def _family_block_ops(options: tuple, group: int) -> int:
 
     from scaletrain.model.config import ModelConfig as Model
     from scaletrain.model.llama import TransformerBlock, rope_tables
-    from scaletrain.plan.measure import count_aten_ops
 
     def ops(cfg: Model) -> int:
         block = TransformerBlock(cfg)
