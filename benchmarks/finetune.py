@@ -112,9 +112,9 @@ def one_method(method: str, base: Path, steps: int, lr: str, tag: str, data: str
     ``WORK/tag``); the numbers for one row."""
     import torch
 
-    from scaletrain.adapt.lora import is_nf4, nf4_bytes
     from scaletrain.allocator import in_use as allocator_in_use
     from scaletrain.config import load_config
+    from scaletrain.finetune.lora import is_nf4, nf4_bytes
     from scaletrain.model import build_model
     from scaletrain.train.trainer import Trainer
 

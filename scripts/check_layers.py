@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     "model": 1,
     "config": 2, "peak": 2,
     "data": 3, "parallel": 3,
-    "checkpoint": 4, "adapt": 4, "compress": 4,
+    "checkpoint": 4, "finetune": 4, "compress": 4,
     "train": 5, "infer": 5,
     "plan": 6, "report": 6, "tune": 6,
     "cli": 7, "__main__": 7,

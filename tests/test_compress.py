@@ -414,7 +414,7 @@ def test_int4_on_cuda_asks_for_the_tinygemm_layout_that_needs_no_extra_package()
 
 
 def test_distillation_loss_is_zero_for_the_teacher_itself_and_mixes_with_the_data_loss():
-    from scaletrain.adapt.distill import distillation_loss
+    from scaletrain.finetune.distill import distillation_loss
 
     torch.manual_seed(0)
     s, t = torch.randn(2, 5, 11, requires_grad=True), torch.randn(2, 5, 11)
@@ -457,8 +457,8 @@ def test_structured_run_distilled_from_the_original(base_run, tmp_path, capsys):
 def test_qat_finetune_fake_quantizes_and_quantizes_after(base_run, tmp_path, capsys):
     pytest.importorskip("torchao")
     from helpers.tiny import tiny_overrides
-    from scaletrain.adapt.qat import prepare_qat
     from scaletrain.config import FinetuneConfig
+    from scaletrain.finetune.qat import prepare_qat
 
     model = build_model(ModelConfig(vocab_size=40, dim=32, n_layers=1, n_heads=2, ffn_hidden_dim=64), seed=0)
     weight = model.layers["0"].attention.wq.weight

@@ -36,7 +36,7 @@ def _finetune(hf_base, run, tiny, **extra) -> list[str]:
 
 
 def test_converters_follow_the_build_order(hf_base):
-    from scaletrain.adapt.methods import FinetuneMethod
+    from scaletrain.finetune.methods import FinetuneMethod
     from scaletrain.train.converters import Distillation, Float8Training, KeepZeros, QuantizationAware, build_converters
 
     cfg = JobConfig()
@@ -75,7 +75,7 @@ def test_converter_rules_refuse_before_the_run_folder(hf_base, tmp_path, tiny, c
 def test_missing_torchao_is_refused_by_the_entry_check(hf_base, monkeypatch, precision, module, message):
     """fp8 and QAT need torchao: ``check_runnable`` says so (it once surfaced only while building the model);
     the planner (``here=False``, another machine) does not ask this machine's installation."""
-    from scaletrain.adapt import resolve_finetune
+    from scaletrain.finetune import resolve_finetune
 
     monkeypatch.setitem(sys.modules, module, None)  # makes `import <module>` raise ImportError
     cfg = JobConfig()

@@ -210,9 +210,9 @@ def test_a_family_folder_is_a_fine_tuning_base(family, tmp_path):
     Phi-3 projection row by row) into the same model transformers computes."""
     import dataclasses
 
-    from scaletrain.adapt import resolve_finetune
-    from scaletrain.adapt.export import base_model
     from scaletrain.config import JobConfig
+    from scaletrain.finetune import resolve_finetune
+    from scaletrain.finetune.export import base_model
 
     name, _, _, hf_model = family
     hf_model.save_pretrained(tmp_path)

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.adapt.export import save_peft_adapter
-from scaletrain.adapt.run import build_finetuned_model
 from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
+from scaletrain.finetune.export import save_peft_adapter
+from scaletrain.finetune.run import build_finetuned_model
 from scaletrain.model.families import ARCHITECTURES
 
 transformers = pytest.importorskip("transformers")
@@ -129,8 +129,8 @@ def test_lora_run_exports_to_the_family_class_and_as_a_peft_adapter(workdir, nam
 def _job(base: Path, **finetune):
     import dataclasses
 
-    from scaletrain.adapt import resolve_finetune
     from scaletrain.config import JobConfig
+    from scaletrain.finetune import resolve_finetune
 
     cfg = JobConfig()
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=24),
@@ -215,7 +215,7 @@ def test_every_method_trains_and_evaluates_on_every_family(workdir, name, method
 def test_qlora_keeps_biases_and_norms_in_full_precision(workdir):
     """Qwen2: only the block Linears' weights are 4-bit; the q/k/v biases stay fp32 and equal the base's."""
     pytest.importorskip("torchao")
-    from scaletrain.adapt.lora import frozen_linear, is_nf4
+    from scaletrain.finetune.lora import frozen_linear, is_nf4
 
     cfg = _job(_base(workdir, "qwen2"), method="qlora", lora_targets=["q", "v"])
     model = build_finetuned_model(cfg)

@@ -1,4 +1,4 @@
-"""Fine-tuning (adapt/): parity with peft on the exported base, merge, HF import round trip, bad input."""
+"""Fine-tuning (finetune/): parity with peft on the exported base, merge, HF import round trip, bad input."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.tiny import CHARS
-from scaletrain.adapt.export import base_model, merge_adapters, save_peft_adapter
-from scaletrain.adapt.run import build_finetuned_model
 from scaletrain.checkpoint.export import export_hf
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, JobConfig, ModelConfig, load_config
 from scaletrain.data.tokenizer import CharTokenizer
+from scaletrain.finetune.export import base_model, merge_adapters, save_peft_adapter
+from scaletrain.finetune.run import build_finetuned_model
 from scaletrain.model import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ def hf_base(tmp_path_factory):
 
 
 def _job(source, **finetune) -> JobConfig:
-    from scaletrain.adapt import resolve_finetune
+    from scaletrain.finetune import resolve_finetune
 
     cfg = JobConfig()
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=16),
@@ -89,7 +89,7 @@ def test_adapted_projection_keeps_the_base_dtype_under_autocast(dora):
     input was cast to fp32 and back (a second saved copy)."""
     from torch.autograd.graph import saved_tensors_hooks
 
-    from scaletrain.adapt.lora import LoRALinear
+    from scaletrain.finetune.lora import LoRALinear
 
     plain = torch.nn.Linear(32, 48, bias=False)
     adapted = LoRALinear.from_linear(plain, rank=4, alpha=8, dropout=0.0, rslora=False, dora=dora)
@@ -154,7 +154,7 @@ def test_hf_import_of_a_head_dim_apart_from_hidden_over_heads(tmp_path):
 
 
 def test_qlora_base_is_4bit_and_close(hf_base):
-    from scaletrain.adapt.lora import LoRALinear, is_nf4, nf4_bytes
+    from scaletrain.finetune.lora import LoRALinear, is_nf4, nf4_bytes
 
     cfg = _job(hf_base, method="qlora", lora_targets=["q", "k", "v", "o", "gate", "up", "down"])
     model = build_finetuned_model(cfg).eval()
@@ -176,8 +176,8 @@ def test_qlora_build_never_holds_the_fp32_base(hf_base, monkeypatch):
     """QLoRA reads and quantizes the base one tensor at a time, before the model is materialized: whenever a
     weight is quantized, the live tensor bytes are far below the fp32 projections' (materializing the model
     first and quantizing after held all of them)."""
-    from scaletrain.adapt import lora
     from scaletrain.config import OptimConfig, ParallelConfig, TrainConfig
+    from scaletrain.finetune import lora
     from scaletrain.parallel import ParallelDims
     from scaletrain.plan.measure import LiveTensorBytes
     from scaletrain.train.step import build_parallel_training
@@ -447,11 +447,11 @@ def test_virtual_tokens_are_optimized_on_the_schedule(hf_base, tmp_path, tiny, m
 
 
 def test_run_base_is_read_tensor_by_tensor(tmp_path, tiny):
-    """A scaletrain run as the base: its weights are read one at a time (adapt/base.py RunWeights, so loading
+    """A scaletrain run as the base: its weights are read one at a time (finetune/base.py RunWeights, so loading
     never holds a second whole copy of the base) and land in the fine-tuned model exactly as saved."""
-    from scaletrain.adapt.base import RunWeights, open_base
     from scaletrain.checkpoint.manager import load_tensors
     from scaletrain.checkpoint.state import model_tensors
+    from scaletrain.finetune.base import RunWeights, open_base
 
     run = tmp_path / "base"
     assert main(["train"] + [f"--{k}={v}" for k, v in tiny(run, **{"train.steps": 2}).items()]) == 0
@@ -471,7 +471,7 @@ def test_run_base_is_read_tensor_by_tensor(tmp_path, tiny):
 
 def test_hf_base_is_read_tensor_by_tensor(hf_base):
     """A Hugging Face base, too, is read one tensor at a time (HFWeights), with the same values as stored."""
-    from scaletrain.adapt.base import HFWeights, open_base
+    from scaletrain.finetune.base import HFWeights, open_base
     from scaletrain.model.hf_names import from_hf
 
     base = open_base(str(hf_base))

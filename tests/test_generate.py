@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scaletrain.adapt.lora import apply_lora
-from scaletrain.adapt.prompt import apply_prefix_tuning, apply_prompt_tuning
 from scaletrain.config import ModelConfig, build
+from scaletrain.finetune.lora import apply_lora
+from scaletrain.finetune.prompt import apply_prefix_tuning, apply_prompt_tuning
 from scaletrain.model import PRESETS, build_model
 from scaletrain.model.generate import Sampling, cut_at_stop, generate_batch, stop_at_strings, stream
 from scaletrain.options import ConfigError

@@ -132,7 +132,7 @@ def _family_folder(name: str, folder: Path) -> Path:
 
 
 def _lora_adapts_biased_projections() -> bool:
-    from scaletrain.adapt.lora import LoRALinear
+    from scaletrain.finetune.lora import LoRALinear
 
     try:
         LoRALinear.from_linear(torch.nn.Linear(4, 4, bias=True), 2, 4.0, 0.0, False)
@@ -151,9 +151,9 @@ def test_family_finetune_peak_matches_a_real_step(family, method, precision, tmp
     if method == "qlora":
         pytest.importorskip("torchao")
     if family == "qwen2" and not _lora_adapts_biased_projections():
-        pytest.skip("adapt/lora.py adapts bias-free projections only (Qwen2's q/k/v bias: issue #25, adapt/)")
-    from scaletrain.adapt import resolve_finetune
+        pytest.skip("finetune/lora.py adapts bias-free projections only (Qwen2's q/k/v bias: issue #25, finetune/)")
     from scaletrain.config import FinetuneConfig, JobConfig, OptimConfig, ParallelConfig, TrainConfig
+    from scaletrain.finetune import resolve_finetune
     from scaletrain.parallel import ParallelDims
     from scaletrain.plan.finetune import finetune_memory
     from scaletrain.plan.measure import LiveTensorBytes, measure_step

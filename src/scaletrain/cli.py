@@ -66,7 +66,7 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
         cfg = load_config(args.config, overrides)
         given = "data.path" in overrides or (args.config and "path" in read_toml(args.config).get("data", {}))
         if cfg.finetune.source and not given:  # a fine-tune goes on with its base run's data unless told
-            from scaletrain.adapt.base import with_base_data
+            from scaletrain.finetune.base import with_base_data
             from scaletrain.parallel.distributed import say
 
             cfg = with_base_data(cfg, announce=None if getattr(args, "print_config", False) else say)
@@ -74,7 +74,7 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
     overrides["train.resume"] = "true"  # the saved config keeps resume = false
     if recipe is not None:
         saved_cfg = load_config(saved)
-        # A fine-tune's saved [model] and data.tokenizer are its base's (adapt.resolve_finetune), not the recipe's,
+        # A fine-tune's saved [model] and data.tokenizer are its base's (finetune.resolve_finetune), not the recipe's,
         # and so is its data.path where the recipe left the default.
         from_base = ("model.", "data.tokenizer") if saved_cfg.finetune.source else ()
         if (Path(saved_cfg.data.path) / "manifest.json").is_file():  # prepared data: the tokenizer is its record
@@ -228,9 +228,9 @@ def _export_parser(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from scaletrain.adapt.export import base_model, is_plain, merge_adapters, save_peft_adapter
     from scaletrain.checkpoint.export import export_hf, hf_base_folder
     from scaletrain.checkpoint.run import load_run  # any run folder; a quantized one is refused in one line
+    from scaletrain.finetune.export import base_model, is_plain, merge_adapters, save_peft_adapter
     from scaletrain.model.families import ARCHITECTURES
 
     out = Path(args.out or Path(args.run) / "export-hf")

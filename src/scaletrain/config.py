@@ -518,7 +518,7 @@ def validate_job(cfg: JobConfig) -> None:
     if m.n_heads % kv:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({kv})")
     # A fine-tune's [model] comes from its base, whose rotary tables are lengthened to data.seq_len
-    # (adapt/base.resolve_finetune): the default max_seq_len here says nothing about it.
+    # (finetune/base.resolve_finetune): the default max_seq_len here says nothing about it.
     if cfg.data.seq_len > m.max_seq_len and not cfg.finetune.source:
         raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be <= model.max_seq_len ({m.max_seq_len})")
 

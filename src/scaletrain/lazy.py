@@ -1,6 +1,6 @@
 """Package exports loaded on first use (PEP 562): a package's ``__init__`` names what it offers and from
 which submodule, and the submodule is imported only when one of those names is asked for. ``scaletrain plan``
-and the trainer's entry check import single submodules of ``parallel/`` and ``adapt/``; eager re-exports made
+and the trainer's entry check import single submodules of ``parallel/`` and ``finetune/``; eager re-exports made
 every such import load torch's pipelining, DTensor and DCP too (about a second of every command)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A run folder read back for evaluation, sampling and export: its config, tokenizer and latest weights.
 
 ``load_run`` is the one way to read any run: pretrained, fine-tuned (adapters over a referenced base), pruned or
-quantized. Each kind's own step lives with the package that writes that kind (``adapt/run.py``,
+quantized. Each kind's own step lives with the package that writes that kind (``finetune/run.py``,
 ``compress/run.py``); ``LOADERS`` names it, imported only when a run of that kind is read, so no command
 imports a feature package to read a run, and reading a pretrained run imports neither."""
 
@@ -50,7 +50,7 @@ def load_pretrained(run: Path, cfg: JobConfig, device: str) -> tuple[nn.Module, 
 
 
 def _load_finetuned(run: Path, cfg: JobConfig, device: str) -> tuple[nn.Module, Path]:
-    from scaletrain.adapt.run import load_finetuned  # the base + its adapters (peft / torchao only when used)
+    from scaletrain.finetune.run import load_finetuned  # the base + its adapters (peft / torchao only when used)
 
     path = latest_checkpoint(run)
     return load_finetuned(cfg, path, device), path

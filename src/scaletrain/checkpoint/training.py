@@ -104,7 +104,7 @@ class TrainingCheckpoint:
                  message: Callable[[str], None] = print, base: dict | None = None):
         self.manager, self.pm, self.optimizer, self.local = manager, pm, optimizer, local
         self.state, self.cfg, self.rank, self.message = state, cfg, rank, message
-        # A fine-tune (adapt/): the checkpoint holds only the trainable tensors, plus this reference to the
+        # A fine-tune (finetune/): the checkpoint holds only the trainable tensors, plus this reference to the
         # base weights (source and checksum), which a resume checks before loading.
         self.base = base
 

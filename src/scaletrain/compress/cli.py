@@ -80,7 +80,7 @@ def load_source(run_dir: str | Path) -> tuple:
     """The run to compress, as one plain model (config, model, tokenizer, checkpoint): a LoRA / QLoRA fine-tune has
     its adapters merged in (what ``export --merge`` writes; said in one line); prompt and prefix tuning are refused
     (nothing to merge), and so is a run already quantized."""
-    from scaletrain.adapt.export import is_plain, merge_adapters
+    from scaletrain.finetune.export import is_plain, merge_adapters
 
     cfg, model, tokenizer, ckpt = load_run(run_dir)
     if run_kind(Path(run_dir), cfg) == "quantized":

@@ -7,7 +7,7 @@ text_config), phi3, smollm3. SmolLM2 is a llama. What each family computes is a 
 ``ConfigError`` naming the field, never a silent difference. Names go through ``model/hf_names.py``; Phi-3's
 fused ``qkv_proj`` / ``gate_up_proj`` are split here at import and joined at export.
 
-Nothing here reads files: callers pass the parsed config.json and a dict of tensors (``adapt/hf_import.py``
+Nothing here reads files: callers pass the parsed config.json and a dict of tensors (``finetune/hf_import.py``
 reads the folder).
 """
 

@@ -197,7 +197,7 @@ class Attention(nn.Module):
         return window if attn_mask is None else attn_mask & window
 
     # project and attend are the two halves of forward, apart so that a variant that changes only the keys,
-    # values and mask between them (prefix tuning, adapt/prompt.py) reuses the rest, the muP scale included.
+    # values and mask between them (prefix tuning, finetune/prompt.py) reuses the rest, the muP scale included.
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q (B, H, T, hd) and k, v (B, KV, T, hd) of ``x`` (B, T, d): projected, q/k-normed (``qk_norm``) and
         rotated (unless this layer has no rotary embedding)."""
@@ -380,7 +380,7 @@ class Transformer(nn.Module):
 
     def _scale_embeddings(self, h: torch.Tensor) -> torch.Tensor:
         # Gemma: sqrt(dim) rounded to the model's dtype first (bf16 makes sqrt(3072) = 55.5), as transformers does.
-        # Prompt tuning's embedding scales its real tokens itself (its virtual tokens are not: adapt/prompt.py).
+        # Prompt tuning's embedding scales its real tokens itself (its virtual tokens are not: finetune/prompt.py).
         if not self.cfg.scale_embeddings or getattr(self.tok_embeddings, "scales_itself", False):
             return h
         return h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype, device=h.device)

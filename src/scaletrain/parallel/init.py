@@ -69,7 +69,7 @@ def materialize(parts: list[nn.Module], model_cfg: ModelConfig, device: torch.de
     reference = build_model(model_cfg, "cpu", seed=seed)
     full = _named_tensors(reference)
     for part in parts:
-        # Adapter tensors (adapt/: LoRA, prompts) are not in the plain reference; the fine-tuning build fills
+        # Adapter tensors (finetune/: LoRA, prompts) are not in the plain reference; the fine-tuning build fills
         # them, with the base weights, right after parallelize.
         copy_full_into(part, full, names=[name for name in _named_tensors(part) if name in full])
         # to_empty gave each module's parameters new tensors, so a tie made on the meta device (the output head

@@ -207,7 +207,7 @@ def measure_nf4_dequant(n: int = 512, reps: int = 7) -> float:
     thread's rate, as the CPU calibration measures; needs ``torch.set_num_threads(1)`` to mean one core)."""
     import torch
 
-    from scaletrain.adapt.lora import to_nf4
+    from scaletrain.finetune.lora import to_nf4
 
     weight = to_nf4(torch.randn(n, n), 64, 256)
     weight.to(torch.float32)

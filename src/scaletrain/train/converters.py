@@ -22,11 +22,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from scaletrain.adapt.distill import attach_teacher
-from scaletrain.adapt.masks import keep_zeros
-from scaletrain.adapt.methods import FinetuneMethod
-from scaletrain.adapt.qat import prepare_qat
 from scaletrain.config import FinetuneConfig, JobConfig
+from scaletrain.finetune.distill import attach_teacher
+from scaletrain.finetune.masks import keep_zeros
+from scaletrain.finetune.methods import FinetuneMethod
+from scaletrain.finetune.qat import prepare_qat
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.train.fp8 import convert_to_fp8
@@ -67,7 +67,7 @@ class Float8Training(BeforeOnly):
 
 @dataclass
 class Distillation(AfterOnly):
-    """``finetune.teacher``: the loss mixes in the KL divergence to a frozen teacher (adapt/distill.py)."""
+    """``finetune.teacher``: the loss mixes in the KL divergence to a frozen teacher (finetune/distill.py)."""
 
     ft: FinetuneConfig
     tokenizer: str
@@ -78,7 +78,7 @@ class Distillation(AfterOnly):
 
 @dataclass
 class QuantizationAware(AfterOnly):
-    """``finetune.qat``: fake-quantized block weights, on the loaded base (adapt/qat.py)."""
+    """``finetune.qat``: fake-quantized block weights, on the loaded base (finetune/qat.py)."""
 
     ft: FinetuneConfig
 
@@ -87,7 +87,7 @@ class QuantizationAware(AfterOnly):
 
 
 class KeepZeros(AfterOnly):
-    """``finetune.keep_zeros``: a pruned base's zeros held by gradient masks (adapt/masks.py)."""
+    """``finetune.keep_zeros``: a pruned base's zeros held by gradient masks (finetune/masks.py)."""
 
     def after_parallelize(self, pm: ParallelModel) -> None:
         keep_zeros(pm.modules[0])

@@ -22,10 +22,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from scaletrain.adapt import open_base
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.training import TrainingCheckpoint, TrainState
 from scaletrain.config import JobConfig
+from scaletrain.finetune import open_base
 from scaletrain.parallel import ParallelDims, ParallelModel
 from scaletrain.train.engine_deepspeed import DeepSpeedEngine
 from scaletrain.train.step import MicroBatch, StepResult, build_parallel_training, training_step

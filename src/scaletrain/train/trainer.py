@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.adapt import parameter_counts, resolve_finetune
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.run_folder import RunLock, checkpoint_bytes, disk_verdict, take_run_folder
 from scaletrain.checkpoint.training import RNGState, TrainState, match_global_batch, saved_config
 from scaletrain.config import ConfigError, JobConfig, to_toml
 from scaletrain.data.loader import block_causal_mask
 from scaletrain.data.run_data import training_data, validation_batches
+from scaletrain.finetune import parameter_counts, resolve_finetune
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
 from scaletrain.options import UserError

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from scaletrain.adapt.lora import check_lora_targets
-from scaletrain.adapt.qat import check_qat
 from scaletrain.config import ConfigError, JobConfig, validate_job
+from scaletrain.finetune.lora import check_lora_targets
+from scaletrain.finetune.qat import check_qat
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.deepspeed_engine import check_deepspeed
 from scaletrain.parallel.dims import ParallelDims
@@ -96,8 +96,8 @@ def check_optimizer(cfg: JobConfig) -> None:
 
 
 def check_distillation(cfg: JobConfig, here: bool = True) -> None:
-    """finetune.teacher (adapt/distill.py): a fine-tune on one model part whose logits are plain tensors;
-    finetune.qat (adapt/qat.py): a full fine-tune without tensor/pipeline/context parallelism."""
+    """finetune.teacher (finetune/distill.py): a fine-tune on one model part whose logits are plain tensors;
+    finetune.qat (finetune/qat.py): a full fine-tune without tensor/pipeline/context parallelism."""
     ft = cfg.finetune
     if ft.qat and (ft.method != "full" or not ft.source):
         raise ConfigError("finetune.qat fake-quantizes the weights that train: it needs finetune.source and "

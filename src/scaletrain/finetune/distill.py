@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.adapt.base import open_base
 from scaletrain.config import ConfigError, FinetuneConfig
 from scaletrain.files import file_sha256
+from scaletrain.finetune.base import open_base
 from scaletrain.model import Transformer
 
 

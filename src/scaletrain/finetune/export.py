@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from scaletrain.adapt.base import open_base
-from scaletrain.adapt.lora import LoRALinear, is_nf4, merge_lora
-from scaletrain.adapt.prompt import PrefixAttention, PromptEmbedding, SkipPromptLinear
 from scaletrain.config import ConfigError, JobConfig
+from scaletrain.finetune.base import open_base
+from scaletrain.finetune.lora import LoRALinear, is_nf4, merge_lora
+from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding, SkipPromptLinear
 from scaletrain.model import Transformer
 from scaletrain.model.config import head_width
 from scaletrain.model.hf_names import HF_BLOCK_PREFIX, block_suffix, hf_module_name, to_hf

@@ -1,7 +1,7 @@
 """Fine-tuning: start from existing weights (a run or a Hugging Face folder) and adapt them - all weights,
 LoRA, QLoRA (4-bit base), prompt or prefix tuning - as transforms of the pure model (docs/finetuning.md).
 
-The names below are loaded on first use (``scaletrain/lazy.py``): the entry check imports ``adapt.lora``
+The names below are loaded on first use (``scaletrain/lazy.py``): the entry check imports ``finetune.lora``
 alone, and ``base`` and ``methods`` load the checkpoint stack and the parallel package."""
 
 from scaletrain.lazy import lazy_exports

@@ -23,12 +23,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from scaletrain.adapt.hf_import import hf_index, hf_model_config, read_hf_tensor, safetensors_files
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager
 from scaletrain.checkpoint.state import model_tensors
 from scaletrain.config import ConfigError, DataConfig, ModelConfig, load_config
 from scaletrain.data.shards import MANIFEST
 from scaletrain.files import file_sha256
+from scaletrain.finetune.hf_import import hf_index, hf_model_config, read_hf_tensor, safetensors_files
 from scaletrain.model import build_model
 
 

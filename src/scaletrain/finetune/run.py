@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from scaletrain.adapt.base import open_base
-from scaletrain.adapt.methods import FinetuneMethod
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
 from scaletrain.checkpoint.state import model_tensors, trainable_names
 from scaletrain.config import JobConfig
+from scaletrain.finetune.base import open_base
+from scaletrain.finetune.methods import FinetuneMethod
 from scaletrain.model import Transformer
 
 

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from scaletrain.adapt.base import open_base
-from scaletrain.adapt.lora import LoRALinear, apply_lora, check_lora_targets, is_nf4, put_back, quantize_from_base
-from scaletrain.adapt.prompt import PrefixAttention, PromptEmbedding, apply_prefix_tuning, apply_prompt_tuning
 from scaletrain.config import ConfigError, FinetuneConfig
+from scaletrain.finetune.base import open_base
+from scaletrain.finetune.lora import LoRALinear, apply_lora, check_lora_targets, is_nf4, put_back, quantize_from_base
+from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding, apply_prefix_tuning, apply_prompt_tuning
 from scaletrain.parallel.init import copy_full_into
 
 
@@ -95,7 +95,7 @@ def hold_out_base(model: nn.Module, ft: FinetuneConfig, base_state: Mapping[str,
 
 class FinetuneMethod:
     """``finetune.method`` on the base ``finetune.source``, as a model converter (train/converters.py) and for
-    the single-device build of a run (adapt/run.py): ``convert`` freezes the meta model and swaps in the
+    the single-device build of a run (finetune/run.py): ``convert`` freezes the meta model and swaps in the
     adapters (QLoRA: reads and quantizes its 4-bit base, never whole in fp32); once the model is materialized,
     ``load`` writes the base's weights and the adapters' values into it."""
 
