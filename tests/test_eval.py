@@ -9,12 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.checkpoint.export import export_hf
+from helpers.tiny import tiny_hf_base
 from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
-from scaletrain.config import ModelConfig
-from scaletrain.data.tokenizer import CharTokenizer
-from scaletrain.model import build_model
 from scaletrain.train.evaluate import score_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,11 +56,7 @@ def test_eval_prints_the_val_loss_the_run_recorded(tmp_path, tiny, capsys):
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
     """A tiny random Llama as a Hugging Face folder, with Tiny Shakespeare's characters as its vocabulary."""
-    cfg = ModelConfig(vocab_size=len(CHARS), dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64,
-                      max_seq_len=64)
-    folder = tmp_path_factory.mktemp("base")
-    export_hf(build_model(cfg, seed=0), cfg, CharTokenizer(CHARS), folder)
-    return folder
+    return tiny_hf_base(tmp_path_factory.mktemp("base"))
 
 
 def _finetune(base: Path, run: Path, tiny, **extra) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.tiny import CHARS
+from helpers.tiny import CHARS, tiny_hf_base
 from scaletrain.checkpoint.export import export_hf
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, JobConfig, ModelConfig, load_config
@@ -30,11 +30,7 @@ peft = pytest.importorskip("peft")
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
     """A tiny random Llama exported as a Hugging Face folder (GQA, untied), the base for every method."""
-    cfg = ModelConfig(vocab_size=len(CHARS), dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64,
-                      max_seq_len=64)
-    folder = tmp_path_factory.mktemp("base")
-    export_hf(build_model(cfg, seed=0), cfg, CharTokenizer(CHARS), folder)
-    return folder
+    return tiny_hf_base(tmp_path_factory.mktemp("base"))
 
 
 def _job(source, **finetune) -> JobConfig:

@@ -22,3 +22,17 @@ def tiny_overrides(run_dir, **extra) -> dict[str, str]:
     }
     base.update({k: str(v) for k, v in extra.items()})
     return base
+
+
+def tiny_hf_base(folder: Path) -> Path:
+    """A tiny random Llama (GQA, untied) exported as a Hugging Face folder into ``folder``, with Tiny
+    Shakespeare's characters as its vocabulary: the base the fine-tuning tests adapt."""
+    from scaletrain.checkpoint.export import export_hf
+    from scaletrain.config import ModelConfig
+    from scaletrain.data.tokenizer import CharTokenizer
+    from scaletrain.model import build_model
+
+    cfg = ModelConfig(vocab_size=len(CHARS), dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64,
+                      max_seq_len=64)
+    export_hf(build_model(cfg, seed=0), cfg, CharTokenizer(CHARS), folder)
+    return folder
