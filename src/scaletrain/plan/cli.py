@@ -25,7 +25,7 @@ from scaletrain.config import (
     load_config,
 )
 from scaletrain.files import guarded_write
-from scaletrain.model.presets import PRESETS
+from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
@@ -141,8 +141,6 @@ def workload_from_args(args: argparse.Namespace, hardware: Hardware, this_machin
         batch = max(1, round(524288 / seq)) if device_kind == "gpu" else 16
     if batch < 1:
         raise ConfigError(f"--global-batch must be >= 1 (got {batch})")
-    from scaletrain.model.presets import num_params
-
     chinchilla = args.tokens.strip().lower() in ("chinchilla", "chinchilla-optimal")
     tokens = CHINCHILLA_TOKENS_PER_PARAM * num_params(model) if chinchilla else parse_count(args.tokens, "--tokens")
     return Workload(model, seq, batch, tokens, precision), chinchilla
@@ -192,8 +190,6 @@ def data_vocabulary(data: DataConfig) -> int:
 
 
 def _presets() -> dict:
-    from scaletrain.model.presets import PRESETS
-
     return PRESETS
 
 
