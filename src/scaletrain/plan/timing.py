@@ -25,8 +25,11 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
+import torch
+
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.model.config import head_width
+from scaletrain.model.llama import TransformerBlock, rope_tables
 from scaletrain.model.presets import ffn_hidden_dim, flops_per_token, kv_heads
 from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.catalog import LINKS, Cluster, Hardware
@@ -162,18 +165,14 @@ def family_block_ops(cfg: ModelConfig) -> int:
 
 @functools.cache
 def _family_block_ops(options: tuple, group: int) -> int:
-    import torch
-
-    from scaletrain.model.config import ModelConfig as Model
-    from scaletrain.model.llama import TransformerBlock, rope_tables
-
-    def ops(cfg: Model) -> int:
+    def ops(cfg: ModelConfig) -> int:
         block = TransformerBlock(cfg)
         cos, sin = rope_tables(8, 4, 10000.0)
         x = torch.randn(1, 4, cfg.dim, requires_grad=True)
         return count_aten_ops(lambda: block(x, cos, sin).sum().backward())
 
-    tiny = Model(dim=16, n_heads=2 * group, n_kv_heads=2, head_dim=8, ffn_hidden_dim=16, vocab_size=16, max_seq_len=4)
+    tiny = ModelConfig(dim=16, n_heads=2 * group, n_kv_heads=2, head_dim=8, ffn_hidden_dim=16, vocab_size=16,
+                       max_seq_len=4)
     if not any(v not in (False, "silu") for _, v in options):
         return 0
     return max(0, ops(dataclasses.replace(tiny, **dict(options))) - ops(tiny))
