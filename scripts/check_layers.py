@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import from its own layer or a lower one)::
 
-    base (options, files, quiet)  <  model  <  config, peak  <  data, parallel  <  checkpoint
+    base (options, files, quiet, invocation)  <  model  <  config, peak  <  data, parallel  <  checkpoint
     <  train, infer  <  plan, report, tune  <  cli
 
 Every import counts, including the ones inside functions: a late import hides a circle from Python,
@@ -20,7 +20,7 @@ PACKAGE = "scaletrain"
 
 # The layer of each top-level module or sub-package of scaletrain (higher may import lower).
 LAYERS: dict[str, int] = {
-    "options": 0, "files": 0, "assets": 0, "lazy": 0, "allocator": 0, "quiet": 0,
+    "options": 0, "files": 0, "invocation": 0, "assets": 0, "lazy": 0, "allocator": 0, "quiet": 0,
     "model": 1,
     "config": 2, "peak": 2,
     "data": 3, "parallel": 3,

@@ -20,6 +20,7 @@ from scaletrain.config import (
     read_toml,
     to_toml,
 )
+from scaletrain.invocation import record_invocation
 from scaletrain.options import UserError
 
 
@@ -355,8 +356,6 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()  # torchao's harmless import lines (QLoRA, compress)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    from scaletrain.train.monitor import record_invocation  # torch: imported after --help has answered
-
     record_invocation(argv)  # run_info.json records the command as given, also when called from Python
     try:
         return args.func(args) or 0

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ import torch.distributed as dist
 
 from scaletrain.allocator import in_use as allocator_in_use
 from scaletrain.config import MonitorConfig
+from scaletrain.invocation import invocation
 
 # The keys a window reduces by their mean (utilisations, power, temperature); the others by their maximum.
 MEAN_KEYS = ("process_cpu_percent", "system_cpu_percent", "gpu_util_percent", "gpu_power_w", "gpu_temperature_c")
@@ -236,27 +236,6 @@ def hardware_info(device: torch.device, world_size: int) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
     return info
-
-
-# The command line of this process's ``scaletrain`` invocation, as ``cli.main`` received it (a call from Python,
-# ``main(["train", ...])``, has a sys.argv of its own program: pytest's, a notebook kernel's).
-_COMMAND: list[str] | None = None
-
-
-def record_invocation(argv: list[str]) -> None:
-    """Remember the ``scaletrain`` arguments this process runs (``cli.main`` calls it) for run_info.json."""
-    global _COMMAND
-    _COMMAND = list(argv)
-
-
-def invocation() -> str:
-    """'scaletrain train --config ...' as run: the arguments ``cli.main`` got, else this process's own."""
-    if _COMMAND is not None:
-        return shlex.join(["scaletrain", *_COMMAND])
-    program = Path(sys.argv[0]).name
-    if program in ("__main__.py", "cli.py"):  # python -m scaletrain / torchrun -m scaletrain.cli
-        program = "scaletrain"
-    return shlex.join([program, *sys.argv[1:]])
 
 
 def write_run_info(run_dir: str | Path, device: torch.device, world_size: int, **extra: Any) -> Path:
