@@ -9,8 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers.tiny import tiny_overrides
+from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
 
 
@@ -83,3 +85,16 @@ def test_a_too_long_prompt_in_a_prompts_file_is_named(run, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "prompt 2 is 65 tokens; it must be 1 to 64" in err and err.count("\n") == 1
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_the_plain_template_of_a_run_without_an_eos_ends_answers_at_a_blank_line(run):
+    """The run's own format (what `scaletrain chat` passes) keeps the plain template's end text: a char tokenizer
+    has no EOS, so "\\n\\n" ends an answer, as with no format given."""
+    from scaletrain.infer.chat import Chat, conversation_format
+    from scaletrain.model.generate import Sampling
+
+    cfg, model, tokenizer, _ = load_run(run)
+    fmt = conversation_format(run, tokenizer, cfg.finetune.chat_template)
+    assert tokenizer.eos_id is None and (fmt.stop_ids, fmt.stop_texts) == ([], ["\n\n"])
+    args = (model, tokenizer, cfg.data.seq_len, Sampling(temperature=0.0), 8, ["STOP"], torch.Generator())
+    assert Chat(*args, conversation=fmt).stops == Chat(*args).stops == ["STOP", "\n\n"]

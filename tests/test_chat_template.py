@@ -319,14 +319,15 @@ def test_chat_and_generate_render_in_the_runs_template(chatml_base, tmp_path, ti
     run = tmp_path / "run"
     assert main(_finetune(chatml_base, run, tiny, data)) == 0
     cfg, model, tokenizer, _ = load_run(run)
-    render, ends = conversation_format(run, tokenizer, cfg.finetune.chat_template)
+    fmt = conversation_format(run, tokenizer, cfg.finetune.chat_template)
+    render, ends = fmt.render, fmt.stop_ids
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Question 3?"}]
     hf = _tokenizer(FIXTURE).transformers_tokenizer()
     expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert render(messages) == _ids(expected)
     assert ends[0] == hf.convert_tokens_to_ids("<|im_end|>") and tokenizer.eos_id in ends
     chat = Chat(model, tokenizer, cfg.data.seq_len, Sampling(temperature=0.0), 8, [], torch.Generator(),
-                system="Be brief.", render=render, stop_ids=ends)
+                system="Be brief.", conversation=fmt)
     chat.history.append({"role": "user", "content": "Question 3?"})
     assert chat.prompt_ids(io.StringIO()) == _ids(expected)
     prompts = tmp_path / "prompts.jsonl"

@@ -13,6 +13,7 @@ the conversation kept.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -28,27 +29,42 @@ from scaletrain.model.generate import Sampling, stop_at_strings, stream
 Render = Callable[[list[dict]], list[int]]
 
 
-def conversation_format(run_dir: str | Path, tokenizer: Tokenizer, chat_template: str) -> tuple[Render, list[int]]:
-    """How a run reads a conversation: (messages -> the prompt ids that end where its answer starts, the ids that
-    end an answer). ``chat_template``: the run's ``finetune.chat_template``; with the base's template the run
-    folder holds the base's tokenizer files (tokenizer_config.json with its chat_template)."""
+@dataclass
+class ConversationFormat:
+    """How a run reads a conversation: ``render`` (messages -> the prompt ids that end where its answer starts)
+    and what ends an answer: token ids (the template's end of turn, the EOS) and texts (the plain template's
+    "\\n\\n" for a tokenizer without an EOS)."""
+
+    render: Render
+    stop_ids: list[int]
+    stop_texts: list[str]
+
+
+def plain_format(tokenizer: Tokenizer) -> ConversationFormat:
+    """scaletrain's plain template (data/instructions.py: ``chat_prompt``, ``end_text``)."""
+    end = end_text(tokenizer)
+    return ConversationFormat(lambda messages: chat_prompt(messages, tokenizer),
+                              [] if tokenizer.eos_id is None else [tokenizer.eos_id], [end] if end else [])
+
+
+def conversation_format(run_dir: str | Path, tokenizer: Tokenizer, chat_template: str) -> ConversationFormat:
+    """The format a run was fine-tuned in. ``chat_template``: the run's ``finetune.chat_template``; with the base's
+    template the run folder holds the base's tokenizer files (tokenizer_config.json with its chat_template)."""
     if uses_base_template(tokenizer, chat_template):
-        return (lambda messages: render_prompt(messages, run_dir, True, chat_template)), stop_ids(run_dir,
-                                                                                                  chat_template)
-    return (lambda messages: chat_prompt(messages, tokenizer)), [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+        return ConversationFormat(lambda messages: render_prompt(messages, run_dir, True, chat_template),
+                                  stop_ids(run_dir, chat_template), [])
+    return plain_format(tokenizer)
 
 
 class Chat:
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, context: int, sampling: Sampling, max_tokens: int,
                  stops: list[str], generator: torch.Generator, system: str = "",
-                 render: Render | None = None, stop_ids: list[int] | None = None):
+                 conversation: ConversationFormat | None = None):
         self.model, self.tokenizer, self.context = model, tokenizer, context
         self.sampling, self.max_tokens, self.generator = sampling, max_tokens, generator
-        # The plain template unless the run's own (conversation_format) is given.
-        self.render = render or (lambda messages: chat_prompt(messages, tokenizer))
-        self.stop_ids = stop_ids if stop_ids is not None else [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-        end = end_text(tokenizer) if render is None else None
-        self.stops = list(stops) + ([end] if end else [])
+        fmt = conversation or plain_format(tokenizer)  # the run's own format (conversation_format), else plain
+        self.render, self.stop_ids = fmt.render, fmt.stop_ids
+        self.stops = list(stops) + fmt.stop_texts
         self.system = system
         self.history: list[dict] = []
 

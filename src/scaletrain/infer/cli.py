@@ -71,8 +71,8 @@ def run_generate(args: argparse.Namespace) -> int:
               vocab_limit=tokenizer.vocab_size, use_cache=not args.no_cache,
               stop=stop_at_strings(tokenizer.decode, args.stop) if args.stop else None)
     if args.prompts_file:
-        render, ends = conversation_format(args.run, tokenizer, cfg.finetune.chat_template)
-        return _generate_file(args, model, tokenizer, {**kw, "stop_id": ends}, render)
+        fmt = conversation_format(args.run, tokenizer, cfg.finetune.chat_template)
+        return _generate_file(args, model, tokenizer, {**kw, "stop_id": fmt.stop_ids}, fmt.render)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ConfigError("--prompt must not be empty")
@@ -165,8 +165,8 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     sampling = sampling_of(args)
     cfg, model, tokenizer, _ = load_run(args.run)
-    render, ends = conversation_format(args.run, tokenizer, cfg.finetune.chat_template)
     chat = Chat(model, tokenizer, cfg.data.seq_len, sampling, args.max_tokens, args.stop,
-                torch.Generator().manual_seed(args.seed), system=args.system, render=render, stop_ids=ends)
+                torch.Generator().manual_seed(args.seed), system=args.system,
+                conversation=conversation_format(args.run, tokenizer, cfg.finetune.chat_template))
     chat.loop(sys.stdin, sys.stdout)
     return 0
