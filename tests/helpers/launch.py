@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.faults import env
+
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -32,9 +34,7 @@ def free_port() -> int:
 
 
 def env_for_ranks(**extra: str) -> dict[str, str]:
-    """This environment for a launched rank: one thread, this checkout's sources first, no inherited ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
+    """``faults.env`` (one thread, no inherited ranks) for a torchrun launch: this checkout's sources first, and the
+    rendezvous TCP store not shared with the workers."""
+    return env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
