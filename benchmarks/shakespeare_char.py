@@ -69,7 +69,7 @@ def side_by_side(cfg, steps: int = 120, warmup: int = 10) -> dict:
     from dataclasses import replace
 
     ours = {name: Trainer(replace(cfg, train=replace(cfg.train, compile=flag)), log=False)
-            for name, flag in (("ours_compiled", True), ("ours_eager", False))}
+            for name, flag in (("ours_compiled", "true"), ("ours_eager", "false"))}
     batches = [next(ours["ours_eager"].train_loader) for _ in range(8)]
 
     def ref_step_fn(compiled: bool):

@@ -51,7 +51,7 @@ def test_print_config_round_trips(tmp_path):
     ("[optim]\nlr = 'fast'\n", {}, "optim.lr must be float (got 'fast') in"),
     ("[optim]\nlr = -1.0\n", {}, "optim.lr must be > 0 (got -1.0) in"),
     ("[train]\nsteps = 1.5\n", {}, "train.steps must be int"),
-    ("[train]\ncompile = 1\n", {}, "train.compile must be bool"),
+    ("[train]\ncompile = 1\n", {}, "train.compile must be str"),
     ("[schedule]\nname = 'exp'\n", {}, "schedule.name must be one of cosine, wsd, linear, constant"),
     ("[model]\npreset = 'huge'\n", {}, "unknown preset 'huge'"),
     ("[model]\ndim = 100\nn_heads = 3\n", {}, "model.dim (100) must be divisible by model.n_heads (3)"),

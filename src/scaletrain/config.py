@@ -99,7 +99,9 @@ class TrainConfig:
                                  "(autocast; fp16 uses a gradient scaler), or fp8 (GPU sm89+: torchao Float8Linear for "
                                  "the large block Linears, bf16 elsewhere; docs/compression.md)",
                          choices=("auto", "fp32", "bf16", "fp16", "fp8"))
-    compile: bool = opt(False, "torch.compile the model (cold compile takes ~20 s on CPU)")
+    compile: str = opt("auto", "torch.compile the model: true, false, or auto = only when this run's steps repay the "
+                               "compile (always on a GPU; on a CPU from this machine's measurements: "
+                               "train/compile_choice.py)", choices=("auto", "true", "false"))
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default", ge=0)
     eval_interval: int = opt(250, "evaluate val loss every N steps (and at the end); 0 = only at the end", ge=0)
     eval_batches: int = opt(20, "batches per evaluation", ge=1)
@@ -456,10 +458,24 @@ def build(cls: type, raw: dict, where: str = "", prefix: str = "", presets: dict
                 raise ConfigError(f"{key} must be a [section]{where}")
             kwargs[name] = build(tp, sub, where, f"{key}.", _presets_for(tp))
         elif name in layered:
-            value = coerce(layered[name], tp, key, where)
+            value = layered[name]
+            if tp is str and "true" in (f.metadata.get("choices") or ()):  # a bool with more choices (train.compile)
+                value = _as_bool_choice(value)
+            value = coerce(value, tp, key, where)
             check_field(key, value, f, where)
             kwargs[name] = value
     return cls(**kwargs)
+
+
+def _as_bool_choice(value: Any) -> Any:
+    """A TOML bool or a CLI yes/no word as the choice "true"/"false" of a str field that also has others."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        word = value.lower()
+        return "true" if word in ("true", "1", "yes", "on") else "false" if word in ("false", "0", "no", "off") \
+            else value
+    return value
 
 
 def _presets_for(tp: type) -> dict | None:

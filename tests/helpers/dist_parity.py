@@ -134,7 +134,7 @@ def reference_losses(accum: int, device: torch.device | None = None, vocab_limit
 def job(fields: dict, accum: int = 1, compile: bool = False, optim: OptimConfig = OPTIM) -> JobConfig:
     """The tiny job of every strategy: only the [parallel] section, accumulation, compile and optimizer differ."""
     return JobConfig(model=MODEL, optim=optim, parallel=ParallelConfig(**fields),
-                     train=TrainConfig(seed=SEED, compile=compile, grad_accum_steps=accum))
+                     train=TrainConfig(seed=SEED, compile="true" if compile else "false", grad_accum_steps=accum))
 
 
 def parallel_losses(fields: dict, accum: int, compile: bool, device: torch.device,

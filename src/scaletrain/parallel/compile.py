@@ -39,16 +39,28 @@ def compile_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def compile_enabled(cfg: JobConfig) -> bool:
+    """Whether the run compiles: train.compile as ``resolve_compile`` left it ("true"; "auto" is decided there)."""
+    return cfg.train.compile in ("true", True)
+
+
+def compiles_whole_model(dims, parallel) -> bool:
+    """The whole model as one graph (nothing wraps the blocks: see the module docstring), else block by block."""
+    return (dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1 and dims.cp == 1
+            and (dims.dp_replicate == 1 or parallel.low_comm != "none") and parallel.activation_checkpointing == "none")
+
+
 def resolve_compile(cfg: JobConfig, device: torch.device, announce: bool) -> JobConfig:
     """``cfg`` with train.compile turned off, and one warning line, where torch.compile cannot run (a CPU
-    without a C++ compiler): a recipe that compiles still trains, eagerly."""
-    reason = compile_unavailable(device) if cfg.train.compile else None
+    without a C++ compiler): a recipe that compiles still trains, eagerly. ("auto" is decided before this, by
+    ``train.compile_choice``; without a compiler it quietly means eager.)"""
+    reason = compile_unavailable(device) if compile_enabled(cfg) or cfg.train.compile == "auto" else None
     if reason is None:
         return cfg
-    if announce:
+    if announce and compile_enabled(cfg):
         say(f"warning: train.compile=true but {reason}; training eagerly "
             "(install g++ to compile, or set train.compile=false to silence this)")
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile="false"))
 
 
 def apply_compile(model: nn.Module, *, whole_model: bool = False) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 from scaletrain.config import ModelConfig, ParallelConfig
 from scaletrain.model.config import has_local_rope
 from scaletrain.parallel.activation_checkpoint import apply_ac
-from scaletrain.parallel.compile import apply_compile
+from scaletrain.parallel.compile import apply_compile, compiles_whole_model
 from scaletrain.parallel.context import context_parallel_context
 from scaletrain.parallel.ddp import CommCounter, apply_ddp, grad_sync_context
 from scaletrain.parallel.dims import ParallelDims
@@ -118,9 +118,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
             apply_tp(part, mesh["tp"], sequence_parallel=cfg.sequence_parallel)
         apply_ac(part, cfg.activation_checkpointing, cfg.ac_every)  # 3.
         if compile:  # 4.
-            apply_compile(part, whole_model=dims.pp == 1 and dims.tp == 1 and dims.dp_shard == 1 and dims.cp == 1
-                          and (dims.dp_replicate == 1 or cfg.low_comm != "none")
-                          and cfg.activation_checkpointing == "none")
+            apply_compile(part, whole_model=compiles_whole_model(dims, cfg))
         if dims.dp_shard > 1 or dims.cp > 1:  # 5. FSDP2 (HSDP with dp_replicate > 1)
             apply_fsdp(part, _dp_mesh(mesh, dims), reshard_after_forward=dims.zero_stage == 3,
                        param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload)

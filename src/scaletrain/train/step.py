@@ -20,6 +20,7 @@ from scaletrain.config import JobConfig
 from scaletrain.model import Transformer
 from scaletrain.model.mup import width_mult
 from scaletrain.parallel import ParallelDims
+from scaletrain.parallel.compile import compile_enabled
 from scaletrain.parallel.parallelize import ParallelModel, clip_grad_norm_, forward_backward, parallelize
 from scaletrain.train.converters import build_converters
 from scaletrain.train.optimizer import build_parallel_optimizer
@@ -44,7 +45,7 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     converters.convert(model)
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
-                     compile=cfg.train.compile, grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
+                     compile=compile_enabled(cfg), grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
                      init_weights=not converters.loads_weights)  # a fine-tune's weights come from its base
     converters.after_parallelize(pm)
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.

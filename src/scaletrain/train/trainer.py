@@ -26,7 +26,7 @@ from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
 from scaletrain.options import UserError
 from scaletrain.parallel import ParallelDims
-from scaletrain.parallel.compile import resolve_compile
+from scaletrain.parallel.compile import compile_enabled, compiles_whole_model, resolve_compile
 from scaletrain.parallel.distributed import (
     destroy_distributed,
     init_distributed,
@@ -36,6 +36,7 @@ from scaletrain.parallel.distributed import (
     world_size_from_env,
 )
 from scaletrain.train.adaptive import Adaptive
+from scaletrain.train.compile_choice import choose, compiled_before, remember
 from scaletrain.train.engine import engine_for
 from scaletrain.train.evaluate import validation_loss
 from scaletrain.train.guard import NonFiniteGuard
@@ -89,6 +90,7 @@ class Trainer:
         self.data_dir, self.instructions = self.data.data_dir, self.data.instructions
         self.cfg = cfg
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)  # now with the vocab
+        cfg = self._choose_compile(cfg, dims)  # train.compile = auto decided (train/compile_choice.py)
         self._run_config = saved_config(cfg)
         # The run folder is self-contained (tokenizer.json, config.toml). On a resume they are rewritten only
         # once the checkpoint has loaded: settings that do not fit it (another vocabulary or width) must not
@@ -151,6 +153,16 @@ class Trainer:
         self.monitor: ResourceMonitor | None = None
         self.evals: list[dict] = []
         self.preempted = ""
+
+    def _choose_compile(self, cfg: JobConfig, dims: ParallelDims) -> JobConfig:
+        """train.compile as "true"/"false": "auto" decided on rank 0 (every rank builds the same model) and said."""
+        self._whole_model = compiles_whole_model(dims, cfg.parallel)
+        self._compiled_before = compiled_before(cfg, self.device, self._whole_model) if self.is_main else False
+        choice, why = rank_zero_object(choose(cfg, self.device, self.env.world_size, self._whole_model, self.run_dir)
+                                       if self.is_main else None)
+        if why:
+            self._message(why)
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=choice))
 
     def _check_disk(self, cfg: JobConfig) -> None:
         """Nothing tells a person how much disk the checkpoints take unless we do, before step 1: the note for
@@ -227,8 +239,12 @@ class Trainer:
     def evaluate(self) -> float:
         """The run's validation loss: ``validation_loss`` over ``validation_batches`` (train.eval_batches batches
         evenly spread over the val split, or the first held-out instruction examples), as ``scaletrain eval``."""
-        return validation_loss(self.pm, validation_batches(self.cfg, self.data), self.precision,
-                               self.cfg.train.batch_size)[0]
+        # Eager even when the model is compiled: no-grad eval mode is another graph, and its cold compile
+        # (14.8 s on the baby recipe) cost more than the whole run's evals take eagerly (9 x 0.24 s; compiled
+        # 0.21 s each). It is also the forward ``scaletrain eval`` runs, so the two agree to the last bit.
+        with torch.compiler.set_stance("force_eager"):
+            return validation_loss(self.pm, validation_batches(self.cfg, self.data), self.precision,
+                                   self.cfg.train.batch_size)[0]
 
     def sample(self, max_new_tokens: int) -> str:
         """Text from the current model; its own generator keeps the training RNG untouched."""
@@ -316,6 +332,9 @@ class Trainer:
         summary = self.summary()
         if self.is_main:
             finish_run_info(self.run_dir, summary)
+            if self.env.world_size == 1:  # what the next train.compile = auto run of this shape weighs
+                remember(self.cfg, self.device, self._whole_model, compile_enabled(self.cfg),
+                         self.throughput.step_times, self._compiled_before)
         return summary
 
     def _timed_step(self, profiler: StepProfiler) -> dict:

@@ -48,7 +48,7 @@ def check_finetune(cfg: JobConfig, world_size: int) -> None:
                           f"parallel.tp/pp/cp=1 and parallel.low_comm=none, or use finetune.method=full")
     if par.low_comm != "none":
         raise ConfigError("fine-tuning with parallel.low_comm is not supported; set parallel.low_comm=none")
-    if ft.method == "qlora" and (world_size > 1 or cfg.train.compile):
+    if ft.method == "qlora" and (world_size > 1 or cfg.train.compile == "true"):
         raise ConfigError("finetune.method=qlora runs in one process without train.compile (the 4-bit torchao "
                           "base is untested with DDP/FSDP2 and compile); use method=lora to scale out")
     if ft.method in ("prompt", "prefix") and cfg.data.document_attention:
