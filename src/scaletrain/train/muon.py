@@ -3,14 +3,21 @@
 Muon (Keller Jordan 2024, https://kellerjordan.github.io/posts/muon/) keeps one momentum buffer per matrix and
 replaces the update by its nearest semi-orthogonal matrix (5 Newton-Schulz iterations); embeddings, the output
 head, norms and biases stay on AdamW, as in every Muon recipe. ``torch.optim.Muon`` (torch >= 2.9) is the
-algorithm; ``Muon`` below is that class with two additions its ``step`` lacks:
+algorithm; ``Muon`` below is that class with three things its ``step`` lacks:
 
 * under FSDP2 a parameter is a DTensor shard, but Newton-Schulz needs the whole matrix: each rank all-gathers
   the (momentum) update of each matrix (``DTensor.full_tensor``), orthogonalizes it - the same full matrix on
   every rank, so the result is the single-process one - and keeps its own shard. The extra communication is
   one all-gather of every Muon matrix per step (``MuonAdamW.gathered_bytes`` counts it);
 * Newton-Schulz runs in bf16 on a GPU (as torch's and Keller Jordan's), in fp32 on a CPU, where bf16 matmuls
-  range from 2x faster to 120x slower than fp32 by CPU (../shared/PLATFORM.md) and the matrices are small.
+  range from 2x faster to 120x slower than fp32 by CPU (../shared/PLATFORM.md) and the matrices are small;
+* each operation runs once per group, not once per matrix (torch's loops over the matrices): momentum, weight
+  decay and the update as ``torch._foreach_*`` ops, and Newton-Schulz on stacks of the matrices of one shape
+  (``newton_schulz_batched``: 3 batched matmuls an iteration for all of a layer stack's q, k, v, o, where torch
+  issues 3 per matrix). On a CPU that is bit for bit the per-matrix computation (tests/test_muon.py; matrices
+  under ~400 multiply-adds a product go through another kernel of torch's ``bmm``: within 1e-5); on a GPU
+  cuBLAS's batched kernels may round otherwise (not checked yet). Under FSDP2 the matrices are gathered one by
+  one, then orthogonalized in the same stacks.
 
 Everything else - momentum as an EMA with Nesterov, decoupled weight decay at the unadjusted lr, the lr
 adjustment by shape ("original": sqrt(max(1, rows/cols)); "match_rms_adamw", Moonlight (Liu et al. 2025,
@@ -31,7 +38,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults (Kell
 def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """The semi-orthogonal factor of ``update`` (rows, cols) by ``steps`` quintic Newton-Schulz iterations in
-    ``dtype``, as ``torch.optim.Muon`` computes it (which uses bf16)."""
+    ``dtype``, as ``torch.optim.Muon`` computes it (which uses bf16): the one-matrix definition that
+    ``newton_schulz_batched`` computes for many at once."""
     a, b, c = coefficients
     x = update.to(dtype)
     tall = update.size(0) > update.size(1)
@@ -44,6 +52,33 @@ def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float]
     return x.T if tall else x
 
 
+def newton_schulz_batched(updates: list[torch.Tensor], coefficients: tuple[float, float, float], steps: int,
+                          eps: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``newton_schulz`` of each matrix in ``updates``, the matrices of one wide shape (a tall one transposed)
+    stacked so that each iteration is 3 batched matmuls for the stack instead of 3 per matrix (on the nano model
+    28 matrices make 2 stacks: 16 x (128, 128) and 12 x (128, 344)). Each matrix is normalized by its own
+    Frobenius norm, taken as ``newton_schulz`` takes it (on the matrix, not the transposed copy), so that on a CPU
+    the result is bit for bit ``newton_schulz``'s (tests/test_muon.py; tiny matrices below ~400 multiply-adds
+    go through another kernel in torch's ``bmm`` and differ in the last bits)."""
+    a, b, c = coefficients
+    stacks: dict[tuple[int, int], list[int]] = {}  # (min, max) of the shape -> indices into updates
+    for i, update in enumerate(updates):
+        stacks.setdefault((min(update.shape), max(update.shape)), []).append(i)
+    out: list[torch.Tensor] = [update for update in updates]
+    for indices in stacks.values():
+        matrices = [updates[i].to(dtype) for i in indices]
+        tall = [m.size(0) > m.size(1) for m in matrices]
+        norms = torch.stack(torch._foreach_norm(matrices)).clamp(min=eps)  # (B,)
+        x = torch.stack([m.T if t else m for m, t in zip(matrices, tall)])  # (B, m, n), m <= n
+        x = x / norms.view(-1, 1, 1)  # spectral norm <= Frobenius norm <= 1, matrix by matrix
+        for _ in range(steps):
+            gram = torch.bmm(x, x.mT)  # (B, m, m)
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        for i, t, ortho in zip(indices, tall, x.unbind(0)):
+            out[i] = ortho.T if t else ortho
+    return out
+
+
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """``torch.optim.Muon``'s lr by matrix shape: "original" (the default) or "match_rms_adamw"."""
     rows, cols = shape[:2]
@@ -53,8 +88,9 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
 
 
 class Muon(torch.optim.Muon):
-    """``torch.optim.Muon`` whose step also takes FSDP2's DTensor shards (gathered per matrix for Newton-Schulz)
-    and runs Newton-Schulz in ``ns_dtype``."""
+    """``torch.optim.Muon`` whose step also takes FSDP2's DTensor shards (gathered per matrix for Newton-Schulz),
+    runs Newton-Schulz in ``ns_dtype`` and does each operation once for a whole group: momentum, weight decay
+    and the update as ``torch._foreach_*`` over the group's matrices, Newton-Schulz batched by shape."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
         super().__init__(params, **kwargs)
@@ -63,31 +99,53 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr, momentum = float(group["lr"]), group["momentum"]
+            grads = [p.grad for p in params]
+            bufs = [self._momentum_buffer(p) for p in params]
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+            orthos = self._sharded_back(params, newton_schulz_batched(
+                self._gathered(updates), group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype))
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            by_lr: dict[float, list[int]] = {}  # the lr adjustment depends on the shape only
+            for i, p in enumerate(params):
+                by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], p.shape), []).append(i)
+            for step_lr, indices in by_lr.items():
+                torch._foreach_add_([params[i] for i in indices], [orthos[i] for i in indices], alpha=-step_lr)
+        return None
+
+    def _momentum_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
+    def _gathered(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """FSDP2: Newton-Schulz needs whole matrices, so each DTensor shard's matrix is all-gathered (one
+        collective per matrix); plain tensors (one process, DDP, pipeline stages) pass through."""
+        from torch.distributed.tensor import DTensor
+
+        whole = []
+        for update in updates:
+            if isinstance(update, DTensor):
+                self.gathered_bytes += (update.numel() - update.to_local().numel()) * update.element_size()
+                update = update.full_tensor()
+            whole.append(update)
+        return whole
+
+    @staticmethod
+    def _sharded_back(params: list[torch.Tensor], orthos: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each orthogonalized matrix laid out as its parameter: the same full matrix on every rank, so a DTensor
+        parameter's rank keeps its own shard (no communication)."""
         from torch.distributed.tensor import DTensor, Replicate
 
-        for group in self.param_groups:
-            lr, momentum = float(group["lr"]), group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                sharded = isinstance(update, DTensor)
-                if sharded:  # FSDP2: Newton-Schulz needs the whole matrix
-                    self.gathered_bytes += (update.numel() - update.to_local().numel()) * update.element_size()
-                    update = update.full_tensor()
-                ortho = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                      self.ns_dtype)
-                if sharded:  # the same full matrix on every rank: keep this rank's shard (no communication)
-                    ortho = DTensor.from_local(ortho, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
-                                               run_check=False).redistribute(p.device_mesh, p.placements)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
-        return None
+        return [DTensor.from_local(ortho, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+                .redistribute(p.device_mesh, p.placements) if isinstance(p, DTensor) else ortho
+                for p, ortho in zip(params, orthos)]
 
 
 class MuonAdamW(torch.optim.Optimizer):
