@@ -275,8 +275,9 @@ def train(cfg: RunConfig, splits: dict[str, np.ndarray], vocab_size: int, out_di
 def windows_val_loss(model: GPT, data_dir: Path, cfg: RunConfig, num_batches: int) -> float:
     """Mean loss over the windows scaletrain's evaluation scores (``eval_batches``: evenly spread over val)."""
     model.eval()
-    losses = [model(x, y)[1].item() for x, y in eval_batches(str(data_dir), "val", cfg.block_size,
-                                                            cfg.batch_size, num_batches)]
+    batches = eval_batches(str(data_dir), "val", cfg.block_size, cfg.batch_size, num_batches)
+    # contiguous: the targets are a strided view (window[:, 1:]) and nanoGPT's forward flattens with .view
+    losses = [model(x.contiguous(), y.contiguous())[1].item() for x, y in batches]
     return sum(losses) / len(losses)
 
 
