@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,34 @@ def test_every_user_error_is_one_line_exit_2(tmp_path, capsys):
     assert "\n" not in err and err.split(":")[0].endswith("Error")
     assert main(["prepare", "--config", str(tmp_path / "missing.toml")]) == 2  # a plugin's error
     assert "\n" not in capsys.readouterr().err.strip()
+
+
+def test_the_bpe_recipe_and_its_nanogpt_reference_are_the_same_size(capsys, monkeypatch):
+    """configs/gutenberg_bpe_small.toml and benchmarks/nanogpt_reference.py's `bpe` config race each other in
+    benchmarks/time_to_loss.py: same width, depth, heads, context, batch, steps and schedule, and parameter
+    counts within 1% (SwiGLU 344 against GELU 4 x 128); the recipe prints as a full config."""
+    import importlib.util
+
+    from scaletrain.model.presets import num_params
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("nanogpt_reference", root / "benchmarks" / "nanogpt_reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, reference)  # its dataclass looks its module up there
+    spec.loader.exec_module(reference)
+    ref = reference.CONFIGS["bpe"]
+    recipe = load_config(root / ref.recipe)
+    assert recipe.data.tokenizer == "bpe" and recipe.model.tie_embeddings
+    assert (recipe.model.dim, recipe.model.n_layers, recipe.model.n_heads) == (ref.n_embd, ref.n_layer, ref.n_head)
+    assert (recipe.data.seq_len, recipe.train.batch_size, recipe.train.steps) == (ref.block_size, ref.batch_size,
+                                                                                  ref.max_iters)
+    assert (recipe.optim.lr, recipe.schedule.warmup_steps, recipe.schedule.min_lr, recipe.optim.beta2,
+            recipe.optim.weight_decay) == (ref.learning_rate, ref.warmup_iters, ref.min_lr, ref.beta2,
+                                           ref.weight_decay)
+    assert (recipe.train.eval_interval, recipe.train.eval_batches) == (ref.eval_interval, ref.eval_iters)
+    vocab = recipe.data.vocab_size
+    ours = num_params(replace(recipe.model, vocab_size=vocab))
+    theirs = sum(p.numel() for p in reference.GPT(ref, vocab).parameters())
+    assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
+    assert main(["train", "--config", str(root / ref.recipe), "--print-config"]) == 0
+    assert 'tokenizer = "bpe"' in capsys.readouterr().out
