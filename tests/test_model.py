@@ -117,37 +117,3 @@ def test_rmsnorm_hand_written_backward_matches_autograd():
     torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=1e-10, atol=1e-12)
     with torch.no_grad():  # no autograd: plain nn.RMSNorm forward
         torch.testing.assert_close(ours(x), ref(x))
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_joined_projections_equal_the_separate_ones_with_their_gradients(bias):
-    """Eager CPU training runs q/k/v (and SwiGLU's gate/up) as one matmul over the joined weights: in fp64 the
-    block's output and every gradient equal the separate matmuls' (no-grad forward, which keeps them apart), and
-    a LoRA-wrapped or non-Linear projection falls back to the separate path."""
-    from scaletrain.model import llama
-
-    c = cfg(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50, max_seq_len=16, qkv_bias=bias)
-    torch.manual_seed(0)
-    model = Transformer(c).double()
-    model.init_weights()
-    tokens = torch.randint(0, 50, (2, 16))
-    block = model.layers["0"]
-    assert llama.joinable(torch.zeros(1), block.attention.wq, block.attention.wk, block.attention.wv)
-    joined = model(tokens)
-    joined.square().sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    real = llama.joinable
-    llama.joinable = lambda *a: False  # the separate path, as before the joining
-    try:
-        separate = model(tokens)
-        separate.square().sum().backward()
-    finally:
-        llama.joinable = real
-    torch.testing.assert_close(joined, separate, rtol=1e-12, atol=1e-12)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12, msg=name)
-    with torch.no_grad():
-        assert not llama.joinable(torch.zeros(1), block.attention.wq)  # no grad: generation and eval stay apart
-    wrapped = torch.nn.Sequential(block.attention.wq)
-    assert not llama.joinable(torch.zeros(1), wrapped, block.attention.wk)

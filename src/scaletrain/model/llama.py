@@ -159,26 +159,6 @@ def window_mask(seqlen: int, window: int, device: torch.device) -> torch.Tensor:
     return (distance >= 0) & (distance < window)
 
 
-def joinable(x: torch.Tensor, *linears: nn.Module) -> bool:
-    """Whether ``linears`` (reading the same ``x``) may run as one matmul (``joined_linear``): eager CPU
-    training only, where a step of a small model is mostly per-op overhead and one (T, d) x (d, 3d) matmul
-    and its backward cost less than three (q, k, v: 0.89x the baby recipe's eager step, with SwiGLU's gate
-    and up joined too). Plain ``nn.Linear`` with plain weights only: LoRA, QAT and fp8 replace the modules,
-    tensor parallelism shards the weights (DTensor), and on a GPU or under torch.compile the separate
-    matmuls are as fast while the joined weight would be one more copy held for the backward."""
-    return (x.device.type == "cpu" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and type(x) is torch.Tensor
-            and all(type(m) is nn.Linear and type(m.weight) in (torch.Tensor, nn.Parameter) for m in linears)
-            and len({m.bias is None for m in linears}) == 1)
-
-
-def joined_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """``tuple(m(x) for m in linears)`` as one matmul over the concatenated weights (and biases), split again."""
-    weight = torch.cat([m.weight for m in linears])
-    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
-    return F.linear(x, weight, bias).split([m.out_features for m in linears], dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
@@ -222,18 +202,14 @@ class Attention(nn.Module):
         """q (B, H, T, hd) and k, v (B, KV, T, hd) of ``x`` (B, T, d): projected, q/k-normed (``qk_norm``) and
         rotated (unless this layer has no rotary embedding)."""
         bsz, seqlen, _ = x.shape
-        if joinable(x, self.wq, self.wk, self.wv):
-            q, k, v = joined_linear(x, self.wq, self.wk, self.wv)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
-        q = q.view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, hd)
-        k = k.view(bsz, seqlen, -1, self.head_dim)  # (B, T, KV, hd)
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, KV, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         return q.transpose(1, 2), k.transpose(1, 2), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -264,10 +240,9 @@ class FeedForward(nn.Module):
         self.gelu = activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = joined_linear(x, self.w1, self.w3) if joinable(x, self.w1, self.w3) else (self.w1(x), self.w3(x))
         if self.gelu:
-            return self.w2(F.gelu(gate, approximate="tanh") * up)
-        return self.w2(F.silu(gate) * up)
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
