@@ -85,7 +85,10 @@ def step_ratio(config: str, data_dir: Path, steps: int = 100, warmup: int = 10) 
 def run_ours(config: str, optimizer: str, cache_dir: Path, run_dir: Path, data_dir: Path, extra: list[str]) -> dict:
     """One whole `scaletrain train` process: its wall time from launch, and each evaluation as
     (step, val loss, seconds from launch)."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    # A fresh machine has neither inductor's cache nor scaletrain's (the measured peak, train.compile=auto's
+    # record): both live in ``cache_dir``, new for a "fresh" run and reused by the "warm" one after it.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor"),
+           "SCALETRAIN_CACHE": str(cache_dir / "scaletrain")}
     cmd = [*scaletrain_command(), "train", "--config", str(ROOT / config), f"--train.run_dir={run_dir}",
            f"--data.cache_dir={data_dir}", "--logging.progress=plain", "--logging.tensorboard=false",
            *OPTIMIZERS[optimizer], *extra]

@@ -84,7 +84,8 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
         differ = [(key, mine, theirs) for key, mine, theirs in config_differences(recipe, saved_cfg)
                   if key not in overrides and key not in RESUME_FREE_FIELDS and not key.startswith(from_base)
                   and not (key == "data.path" and saved_cfg.finetune.source and mine == default_data)
-                  and not (key == "model.vocab_size" and mine == 0)]  # 0: the data's, resolved in the saved one
+                  and not (key == "model.vocab_size" and mine == 0)  # 0: the data's, resolved in the saved one
+                  and not (key == "train.compile" and mine == "auto")]  # auto: decided, the saved one says how
         if differ:
             shown = ", ".join(f"{key} ({mine!r} vs saved {theirs!r})" for key, mine, theirs in differ[:6])
             more = f" and {len(differ) - 6} more" if len(differ) > 6 else ""

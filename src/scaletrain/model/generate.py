@@ -113,6 +113,11 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
                 break
             if not use_cache:  # the whole context of each row, one row at a time
                 logits = torch.cat([model(torch.tensor([r[-max_seq_len:]], device=device))[:, -1] for r in rows])
+            elif cache is not None and cache.tokens >= max_seq_len and min(map(len, rows)) >= max_seq_len:
+                # Every row fills the context: from now on each step is a whole-window forward (the window slides
+                # by one token), so the plain causal forward, without filling a cache that would be dropped at once.
+                window = torch.tensor([r[-max_seq_len:] for r in rows], dtype=torch.long, device=device)
+                logits = model(window)[:, -1]
             elif cache is None or cache.tokens >= max_seq_len:  # prefill (again, once the context is full)
                 tokens, padding = left_pad([r[-max_seq_len:] for r in rows], device)
                 cache = KVCache(len(rows), max_seq_len)
