@@ -2,7 +2,7 @@
 
 Runs the full recipe (2000 steps, evals every 250) and records median ms/iteration, tokens/s, the val
 loss at every eval, peak RSS and wall time. Because absolute times drift with machine load, it also
-times our training step (compiled, as the recipe runs, and eager) and a nanoGPT-layout step (GPT-2
+times our training step (compiled and eager) and a nanoGPT-layout step (GPT-2
 blocks: LayerNorm, fused QKV, GELU MLP, learned positions, same width/depth/heads, 12x64 tokens; eager
 and compiled) *interleaved in one process*, and reports their ratios, which load affects equally.
 
@@ -63,7 +63,7 @@ class NanoGPTLayout(nn.Module):
 
 
 def side_by_side(cfg, steps: int = 120, warmup: int = 10) -> dict:
-    """Median step times, alternating step by step in this process: our Trainer.step compiled (the recipe)
+    """Median step times, alternating step by step in this process: our Trainer.step compiled
     and eager, and the nanoGPT-layout step eager (the reference measured 41.4 ms on these machines) and
     compiled (40.0 ms there). Load slows every contender alike, so the ratios hold where absolute times drift."""
     from dataclasses import replace
@@ -105,7 +105,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "shakespeare_char_baby.toml"))
     parser.add_argument("--steps", type=int, default=0, help="override train.steps (0 = the recipe's)")
-    parser.add_argument("--eager", action="store_true", help="train without torch.compile (the recipe compiles)")
+    parser.add_argument("--eager", action="store_true", help="train without torch.compile (the recipe: compile = auto)")
     parser.add_argument("--ratio-steps", type=int, default=120, help="interleaved steps for the side-by-side ratio")
     parser.add_argument("--out", default=default_out("shakespeare_char.json"),
                         help=OUT_HELP.format(name="shakespeare_char.json"))
