@@ -133,3 +133,30 @@ def test_unsupported_settings_exit_2_in_one_line_before_the_run_folder(flags, me
 def test_muon_settings_without_muon_are_refused(tmp_path, capsys):
     assert main(["train", "--optim.muon_lr=0.02", f"--train.run_dir={tmp_path / 'run'}"]) == 2
     assert "optim.muon_* settings apply to optim.name=muon" in capsys.readouterr().err
+
+
+def test_chunking_bounds_the_step_and_does_not_change_it(monkeypatch):
+    """A large model's Muon step runs chunk by chunk (its transient memory bounded); each matrix's arithmetic is
+    its own, so one matrix per chunk gives the one-chunk step bit for bit."""
+    from scaletrain.train import muon as muon_mod
+
+    shapes = [(32, 32), (32, 48), (48, 32), (32, 32), (16, 48)]
+    torch.manual_seed(0)
+    weights = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    real = muon_mod.chunks
+    assert [len(c) for c in real([torch.zeros(4)] * 3, limit=8)] == [2, 1]
+    assert [len(c) for c in real([torch.zeros(20)], limit=8)] == [1]  # a larger matrix alone
+    results = []
+    for limit in (None, 1):
+        if limit is not None:
+            monkeypatch.setattr(muon_mod, "chunks", lambda ps: real(ps, limit=1))
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = muon_mod.Muon(params, lr=0.02, ns_dtype=torch.float32)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        results.append([p.detach().clone() for p in params])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

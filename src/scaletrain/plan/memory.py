@@ -18,6 +18,7 @@ from scaletrain.config import ModelConfig
 from scaletrain.model.config import head_width, is_sliding
 from scaletrain.model.presets import block_params, block_vector_params, ffn_hidden_dim, kv_heads, num_params
 from scaletrain.plan.spec import Plan, Workload
+from scaletrain.train.muon import CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -317,8 +318,10 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     opt_tmp = (layers * block_p + (0 if cfg.tie_embeddings else v * d / tp)) * 4 / max(1, shards if
                                                                                        plan.zero_stage >= 1 else 1)
     opt_transient = opt_tmp if foreach and not plan.cpu_offload else 0.0
-    if optimizer == "muon":  # the (gathered) update, its copy in the Newton-Schulz dtype, the Gram matrix and X
-        opt_transient = 4 * max(d, ffn_hidden_dim(cfg)) * d * 4
+    if optimizer == "muon":  # batched Newton-Schulz over a chunk of (gathered) matrices (train/muon.py: chunks):
+        # the chunk's updates, its stacked iterate and the next one, ~3x the chunk, plus one matrix's Gram work
+        chunk = min(muon_matrix_params(cfg, layers), CHUNK_ELEMENTS)
+        opt_transient = 4 * (3 * chunk + 4 * max(d, ffn_hidden_dim(cfg)) * d)
     phases.append(("optimizer step", dict(activations=0.0, transients=opt_transient, held=0.0,
                                           grads=full_grad_bytes)))
 

@@ -79,6 +79,24 @@ def newton_schulz_batched(updates: list[torch.Tensor], coefficients: tuple[float
     return out
 
 
+CHUNK_ELEMENTS = 1 << 24  # 16M elements (64 MB fp32) of matrices per batched step: bounds its transient memory
+
+
+def chunks(params: list[torch.Tensor], limit: int = CHUNK_ELEMENTS) -> list[list[torch.Tensor]]:
+    """``params`` in consecutive chunks of at most ``limit`` elements (a larger matrix alone): the batched step
+    holds each chunk's updates, stacks and results at once, so a large model's step must not hold them for all
+    its matrices (nor, under FSDP2, gather them all). A small model is one chunk."""
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in params:
+        if out[-1] and size + p.numel() > limit:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.numel()
+    return out if out[-1] else []
+
+
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """``torch.optim.Muon``'s lr by matrix shape: "original" (the default) or "match_rms_adamw"."""
     rows, cols = shape[:2]
@@ -100,23 +118,26 @@ class Muon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            lr, momentum = float(group["lr"]), group["momentum"]
-            grads = [p.grad for p in params]
-            bufs = [self._momentum_buffer(p) for p in params]
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
-            updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-            orthos = self._sharded_back(params, newton_schulz_batched(
-                self._gathered(updates), group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype))
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-            by_lr: dict[float, list[int]] = {}  # the lr adjustment depends on the shape only
-            for i, p in enumerate(params):
-                by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], p.shape), []).append(i)
-            for step_lr, indices in by_lr.items():
-                torch._foreach_add_([params[i] for i in indices], [orthos[i] for i in indices], alpha=-step_lr)
+            for params in chunks([p for p in group["params"] if p.grad is not None]):
+                self._step_chunk(group, params)
         return None
+
+    def _step_chunk(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Muon's update of ``params`` (a few matrices, ``chunks``): each matrix's arithmetic is its own, so the
+        result does not depend on how the matrices are chunked."""
+        lr, momentum = float(group["lr"]), group["momentum"]
+        grads = [p.grad for p in params]
+        bufs = [self._momentum_buffer(p) for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        orthos = self._sharded_back(params, newton_schulz_batched(
+            self._gathered(updates), group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype))
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        by_lr: dict[float, list[int]] = {}  # the lr adjustment depends on the shape only
+        for i, p in enumerate(params):
+            by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], p.shape), []).append(i)
+        for step_lr, indices in by_lr.items():
+            torch._foreach_add_([params[i] for i in indices], [orthos[i] for i in indices], alpha=-step_lr)
 
     def _momentum_buffer(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
