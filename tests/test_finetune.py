@@ -476,3 +476,38 @@ def test_hf_base_is_read_tensor_by_tensor(hf_base):
     assert isinstance(weights, HFWeights) and set(weights) == set(stored) and "nothing" not in weights
     for name, tensor in stored.items():
         assert torch.equal(weights[name], tensor.float()), name
+
+
+def test_muon_adapters_train_lora_with_muon_and_resume_bitwise(hf_base, tmp_path, tiny):
+    """optim.muon_adapters: every lora_A / lora_B is a Muon matrix (one momentum buffer, no AdamW moments), the
+    fine-tune learns, and a run stopped and resumed ends with the straight run's every loss and weight."""
+    from helpers import faults
+    from scaletrain.train.trainer import Trainer
+
+    muon = {"optim.name": "muon", "optim.muon_adapters": "true", "optim.lr": "1e-2",
+            "finetune.lora_targets": "q,v,down", "logging.log_interval": "1"}
+    over = {k: str(v) for k, v in tiny(tmp_path / "probe", **{"train.steps": 2}).items() if not k.startswith("model.")}
+    trainer = Trainer(load_config(None, {**over, **muon, "finetune.source": str(hf_base)}), log=False)
+    named = {n: p for m in trainer.pm.modules for n, p in m.named_parameters() if p.requires_grad}
+    on_muon = {id(p) for g in trainer.optimizer.muon.param_groups for p in g["params"]}
+    assert named and {n for n, p in named.items() if id(p) in on_muon} == set(named)  # adapters only train
+    assert all(n.rsplit(".", 1)[-1] in ("lora_A", "lora_B") for n in named)
+    trainer.step()
+    assert all(set(trainer.optimizer.state[p]) == {"momentum_buffer"} for p in named.values())
+
+    args = lambda run, **extra: _finetune_args(hf_base, run, tiny, **{**muon, **extra})  # noqa: E731
+    assert main(args(tmp_path / "straight", **{"checkpoint.interval": 3})) == 0
+    assert main(args(tmp_path / "resumed", **{"checkpoint.interval": 3, "train.stop_at_step": 3})) == 0
+    assert main([*args(tmp_path / "resumed", **{"checkpoint.interval": 3}), "--resume"]) == 0
+    faults.assert_same_run(tmp_path / "straight", tmp_path / "resumed")
+    losses = [loss for _, loss in sorted(faults.losses(tmp_path / "straight").items())]
+    assert len(losses) == 6 and max(losses[-2:]) < losses[0], losses
+
+
+def test_muon_adapters_without_lora_exit_2(hf_base, tmp_path, tiny, capsys):
+    assert main(_finetune_args(hf_base, tmp_path / "a", tiny, **{"finetune.method": "prompt", "optim.name": "muon",
+                                                                  "optim.muon_adapters": "true"})) == 2
+    assert "optim.muon_adapters puts LoRA's adapter matrices under Muon: it needs finetune.method=lora" \
+        in capsys.readouterr().err
+    assert main(_finetune_args(hf_base, tmp_path / "b", tiny, **{"optim.muon_adapters": "true"})) == 2
+    assert "optim.muon_* settings apply to optim.name=muon" in capsys.readouterr().err

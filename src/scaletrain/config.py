@@ -75,6 +75,9 @@ class OptimConfig:
                                                  "or original (sqrt(max(1, rows/cols)); Keller Jordan)",
                               choices=("match_rms_adamw", "original"))
     muon_momentum: float = opt(0.95, "muon: momentum (Nesterov) of the Muon matrices", ge=0, lt=1)
+    muon_adapters: bool = opt(False, "muon with finetune.method = lora/qlora: Muon also on the adapters' lora_A and "
+                                     "lora_B matrices (else they train with AdamW: a LoRA fine-tune then has no "
+                                     "Muon matrix at all); measured in docs/finetuning.md")
 
 
 @dataclass

@@ -199,14 +199,20 @@ class MuonAdamW(torch.optim.Optimizer):
         return None
 
 
-def muon_matrices(model: nn.Module) -> set[int]:
+def muon_matrices(model: nn.Module, adapters: bool = False) -> set[int]:
     """ids of the parameters Muon takes: the trainable ``weight`` of every Linear inside the blocks
     (``layers.<i>.``). The embedding and a separate output head stay on AdamW (Muon's authors: their gradients
-    are not matrices of a hidden transformation), as do LoRA's adapters (parameters beside the frozen weight)."""
+    are not matrices of a hidden transformation), as do LoRA's adapters (parameters beside the frozen weight)
+    unless ``adapters`` (``optim.muon_adapters``): then each trainable ``lora_A`` (rank, in) and ``lora_B``
+    (out, rank) is a Muon matrix of its own (DoRA's magnitude, a vector, stays on AdamW)."""
     ids = set()
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if isinstance(module, nn.Linear) and ".layers." in f".{name}." and weight is not None \
                 and weight.requires_grad and weight.ndim == 2:
             ids.add(id(weight))
+        if adapters:
+            for adapter in (getattr(module, "lora_A", None), getattr(module, "lora_B", None)):
+                if isinstance(adapter, nn.Parameter) and adapter.requires_grad and adapter.ndim == 2:
+                    ids.add(id(adapter))
     return ids

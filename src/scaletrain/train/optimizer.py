@@ -89,7 +89,7 @@ def build_muon(model: nn.Module, groups: list[dict], cfg: OptimConfig, device: t
     """``groups`` (AdamW's) with the blocks' matrices (``muon_matrices``) moved to one Muon group at
     ``optim.muon_lr`` (0: optim.lr), ``lr_scale`` = muon_lr / lr so the trainer's schedule scales both alike.
     Newton-Schulz in bf16 on a GPU, fp32 on a CPU (train/muon.py)."""
-    matrices = muon_matrices(model)
+    matrices = muon_matrices(model, adapters=cfg.muon_adapters)
     by_id = {id(p): p for g in groups for p in g["params"]}
     adamw_groups = [{**g, "params": [p for p in g["params"] if id(p) not in matrices]} for g in groups]
     adamw_groups = [g for g in adamw_groups if g["params"]]

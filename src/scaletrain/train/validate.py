@@ -80,7 +80,7 @@ def check_optimizer(cfg: JobConfig) -> None:
     low-communication replicas build their own AdamW; muP scales the hidden matrices' lr its own way."""
     o, par = cfg.optim, cfg.parallel
     if o.name != "muon":
-        if o.muon_lr or o.muon_adjust_lr != "match_rms_adamw" or o.muon_momentum != 0.95:
+        if o.muon_lr or o.muon_adjust_lr != "match_rms_adamw" or o.muon_momentum != 0.95 or o.muon_adapters:
             raise ConfigError(f"optim.muon_* settings apply to optim.name=muon (got optim.name={o.name}); set "
                               f"optim.name=muon or drop them")
         return
@@ -90,6 +90,13 @@ def check_optimizer(cfg: JobConfig) -> None:
     if par.engine != "native" or par.zero_stage == 1 or par.low_comm != "none":
         raise ConfigError("optim.name=muon runs on the native engine with DDP or FSDP2 (parallel.zero_stage 0, 2 or "
                           "3, parallel.low_comm=none); ZeRO-1, DeepSpeed and local SGD / DiLoCo build their own AdamW")
+    ft = cfg.finetune
+    if o.muon_adapters and ft.method not in ("lora", "qlora"):
+        raise ConfigError(f"optim.muon_adapters puts LoRA's adapter matrices under Muon: it needs finetune.method=lora "
+                          f"or qlora (got {ft.method}); drop it")
+    if o.muon_adapters and ft.lora_plus_ratio != 1.0:
+        raise ConfigError("optim.muon_adapters with finetune.lora_plus_ratio != 1: LoRA+ sets the B matrices' AdamW "
+                          "lr, Muon scales each matrix's lr by its shape; use one of them")
     if cfg.model.parametrization == "mup":
         raise ConfigError("optim.name=muon with model.parametrization=mup is not supported (muP scales the hidden "
                           "matrices' AdamW lr; Muon scales its own by shape): use one of them")
