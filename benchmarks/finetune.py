@@ -60,6 +60,9 @@ METHODS = {  # row -> its overrides; every learning rate comes from the sweep
     "dora": {"finetune.method": "lora", **LORA, "finetune.dora": "true"},
     "lora_plus": {"finetune.method": "lora", **LORA, "finetune.lora_plus_ratio": "16"},
     "qlora": {"finetune.method": "qlora", **LORA},
+    # The same adapter trained by Muon (optim.muon_adapters: each lora_A / lora_B orthogonalized on its own, at
+    # Moonlight's AdamW-matched rate by shape): does Muon's edge in pretraining carry over to adapters?
+    "lora_muon": {"finetune.method": "lora", **LORA, "optim.name": "muon", "optim.muon_adapters": "true"},
     "prompt": {"finetune.method": "prompt", "finetune.virtual_tokens": "16"},
     "prefix": {"finetune.method": "prefix", "finetune.virtual_tokens": "16"},
 }
@@ -70,7 +73,7 @@ METHODS = {  # row -> its overrides; every learning rate comes from the sweep
 # method alike: on the half-decade grid alone LoRA's best fell between points (3e-3: 1.8925, 5e-3 later:
 # 1.8897), so the grid's resolution, not the method, set part of the gap.
 SWEEP = {"full": ["3e-4", "1e-3", "3e-3"], "lora": ["3e-3", "1e-2", "3e-2"], "lora_attn": ["3e-3", "1e-2", "3e-2"],
-         "dora": ["3e-3", "1e-2", "3e-2"], "lora_plus": ["1e-3", "3e-3", "1e-2"],
+         "dora": ["3e-3", "1e-2", "3e-2"], "lora_plus": ["1e-3", "3e-3", "1e-2"], "lora_muon": ["3e-3", "1e-2", "3e-2"],
          "prompt": ["3e-2", "1e-1", "3e-1"], "prefix": ["1e-2", "3e-2", "1e-1"]}
 EXTEND = 2
 LR_FROM = {"qlora": "lora"}  # row -> whose swept rate it takes (QLoRA: the same adapter as LoRA); else its own
@@ -367,7 +370,10 @@ def main() -> int:
         checks["lora_improvement_vs_full"] = lora["improvement"] / full["improvement"]
         checks["lora_trainable_percent"] = lora["trainable_percent"]
         checks["lora_peak_memory_vs_full"] = lora["peak_memory_mb"] / full["peak_memory_mb"]
-    for name in ("lora_attn", "dora", "lora_plus", "qlora", "prompt", "prefix"):
+    if "lora" in by and "lora_muon" in by:
+        checks["lora_muon_improvement_vs_lora"] = by["lora_muon"]["improvement"] / by["lora"]["improvement"]
+        checks["lora_muon_step_vs_lora"] = by["lora_muon"]["median_step_ms"] / by["lora"]["median_step_ms"]
+    for name in ("lora_attn", "dora", "lora_plus", "lora_muon", "qlora", "prompt", "prefix"):
         if "full" in by and name in by:
             checks[f"{name}_improvement_vs_full"] = by[name]["improvement"] / by["full"]["improvement"]
     if "full" in by and "qlora" in by:

@@ -10,12 +10,15 @@ Recipes (--recipe char|bpe|both):
 Each round runs, as whole processes timed from their launch: benchmarks/nanogpt_reference.py (nanoGPT's
 train.py restated, eager, on the same prepared tokens at the same size) and `scaletrain train` with each
 optimizer, first with an empty TORCHINDUCTOR_CACHE_DIR (a fresh machine), then with the same folder again
-(warm). The order alternates round by round (nanoGPT first, then last, ...). Both sides start from tokens
-prepared before the round, as nanoGPT's train.py starts from its prepare.py's train.bin / val.bin. Ratios
-ours / nanoGPT are taken within a round (these shared machines drift by 20-30% within minutes), and the
-table gives medians over rounds. nanoGPT's time to its own final loss is its whole run.
+(warm). The order alternates round by round (nanoGPT first, then last, ...; fresh before warm, then warm - on
+the cache of the previous round's fresh run - before fresh). With --equal-wall each round also runs Muon with
+its steps, and so its schedule, cut to end at AdamW's wall time (steps / the measured step ratio). Both sides
+start from tokens prepared before the round, as nanoGPT's train.py starts from its prepare.py's train.bin /
+val.bin. Ratios ours / nanoGPT are taken within a round (these shared machines drift by 20-30% within
+minutes), and the table gives medians over rounds. nanoGPT's time to its own final loss is its whole run.
 
     python benchmarks/time_to_loss.py [--recipe both] [--rounds 2] [--steps N] [--optimizers adamw,muon]
+                                      [--equal-wall]
 
 Writes benchmarks/out/time_to_loss.json unless --out names another file.
 """
@@ -151,15 +154,33 @@ def one_round(index: int, recipe: str, settings: dict, scratch: Path) -> dict:
                   f"{out['nanogpt']['final_val_loss']:.4f} (windows {_fmt(out['nanogpt']['val_loss_windows'], 4)})",
                   flush=True)
             continue
-        cache = Path(tempfile.mkdtemp(prefix="inductor-", dir=scratch))
-        for state in ("fresh", "warm"):
+        # Fresh then warm in even rounds; warm (on the cache the previous round's fresh run filled) then fresh in
+        # odd ones, so that neither state always runs first (the fresh runs of the first record, always first,
+        # were slower throughout their steps than the warm ones after them).
+        warm_caches = settings["warm_caches"]
+        states = ("fresh", "warm") if index % 2 == 0 or name not in warm_caches else ("warm", "fresh")
+        for state in states:
+            if state == "fresh":
+                if name in warm_caches:
+                    shutil.rmtree(warm_caches[name], ignore_errors=True)
+                warm_caches[name] = Path(tempfile.mkdtemp(prefix="inductor-", dir=scratch))
             run_dir = scratch / f"{recipe}-r{index}-{name}-{state}"
-            result = run_ours(settings["config"], name, cache, run_dir, settings["data_dir"], settings["extra"])
+            result = run_ours(settings["config"], name, warm_caches[name], run_dir, settings["data_dir"],
+                              settings["extra"])
             out["runs"].append({"cache": state, **result})
             print(f"{recipe} round {index} {name:5s} {state:5s}: whole run {result['wall_s']:.1f} s, final val "
                   f"{result['final_val_loss']:.4f}", flush=True)
             shutil.rmtree(run_dir, ignore_errors=True)
-        shutil.rmtree(cache, ignore_errors=True)
+    if settings.get("equal_wall_steps") and "muon" in OPTIMIZERS:
+        # Muon with its schedule fitted to AdamW's wall time: steps x (AdamW step / Muon step), side by side.
+        steps = settings["equal_wall_steps"]
+        run_dir = scratch / f"{recipe}-r{index}-muon-equal-wall"
+        extra = [*settings["extra"], f"--train.steps={steps}"]
+        result = run_ours(settings["config"], "muon", warm_caches["muon"], run_dir, settings["data_dir"], extra)
+        out["runs"].append({"cache": "warm", "equal_wall_steps": steps, **result, "optimizer": "muon_equal_wall"})
+        print(f"{recipe} round {index} Muon, {steps} steps (AdamW's wall): whole run {result['wall_s']:.1f} s, "
+              f"final val {result['final_val_loss']:.4f}", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
     out["target"] = out["nanogpt"][RECIPES[recipe]["target"]]
     for run in out["runs"]:
         score(run, out["nanogpt"], out["target"], RECIPES[recipe]["recorded"])
@@ -179,8 +200,9 @@ def summarize(rounds: list[dict], recorded: dict | None) -> dict:
                         "val_loss_windows": _median([n["val_loss_windows"] for n in nanogpt]),
                         "median_step_ms": _median([n["median_step_ms"] for n in nanogpt]),
                         "target": _median([r["target"] for r in rounds])}}
-    for optimizer in OPTIMIZERS:
-        for state in ("fresh", "warm"):
+    equal_wall = any(x["optimizer"] == "muon_equal_wall" for r in rounds for x in r["runs"])
+    for optimizer in [*OPTIMIZERS, *(["muon_equal_wall"] if equal_wall else [])]:
+        for state in ("fresh", "warm") if optimizer in OPTIMIZERS else ("warm",):
             runs = [x for r in rounds for x in r["runs"] if x["optimizer"] == optimizer and x["cache"] == state]
             row = {"time_to_target_s": _median([x["time_to_target_s"] for x in runs]),
                    "steps_to_target": [x["step_to_target"] for x in runs],
@@ -193,7 +215,7 @@ def summarize(rounds: list[dict], recorded: dict | None) -> dict:
                 row["steps_to_recorded"] = [x["step_to_recorded"] for x in runs]
                 row["to_recorded_over_nanogpt_recorded"] = (row["time_to_recorded_s"] / recorded["wall_s"]
                                                             if row["time_to_recorded_s"] else None)
-            rows[f"{optimizer}_{state}"] = row
+            rows[f"{optimizer}_{state}" if optimizer in OPTIMIZERS else optimizer] = row
     return {"rows": rows}
 
 
@@ -207,10 +229,15 @@ def run_recipe(recipe: str, args: argparse.Namespace, scratch: Path) -> dict:
     eval_interval = args.eval_interval or cfg.train.eval_interval
     settings = {"config": config, "data_dir": data_dir, "steps": steps, "eval_interval": eval_interval,
                 "eval_batches": cfg.train.eval_batches,
-                "extra": [f"--train.steps={steps}", f"--train.eval_interval={eval_interval}", *args.flags.split()]}
+                "extra": [f"--train.steps={steps}", f"--train.eval_interval={eval_interval}", *args.flags.split()],
+                "warm_caches": {}}
+    # The step-time ratio first: it sets the equal-wall Muon run's steps.
+    side_by_side = step_ratio(config, data_dir, args.ratio_steps) if args.ratio_steps else None
+    if args.equal_wall and side_by_side and "muon_over_adamw" in side_by_side:
+        settings["equal_wall_steps"] = round(steps / side_by_side["muon_over_adamw"])
     rounds = [one_round(i, recipe, settings, scratch) for i in range(args.rounds)]
     summary = summarize(rounds, RECIPES[recipe]["recorded"])
-    summary["side_by_side"] = step_ratio(config, data_dir, args.ratio_steps) if args.ratio_steps else None
+    summary["side_by_side"] = side_by_side
     return {"recipe": config, "steps": steps, "eval_interval": eval_interval,
             "target": RECIPES[recipe]["target_text"],
             "nanogpt_recorded": RECIPES[recipe]["recorded"], "summary": summary, "rounds": rounds}
@@ -229,6 +256,7 @@ def print_table(recipe: str, result: dict, rounds: int) -> None:
         if name == "nanogpt":
             continue
         steps = ",".join("-" if s is None else str(s) for s in row["steps_to_target"])
+        name = name.replace("muon_equal_wall", "muon eq.wall")
         line = (f"{name:12s} {_fmt(row['time_to_target_s']):>11s} {_fmt(row['to_target_over_nanogpt'], 2):>9s} "
                 f"{steps:>10s} {row['wall_s']:8.1f} {row['wall_over_nanogpt']:9.2f} {row['final_val_loss']:9.4f}")
         if recorded:
@@ -255,6 +283,8 @@ def main() -> int:
     parser.add_argument("--eval-interval", type=int, default=0, help="0 = the recipe's (250 for both)")
     parser.add_argument("--ratio-steps", type=int, default=100, help="interleaved steps of the step-time ratio "
                         "(0 = skip)")
+    parser.add_argument("--equal-wall", action="store_true", help="also a Muon run (warm) whose steps, and so its "
+                        "schedule, end at AdamW's wall time: the recipe's steps / the measured Muon/AdamW step ratio")
     parser.add_argument("--optimizers", default="adamw,muon", help="which rows of ours to run (comma-separated)")
     parser.add_argument("--flags", default="", help="extra flags for every run of ours, e.g. '--train.compile=false'")
     parser.add_argument("--muon-flags", default="", help="extra flags for the Muon runs, e.g. "
