@@ -13,6 +13,9 @@ work and dispatch at the measured CPU rates, or FLOPs at peak x utilisation on a
 weight does not cost: a frozen linear layer's backward is one GEMM (the input gradient) instead of two, and
 none at all where its input needs no gradient (q, k, v of the first block when nothing below trains);
 the frozen head has no weight gradient and the embedding none; AdamW steps only the trainable tensors.
+With ``optim.name = muon`` the trainable matrices Muon takes (``finetune_muon_shapes``: a full fine-tune's
+block matrices, LoRA's adapters with ``muon_adapters``) keep one momentum buffer instead of two moments and
+add Newton-Schulz to the step (``timing.newton_schulz_seconds``).
 LoRA adds its two thin GEMMs a target, forward and backward (DoRA also the row norms of W + s B A each
 forward). QLoRA dequantizes every 4-bit weight once in
 the forward and once more for the input gradient (torchao's ``LinearNF4``), at the rate

@@ -11,6 +11,10 @@ measured for its head_dim and length, elementwise work at the measured cost per 
 aten dispatch at the measured per-op overhead, cross-entropy per logit and AdamW per parameter.
 Recomputation (activation checkpointing) pays the forward again. Nothing is fitted to the checked rows.
 
+Muon (``Workload.optimizer``): its Newton-Schulz FLOPs over every whole matrix, at the measured fp32 GEMM rates
+(CPU) or the bf16 peak x the GEMM utilisation (GPU), added to the optimizer step (``newton_schulz_seconds``),
+and under FSDP2 one all-gather of the Muon matrices a step.
+
 Communication: ring collectives, ``2(n-1)/n`` of the bytes for all-reduce and ``(n-1)/n`` for all-gather /
 reduce-scatter, over the slowest link the group spans (NVLink/PCIe within a node, InfiniBand/Ethernet
 across). On GPUs data-parallel traffic overlaps the backward (FSDP: forward too); tensor-, pipeline- and
