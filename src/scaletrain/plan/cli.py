@@ -19,7 +19,9 @@ from scaletrain.config import (
     ConfigError,
     DataConfig,
     FinetuneConfig,
+    JobConfig,
     ModelConfig,
+    OptimConfig,
     PredictionConfig,
     build,
     load_config,
@@ -75,6 +77,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                      help="auto = what `scaletrain train` picks on the target: bf16 mixed precision on GPUs, and on "
                           "a CPU bf16 where its bf16 matmuls measure at least 1.5x fp32's (else fp32); a --config's "
                           "train.precision when given")
+    src.add_argument("--optimizer", default=None, choices=("adamw", "muon"),
+                     help="the optimizer to plan for: adamw, or muon (one momentum buffer per block matrix; "
+                          "Newton-Schulz in the step, FSDP2 gathers each matrix); default: a --config's optim.name, "
+                          "else adamw")
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--hardware", default="auto", help="catalog NAME, NAME:COUNT or NAME:COUNTxNODES "
                                                        "(e.g. h100-sxm:8x4), or auto (this machine, from doctor)")
@@ -96,6 +102,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ft.add_argument("--lora-targets", default="q,k,v,o", help="lora/qlora projections (q,k,v,o,gate,up,down)")
     ft.add_argument("--virtual-tokens", type=int, default=16, help="prompt/prefix virtual tokens")
     ft.add_argument("--dora", action="store_true", help="lora/qlora as DoRA (a trainable magnitude per output row)")
+    ft.add_argument("--muon-adapters", action="store_true",
+                    help="lora/qlora with --optimizer muon: Muon on the adapters' lora_A / lora_B too "
+                         "(optim.muon_adapters; a --config's when not given)")
     when = parser.add_argument_group("deadline / budget (instead of one cluster: which device count)")
     when.add_argument("--deadline", type=float, default=None,
                       help="hours: the cheapest device count and plan that finishes by then (on demand and spot)")
@@ -143,7 +152,20 @@ def workload_from_args(args: argparse.Namespace, hardware: Hardware, this_machin
         raise ConfigError(f"--global-batch must be >= 1 (got {batch})")
     chinchilla = args.tokens.strip().lower() in ("chinchilla", "chinchilla-optimal")
     tokens = CHINCHILLA_TOKENS_PER_PARAM * num_params(model) if chinchilla else parse_count(args.tokens, "--tokens")
-    return Workload(model, seq, batch, tokens, precision), chinchilla
+    optimizer, muon_adapters = planned_optimizer(args, job)
+    return Workload(model, seq, batch, tokens, precision, optimizer, muon_adapters), chinchilla
+
+
+def planned_optimizer(args: argparse.Namespace, job: JobConfig | None) -> tuple[str, bool]:
+    """(optimizer, muon_adapters) to plan for: ``--optimizer`` over a ``--config``'s optim.name (else adamw);
+    ``--muon-adapters`` or the config's optim.muon_adapters, which only Muon has."""
+    optimizer = args.optimizer or (job.optim.name if job is not None else "adamw")
+    asked = args.muon_adapters
+    if asked and optimizer != "muon":
+        raise ConfigError(f"--muon-adapters puts LoRA's adapters under Muon: it needs --optimizer muon (planning "
+                          f"{optimizer}); add --optimizer muon or drop it")
+    from_config = job is not None and job.optim.muon_adapters
+    return optimizer, optimizer == "muon" and bool(asked or from_config)
 
 
 def planned_precision(requested: str, hardware: Hardware, this_machine: bool) -> str:
@@ -302,20 +324,25 @@ def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as
 def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     """``scaletrain plan --method``: the memory per device and step time of fine-tuning, and whether it fits."""
     from scaletrain.plan.finetune import finetune_answer, finetune_step_time
-    from scaletrain.plan.report import gib, human
+    from scaletrain.plan.report import gib, human, optimizer_text
+    from scaletrain.train.validate import check_optimizer
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     if args.lora_rank < 1 or args.virtual_tokens < 1:
         raise ConfigError("--lora-rank and --virtual-tokens must be >= 1")
     ft = FinetuneConfig(method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
                         virtual_tokens=args.virtual_tokens, dora=args.dora)
+    # the trainer's own rules for the optimizer of a fine-tune (muon_adapters: LoRA / QLoRA only)
+    check_optimizer(JobConfig(model=workload.model, finetune=ft,
+                              optim=OptimConfig(name=workload.optimizer, muon_adapters=workload.muon_adapters)))
     pins = _pins(args)
     answer = finetune_answer(workload, cluster.hardware.memory_bytes, cluster.hardware.kind, ft,
                              pins.get("micro_batch"), pins.get("activation_checkpointing", "none"),
                              cluster.hardware.allocator)
     console.print(f"fine-tuning {workload.model.preset or 'the model'} ({human(answer['total_parameters'])} "
                   f"parameters) with {args.method}: {answer['trainable_parameters']:,} trainable "
-                  f"({100 * answer['trainable_parameters'] / answer['total_parameters']:.2f}%)")
+                  f"({100 * answer['trainable_parameters'] / answer['total_parameters']:.2f}%); optimizer "
+                  f"{optimizer_text(workload)}")
     console.print(f"per device at micro-batch {answer['micro_batch']} x {answer['seq_len']} tokens: "
                   f"{gib(answer['per_device_bytes'])} = frozen base {gib(answer['frozen_bytes'])} + "
                   f"trainable states {gib(answer['trainable_state_bytes'])} + activations "
@@ -327,7 +354,9 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     console.print(f"step time on {cluster.describe()}: {timing['step_seconds']:.3g} s "
                   f"({timing['tokens_per_second']:,.0f} tokens/s)")
     if args.json:
-        write_json({"finetune": {**answer, **timing}, "hardware": cluster.hardware.name}, args.json)
+        write_json({"finetune": {**answer, **timing, "optimizer": workload.optimizer,
+                                 "muon_adapters": workload.muon_adapters}, "hardware": cluster.hardware.name},
+                   args.json)
     return 0 if answer["fits"] else 2
 
 

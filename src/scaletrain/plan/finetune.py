@@ -13,6 +13,9 @@ work and dispatch at the measured CPU rates, or FLOPs at peak x utilisation on a
 weight does not cost: a frozen linear layer's backward is one GEMM (the input gradient) instead of two, and
 none at all where its input needs no gradient (q, k, v of the first block when nothing below trains);
 the frozen head has no weight gradient and the embedding none; AdamW steps only the trainable tensors.
+With ``optim.name = muon`` the trainable matrices Muon takes (``finetune_muon_shapes``: a full fine-tune's
+block matrices, LoRA's adapters with ``muon_adapters``) keep one momentum buffer instead of two moments and
+add Newton-Schulz to the step (``timing.newton_schulz_seconds``).
 LoRA adds its two thin GEMMs a target, forward and backward (DoRA also the row norms of W + s B A each
 forward). QLoRA dequantizes every 4-bit weight once in
 the forward and once more for the input gradient (torchao's ``LinearNF4``), at the rate
@@ -27,7 +30,7 @@ import time
 
 from scaletrain.config import ConfigError, FinetuneConfig, ModelConfig
 from scaletrain.model.config import head_width
-from scaletrain.model.presets import ffn_hidden_dim, kv_heads, matmul_params, num_params
+from scaletrain.model.presets import ffn_hidden_dim, matmul_params, num_params
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.memory import (
     RECIPES,
@@ -40,6 +43,8 @@ from scaletrain.plan.memory import (
     checkpointed_blocks,
     masked_attention_layers,
     memory_breakdown,
+    muon_step_transient_bytes,
+    projection_shapes,
     recipe_for,
 )
 from scaletrain.plan.spec import Plan, Workload
@@ -55,6 +60,7 @@ from scaletrain.plan.timing import (
     head_gemm_seconds,
     interp_curve,
     masked_attention_factor,
+    newton_schulz_seconds,
     precision_rates,
 )
 
@@ -63,16 +69,9 @@ from scaletrain.plan.timing import (
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 8 / (64 * 256)
 
 
-def _projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each adaptable projection of a block."""
-    d, h = cfg.dim, ffn_hidden_dim(cfg)
-    q, kv = cfg.n_heads * head_width(cfg), kv_heads(cfg) * head_width(cfg)
-    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, h), "up": (d, h), "down": (h, d)}
-
-
 def trainable_parameters(cfg: ModelConfig, ft: FinetuneConfig) -> int:
     """Parameters that train under ``ft.method`` (adapters, or the unfrozen weights of a full fine-tune)."""
-    shapes = _projection_shapes(cfg)
+    shapes = projection_shapes(cfg)
     if ft.method in ("lora", "qlora"):
         per_target = {t: ft.lora_rank * (i + o) + (o if ft.dora else 0) for t, (i, o) in shapes.items()}
         return cfg.n_layers * sum(per_target[t] for t in ft.lora_targets)  # (+ DoRA's magnitude per row)
@@ -84,6 +83,23 @@ def trainable_parameters(cfg: ModelConfig, ft: FinetuneConfig) -> int:
     return num_params(cfg) - frozen
 
 
+def finetune_muon_shapes(workload: Workload, ft: FinetuneConfig) -> list[tuple[int, int]]:
+    """(rows, cols) of the trainable matrices Muon takes when ``workload.optimizer`` is muon
+    (train/muon.py:muon_matrices): a full fine-tune's block matrices (of the blocks not frozen); with
+    ``workload.muon_adapters`` each LoRA / QLoRA target's lora_A (rank, in) and lora_B (out, rank), not DoRA's
+    magnitude vectors. Nothing else: frozen weights have no update and the other methods train no block matrix."""
+    cfg = workload.model
+    if workload.optimizer != "muon":
+        return []
+    shapes = projection_shapes(cfg)
+    if ft.method == "full":
+        return [(o, i) for i, o in shapes.values()] * max(0, cfg.n_layers - ft.freeze_blocks)
+    if ft.method in ("lora", "qlora") and workload.muon_adapters:
+        r = ft.lora_rank
+        return [pair for t in ft.lora_targets for pair in ((r, shapes[t][0]), (shapes[t][1], r))] * cfg.n_layers
+    return []
+
+
 def frozen_bytes(cfg: ModelConfig, ft: FinetuneConfig, param_bytes: int = 4) -> float:
     """Bytes of the frozen base: everything but the trainable weights; QLoRA's block projections in NF4."""
     if ft.method == "full":
@@ -91,7 +107,7 @@ def frozen_bytes(cfg: ModelConfig, ft: FinetuneConfig, param_bytes: int = 4) -> 
     total = num_params(cfg)
     if ft.method != "qlora":
         return total * param_bytes
-    projections = cfg.n_layers * sum(i * o for i, o in _projection_shapes(cfg).values())
+    projections = cfg.n_layers * sum(i * o for i, o in projection_shapes(cfg).values())
     return projections * NF4_BYTES_PER_WEIGHT + (total - projections) * param_bytes
 
 
@@ -122,7 +138,11 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     pretrain = memory_breakdown(workload, plan, device_kind)
     trainable = trainable_parameters(workload.model, ft)
     frozen = frozen_bytes(workload.model, ft, rec.param)
-    at_rest = frozen + trainable * (rec.param + rec.master + rec.optimizer)
+    # Optimizer state: AdamW's two moments a trainable parameter, Muon's one momentum buffer a matrix element
+    muon = finetune_muon_shapes(workload, ft)
+    on_muon = sum(r * c for r, c in muon)
+    optimizer_bytes = (trainable - on_muon) * rec.optimizer + on_muon * rec.optimizer / 2
+    at_rest = frozen + trainable * (rec.param + rec.master) + optimizer_bytes
     bt, vocab = plan.micro_batch * workload.seq_len, workload.model.vocab_size
     logits = bt * vocab * 4
     # End of forward / loss backward: saved activations, log-softmax output, gradient of the logits.
@@ -139,7 +159,7 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     if ft.dora and ft.method in ("lora", "qlora") and plan.activation_checkpointing == "none":
         # DoRA's magnitude multiplies the base output and the scaled adapter output: both are saved for its
         # gradient (one (tokens, out) tensor each per adapted projection)
-        shapes = _projection_shapes(workload.model)
+        shapes = projection_shapes(workload.model)
         activations += rec.activation * workload.model.n_layers * sum(2 * bt * shapes[t][1]
                                                                       for t in ft.lora_targets if t in shapes)
     # Under autocast each linear keeps the bf16 copy of its fp32 weight from its forward to its backward (pretraining's
@@ -151,11 +171,15 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
         kept = cfg.n_layers - len(checkpointed_blocks(cfg.n_layers, plan.activation_checkpointing, plan.ac_every))
         casts = 2 * ((0 if ft.method == "qlora" else kept * block_matrix_params(cfg)) + cfg.vocab_size * cfg.dim)
     loss_phase = at_rest + activations + casts + 2 * logits
-    # Optimizer: every trainable gradient (the fused AdamW kernel, the default, allocates no temporary).
+    # Optimizer: every trainable gradient (the fused AdamW kernel, the default, allocates no temporary), and
+    # Muon's Newton-Schulz temporaries
     optimizer_phase = at_rest + trainable * rec.grad
+    if muon:
+        optimizer_phase += muon_step_transient_bytes(on_muon, max(r * c for r, c in muon))
     tensor_total = max(loss_phase, optimizer_phase)
     return {"method": ft.method, "trainable_parameters": trainable, "frozen_bytes": frozen,
-            "trainable_state_bytes": trainable * (rec.param + rec.grad + rec.master + rec.optimizer),
+            "trainable_state_bytes": trainable * (rec.param + rec.grad + rec.master) + optimizer_bytes,
+            "optimizer_state_bytes": optimizer_bytes, "muon_parameters": on_muon,
             "activations": activations, "weight_casts": casts, "tensor_total": tensor_total,
             "peak_phase": "loss" if loss_phase >= optimizer_phase else "optimizer step",
             "pretraining_tensor_total": pretrain.tensor_total}
@@ -238,7 +262,7 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
     cfg, hw = workload.model, cluster.hardware
     seq = workload.seq_len + (ft.virtual_tokens if ft.method == "prompt" else 0)
     b, tokens = plan.micro_batch, plan.micro_batch * seq
-    shapes = _projection_shapes(cfg)
+    shapes = projection_shapes(cfg)
     lora = ft.method in ("lora", "qlora")
     targets = [t for t in ft.lora_targets if t in shapes] if lora else []
     n_ckpt = len(checkpointed_blocks(cfg.n_layers, plan.activation_checkpointing, plan.ac_every))
@@ -249,6 +273,9 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
         per_micro, optimizer = _cpu_seconds(cfg, ft, plan, rates, b, seq, shapes, targets, n_ckpt, trainable)
     else:
         per_micro, optimizer = _gpu_seconds(workload, cfg, ft, hw, tokens, seq, shapes, targets, n_ckpt, trainable)
+    # Muon's Newton-Schulz over its whole matrices, on every data-parallel replica
+    newton_schulz = newton_schulz_seconds(finetune_muon_shapes(workload, ft), hw)
+    optimizer += newton_schulz
     comm = 0.0
     if plan.dp > 1:  # data parallelism all-reduces the trainable gradients only
 
@@ -258,6 +285,7 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
             comm = max(0.0, comm - per_micro * micro_steps * 2 / 3)
     step = per_micro * micro_steps + optimizer + comm
     return {"step_seconds": step, "compute_seconds": per_micro * micro_steps, "optimizer_seconds": optimizer,
+            "newton_schulz_seconds": newton_schulz,
             "comm_exposed_seconds": comm, "tokens_per_second": workload.global_batch * workload.seq_len / step}
 
 

@@ -213,24 +213,45 @@ class MemoryBreakdown:
         return asdict(self)
 
 
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear projection of a block (LoRA's targets by name; together a block's matrices)."""
+    d, h = cfg.dim, ffn_hidden_dim(cfg)
+    q, kv = cfg.n_heads * head_width(cfg), kv_heads(cfg) * head_width(cfg)
+    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, h), "up": (d, h), "down": (h, d)}
+
+
 def muon_matrix_params(cfg: ModelConfig, layers: int, tp: int = 1) -> float:
     """Parameters Muon takes (``optim.name = muon``, train/muon.py) in ``layers`` blocks per tensor-parallel
     rank: every block weight but the two norms."""
     return layers * block_matrix_params(cfg) / tp
 
 
+def muon_shapes(cfg: ModelConfig, layers: int) -> list[tuple[int, int]]:
+    """(out, in) of every matrix Muon orthogonalizes in ``layers`` blocks: each block's projections."""
+    return [(o, i) for i, o in projection_shapes(cfg).values()] * layers
+
+
+def muon_step_transient_bytes(matrix_params: float, largest_matrix: float) -> float:
+    """fp32 bytes the Muon step holds besides the states (train/muon.py): the batched Newton-Schulz over one chunk
+    of (gathered) matrices keeps the chunk's updates, its stacked iterate and the next one, ~3x the chunk, plus
+    one matrix's Gram work, charged as 4x the largest matrix."""
+    return 4 * (3 * min(matrix_params, CHUNK_ELEMENTS) + 4 * largest_matrix)
+
+
 def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
                      foreach_optimizer: bool | None = None, allocator: str = "system",
-                     optimizer: str = "adamw") -> MemoryBreakdown:
+                     optimizer: str | None = None) -> MemoryBreakdown:
     """Simulate the live bytes of one step and return the breakdown at its peak.
 
     ``foreach_optimizer``: AdamW's foreach kernel (``optim.implementation = foreach``) allocates one temporary
     the size of the largest parameter group for sqrt(v); the fused kernel (the default on CPU and GPU) does not.
     ``allocator`` (CPU): the malloc the run uses (``CPU_ALLOCATOR_MARGIN``), ``Hardware.allocator``.
-    ``optimizer = "muon"``: the blocks' matrices keep one fp32 momentum buffer instead of AdamW's two moments,
-    and the step holds Newton-Schulz's temporaries of the largest matrix (the whole matrix, gathered, under FSDP).
+    ``optimizer`` (default: the workload's, ``Workload.optimizer``) ``= "muon"``: the blocks' matrices keep one
+    fp32 momentum buffer instead of AdamW's two moments, and the step holds Newton-Schulz's temporaries of the
+    largest matrix (the whole matrix, gathered, under FSDP).
     """
     cfg, rec = workload.model, recipe_for(workload, plan)
+    optimizer = optimizer or workload.optimizer
     foreach = bool(foreach_optimizer)
     tp, pp = plan.tp, plan.pp
     psi = stage_params(cfg, pp, tp)
@@ -318,10 +339,8 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     opt_tmp = (layers * block_p + (0 if cfg.tie_embeddings else v * d / tp)) * 4 / max(1, shards if
                                                                                        plan.zero_stage >= 1 else 1)
     opt_transient = opt_tmp if foreach and not plan.cpu_offload else 0.0
-    if optimizer == "muon":  # batched Newton-Schulz over a chunk of (gathered) matrices (train/muon.py: chunks):
-        # the chunk's updates, its stacked iterate and the next one, ~3x the chunk, plus one matrix's Gram work
-        chunk = min(muon_matrix_params(cfg, layers), CHUNK_ELEMENTS)
-        opt_transient = 4 * (3 * chunk + 4 * max(d, ffn_hidden_dim(cfg)) * d)
+    if optimizer == "muon":  # batched Newton-Schulz over a chunk of (gathered) matrices (train/muon.py: chunks)
+        opt_transient = muon_step_transient_bytes(muon_matrix_params(cfg, layers), max(d, ffn_hidden_dim(cfg)) * d)
     phases.append(("optimizer step", dict(activations=0.0, transients=opt_transient, held=0.0,
                                           grads=full_grad_bytes)))
 

@@ -57,9 +57,19 @@ def workload_dict(w: Workload, chinchilla: bool) -> dict:
         "flops_per_token": w.flops_per_token, "flops_formula": FLOPS_FORMULA,
         "seq_len": w.seq_len, "global_batch_sequences": w.global_batch, "tokens_per_step": w.tokens_per_step,
         "train_tokens": w.train_tokens, "steps": w.steps, "total_flops": w.total_flops, "precision": w.precision,
+        "optimizer": w.optimizer,
         "tokens_convention": (f"Chinchilla-optimal: {CHINCHILLA_TOKENS_PER_PARAM} tokens per parameter (a convention "
                               f"rounding Hoffmann et al. 2022)" if chinchilla else "given"),
     }
+
+
+def optimizer_text(w: Workload) -> str:
+    """The planned optimizer in words, for the tables."""
+    if w.optimizer != "muon":
+        return f"{w.optimizer} (m, v per parameter)"
+    adapters = ", LoRA's lora_A / lora_B too" if w.muon_adapters else ""
+    return (f"muon (Muon with one momentum buffer on the blocks' matrices{adapters}, Newton-Schulz in the step; "
+            "AdamW on the rest)")
 
 
 def plan_dict(c: Candidate, w: Workload, cost: Cost | None) -> dict:
@@ -87,6 +97,7 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
     summary.add_row("precision", f"{w.precision}; compute at {human(hw.flops(_dtype(w)), 'FLOP/s')} peak x "
                                  f"{workload_utilisation(w, hw):.2f} utilisation")
     summary.add_row("utilisation source", hw.utilisation_source)
+    summary.add_row("optimizer", optimizer_text(w))
     console.print(summary)
 
     table = Table(title=f"Top plans (of {result.considered} considered, {len(result.ranked)} fit)")
@@ -102,7 +113,7 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
         console.print(f"  #{i + 1} {c.plan.label()}: {c.reason}")
     if result.ranked:
         best = result.ranked[0]
-        console.print(breakdown_table(best))
+        console.print(breakdown_table(best, w.optimizer))
         if costs:
             console.print(f"prices: {costs[0].price_on_demand:.2f} $/h on-demand, {costs[0].price_spot:.2f} $/h spot "
                           f"(table of {costs[0].prices_as_of}: {costs[0].price_source})")
@@ -124,19 +135,22 @@ def _money(x: float) -> str:
     return f"{x:,.2f}" if x < 100 else f"{x:,.0f}"
 
 
-def breakdown_table(c: Candidate) -> Table:
+def breakdown_table(c: Candidate, optimizer: str = "adamw") -> Table:
+    """The best plan's memory at its peak and its step time, part by part."""
     m, t = c.memory, c.time
+    states = "optimizer states (Muon m; AdamW m, v)" if optimizer == "muon" else "optimizer states (m, v)"
     table = Table(title=f"Plan #1 ({c.plan.label()}): memory per device at its peak ({m.peak_phase}) and step time")
     table.add_column("memory")
     table.add_column("bytes", justify="right")
     table.add_column("time")
     table.add_column("seconds", justify="right")
-    mem_rows = [("parameters", m.params), ("gradients", m.grads), ("optimizer states (m, v)", m.optimizer),
+    mem_rows = [("parameters", m.params), ("gradients", m.grads), (states, m.optimizer),
                 ("fp32 master weights", m.master), ("activations (saved)", m.activations),
                 ("transients (logits, backward temps)", m.transients), ("communication buffers", m.comm_buffers),
                 ("allocator margin", m.allocator_margin), ("runtime (context, libraries)", m.runtime),
                 ("total", m.total)]
-    time_rows = [("compute (fwd + bwd + recompute)", t.compute), ("optimizer step", t.optimizer),
+    time_rows = [("compute (fwd + bwd + recompute)", t.compute), ("optimizer step", t.optimizer)] + (
+        [("  of which Newton-Schulz (Muon)", t.newton_schulz)] if t.newton_schulz else []) + [
                  ("pipeline bubble", t.bubble)] + [(f"comm {k} (total)", v) for k, v in t.comm_detail.items()] + [
                  ("comm exposed", t.comm_exposed), ("step", t.step)]
     for i in range(max(len(mem_rows), len(time_rows))):

@@ -18,6 +18,7 @@ from scaletrain.config import (
     DeepSpeedConfig,
     JobConfig,
     ModelConfig,
+    OptimConfig,
     ParallelConfig,
     ScheduleConfig,
     TrainConfig,
@@ -30,13 +31,18 @@ CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022, the usual rounding of 
 
 @dataclass(frozen=True)
 class Workload:
-    """A model, a sequence length, a global batch (sequences per optimizer step) and tokens to train."""
+    """A model, a sequence length, a global batch (sequences per optimizer step), tokens to train, and the
+    precision and optimizer they train with."""
 
     model: ModelConfig
     seq_len: int
     global_batch: int
     train_tokens: float
     precision: str = "fp32"  # a key of memory.RECIPES
+    # optim.name: "adamw", or "muon" (train/muon.py: Muon on the blocks' matrices, AdamW on the rest), which
+    # changes the optimizer's memory (one momentum buffer a matrix) and time (Newton-Schulz, FSDP2's gathers)
+    optimizer: str = "adamw"
+    muon_adapters: bool = False  # optim.muon_adapters: with muon, LoRA's lora_A / lora_B are Muon matrices too
 
     @property
     def params(self) -> int:
@@ -140,8 +146,11 @@ def job_config(workload: Workload, plan: Plan, device_kind: str) -> JobConfig:
             deepspeed = DeepSpeedConfig(offload_optimizer=plan.offload,
                                         offload_param=plan.offload if plan.zero_stage == 3 else "none",
                                         nvme_path=f"{plan_run_dir(plan)}/nvme" if plan.offload == "nvme" else "")
+    # The optimizer, so that the trainer's checks refuse the plans it cannot run with (Muon: no TP / CP, ZeRO-1
+    # or DeepSpeed); muon_adapters is a fine-tune's (plan --method), not part of a pretraining job.
+    optim = OptimConfig(name=workload.optimizer)
     return JobConfig(model=dataclasses.replace(workload.model), data=data, train=train, schedule=schedule,
-                     parallel=parallel, deepspeed=deepspeed)
+                     parallel=parallel, deepspeed=deepspeed, optim=optim)
 
 
 def plan_run_dir(plan: Plan) -> str:

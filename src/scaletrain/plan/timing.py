@@ -11,6 +11,10 @@ measured for its head_dim and length, elementwise work at the measured cost per 
 aten dispatch at the measured per-op overhead, cross-entropy per logit and AdamW per parameter.
 Recomputation (activation checkpointing) pays the forward again. Nothing is fitted to the checked rows.
 
+Muon (``Workload.optimizer``): its Newton-Schulz FLOPs over every whole matrix, at the measured fp32 GEMM rates
+(CPU) or the bf16 peak x the GEMM utilisation (GPU), added to the optimizer step (``newton_schulz_seconds``),
+and under FSDP2 one all-gather of the Muon matrices a step.
+
 Communication: ring collectives, ``2(n-1)/n`` of the bytes for all-reduce and ``(n-1)/n`` for all-gather /
 reduce-scatter, over the slowest link the group spans (NVLink/PCIe within a node, InfiniBand/Ethernet
 across). On GPUs data-parallel traffic overlaps the backward (FSDP: forward too); tensor-, pipeline- and
@@ -20,8 +24,10 @@ context-parallel traffic is exposed. On CPU (gloo) the same cores compute and co
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import functools
+import inspect
 import math
 from dataclasses import asdict, dataclass
 
@@ -38,9 +44,11 @@ from scaletrain.plan.memory import (
     block_activation_elements,
     checkpointed_blocks,
     masked_attention_layers,
+    muon_shapes,
     stage_params,
 )
 from scaletrain.plan.spec import Plan, Workload
+from scaletrain.train.muon import CHUNK_ELEMENTS
 
 # aten ops one scaletrain block dispatches in forward + backward (aten_ops.count_aten_ops; 206 on
 # torch 2.13) and the host-side cost of launching one CUDA kernel (a few microseconds, per NVIDIA's CUDA
@@ -196,6 +204,46 @@ def block_gemm_attention_seconds(cfg: ModelConfig, batch: int, seq: int, entry: 
     return (1 + recompute) * (fwd + att_f) + bwd + att_b
 
 
+# Newton-Schulz iterations of a Muon step: torch.optim.Muon's default, which train/muon.py's Muon keeps.
+NS_STEPS = inspect.signature(torch.optim.Muon.__init__).parameters["ns_steps"].default
+
+
+def newton_schulz_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) -> float:
+    """FLOPs of Muon's orthogonalization of each (rows, cols) matrix: per iteration, with m <= n its sides, the
+    Gram matrix X X^T (2 m^2 n), its square (2 m^3) and that times X (2 m^2 n) (train/muon.py)."""
+    return steps * sum((4.0 * m * m * n + 2.0 * m ** 3) * count
+                       for (m, n), count in _by_shape(shapes).items())
+
+
+def newton_schulz_seconds(shapes: list[tuple[int, int]], hw: Hardware) -> float:
+    """Seconds of Muon's Newton-Schulz over the whole matrices ``shapes`` on one device (under FSDP2 each rank
+    gathers and orthogonalizes every matrix: the work is not divided by the shards). On a CPU it runs in fp32
+    (train/optimizer.py), each product at the calibration's fp32 ``nn.Linear`` rate for its shape
+    (``gemm_seconds``); on a GPU in bf16, at the peak x the fitted GEMM utilisation at the matrices' smaller
+    side, and no faster than the host launches its batched matmuls (3 an iteration per stack of one shape and
+    chunk)."""
+    by_shape = _by_shape(shapes)
+    if not by_shape:
+        return 0.0
+    if hw.kind == "cpu":
+        entry = hw.calibration
+        if "gemm_curve" not in entry:
+            raise ConfigError("the CPU time model needs this machine's calibration: run `scaletrain doctor` "
+                              "(or plan with --hardware auto)")
+        return NS_STEPS * sum(count * (gemm_seconds(m, m, n, entry) + gemm_seconds(m, m, m, entry)
+                                       + gemm_seconds(m, n, m, entry)) for (m, n), count in by_shape.items())
+    compute = sum(newton_schulz_flops([shape]) * count / (hw.flops("bf16") * hw.utilisation_at(shape[0], 0.0))
+                  for shape, count in by_shape.items())
+    chunks = max(1, math.ceil(sum(m * n * c for (m, n), c in by_shape.items()) / CHUNK_ELEMENTS))
+    return max(compute, len(by_shape) * chunks * 3 * NS_STEPS * GPU_LAUNCH_SECONDS)
+
+
+def _by_shape(shapes: list[tuple[int, int]]) -> collections.Counter:
+    """{(m, n) with m <= n: how many matrices}: a matrix and its transpose cost the same (Muon iterates on
+    the wide orientation)."""
+    return collections.Counter((min(r, c), max(r, c)) for r, c in shapes)
+
+
 @dataclass
 class TimeBreakdown:
     """Seconds per optimizer step on one device, and what they are spent on."""
@@ -209,6 +257,7 @@ class TimeBreakdown:
     tokens_per_second: float  # whole job
     mfu: float  # model FLOPs (flops_per_token convention) / (devices x peak of the dtype)
     comm_detail: dict
+    newton_schulz: float = 0.0  # of ``optimizer``: Muon's orthogonalization (optim.name = muon)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -223,6 +272,11 @@ def step_time(workload: Workload, plan: Plan, cluster: Cluster) -> TimeBreakdown
     else:
         per_micro, optimizer = _gpu_micro_seconds(workload, plan, cluster)
     optimizer += offload_transfer_seconds(workload, plan, hw)
+    newton_schulz = 0.0
+    if workload.optimizer == "muon":  # every rank orthogonalizes its stage's whole matrices
+        newton_schulz = newton_schulz_seconds(muon_shapes(workload.model, -(-workload.model.n_layers // plan.pp)),
+                                              hw) * (cpu_rank_share(cluster) if hw.kind == "cpu" else 1.0)
+        optimizer += newton_schulz
     compute = per_micro * micro_steps
     bubble = 0.0
     if plan.pp > 1:
@@ -234,7 +288,19 @@ def step_time(workload: Workload, plan: Plan, cluster: Cluster) -> TimeBreakdown
     dtype = DTYPE_OF_PRECISION[workload.precision]
     mfu = tokens_per_second * workload.flops_per_token / (cluster.world_size * hw.flops(dtype))
     return TimeBreakdown(compute, optimizer, bubble, sum(comm.values()), exposed, step, tokens_per_second, mfu,
-                         comm)
+                         comm, newton_schulz)
+
+
+def cpu_rank_share(cluster: Cluster) -> float:
+    """How much slower than calibrated one rank computes: ranks on one host share its cores, so each rank's rates
+    are the calibration's (measured with ``threads`` threads) scaled to its share of the host's cores, never
+    faster than calibrated; and they contend for its memory bandwidth and caches (doctor measures it)."""
+    entry = cluster.hardware.calibration
+    share = max(1.0, cluster.devices_per_node * entry.get("threads", cluster.hardware.cores or 1)
+                / max(1, cluster.hardware.cores or 1))
+    if cluster.devices_per_node > 1:
+        share *= float(entry.get("corun_slowdown", 1.0))
+    return share
 
 
 def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[float, float]:
@@ -244,12 +310,7 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
 
         raise ConfigError("the CPU time model needs this machine's calibration: run `scaletrain doctor` "
                           "(or plan with --hardware auto)")
-    # Ranks on one host share its cores: each rank's rates are the calibration's (measured with
-    # ``threads`` threads) scaled to its share of the host's cores; never faster than calibrated.
-    share = max(1.0, cluster.devices_per_node * entry.get("threads", cluster.hardware.cores or 1)
-                / max(1, cluster.hardware.cores or 1))
-    if cluster.devices_per_node > 1:  # and they contend for its memory bandwidth and caches (doctor measures it)
-        share *= float(entry.get("corun_slowdown", 1.0))
+    share = cpu_rank_share(cluster)
     b, t, tp = plan.micro_batch, workload.seq_len // plan.cp, plan.tp
     layers = -(-cfg.n_layers // plan.pp)
     n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
@@ -419,6 +480,13 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         out["fsdp"] = micro * ((gathers * psi * rec.param + psi * max(rec.grad, 4)) * frac / bw
                                + (gathers + 1) * (layers + 1) * latency)  # one collective per unit and pass
         exposed += max(0.0, out["fsdp"] - compute) if gpu else out["fsdp"]
+    if workload.optimizer == "muon" and plan.zero_stage >= 2 and shard > 1:
+        # Muon under FSDP2: the optimizer step all-gathers each matrix's fp32 update (one collective a matrix),
+        # once per step, after the backward: nothing to overlap it with
+        bw, _ = group_link(cluster, plan.dp_shard, inner_cp)
+        shapes = muon_shapes(cfg, layers)
+        out["muon_gather"] = (shard - 1) / shard * 4 * sum(r * c for r, c in shapes) / bw + len(shapes) * latency
+        exposed += out["muon_gather"]
     if plan.dp_replicate > 1:
         bw, _ = group_link(cluster, plan.dp_replicate, plan.dp_shard * inner_cp)
         n = plan.dp_replicate

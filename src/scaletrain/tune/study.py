@@ -120,7 +120,7 @@ def predicted_memory(cfg: JobConfig, device_kind: str) -> float:
     cfg, _ = resolve_vocab(cfg, read_manifest(prepare_data(cfg)))
     t = cfg.train
     workload = Workload(cfg.model, cfg.data.seq_len, t.batch_size * t.grad_accum_steps, float(t.steps),
-                        "bf16" if precision in ("bf16", "fp16") else "fp32")
+                        "bf16" if precision in ("bf16", "fp16") else "fp32", cfg.optim.name)
     plan = Plan(micro_batch=t.batch_size, activation_checkpointing=cfg.parallel.activation_checkpointing)
     from scaletrain.allocator import in_use
 
