@@ -29,11 +29,17 @@ ROWS = ("adamw:1e-3:100,adamw:1.5e-3:100,adamw:3e-3:100,adamw:1e-3:20,"
 TARGET = 1.886
 
 
+# Keller Jordan's Muon recipe (https://kellerjordan.github.io/posts/muon/): the Muon matrices at lr 0.02 with the
+# "original" shape adjustment sqrt(max(1, rows/cols)); the row's lr is then the AdamW part's (embedding, head, norms).
+KELLER_JORDAN = ["--optim.name=muon", "--optim.muon_lr=0.02", "--optim.muon_adjust_lr=original"]
+
+
 def run_row(optimizer: str, lr: str, warmup: str, scratch: Path) -> dict:
     run_dir = scratch / f"{optimizer}-{lr}-{warmup}"
+    flags = KELLER_JORDAN if optimizer == "muon_kj" else [f"--optim.name={optimizer}"]
     cmd = [sys.executable, "-m", "scaletrain", "train", "--config", str(ROOT / "configs/shakespeare_char_baby.toml"),
            "--train.compile=false", "--train.stop_at_step=600", "--train.eval_interval=100",
-           "--train.sample_tokens=0", "--checkpoint.enabled=false", f"--optim.name={optimizer}",
+           "--train.sample_tokens=0", "--checkpoint.enabled=false", *flags,
            f"--optim.lr={lr}", f"--schedule.warmup_steps={warmup}", f"--train.run_dir={run_dir}",
            "--logging.progress=off", "--logging.tensorboard=false"]
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
@@ -46,7 +52,8 @@ def run_row(optimizer: str, lr: str, warmup: str, scratch: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=ROWS, help="optimizer:lr:warmup, comma-separated")
+    parser.add_argument("--rows", default=ROWS, help="optimizer:lr:warmup, comma-separated; optimizer adamw, muon or "
+                        "muon_kj (Keller Jordan's: Muon at 0.02, original scaling; lr is then AdamW's part)")
     parser.add_argument("--out", default=default_out("baby_lr_sweep.json"),
                         help=OUT_HELP.format(name="baby_lr_sweep.json"))
     args = parser.parse_args()

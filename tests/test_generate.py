@@ -181,3 +181,25 @@ def test_several_stop_ids_end_a_row_at_any_of_them():
     first = free.index(free[2])  # the first place that id comes
     assert generate(model, [1, 2, 3], 6, max_seq_len=16, temperature=0.0, stop_id=[31, free[2]]) == free[:first]
     assert generate(model, [1, 2, 3], 6, max_seq_len=16, temperature=0.0, stop_id=free[0]) == []
+
+
+@pytest.mark.parametrize("make", [tiny_model, with_prompt_tuning, with_prefix_tuning],
+                         ids=["plain", "prompt", "prefix"])
+def test_last_only_is_the_last_position_of_the_whole_logits(make):
+    """``last_only`` (what generation asks for): the head on the last position alone gives that position's logits
+    of the full forward, with and without a KV cache (prefill, then one decode step)."""
+    from scaletrain.model.cache import KVCache
+
+    model = make()
+    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens)
+        last = model(tokens, last_only=True)
+        assert last.shape == (2, 1, full.shape[-1])
+        torch.testing.assert_close(last[:, 0], full[:, -1], rtol=1e-5, atol=1e-5)
+        whole, part = KVCache(2, 16), KVCache(2, 16)
+        for step in (tokens[:, :8], tokens[:, 8:]):
+            expected = model(step, cache=whole)[:, -1]
+            got = model(step, cache=part, last_only=True)
+            assert got.shape[1] == 1
+            torch.testing.assert_close(got[:, 0], expected, rtol=1e-5, atol=1e-5)

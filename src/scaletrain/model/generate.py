@@ -117,14 +117,14 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
                 # Every row fills the context: from now on each step is a whole-window forward (the window slides
                 # by one token), so the plain causal forward, without filling a cache that would be dropped at once.
                 window = torch.tensor([r[-max_seq_len:] for r in rows], dtype=torch.long, device=device)
-                logits = model(window)[:, -1]
+                logits = model(window, last_only=True)[:, -1]
             elif cache is None or cache.tokens >= max_seq_len:  # prefill (again, once the context is full)
                 tokens, padding = left_pad([r[-max_seq_len:] for r in rows], device)
                 cache = KVCache(len(rows), max_seq_len)
-                logits = model(tokens, cache=cache, padding=padding)[:, -1]
+                logits = model(tokens, cache=cache, padding=padding, last_only=True)[:, -1]
             else:
                 last = torch.tensor([[r[-1]] for r in rows], dtype=torch.long, device=device)  # (B, 1)
-                logits = model(last, cache=cache)[:, -1]
+                logits = model(last, cache=cache, last_only=True)[:, -1]
             logits = logits[:, :vocab_limit].float()  # (B, V): padding rows of the vocabulary never compete
             if sampling.repetition_penalty != 1.0:
                 logits = penalize_repetition(logits, rows, sampling.repetition_penalty)

@@ -351,13 +351,15 @@ class Transformer(nn.Module):
             nn.init.ones_(module.weight)
 
     def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                padding: torch.Tensor | None = None) -> torch.Tensor:
+                padding: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). On a middle pipeline stage, hidden in / hidden out.
 
         With ``cache`` (generation, ``model/cache.py``): the tokens follow the cached ones; ``padding`` (B, T)
-        bool marks left padding. Without (training, evaluation) nothing below the first ``if`` changes."""
+        bool marks left padding. Without (training, evaluation) nothing below the first ``if`` changes.
+        ``last_only`` (generation): the logits of the last position only, (B, 1, vocab): the head runs on one
+        position instead of all T (a long prompt's prefill would otherwise hold T x vocab logits)."""
         if cache is not None:
-            return self._forward_cached(tokens, cache, padding)
+            return self._forward_cached(tokens, cache, padding, last_only)
         h = self.embed(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)
         seqlen = h.shape[1]
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]  # (T, hd)
@@ -371,7 +373,10 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
+        if last_only and not getattr(self.output, "takes_cache", False):  # (prompt tuning's head drops positions)
+            h = h[:, -1:]
         logits = self.output(h)  # (B, T, vocab)
+        logits = logits[:, -1:] if last_only else logits
         return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -385,7 +390,8 @@ class Transformer(nn.Module):
             return h
         return h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype, device=h.device)
 
-    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, padding: torch.Tensor | None) -> torch.Tensor:
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, padding: torch.Tensor | None,
+                        last_only: bool = False) -> torch.Tensor:
         """The forward of one generation step; a whole model (embedding and head) on one device."""
         h = _call_with_cache(self.tok_embeddings, tokens, cache)  # (B, T', d): T' > T with virtual tokens in front
         h = self._scale_embeddings(h)
@@ -397,7 +403,11 @@ class Transformer(nn.Module):
         for name, layer in self.layers.items():
             tables = local if layer.local_rope else (cos, sin)
             h = layer(h, *tables, cache.mask, cache.layer(name))
-        logits = _call_with_cache(self.output, self.norm(h), cache)  # (B, T, vocab)
+        h = self.norm(h)
+        if last_only and not getattr(self.output, "takes_cache", False):  # (prompt tuning's head drops positions)
+            h = h[:, -1:]
+        logits = _call_with_cache(self.output, h, cache)  # (B, T, vocab)
+        logits = logits[:, -1:] if last_only else logits
         cache.end(seqlen)
         return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
 
