@@ -235,7 +235,7 @@ def run_recipe(recipe: str, args: argparse.Namespace, scratch: Path) -> dict:
     side_by_side = step_ratio(config, data_dir, args.ratio_steps) if args.ratio_steps else None
     if args.equal_wall and side_by_side and "muon_over_adamw" in side_by_side:
         settings["equal_wall_steps"] = round(steps / side_by_side["muon_over_adamw"])
-    rounds = [one_round(i, recipe, settings, scratch) for i in range(args.rounds)]
+    rounds = [one_round(i, recipe, settings, scratch) for i in range(args.first_round, args.first_round + args.rounds)]
     summary = summarize(rounds, RECIPES[recipe]["recorded"])
     summary["side_by_side"] = side_by_side
     return {"recipe": config, "steps": steps, "eval_interval": eval_interval,
@@ -278,6 +278,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", choices=("char", "bpe", "both"), default="both")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--first-round", type=int, default=0, help="index of the first round (its parity sets the "
+                        "order: 1 runs nanoGPT last), to add rounds to an earlier result")
     parser.add_argument("--steps", type=int, default=0, help="steps of every run, ours and nanoGPT's (0 = the "
                         "recipe's train.steps: char 2000, bpe 1000)")
     parser.add_argument("--eval-interval", type=int, default=0, help="0 = the recipe's (250 for both)")
