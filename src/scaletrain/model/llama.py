@@ -373,9 +373,15 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None:
             return h
-        if last_only and not getattr(self.output, "takes_cache", False):  # (prompt tuning's head drops positions)
+        return self._head(h, last_only)
+
+    def _head(self, h: torch.Tensor, last_only: bool, cache: KVCache | None = None) -> torch.Tensor:
+        """The output head on the normed hidden states h (B, T, d): logits (B, T, vocab), or (B, 1, vocab) of the
+        last position with ``last_only``, where the head then runs on that position alone - except prompt
+        tuning's head (``takes_cache``), which drops the virtual positions itself, so it sees them all."""
+        if last_only and not getattr(self.output, "takes_cache", False):
             h = h[:, -1:]
-        logits = self.output(h)  # (B, T, vocab)
+        logits = self.output(h) if cache is None else _call_with_cache(self.output, h, cache)  # (B, T, vocab)
         logits = logits[:, -1:] if last_only else logits
         return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
 
@@ -403,13 +409,9 @@ class Transformer(nn.Module):
         for name, layer in self.layers.items():
             tables = local if layer.local_rope else (cos, sin)
             h = layer(h, *tables, cache.mask, cache.layer(name))
-        h = self.norm(h)
-        if last_only and not getattr(self.output, "takes_cache", False):  # (prompt tuning's head drops positions)
-            h = h[:, -1:]
-        logits = _call_with_cache(self.output, h, cache)  # (B, T, vocab)
-        logits = logits[:, -1:] if last_only else logits
+        logits = self._head(self.norm(h), last_only, cache)
         cache.end(seqlen)
-        return logits * self.output_multiplier if self.output_multiplier != 1.0 else logits
+        return logits
 
 
 def check_rope(cfg: ModelConfig) -> None:

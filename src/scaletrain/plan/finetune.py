@@ -43,6 +43,7 @@ from scaletrain.plan.memory import (
     checkpointed_blocks,
     masked_attention_layers,
     memory_breakdown,
+    muon_shapes,
     muon_step_transient_bytes,
     projection_shapes,
     recipe_for,
@@ -93,7 +94,7 @@ def finetune_muon_shapes(workload: Workload, ft: FinetuneConfig) -> list[tuple[i
         return []
     shapes = projection_shapes(cfg)
     if ft.method == "full":
-        return [(o, i) for i, o in shapes.values()] * max(0, cfg.n_layers - ft.freeze_blocks)
+        return muon_shapes(cfg, max(0, cfg.n_layers - ft.freeze_blocks))
     if ft.method in ("lora", "qlora") and workload.muon_adapters:
         r = ft.lora_rank
         return [pair for t in ft.lora_targets for pair in ((r, shapes[t][0]), (shapes[t][1], r))] * cfg.n_layers
