@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# pytest-xdist runs the suite in worker processes (pyproject.toml's addopts), one test at a time each. A worker
+# gets one intra-op thread, inherited by the processes its tests start: two workers of two threads on two cores
+# oversubscribe them, and OpenMP's spinning threads then make small ops many times slower.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Keep the measured-peak cache out of the user's home during tests; one per worker, so no test sees another
+# test's measurement appear half-way through.
+os.environ.setdefault("SCALETRAIN_CACHE", os.path.join(os.path.dirname(__file__), ".cache", WORKER))
 
-from helpers.tiny import tiny_overrides
+import pytest  # noqa: E402  (after the environment above: OpenMP reads it when torch loads)
 
-# Keep the measured-peak cache out of the user's home during tests.
-os.environ.setdefault("SCALETRAIN_CACHE", os.path.join(os.path.dirname(__file__), ".cache"))
+from helpers.tiny import tiny_overrides  # noqa: E402
 
 
 @pytest.fixture
