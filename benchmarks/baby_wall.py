@@ -25,6 +25,7 @@ Writes benchmarks/out/baby_wall.json unless --out names another file.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import re
@@ -36,30 +37,28 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import nanogpt_reference as ng  # benchmarks/ (the script's folder is on sys.path)
 from launch import OUT_HELP, default_out, write_result
 from scaletrain.config import load_config
 from scaletrain.data.run_data import prepare_data
+from scaletrain.model import build_model
 from scaletrain.train.trainer import Trainer
 from time_to_loss import ROOT, run_nanogpt, run_ours
 
 CONFIG = "configs/shakespeare_char_baby.toml"
 VARIANTS = {"ours": [], "ours_no_samples": ["--train.sample_tokens=0"]}
-DONE = re.compile(r"median (?P<step_ms>[\d.]+) ms/step.*of (?P<loop_s>[\d.]+) s \(eval (?P<eval_s>[\d.]+) s, "
-                  r"sample (?P<sample_s>[\d.]+) s, checkpoint (?P<checkpoint_s>[\d.]+) s\)")
-NO_SAMPLE = re.compile(r"median (?P<step_ms>[\d.]+) ms/step.*of (?P<loop_s>[\d.]+) s \(eval (?P<eval_s>[\d.]+) s, "
-                       r"checkpoint (?P<checkpoint_s>[\d.]+) s\)")
+STALL = re.compile(r"\b(eval|sample|checkpoint) ([\d.]+) s\b")
 
 
-def parse_done(line: str) -> dict:
-    """Median step, loop seconds and stall seconds from a `done:` line (no sample part when none were taken)."""
-    m = DONE.search(line) or NO_SAMPLE.search(line)
-    if m is None:
+def parse_stalls(line: str) -> dict:
+    """Seconds spent evaluating, sampling and checkpointing, from a `done:` line (no sample part when the run
+    took none)."""
+    stalls = {f"{cause}_s": float(seconds) for cause, seconds in STALL.findall(line)}
+    if "eval_s" not in stalls:
         raise RuntimeError(f"unexpected done line: {line!r}")
-    out = {k: float(v) for k, v in m.groupdict().items()}
-    out.setdefault("sample_s", 0.0)
-    return out
+    return {"sample_s": 0.0, **stalls}
 
 
 def one_round(index: int, data_dir: Path, steps: int, eval_interval: int, scratch: Path) -> dict:
@@ -74,8 +73,8 @@ def one_round(index: int, data_dir: Path, steps: int, eval_interval: int, scratc
             cache = Path(tempfile.mkdtemp(prefix="cache-", dir=scratch))
             result = run_ours(CONFIG, "adamw", cache, run_dir, data_dir,
                               [f"--train.steps={steps}", f"--train.eval_interval={eval_interval}", *VARIANTS[name]])
-            result.update(parse_done(result["done_line"]))
-            # The done line rounds the loop's seconds; run_info.json keeps them (and the step) unrounded.
+            result.update(parse_stalls(result["done_line"]))
+            # The loop's seconds and the median step, unrounded (the done line rounds them).
             summary = json.loads((run_dir / "run_info.json").read_text())["segments"][-1]["summary"]
             result["loop_s"], result["step_ms"] = summary["loop_seconds"], summary["median_step_ms"]
             result["startup_s"] = result["wall_s"] - result["loop_s"]
@@ -101,9 +100,9 @@ def step_side_by_side(data_dir: Path, blocks: int, block: int = 20) -> dict:
         trainer = Trainer(cfg, log=False)
         torch.manual_seed(rc.seed)
         gpt = ng.GPT(rc, 65)
-        llama = _fresh_llama(trainer)
+        llama = copy.deepcopy(trainer.model)  # the recipe's model (same config and init), for nanoGPT's loop
         loops = {"nanogpt": _nanogpt_loop(gpt, gpt.configure_optimizers(rc), splits, rc),
-                 "nanogpt_loop_our_model": _nanogpt_loop(llama, _nanogpt_adamw(llama, rc), splits, rc),
+                 "nanogpt_loop_our_model": _nanogpt_loop(llama, ng.configure_adamw(llama, rc), splits, rc),
                  "our_trainer": trainer.step}
         times: dict[str, list[float]] = {name: [] for name in loops}
         for b in range(blocks):
@@ -125,10 +124,6 @@ def step_side_by_side(data_dir: Path, blocks: int, block: int = 20) -> dict:
 
 def block_parts(repeats: int = 30) -> dict:
     """Median ms of forward + backward of one block and its parts, nanoGPT's against ours (see the docstring)."""
-    import torch.nn.functional as F
-
-    from scaletrain.model import build_model
-
     torch.set_num_threads(2)
     cfg = load_config(str(ROOT / CONFIG), {})
     ours = build_model(dataclasses.replace(cfg.model, vocab_size=65), torch.device("cpu"))  # the char vocabulary
@@ -160,21 +155,6 @@ def block_parts(repeats: int = 30) -> dict:
                 part(x).backward(grad)
             times[name].append((time.perf_counter() - t0) / 10 * 1000)
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _fresh_llama(trainer: Trainer) -> torch.nn.Module:
-    """A second copy of the recipe's model (same config and init), trained by nanoGPT's loop."""
-    import copy
-
-    return copy.deepcopy(trainer.model)
-
-
-def _nanogpt_adamw(model: torch.nn.Module, rc: ng.RunConfig) -> torch.optim.AdamW:
-    """nanoGPT's optimizer (its groups, torch's default CPU implementation) over ``model``'s parameters."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": rc.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=rc.learning_rate, betas=(rc.beta1, rc.beta2))
 
 
 def _nanogpt_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, splits: dict, rc: ng.RunConfig):

@@ -174,12 +174,17 @@ class GPT(nn.Module):
         return logits, loss
 
     def configure_optimizers(self, cfg: RunConfig) -> torch.optim.AdamW:
-        """nanoGPT's groups: decay every tensor of >= 2 dimensions (matmul weights, embeddings), not biases
-        and norms; fused only on CUDA, so on a CPU torch's default AdamW implementation."""
-        params = [p for p in self.parameters() if p.requires_grad]  # the tied weight once
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+        return configure_adamw(self, cfg)
+
+
+def configure_adamw(model: nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
+    """nanoGPT's optimizer over ``model`` (its GPT, or any other: benchmarks/baby_wall.py trains ours with it).
+    nanoGPT's groups: decay every tensor of >= 2 dimensions (matmul weights, embeddings), not biases and norms;
+    fused only on CUDA, so on a CPU torch's default AdamW implementation."""
+    params = [p for p in model.parameters() if p.requires_grad]  # the tied weight once
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
 
 
 # -- the loop (nanoGPT's train.py) ---------------------------------------------------------------------------
