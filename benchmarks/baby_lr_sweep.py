@@ -1,6 +1,6 @@
 """Steps to nanoGPT's final val loss (1.886) on the baby char recipe: AdamW and Muon over peak lr and warmup.
 
-Each row is one `scaletrain train` of configs/shakespeare_char_baby.toml stopped at step 600 (the schedule is
+Each row is one `scaletrain train` of configs/shakespeare_char_baby_adamw.toml stopped at step 600 (the schedule is
 still the recipe's 2000-step cosine), evaluated every 100 steps on the recipe's 20 validation batches, eager,
 one thread (the losses do not depend on the machine's load, so the sweep can run beside other work; the
 time-to-target race is benchmarks/time_to_loss.py). It answers which settings reach 1.886 by step 500, the
@@ -37,7 +37,7 @@ KELLER_JORDAN = ["--optim.name=muon", "--optim.muon_lr=0.02", "--optim.muon_adju
 def run_row(optimizer: str, lr: str, warmup: str, scratch: Path) -> dict:
     run_dir = scratch / f"{optimizer}-{lr}-{warmup}"
     flags = KELLER_JORDAN if optimizer == "muon_kj" else [f"--optim.name={optimizer}"]
-    cmd = [sys.executable, "-m", "scaletrain", "train", "--config", str(ROOT / "configs/shakespeare_char_baby.toml"),
+    cmd = [sys.executable, "-m", "scaletrain", "train", "--config", str(ROOT / "configs/shakespeare_char_baby_adamw.toml"),
            "--train.compile=false", "--train.stop_at_step=600", "--train.eval_interval=100",
            "--train.sample_tokens=0", "--checkpoint.enabled=false", *flags,
            f"--optim.lr={lr}", f"--schedule.warmup_steps={warmup}", f"--train.run_dir={run_dir}",

@@ -4,7 +4,7 @@ Issue 28 asks for the baby char recipe's whole 2000-step run in <= 1.0x of nanoG
 difference into its parts, measured in the same minutes:
 
 1. Whole processes, rounds of three runs in an order that alternates round by round: nanoGPT
-   (benchmarks/nanogpt_reference.py), `scaletrain train --config configs/shakespeare_char_baby.toml` as a user
+   (benchmarks/nanogpt_reference.py), `scaletrain train --config configs/shakespeare_char_baby_adamw.toml` as a user
    runs it (AdamW, a 200-character sample at each of its 9 evaluations), and the same run without samples
    (`--train.sample_tokens=0`). From our done line: the median step, and the seconds spent evaluating,
    sampling and checkpointing; start-up is the process's wall minus the training loop's.
@@ -47,7 +47,7 @@ from scaletrain.model import build_model
 from scaletrain.train.trainer import Trainer
 from time_to_loss import ROOT, run_nanogpt, run_ours
 
-CONFIG = "configs/shakespeare_char_baby.toml"
+CONFIG = "configs/shakespeare_char_baby_adamw.toml"
 VARIANTS = {"ours": [], "ours_no_samples": ["--train.sample_tokens=0"]}
 STALL = re.compile(r"\b(eval|sample|checkpoint) ([\d.]+) s\b")
 

@@ -1,4 +1,4 @@
-"""Batch-size ramp vs a fixed batch on the baby recipe (configs/shakespeare_char_baby.toml, shortened).
+"""Batch-size ramp vs a fixed batch on the baby recipe (configs/shakespeare_char_baby_adamw.toml, shortened).
 
 Both runs train the nano model on char-level Tiny Shakespeare from the same initialisation and data order,
 one process, fp32, ``--steps`` AdamW steps with the recipe's cosine schedule (warm-up scaled to the shorter
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(overrides: dict, run_dir: Path) -> dict:
-    cfg = load_config(ROOT / "configs" / "shakespeare_char_baby.toml",
+    cfg = load_config(ROOT / "configs" / "shakespeare_char_baby_adamw.toml",
                       {k: str(v) for k, v in overrides.items()} | {"train.run_dir": str(run_dir)})
     t0 = time.perf_counter()
     summary = Trainer(cfg).train()
@@ -68,7 +68,7 @@ def main() -> int:
                                "batch.ramp_samples": args.ramp_samples, "batch.lr_scaling": "sqrt"}, tmp / "ramp")
     target = fixed["final_val_loss"]
     reached = next((e for e in ramp["evals"] if e["val_loss"] <= target), None)
-    doc = {"setup": {"recipe": "configs/shakespeare_char_baby.toml", "steps": args.steps,
+    doc = {"setup": {"recipe": "configs/shakespeare_char_baby_adamw.toml", "steps": args.steps,
                      "full_global_batch": 48, "ramp": [12, 12, args.ramp_samples], "lr_scaling": "sqrt",
                      "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)"},
            "fixed": fixed, "ramp": ramp,

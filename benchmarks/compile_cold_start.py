@@ -29,7 +29,7 @@ from pathlib import Path
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "configs" / "shakespeare_char_baby.toml"
+RECIPE = ROOT / "configs" / "shakespeare_char_baby_adamw.toml"
 MODES = ("whole", "regional", "eager")
 
 

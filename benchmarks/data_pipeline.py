@@ -245,7 +245,7 @@ def bench_loader(tmp: Path) -> dict:
     torch.set_num_threads(2)
     data = tmp / "tinyshakespeare"
     manifest = prepare_text("builtin:tinyshakespeare", data, tokenizer="char")
-    job = load_config(ROOT / "configs" / "shakespeare_char_baby.toml")
+    job = load_config(ROOT / "configs" / "shakespeare_char_baby_adamw.toml")
     B, T = job.train.batch_size, job.data.seq_len
     model = build_model(dataclasses.replace(job.model, vocab_size=manifest["vocab_size"]), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

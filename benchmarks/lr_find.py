@@ -5,7 +5,7 @@ learning rate of a grid of five full trainings (3e-4, 1e-3, 3e-3, 1e-2, 3e-2), e
 loss. Both of lr-find's rules are scored: ``steepest`` (the default: where the smoothed loss falls fastest)
 and ``minimum`` (the smoothed minimum's lr / 10, the default until it missed on the baby recipe by 2.27x).
 
-The recipes (``RECIPES``): the baby recipe (configs/shakespeare_char_baby.toml) — the one the default rule
+The recipes (``RECIPES``): the baby recipe (configs/shakespeare_char_baby_adamw.toml) — the one the default rule
 was changed after — and two that were not looked at before the change: the same recipe with the 4x larger
 ``micro`` model (dim 256), and with a 512-token BPE tokenizer instead of characters. Each is shortened to
 ``--steps`` steps (warmup and cosine scaled with it, eval on the recipe's 20 batches) and runs eagerly on one
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import OUT_HELP, default_out, write_result  # noqa: E402  (benchmarks/launch.py)
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "configs" / "shakespeare_char_baby.toml"
+RECIPE = ROOT / "configs" / "shakespeare_char_baby_adamw.toml"
 GRID = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2]
 RECIPES = {  # name -> overrides of the baby recipe
     "baby": {},

@@ -1,6 +1,6 @@
 """Resource monitor overhead: the baby recipe's step time with and without the sampler thread, side by side.
 
-One ``Trainer`` of ``configs/shakespeare_char_baby.toml`` (as the recipe: compiled, fp32, 12 x 64 tokens a
+One ``Trainer`` of ``configs/shakespeare_char_baby_adamw.toml`` (as the recipe: compiled, fp32, 12 x 64 tokens a
 step) trains in blocks of ``--block-steps`` steps; each round runs one block per mode, in an order that
 alternates between rounds, on the same trainer:
 
@@ -77,7 +77,7 @@ def sample_cost(device: torch.device, n: int = 200) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "configs" / "shakespeare_char_baby.toml"))
+    parser.add_argument("--config", default=str(ROOT / "configs" / "shakespeare_char_baby_adamw.toml"))
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--block-steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=0, help="train.threads (0 = the recipe's)")
@@ -119,7 +119,7 @@ def main() -> None:
     ratios = {m: [a / b for a, b in zip(medians[m], medians["off"])] for m in modes if m != "off"}
     cpu_ratios = {m: [a / b for a, b in zip(cpu[m], cpu["off"])] for m in modes if m != "off"}
     result = {
-        "what": "baby recipe (configs/shakespeare_char_baby.toml) step time with and without the resource sampler",
+        "what": "baby recipe (configs/shakespeare_char_baby_adamw.toml) step time with and without the resource sampler",
         "config": str(Path(args.config).relative_to(ROOT)) if Path(args.config).is_relative_to(ROOT) else args.config,
         "compile": cfg.train.compile, "precision": cfg.train.precision, "rounds": args.rounds,
         "block_steps": args.block_steps, "intervals_s": {m: v for m, v in modes.items() if v is not None},

@@ -87,7 +87,7 @@ CONFIGS = {
     # BASELINES.md: config/train_shakespeare_char.py with --device=cpu --compile=False --eval_iters=20
     # --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
     # --lr_decay_iters=2000 --dropout=0.0
-    "char": RunConfig(recipe="configs/shakespeare_char_baby.toml", n_layer=4, n_head=4, n_embd=128, block_size=64,
+    "char": RunConfig(recipe="configs/shakespeare_char_baby_adamw.toml", n_layer=4, n_head=4, n_embd=128, block_size=64,
                       batch_size=12, max_iters=2000, eval_interval=250, eval_iters=20),
     # configs/gutenberg_bpe_small.toml's size, context, batch and steps, with the small configs' hyperparameters
     # (lr 1e-3, warmup 100, cosine to lr / 10, beta2 0.99, weight decay 0.1).

@@ -1,4 +1,4 @@
-"""The nanoGPT "baby GPT" comparison: configs/shakespeare_char_baby.toml, timed and scored.
+"""The nanoGPT "baby GPT" comparison: configs/shakespeare_char_baby_adamw.toml, timed and scored.
 
 Runs the full recipe (2000 steps, evals every 250) and records median ms/iteration, tokens/s, the val
 loss at every eval, peak RSS and wall time. Because absolute times drift with machine load, it also
@@ -103,7 +103,7 @@ def side_by_side(cfg, steps: int = 120, warmup: int = 10) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "configs" / "shakespeare_char_baby.toml"))
+    parser.add_argument("--config", default=str(ROOT / "configs" / "shakespeare_char_baby_adamw.toml"))
     parser.add_argument("--steps", type=int, default=0, help="override train.steps (0 = the recipe's)")
     parser.add_argument("--eager", action="store_true", help="train without torch.compile (the recipe: compile = auto)")
     parser.add_argument("--ratio-steps", type=int, default=120, help="interleaved steps for the side-by-side ratio")

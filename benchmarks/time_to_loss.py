@@ -1,8 +1,10 @@
 """Time to a target validation loss, ours against nanoGPT in the same minutes: AdamW and Muon, fresh and warm.
 
 Recipes (--recipe char|bpe|both):
-- char: configs/shakespeare_char_baby.toml, the nanoGPT baby GPT on Tiny Shakespeare. Target: the final val loss
-  of the nanoGPT run in the same round (also reported against BASELINES.md's recorded 1.886).
+- char: the nanoGPT baby GPT on Tiny Shakespeare: the recipe (configs/shakespeare_char_baby.toml, Muon, its own
+  step count) as the `muon` row, nanoGPT's optimizer step for step (configs/shakespeare_char_baby_adamw.toml) as
+  the `adamw` row, nanoGPT's 2000 steps. Target: the final val loss of the nanoGPT run in the same round (also
+  reported against BASELINES.md's recorded 1.886).
 - bpe: configs/gutenberg_bpe_small.toml, a 4096-token BPE on the Gutenberg Shakespeare books. nanoGPT runs as
   many steps as our recipe; target: its final model's val loss on the windows our evaluation scores (the same
   val tokens; nanoGPT's own estimate_loss draws random batches).
@@ -47,7 +49,9 @@ REFERENCE = Path(__file__).with_name("nanogpt_reference.py")
 # BASELINES.md: nanoGPT's baby GPT measured on these machines (91 s for 2000 steps, final val loss 1.886).
 NANOGPT_RECORDED = {"wall_s": 91.0, "median_ms": 41.4, "final_val_loss": 1.886, "steps": 2000}
 RECIPES = {
-    "char": {"config": "configs/shakespeare_char_baby.toml", "target": "final_val_loss", "recorded": NANOGPT_RECORDED,
+    # The char recipe is Muon's with its own steps; AdamW's row is nanoGPT's run step for step (its own config).
+    "char": {"config": "configs/shakespeare_char_baby_adamw.toml", "target": "final_val_loss",
+             "recorded": NANOGPT_RECORDED, "own_configs": {"muon": "configs/shakespeare_char_baby.toml"},
              "target_text": "nanoGPT's final val loss (its estimate_loss) in the same round"},
     "bpe": {"config": "configs/gutenberg_bpe_small.toml", "target": "val_loss_windows", "recorded": None,
             "target_text": "nanoGPT's final model scored on our val windows, in the same round"},
@@ -165,8 +169,8 @@ def one_round(index: int, recipe: str, settings: dict, scratch: Path) -> dict:
                     shutil.rmtree(warm_caches[name], ignore_errors=True)
                 warm_caches[name] = Path(tempfile.mkdtemp(prefix="inductor-", dir=scratch))
             run_dir = scratch / f"{recipe}-r{index}-{name}-{state}"
-            result = run_ours(settings["config"], name, warm_caches[name], run_dir, settings["data_dir"],
-                              settings["extra"])
+            result = run_ours(settings["configs"].get(name, settings["config"]), name, warm_caches[name], run_dir,
+                              settings["data_dir"], settings["extra"])
             out["runs"].append({"cache": state, **result})
             print(f"{recipe} round {index} {name:5s} {state:5s}: whole run {result['wall_s']:.1f} s, final val "
                   f"{result['final_val_loss']:.4f}", flush=True)
@@ -227,9 +231,12 @@ def run_recipe(recipe: str, args: argparse.Namespace, scratch: Path) -> dict:
     prepare_data(cfg)
     steps = args.steps or cfg.train.steps
     eval_interval = args.eval_interval or cfg.train.eval_interval
-    settings = {"config": config, "data_dir": data_dir, "steps": steps, "eval_interval": eval_interval,
+    # A recipe of its own (the char Muon recipe) keeps its steps unless --steps names them for every run.
+    own = RECIPES[recipe].get("own_configs", {})
+    settings = {"config": config, "configs": own, "data_dir": data_dir, "steps": steps, "eval_interval": eval_interval,
                 "eval_batches": cfg.train.eval_batches,
-                "extra": [f"--train.steps={steps}", f"--train.eval_interval={eval_interval}", *args.flags.split()],
+                "extra": [*([f"--train.steps={steps}"] if args.steps or not own else []),
+                          f"--train.eval_interval={eval_interval}", *args.flags.split()],
                 "warm_caches": {}}
     # The step-time ratio first: it sets the equal-wall Muon run's steps.
     side_by_side = step_ratio(config, data_dir, args.ratio_steps) if args.ratio_steps else None

@@ -1,7 +1,7 @@
 """``scaletrain tune`` on the baby recipe: 2 workers sharing one SQLite study, median pruning, a kill mid-study.
 
 The study searches docs/examples/baby_space.toml (optim.lr log 1e-4..3e-2, schedule.warmup_steps 0..40 by
-10, optim.beta2 in {0.95, 0.99}, optim.weight_decay in {0, 0.1}) over configs/shakespeare_char_baby.toml
+10, optim.beta2 in {0.95, 0.99}, optim.weight_decay in {0, 0.1}) over configs/shakespeare_char_baby_adamw.toml
 shortened to ``--steps`` steps (warmup 10, eval every 50 steps on 10 batches, eager), so that ``--trials``
 trials fit in minutes on 2 shared cores. The recipe's own values run first (trial 0, the hand-set baseline).
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import OUT_HELP, default_out, write_result  # noqa: E402  (benchmarks/launch.py)
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "configs" / "shakespeare_char_baby.toml"
+RECIPE = ROOT / "configs" / "shakespeare_char_baby_adamw.toml"
 SPACE = ROOT / "docs" / "examples" / "baby_space.toml"
 GRID_POINTS = 6 * 5 * 2 * 2
 

@@ -36,7 +36,7 @@ from scaletrain.plan.timing import newton_schulz_flops, step_time
 from scaletrain.train.step import build_parallel_training, training_step
 
 ROOT = Path(__file__).resolve().parents[1]
-BABY = str(ROOT / "configs" / "shakespeare_char_baby.toml")  # the nano preset, 12 x 64 characters, fp32
+BABY = str(ROOT / "configs" / "shakespeare_char_baby_adamw.toml")  # the nano preset, 12 x 64 characters, fp32
 
 
 def _plan_json(tmp_path: Path, name: str, *args: str) -> dict:

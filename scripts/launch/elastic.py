@@ -4,7 +4,7 @@ may join later (up to MAX) or leave (down to MIN): torchrun restarts the workers
 checkpoint at the new world size with the same global batch.
 
     python scripts/launch/elastic.py --nnodes 1:4 --endpoint HOST:29400 --id job1 -- \\
-        --config configs/shakespeare_char_baby.toml --train.run_dir /shared/runs/elastic
+        --config configs/shakespeare_char_baby_adamw.toml --train.run_dir /shared/runs/elastic
 
 ``--dry-run`` prints the torchrun command instead of running it. A malformed ``--nnodes`` (MIN > MAX, not
 numbers, MIN < 1) is one line on stderr and exit 2, before anything starts (torchrun itself answers it with a
