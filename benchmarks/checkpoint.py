@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -59,13 +58,6 @@ def rss_mb() -> float:
 
 def folder_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file()) / 2**20
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def build_trainer(args: argparse.Namespace, run_dir: str) -> Trainer:
@@ -263,7 +255,7 @@ def main() -> int:
     summary = summarize(rounds)
     result = {
         "benchmark": "checkpoint_stall",
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+        "machine": {"threads": torch.get_num_threads(),
                     "torch": torch.__version__, "python": sys.version.split()[0],
                     "load_average_1min": [round(r["load_average_1min"], 2) for r in rounds]},
         "model": {"dim": args.dim, "n_layers": args.layers, "n_heads": 12, "ffn_hidden_dim": 2048,

@@ -1,5 +1,5 @@
 """Start the processes a benchmark measures: one plain Python process, or ``ranks`` gloo ranks under torchrun;
-and where a benchmark writes its JSON (``default_out``).
+and where and how a benchmark writes its JSON (``default_out``, ``write_result``: with the CPU it ran on).
 
 Every benchmark that runs real ranks launches them the same way: ``OMP_NUM_THREADS`` set per process, the
 rendezvous TCP store not shared with the workers (sharing it breaks gloo
@@ -28,11 +28,24 @@ def default_out(name: str) -> str:
 
 
 def write_result(path: str | Path, result: object, indent: int = 1) -> Path:
-    """Write a benchmark's result as JSON to ``path`` (its folder made first) and return the path."""
+    """Write a benchmark's result as JSON to ``path`` (its folder made first) and return the path. A dict result
+    gets ``cpu``: the machine it was measured on (``machine_record``), since a time belongs to one CPU."""
+    if isinstance(result, dict) and "cpu" not in result:
+        result = {**result, "cpu": machine_record()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=indent) + "\n")
     return path
+
+
+def machine_record() -> dict:
+    """The CPU a benchmark ran on: model, cores, and the flags that decide its speed (AVX2, AVX-512, AVX512_BF16,
+    AMX: ``scaletrain.peak.cpu_features``), with the torch version."""
+    import torch
+
+    from scaletrain.peak import cpu_features
+
+    return {**cpu_features(), "torch": torch.__version__}
 
 
 def run_ranks(args: list[str], ranks: int, what: str, *, threads: int = 1,

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, run_ranks, write_result  # benchmarks/launch.py
 from scaletrain.config import ModelConfig, build
 from scaletrain.model.presets import PRESETS
 from scaletrain.plan.catalog import Cluster
@@ -210,13 +210,12 @@ def main() -> int:
         console.print(table)
         console.print(f"{group}: {v['text']}; Spearman rank correlation {v['spearman']:.2f}")
     console.print(f"load average (1 min) at each round's start and at the end: {', '.join(f'{x:.1f}' for x in loads)}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
+    write_result(args.out, {
         "workload": {"model": args.model, "vocab_size": args.vocab_size, "seq_len": args.seq_len,
                      "global_batch": args.global_batch}, "clock": args.clock, "rounds": args.rounds,
         "steps": args.steps, "load_average_1min": loads, "groups": report,
         "calibration_measured_at": hardware.calibration.get("measured_at"),
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2)
     console.print(f"wrote {args.out}")
     return 0 if all(g["within_noise"] for g in report.values()) else 1
 

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch import OUT_HELP, default_out, run_ranks  # benchmarks/launch.py (the script's folder is on sys.path)
+from launch import OUT_HELP, default_out, run_ranks, write_result  # benchmarks/launch.py
 from scaletrain.config import ModelConfig, build
 from scaletrain.model.presets import PRESETS
 from scaletrain.peak import device_fingerprint
@@ -310,8 +310,7 @@ def main() -> int:
                   f"{', '.join(f'{x:.1f}' for x in loads + [r['load_average_1min'] for r in records])}")
     console.print(f"worst memory error {worst_mem:.1%} (target {MEMORY_TARGET:.0%}), worst step-time error "
                   f"{worst_time:.1%} (target {TIME_TARGET:.0%}): {'all rows within target' if ok_all else 'MISSED'}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
+    write_result(args.out, {
         "machine": device_fingerprint("cpu"), "clock": args.clock, "threads": args.threads,
         "calibration": cluster.hardware.calibration,
         **({"baseline": args.baseline, "baseline_calibration_measured_at": baseline.hardware.calibration.get(
@@ -319,7 +318,7 @@ def main() -> int:
         "targets": {"memory": MEMORY_TARGET, "time": TIME_TARGET}, "rows": records,
         "worst_memory_error": worst_mem, "worst_time_error": worst_time, "all_within_target": ok_all,
         "load_average_1min": loads + [os.getloadavg()[0]],
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2)
     console.print(f"wrote {args.out}")
     return 0 if ok_all else 1
 

@@ -14,11 +14,24 @@ if WORKER:
 # test's measurement appear half-way through.
 os.environ.setdefault("SCALETRAIN_CACHE", os.path.join(os.path.dirname(__file__), ".cache", WORKER))
 
+import subprocess  # noqa: E402
+
 import pytest  # noqa: E402  (after the environment above: OpenMP reads it when torch loads)
 
 from helpers.tiny import tiny_overrides  # noqa: E402
+from helpers.waits import timed_out_output  # noqa: E402
 
 
 @pytest.fixture
 def tiny():
     return tiny_overrides
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A process that hit a wait's ceiling (``subprocess.run(..., timeout=CEILING_S)``) fails its test with what
+    it had written, not only "timed out" (helpers/waits.py)."""
+    outcome = yield
+    error = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(error, subprocess.TimeoutExpired):
+        outcome.get_result().sections.append(("output of the process still running", timed_out_output(error)[-5000:]))

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from helpers.faults import HELPERS, TORCHRUN, env
+from helpers.waits import CEILING_S
 from scaletrain.config import load_config
 from scaletrain.train.adaptive import split_counts
 from scaletrain.train.trainer import Trainer
@@ -64,7 +65,7 @@ def test_throughput_balance_matches_one_process_and_resumes_its_split(tmp_path):
            str(config), "--out", str(tmp_path / "r.json"), f"part1:{common},train.stop_at_step=4",
            f"part2:{common},train.resume=true"]
     proc = subprocess.run(cmd, env=env(SLOW_RANK="1", SLOW_SECONDS="0.05"), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=CEILING_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     a, b = records(single), records(balanced)
     assert sorted(a) == sorted(b) == list(range(1, 9))

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from helpers.waits import CEILING_S
 from scaletrain import allocator
 from scaletrain.allocator import AllocatorError, choose, preload
 
@@ -58,7 +59,7 @@ def test_bad_setting_is_one_line_exit_2(tmp_path):
     env = {**os.environ, "SCALETRAIN_MALLOC": "mimalloc"}
     env.pop("_SCALETRAIN_MALLOC_DONE", None)
     proc = subprocess.run([sys.executable, "-m", "scaletrain", "plan", "--help"], env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=CEILING_S)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert proc.stderr.startswith("AllocatorError: SCALETRAIN_MALLOC=mimalloc: choose auto")
 
@@ -98,7 +99,7 @@ def test_freed_memory_goes_back_to_the_kernel_on_each_allocator(name):
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     if library:
         env["LD_PRELOAD"] = library
-    proc = subprocess.run([sys.executable, "-c", RELEASE], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", RELEASE], env=env, capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["allocator"] == name and r["released"] and r["promptly"], r

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers.tiny import tiny_overrides
+from helpers.waits import CEILING_S
 from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
 
@@ -58,7 +59,8 @@ def test_chat_through_a_pipe(run):
               "/exit\nnot read\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "scaletrain", "chat", "--run", str(run), "--max-tokens", "24",
-                           "--temperature", "0"], input=script, capture_output=True, text=True, env=env, timeout=120)
+                           "--temperature", "0"], input=script, capture_output=True, text=True, env=env,
+                          timeout=CEILING_S)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "(dropped the 1 oldest turn to stay within the model's 64-token context)" in out

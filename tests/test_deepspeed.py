@@ -28,6 +28,7 @@ from helpers.faults import (
     worker_pids,
     write_config,
 )
+from helpers.waits import CEILING_S
 from scaletrain.config import ConfigError, load_config
 from scaletrain.parallel.deepspeed_engine import build_ds_config, deepspeed_missing_reason
 
@@ -40,7 +41,7 @@ RTOL = 1e-5
 def train_cli(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", "--config",
                            str(ROOT / "docs/examples/tiny.toml"), "--parallel.engine=deepspeed", *flags],
-                          env=env(), capture_output=True, text=True, timeout=120)
+                          env=env(), capture_output=True, text=True, timeout=CEILING_S)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -152,7 +153,7 @@ def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
     strategies = ",".join(["native", "ds1", "ds2", "ds3", "ds2_cpu", "ds2_bf16", "ds3_bf16", *nvme])
     proc = subprocess.run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(HELPERS / "deepspeed_parity.py"),
                            "--out", str(out), "--strategies", strategies, "--nvme", str(tmp_path / "swap")],
-                          env=env(), capture_output=True, text=True, timeout=600)
+                          env=env(), capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     records = {r["strategy"]: r for r in json.loads(out.read_text())}
     native = records["native"]["losses"]
@@ -192,7 +193,7 @@ def test_kill9_then_resume_is_exact_and_checkpoints_export(tmp_path):
     assert "resumed from" in out and "DeepSpeed checkpoint" in out
     assert_same_run(straight, run)  # losses per step and final weights (read through zero_to_fp32), bitwise
     exported = subprocess.run([sys.executable, "-m", "scaletrain.cli", "export", "--run", str(run), "--out",
-                               str(tmp_path / "hf")], env=env(), capture_output=True, text=True, timeout=120)
+                               str(tmp_path / "hf")], env=env(), capture_output=True, text=True, timeout=CEILING_S)
     assert exported.returncode == 0, exported.stderr[-2000:]
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 

@@ -23,6 +23,7 @@ import pytest
 from helpers.faults import kill, worker_pids
 from helpers.launch import HELPERS, env_for_ranks, free_port
 from helpers.tiny import tiny_overrides
+from helpers.waits import CEILING_S
 from scaletrain.checkpoint.manager import CheckpointManager
 
 TESTS = Path(__file__).parent
@@ -48,7 +49,7 @@ def ranks_of(record: dict) -> int:
     return len(record.get("peak_memory_mb_per_rank", [0]))
 
 
-def wait(condition, agent: subprocess.Popen, what: str, timeout: float = 240) -> None:
+def wait(condition, agent: subprocess.Popen, what: str, timeout: float = CEILING_S) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if agent.poll() is not None or time.monotonic() > deadline:
@@ -90,8 +91,8 @@ def elastic_run(tmp: Path, steps: int = 16, slow: float = 0.05, join_at: int = 3
         kill(b.pid)  # the agent first, so it cannot restart its worker
         for pid in workers.values():
             kill(pid)
-        b.wait(60)
-        assert a.wait(300) == 0, (tmp / "agent0.log").read_text()[-4000:]
+        b.wait(CEILING_S)
+        assert a.wait(CEILING_S) == 0, (tmp / "agent0.log").read_text()[-4000:]
     finally:
         for proc in (a, b):
             if proc is not None and proc.poll() is None:
@@ -109,7 +110,7 @@ def elastic_run(tmp: Path, steps: int = 16, slow: float = 0.05, join_at: int = 3
 def reference_run(tmp: Path, steps: int) -> list[float]:
     """The uninterrupted run: one process, the same 8 sequences a step."""
     proc = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", *flags(tmp, steps)],
-                          env=env_for_ranks(), capture_output=True, text=True, timeout=300)
+                          env=env_for_ranks(), capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [r["loss"] for r in records(tmp / "run")]
 
@@ -147,14 +148,14 @@ ELASTIC_LAUNCHER = TESTS.parent / "scripts" / "launch" / "elastic.py"
                                           ("a:b", "write MIN:MAX")])
 def test_elastic_launcher_refuses_bad_nnodes_in_one_line(nnodes, says):
     proc = subprocess.run([sys.executable, str(ELASTIC_LAUNCHER), "--nnodes", nnodes, "--endpoint", "h:1", "--dry-run"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
 
 
 def test_elastic_launcher_builds_the_torchrun_command():
     proc = subprocess.run([sys.executable, str(ELASTIC_LAUNCHER), "--nnodes", "1:2", "--endpoint", "127.0.0.1:29400",
                            "--id", "j", "--dry-run", "--", "--config", "c.toml"], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=CEILING_S)
     assert proc.returncode == 0, proc.stderr
     for part in ("torch.distributed.run", "--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400",
                  "-m scaletrain.cli train --config c.toml --resume"):

@@ -21,6 +21,7 @@ import torch
 
 from helpers.faults import final_weights, last_step, launch, losses, run_ok, wait_for
 from helpers.launch import PARITY_RTOL, env_for_ranks, torchrun
+from helpers.waits import CEILING_S
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -89,7 +90,7 @@ def qlora_args(work: Path, run: Path) -> list[str]:
 
 def one_process(work: Path, name: str, run: Path, *extra: str) -> Path:
     proc = subprocess.run([sys.executable, "-m", "scaletrain.cli", *finetune_args(work, name, run, *extra)],
-                          env=env_for_ranks(), capture_output=True, text=True, timeout=600)
+                          env=env_for_ranks(), capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run
 

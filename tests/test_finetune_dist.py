@@ -11,6 +11,7 @@ import pytest
 
 from helpers.launch import PARITY_RTOL, torchrun
 from helpers.tiny import CHARS
+from helpers.waits import CEILING_S
 
 pytestmark = pytest.mark.distributed
 
@@ -35,7 +36,7 @@ def test_lora_ddp_and_fsdp2_match_single_process(tmp_path):
               "--logging.tensorboard=false", "--logging.log_interval=1", "--train.precision=fp32",
               "--schedule.warmup_steps=2", "--optim.lr=0.01", "--finetune.lora_targets=q,k,v,o,gate,up,down"]
     single = subprocess.run([sys.executable, *common, "--train.batch_size=8", f"--train.run_dir={tmp_path / 'one'}"],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=CEILING_S)
     assert single.returncode == 0, single.stderr[-3000:]
     expected = _losses(tmp_path / "one")
     _, reference, _, _ = load_run(tmp_path / "one")

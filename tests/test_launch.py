@@ -12,13 +12,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from helpers.faults import finish, output, wait_for
 from helpers.launch import env_for_ranks, free_port
 from helpers.tiny import tiny_overrides
+from helpers.waits import CEILING_S
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "scripts" / "launch"
@@ -49,7 +51,7 @@ def reference(tmp_path_factory) -> list[float]:
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     env = {k: v for k, v in env_for_ranks().items() if k not in ("SCALETRAIN_MALLOC", "_SCALETRAIN_MALLOC_DONE")}
     proc = subprocess.run([sys.executable, "-m", "scaletrain", "train", *flags(run_dir, **{"train.batch_size": 8})],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = "jemalloc" if find("jemalloc") else "tcmalloc" if find("tcmalloc") else "system"
     assert json.loads((run_dir / "run_info.json").read_text())["segments"][0]["allocator"] == expected
@@ -88,7 +90,7 @@ def test_pytorchjob_command_runs_as_two_torchrun_agents_on_localhost(tmp_path, r
                         PET_MAX_RESTARTS="0")
     agents = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for _ in range(2)]
-    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    outputs = [agent.communicate(timeout=CEILING_S)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert_two_rank_run_matches(run_dir, reference)
 
@@ -114,7 +116,7 @@ def test_slurm_script_runs_two_agents_through_srun(tmp_path, reference):
                         RDZV_PORT=str(free_port()))
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_train.sbatch"), str(ROOT / "docs/examples/tiny.toml"),
                            *flags(run_dir, **SHARDED)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=CEILING_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert_two_rank_run_matches(run_dir, reference)
 
@@ -126,17 +128,21 @@ def test_slurm_script_requeues_itself_near_the_time_limit(tmp_path):
     bin_dir.mkdir()
     log = tmp_path / "scontrol.log"
     (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {log}\necho 127.0.0.1\n')
-    (bin_dir / "srun").write_text("#!/bin/bash\nsleep 4\nexit 0\n")
+    started = tmp_path / "srun-started"  # the script reached srun, after its trap: a signal now is handled
+    (bin_dir / "srun").write_text(f"#!/bin/bash\ntouch {started}\nsleep 4\nexit 0\n")
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     env = env_for_ranks(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NODELIST="node1",
                         SLURM_JOB_NUM_NODES="1", SLURM_JOB_ID="4242")
+    out_file = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "slurm_train.sbatch"), "recipe.toml"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(1.5)
+                            stdout=out_file, stderr=subprocess.STDOUT, text=True)
+    proc.log = out_file  # as faults.launch does: what wait_for and output() read
+    wait_for(started.exists, proc, what="srun")  # a fixed 1.5 s raced the script's start on a slow machine
     proc.send_signal(signal.SIGUSR1)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
+    code = finish(proc)
+    out = output(proc)
+    assert code == 0, out
     assert "requeue 4242" in log.read_text() and "requeueing job 4242" in out
 
 
@@ -169,12 +175,12 @@ def test_sagemaker_entry_point_reads_the_sm_environment(tmp_path, reference):
     assert "--nnodes=1" in command and "--nproc-per-node=2" in command and "--resume" in command
     assert f"--data.path={channel}" in command and f"--train.run_dir={ckpt}" in command
     proc = subprocess.run([sys.executable, str(LAUNCH / "sagemaker_entry.py")], env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=CEILING_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert_two_rank_run_matches(ckpt, reference)  # the channel holds the same text as builtin:tinyshakespeare
     assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
     again = subprocess.run([sys.executable, str(LAUNCH / "sagemaker_entry.py")], env=env, capture_output=True,
-                           text=True, timeout=300)
+                           text=True, timeout=CEILING_S)
     assert again.returncode == 0 and "already complete at step 6" in again.stdout, again.stdout + again.stderr[-2000:]
 
 
@@ -201,6 +207,6 @@ def test_accelerate_launch_starts_two_scaletrain_ranks(tmp_path, reference):
     proc = subprocess.run([accelerate, "launch", "--config_file", str(LAUNCH / "accelerate_multi_cpu.yaml"),
                            "--main_process_port", str(free_port()), "-m", "scaletrain.cli", "train",
                            "--config", str(ROOT / "docs/examples/tiny.toml"), *flags(run_dir, **SHARDED)],
-                          env=env_for_ranks(HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=300)
+                          env=env_for_ranks(HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert_two_rank_run_matches(run_dir, reference)

@@ -18,6 +18,7 @@ import pytest
 
 from helpers.dist_parity import MODEL
 from helpers.launch import HELPERS, PARITY_RTOL, torchrun
+from helpers.waits import CEILING_S
 
 pytestmark = pytest.mark.distributed
 def parity_run(tmp_path_factory, nproc: int, strategies: list[str], memory: list[str] = ()) -> dict:
@@ -182,7 +183,7 @@ def test_cli_under_torchrun_matches_single_process_and_resumes(tmp_path):
     config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=10))
     cli = ["-m", "scaletrain.cli", "train", "--config", str(config)]
     single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
-                            text=True, timeout=600)
+                            text=True, timeout=CEILING_S)
     assert single.returncode == 0, single.stderr[-3000:]
     proc = torchrun(2, *cli, f"--train.run_dir={tmp_path / 'fsdp'}", "--parallel.dp_shard=2", "--train.batch_size=4")
     # Only rank 0 speaks: one model line and one summary line, whole (not two ranks' lines run together).
@@ -234,7 +235,7 @@ def test_tp2_pads_a_data_derived_vocabulary_and_matches_single_process(tmp_path)
     config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=5))
     cli = ["-m", "scaletrain.cli", "train", "--config", str(config)]
     single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}", "--model.vocab_size=66"],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=CEILING_S)
     assert single.returncode == 0, single.stderr[-3000:]
     proc = torchrun(2, *cli, f"--train.run_dir={tmp_path / 'tp'}", "--parallel.tp=2", "--parallel.dp_shard=1")
     assert "vocab 65 -> 66 (padded for parallel.tp=2; padding rows masked out of the loss and sampling)" in proc.stdout
@@ -282,7 +283,7 @@ def test_two_rank_doctor_measures_communication_and_contention(tmp_path, monkeyp
     bandwidth and latency, DTensor overhead and the co-running slowdown the time model charges ranks
     that share a host (without a single-process calibration it says TP overhead needs one)."""
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
-    proc = torchrun(2, "-m", "scaletrain.cli", "doctor", "--clock", "cpu", timeout=300)
+    proc = torchrun(2, "-m", "scaletrain.cli", "doctor", "--clock", "cpu", timeout=CEILING_S)
     assert "run `scaletrain doctor`" in proc.stdout + proc.stderr  # no TP overhead without the 1-process entry
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     (comm,) = [v for k, v in data.items() if k.startswith("comm|")]

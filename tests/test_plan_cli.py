@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from helpers.waits import CEILING_S
 from scaletrain.config import ConfigError, load_config
 from scaletrain.plan.cli import main, parse_count
 
@@ -82,7 +83,7 @@ def test_parse_count():
 
 def test_module_entry_point_runs():
     proc = subprocess.run([sys.executable, "-m", "scaletrain.plan.cli", "plan", "--model", "gpt2-124m",
-                           "--hardware", "bogus"], capture_output=True, text=True, timeout=120)
+                           "--hardware", "bogus"], capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 2 and "catalog" in proc.stderr
 
 

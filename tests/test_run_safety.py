@@ -30,6 +30,7 @@ from helpers.faults import (
     train_args,
     wait_for,
 )
+from helpers.waits import CEILING_S
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.run_folder import LOCK_FILE, RunLock, checkpoint_disk_check, claim_run_folder
 from scaletrain.files import StorageError, guarded_write, is_storage_error
@@ -174,7 +175,7 @@ def run_with_file_limit(limit: int, args: list[str]) -> tuple[int, str]:
     kernel, as a full disk gives ENOSPC, through the same write paths)."""
     script = LIMITED.format(tests=str(HELPERS))
     proc = subprocess.run([sys.executable, "-c", script, str(limit), *args], capture_output=True, text=True,
-                          env=env(), timeout=300)
+                          env=env(), timeout=CEILING_S)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -253,13 +254,15 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(straight, tmp_path):
 def test_a_second_ctrl_c_stops_at_once(straight, tmp_path):
     config, _ = straight
     run = tmp_path / "run"
-    proc = launch(train_args(config, run), SLOW_FINALIZE="30")  # the save on Ctrl-C takes 30 s
+    # The save on Ctrl-C outlasts any wait (helpers/waits.py): the process can end only by the second Ctrl-C,
+    # however slow the machine (before: a 30 s save and a 20 s wait, which a machine 1.5x slower could fail).
+    proc = launch(train_args(config, run), SLOW_FINALIZE=str(10 * CEILING_S))
     wait_for(lambda: last_step(run) >= 3, proc, what="step 3")
     proc.send_signal(signal.SIGINT)
     wait_for(lambda: list((run / "checkpoints").glob(".step-*")), proc, what="the save on Ctrl-C")
     time.sleep(SAME_CTRL_C + 0.5)  # closer together, two SIGINTs are one Ctrl-C (torchrun forwards it)
     proc.send_signal(signal.SIGINT)
-    code = finish(proc, timeout=20)  # not the 30 s save
+    code = finish(proc)  # it ends only if the second Ctrl-C stopped it: the save would take ten ceilings
     assert code == INTERRUPTED_EXIT_CODE
     assert "a second Ctrl-C" in output(proc)
     # The interrupted save never completed; the next run cleans it up and resumes from what is complete.
@@ -276,17 +279,11 @@ def test_ctrl_c_under_torchrun_saves_on_every_rank(straight, tmp_path):
            str(HELPERS / "fault_train.py"), *train_args(config, run, "--parallel.dp_shard=2")]
     log = (tmp_path / "log.txt").open("w+")
     proc = subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log = log  # what wait_for shows if the run ends first
     try:
-        deadline_ok = False
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if last_step(run) >= 6:
-                deadline_ok = True
-                break
-            time.sleep(0.01)
-        assert deadline_ok, open(tmp_path / "log.txt").read()[-3000:]
+        wait_for(lambda: last_step(run) >= 6, proc, what="step 6")
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        proc.wait(timeout=120)
+        proc.wait(timeout=CEILING_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -332,7 +329,7 @@ def test_a_malformed_tokenizer_is_one_line(straight, tmp_path):
     run_ok(train_args(config, run, "--train.stop_at_step=5"))
     (run / "tokenizer.json").write_text("{not json")
     proc = subprocess.run([sys.executable, "-m", "scaletrain", "generate", "--run", str(run)], capture_output=True,
-                          text=True, env=env(), timeout=120)
+                          text=True, env=env(), timeout=CEILING_S)
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = error_lines(proc.stderr)
     assert "tokenizer.json" in line

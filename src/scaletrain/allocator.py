@@ -88,6 +88,28 @@ def chosen_name() -> str:
     return next((name for name in LIBRARIES if f"lib{name}" in Path(library).name), "custom")
 
 
+def torchrun_worker_name() -> str:
+    """The allocator a ``torchrun ... -m scaletrain.cli`` worker started from this environment runs on: torchrun
+    and its workers are not re-executed (library code never is), so only an allocator this environment already
+    preloads (``LD_PRELOAD``, which they inherit) serves them; else the system's malloc."""
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    return next((name for name in LIBRARIES if f"lib{name}" in preloaded), "system")
+
+
+def launch_note(ranks: int) -> str:
+    """One line for the plan: which malloc a run of ``ranks`` processes on this machine gets, and why."""
+    if ranks <= 1:
+        name = chosen_name()
+        return (f"{name}: what the `scaletrain` command preloads here ({ENV}=auto)" if name != "system" else
+                "the system's malloc (glibc): no jemalloc or tcmalloc is installed here (or " + ENV + "=system)")
+    name = torchrun_worker_name()
+    if name != "system":
+        return f"{name}: preloaded in this environment (LD_PRELOAD), which torchrun's workers inherit"
+    hint = f"; LD_PRELOAD={find('jemalloc')} torchrun ... puts them on jemalloc" if find("jemalloc") else ""
+    return ("the system's malloc (glibc) for `torchrun -m scaletrain.cli` workers: they are not re-executed onto "
+            f"jemalloc as the `scaletrain` command is{hint}")
+
+
 @functools.cache  # fixed for the life of a process (and its forks): read once, not at every data batch
 def in_use() -> str:
     """Which allocator this process runs on: jemalloc, tcmalloc or system (from its mapped libraries)."""

@@ -105,7 +105,9 @@ class TrainConfig:
     compile: str = opt("auto", "torch.compile the model: true, false, or auto = only when this run's steps repay the "
                                "compile (always on a GPU; on a CPU from this machine's measurements: "
                                "train/compile_choice.py)", choices=("auto", "true", "false"))
-    threads: int = opt(0, "CPU threads for torch; 0 = torch's default", ge=0)
+    threads: int = opt(0, "CPU threads for torch; 0 = torch's default (or OMP_NUM_THREADS), fewer when other "
+                          "processes hold cores they need, checked at the start and when steps run far beyond "
+                          "the estimate (train/contention.py); N pins the count", ge=0)
     eval_interval: int = opt(250, "evaluate val loss every N steps (and at the end); 0 = only at the end", ge=0)
     eval_batches: int = opt(20, "batches per evaluation", ge=1)
     sample_tokens: int = opt(200, "tokens of text sampled at each evaluation; 0 = none", ge=0)

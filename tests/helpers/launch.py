@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from helpers.faults import env
+from helpers.waits import CEILING_S
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).parent
@@ -16,7 +17,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 PARITY_RTOL = 1e-5  # parallel vs single-process losses, relative
 
 
-def torchrun(nproc: int, *args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, *args: str, cwd: Path | None = None,
+             timeout: float = CEILING_S) -> subprocess.CompletedProcess:
     """Launch ``nproc`` gloo ranks; the rendezvous TCP store is not shared with the workers
     (sharing it breaks gloo's re-initialisation)."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}

@@ -66,4 +66,6 @@ def parse_hardware(spec: str, count: int | None = None, nodes: int | None = None
         raise ConfigError(f"hardware count and nodes must be >= 1 (got {per_node} x {n_nodes} nodes)")
     if hw.kind == "cpu" and hw.cores and per_node > hw.cores:
         raise ConfigError(f"{per_node} ranks per node but this CPU has {hw.cores} cores: ranks would share cores")
+    if name == "auto" and hw.kind == "cpu" and per_node * n_nodes > 1:
+        hw = replace(hw, allocator=allocator.torchrun_worker_name())  # torchrun's workers: not re-executed
     return Cluster(hw, per_node, n_nodes)

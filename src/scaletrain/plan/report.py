@@ -7,6 +7,7 @@ import math
 from rich.console import Console
 from rich.table import Table
 
+from scaletrain.allocator import launch_note
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.cost import Cost
 from scaletrain.plan.search import Candidate, SearchResult
@@ -98,6 +99,8 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
                                  f"{workload_utilisation(w, hw):.2f} utilisation")
     summary.add_row("utilisation source", hw.utilisation_source)
     summary.add_row("optimizer", optimizer_text(w))
+    if hw.kind == "cpu" and hw.name.startswith("auto"):  # the allocator decides the margin of a CPU's memory
+        summary.add_row("malloc", launch_note(cluster.world_size))
     console.print(summary)
 
     table = Table(title=f"Top plans (of {result.considered} considered, {len(result.ranked)} fit)")
@@ -144,9 +147,13 @@ def breakdown_table(c: Candidate, optimizer: str = "adamw") -> Table:
     table.add_column("bytes", justify="right")
     table.add_column("time")
     table.add_column("seconds", justify="right")
-    mem_rows = [("parameters", m.params), ("gradients", m.grads), (states, m.optimizer),
+    # At a forward or loss peak no gradient exists yet: say so rather than print a bare 0.
+    grads = "gradients (none yet at this peak)" if not m.grads and "block" not in m.peak_phase and \
+        "optimizer" not in m.peak_phase else "gradients"
+    mem_rows = [("parameters", m.params), (grads, m.grads), (states, m.optimizer),
                 ("fp32 master weights", m.master), ("activations (saved)", m.activations),
                 ("transients (logits, backward temps)", m.transients), ("communication buffers", m.comm_buffers),
+                *([("gloo's buffers (kept by malloc)", m.gloo_buffers)] if m.gloo_buffers else []),
                 ("allocator margin", m.allocator_margin), ("runtime (context, libraries)", m.runtime),
                 ("total", m.total)]
     time_rows = [("compute (fwd + bwd + recompute)", t.compute), ("optimizer step", t.optimizer)] + (

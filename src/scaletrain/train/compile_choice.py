@@ -91,6 +91,13 @@ def estimated_eager_ms(cfg: JobConfig, device: torch.device, world_size: int) ->
     return 1000 * tokens * flops_per_token(cfg.model, cfg.data.seq_len) / (peak * PRIOR_MFU)
 
 
+def expected_eager_ms(cfg: JobConfig, device: torch.device, world_size: int, whole_model: bool,
+                      rec: dict | None = None) -> float:
+    """The eager step this run expects: an earlier run of this shape here measured it, else the FLOP estimate."""
+    rec = read_record(shape_key(cfg, device, whole_model)) if rec is None else rec
+    return rec.get("eager_ms") or estimated_eager_ms(cfg, device, world_size)
+
+
 def decide(cfg: JobConfig, device: torch.device, world_size: int, whole_model: bool,
            steps_to_go: int) -> tuple[bool, str]:
     """(compile?, why: one line with the numbers it weighed)."""
@@ -99,7 +106,7 @@ def decide(cfg: JobConfig, device: torch.device, world_size: int, whole_model: b
     if device.type != "cpu":
         return True, f"train.compile=auto: compiling (a {device.type} run; a compiled step saves 20-40% there)"
     rec = read_record(shape_key(cfg, device, whole_model))
-    eager_ms = rec.get("eager_ms") or estimated_eager_ms(cfg, device, world_size)
+    eager_ms = expected_eager_ms(cfg, device, world_size, whole_model, rec)
     measured = "eager_ms" in rec and "compiled_ms" in rec
     saving = max(0.0, 1 - rec["compiled_ms"] / rec["eager_ms"]) if measured else PRIOR_SAVING
     warm = _warm(rec)

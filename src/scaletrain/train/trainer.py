@@ -36,7 +36,8 @@ from scaletrain.parallel.distributed import (
     world_size_from_env,
 )
 from scaletrain.train.adaptive import Adaptive
-from scaletrain.train.compile_choice import choose, compiled_before, remember
+from scaletrain.train.compile_choice import choose, compiled_before, expected_eager_ms, remember
+from scaletrain.train.contention import ThreadWatch
 from scaletrain.train.engine import engine_for
 from scaletrain.train.evaluate import validation_loss
 from scaletrain.train.guard import NonFiniteGuard
@@ -71,6 +72,10 @@ class Trainer:
                                                                measure=is_rank_zero())
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
+        # Cores another job holds: said, and fewer threads when they would oversubscribe (train/contention.py).
+        self.thread_watch = ThreadWatch(cfg.train.threads, self._message) if self.device.type == "cpu" else None
+        if self.thread_watch is not None:
+            self.thread_watch.at_start()
         # Checked before any process-group work, so a bad config fails fast on every rank.
         self.dims = dims = check_runnable(cfg, world_size_from_env(), self.device.type, self.precision)
         if not cfg.train.resume and (warning := warmup_warning(cfg.train.steps, cfg.optim.lr, cfg.schedule)):
@@ -158,6 +163,9 @@ class Trainer:
         """train.compile as "true"/"false": "auto" decided on rank 0 (every rank builds the same model) and said."""
         self._whole_model = compiles_whole_model(dims, cfg.parallel)
         self._compiled_before = compiled_before(cfg, self.device, self._whole_model) if self.is_main else False
+        if self.thread_watch is not None:  # what a step should take here: the slow-step check's yardstick
+            self.thread_watch.expected_seconds = expected_eager_ms(cfg, self.device, self.env.world_size,
+                                                                   self._whole_model) / 1000
         choice, why = rank_zero_object(choose(cfg, self.device, self.env.world_size, self._whole_model, self.run_dir)
                                        if self.is_main else None)
         if why:
@@ -339,11 +347,15 @@ class Trainer:
 
     def _timed_step(self, profiler: StepProfiler) -> dict:
         """``step``, its wall time recorded (after the GPU has finished it)."""
+        if self.thread_watch is not None:
+            self.thread_watch.before_step()
         t0 = time.perf_counter()
         record = self.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.throughput.step_times.append(time.perf_counter() - t0)
+        if self.thread_watch is not None:
+            self.thread_watch.after_step(self.throughput.step_times[-1], self.state.step)
         profiler.step()
         return record
 
