@@ -109,7 +109,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if restart_attempt() > 0 and not cfg.train.resume:  # torchrun --max-restarts restarted us after a failure
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
         say(f"elastic restart {restart_attempt()}: resuming from the latest checkpoint")
-    trainer = Trainer(cfg)
+    from scaletrain.plan.fit import memory_refusal  # the planner's estimate against this machine's memory
+
+    trainer = Trainer(cfg, memory_check=memory_refusal)
     if cfg.train.resume and not trainer.resume():
         say(f"no checkpoint in {cfg.train.run_dir}; starting from scratch")
     step, steps, stop_at = trainer.state.step, trainer.cfg.train.steps, trainer.cfg.train.stop_at_step
