@@ -253,7 +253,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         from scaletrain.checkpoint.gguf import export_gguf
 
         out = export_gguf(model, cfg.model, tokenizer, args.out or Path(args.run) / "model.gguf", args.dtype,
-                          name=Path(args.run).resolve().name)
+                          name=Path(args.run).resolve().name, template=cfg.finetune.chat_template)
         print(f"exported {ckpt.name} to {out} ({args.dtype}, {out.stat().st_size / 1e6:.2f} MB; run it with "
               f"llama.cpp: llama-cli -m {out}, or Ollama: see docs/inference.md)")
         return 0
