@@ -163,3 +163,28 @@ def test_bad_gguf_export_is_one_line(tmp_path, capsys):
         main(["export", "--run", str(run), "--format", "gguf", "--dtype", "q4"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "argument --dtype: invalid choice: 'q4'" in err and err.count("\n") == 1
+
+
+def test_an_existing_gguf_is_kept_without_overwrite_and_a_folder_is_named(tmp_path, capsys):
+    """--out EXISTING.gguf: refused (an f32 silently replaced an f16 before); --overwrite replaces it; --out a
+    folder: the user's path is named, not a hidden .tmp beside it."""
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, **{"train.steps": 1})
+    assert main(["train"] + [f"--{k}={v}" for k, v in overrides.items()]) == 0
+    out = tmp_path / "m.gguf"
+    export = ["export", "--run", str(run), "--format", "gguf", "--out"]
+    assert main(export + [str(out), "--dtype", "f16"]) == 0
+    f16 = out.read_bytes()
+    capsys.readouterr()
+    assert main(export + [str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ConfigError: --out {out} exists; pass --overwrite to replace it, or choose a new file\n"
+    assert out.read_bytes() == f16
+    assert main(export + [str(out), "--overwrite"]) == 0 and out.read_bytes() != f16
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    capsys.readouterr()
+    assert main(export + [str(folder), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {folder} is a folder" in err and f"--out {folder / 'model.gguf'}" in err and ".tmp" not in err
+    assert not list(folder.iterdir()) and not list(tmp_path.glob(".*.tmp"))

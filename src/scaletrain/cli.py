@@ -227,7 +227,8 @@ def _export_parser(sub) -> None:
                         "the default folder holds the original base + adapter; their logits differ: merge to get "
                         "what was trained, keep the adapter to stay on the original")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier export in --out (its adapter/ too); without it, that is refused")
+                   help="replace an earlier export in --out (its adapter/ too, or the GGUF file); without it, that "
+                        "is refused")
     p.set_defaults(func=cmd_export)
 
 
@@ -237,8 +238,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.finetune.export import base_model, is_plain, merge_adapters, save_peft_adapter
     from scaletrain.model.families import ARCHITECTURES
 
+    if args.format == "gguf":  # one file: refused before the run is loaded, as the folder below
+        from scaletrain.checkpoint.gguf import gguf_target
+
+        gguf_target(args.out or Path(args.run) / "model.gguf", args.overwrite)
     out = Path(args.out or Path(args.run) / "export-hf")
-    if (out / "config.json").is_file() and not args.overwrite:  # a folder of other files: export_hf refuses it
+    # a folder of other files: export_hf refuses it
+    if args.format == "hf" and (out / "config.json").is_file() and not args.overwrite:
         held = "an earlier export" + (" and its adapter/" if (out / "adapter").is_dir() else "")
         raise ConfigError(f"--out {out} holds {held}; pass --overwrite to replace it, or choose a new folder")
     cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)

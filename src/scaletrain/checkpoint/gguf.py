@@ -205,6 +205,18 @@ def _tensor(array: np.ndarray, dtype: str):
     return array.astype(np.float16), gguf.GGMLQuantizationType.F16
 
 
+def gguf_target(out: str | Path, overwrite: bool) -> Path:
+    """The file a GGUF export writes: ``out``, refused in one line naming it when it is a folder (a GGUF is one
+    file) or an existing file without ``overwrite`` (replacing it unasked would lose the earlier export)."""
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; a GGUF export is one file: pass a file path such as "
+                          f"--out {out / 'model.gguf'}")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"--out {out} exists; pass --overwrite to replace it, or choose a new file")
+    return out
+
+
 def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path, dtype: str = "f32",
                 name: str = "scaletrain", template: str = "auto") -> Path:
     """Write ``model`` as one GGUF file ``out`` (written beside it and renamed into place); ``template``: the
@@ -217,7 +229,7 @@ def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: s
         raise ConfigError("--format gguf needs the gguf package: pip install 'scaletrain[gguf]'") from None
     check_exportable(model, cfg)
     rows = min(cfg.vocab_size, tokenizer.vocab_size)  # a padded vocabulary's extra rows are never a token
-    out = Path(out)
+    out = gguf_target(out, overwrite=True)  # the command refused an existing file before loading the run
     tmp = out.parent / f".{out.name}.tmp"
     with guarded_write(f"the GGUF file {out}", out.parent, cleanup=(tmp,),
                        needed=sum(p.numel() * p.element_size() for p in model.parameters())):
