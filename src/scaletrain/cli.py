@@ -233,6 +233,16 @@ def _export_parser(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from scaletrain.checkpoint.run_folder import one_writer
+
+    # One writer per target (train's run-folder lock): a second export into the same --out is refused naming the
+    # first. The lock file sits beside the target, which the export replaces as a whole.
+    target = Path(args.out or Path(args.run) / ("model.gguf" if args.format == "gguf" else "export-hf"))
+    with one_writer(target.parent, f"--out {target}", "choose another --out", name=f".{target.name}.lock"):
+        return _export(args)
+
+
+def _export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.export import export_hf, hf_base_folder
     from scaletrain.checkpoint.run import load_run  # any run folder; a quantized one is refused in one line
     from scaletrain.finetune.export import base_model, is_plain, merge_adapters, save_peft_adapter
