@@ -218,8 +218,9 @@ def _export_parser(sub) -> None:
                    help="hf: config.json + model.safetensors + tokenizer; gguf: one file for llama.cpp / Ollama "
                         "(tokenizer and chat template inside; needs scaletrain[gguf])")
     p.add_argument("--out", help="output folder (default: <run>/export-hf), or file for gguf (<run>/model.gguf)")
-    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"],
-                   help="gguf: the weights' type (norms stay f32)")
+    p.add_argument("--dtype", default=None, choices=["f32", "f16", "q8_0"],
+                   help="gguf: the weights' type (default f32; norms stay f32); the Hugging Face export writes f32 "
+                        "only")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA/QLoRA fine-tune: fold the adapters into the weights and write one plain folder "
                         "(default for an adapter run: the base's folder plus a peft adapter in <out>/adapter). "
@@ -234,6 +235,12 @@ def _export_parser(sub) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.run_folder import one_writer
+
+    if args.format == "hf" and args.dtype not in (None, "f32"):  # it would be written f32 all the same
+        raise ConfigError(f"--dtype {args.dtype} is for --format gguf; the Hugging Face export writes float32 "
+                          f"(cast it when loading: from_pretrained(..., dtype=torch.float16)), or export --format "
+                          f"gguf --dtype {args.dtype}")
+    args.dtype = args.dtype or "f32"
 
     # One writer per target (train's run-folder lock): a second export into the same --out is refused naming the
     # first. The lock file sits beside the target, which the export replaces as a whole.
