@@ -389,9 +389,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted (a second Ctrl-C, or before training started): nothing saved since the last checkpoint",
-              file=sys.stderr)
+        print(INTERRUPTED_NOTES.get(args.command, "interrupted (Ctrl-C)"), file=sys.stderr)
         return 130
+
+
+_TRAINING_INTERRUPTED = ("interrupted (a second Ctrl-C, or before training started): nothing saved since the last "
+                         "checkpoint")
+# What a Ctrl-C that reaches ``main`` leaves behind, for each command that writes (train's graceful first Ctrl-C is
+# cmd_train's); each is what that command's writer guarantees (the temporaries are removed by guarded_write).
+INTERRUPTED_NOTES = {
+    "train": _TRAINING_INTERRUPTED,
+    "finetune": _TRAINING_INTERRUPTED,
+    "prepare": "interrupted (Ctrl-C): the output folder is not used until its manifest.json is written, last; run "
+               "the same command again (the passes that completed are reused)",
+    "export": "interrupted (Ctrl-C): nothing exported (the export is written beside --out and renamed into place "
+              "last); an earlier export there is as it was",
+    "compress": "interrupted (Ctrl-C): nothing written to --out (the compressed run is written beside it and renamed "
+                "into place last); run the same command again",
+}
 
 
 if __name__ == "__main__":
