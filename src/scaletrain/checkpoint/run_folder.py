@@ -48,6 +48,19 @@ RUN_LOGS = ("metrics.jsonl", "tensorboard", "config.toml", "tokenizer.json", RUN
 COMPRESS_RECORD = "compress.json"
 QUANTIZED_WEIGHTS = Path("quantized") / "model.pt"
 
+def is_quantized_run(run: Path) -> bool:
+    """Whether ``run`` is a quantized run (compress --quantize): its weights are torchao's, not a checkpoint."""
+    return (run / COMPRESS_RECORD).is_file() and (run / QUANTIZED_WEIGHTS).is_file()
+
+
+def quantized_from(run: Path) -> str:
+    """The run a compressed run was made from (its compress.json's ``source``), or "unknown" when unreadable."""
+    try:
+        return str(json.loads((run / COMPRESS_RECORD).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
+
+
 _HELD: dict[str, RunLock] = {}  # locks this process holds, by folder: a second Trainer in it may reuse one
 
 
