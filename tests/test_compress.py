@@ -524,3 +524,19 @@ def test_full_finetune_keeps_the_pruned_zeros(base_run, tmp_path):
         assert main(["finetune", "--from", str(pruned)] + [f"--{k}={v}" for k, v in over.items()]) == 0
         after = _zero_count(load_run(run)[1])
         assert (after == zeros) if keep else (after < zeros / 10), (keep, after, zeros)
+
+
+def test_finetune_from_a_quantized_run_says_so_and_names_its_source(base_run, tmp_path, capsys):
+    """Not "has no complete checkpoint": the run is quantized, and its source is what to fine-tune."""
+    from helpers.tiny import tiny_overrides
+
+    quantized = tmp_path / "int8"
+    assert main(["compress", "--run", str(base_run), "--out", str(quantized), "--quantize", "int8-weight"]) == 0
+    over = {k: v for k, v in tiny_overrides(tmp_path / "ft", **{"train.steps": 2}).items()
+            if not k.startswith("model.")}  # the model is the base's
+    capsys.readouterr()
+    assert main(["finetune", "--from", str(quantized)] + [f"--{k}={v}" for k, v in over.items()]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"ConfigError: finetune.source: {quantized.resolve()} is a quantized run (scaletrain compress "
+                   f"--quantize); fine-tune the run it was quantized from ({base_run.resolve()}), then quantize the "
+                   f"result\n"), err

@@ -35,3 +35,13 @@ def test_export_matches_transformers(tmp_path, tiny, capsys, extra):
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
     assert hf_tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "f16"])
+def test_a_gguf_dtype_for_a_hugging_face_export_is_refused(tmp_path, capsys, dtype):
+    """--dtype is GGUF's: a Hugging Face export asked for q8_0 wrote float32 without a word."""
+    out = tmp_path / "hf"
+    assert main(["export", "--run", str(tmp_path / "no-run-needed"), "--out", str(out), "--dtype", dtype]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ConfigError: --dtype {dtype} is for --format gguf") and err.count("\n") == 1
+    assert not out.exists()

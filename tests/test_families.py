@@ -140,8 +140,13 @@ def test_gemma3_multimodal_config_reads_its_text_config():
 
 @pytest.mark.parametrize("family_name, change, field", [
     ("llama", {"model_type": "gpt_neox"}, "model_type"),
-    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
     ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "longrope"),
+    # every rope type transformers computes that the decoder does not, beside default rope_parameters too
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+               "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     "rope_scaling.rope_type = 'longrope'"),
+    ("llama", {"rope_scaling": None, "rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
+     "rope_parameters.rope_type = 'proportional'"),
     ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
     ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
     ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
@@ -159,6 +164,46 @@ def test_unsupported_fields_are_refused_in_one_line(family_name, change, field):
         model_config_from_hf(config, "x/config.json", max_seq_len=CONTEXT)
     message = str(err.value)
     assert "\n" not in message and field in message and message.startswith("x/config.json")
+
+
+def test_every_rope_type_transformers_computes_is_computed_or_refused():
+    """The rope types transformers knows (``ROPE_INIT_FUNCTIONS``) are ours or refused: none is dropped."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    base = {k: v for k, v in _fixture("llama").items() if k != "rope_scaling"}
+    for rope_type in ROPE_INIT_FUNCTIONS:
+        config = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+                  "rope_scaling": {"rope_type": rope_type, "factor": 2.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+        try:
+            cfg = model_config_from_hf(config, "x/config.json", max_seq_len=CONTEXT)
+        except ConfigError as exc:
+            assert f"rope_scaling.rope_type = {rope_type!r} is not computed" in str(exc)
+            continue
+        assert cfg.rope_scaling == rope_type and cfg.rope_scaling_factor == 2.0
+
+
+def test_yarn_beside_default_rope_parameters_is_yarn_as_transformers_reads_it():
+    """The issue's config.json: default rope_parameters plus rope_scaling yarn factor 4 (no theta in it): YaRN
+    with the original context max_position_embeddings, and the logits of transformers' model of that file."""
+    config = _fixture("llama_yarn")
+    cfg = model_config_from_hf(config, "config.json", max_seq_len=CONTEXT)
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_original_max_seq_len) == ("yarn", 4.0, 32)
+    assert cfg.rope_theta == 10000.0
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config),
+                                                             attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():  # off the small init, so a rotary difference shows in the logits
+            p.add_(torch.randn_like(p) * 0.1)
+    tensors = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
+    tokens = _tokens()
+    with torch.no_grad():
+        theirs = hf_model(tokens).logits
+        ours = _ours(config, tensors)(tokens)
+        plain = _ours({**config, "rope_scaling": None}, tensors)(tokens)
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert (plain - theirs).abs().max().item() > 0.1  # plain rotary would be another model
 
 
 def test_an_export_the_family_cannot_express_is_refused():

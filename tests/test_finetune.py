@@ -511,3 +511,17 @@ def test_muon_adapters_without_lora_exit_2(hf_base, tmp_path, tiny, capsys):
         in capsys.readouterr().err
     assert main(_finetune_args(hf_base, tmp_path / "b", tiny, **{"optim.muon_adapters": "true"})) == 2
     assert "optim.muon_* settings apply to optim.name=muon" in capsys.readouterr().err
+
+
+def test_qlora_without_torchao_is_one_line_naming_the_extra(hf_base, tmp_path, tiny):
+    """On an install without the finetune extra: not ``ModuleNotFoundError: torchao`` from inside the model."""
+    import subprocess
+    import sys
+
+    helper = Path(__file__).parent / "helpers" / "without_module.py"
+    args = _finetune_args(hf_base, tmp_path / "run", tiny, **{"finetune.method": "qlora"})
+    done = subprocess.run([sys.executable, str(helper), "torchao", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == ("ConfigError: finetune.method=qlora needs torchao for its 4-bit base (No module "
+                                   "named 'torchao'): pip install 'scaletrain[finetune]', or use finetune.method=lora")
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -4,6 +4,8 @@ bad input is one line and exit 2. (llama.cpp itself runs the file in benchmarks/
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -76,6 +78,53 @@ def test_tied_head_and_bpe_tokenizer(tmp_path):
     assert "eos_token" in fields["tokenizer.chat_template"]
 
 
+TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers"
+
+
+@pytest.mark.slow  # ~25 s each: gguf's reader parses the 128k-152k tokens and 280k merges element by element
+@pytest.mark.skipif(not (TOKENIZERS / "qwen3" / "tokenizer.json").is_file(),
+                    reason="../shared/data/tokenizers not present (fresh clone)")
+@pytest.mark.parametrize("family,pre,add_bos,template", [("llama3_1", "llama-bpe", True, "auto"),
+                                                        ("qwen3", "qwen2", False, "auto"),
+                                                        ("qwen3", "qwen2", False, "plain")])
+def test_a_base_tokenizer_keeps_its_pre_tokenizer_bos_and_chat_template(tmp_path, family, pre, add_bos, template):
+    """A fine-tune on Llama 3.1's or Qwen3's own tokenizer: llama.cpp must split text, put a BOS in front and
+    render chats as training did (not gpt-2's split, no BOS and our plain User:/Assistant: template)."""
+    from scaletrain.data.tokenizer import load_tokenizer, load_transformers_tokenizer
+
+    folder = TOKENIZERS / family
+    tok = load_tokenizer(folder / "tokenizer.json")
+    model, cfg = model_and_cfg(dim=16, n_heads=2, n_kv_heads=1, ffn_hidden_dim=32, vocab_size=tok.vocab_size)
+    reader = gguf.GGUFReader(str(export_gguf(model, cfg, tok, tmp_path / "m.gguf", template=template)))
+    fields = {name: reader.fields[name].contents() for name in  # not the 128k tokens and 280k merges: slow to read
+              ("tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")}
+    fields["tokenizer.ggml.bos_token_id"] = reader.fields["tokenizer.ggml.bos_token_id"].contents() \
+        if "tokenizer.ggml.bos_token_id" in reader.fields else None
+    assert fields["tokenizer.ggml.pre"] == pre
+    assert fields["tokenizer.ggml.add_bos_token"] is add_bos
+    assert (fields.get("tokenizer.ggml.bos_token_id") == tok.bos_id) if add_bos else tok.bos_id is None
+    if template == "auto":  # trained in the base's template: the GGUF carries it, as transformers renders it
+        assert fields["tokenizer.chat_template"] == load_transformers_tokenizer(folder).chat_template
+        assert ("<|start_header_id|>" if family == "llama3_1" else "<|im_start|>") in fields["tokenizer.chat_template"]
+    else:  # finetune.chat_template = plain: trained in ours
+        assert "Assistant:" in fields["tokenizer.chat_template"]
+
+
+def test_an_unknown_base_pre_tokenizer_is_refused(tmp_path):
+    """A Hugging Face tokenizer whose split this writer cannot name: one line, not a silent gpt-2."""
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    tok = BPETokenizer.train(["the quick brown fox jumps over the lazy dog " * 50], vocab_size=300)
+    tok.tok.pre_tokenizer = __import__("tokenizers").pre_tokenizers.Whitespace()  # a split llama.cpp has no name for
+    tok.save(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    hf_tok = load_tokenizer(tmp_path / "tokenizer.json")
+    model, cfg = model_and_cfg(vocab_size=300)
+    with pytest.raises(ConfigError, match="convert_hf_to_gguf.py"):
+        export_gguf(model, cfg, hf_tok, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def test_interleaved_rotary_gives_the_same_attention_scores():
     """llama.cpp rotates adjacent pairs; with the permuted wq / wk its q.k equals ours (rotate-half)."""
     torch.manual_seed(0)
@@ -114,3 +163,28 @@ def test_bad_gguf_export_is_one_line(tmp_path, capsys):
         main(["export", "--run", str(run), "--format", "gguf", "--dtype", "q4"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "argument --dtype: invalid choice: 'q4'" in err and err.count("\n") == 1
+
+
+def test_an_existing_gguf_is_kept_without_overwrite_and_a_folder_is_named(tmp_path, capsys):
+    """--out EXISTING.gguf: refused (an f32 silently replaced an f16 before); --overwrite replaces it; --out a
+    folder: the user's path is named, not a hidden .tmp beside it."""
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, **{"train.steps": 1})
+    assert main(["train"] + [f"--{k}={v}" for k, v in overrides.items()]) == 0
+    out = tmp_path / "m.gguf"
+    export = ["export", "--run", str(run), "--format", "gguf", "--out"]
+    assert main(export + [str(out), "--dtype", "f16"]) == 0
+    f16 = out.read_bytes()
+    capsys.readouterr()
+    assert main(export + [str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ConfigError: --out {out} exists; pass --overwrite to replace it, or choose a new file\n"
+    assert out.read_bytes() == f16
+    assert main(export + [str(out), "--overwrite"]) == 0 and out.read_bytes() != f16
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    capsys.readouterr()
+    assert main(export + [str(folder), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {folder} is a folder" in err and f"--out {folder / 'model.gguf'}" in err and ".tmp" not in err
+    assert not list(folder.iterdir()) and not list(tmp_path.glob(".*.tmp"))

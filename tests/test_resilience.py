@@ -116,6 +116,8 @@ def _damage(path, how: str) -> None:
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     elif how == "deleted marker":
         (path / "meta.json").unlink()
+    elif how == "deleted rank file":
+        (path / "rank-00000.pt").unlink()
     elif how == "flipped byte":
         f = path / "rank-00000.pt"
         data = bytearray(f.read_bytes())
@@ -125,6 +127,7 @@ def _damage(path, how: str) -> None:
 
 @pytest.mark.parametrize("how,message", [("truncated shard", "checksum mismatch"),
                                          ("deleted marker", "incomplete (no meta.json)"),
+                                         ("deleted rank file", "rank-00000.pt: missing"),
                                          ("flipped byte", "checksum mismatch")])
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, tiny, capsys, how, message):
     from scaletrain.cli import main
@@ -137,7 +140,28 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, tiny, ca
     assert main(["train", "--resume", f"--train.run_dir={tmp_path / 'run'}", "--train.stop_at_step=12"]) == 0
     out = capsys.readouterr().out
     assert message in out and f"{newest.name}" in out, out
-    assert "resumed from" in out and "(step 10)" in out
+    assert "resumed from" in out and "(step 10), the newest valid checkpoint (step-00000015 is damaged" in out
+
+
+@pytest.mark.parametrize("how,message", [("truncated shard", "__0_0.distcp: checksum mismatch"),
+                                         ("deleted marker", "step-00000005: incomplete (no meta.json)"),
+                                         ("deleted rank file", "rank-00000.pt: missing")])
+def test_resume_with_only_a_damaged_checkpoint_is_refused(tmp_path, tiny, capsys, how, message):
+    """Not "no checkpoint, starting from scratch" (a run silently thrown away): exit 2 naming the damage and
+    --overwrite; nothing was trained and the damaged checkpoint is still there."""
+    from scaletrain.cli import main
+
+    over = tiny(tmp_path / "run", **{"checkpoint.interval": 5, "train.steps": 5})
+    assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    only = tmp_path / "run" / "checkpoints" / "step-00000005"
+    _damage(only, how)
+    capsys.readouterr()
+    assert main(["train", "--resume", f"--train.run_dir={tmp_path / 'run'}", "--train.steps=8"]) == 2
+    out, err = capsys.readouterr()
+    assert "starting from scratch" not in out + err and "done:" not in out
+    assert err.startswith("CheckpointError: no valid checkpoint to resume from") and message in err, err
+    assert "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert only.is_dir() and not (tmp_path / "run" / "checkpoints" / "step-00000008").exists()
 
 
 def test_retention_keeps_last_and_every(tmp_path, tiny):

@@ -109,7 +109,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if restart_attempt() > 0 and not cfg.train.resume:  # torchrun --max-restarts restarted us after a failure
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
         say(f"elastic restart {restart_attempt()}: resuming from the latest checkpoint")
-    trainer = Trainer(cfg)
+    from scaletrain.plan.fit import memory_refusal  # the planner's estimate against this machine's memory
+
+    trainer = Trainer(cfg, memory_check=memory_refusal)
     if cfg.train.resume and not trainer.resume():
         say(f"no checkpoint in {cfg.train.run_dir}; starting from scratch")
     step, steps, stop_at = trainer.state.step, trainer.cfg.train.steps, trainer.cfg.train.stop_at_step
@@ -216,8 +218,9 @@ def _export_parser(sub) -> None:
                    help="hf: config.json + model.safetensors + tokenizer; gguf: one file for llama.cpp / Ollama "
                         "(tokenizer and chat template inside; needs scaletrain[gguf])")
     p.add_argument("--out", help="output folder (default: <run>/export-hf), or file for gguf (<run>/model.gguf)")
-    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8_0"],
-                   help="gguf: the weights' type (norms stay f32)")
+    p.add_argument("--dtype", default=None, choices=["f32", "f16", "q8_0"],
+                   help="gguf: the weights' type (default f32; norms stay f32); the Hugging Face export writes f32 "
+                        "only")
     p.add_argument("--merge", action="store_true",
                    help="a LoRA/QLoRA fine-tune: fold the adapters into the weights and write one plain folder "
                         "(default for an adapter run: the base's folder plus a peft adapter in <out>/adapter). "
@@ -225,18 +228,40 @@ def _export_parser(sub) -> None:
                         "the default folder holds the original base + adapter; their logits differ: merge to get "
                         "what was trained, keep the adapter to stay on the original")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier export in --out (its adapter/ too); without it, that is refused")
+                   help="replace an earlier export in --out (its adapter/ too, or the GGUF file); without it, that "
+                        "is refused")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from scaletrain.checkpoint.run_folder import one_writer
+
+    if args.format == "hf" and args.dtype not in (None, "f32"):  # it would be written f32 all the same
+        raise ConfigError(f"--dtype {args.dtype} is for --format gguf; the Hugging Face export writes float32 "
+                          f"(cast it when loading: from_pretrained(..., dtype=torch.float16)), or export --format "
+                          f"gguf --dtype {args.dtype}")
+    args.dtype = args.dtype or "f32"
+
+    # One writer per target (train's run-folder lock): a second export into the same --out is refused naming the
+    # first. The lock file sits beside the target, which the export replaces as a whole.
+    target = Path(args.out or Path(args.run) / ("model.gguf" if args.format == "gguf" else "export-hf"))
+    with one_writer(target.parent, f"--out {target}", "choose another --out", name=f".{target.name}.lock"):
+        return _export(args)
+
+
+def _export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.export import export_hf, hf_base_folder
     from scaletrain.checkpoint.run import load_run  # any run folder; a quantized one is refused in one line
     from scaletrain.finetune.export import base_model, is_plain, merge_adapters, save_peft_adapter
     from scaletrain.model.families import ARCHITECTURES
 
+    if args.format == "gguf":  # one file: refused before the run is loaded, as the folder below
+        from scaletrain.checkpoint.gguf import gguf_target
+
+        gguf_target(args.out or Path(args.run) / "model.gguf", args.overwrite)
     out = Path(args.out or Path(args.run) / "export-hf")
-    if (out / "config.json").is_file() and not args.overwrite:  # a folder of other files: export_hf refuses it
+    # a folder of other files: export_hf refuses it
+    if args.format == "hf" and (out / "config.json").is_file() and not args.overwrite:
         held = "an earlier export" + (" and its adapter/" if (out / "adapter").is_dir() else "")
         raise ConfigError(f"--out {out} holds {held}; pass --overwrite to replace it, or choose a new folder")
     cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
@@ -251,7 +276,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         from scaletrain.checkpoint.gguf import export_gguf
 
         out = export_gguf(model, cfg.model, tokenizer, args.out or Path(args.run) / "model.gguf", args.dtype,
-                          name=Path(args.run).resolve().name)
+                          name=Path(args.run).resolve().name, template=cfg.finetune.chat_template)
         print(f"exported {ckpt.name} to {out} ({args.dtype}, {out.stat().st_size / 1e6:.2f} MB; run it with "
               f"llama.cpp: llama-cli -m {out}, or Ollama: see docs/inference.md)")
         return 0
@@ -364,9 +389,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted (a second Ctrl-C, or before training started): nothing saved since the last checkpoint",
-              file=sys.stderr)
+        print(INTERRUPTED_NOTES.get(args.command, "interrupted (Ctrl-C)"), file=sys.stderr)
         return 130
+
+
+_TRAINING_INTERRUPTED = ("interrupted (a second Ctrl-C, or before training started): nothing saved since the last "
+                         "checkpoint")
+# What a Ctrl-C that reaches ``main`` leaves behind, for each command that writes (train's graceful first Ctrl-C is
+# cmd_train's); each is what that command's writer guarantees (the temporaries are removed by guarded_write).
+INTERRUPTED_NOTES = {
+    "train": _TRAINING_INTERRUPTED,
+    "finetune": _TRAINING_INTERRUPTED,
+    "prepare": "interrupted (Ctrl-C): the output folder is not used until its manifest.json is written, last; run "
+               "the same command again (the passes that completed are reused)",
+    "export": "interrupted (Ctrl-C): nothing exported (the export is written beside --out and renamed into place "
+              "last); an earlier export there is as it was",
+    "compress": "interrupted (Ctrl-C): nothing written to --out (the compressed run is written beside it and renamed "
+                "into place last); run the same command again",
+}
 
 
 if __name__ == "__main__":

@@ -92,13 +92,19 @@ def guarded_write(what: str, where: str | Path, cleanup: tuple[str | Path, ...] 
     ``StorageError`` line: what failed, why, bytes needed vs free, and ``intact`` (what is still good); or,
     when the path itself is the problem (a parent that is a file, a folder not writable: ``path_problem``),
     what is in the way, without free-space advice.
-    Other errors pass through unchanged: they are bugs, and their traceback is what a developer needs."""
+    Other errors pass through unchanged: they are bugs, and their traceback is what a developer needs.
+    A Ctrl-C (KeyboardInterrupt) also removes the ``cleanup`` paths before it goes on: the write was abandoned,
+    and its temporaries would otherwise be left behind for the user to find."""
     try:
         yield
+    except KeyboardInterrupt:
+        for path in cleanup() if callable(cleanup) else cleanup:
+            remove_quietly(path)
+        raise
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         # A UserError is already the one line for its user (a run folder in use, raised from the lock's EAGAIN):
         # its OSError cause must not turn it into a storage error.
-        if isinstance(exc, (KeyboardInterrupt, SystemExit, UserError)) or not is_storage_error(exc):
+        if isinstance(exc, (SystemExit, UserError)) or not is_storage_error(exc):
             raise
         for path in cleanup() if callable(cleanup) else cleanup:
             remove_quietly(path)

@@ -11,7 +11,12 @@ Tokenizer: a byte-level BPE run is written as llama.cpp's ``gpt2`` vocabulary (t
 types and ids); a character vocabulary as a ``gpt2`` vocabulary of single byte-level characters and one merge that
 can never apply, which llama.cpp encodes one character a token as we do (ASCII characters; others decode but cannot
 be typed). The rows of a padded vocabulary are not written (they are never a token), as in the Hugging Face
-export. The chat template is ours (``data.instructions.jinja_chat_template``).
+export. A base's own tokenizer (a Hugging Face folder: Llama 3, Qwen) is written as llama.cpp's converter writes
+it: ``tokenizer.ggml.pre`` the name llama.cpp gives its pre-tokenizer (found, as ``convert_hf_to_gguf.py``'s
+``get_vocab_base_pre`` finds it, by the sha256 of the ids of one check text: ``llama-bpe``, ``qwen2``, ...),
+``add_bos_token`` whether the tokenizer puts a BOS in front (what training saw), and the chat template the run
+was trained in: the base's own (``finetune.chat_template``, ``data.chat.uses_base_template``), else ours
+(``data.instructions.jinja_chat_template``).
 
 dtypes: f32; f16 and q8_0 for the 2-D weights (the norms stay f32, as in llama.cpp's converter; a matrix
 whose rows are not a multiple of q8_0's block of 32 is written f16).
@@ -27,8 +32,9 @@ import torch
 from torch import nn
 
 from scaletrain.config import ConfigError, ModelConfig
+from scaletrain.data.chat import uses_base_template
 from scaletrain.data.instructions import jinja_chat_template
-from scaletrain.data.tokenizer import BPETokenizer, Tokenizer
+from scaletrain.data.tokenizer import BPETokenizer, HFTokenizer, Tokenizer
 from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.config import head_width
 from scaletrain.model.hf_names import block_suffix, to_hf
@@ -147,6 +153,47 @@ def _vocabulary(tokenizer: Tokenizer, rows: int) -> tuple[list[str], list[int], 
     return tokens[:rows], [int(t) for t in types[:rows]], merges
 
 
+# llama.cpp's pre-tokenizer check (``convert_hf_to_gguf.py``, ``get_vocab_base_pre``; ggml-org/llama.cpp PR 6920):
+# the sha256 of ``str(ids)`` of this text, encoded with the tokenizer's special tokens, names the pre-tokenizer.
+PRE_TOKENIZER_CHECK_TEXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ "
+    "🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ "
+    "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you "
+    "sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL")
+# The hashes of the families this writer's llama architecture carries (llama.cpp's table holds many more).
+PRE_TOKENIZERS = {
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Llama 3, 3.1, 3.2
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen 1.5, 2, 2.5, 3
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # SmolLM, SmolLM2
+    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
+}
+
+
+def pre_tokenizer_name(tokenizer: Tokenizer) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for ``tokenizer``: ``gpt-2`` for ours (byte-level BPE with GPT-2's
+    split, or characters); for a base's Hugging Face tokenizer the name llama.cpp's converter finds by the check
+    text's hash (a ConfigError when it is not one this writer knows: llama.cpp would split the text otherwise)."""
+    if not isinstance(tokenizer, HFTokenizer):
+        return "gpt-2"
+    import hashlib
+
+    digest = hashlib.sha256(str(tokenizer.tok.encode(PRE_TOKENIZER_CHECK_TEXT).ids).encode()).hexdigest()
+    if digest not in PRE_TOKENIZERS:
+        raise ConfigError(f"--format gguf: the tokenizer in {tokenizer.folder} splits text in a way this writer does "
+                          f"not name for llama.cpp (check hash {digest[:12]}; known: "
+                          f"{', '.join(sorted(set(PRE_TOKENIZERS.values())))}); export a Hugging Face folder "
+                          f"(--format hf) and convert it with llama.cpp's convert_hf_to_gguf.py")
+    return PRE_TOKENIZERS[digest]
+
+
+def chat_template(tokenizer: Tokenizer, choice: str) -> str:
+    """The chat template the run was trained in (``choice``: finetune.chat_template): the base's own, as
+    transformers renders it, or our plain one."""
+    if uses_base_template(tokenizer, choice):
+        return tokenizer.transformers_tokenizer().chat_template
+    return jinja_chat_template(tokenizer)
+
+
 def _tensor(array: np.ndarray, dtype: str):
     """(data, raw dtype) for ``add_tensor``: 1-D tensors stay f32."""
     import gguf
@@ -158,9 +205,22 @@ def _tensor(array: np.ndarray, dtype: str):
     return array.astype(np.float16), gguf.GGMLQuantizationType.F16
 
 
+def gguf_target(out: str | Path, overwrite: bool) -> Path:
+    """The file a GGUF export writes: ``out``, refused in one line naming it when it is a folder (a GGUF is one
+    file) or an existing file without ``overwrite`` (replacing it unasked would lose the earlier export)."""
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; a GGUF export is one file: pass a file path such as "
+                          f"--out {out / 'model.gguf'}")
+    if out.exists() and not overwrite:
+        raise ConfigError(f"--out {out} exists; pass --overwrite to replace it, or choose a new file")
+    return out
+
+
 def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path, dtype: str = "f32",
-                name: str = "scaletrain") -> Path:
-    """Write ``model`` as one GGUF file ``out`` (written beside it and renamed into place)."""
+                name: str = "scaletrain", template: str = "auto") -> Path:
+    """Write ``model`` as one GGUF file ``out`` (written beside it and renamed into place); ``template``: the
+    run's finetune.chat_template (which chat template it was trained in)."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     try:
@@ -169,14 +229,14 @@ def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: s
         raise ConfigError("--format gguf needs the gguf package: pip install 'scaletrain[gguf]'") from None
     check_exportable(model, cfg)
     rows = min(cfg.vocab_size, tokenizer.vocab_size)  # a padded vocabulary's extra rows are never a token
-    out = Path(out)
+    out = gguf_target(out, overwrite=True)  # the command refused an existing file before loading the run
     tmp = out.parent / f".{out.name}.tmp"
     with guarded_write(f"the GGUF file {out}", out.parent, cleanup=(tmp,),
                        needed=sum(p.numel() * p.element_size() for p in model.parameters())):
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_quietly(tmp)
         writer = gguf.GGUFWriter(str(tmp), "llama")
-        _write_metadata(writer, cfg, tokenizer, rows, dtype, name)
+        _write_metadata(writer, cfg, tokenizer, rows, dtype, name, template)
         for tensor_name, array in gguf_state(model, cfg, rows).items():
             data, raw = _tensor(array, dtype)
             writer.add_tensor(tensor_name, data, raw_dtype=raw)
@@ -188,7 +248,8 @@ def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: s
     return out
 
 
-def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, dtype: str, name: str) -> None:
+def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, dtype: str, name: str,
+                    template: str) -> None:
     import gguf
 
     head_dim = head_width(cfg)
@@ -209,7 +270,7 @@ def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, d
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
     tokens, types, merges = _vocabulary(tokenizer, rows)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name for GPT-2's pre-tokenizer regex
+    writer.add_tokenizer_pre(pre_tokenizer_name(tokenizer))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -217,5 +278,7 @@ def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, d
         writer.add_bos_token_id(tokenizer.bos_id)
     if tokenizer.eos_id is not None:
         writer.add_eos_token_id(tokenizer.eos_id)
-    writer.add_add_bos_token(False)  # our models are trained without a BOS in front
-    writer.add_chat_template(jinja_chat_template(tokenizer))
+    # a BOS in front exactly when the tokenizer put one there in training (Llama 3's <|begin_of_text|>; ours, Qwen: no)
+    prefix = tokenizer.prefix_ids() if isinstance(tokenizer, BPETokenizer) else []
+    writer.add_add_bos_token(tokenizer.bos_id is not None and prefix[:1] == [tokenizer.bos_id])
+    writer.add_chat_template(chat_template(tokenizer, template))

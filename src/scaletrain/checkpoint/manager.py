@@ -110,6 +110,7 @@ class CheckpointManager:
         self._stager = None  # created at the first asynchronous save
         self._staging: concurrent.futures.Future | None = None
         self.last_save_seconds = {"blocked": 0.0}
+        self.damaged: list[tuple[str, str]] = []  # (folder name, problem) of those the last latest() skipped
 
     # -- saving ----------------------------------------------------------------------------------------
     def save(self, step: int, tensors: dict[str, Any], local: dict[str, Stateful], meta: dict,
@@ -351,8 +352,9 @@ class CheckpointManager:
 
     def latest(self, warn=print) -> Path | None:
         """The newest checkpoint that verifies (chosen by rank 0, the same on every rank); broken newer
-        ones are reported and skipped. None when there is no good one."""
-        choice = None
+        ones are reported and skipped, and their problems kept in ``self.damaged`` (newest first) so a
+        resume can tell "no checkpoint" from "only damaged ones". None when there is no good one."""
+        choice, damaged = None, []
         if self.rank == 0 and self.folder.is_dir():
             # every step folder, not only marked ones: a folder whose marker was deleted is reported too
             for path in sorted(self.folder.glob("step-*"), reverse=True):
@@ -361,11 +363,13 @@ class CheckpointManager:
                     choice = str(path)
                     break
                 except CheckpointError as exc:
+                    damaged.append((path.name, str(exc)))
                     warn(f"warning: skipping checkpoint {exc}; trying the previous one")
         if _distributed():
-            box = [choice]
+            box = [choice, damaged]
             dist.broadcast_object_list(box, src=0, group=self.group)
-            choice = box[0]
+            choice, damaged = box
+        self.damaged = damaged
         return Path(choice) if choice else None
 
     @staticmethod

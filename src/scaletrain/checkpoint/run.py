@@ -15,7 +15,7 @@ from torch import nn
 
 from scaletrain.checkpoint.deepspeed_format import is_deepspeed_checkpoint, load_deepspeed_weights
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
-from scaletrain.checkpoint.run_folder import COMPRESS_RECORD, QUANTIZED_WEIGHTS
+from scaletrain.checkpoint.run_folder import COMPRESS_RECORD, QUANTIZED_WEIGHTS, is_quantized_run
 from scaletrain.checkpoint.state import model_tensors
 from scaletrain.config import ConfigError, JobConfig, load_config
 from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -25,7 +25,7 @@ from scaletrain.model import build_model
 def run_kind(run: Path, cfg: JobConfig) -> str:
     """'quantized', 'pruned' (any compressed run that is not quantized), 'finetuned' or 'pretrained'."""
     if (run / COMPRESS_RECORD).is_file():
-        return "quantized" if (run / QUANTIZED_WEIGHTS).is_file() else "pruned"
+        return "quantized" if is_quantized_run(run) else "pruned"
     return "finetuned" if cfg.finetune.source else "pretrained"
 
 

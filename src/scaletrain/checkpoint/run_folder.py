@@ -48,26 +48,46 @@ RUN_LOGS = ("metrics.jsonl", "tensorboard", "config.toml", "tokenizer.json", RUN
 COMPRESS_RECORD = "compress.json"
 QUANTIZED_WEIGHTS = Path("quantized") / "model.pt"
 
+def is_quantized_run(run: Path) -> bool:
+    """Whether ``run`` is a quantized run (compress --quantize): its weights are torchao's, not a checkpoint."""
+    return (run / COMPRESS_RECORD).is_file() and (run / QUANTIZED_WEIGHTS).is_file()
+
+
+def quantized_from(run: Path) -> str:
+    """The run a compressed run was made from (its compress.json's ``source``), or "unknown" when unreadable."""
+    try:
+        return str(json.loads((run / COMPRESS_RECORD).read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
+
+
 _HELD: dict[str, RunLock] = {}  # locks this process holds, by folder: a second Trainer in it may reuse one
 
 
 class RunLock:
     """The advisory lock of one run folder (see the module docstring). ``acquire`` raises ``ConfigError``
-    naming the holder; ``release`` (or the process's end) frees it."""
+    naming the holder; ``release`` (or the process's end) frees it.
 
-    def __init__(self, run_dir: str | Path):
+    The same one-writer lock guards what other commands write (``one_writer``): ``prepare``'s output folder,
+    ``export``'s target (a lock file beside it, since the export replaces the folder or file as a whole).
+    ``what`` names the guarded thing and ``elsewhere`` the way out in the refusal."""
+
+    def __init__(self, run_dir: str | Path, name: str = LOCK_FILE, what: str = "",
+                 elsewhere: str = "train into another train.run_dir"):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
+        self.path = self.run_dir / name
+        self.what, self.elsewhere = what or f"run folder {self.run_dir}", elsewhere
         self._fd: int | None = None
 
     @classmethod
-    def take(cls, run_dir: str | Path) -> RunLock:
+    def take(cls, run_dir: str | Path, name: str = LOCK_FILE, what: str = "",
+             elsewhere: str = "train into another train.run_dir") -> RunLock:
         """The lock of ``run_dir`` for this process: the one it already holds, or a newly acquired one."""
-        key = str(Path(run_dir).resolve())
+        key = str((Path(run_dir) / name).resolve())
         held = _HELD.get(key)
         if held is not None and held._fd is not None:
             return held
-        lock = cls(run_dir)
+        lock = cls(run_dir, name, what, elsewhere)
         lock.acquire()
         _HELD[key] = lock
         return lock
@@ -82,8 +102,7 @@ class RunLock:
         except (BlockingIOError, PermissionError):
             holder = _describe(self._read(fd))
             os.close(fd)
-            raise ConfigError(f"run folder {self.run_dir} is in use by {holder}; wait for it to finish, stop it, "
-                              f"or train into another train.run_dir") from None
+            raise ConfigError(self._refusal(holder)) from None
         except (ImportError, OSError) as exc:  # no flock here (Windows, some network file systems)
             if isinstance(exc, OSError) and exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 os.close(fd)
@@ -91,12 +110,14 @@ class RunLock:
             record = self._read(fd)
             if record and _alive(record) and record.get("pid") != os.getpid():
                 os.close(fd)
-                raise ConfigError(f"run folder {self.run_dir} is in use by {_describe(record)}; wait for it to "
-                                  f"finish, stop it, or train into another train.run_dir") from None
+                raise ConfigError(self._refusal(_describe(record))) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "command": _command(),
                                   "started": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode(), 0)
         self._fd = fd
+
+    def _refusal(self, holder: str) -> str:
+        return f"{self.what} is in use by {holder}; wait for it to finish, stop it, or {self.elsewhere}"
 
     @staticmethod
     def _read(fd: int) -> dict:
@@ -111,7 +132,26 @@ class RunLock:
             with contextlib.suppress(OSError):
                 os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
-        _HELD.pop(str(self.run_dir.resolve()), None)
+        _HELD.pop(str(self.path.resolve()), None)
+
+
+@contextlib.contextmanager
+def one_writer(folder: str | Path, what: str, elsewhere: str, name: str = LOCK_FILE):
+    """Hold ``RunLock`` of ``folder`` (lock file ``name`` in it) while the block writes: a second process
+    writing the same thing is refused in one line naming ``what``, the holder and ``elsewhere``."""
+    with guarded_write(f"the folder {folder}", folder):  # a path that cannot be made: one line naming it
+        lock = RunLock.take(folder, name, what, elsewhere)
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+def _command() -> str:
+    """'scaletrain export' (the command and subcommand holding a lock, for the refusal of a second one)."""
+    from scaletrain.invocation import invocation
+
+    return " ".join(invocation().split()[:2])
 
 
 def _alive(record: dict) -> bool:
@@ -131,7 +171,9 @@ def _alive(record: dict) -> bool:
 def _describe(record: dict) -> str:
     if not record:
         return "another process"
-    return f"process {record.get('pid', '?')} on {record.get('host', '?')} (since {record.get('started', '?')})"
+    command = f" ({record['command']})" if record.get("command") else ""
+    return (f"process {record.get('pid', '?')}{command} on {record.get('host', '?')} "
+            f"(since {record.get('started', '?')})")
 
 
 def new_run_id() -> str:

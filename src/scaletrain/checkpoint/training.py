@@ -166,8 +166,7 @@ class TrainingCheckpoint:
     def resume(self) -> Path | None:
         """Load the newest good checkpoint (None when there is none). Works across world sizes and plans:
         DCP reshards model and optimizer, the data stream continues at the next unseen sample."""
-        self.manager.remove_partial()
-        path = self.manager.latest(warn=self.message)
+        path = checkpoint_to_resume(self.manager, self.message)
         if path is None:
             return None
         meta = self.load(path, tuple(self.local))
@@ -175,13 +174,35 @@ class TrainingCheckpoint:
             self.message("warning: the [schedule] settings differ from the checkpoint's; using the new ones")
         moved = "" if meta.get("world_size") == self.manager.world_size else \
             f", resharded from {meta.get('world_size')} to {self.manager.world_size} ranks"
-        self.message(f"resumed from {path} (step {self.state.step}{moved})")
+        self.message(f"resumed from {path} (step {self.state.step}{moved}){fallback_note(self.manager)}")
         return path
 
     def roll_back(self) -> Path | None:
         """Back to the last good checkpoint's weights, optimizer and counters (None when there is none);
         the data position is kept, so the batches since are skipped, not replayed."""
         return roll_back_to_latest(self)
+
+
+def checkpoint_to_resume(manager: CheckpointManager, message) -> Path | None:
+    """The checkpoint a ``--resume`` continues from: the newest that verifies (damaged newer ones are named
+    through ``message`` and skipped); None when the folder holds none at all. When every checkpoint there is
+    damaged, a CheckpointError naming them: starting from step 0 instead would silently throw the run away."""
+    manager.remove_partial()
+    path = manager.latest(warn=message)
+    if path is None and manager.damaged:
+        problems = "; ".join(problem for _, problem in manager.damaged)
+        raise CheckpointError(f"no valid checkpoint to resume from in {manager.folder}: {problems}; restore it, "
+                              f"or start over with --overwrite (which deletes these checkpoints)")
+    return path
+
+
+def fallback_note(manager: CheckpointManager) -> str:
+    """', the newest valid one (step-00000015 is damaged)' for the resumed line after a fallback, else ''."""
+    if not manager.damaged:
+        return ""
+    names = ", ".join(name for name, _ in manager.damaged)
+    verb = "is" if len(manager.damaged) == 1 else "are"
+    return f", the newest valid checkpoint ({names} {verb} damaged, see above)"
 
 
 def roll_back_to_latest(checkpoint) -> Path | None:

@@ -141,6 +141,14 @@ def run_compress(args: argparse.Namespace) -> int:
     elif args.prune and args.sparsity not in (None, 0.5):
         raise ConfigError(f"--sparsity {args.sparsity} with --pattern 2:4: the pattern fixes the sparsity at 50%; "
                           f"drop --sparsity")
+    from scaletrain.checkpoint.run_folder import one_writer  # train's one-writer lock, beside --out
+
+    out = Path(args.out)
+    with one_writer(out.parent, f"--out {out}", "choose another --out", name=f".{out.name}.lock"):
+        return _compress(args, structural)
+
+
+def _compress(args: argparse.Namespace, structural: bool) -> int:
     torch.manual_seed(0)
     cfg, model, tokenizer, ckpt = load_source(args.run)
     if structural:  # bad input before any work

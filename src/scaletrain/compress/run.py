@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -49,23 +50,37 @@ def write_run(out: str | Path, source: str | Path, cfg: JobConfig, model_cfg: Mo
         # The source's prepared data: the compressed run evaluates on the same split without preparing it again.
         data=dataclasses.replace(cfg.data, cache_dir=str(data_cache_dir(cfg, source).resolve())))
     record = {"source": str(source.resolve()), "source_checkpoint": str(ckpt) if ckpt else None, **record}
-    with guarded_write(f"the compressed run {out}", out, needed=state_bytes(model)):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(to_toml(new))
-        shutil.copyfile(source / "tokenizer.json", out / "tokenizer.json")
-        for name in HF_TOKENIZER_FILES:  # a Hugging Face tokenizer's other files: its chat template, special tokens
-            if (source / name).is_file():
-                shutil.copyfile(source / name, out / name)
-        if quantized:
-            (out / QUANTIZED).parent.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}, out / QUANTIZED)
-        else:
-            manager = CheckpointManager(out / "checkpoints", keep_last=1)
-            manager.save(step, {"model": model_tensors([model])}, {}, {"compressed_from": record["source"]})
-            manager.close()
-        record["weight_bytes"] = state_bytes(model)
-        (out / RECORD).write_text(json.dumps(record, indent=2))
+    # Written into a hidden folder beside --out and renamed into place last: an interruption (Ctrl-C, a full disk)
+    # leaves no half-written --out to refuse the next attempt, which also replaces a hidden folder left by a kill.
+    tmp = out.parent / f".{out.name}.tmp"
+    with guarded_write(f"the compressed run {out}", out.parent, cleanup=(tmp,), needed=state_bytes(model)):
+        remove_quietly(tmp)
+        tmp.mkdir(parents=True)
+        _write_files(tmp, source, new, model, step, record, quantized)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
     return out
+
+
+def _write_files(folder: Path, source: Path, cfg: JobConfig, model: nn.Module, step: int, record: dict,
+                 quantized: bool) -> None:
+    """The compressed run's files into ``folder``: config, tokenizer, weights (a checkpoint, or torchao's
+    quantized tensors) and the record of what was done (written last)."""
+    (folder / "config.toml").write_text(to_toml(cfg))
+    shutil.copyfile(source / "tokenizer.json", folder / "tokenizer.json")
+    for name in HF_TOKENIZER_FILES:  # a Hugging Face tokenizer's other files: its chat template, special tokens
+        if (source / name).is_file():
+            shutil.copyfile(source / name, folder / name)
+    if quantized:
+        (folder / QUANTIZED).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}, folder / QUANTIZED)
+    else:
+        manager = CheckpointManager(folder / "checkpoints", keep_last=1)
+        manager.save(step, {"model": model_tensors([model])}, {}, {"compressed_from": record["source"]})
+        manager.close()
+    record["weight_bytes"] = state_bytes(model)
+    (folder / RECORD).write_text(json.dumps(record, indent=2))
 
 
 def check_output(out: str | Path) -> None:

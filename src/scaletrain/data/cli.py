@@ -63,8 +63,11 @@ def run_prepare(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
+    from scaletrain.checkpoint.run_folder import one_writer  # train's one-writer lock, on the output folder
+
     report = Report(echo=True)
-    manifest = prepare(cfg, report, log=print)
+    with one_writer(cfg.output.dir, f"output folder {cfg.output.dir}", "prepare into another --out"):
+        manifest = prepare(cfg, report, log=print)
     if report.documents_in:  # zero when the output was already up to date
         print(report.table())
     splits = ", ".join(f"{s} {info['tokens']:,} tokens" for s, info in manifest["splits"].items())

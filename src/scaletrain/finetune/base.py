@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager
+from scaletrain.checkpoint.run_folder import is_quantized_run, quantized_from
 from scaletrain.checkpoint.state import model_tensors
 from scaletrain.config import ConfigError, DataConfig, ModelConfig, load_config
 from scaletrain.data.shards import MANIFEST
@@ -125,6 +126,9 @@ def _open(path: Path, *stamp) -> Base:
         if cfg.finetune.source:
             raise ConfigError(f"finetune.source: {path} is itself a fine-tuned run; export it merged "
                               f"(`scaletrain export --merge --run {path}`) and fine-tune from that folder")
+        if is_quantized_run(path):  # torchao's tensors in one file, no checkpoint to train from
+            raise ConfigError(f"finetune.source: {path} is a quantized run (scaletrain compress --quantize); fine-tune "
+                              f"the run it was quantized from ({quantized_from(path)}), then quantize the result")
         checkpoint = CheckpointManager(path / "checkpoints").latest()
         if checkpoint is None:
             raise CheckpointError(f"finetune.source: {path} has no complete checkpoint")

@@ -168,6 +168,16 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def check_qlora_installed() -> None:
+    """QLoRA's 4-bit NF4 base is torchao's: without it (the ``finetune`` extra), one line saying what to install,
+    before anything is built (not a ``ModuleNotFoundError`` from inside the model)."""
+    try:
+        import torchao  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"finetune.method=qlora needs torchao for its 4-bit base ({exc}): pip install "
+                          f"'scaletrain[finetune]', or use finetune.method=lora") from None
+
+
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b) for a frozen weight, plain or 4-bit NF4 (torchao's ``linear_nf4``); the bias stays full precision."""
     if not is_nf4(weight):

@@ -70,13 +70,23 @@ class ModelConfig:
     rope_scaling: str = opt("none", "rotary frequency scaling as Hugging Face computes it: none, linear "
                                     "(frequencies / rope_scaling_factor), llama3 (Llama 3.1/3.2's smoothed "
                                     "low-frequency scaling), dynamic (NTK: plain rotary within "
-                                    "rope_original_max_seq_len, which max_seq_len must not exceed)",
-                            choices=("none", "linear", "llama3", "dynamic"))
+                                    "rope_original_max_seq_len, which max_seq_len must not exceed), yarn (YaRN: "
+                                    "frequencies blended between interpolated and kept over a ramp set by "
+                                    "rope_yarn_beta_fast/slow, cos/sin scaled by rope_attention_factor)",
+                            choices=("none", "linear", "llama3", "dynamic", "yarn"))
     rope_scaling_factor: float = opt(1.0, "rope_scaling's factor", gt=0)
     rope_low_freq_factor: float = opt(1.0, "llama3 rope scaling: low_freq_factor", gt=0)
     rope_high_freq_factor: float = opt(4.0, "llama3 rope scaling: high_freq_factor", gt=0)
-    rope_original_max_seq_len: int = opt(0, "llama3 / dynamic rope scaling: the pretraining context "
+    rope_original_max_seq_len: int = opt(0, "llama3 / dynamic / yarn rope scaling: the pretraining context "
                                             "(original_max_position_embeddings)", ge=0)
+    rope_yarn_beta_fast: float = opt(32.0, "yarn rope scaling: beta_fast, the rotations below which a frequency is "
+                                           "interpolated fully", gt=0)
+    rope_yarn_beta_slow: float = opt(1.0, "yarn rope scaling: beta_slow, the rotations above which a frequency is "
+                                          "kept", gt=0)
+    rope_yarn_truncate: bool = opt(True, "yarn rope scaling: round the ramp's ends to whole dimensions (truncate)")
+    rope_attention_factor: float = opt(0.0, "yarn rope scaling: the factor cos and sin are multiplied by "
+                                            "(attention_factor); 0 = 0.1 ln(rope_scaling_factor) + 1, the paper's",
+                                       ge=0)
     sliding_window: int = opt(0, "layers in sliding_layers attend only to the last sliding_window positions "
                                  "(themselves included); 0 = every layer sees the whole context (Gemma 3's "
                                  "local layers, Mistral v0.1, Phi-3)", ge=0)

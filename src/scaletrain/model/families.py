@@ -13,12 +13,14 @@ reads the folder).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from scaletrain.model.config import ModelConfig, head_width, is_sliding
 from scaletrain.model.hf_names import from_hf, to_hf
+from scaletrain.model.llama import rope_attention_factor
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 from scaletrain.options import ConfigError
 
@@ -52,7 +54,7 @@ _DEFAULTS: dict[str, dict] = {
                     hidden_act="silu"),
 }
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "dynamic": "dynamic"}
+_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "dynamic": "dynamic", "yarn": "yarn"}
 # Tensors of Gemma 3's multimodal checkpoint that are not the text decoder (kept out of an import on purpose).
 _GEMMA3_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
@@ -133,13 +135,15 @@ def model_config_from_hf(config: dict, path: str | Path = "config.json", *,
 
 def _rope_params(f: _Fields, family: str) -> tuple[dict, dict | None]:
     """(the global layers' rope parameters, Gemma 3's local layers' or None) from either config format:
-    transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``."""
-    params = f.get("rope_parameters")
+    transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``. A ``rope_scaling``
+    present beside ``rope_parameters`` replaces it, as transformers 5 reads such a file
+    (``convert_rope_params_to_dict``: ``rope_scaling or rope_parameters``)."""
+    params, legacy = f.get("rope_parameters"), f.config.get("rope_scaling")
     if family == "gemma3_text" and isinstance(params, dict) and "full_attention" in params:
         return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
-    if isinstance(params, dict) and params:
+    if isinstance(params, dict) and params and not legacy:
         return dict(params), None
-    scaling = dict(f.get("rope_scaling") or {})
+    scaling = dict(legacy or {})
     scaling.setdefault("rope_theta", f.get("rope_theta"))
     if "partial_rotary_factor" in f.config:
         scaling.setdefault("partial_rotary_factor", f.get("partial_rotary_factor"))
@@ -147,23 +151,48 @@ def _rope_params(f: _Fields, family: str) -> tuple[dict, dict | None]:
     return scaling, local
 
 
+def _yarn_fields(f: _Fields, params: dict) -> dict:
+    """YaRN's ModelConfig fields as transformers 5 reads them (``_compute_yarn_parameters``,
+    ``standardize_rope_params``): the original context from a top-level original_max_position_embeddings, else
+    the rope dict's, else max_position_embeddings; a missing factor is max_position_embeddings / that; the
+    attention factor from attention_factor, else mscale / mscale_all_dim, else 0 (0.1 ln(factor) + 1)."""
+    original = int(f.config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                   or f.need("max_position_embeddings"))
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else int(f.need("max_position_embeddings")) / original
+    attention = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:
+        def scaled(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        attention = scaled(float(mscale)) / scaled(float(mscale_all_dim))
+    return dict(rope_scaling_factor=factor, rope_original_max_seq_len=original,
+                rope_yarn_beta_fast=float(params.get("beta_fast") or 32), rope_yarn_beta_slow=float(
+                    params.get("beta_slow") or 1), rope_yarn_truncate=bool(params.get("truncate", True)),
+                rope_attention_factor=float(attention or 0.0))
+
+
 def _rope_fields(f: _Fields, family: str, context: int) -> dict:
     """The ModelConfig rotary fields: base, scaling and Gemma 3's local base."""
     params, local = _rope_params(f, family)
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in _ROPE_TYPES:
-        raise ConfigError(f"{f.where}: rope_scaling type {rope_type!r} is not computed (supported: "
-                          f"{', '.join(_ROPE_TYPES)})")
+        field = "rope_scaling" if f.config.get("rope_scaling") else "rope_parameters"
+        raise ConfigError(f"{f.where}: {field}.rope_type = {rope_type!r} is not computed by our decoder (supported: "
+                          f"{', '.join(_ROPE_TYPES)}); transformers would apply it, so the model would differ")
     if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ConfigError(f"{f.where}: partial_rotary_factor = {params['partial_rotary_factor']} is not computed "
                           f"(rotary embeddings over the whole head only)")
     out = dict(rope_theta=float(params.get("rope_theta") or f.get("rope_theta")), rope_scaling=_ROPE_TYPES[rope_type])
-    if rope_type != "default":
+    if rope_type not in ("default", "yarn"):  # yarn's factor may be left out (see _yarn_fields)
         out["rope_scaling_factor"] = float(params["factor"])
     if rope_type == "llama3":
         out.update(rope_low_freq_factor=float(params["low_freq_factor"]),
                    rope_high_freq_factor=float(params["high_freq_factor"]),
                    rope_original_max_seq_len=int(params["original_max_position_embeddings"]))
+    if rope_type == "yarn":
+        out.update(_yarn_fields(f, params))
     if rope_type == "dynamic":
         original = int(f.need("max_position_embeddings"))
         if context > original:
@@ -254,6 +283,12 @@ def _rope_scaling(cfg: ModelConfig) -> dict | None:
     if cfg.rope_scaling == "llama3":
         scaling.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
                        original_max_position_embeddings=cfg.rope_original_max_seq_len)
+    if cfg.rope_scaling == "yarn":
+        scaling.update(original_max_position_embeddings=cfg.rope_original_max_seq_len,
+                       beta_fast=cfg.rope_yarn_beta_fast, beta_slow=cfg.rope_yarn_beta_slow,
+                       truncate=cfg.rope_yarn_truncate)
+        if cfg.rope_attention_factor:
+            scaling["attention_factor"] = cfg.rope_attention_factor
     return scaling
 
 
@@ -273,6 +308,9 @@ def _computation(cfg: ModelConfig) -> dict:
         out.update(factor=cfg.rope_scaling_factor, original=cfg.rope_original_max_seq_len)
     if cfg.rope_scaling == "llama3":
         out.update(low=cfg.rope_low_freq_factor, high=cfg.rope_high_freq_factor)
+    if cfg.rope_scaling == "yarn":
+        out.update(beta=(cfg.rope_yarn_beta_fast, cfg.rope_yarn_beta_slow), truncate=cfg.rope_yarn_truncate,
+                   attention=rope_attention_factor(cfg))
     return out
 
 

@@ -33,6 +33,8 @@ def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     factor = cfg.rope_scaling_factor
     if cfg.rope_scaling == "linear":
         return inv_freq / factor
+    if cfg.rope_scaling == "yarn":
+        return _yarn_frequencies(inv_freq, cfg)
     if cfg.rope_scaling != "llama3":  # none; dynamic is plain rotary within its original context
         return inv_freq
     # Llama 3.1: wavelengths above the original context / low_freq_factor are stretched by factor, those below
@@ -47,6 +49,36 @@ def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, transformers' ``_compute_yarn_parameters``): the dimensions that turn fewer than
+    beta_slow times over the original context are interpolated (frequency / factor), those that turn more than
+    beta_fast times are kept, with a linear ramp over the dimensions between."""
+    dim, base, context = 2 * inv_freq.numel(), cfg.rope_theta, cfg.rope_original_max_seq_len
+
+    def dimension(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the context
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(cfg.rope_yarn_beta_fast), dimension(cfg.rope_yarn_beta_slow)
+    if cfg.rope_yarn_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no empty ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # (hd/2,): 1 where the frequency is kept (extrapolated), 0 where interpolated
+    return inv_freq / cfg.rope_scaling_factor * (1 - kept) + inv_freq * kept
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for every other scaling): ``rope_attention_factor``, or the
+    paper's 0.1 ln(factor) + 1 when it is 0."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor:
+        return cfg.rope_attention_factor
+    return 1.0 if cfg.rope_scaling_factor <= 1 else 0.1 * math.log(cfg.rope_scaling_factor) + 1.0
+
+
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
                 cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables, each (max_seq_len, head_dim), in the rotate-half layout Hugging Face Llama uses,
@@ -59,6 +91,9 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None,
     freqs = torch.outer(t, inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
     signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)  # (T, hd)
+    scale = rope_attention_factor(cfg) if cfg is not None else 1.0
+    if scale != 1.0:  # YaRN's attention factor, on the tables as transformers applies it
+        return emb.cos() * scale, signed_sin * scale
     return emb.cos(), signed_sin
 
 
@@ -416,9 +451,9 @@ class Transformer(nn.Module):
 
 def check_rope(cfg: ModelConfig) -> None:
     """The rotary scalings' own requirements, one line each."""
-    if cfg.rope_scaling == "llama3" and cfg.rope_original_max_seq_len <= 0:
-        raise ConfigError("model.rope_scaling = llama3 needs model.rope_original_max_seq_len (the pretraining "
-                          "context, original_max_position_embeddings)")
+    if cfg.rope_scaling in ("llama3", "yarn") and cfg.rope_original_max_seq_len <= 0:
+        raise ConfigError(f"model.rope_scaling = {cfg.rope_scaling} needs model.rope_original_max_seq_len (the "
+                          f"pretraining context, original_max_position_embeddings)")
     if cfg.rope_scaling == "dynamic" and cfg.max_seq_len > cfg.rope_original_max_seq_len:
         raise ConfigError(f"model.rope_scaling = dynamic is computed only within its original context "
                           f"(model.rope_original_max_seq_len = {cfg.rope_original_max_seq_len}); "

@@ -30,7 +30,14 @@ import torch
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.deepspeed_format import TAG, convert_to_universal, is_deepspeed_checkpoint
 from scaletrain.checkpoint.manager import CheckpointError
-from scaletrain.checkpoint.training import RNGState, TrainState, roll_back_to_latest, saved_config
+from scaletrain.checkpoint.training import (
+    RNGState,
+    TrainState,
+    checkpoint_to_resume,
+    fallback_note,
+    roll_back_to_latest,
+    saved_config,
+)
 from scaletrain.config import JobConfig, to_toml
 from scaletrain.model import build_model
 from scaletrain.parallel import ParallelDims, ParallelModel
@@ -170,12 +177,11 @@ class DeepSpeedCheckpoint:
         return meta
 
     def resume(self) -> Path | None:
-        self.manager.remove_partial()
-        path = self.manager.latest(warn=self.message)
+        path = checkpoint_to_resume(self.manager, self.message)
         if path is None:
             return None
         self.load(path, tuple(self.local))
-        self.message(f"resumed from {path} (step {self.state.step}, DeepSpeed checkpoint)")
+        self.message(f"resumed from {path} (step {self.state.step}, DeepSpeed checkpoint){fallback_note(self.manager)}")
         return path
 
     def roll_back(self) -> Path | None:

@@ -54,13 +54,18 @@ class TrainingError(UserError, RuntimeError):
     """Training cannot go on (e.g. non-finite steps with nothing to roll back to); printed as one line."""
 
 
+# (resolved job, precision, device, degrees) -> a one-line refusal when the job will not fit in memory, else None
+MemoryCheck = Callable[[JobConfig, str, torch.device, ParallelDims], "str | None"]
 
 
 class Trainer:
     """Build order: config -> degrees checked -> process group -> run folder -> data -> the engine's model on
     meta -> parallelize (split, shard, materialize, init) -> optimizer -> loader for this data-parallel rank."""
 
-    def __init__(self, cfg: JobConfig, *, log: bool = True):
+    def __init__(self, cfg: JobConfig, *, log: bool = True, memory_check: MemoryCheck | None = None):
+        """``memory_check(cfg, precision, device, dims)``: rank 0's refusal (one line) of a job that will not fit
+        this machine's memory, or None; asked once the vocabulary is known, before the model is built (the
+        planner's estimate sits above this layer: ``scaletrain train`` passes ``plan.fit.memory_refusal``)."""
         self.started = time.time()  # a preemption trigger file older than this is an earlier run's leftover
         self.launcher = torchrun_launcher()  # taken first: the agent may die during the set-up below
         self.device = resolve_device(cfg.train.device)
@@ -95,6 +100,8 @@ class Trainer:
         self.data_dir, self.instructions = self.data.data_dir, self.data.instructions
         self.cfg = cfg
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)  # now with the vocab
+        if memory_check is not None:
+            self._check_memory(memory_check, cfg, dims)
         cfg = self._choose_compile(cfg, dims)  # train.compile = auto decided (train/compile_choice.py)
         self._run_config = saved_config(cfg)
         # The run folder is self-contained (tokenizer.json, config.toml). On a resume they are rewritten only
@@ -171,6 +178,12 @@ class Trainer:
         if why:
             self._message(why)
         return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=choice))
+
+    def _check_memory(self, memory_check: MemoryCheck, cfg: JobConfig, dims: ParallelDims) -> None:
+        """Before the model is built: rank 0 asks ``memory_check``; every rank raises its refusal."""
+        refusal = rank_zero_object(memory_check(cfg, self.precision, self.device, dims) if self.is_main else None)
+        if refusal:
+            raise ConfigError(refusal if self.is_main else "rank 0 found too little memory for this job")
 
     def _check_disk(self, cfg: JobConfig) -> None:
         """Nothing tells a person how much disk the checkpoints take unless we do, before step 1: the note for

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from scaletrain.config import ConfigError, JobConfig, validate_job
-from scaletrain.finetune.lora import check_lora_targets
+from scaletrain.finetune.lora import check_lora_targets, check_qlora_installed
 from scaletrain.finetune.qat import check_qat
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.deepspeed_engine import check_deepspeed
@@ -28,8 +28,9 @@ def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
         raise ConfigError("train.precision=fp16 (gradient scaler) is not supported with parallel.pp > 1; use bf16")
 
 
-def check_finetune(cfg: JobConfig, world_size: int) -> None:
-    """What fine-tuning (finetune.source set) combines with; the rest is untested, so refused."""
+def check_finetune(cfg: JobConfig, world_size: int, here: bool = True) -> None:
+    """What fine-tuning (finetune.source set) combines with; the rest is untested, so refused. ``here``: also
+    what this machine must have installed (QLoRA: torchao)."""
     ft, par = cfg.finetune, cfg.parallel
     if ft.instructions and not ft.source:
         raise ConfigError("finetune.instructions needs finetune.source (the base whose tokenizer reads them)")
@@ -48,6 +49,8 @@ def check_finetune(cfg: JobConfig, world_size: int) -> None:
                           f"parallel.tp/pp/cp=1 and parallel.low_comm=none, or use finetune.method=full")
     if par.low_comm != "none":
         raise ConfigError("fine-tuning with parallel.low_comm is not supported; set parallel.low_comm=none")
+    if ft.method == "qlora" and here:
+        check_qlora_installed()
     if ft.method == "qlora" and (world_size > 1 or cfg.train.compile == "true"):
         raise ConfigError("finetune.method=qlora runs in one process without train.compile (the 4-bit torchao "
                           "base is untested with DDP/FSDP2 and compile); use method=lora to scale out")
@@ -140,7 +143,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     for a target machine) skips what only this machine's installation decides (DeepSpeed, libaio)."""
     validate_job(cfg)
     check_feature_combinations(cfg, precision)
-    check_finetune(cfg, world_size)
+    check_finetune(cfg, world_size, here)
     check_mup(cfg)
     check_optimizer(cfg)
     check_distillation(cfg, here)

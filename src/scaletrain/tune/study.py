@@ -106,10 +106,10 @@ def predicted_memory(cfg: JobConfig, device_kind: str) -> float:
     after the trainer's own entry check (``check_runnable``), which raises ConfigError for a job it refuses."""
     import torch
 
+    from scaletrain.allocator import in_use
     from scaletrain.data.run_data import prepare_data, resolve_vocab
     from scaletrain.data.shards import read_manifest
-    from scaletrain.plan.memory import memory_breakdown
-    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.plan.fit import estimated_bytes
     from scaletrain.train.precision import resolve_precision
     from scaletrain.train.validate import check_runnable
 
@@ -118,13 +118,7 @@ def predicted_memory(cfg: JobConfig, device_kind: str) -> float:
     precision = resolve_precision(cfg.train.precision, torch.device(device))[0]
     check_runnable(cfg, 1, device, precision)
     cfg, _ = resolve_vocab(cfg, read_manifest(prepare_data(cfg)))
-    t = cfg.train
-    workload = Workload(cfg.model, cfg.data.seq_len, t.batch_size * t.grad_accum_steps, float(t.steps),
-                        "bf16" if precision in ("bf16", "fp16") else "fp32", cfg.optim.name)
-    plan = Plan(micro_batch=t.batch_size, activation_checkpointing=cfg.parallel.activation_checkpointing)
-    from scaletrain.allocator import in_use
-
-    return memory_breakdown(workload, plan, device_kind, allocator=in_use()).total
+    return estimated_bytes(cfg, precision, device_kind, allocator=in_use())
 
 
 class Objective:
