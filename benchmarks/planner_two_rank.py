@@ -1,6 +1,6 @@
 """The planner on two ranks: `scaletrain plan` against real 2-rank `scaletrain train` runs on this CPU.
 
-Each row is a shape of our own (FSDP2 ZeRO-3 and ZeRO-2, DDP, tensor parallelism; fp32, a few steps, about a
+Each row is a shape of our own (FSDP2 ZeRO-3 and ZeRO-2, DDP and ZeRO-1, tensor parallelism; fp32, a few steps, about a
 minute each): the real run is launched as a user launches it,
 
     torchrun --standalone --nproc-per-node 2 -m scaletrain.cli train --config ROW.toml --parallel.dp_shard=2 ...
@@ -16,7 +16,7 @@ not final (the planner's step is a quiet machine's): rerun on a quiet machine fo
 `doctor`'s: run `scaletrain doctor` and `torchrun --nproc-per-node 2 -m scaletrain.cli doctor` first (the plan
 measures it if missing, slowly).
 
-    .venv/bin/python benchmarks/planner_two_rank.py                       # every row (~6 minutes)
+    .venv/bin/python benchmarks/planner_two_rank.py                       # every row (~8 minutes)
     .venv/bin/python benchmarks/planner_two_rank.py --rows z3-d384,ddp-d384 --steps 6
 """
 
@@ -74,6 +74,7 @@ ROWS = [
     Row("z3-d384", D384, 2, 256, {"dp_shard": 2, "zero_stage": 3}),
     Row("z2-d384", D384, 2, 256, {"dp_shard": 2, "zero_stage": 2}),
     Row("ddp-d384", D384, 2, 256, {"dp_replicate": 2}),
+    Row("zero1-d384", D384, 2, 256, {"dp_replicate": 2, "zero_stage": 1}),
     Row("tp-d384", D384, 2, 256, {"tp": 2}),
     Row("z3-d512-v32k", D512, 2, 256, {"dp_shard": 2, "zero_stage": 3}),
     Row("ddp-d512-v32k", D512, 2, 256, {"dp_replicate": 2}),
