@@ -104,6 +104,8 @@ def test_a_slow_step_looks_at_the_load_once_and_acts(monkeypatch):
             watch.before_step()
             watch.after_step(4.7, step)
         assert readings == [1] and len(lines) == 1
+        watch.restore()  # the trainer's close: the next trainer in this process starts from the same count
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 

@@ -106,6 +106,7 @@ class ThreadWatch:
         passes its own."""
         self.pinned = threads_pinned(configured_threads)
         self.say, self.probe, self.contention = say, probe, contention
+        self.threads_before = torch.get_num_threads()  # restored by ``restore``: the setting is process-wide
         self.cores = cores or cores_available()
         self.expected_seconds: float | None = None  # the step's estimate, set by the trainer once it has one
         self.looked_again = False
@@ -136,6 +137,12 @@ class ThreadWatch:
         if (not self.looked_again and self.expected_seconds and step > WARMUP_STEPS
                 and seconds > FAR_BEYOND * self.expected_seconds):
             self.looked_again = self._measure_next = True
+
+    def restore(self) -> None:
+        """The thread count from before this watch changed it: a process that builds another trainer afterwards
+        (a test, tune's trials) starts from the same count and measures the load afresh."""
+        if torch.get_num_threads() != self.threads_before:
+            torch.set_num_threads(self.threads_before)
 
     def _apply(self, choice: ThreadChoice) -> None:
         if choice.line:
