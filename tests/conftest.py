@@ -10,10 +10,6 @@ import os
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-else:  # serially (-n 0): every core, as torch would take, but pinned: tests compare runs bitwise, and a count the
-    # trainer picked from the machine's load (train/contention.py) could differ between two runs of one test
-    os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                 else os.cpu_count() or 1))
 # Keep the measured-peak cache out of the user's home during tests; one per worker, so no test sees another
 # test's measurement appear half-way through.
 os.environ.setdefault("SCALETRAIN_CACHE", os.path.join(os.path.dirname(__file__), ".cache", WORKER))

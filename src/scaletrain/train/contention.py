@@ -29,6 +29,7 @@ CONTENDED_WAIT = 0.25  # this process's threads waited for a core more than this
 FAR_BEYOND = 3.0  # a step this many times its estimate makes the trainer look at the load again
 PROBE_SECONDS = 0.2  # the start's probe: a small matmul on every torch thread, timed under CoreContention
 WARMUP_STEPS = 3  # the first steps allocate, compile and fill caches: not a measure of the machine
+_decided = False  # the start's probe ran in this process (ThreadWatch.at_start)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,6 @@ class ThreadWatch:
         passes its own."""
         self.pinned = threads_pinned(configured_threads)
         self.say, self.probe, self.contention = say, probe, contention
-        self.threads_before = torch.get_num_threads()  # restored by ``restore``: the setting is process-wide
         self.cores = cores or cores_available()
         self.expected_seconds: float | None = None  # the step's estimate, set by the trainer once it has one
         self.looked_again = False
@@ -115,7 +115,12 @@ class ThreadWatch:
 
     def at_start(self) -> None:
         """Probe the load when there are threads to give up (one thread has nothing to choose: the slow-step
-        check still says when the machine is busy)."""
+        check still says when the machine is busy). Once per process: a later trainer in it (tune's trials, a
+        test comparing two runs bitwise) keeps the count the first one chose rather than a new reading's."""
+        global _decided
+        if _decided:
+            return
+        _decided = True
         if torch.get_num_threads() > 1:
             self._apply(choose_threads(torch.get_num_threads(), self.cores, self.probe(), self.pinned))
 
@@ -137,12 +142,6 @@ class ThreadWatch:
         if (not self.looked_again and self.expected_seconds and step > WARMUP_STEPS
                 and seconds > FAR_BEYOND * self.expected_seconds):
             self.looked_again = self._measure_next = True
-
-    def restore(self) -> None:
-        """The thread count from before this watch changed it: a process that builds another trainer afterwards
-        (a test, tune's trials) starts from the same count and measures the load afresh."""
-        if torch.get_num_threads() != self.threads_before:
-            torch.set_num_threads(self.threads_before)
 
     def _apply(self, choice: ThreadChoice) -> None:
         if choice.line:

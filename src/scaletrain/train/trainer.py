@@ -186,8 +186,6 @@ class Trainer:
         """Barrier, then destroy the process group (a no-op in a single process or when already closed), and
         free the run folder's lock."""
         destroy_distributed(self.env)
-        if self.thread_watch is not None:
-            self.thread_watch.restore()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
