@@ -1,6 +1,6 @@
 """The planner on two ranks: `scaletrain plan` against real 2-rank `scaletrain train` runs on this CPU.
 
-Each row is a shape of our own (FSDP2 ZeRO-3 and ZeRO-2, DDP, tensor parallelism; fp32, a few steps, about a
+Each row is a shape of our own (FSDP2 ZeRO-3 and ZeRO-2, DDP and ZeRO-1, tensor parallelism; fp32, a few steps, about a
 minute each): the real run is launched as a user launches it,
 
     torchrun --standalone --nproc-per-node 2 -m scaletrain.cli train --config ROW.toml --parallel.dp_shard=2 ...
@@ -16,8 +16,10 @@ not final (the planner's step is a quiet machine's): rerun on a quiet machine fo
 `doctor`'s: run `scaletrain doctor` and `torchrun --nproc-per-node 2 -m scaletrain.cli doctor` first (the plan
 measures it if missing, slowly).
 
-    .venv/bin/python benchmarks/planner_two_rank.py                       # every row (~6 minutes)
+    .venv/bin/python benchmarks/planner_two_rank.py                       # every row (~8 minutes)
     .venv/bin/python benchmarks/planner_two_rank.py --rows z3-d384,ddp-d384 --steps 6
+    .venv/bin/python benchmarks/planner_two_rank.py --rows held_out --steps 6 \
+        --out benchmarks/results/planner_two_rank_held_out.json             # issue 36's shape (~5 minutes)
 """
 
 from __future__ import annotations
@@ -74,10 +76,15 @@ ROWS = [
     Row("z3-d384", D384, 2, 256, {"dp_shard": 2, "zero_stage": 3}),
     Row("z2-d384", D384, 2, 256, {"dp_shard": 2, "zero_stage": 2}),
     Row("ddp-d384", D384, 2, 256, {"dp_replicate": 2}),
+    Row("zero1-d384", D384, 2, 256, {"dp_replicate": 2, "zero_stage": 1}),
     Row("tp-d384", D384, 2, 256, {"tp": 2}),
     Row("z3-d512-v32k", D512, 2, 256, {"dp_shard": 2, "zero_stage": 3}),
     Row("ddp-d512-v32k", D512, 2, 256, {"dp_replicate": 2}),
 ]
+# Issue 36's shape, which none of the rows above (nor the constants fitted on them) saw: smollm2-135m blocks with
+# the preset's 49,152-row vocabulary. ~13 s a step on a quiet 2-core machine: only with --rows held_out.
+SMOLLM2 = {"preset": "smollm2-135m", "vocab_size": 49152}
+HELD_OUT = [Row("z3-smollm2-v49k", SMOLLM2, 2, 256, {"dp_shard": 2, "zero_stage": 3})]
 
 
 def measure(row: Row, steps: int, scratch: Path) -> dict:
@@ -129,14 +136,16 @@ def compare(row: Row, measured: dict, planned: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    parser.add_argument("--rows", default="", help="comma-separated row names, or held_out for issue 36's shape "
+                                                   "(default: every row but that one)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (median after the first "
                                                              f"{WARMUP_STEPS})")
     parser.add_argument("--out", default=default_out("planner_two_rank.json"),
                         help=OUT_HELP.format(name="planner_two_rank.json"))
     args = parser.parse_args()
     names = [n for n in args.rows.split(",") if n]
-    rows = [r for r in ROWS if not names or r.name in names]
+    rows = [r for r in ROWS + HELD_OUT if r.name in names or (r in HELD_OUT and "held_out" in names)] if names \
+        else list(ROWS)
     from rich.console import Console
     from rich.table import Table
 

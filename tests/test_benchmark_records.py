@@ -3,21 +3,11 @@ a time belongs to one CPU, and bf16 speed to its flags (AVX512_BF16, AMX)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
+from helpers.scripts import import_benchmark
 from scaletrain.peak import SPEED_FLAGS, cpu_features
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _launch_module():
-    spec = importlib.util.spec_from_file_location("bench_launch", ROOT / "benchmarks" / "launch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_flags_that_decide_speed_are_read_from_cpuinfo():
@@ -33,7 +23,7 @@ def test_the_flags_that_decide_speed_are_read_from_cpuinfo():
 
 
 def test_every_written_result_carries_the_cpu(tmp_path):
-    launch = _launch_module()
+    launch = import_benchmark("launch")
     path = launch.write_result(tmp_path / "x.json", {"rows": [1, 2]})
     doc = json.loads(path.read_text())
     assert doc["rows"] == [1, 2]

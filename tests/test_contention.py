@@ -13,6 +13,7 @@ import torch
 
 from helpers.faults import write_config
 from helpers.waits import CEILING_S
+from scaletrain.train import contention as contention_module
 from scaletrain.train.contention import FAR_BEYOND, WARMUP_STEPS, Load, ThreadWatch, choose_threads
 
 
@@ -81,6 +82,7 @@ def test_a_slow_step_looks_at_the_load_once_and_acts(monkeypatch):
         readings.append(1)
         return _Reading(waited=0.5, others=0.5)
 
+    monkeypatch.setattr(contention_module, "_decided", False)  # this process's first trainer
     try:
         watch = ThreadWatch(0, lines.append, cores=2, probe=lambda: Load(0.0, 0.0), contention=contention)
         watch.at_start()
@@ -104,6 +106,8 @@ def test_a_slow_step_looks_at_the_load_once_and_acts(monkeypatch):
             watch.before_step()
             watch.after_step(4.7, step)
         assert readings == [1] and len(lines) == 1
+        # A later trainer in this process keeps the count: no second start probe.
+        ThreadWatch(0, lines.append, cores=2, probe=lambda: pytest.fail("probed twice")).at_start()
     finally:
         torch.set_num_threads(before)
 

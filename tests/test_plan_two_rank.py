@@ -4,20 +4,17 @@ worker runs on the system's malloc unless the environment preloads another; chec
 
 from __future__ import annotations
 
-import importlib
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
+from helpers.scripts import import_benchmark
 from scaletrain import allocator
 from scaletrain.config import ModelConfig
 from scaletrain.model.presets import block_params
 from scaletrain.plan.memory import GLOO_KEPT_SHARE, RECIPES, fsdp_collective_bytes, memory_breakdown, stage_params
 from scaletrain.plan.spec import Plan, Workload
 
-ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(dim=384, n_layers=6, n_heads=6, ffn_hidden_dim=1024, vocab_size=16384, max_seq_len=256)
 WORKLOAD = Workload(CFG, 256, 4, 1e6, "fp32")
 
@@ -35,6 +32,14 @@ def test_fsdp_on_a_cpu_counts_what_gloo_leaves_held_and_ddp_tp_and_gpus_do_not()
     for plan in (Plan(dp_replicate=2, micro_batch=2), Plan(tp=2, micro_batch=2)):
         assert memory_breakdown(WORKLOAD, plan, "cpu").gloo_buffers == 0
     assert memory_breakdown(WORKLOAD, Plan(dp_shard=2, micro_batch=2, zero_stage=3), "gpu").gloo_buffers == 0
+
+
+def test_ddp_buckets_on_a_cpu_take_no_allocator_margin():
+    """Gradients in DDP's buckets are allocated once, not every step: 2-rank DDP runs measured no margin beyond
+    their tensors and runtime (benchmarks/planner_two_rank.py); a single process keeps glibc's."""
+    for plan in (Plan(dp_replicate=2, micro_batch=2), Plan(dp_replicate=2, micro_batch=2, zero_stage=1)):
+        assert memory_breakdown(WORKLOAD, plan, "cpu").allocator_margin == 0
+    assert memory_breakdown(WORKLOAD, Plan(micro_batch=2), "cpu").allocator_margin > 0
 
 
 def test_zero2_holds_the_gathered_parameters_beside_their_shards():
@@ -72,11 +77,7 @@ def test_the_plan_of_two_auto_ranks_uses_the_workers_allocator(monkeypatch):
 def test_two_rank_memory_is_within_10_percent_of_a_real_run(tmp_path):
     """`scaletrain plan` against the peak resident memory per rank of a real `torchrun --nproc-per-node 2 -m
     scaletrain.cli train` (FSDP2 ZeRO-3, gloo), through benchmarks/planner_two_rank.py's own measure and plan."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        bench = importlib.import_module("planner_two_rank")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench = import_benchmark("planner_two_rank")
     row = next(r for r in bench.ROWS if r.name == "z3-d384")
     measured = bench.measure(row, steps=6, scratch=tmp_path)
     planned = bench.plan(row, tmp_path, hardware="cpu:2")  # memory only: the catalog CPU needs no calibration

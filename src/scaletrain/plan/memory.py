@@ -368,7 +368,10 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
                  + ph.get("comm", 0.0))
         if total > best_total:
             best_name, best, best_total = name, ph, total
-    margin = best_total * allocator_margin(device_kind, allocator)
+    # glibc's CPU margin comes from gradients allocated anew every step between the activations; DDP keeps them in
+    # its buckets (allocated once), and 2-rank DDP runs measured no margin (946 MiB vs 946 of tensors and runtime
+    # for a 23M model, 1368 vs 1389 for a 46M one: benchmarks/planner_two_rank.py).
+    margin = 0.0 if device_kind == "cpu" and in_buckets else best_total * allocator_margin(device_kind, allocator)
     runtime = RUNTIME_BYTES[device_kind]
     gloo = GLOO_KEPT_SHARE * fsdp_collective_bytes(plan, psi, layers * block_p, rec) \
         if device_kind == "cpu" and fsdp and not deepspeed else 0.0

@@ -29,6 +29,7 @@ CONTENDED_WAIT = 0.25  # this process's threads waited for a core more than this
 FAR_BEYOND = 3.0  # a step this many times its estimate makes the trainer look at the load again
 PROBE_SECONDS = 0.2  # the start's probe: a small matmul on every torch thread, timed under CoreContention
 WARMUP_STEPS = 3  # the first steps allocate, compile and fill caches: not a measure of the machine
+_decided = False  # the start's probe ran in this process (ThreadWatch.at_start)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,12 @@ class ThreadWatch:
 
     def at_start(self) -> None:
         """Probe the load when there are threads to give up (one thread has nothing to choose: the slow-step
-        check still says when the machine is busy)."""
+        check still says when the machine is busy). Once per process: a later trainer in it (tune's trials, a
+        test comparing two runs bitwise) keeps the count the first one chose rather than a new reading's."""
+        global _decided
+        if _decided:
+            return
+        _decided = True
         if torch.get_num_threads() > 1:
             self._apply(choose_threads(torch.get_num_threads(), self.cores, self.probe(), self.pinned))
 
