@@ -139,12 +139,37 @@ class RunLock:
 def one_writer(folder: str | Path, what: str, elsewhere: str, name: str = LOCK_FILE):
     """Hold ``RunLock`` of ``folder`` (lock file ``name`` in it) while the block writes: a second process
     writing the same thing is refused in one line naming ``what``, the holder and ``elsewhere``."""
+    folder = Path(folder)
+    made = folder  # the outermost folder the lock file makes (None: the folder exists)
+    while not made.parent.exists() and made.parent != made.parent.parent:
+        made = made.parent
+    made = None if folder.exists() else made
     with guarded_write(f"the folder {folder}", folder):  # a path that cannot be made: one line naming it
         lock = RunLock.take(folder, name, what, elsewhere)
     try:
         yield lock
+    except BaseException:
+        if made is not None:  # refused or interrupted: no folder left behind that only the lock made
+            lock.release()
+            _remove_made(lock.path, made)
+        raise
     finally:
         lock.release()
+
+
+def _remove_made(lock_file: Path, made: Path) -> None:
+    """Remove ``lock_file`` and the folders above it up to ``made`` while they are empty."""
+    with contextlib.suppress(OSError):
+        lock_file.unlink()
+    folder = lock_file.parent
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        if folder == made:
+            return
+        folder = folder.parent
 
 
 def _command() -> str:
