@@ -279,11 +279,12 @@ def _broken_base(workdir: Path, tag: str, config_change: dict | None = None) -> 
 
 
 def test_bad_family_folders_are_one_line_exit_2(workdir, capsys):
-    """An unsupported model_type, a rope scaling we do not compute, only pickled weights, a config/weights shape
-    mismatch, and the base's template asked for when the tokenizer has none: one line each, exit 2."""
+    """An unsupported model_type, a rope scaling we do not compute (longrope), only pickled weights, a config/weights
+    shape mismatch, and the base's template asked for when the tokenizer has none: one line each, exit 2."""
     unsupported = _broken_base(workdir, "gpt_neox", {"model_type": "gpt_neox"})
-    yarn = _broken_base(workdir, "yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                                              "original_max_position_embeddings": 4096}})
+    longrope = _broken_base(workdir, "longrope", {"rope_parameters": {  # yarn is computed now (test_families.py)
+        "rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0], "rope_theta": 1e6,
+        "original_max_position_embeddings": 4096}})
     pickled = _broken_base(workdir, "pickled")
     torch.save(safetensors_torch.load_file(str(pickled / "model.safetensors")), pickled / "pytorch_model.bin")
     (pickled / "model.safetensors").unlink()
@@ -294,7 +295,7 @@ def test_bad_family_folders_are_one_line_exit_2(workdir, capsys):
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                              {"role": "assistant", "content": "Hello."}]}) + "\n")
     cases = [(unsupported, {}, "model_type 'gpt_neox' is not supported"),
-             (yarn, {}, "rope_scaling type 'yarn' is not computed"),
+             (longrope, {}, "rope_parameters.rope_type = 'longrope' is not computed"),
              (pickled, {}, "only pickled weights"),
              (mismatch, {}, "has shape"),
              (no_template, {"finetune.instructions": chat, "finetune.chat_template": "base"},

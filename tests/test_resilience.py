@@ -161,7 +161,13 @@ def test_resume_with_only_a_damaged_checkpoint_is_refused(tmp_path, tiny, capsys
     assert "starting from scratch" not in out + err and "done:" not in out
     assert err.startswith("CheckpointError: no valid checkpoint to resume from") and message in err, err
     assert "--overwrite" in err and len(err.strip().splitlines()) == 1
-    assert only.is_dir() and not (tmp_path / "run" / "checkpoints" / "step-00000008").exists()
+    run = tmp_path / "run"
+    assert only.is_dir() and not (run / "checkpoints" / "step-00000008").exists()
+    assert (run / "config.toml").is_file() and not list(run.glob("replaced-*"))  # nothing moved aside either
+    # --overwrite starts over as the line says: the damaged checkpoint goes
+    fresh = tiny(run, **{"checkpoint.interval": 3, "train.steps": 3})
+    assert main(["train", "--overwrite"] + [f"--{k}={v}" for k, v in fresh.items()]) == 0
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000003"]
 
 
 def test_retention_keeps_last_and_every(tmp_path, tiny):

@@ -139,12 +139,37 @@ class RunLock:
 def one_writer(folder: str | Path, what: str, elsewhere: str, name: str = LOCK_FILE):
     """Hold ``RunLock`` of ``folder`` (lock file ``name`` in it) while the block writes: a second process
     writing the same thing is refused in one line naming ``what``, the holder and ``elsewhere``."""
+    folder = Path(folder)
+    made = folder  # the outermost folder the lock file makes (None: the folder exists)
+    while not made.parent.exists() and made.parent != made.parent.parent:
+        made = made.parent
+    made = None if folder.exists() else made
     with guarded_write(f"the folder {folder}", folder):  # a path that cannot be made: one line naming it
         lock = RunLock.take(folder, name, what, elsewhere)
     try:
         yield lock
+    except BaseException:
+        if made is not None:  # refused or interrupted: no folder left behind that only the lock made
+            lock.release()
+            _remove_made(lock.path, made)
+        raise
     finally:
         lock.release()
+
+
+def _remove_made(lock_file: Path, made: Path) -> None:
+    """Remove ``lock_file`` and the folders above it up to ``made`` while they are empty."""
+    with contextlib.suppress(OSError):
+        lock_file.unlink()
+    folder = lock_file.parent
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        if folder == made:
+            return
+        folder = folder.parent
 
 
 def _command() -> str:
@@ -199,6 +224,9 @@ def claim_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume
     if resume and complete:
         meta = CheckpointManager.read_meta(complete[-1])
         return meta.get("run_id") or _read_run_id(run_dir) or new_run_id()
+    unmarked = [p for p in sorted(checkpoints.folder.glob("step-*")) if p not in complete]  # damaged (no meta.json)
+    if resume and unmarked:  # nothing moved aside: the resume names them and refuses (checkpoint_to_resume)
+        return _read_run_id(run_dir) or new_run_id()
     if complete and not overwrite:
         steps = [int(p.name.split("-")[1]) for p in complete]
         raise ConfigError(f"run folder {run_dir} holds checkpoints of an earlier run (step {steps[-1]}"
@@ -206,11 +234,11 @@ def claim_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume
                           "continue it, another --train.run_dir to start a new one beside it, or --overwrite to "
                           "delete it and start again")
     moved = _set_aside(run_dir)
-    if complete:  # overwrite: the old run's checkpoints go
-        for path in complete:
+    if overwrite and (complete or unmarked):  # the old run's checkpoints go, damaged ones too
+        for path in complete + unmarked:
             shutil.rmtree(path, ignore_errors=True)
-        say(f"--overwrite: deleted the earlier run's {len(complete)} checkpoint(s) in {checkpoints.folder}"
-            + (f"; its logs are in {moved}" if moved else ""))
+        say(f"--overwrite: deleted the earlier run's {len(complete) + len(unmarked)} checkpoint(s) in "
+            f"{checkpoints.folder}" + (f"; its logs are in {moved}" if moved else ""))
     elif moved:
         say(f"note: {run_dir} held files of an earlier run without a checkpoint; moved them to {moved}")
     checkpoints.remove_partial()
