@@ -299,6 +299,7 @@ def prepare(cfg: PrepareConfig, report: Report | None = None, log: Callable[[str
     manifest is written last, so a half-written folder is never taken for a prepared one, and a run
     again reuses the passes that completed."""
     validate(cfg)
+    cfg = dataclasses.replace(cfg, dedup=dedup.available(cfg.dedup, log))
     out = Path(cfg.output.dir)
     with guarded_write(f"prepared data in {out}", out, cleanup=lambda: list(out.rglob("*.tmp")),
                        intact="nothing half-written is used (the manifest is written last); free space and run "
