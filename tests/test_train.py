@@ -264,7 +264,7 @@ def test_compiled_training_matches_eager(tmp_path, tiny):
         losses_by_mode[compiled] = [trainer.step()["loss"] for _ in range(4)]
         assert (counters["stats"]["unique_graphs"] > 0) == compiled
         assert math.isfinite(trainer.evaluate())
-        assert len(trainer.sample(12)) > 0
+        assert len(trainer.sample(12)[0]) > 1
     assert losses_by_mode[True] == pytest.approx(losses_by_mode[False], rel=1e-4)
 
 
