@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -298,11 +299,13 @@ def test_report_of_a_run_stopped_early_says_where_and_labels_the_val_loss_with_i
 
     trigger = tmp_path / "stop-now"
     trigger.touch()
+    later = time.time() + 3600  # "written after the run started", however long the start takes (a stale one is not)
+    os.utime(trigger, (later, later))
     over = tiny(tmp_path / "run", **{"train.steps": "1500", "train.eval_interval": "500",
                                      "checkpoint.trigger_file": str(trigger)})
     assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 75
     rows = dict(header_rows(read_run(tmp_path / "run"), price=0.0))
-    assert rows["status"].startswith("stopped at step 1 of 1,500 (") and "finished" not in rows
+    assert rows["status"].startswith("stopped at step 1 of 1,500 (trigger file ") and rows["steps"] == "1 of 1,500"
     assert "final val loss" not in rows and re.fullmatch(r"\d+\.\d{4} \(step 0\)", rows["last val loss"])
 
 

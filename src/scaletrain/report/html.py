@@ -251,13 +251,20 @@ def _duration(seconds: float | None) -> str:
     return "-" if seconds is None else duration(seconds)
 
 
+def steps_done(run: RunData) -> int:
+    """The steps the run completed: its summary's (the trainer's count), else its last logged step (steps are
+    logged every logging.log_interval, so a run stopped between two logs completed more)."""
+    summary = run.segments[-1].get("summary", {}) if run.segments else {}
+    return int(summary.get("steps", run.train[-1]["step"] if run.train else 0))
+
+
 def run_status(run: RunData) -> str:
     """'finished' only for a run that reached train.steps; a run that ended before (a preemption notice or
     Ctrl-C, train.stop_at_step) says where it stopped, and why when the trainer recorded it."""
     if not run.finished:
         return "not finished (see the notes)"
     summary = run.segments[-1].get("summary", {})
-    step = summary.get("steps", run.train[-1]["step"] if run.train else 0)
+    step = steps_done(run)
     total = run.config.train.steps if run.config else None
     if total is None or step >= total:
         return "finished"
@@ -303,8 +310,7 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
              if "load_average" in hw else "-"),
             ("started", _fmt_time(run.start_time)),
             ("wall time", _duration(wall) + (f" over {len(segs)} segments (resumed)" if len(segs) > 1 else "")),
-            ("steps", str(run.train[-1]["step"] if run.train else 0)
-             + (f" of {run.config.train.steps}" if run.config else "")),
+            ("steps", f"{steps_done(run):,}" + (f" of {run.config.train.steps:,}" if run.config else "")),
             (val_label, val_text),
             ("median step / tokens/s", f"{_duration(run.median_step_seconds())} / "
                                        f"{run.median_tokens_per_second() or 0:,.0f}"),
