@@ -187,7 +187,7 @@ def test_default_recipe_smoke(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["train", "--optim.lrr=1"], "unrecognized arguments: --optim.lrr=1"),
     (["generate", "--run", "x", "--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
-    (["generate", "--run", "x", "--top-p", "2"], "--top-p in (0, 1]"),
+    (["generate", "--run", "x", "--top-p", "2"], "--top-p must be a finite number in (0, 1]"),
     (["train", "--optim.lr=-1"], "optim.lr must be > 0 (got -1.0)"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
