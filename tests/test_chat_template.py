@@ -340,4 +340,4 @@ def test_chat_and_generate_render_in_the_runs_template(chatml_base, tmp_path, ti
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
     assert main(["generate", "--run", str(run), "--prompts-file", str(bad)]) == 2
-    assert f"{bad}:1: \"messages\" must be a non-empty list" in capsys.readouterr().err
+    assert f"{bad}:1: message 1 must be {{'role': system|user|assistant, 'content': str}}" in capsys.readouterr().err

@@ -4,12 +4,13 @@ plays are kept, at the documented threshold (dedup.threshold = 0.2 on word 3-gra
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
 
 import pytest
 
-from scaletrain.data.dedup import Deduplicator, content_hash, signature
+from scaletrain.data.dedup import NEAR_OFF, Deduplicator, content_hash, signature
 from scaletrain.data.prepare_config import DedupConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "shakespeare"
@@ -67,3 +68,27 @@ def test_all_shakespeare_folio_modern_pairs():
         assert difflib.SequenceMatcher(None, kept, gone).ratio() > 0.6, (kept, gone)
         assert re.findall(r"\d", kept) == re.findall(r"\d", gone), (kept, gone)
     assert all(r["jaccard"] >= 0.3 for c in d.cluster_report() for r in c["removed"])
+
+
+def test_prepare_without_datasketch_removes_exact_duplicates_and_says_how_to_enable_near(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """The README's `pip install -e .` has no datasketch: `scaletrain prepare` stopped at once ("dedup.near
+    needs the datasketch package"). Now near-dedup is off with one line, and exact duplicates still go."""
+    import sys
+
+    from scaletrain.cli import main
+
+    monkeypatch.setitem(sys.modules, "datasketch", None)  # import datasketch -> ImportError
+    books = tmp_path / "books"
+    books.mkdir()
+    play = (Path(__file__).resolve().parents[1] / "src/scaletrain/assets/tinyshakespeare/input.txt").read_text()
+    for name in ("a.txt", "b.txt"):  # the same book twice: an exact duplicate
+        (books / name).write_text(play[:30000])
+    (books / "c.txt").write_text(play[30000:60000])
+    assert main(["prepare", str(books), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == NEAR_OFF and out.count("datasketch") == 1
+    assert "dedup: exact duplicate" in out
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["documents_in"] == 3 and report["removed"]["dedup"] == {"exact duplicate": {"documents": 1,
+                                                                                            "bytes": 30000}}

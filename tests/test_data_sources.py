@@ -178,3 +178,24 @@ def test_hf_name_loads_through_datasets_and_offline_never_hangs(tmp_path, monkey
     with pytest.raises(DataError, match="hf:scaletrain-test/does-not-exist: cannot load"):
         _read(["hf:scaletrain-test/does-not-exist"])
     assert time.perf_counter() - t0 < 60
+
+
+@pytest.mark.parametrize("encoding,variant", [("utf-16", "UTF-16"), ("utf-16-le", "UTF-16LE"),
+                                              ("utf-16-be", "UTF-16BE")])
+def test_a_utf16_file_is_named_utf16_with_the_command_that_converts_it(tmp_path, encoding, variant):
+    """Windows' "Unicode" text: NUL every other byte made it "look binary". Now prepare (skipped, counted) and
+    `eval --text` (refused, exit 2) say it is UTF-16 and how to convert it, in the words of one reader."""
+    from scaletrain.data.prepare import read_text_file
+
+    book = tmp_path / "book.txt"
+    book.write_bytes("It was a dark and stormy night.\nThe end.\n".encode(encoding))
+    (tmp_path / "ok.txt").write_text("plain UTF-8 text\n")
+    docs, report = _read([tmp_path])
+    advice = (f"{book}: {variant} text, not UTF-8; convert it: iconv -f {variant} -t UTF-8 {book} > "
+              f"{tmp_path}/book-utf8.txt")
+    assert [d.text for d in docs] == ["plain UTF-8 text\n"] and report.issues == {"utf16_file": 1}
+    assert report.messages["utf16_file"] == [advice + "; skipped"]
+    with pytest.raises(DataError) as exc:
+        read_text_file(book)
+    assert str(exc.value) == advice
+    assert read_text_file(tmp_path / "ok.txt") == "plain UTF-8 text\n"

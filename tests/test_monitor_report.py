@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -288,3 +289,37 @@ def test_report_reads_events_segments_and_per_rank_values(tmp_path):
     assert "<td>SIGTERM</td>" in page and "<td>rollback</td>" in page and "<td>skipped_update</td>" in page
     assert "over 2 segments (resumed)" in page and "$0.0506 (2 device(s)" in page  # 2 x 91 s x $1/h
     assert "synthetic: peak (GPU: max allocated; CPU: peak RSS) (rank 1)" in page and "RSS (monitor) (rank 0)" in page
+
+
+def test_report_of_a_run_stopped_early_says_where_and_labels_the_val_loss_with_its_step(tmp_path, tiny):
+    """A run preempted at step 1 of 1,500 (its trigger file there from the start) read "status finished" and
+    gave step 0's loss as the "final val loss"."""
+    from scaletrain.report.html import header_rows
+    from scaletrain.report.runs import read_run
+
+    trigger = tmp_path / "stop-now"
+    trigger.touch()
+    later = time.time() + 3600  # "written after the run started", however long the start takes (a stale one is not)
+    os.utime(trigger, (later, later))
+    over = tiny(tmp_path / "run", **{"train.steps": "1500", "train.eval_interval": "500",
+                                     "checkpoint.trigger_file": str(trigger)})
+    assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 75
+    rows = dict(header_rows(read_run(tmp_path / "run"), price=0.0))
+    assert rows["status"].startswith("stopped at step 1 of 1,500 (trigger file ") and rows["steps"] == "1 of 1,500"
+    assert "final val loss" not in rows and re.fullmatch(r"\d+\.\d{4} \(step 0\)", rows["last val loss"])
+
+
+def test_report_of_a_finished_run_gives_the_final_val_loss_with_its_step(trained_run):
+    from scaletrain.report.html import header_rows
+    from scaletrain.report.runs import read_run
+
+    rows = dict(header_rows(read_run(trained_run), price=0.0))
+    assert rows["status"] == "finished" and re.fullmatch(r"\d+\.\d{4} \(step 12\)", rows["final val loss"])
+
+
+@pytest.mark.parametrize("price", ["nan", "inf", "-1"])
+def test_report_refuses_a_price_that_is_not_a_finite_non_negative_number(trained_run, tmp_path, capsys, price):
+    assert main(["report", str(trained_run), "--out", str(tmp_path / "r.html"), "--price", price]) == 2
+    err = capsys.readouterr().err
+    assert "--price must be a finite number >= 0" in err and err.count("\n") == 1
+    assert not (tmp_path / "r.html").exists()

@@ -138,3 +138,42 @@ def test_a_prepared_data_folder_gives_its_manifest_vocabulary(tmp_path, capsys):
     assert run("--config", str(job), "--hardware", "cpu:1") == 2
     err = capsys.readouterr().err
     assert "--vocab-size" in err and "char" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    # 0 was taken for "not given" and the defaults planned
+    (["--global-batch", "0"], "--global-batch must be a positive integer (got 0)"),
+    (["--seq-len", "0"], "--seq-len must be a positive integer (got 0)"),
+    # it said "pass --vocab-size"
+    (["--vocab-size", "-1"], "--vocab-size must be a positive integer (got -1)"),
+    (["--count", "0"], "--count must be a positive integer (got 0)"),
+    (["--nodes", "-2"], "--nodes must be a positive integer (got -2)"),
+    (["--tp", "0"], "--tp must be a positive integer (got 0)"),
+    (["--dp-shard", "-1"], "--dp-shard must be a positive integer (got -1)"),
+    (["--micro-batch", "0"], "--micro-batch must be a positive integer (got 0)"),
+    (["--zero-stage", "7"], "--zero-stage must be 0, 1, 2 or 3 (got 7)"),
+    (["--top", "0"], "--top must be a positive integer (got 0)"),
+    (["--method", "lora", "--lora-rank", "0"], "--lora-rank must be a positive integer (got 0)"),
+    (["--deadline", "nan"], "--deadline must be a finite number > 0 hours (got nan)"),
+    (["--budget", "inf"], "--budget must be a finite number > 0 USD (got inf)"),
+    (["--max-nodes", "0"], "--max-nodes must be >= 1 (got 0)"),
+    # "1 steps" of more tokens than the whole run
+    (["--global-batch", "10000000"], "--global-batch 10,000,000 x 1,024 tokens = 10,240,000,000 tokens a step, "
+                                     "more than the 2,471,746,560 tokens to train (Chinchilla: 20 per parameter)"),
+])
+def test_every_numeric_plan_flag_out_of_range_is_one_line(capsys, argv, message):
+    assert run("--model", "gpt2-124m", "--hardware", "h100-sxm:8", *argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_micro_batches_of_a_huge_batch_are_found_without_listing_its_divisors():
+    """They were found by testing every number up to the batch (plan --global-batch 1e9: over 2 minutes)."""
+    from scaletrain.plan.search import _micro_batches
+
+    for batch in range(1, 600):
+        for dp in (1, 2, 3, 8):
+            share = batch // dp if batch % dp == 0 else 0
+            brute = [m for m in range(1, share + 1) if share % m == 0 and (m & (m - 1) == 0 or m == share)]
+            assert _micro_batches(batch, dp) == (brute or [1]), (batch, dp)
+    assert _micro_batches(8 * 10**9, 8) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 10**9]

@@ -43,8 +43,8 @@ def test_deadline_takes_the_cheapest_count_that_finishes_and_budget_the_fastest_
 
 
 @pytest.mark.parametrize("extra, says", [
-    (("--deadline", "0"), "--deadline must be > 0"),
-    (("--budget", "-5"), "--budget must be > 0"),
+    (("--deadline", "0"), "--deadline must be a finite number > 0 hours"),
+    (("--budget", "-5"), "--budget must be a finite number > 0 USD"),
     (("--deadline", "0.0001"), "nothing meets a 0.0001 h deadline"),
 ])
 def test_bad_or_impossible_limits_exit_2_with_one_line(tmp_path, capsys, extra, says):

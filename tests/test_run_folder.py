@@ -78,15 +78,18 @@ def test_generation_crops_at_the_trained_context_not_the_rotary_length(tmp_path,
 
     monkeypatch.setattr(run_module, "load_run", load_run)
     capsys.readouterr()
-    assert main(["generate", "--run", str(run), "--prompt", "ROMEO:", "--max-tokens", "40"]) == 0
+    assert main(["generate", "--run", str(run), "--prompt", "ROMEO:", "--max-tokens", "40", "--slide"]) == 0
     assert len(capsys.readouterr().out) > 40
     assert len(lengths) > 20 and max(lengths) == 16
 
     trainer = Trainer(load_config(None, {**overrides, "train.resume": "true"}), log=False)  # the same run folder
     lengths.clear()
     _record_context(trainer.model, lengths)
-    trainer.sample(40)
-    assert max(lengths) == 16
+    text, note = trainer.sample(40)
+    # The sample stops at the context instead of sliding past it (each slid token a whole window's forward):
+    # prompt "\n" + 16 new characters, the last one read by no step, and the note says so.
+    assert len(text) == 1 + 16 and note == " (16 tokens: stopped at the model's 16-token context)"
+    assert lengths[0] == 1 and all(n == 1 for n in lengths[1:])  # the prompt, then one cached token a step
 
 
 # -- which config a resume uses --------------------------------------------------------------------------

@@ -187,7 +187,7 @@ def test_default_recipe_smoke(tmp_path, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["train", "--optim.lrr=1"], "unrecognized arguments: --optim.lrr=1"),
     (["generate", "--run", "x", "--max-tokens", "many"], "argument --max-tokens: invalid int value: 'many'"),
-    (["generate", "--run", "x", "--top-p", "2"], "--top-p in (0, 1]"),
+    (["generate", "--run", "x", "--top-p", "2"], "--top-p must be a finite number in (0, 1]"),
     (["train", "--optim.lr=-1"], "optim.lr must be > 0 (got -1.0)"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys):
@@ -264,7 +264,7 @@ def test_compiled_training_matches_eager(tmp_path, tiny):
         losses_by_mode[compiled] = [trainer.step()["loss"] for _ in range(4)]
         assert (counters["stats"]["unique_graphs"] > 0) == compiled
         assert math.isfinite(trainer.evaluate())
-        assert len(trainer.sample(12)) > 0
+        assert len(trainer.sample(12)[0]) > 1
     assert losses_by_mode[True] == pytest.approx(losses_by_mode[False], rel=1e-4)
 
 

@@ -21,7 +21,8 @@ and each band stores a key (bytes) and a set per document. Measured (benchmarks/
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -86,6 +87,25 @@ def _as_minhash(sig: np.ndarray, seed: int):
         return MinHash(num_perm=len(sig), hashvalues=sig, permutations=perms, scheme="affine32")
     except TypeError:
         return MinHash(num_perm=len(sig), hashvalues=sig, permutations=perms)
+
+
+NEAR_OFF = ("near-duplicate removal is off: it needs the datasketch package, not installed (pip install "
+            "'scaletrain[data]'); exact duplicates are still removed")
+
+
+def available(cfg: DedupConfig, log: Callable[[str], None]) -> DedupConfig:
+    """``cfg``, or ``cfg`` with ``near`` off and one line said when datasketch is not installed: near-dedup is on
+    by default, datasketch (with scipy, which it pulls in) is an extra, and the README's plain install must be
+    able to prepare a corpus (docs/architecture.md, the dependency list). The setting is part of the data's
+    fingerprint, so installing datasketch later redoes the pass with near-dedup."""
+    if not cfg.near:
+        return cfg
+    try:
+        import datasketch  # noqa: F401
+    except ImportError:
+        log(NEAR_OFF)
+        return replace(cfg, near=False)
+    return cfg
 
 
 @dataclass

@@ -52,15 +52,32 @@ INSTRUCTION = "Instruction:\n{prompt}\n\nResponse:\n"
 ASSISTANT = "Assistant:\n"
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages: object, where: str) -> None:
+    """The one rule for a ``messages`` list (fine-tuning data and generation prompts alike): a non-empty list of
+    {"role": system|user|assistant, "content": str}. A DataError names the line (``where``) and the first bad
+    message: a role no template knows would otherwise be dropped, or rendered as something else, silently."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role': {'|'.join(ROLES)}, "
+                        f"'content': str}}")
+    for number, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+            raise DataError(f"{where}: message {number} must be {{'role': {'|'.join(ROLES)}, 'content': str}}")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: message {number} has role {m['role']!r}; it must be one of "
+                            f"{', '.join(ROLES)}")
+
+
 def _conversation(record: object, where: str) -> tuple[list[dict], bool]:
     """One JSONL record as (messages, whether it was a prompt/response pair)."""
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         return [{"role": "user", "content": record["prompt"]},
                 {"role": "assistant", "content": record["response"]}], True
     messages = record.get("messages") if isinstance(record, dict) else None
-    if isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("content"), str)
-            and m.get("role") in ("system", "user", "assistant") for m in messages):
+    if isinstance(messages, list) and messages:
+        check_messages(messages, where)
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: 'messages' has no assistant turn to learn from")
         return messages, False

@@ -43,7 +43,14 @@ from scaletrain.data.shards import (
     remove_stale,
     write_manifest,
 )
-from scaletrain.data.sources import Document, fingerprint_items, input_bytes, iter_documents, resolve_source
+from scaletrain.data.sources import (
+    Document,
+    decode_text_file,
+    fingerprint_items,
+    input_bytes,
+    iter_documents,
+    resolve_source,
+)
 from scaletrain.data.tokenizer import CharTokenizer, DataError
 from scaletrain.data.workers import ordered_map, release_freed_memory, resolve_workers
 from scaletrain.files import file_sha256, guarded_write
@@ -292,6 +299,7 @@ def prepare(cfg: PrepareConfig, report: Report | None = None, log: Callable[[str
     manifest is written last, so a half-written folder is never taken for a prepared one, and a run
     again reuses the passes that completed."""
     validate(cfg)
+    cfg = dataclasses.replace(cfg, dedup=dedup.available(cfg.dedup, log))
     out = Path(cfg.output.dir)
     with guarded_write(f"prepared data in {out}", out, cleanup=lambda: list(out.rglob("*.tmp")),
                        intact="nothing half-written is used (the manifest is written last); free space and run "
@@ -368,14 +376,10 @@ def _prepare(cfg: PrepareConfig, out: Path, report: Report, log: Callable[[str],
 # -- the trainer's entry points (kept signatures) -----------------------------------------------------
 
 def read_text_file(path: Path) -> str:
-    """UTF-8 (a BOM is dropped), CRLF/CR -> LF. Undecodable bytes are an error naming the file."""
-    raw = Path(path).read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 at byte {exc.start}; convert it, or use the full pipeline "
-                        "(`scaletrain prepare --config data.toml`) with an encoding-error policy") from None
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    """UTF-8 (a BOM is dropped), CRLF/CR -> LF. UTF-16, binary or undecodable bytes are an error naming the
+    file (``sources.decode_text_file``, the reader prepare's text files share)."""
+    return decode_text_file(Path(path).read_bytes(), path, "convert it, or use the full pipeline (`scaletrain "
+                            "prepare --config data.toml`) with an encoding-error policy")
 
 
 def prepare_text(source: str, out_dir: str | Path, *, tokenizer: str = "char", vocab_size: int = 2048,

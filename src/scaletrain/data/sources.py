@@ -178,6 +178,50 @@ def looks_binary(head: bytes) -> bool:
     return b"\x00" in head[:8192] or head.startswith(BINARY_MAGIC)
 
 
+def utf16_variant(head: bytes) -> str | None:
+    """The UTF-16 encoding of a file from its first bytes, as iconv names it, else None: 'UTF-16' after a byte
+    order mark (iconv reads it), else 'UTF-16LE' / 'UTF-16BE' when every other byte is NUL (text in Latin
+    letters; Windows' "Unicode" saves LE), which is what makes such a file look binary."""
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) and not head.startswith(b"\xff\xfe\x00\x00"):
+        return "UTF-16"
+    sample = head[:8192]
+    pairs = len(sample) // 2
+    if pairs < 2:
+        return None
+    even, odd = sample[0:2 * pairs:2], sample[1:2 * pairs:2]
+    if odd.count(0) >= 0.9 * pairs and even.count(0) == 0:
+        return "UTF-16LE"
+    if even.count(0) >= 0.9 * pairs and odd.count(0) == 0:
+        return "UTF-16BE"
+    return None
+
+
+def not_text_reason(head: bytes, path: str | Path) -> str | None:
+    """Why a file is not UTF-8 text, judged from its first bytes (one phrase for a message naming it): UTF-16,
+    with the command that converts it, or binary; None when it may be text."""
+    variant = utf16_variant(head)
+    if variant:
+        name = Path(path)
+        return (f"{variant} text, not UTF-8; convert it: iconv -f {variant} -t UTF-8 {name} > "
+                f"{name.with_name(name.stem + '-utf8' + name.suffix)}")
+    if looks_binary(head):
+        return "looks binary (NUL bytes or a binary signature), not text"
+    return None
+
+
+def decode_text_file(raw: bytes, path: str | Path, hint: str) -> str:
+    """A whole file's bytes as text: UTF-8 (a BOM dropped), CRLF / CR -> LF. UTF-16, binary or otherwise
+    undecodable bytes are one DataError naming the file (``hint``: what to do about bytes that are not UTF-8)."""
+    reason = not_text_reason(raw[:8192], path)
+    if reason:
+        raise DataError(f"{path}: {reason}")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 at byte {exc.start}; {hint}") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def decode(raw: bytes, where: str, policy: str, report: Report) -> str | None:
     """UTF-8 decode under the ``encoding_errors`` policy; ``None`` means skip this document."""
     try:
@@ -213,8 +257,10 @@ def read_text(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Documen
     limit = int(cfg.max_document_mb * 1e6)
     with open_binary(path) as fh:
         buf = fh.read(limit + 1)
-        if looks_binary(buf):
-            _skip_file(path, "binary_file", "looks binary (NUL bytes or a binary signature); skipped", len(buf), report)
+        reason = not_text_reason(buf, path)
+        if reason:
+            kind = "utf16_file" if utf16_variant(buf) else "binary_file"
+            _skip_file(path, kind, f"{reason}; skipped", len(buf), report)
             return
         part = 0
         while True:

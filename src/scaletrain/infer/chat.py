@@ -95,6 +95,10 @@ class Chat:
 
     def answer(self, text: str, out: TextIO) -> str | None:
         """Stream the model's answer to the user's ``text``; the answer (None when the message was refused)."""
+        undecodable = next((c for c in text if "\udc80" <= c <= "\udcff"), None)  # stdin's surrogateescape
+        if undecodable is not None:  # a tokenizer cannot encode it (BPE's raised a TypeError)
+            out.write(f"(not sent: the message is not UTF-8 text (byte 0x{ord(undecodable) - 0xdc00:02x}))\n")
+            return None
         self.history.append({"role": "user", "content": text})
         try:
             ids = self.prompt_ids(out)

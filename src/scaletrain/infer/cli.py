@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from scaletrain.checkpoint.run import load_run
+from scaletrain.data.instructions import check_messages
+from scaletrain.data.sources import decode_text_file
 from scaletrain.data.tokenizer import DataError
 from scaletrain.files import guarded_write
 from scaletrain.infer.chat import Chat, Render, conversation_format
@@ -36,22 +40,44 @@ def add_sampling_arguments(p: argparse.ArgumentParser, temperature: float, top_k
     p.add_argument("--seed", type=int, default=0)
 
 
+# The most tokens one `generate` may ask for, in contexts: the model reads only its last context of tokens, so
+# text past it is a window sliding over its own output (--slide), each token a whole window's forward. Sixteen
+# windows are far more text than any continuation stays coherent for, and bound the run (a mistyped 1e9 ran on
+# for hours without a word).
+MAX_CONTEXTS = 16
+LONG_GENERATION = 256  # tokens: past this many a progress bar on stderr says how far it is
+
+
 def sampling_of(args: argparse.Namespace) -> Sampling:
-    if args.max_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 \
-            or args.repetition_penalty <= 0:
-        raise ConfigError("--max-tokens, --temperature and --top-k must be >= 0, --top-p in (0, 1] and "
-                          "--repetition-penalty > 0")
+    """The sampling flags checked (``Sampling.check``: NaN, infinity and out-of-range values are one line)."""
+    if args.max_tokens < 0:
+        raise ConfigError(f"--max-tokens must be >= 0 (got {args.max_tokens})")
     if any(not s for s in args.stop):
         raise ConfigError("--stop: a stop string must not be empty")
-    return Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty)
+    sampling.check()
+    return sampling
+
+
+def check_max_tokens(max_tokens: int, context: int) -> None:
+    """Refuse more tokens than ``MAX_CONTEXTS`` contexts (see there why)."""
+    if max_tokens > MAX_CONTEXTS * context:
+        raise ConfigError(f"--max-tokens {max_tokens:,} is more than {MAX_CONTEXTS} x the model's context of "
+                          f"{context:,} tokens ({MAX_CONTEXTS * context:,}): past its context the model reads only "
+                          f"its last {context:,} tokens and each new one costs a whole window's forward; ask for at "
+                          f"most {MAX_CONTEXTS * context:,}")
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = ("Continue a prompt with a run's model (KV cache; past the trained context the window "
-                     "slides). --prompts-file: a JSONL file of {\"prompt\": ...} lines, generated in batches "
-                     "(left-padded) into --out, each line with its \"completion\" added.")
+    p.description = ("Continue a prompt with a run's model (KV cache), up to the context it was trained on "
+                     "(data.seq_len; --slide goes on past it, a sliding window). --prompts-file: a JSONL file of "
+                     "{\"prompt\": ...} lines, generated in batches (left-padded) into --out, each line with its "
+                     "\"completion\" added.")
     add_sampling_arguments(p, temperature=0.8, top_k=200)
-    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
+    p.add_argument("--slide", action="store_true",
+                   help="go on past the model's context: each new token then re-reads the last data.seq_len tokens "
+                        "(a whole window's forward per token; without it generation stops at the context)")
     p.add_argument("--stream", action="store_true", help="print the tokens as they come")
     p.add_argument("--prompts-file", help="JSONL, one {\"prompt\": TEXT, ...} a line (other fields are kept)")
     p.add_argument("--out", help="--prompts-file: the JSONL to write (default: print the completions)")
@@ -66,39 +92,78 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--batch-size must be >= 1")
     if args.out and not args.prompts_file:
         raise ConfigError("--out goes with --prompts-file")
+    if args.prompt is not None and args.prompts_file:
+        raise ConfigError("--prompt and --prompts-file are two sources of prompts: give one (put the prompt in the "
+                          "file as a {\"prompt\": ...} line)")
+    records = read_prompts(args.prompts_file) if args.prompts_file else None  # before the model loads
     cfg, model, tokenizer, _ = load_run(args.run)
+    check_max_tokens(args.max_tokens, cfg.data.seq_len)
     kw = dict(max_seq_len=cfg.data.seq_len, sampling=sampling, stop_id=tokenizer.eos_id,
-              vocab_limit=tokenizer.vocab_size, use_cache=not args.no_cache,
+              vocab_limit=tokenizer.vocab_size, use_cache=not args.no_cache, slide=args.slide,
               stop=stop_at_strings(tokenizer.decode, args.stop) if args.stop else None)
-    if args.prompts_file:
+    if records is not None:
         fmt = conversation_format(args.run, tokenizer, cfg.finetune.chat_template)
-        return _generate_file(args, model, tokenizer, {**kw, "stop_id": fmt.stop_ids}, fmt.render)
-    prompt = tokenizer.encode(args.prompt)
+        return _generate_file(args, records, model, tokenizer, {**kw, "stop_id": fmt.stop_ids}, fmt.render)
+    text = "\n" if args.prompt is None else args.prompt
+    prompt = tokenizer.encode(text)
     if not prompt:
         raise ConfigError("--prompt must not be empty")
     generator = torch.Generator().manual_seed(args.seed)
+    steps = stream(model, [prompt], args.max_tokens, generator=generator, **kw)
+    new: list[int] = []
     if args.stream:
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(text)
         printer = StreamPrinter(tokenizer.decode, args.stop, sys.stdout)
-        for step in stream(model, [prompt], args.max_tokens, generator=generator, **kw):
+        for step in steps:
             for _, token in step:
+                new.append(token)
                 printer.add(token)
         printer.finish()
         print()
-        return 0
-    new = generate_batch(model, [prompt], args.max_tokens, generator=generator, **kw)[0]
-    print(args.prompt + cut_at_stop(tokenizer.decode(new), args.stop))
+    else:
+        with token_progress(args.max_tokens) as advance:
+            for step in steps:
+                new += [token for _, token in step]
+                advance()
+        print(text + cut_at_stop(tokenizer.decode(new), args.stop))
+    context_note(len(prompt), len(new), args, cfg.data.seq_len)
     return 0
+
+
+@contextmanager
+def token_progress(total: int) -> Iterator[Callable[[], None]]:
+    """A progress bar on stderr for a generation of more than ``LONG_GENERATION`` tokens (it may end sooner,
+    at a stop token or the context); yields the function that counts one step."""
+    if total <= LONG_GENERATION:
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("tokens", total=total)
+        yield lambda: bar.advance(task)
+
+
+def context_note(prompt_tokens: int, new_tokens: int, args: argparse.Namespace, context: int) -> None:
+    """One line on stderr when generation stopped at the model's context before --max-tokens."""
+    if not args.slide and new_tokens < args.max_tokens and prompt_tokens + new_tokens > context:
+        print(f"(stopped at the model's {context}-token context: {prompt_tokens} prompt + {new_tokens} new tokens; "
+              f"--slide goes on past it)", file=sys.stderr)
 
 
 def read_prompts(path: str) -> list[dict]:
     """The lines of a prompts file: {"prompt": text} (continued as it is) or {"messages": [{"role", "content"},
-    ...]} (a conversation, rendered in the run's chat template); a bad line is one DataError naming it."""
+    ...]} (a conversation, rendered in the run's chat template; ``check_messages``, fine-tuning's rule); a bad
+    line, or a file that is not UTF-8 text, is one DataError naming it."""
     file = Path(path)
     if not file.is_file():
         raise DataError(f"--prompts-file: file not found: {file}")
+    text = decode_text_file(file.read_bytes(), file, "a prompts file is UTF-8 JSONL")
     records = []
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -106,12 +171,7 @@ def read_prompts(path: str) -> list[dict]:
         except ValueError:
             record = None
         if isinstance(record, dict) and "messages" in record and "prompt" not in record:
-            messages = record["messages"]
-            if not (isinstance(messages, list) and messages and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages)):
-                raise DataError(f"{file}:{number}: \"messages\" must be a non-empty list of {{\"role\", "
-                                f"\"content\"}} objects with string values")
+            check_messages(record["messages"], f"{file}:{number}")
         elif not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
             raise DataError(f"{file}:{number}: needs a JSON object with a non-empty string field \"prompt\" or a "
                             f"\"messages\" list")
@@ -121,11 +181,10 @@ def read_prompts(path: str) -> list[dict]:
     return records
 
 
-def _generate_file(args, model, tokenizer, kw, render: Render) -> int:
+def _generate_file(args, records: list[dict], model, tokenizer, kw, render: Render) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    records = read_prompts(args.prompts_file)
     prompts = [tokenizer.encode(r["prompt"]) if "prompt" in r else render(r["messages"]) for r in records]
     for number, ids in enumerate(prompts, 1):  # named by their place in the file, before any is generated
         if not ids or len(ids) > kw["max_seq_len"]:
@@ -165,6 +224,8 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     sampling = sampling_of(args)
     cfg, model, tokenizer, _ = load_run(args.run)
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach Chat as surrogates, refused there
+        sys.stdin.reconfigure(errors="surrogateescape")
     chat = Chat(model, tokenizer, cfg.data.seq_len, sampling, args.max_tokens, args.stop,
                 torch.Generator().manual_seed(args.seed), system=args.system,
                 conversation=conversation_format(args.run, tokenizer, cfg.finetune.chat_template))

@@ -9,12 +9,15 @@ attended to and do not count as positions, so each row is computed as if it were
 to generating each prompt alone; the floating-point sums differ in the last bits).
 
 The context is the one the model was trained on (``max_seq_len``: pass ``data.seq_len``). A prompt longer
-than it is refused; once prompt + generated tokens fill it, every further step re-prefills the last
-``max_seq_len`` tokens of each row (a sliding window, as without the cache: no speed-up past the context).
+than it is refused. With ``slide=False`` a row ends once prompt + generated tokens fill the context: every
+token is then one cached step (training's samples, ``scaletrain generate`` by default). With ``slide=True``
+every further step re-runs the last ``max_seq_len`` tokens of each row (a sliding window, as without the
+cache: no speed-up past the context, a whole window's forward per token).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
@@ -36,10 +39,15 @@ class Sampling:
     repetition_penalty: float = 1.0  # CTRL's: logits of tokens already in the row / p if > 0, else * p; 1 = off
 
     def check(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
-            raise ConfigError(f"sampling: temperature and top-k must be >= 0, top-p in (0, 1] and repetition "
-                              f"penalty > 0 (got {self.temperature}, {self.top_k}, {self.top_p}, "
-                              f"{self.repetition_penalty})")
+        """Each value in its range, one ConfigError naming the first that is not (NaN and infinity included: they
+        would reach ``torch.multinomial`` as a probability tensor it refuses, or sample uniform noise)."""
+        rules = [("--temperature", self.temperature, self.temperature >= 0, ">= 0 (0 = greedy)"),
+                 ("--top-k", self.top_k, self.top_k >= 0, ">= 0 (0 = all tokens)"),
+                 ("--top-p", self.top_p, 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
+                 ("--repetition-penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0 (1 = off)")]
+        for flag, value, ok, rule in rules:
+            if not (math.isfinite(value) and ok):
+                raise ConfigError(f"{flag} must be a finite number {rule} (got {value})")
 
 
 def penalize_repetition(logits: torch.Tensor, rows: list[list[int]], penalty: float) -> torch.Tensor:
@@ -86,13 +94,14 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
            sampling: Sampling | None = None, generator: torch.Generator | None = None,
            stop_id: int | Collection[int] | None = None,
            vocab_limit: int | None = None, stop: Callable[[int, list[int]], bool] | None = None,
-           use_cache: bool = True) -> Iterator[list[tuple[int, int]]]:
+           use_cache: bool = True, slide: bool = True) -> Iterator[list[tuple[int, int]]]:
     """Yield, at each step, [(row, token)] for the rows still going. A row ends after ``max_new_tokens``, at
-    ``stop_id`` (one id or several, e.g. a chat template's end of turn and the EOS; not yielded) or when
-    ``stop(row, its new tokens)`` says so (the token that made it is yielded). ``vocab_limit``: only ids below
-    it are produced (the tokenizer's vocabulary when the model's is padded). ``max_seq_len``: the trained
-    context (see the module docstring)."""
+    ``stop_id`` (one id or several, e.g. a chat template's end of turn and the EOS; not yielded), when
+    ``stop(row, its new tokens)`` says so (the token that made it is yielded), or, with ``slide=False``, once
+    it fills the context. ``vocab_limit``: only ids below it are produced (the tokenizer's vocabulary when the
+    model's is padded). ``max_seq_len``: the trained context (see the module docstring)."""
     sampling = sampling or Sampling(temperature=0.0)
+    sampling.check()
     stop_ids = set() if stop_id is None else {stop_id} if isinstance(stop_id, int) else set(stop_id)
     too_long = [i for i, p in enumerate(prompts) if len(p) > max_seq_len]
     if too_long:
@@ -139,7 +148,7 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
                     continue
                 new[i].append(token)
                 out.append((i, token))
-                if stop is not None and stop(i, new[i]):
+                if (stop is not None and stop(i, new[i])) or (not slide and len(rows[i]) > max_seq_len):
                     going.remove(i)
             yield out
     finally:
@@ -158,11 +167,11 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: i
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, max_seq_len: int,
              temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
              generator: torch.Generator | None = None, stop_id: int | Collection[int] | None = None,
-             vocab_limit: int | None = None, use_cache: bool = True) -> list[int]:
+             vocab_limit: int | None = None, use_cache: bool = True, slide: bool = True) -> list[int]:
     """Sample up to ``max_new_tokens`` after ``prompt``; temperature 0 is greedy. Returns only the new tokens."""
     return generate_batch(model, [prompt], max_new_tokens, max_seq_len=max_seq_len,
                           sampling=Sampling(temperature, top_k, top_p), generator=generator, stop_id=stop_id,
-                          vocab_limit=vocab_limit, use_cache=use_cache)[0]
+                          vocab_limit=vocab_limit, use_cache=use_cache, slide=slide)[0]
 
 
 def stop_at_strings(decode: Callable[[list[int]], str], stops: list[str]) -> Callable[[int, list[int]], bool]:

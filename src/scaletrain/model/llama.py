@@ -386,8 +386,11 @@ class Transformer(nn.Module):
             nn.init.ones_(module.weight)
 
     def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                padding: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+                padding: torch.Tensor | None = None, last_only: bool = False, hidden_only: bool = False
+                ) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). On a middle pipeline stage, hidden in / hidden out.
+        ``hidden_only``: the final norm's output (B, T, d) without the head, for a caller that runs ``head``
+        on part of the positions at a time (evaluation with a big vocabulary: ``parallel.forward_loss``).
 
         With ``cache`` (generation, ``model/cache.py``): the tokens follow the cached ones; ``padding`` (B, T)
         bool marks left padding. Without (training, evaluation) nothing below the first ``if`` changes.
@@ -406,9 +409,13 @@ class Transformer(nn.Module):
             for layer in self.layers.values():
                 h = layer(h, cos, sin, attn_mask)
         h = self.norm(h) if self.norm is not None else h
-        if self.output is None:
+        if self.output is None or hidden_only:
             return h
         return self._head(h, last_only)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """h (..., d), the final norm's output -> logits (..., vocab): the output layer (and muP's multiplier)."""
+        return self._head(h, False)
 
     def _head(self, h: torch.Tensor, last_only: bool, cache: KVCache | None = None) -> torch.Tensor:
         """The output head on the normed hidden states h (B, T, d): logits (B, T, vocab), or (B, 1, vocab) of the

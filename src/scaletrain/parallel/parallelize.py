@@ -221,13 +221,49 @@ def forward_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor,
         with autocast(), pm.loss_context():
             return pm.pipeline.eval(inputs, targets)
     with _cp_context(pm, inputs, targets), pm.loss_context():
-        return _loss(pm, inputs, targets, autocast, attn_mask)
+        return _eval_loss(pm, inputs, targets, autocast, attn_mask)
 
 
 def _loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, autocast,
           attn_mask: torch.Tensor | None) -> torch.Tensor:
     with autocast():
         return pm.loss_fn(pm.parts[0](inputs, attn_mask=attn_mask), targets)
+
+
+# The most bytes of fp32 logits an evaluation batch holds at once; past it the head and the loss run over
+# chunks of positions (``_chunked_loss``). A 151,936-token vocabulary x 4 x 64 positions is 156 MB a copy, and
+# the loss made two more (the fp32 cast, log_softmax's output), page-faulted fresh on every batch on a CPU.
+EVAL_LOGITS_BYTES = 32 * 2**20
+
+
+def _eval_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, autocast,
+               attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """``_loss`` without a backward: by chunks of positions when the batch's logits would pass
+    ``EVAL_LOGITS_BYTES`` on a model held whole (no FSDP/TP/PP/CP) with the plain loss (not distillation's)."""
+    model = pm.modules[0]
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", 0)
+    whole = not pm.sharded and pm.pipeline is None and "loss_fn" not in vars(pm) and hasattr(model, "head")
+    if not whole or inputs.numel() * vocab * 4 <= EVAL_LOGITS_BYTES:
+        return _loss(pm, inputs, targets, autocast, attn_mask)
+    with autocast():
+        hidden = model(inputs, attn_mask=attn_mask, hidden_only=True)  # (B, T, d)
+        return _chunked_loss(model.head, hidden.flatten(0, 1), targets.flatten(), pm.vocab_limit,
+                             max(1, EVAL_LOGITS_BYTES // (4 * vocab)))
+
+
+def _chunked_loss(head, hidden: torch.Tensor, targets: torch.Tensor, vocab_limit: int | None,
+                  positions: int) -> torch.Tensor:
+    """hidden (N, d), targets (N,) -> the mean cross-entropy over the targets that count (not -100), as
+    ``cross_entropy`` gives it on the whole batch (to float rounding: a sum of chunk sums), holding the logits of
+    ``positions`` rows at a time."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, len(hidden), positions):
+        part = targets[start:start + positions]
+        counted = int((part != -100).sum())
+        if counted:  # a chunk of answer-masked positions only would be a mean over nothing (NaN)
+            logits = head(hidden[start:start + positions])  # (n, V)
+            total += cross_entropy(logits[None], part[None], vocab_limit) * counted
+    return total / (targets != -100).sum()
 
 
 def _cp_context(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor):

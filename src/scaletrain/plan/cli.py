@@ -29,6 +29,7 @@ from scaletrain.config import (
 from scaletrain.files import guarded_write
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
+from scaletrain.plan.deadline import check_limits
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
 
@@ -65,13 +66,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default="", help=f"preset name ({', '.join(PRESETS)}); or use --config")
     src.add_argument("--config", default="", help="a job TOML: its [model], data.seq_len, train batch and "
                                                   "precision are the defaults of this plan")
-    src.add_argument("--vocab-size", type=int, default=0, help="vocabulary size (needed when the preset has none)")
+    src.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (needed when the preset has none)")
     src.add_argument("--tokens", default="chinchilla",
                      help=f"tokens to train: a number (300B, 1.5e9) or 'chinchilla' = {CHINCHILLA_TOKENS_PER_PARAM} "
                           "per parameter (a convention)")
-    src.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the config's, else 1024 "
+    src.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's, else 1024 "
                                                             "capped at model.max_seq_len)")
-    src.add_argument("--global-batch", type=int, default=0,
+    src.add_argument("--global-batch", type=int, default=None,
                      help="sequences per optimizer step across all ranks (default: ~0.5M tokens on GPUs, 16 on CPU)")
     src.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
                      help="auto = what `scaletrain train` picks on the target: bf16 mixed precision on GPUs, and on "
@@ -117,6 +118,28 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--emit", default="", help="write the best plan as a runnable job TOML to this file")
 
 
+# Every numeric flag of `plan` and its rule: a value out of range is one line naming the flag (0 and negative
+# values were taken for "not given" and planned the defaults, or surfaced as another flag's message).
+_AT_LEAST_ONE = ("vocab_size", "seq_len", "global_batch", "count", "nodes", "pin_dp_replicate", "pin_dp_shard",
+                 "pin_tp", "pin_pp", "pin_cp", "pin_micro_batch", "lora_rank", "virtual_tokens", "top")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """The numeric flags in range, before anything is planned; ConfigError naming the first that is not."""
+    for name in _AT_LEAST_ONE:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{_flag(name)} must be a positive integer (got {value})")
+    check_limits(args.deadline, args.budget, args.max_nodes)  # --deadline, --budget, --max-nodes
+    stage = getattr(args, "pin_zero_stage", None)
+    if stage is not None and stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3 (got {stage})")
+
+
+def _flag(dest: str) -> str:
+    return dest.removeprefix("pin_").replace("_", "-")
+
+
 def workload_from_args(args: argparse.Namespace, hardware: Hardware, this_machine: bool = False
                        ) -> tuple[Workload, bool]:
     """The workload and whether its token count is the Chinchilla convention. ``hardware`` is the target
@@ -142,7 +165,7 @@ def workload_from_args(args: argparse.Namespace, hardware: Hardware, this_machin
         raise ConfigError(f"--seq-len {seq} exceeds the model's max_seq_len ({model.max_seq_len})")
     requested = args.precision if args.precision != "auto" or job is None else job.train.precision
     precision = planned_precision(requested, hardware, this_machine)
-    if args.global_batch:
+    if args.global_batch is not None:
         batch = args.global_batch
     elif job is not None and not args.model:
         batch = job.train.batch_size * job.train.grad_accum_steps
@@ -152,6 +175,10 @@ def workload_from_args(args: argparse.Namespace, hardware: Hardware, this_machin
         raise ConfigError(f"--global-batch must be >= 1 (got {batch})")
     chinchilla = args.tokens.strip().lower() in ("chinchilla", "chinchilla-optimal")
     tokens = CHINCHILLA_TOKENS_PER_PARAM * num_params(model) if chinchilla else parse_count(args.tokens, "--tokens")
+    if batch * seq > tokens:  # one step would hold more than the whole run: "1 steps" of more data than there is
+        source = f"Chinchilla: {CHINCHILLA_TOKENS_PER_PARAM} per parameter" if chinchilla else f"--tokens {args.tokens}"
+        raise ConfigError(f"--global-batch {batch:,} x {seq:,} tokens = {batch * seq:,} tokens a step, more than the "
+                          f"{tokens:,.0f} tokens to train ({source}); lower --global-batch or raise --tokens")
     optimizer, muon_adapters = planned_optimizer(args, job)
     return Workload(model, seq, batch, tokens, precision, optimizer, muon_adapters), chinchilla
 
@@ -239,11 +266,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
     console = Console(stderr=args.json == "-", width=max(120, Console().width))
     try:
+        check_numbers(args)
         cluster = parse_hardware(args.hardware, args.count, args.nodes)
         workload, chinchilla = workload_from_args(args, cluster.hardware, _is_auto(args.hardware))
         prices, as_of = load_prices(args.prices)
-        if args.top < 1:
-            raise ConfigError(f"--top must be >= 1 (got {args.top})")
         if args.method:
             return _finetune_plan(args, workload, cluster, console)
         if args.deadline is not None or args.budget is not None:
@@ -328,8 +354,6 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     from scaletrain.train.validate import check_optimizer
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-    if args.lora_rank < 1 or args.virtual_tokens < 1:
-        raise ConfigError("--lora-rank and --virtual-tokens must be >= 1")
     ft = FinetuneConfig(method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
                         virtual_tokens=args.virtual_tokens, dora=args.dora)
     # the trainer's own rules for the optimizer of a fine-tune (muon_adapters: LoRA / QLoRA only)

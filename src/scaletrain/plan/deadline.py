@@ -14,6 +14,7 @@ added; leave headroom in the deadline, or budget with the on-demand answer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scaletrain.config import ConfigError
@@ -88,10 +89,11 @@ def choose(opts: list[Option], pricing: str, deadline_h: float | None, budget_us
 
 
 def check_limits(deadline_h: float | None, budget_usd: float | None, max_nodes: int) -> None:
-    if deadline_h is not None and deadline_h <= 0:
-        raise ConfigError(f"--deadline must be > 0 hours (got {deadline_h:g})")
-    if budget_usd is not None and budget_usd <= 0:
-        raise ConfigError(f"--budget must be > 0 USD (got {budget_usd:g})")
+    """--deadline and --budget finite and > 0 (NaN passed ``<= 0`` and was planned), --max-nodes >= 1."""
+    if deadline_h is not None and not (math.isfinite(deadline_h) and deadline_h > 0):
+        raise ConfigError(f"--deadline must be a finite number > 0 hours (got {deadline_h:g})")
+    if budget_usd is not None and not (math.isfinite(budget_usd) and budget_usd > 0):
+        raise ConfigError(f"--budget must be a finite number > 0 USD (got {budget_usd:g})")
     if max_nodes < 1:
         raise ConfigError(f"--max-nodes must be >= 1 (got {max_nodes})")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from scaletrain.files import guarded_write
@@ -49,6 +50,8 @@ def write_page(out: Path, html: str) -> Path:
 def run_report(args: argparse.Namespace) -> int:
     from scaletrain.report.runs import RUN_FILES, has_run_files, read_run
 
+    if not math.isfinite(args.price) or args.price < 0:  # NaN passed every comparison and printed "$nan"
+        raise ConfigError(f"--price must be a finite number >= 0, USD per device-hour (got {args.price})")
     try:
         import plotly  # noqa: F401
     except ImportError:
@@ -59,8 +62,6 @@ def run_report(args: argparse.Namespace) -> int:
 
     if any(is_study_folder(path) for path in args.runs):  # `scaletrain tune` folders: the study page
         return _report_studies(args)
-    if args.price < 0:
-        raise ConfigError(f"--price must be >= 0 (got {args.price})")
     prediction = plan_prediction(args.plan) if args.plan else None
     if all(Path(path).is_dir() and not has_run_files(path) for path in args.runs):  # nothing to draw
         raise ConfigError(f"{', '.join(args.runs)}: not a run folder (it holds none of {', '.join(RUN_FILES)}); "

@@ -251,6 +251,42 @@ def _duration(seconds: float | None) -> str:
     return "-" if seconds is None else duration(seconds)
 
 
+def steps_done(run: RunData) -> int:
+    """The steps the run completed: its summary's (the trainer's count), else its last logged step (steps are
+    logged every logging.log_interval, so a run stopped between two logs completed more)."""
+    summary = run.segments[-1].get("summary", {}) if run.segments else {}
+    return int(summary.get("steps", run.train[-1]["step"] if run.train else 0))
+
+
+def run_status(run: RunData) -> str:
+    """'finished' only for a run that reached train.steps; a run that ended before (a preemption notice or
+    Ctrl-C, train.stop_at_step) says where it stopped, and why when the trainer recorded it."""
+    if not run.finished:
+        return "not finished (see the notes)"
+    summary = run.segments[-1].get("summary", {})
+    step = steps_done(run)
+    total = run.config.train.steps if run.config else None
+    if total is None or step >= total:
+        return "finished"
+    why = summary.get("preempted") or ("train.stop_at_step" if run.config and run.config.train.stop_at_step
+                                       else "")
+    return f"stopped at step {step:,} of {total:,}" + (f" ({why})" if why else "")
+
+
+def last_val_loss(run: RunData) -> tuple[str, str]:
+    """(label, value) of the last recorded validation loss, with its step: 'final val loss' only when it is the
+    last step's of a run that finished (a run stopped early may hold only step 0's)."""
+    if run.val:
+        loss, step = run.val[-1]["val_loss"], run.val[-1]["step"]
+    else:
+        loss, step = run.segments[-1].get("summary", {}).get("final_val_loss") if run.segments else None, None
+    if not isinstance(loss, (int, float)):
+        return "final val loss", "-"
+    at = f" (step {step:,})" if isinstance(step, (int, float)) else ""
+    final = run_status(run) == "finished" and (step is None or not run.train or step >= run.train[-1]["step"])
+    return ("final val loss" if final else "last val loss"), f"{loss:.4f}{at}"
+
+
 def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
     segs = run.segments
     last = segs[-1] if segs else {}
@@ -262,10 +298,9 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
         cost = f"${price * devices * wall / 3600:,.4f} ({devices} device(s) x {_duration(wall)} at ${price:g}/device-h)"
     else:
         cost = "pass --price USD_PER_DEVICE_HOUR" if wall is not None else "-"
-    summary = last.get("summary", {})
-    final = summary.get("final_val_loss") or (run.val[-1]["val_loss"] if run.val else None)
+    val_label, val_text = last_val_loss(run)
     return [("folder", str(run.path)),
-            ("status", "finished" if run.finished else "not finished (see the notes)"),
+            ("status", run_status(run)),
             ("command", "\n".join(s.get("command", "-") for s in segs) or "-"),
             ("git commit", last.get("git_commit", "-") or "-"),
             ("hardware", hardware),
@@ -275,9 +310,8 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
              if "load_average" in hw else "-"),
             ("started", _fmt_time(run.start_time)),
             ("wall time", _duration(wall) + (f" over {len(segs)} segments (resumed)" if len(segs) > 1 else "")),
-            ("steps", str(run.train[-1]["step"] if run.train else 0)
-             + (f" of {run.config.train.steps}" if run.config else "")),
-            ("final val loss", f"{final:.4f}" if isinstance(final, (int, float)) else "-"),
+            ("steps", f"{steps_done(run):,}" + (f" of {run.config.train.steps:,}" if run.config else "")),
+            (val_label, val_text),
             ("median step / tokens/s", f"{_duration(run.median_step_seconds())} / "
                                        f"{run.median_tokens_per_second() or 0:,.0f}"),
             ("cost", cost)]

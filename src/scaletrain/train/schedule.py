@@ -34,12 +34,18 @@ def lr_at(step: int, peak_lr: float, total_steps: int, cfg: ScheduleConfig) -> f
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak_lr - cfg.min_lr)
 
 
+# Runs of at most this many steps check that a command works (most documented runs: 3, 4, 6, 10 or 20 steps);
+# where their learning rate ends does not matter, and a warning on each would teach people to ignore it.
+SMOKE_STEPS = 20
+
+
 def warmup_warning(total_steps: int, peak_lr: float, cfg: ScheduleConfig) -> str:
-    """One warning line when the warmup does not end within the run (the learning rate never reaches
-    optim.lr: e.g. the default 100 warmup steps in a 20-step run), else ""."""
-    if cfg.warmup_steps < total_steps or total_steps < 1:
+    """One warning line when the learning rate never reaches optim.lr because the warmup outlasts the run (the
+    default 100 warmup steps in a 60-step run), else "". Not for a warmup that ends on the last step (that step
+    runs at optim.lr) nor for a run of at most ``SMOKE_STEPS`` steps."""
+    if cfg.warmup_steps <= total_steps or total_steps <= SMOKE_STEPS:
         return ""
     reached = lr_at(total_steps - 1, peak_lr, total_steps, cfg)
-    return (f"warning: schedule.warmup_steps={cfg.warmup_steps} is not shorter than train.steps={total_steps}: the "
-            f"learning rate only rises, to {reached:.3g} at the last step instead of optim.lr={peak_lr:g}; lower "
-            f"--schedule.warmup_steps to reach it")
+    return (f"warning: schedule.warmup_steps={cfg.warmup_steps} is longer than train.steps={total_steps}: the "
+            f"learning rate only rises, to {reached:.3g} ({reached / peak_lr:.0%} of optim.lr={peak_lr:g}) at the "
+            f"last step; set --schedule.warmup_steps to at most {total_steps} to reach optim.lr")

@@ -267,18 +267,24 @@ class Trainer:
             return validation_loss(self.pm, validation_batches(self.cfg, self.data), self.precision,
                                    self.cfg.train.batch_size)[0]
 
-    def sample(self, max_new_tokens: int) -> str:
-        """Text from the current model; its own generator keeps the training RNG untouched."""
+    def sample(self, max_new_tokens: int) -> tuple[str, str]:
+        """(text from the current model, a note when it stopped at the context); its own generator keeps the
+        training RNG untouched."""
         gen = torch.Generator().manual_seed(self.cfg.train.seed + self.state.step)
         prompt = self.tokenizer.encode(self.cfg.train.sample_prompt) or [0]
+        context = self.cfg.data.seq_len
         # Eager even when the model is compiled: the context grows by one token a step, and each new length
         # would cost a recompile (seconds on a CPU) for a forward pass that takes milliseconds.
         with torch.compiler.set_stance("force_eager"):
-            # Cropped at the trained context (data.seq_len): the model never saw positions beyond it.
-            new = generate(self.model, prompt, max_new_tokens, max_seq_len=self.cfg.data.seq_len,
-                           temperature=0.8, top_k=200, generator=gen, stop_id=self.tokenizer.eos_id,
-                           vocab_limit=self.tokenizer.vocab_size)
-        return self.cfg.train.sample_prompt + self.tokenizer.decode(new)
+            # Within the trained context (data.seq_len) and no further (slide=False): every token is one cached
+            # step. Sliding past it cost a whole window's forward over the whole vocabulary per token (101 s for
+            # 200 tokens past a 64-token context with a 151,936-token vocabulary, issue 36).
+            new = generate(self.model, prompt, max_new_tokens, max_seq_len=context, temperature=0.8, top_k=200,
+                           generator=gen, stop_id=self.tokenizer.eos_id, vocab_limit=self.tokenizer.vocab_size,
+                           slide=False)
+        cut = len(new) < max_new_tokens and len(prompt) + len(new) > context
+        note = f" ({len(new)} tokens: stopped at the model's {context}-token context)" if cut else ""
+        return self.cfg.train.sample_prompt + self.tokenizer.decode(new), note
     # -- checkpoints (what a checkpoint holds: the engine's, e.g. checkpoint/training.py) -----------
     def save(self, blocking: bool | None = None) -> Path:
         """Write a checkpoint of the current step (collective). Asynchronous when checkpoint.async_save is
@@ -426,9 +432,9 @@ class Trainer:
             self.on_eval(self.state.step, val_loss)
         if self.cfg.train.sample_tokens and self.is_main and not self.pm.sharded:
             with self.throughput.stall("sample"):
-                text = self.sample(self.cfg.train.sample_tokens)
+                text, note = self.sample(self.cfg.train.sample_tokens)
             logger.log({"step": self.state.step, "sample": text})  # for the report
-            logger.message("--- sample ---\n" + text.strip() + "\n--------------")
+            logger.message(f"--- sample{note} ---\n" + text.strip() + "\n--------------")
 
     def summary(self) -> dict:
         """Steps, speed, evaluations, memory, parameters, communication, NaN-guard events, stalls."""
