@@ -367,12 +367,25 @@ def _prepare(cfg: PrepareConfig, out: Path, report: Report, log: Callable[[str],
 
 # -- the trainer's entry points (kept signatures) -----------------------------------------------------
 
+def looks_utf16(raw: bytes) -> bool:
+    """Whether ``raw`` reads as UTF-16: a byte-order mark, or (mostly ASCII text without one) a zero byte in
+    every other position."""
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return True
+    head = raw[:4096]
+    half = len(head) // 2
+    return half >= 2 and max(head[1::2].count(0), head[0::2].count(0)) > 0.9 * half
+
+
 def read_text_file(path: Path) -> str:
     """UTF-8 (a BOM is dropped), CRLF/CR -> LF. Undecodable bytes are an error naming the file."""
     raw = Path(path).read_bytes()
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
+        if looks_utf16(raw):
+            raise DataError(f"{path}: is UTF-16, not UTF-8; convert it (iconv -f UTF-16 -t UTF-8 {path} > "
+                            f"{Path(path).stem}-utf8.txt)") from None
         raise DataError(f"{path}: not UTF-8 at byte {exc.start}; convert it, or use the full pipeline "
                         "(`scaletrain prepare --config data.toml`) with an encoding-error policy") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
