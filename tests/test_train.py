@@ -33,7 +33,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
 def test_loss_falls(tmp_path, tiny):
     cfg = load_config(None, tiny(tmp_path / "run", **{"train.steps": 60, "train.eval_interval": 30}))
     trainer = Trainer(cfg, log=False)
-    first = trainer.evaluate()
+    first = trainer.evaluate().loss
     summary = trainer.train()
     assert first == pytest.approx(math.log(65), rel=0.05)  # an untrained model is ~uniform
     assert summary["final_val_loss"] < first - 0.7
@@ -232,7 +232,7 @@ def test_document_attention_trains_with_the_block_causal_mask(tmp_path, tiny):
         plain = float(F.cross_entropy(trainer.model(x).flatten(0, 1), y.flatten()))
     assert abs(masked - plain) > 1e-4
     assert trainer.step()["loss"] == pytest.approx(masked, rel=1e-6)
-    assert math.isfinite(trainer.evaluate())
+    assert math.isfinite(trainer.evaluate().loss)
 
     with pytest.raises(ConfigError, match="data.document_attention"):
         Trainer(load_config(None, {**overrides, "parallel.pp": "2"}), log=False)
@@ -263,7 +263,7 @@ def test_compiled_training_matches_eager(tmp_path, tiny):
         trainer = Trainer(cfg, log=False)
         losses_by_mode[compiled] = [trainer.step()["loss"] for _ in range(4)]
         assert (counters["stats"]["unique_graphs"] > 0) == compiled
-        assert math.isfinite(trainer.evaluate())
+        assert math.isfinite(trainer.evaluate().loss)
         assert len(trainer.sample(12)) > 0
     assert losses_by_mode[True] == pytest.approx(losses_by_mode[False], rel=1e-4)
 
