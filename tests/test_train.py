@@ -121,7 +121,7 @@ def test_eval_and_generate_commands(tmp_path, tiny, capsys):
     text = tmp_path / "t.txt"
     text.write_text("ROMEO:\nWhat light through yonder window breaks?\n" * 20)
     assert main(["eval", "--run", str(run), "--text", str(text)]) == 0
-    assert f"{text}: loss" in capsys.readouterr().out
+    assert f"{text}: token perplexity" in capsys.readouterr().out
     assert main(["generate", "--run", str(run), "--prompt", "ROMEO:", "--max-tokens", "30", "--top-p", "0.9"]) == 0
     sample = capsys.readouterr().out
     assert sample.startswith("ROMEO:") and len(sample) > 30
@@ -146,7 +146,7 @@ def test_eval_text_errors(tmp_path, tiny, capsys):
     run = tmp_path / "run"
     assert main(args(tiny(run, **{"train.steps": 2}))) == 0
     assert main(["eval", "--run", str(run), "--text", str(tmp_path / "none.txt")]) == 2
-    assert "text file not found" in capsys.readouterr().err
+    assert "none.txt: file not found" in capsys.readouterr().err
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9 ".encode("latin-1") * 50)
     assert main(["eval", "--run", str(run), "--text", str(bad)]) == 2
@@ -166,7 +166,7 @@ def test_eval_text_skips_characters_outside_a_char_vocabulary(tmp_path, tiny, ca
     assert lines[0] == ("skipped 40 characters not in the tokenizer's vocabulary "
                         "(e.g. '\u2018' x10, '\u2019' x10, '\u201c' x10, ...); the rest is scored")
     plain_count = len("Curiouser and curiouser! cried Alice; O Romeo.\n" * 10) - 1
-    assert lines[1].startswith(f"{text}: loss") and f"over {plain_count // 32 * 32:,} tokens" in lines[1]
+    assert lines[1].startswith(f"{text}: token perplexity") and f"over {plain_count:,} tokens" in lines[1]
     text.write_text("ROMEO:\nWhat light through yonder window breaks?\n" * 20)
     assert main(["eval", "--run", str(run), "--text", str(text)]) == 0
     assert "skipped" not in capsys.readouterr().out
