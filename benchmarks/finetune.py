@@ -153,6 +153,8 @@ def one_method(method: str, base: Path, steps: int, lr: str, tag: str, data: str
             "frozen_base_fp32_bytes": frozen_fp32, "optimizer_state_bytes": optimizer_bytes,
             "peak_memory_mb": (rss_bytes() - before) / 2**20, "median_step_ms": summary["median_step_ms"],
             "val_loss_before": evals[0]["val_loss"], "val_loss_after": evals[-1]["val_loss"],
+            # bits per byte: computed by the trainer's evaluation from summed NLL and bytes (docs/evaluation.md)
+            "val_bpb_before": evals[0]["val_bpb"], "val_bpb_after": evals[-1]["val_bpb"],
             "improvement": evals[0]["val_loss"] - evals[-1]["val_loss"], "lr": float(lr),
             "allocator": allocator_in_use(), **({"library_import_mb": library_mb} if method == "qlora" else {})}
 
@@ -345,8 +347,8 @@ def main() -> int:
         r = rows[-1]
         print(f"{method:9s} lr {lr:>5s} trainable {r['trainable_parameters']:>9,} ({r['trainable_percent']:5.2f}%)  "
               f"peak +{r['peak_memory_mb']:6.1f} MB  frozen base {r['frozen_base_bytes'] / 2**20:6.2f} MB  "
-              f"{r['median_step_ms']:7.1f} ms/step  val {r['val_loss_before']:.4f} -> {r['val_loss_after']:.4f}",
-              flush=True)
+              f"{r['median_step_ms']:7.1f} ms/step  val {r['val_loss_before']:.4f} -> {r['val_loss_after']:.4f}  "
+              f"bpb {r['val_bpb_before']:.4f} -> {r['val_bpb_after']:.4f}", flush=True)
     by = {r["method"]: r for r in rows}
     # The same runs on jemalloc (what the `scaletrain` command preloads where it is installed: allocator.py),
     # side by side: glibc's heap fragments under a training step, which is a large share of these small peaks.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 import tempfile
@@ -33,11 +32,15 @@ def train(ranks: int, run_dir: Path, steps: int, extra: list[str]) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     vals = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
-    proc = run_ranks(["-m", "scaletrain.cli", "eval", "--run", str(run_dir), "--text", "builtin:wikitext2-test"], 1,
-                     "test-split evaluation")
-    m = re.search(r"loss ([0-9.]+), perplexity ([0-9.]+) over ([0-9,]+) tokens", proc.stdout)
+    # Disjoint windows of the trained context (--stride 128), as the recorded result was scored; the default
+    # sliding windows (stride 64) give each token more context (docs/evaluation.md).
+    scored = run_dir / "test.json"
+    run_ranks(["-m", "scaletrain.cli", "eval", "--run", str(run_dir), "--text", "builtin:wikitext2-test", "--stride",
+               "128", "--json", str(scored)], 1, "test-split evaluation")
+    test = json.loads(scored.read_text())
     return {"ranks": ranks, "wall_s": round(wall, 1), "train_loss": losses, "val_loss": vals,
-            "test_loss": float(m[1]), "test_perplexity": float(m[2]), "test_tokens": int(m[3].replace(",", ""))}
+            "test_loss": test["loss"], "test_perplexity": test["perplexity"], "test_tokens": test["tokens"],
+            "test_word_perplexity": test["word_perplexity"], "test_bpb": test["bpb"]}
 
 
 def main() -> int:

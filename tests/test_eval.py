@@ -19,9 +19,14 @@ CHARS = sorted(set((ROOT / "src/scaletrain/assets/tinyshakespeare/input.txt").re
 INSTRUCTIONS = Path(__file__).parent / "fixtures" / "instructions.jsonl"
 
 
-def last_val_loss(run: Path) -> float:
+def last_record(run: Path) -> dict:
+    """The run's last evaluation record in metrics.jsonl."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["val_loss"] for r in rows if "val_loss" in r][-1]
+    return [r for r in rows if "val_loss" in r][-1]
+
+
+def last_val_loss(run: Path) -> float:
+    return last_record(run)["val_loss"]
 
 
 def eval_line(run: Path, capsys) -> str:
@@ -35,10 +40,12 @@ def assert_eval_is_recorded(run: Path, capsys, windows: str) -> None:
     computes equals the recorded float exactly: the same model weights, windows and ops on one process."""
     recorded = last_val_loss(run)
     line = eval_line(run, capsys)
-    assert line.startswith(f"val loss {recorded:.4f}, perplexity {math.exp(recorded):.2f} over "), line
+    assert line.startswith(f"val loss {recorded:.4f}, perplexity {math.exp(recorded):.2f}, bpb "), line
+    assert f"bpb {last_record(run)['val_bpb']:.4f} over " in line, line
     assert windows in line and "precision fp32" in line
     cfg, model, tokenizer, _ = load_run(run)
-    assert score_run(cfg, model, tokenizer, say=lambda _: None).loss == recorded
+    score = score_run(cfg, model, tokenizer, say=lambda _: None)
+    assert score.loss == recorded and score.score.bpb == last_record(run)["val_bpb"]
 
 
 def test_eval_prints_the_val_loss_the_run_recorded(tmp_path, tiny, capsys):

@@ -184,6 +184,10 @@ def test_report_of_a_run_from_plan_emit_shows_predicted_vs_measured(tmp_path, ti
         assert row.group(1) != "-" and "not measured" not in row.group(2) and re.fullmatch(r"[+-]\d+\.\d%",
                                                                                           row.group(3))
     assert f"{1000 * predicted.step_seconds:.1f} ms" in section
+    # What the planned compute bought, in bits per byte too: the final evaluation's record.
+    final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_bpb" in line][-1]
+    assert (f"<tr><td>final val loss (bits per byte)</td><td>not predicted</td><td>{final['val_loss']:.4f} "
+            f"({final['val_bpb']:.4f} bpb)</td>") in section
 
 
 def test_report_takes_a_plan_json(trained_run, tmp_path, capsys):

@@ -33,7 +33,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
 def test_loss_falls(tmp_path, tiny):
     cfg = load_config(None, tiny(tmp_path / "run", **{"train.steps": 60, "train.eval_interval": 30}))
     trainer = Trainer(cfg, log=False)
-    first = trainer.evaluate()
+    first = trainer.evaluate().loss
     summary = trainer.train()
     assert first == pytest.approx(math.log(65), rel=0.05)  # an untrained model is ~uniform
     assert summary["final_val_loss"] < first - 0.7
@@ -121,7 +121,7 @@ def test_eval_and_generate_commands(tmp_path, tiny, capsys):
     text = tmp_path / "t.txt"
     text.write_text("ROMEO:\nWhat light through yonder window breaks?\n" * 20)
     assert main(["eval", "--run", str(run), "--text", str(text)]) == 0
-    assert f"{text}: loss" in capsys.readouterr().out
+    assert f"{text}: token perplexity" in capsys.readouterr().out
     assert main(["generate", "--run", str(run), "--prompt", "ROMEO:", "--max-tokens", "30", "--top-p", "0.9"]) == 0
     sample = capsys.readouterr().out
     assert sample.startswith("ROMEO:") and len(sample) > 30
@@ -146,7 +146,7 @@ def test_eval_text_errors(tmp_path, tiny, capsys):
     run = tmp_path / "run"
     assert main(args(tiny(run, **{"train.steps": 2}))) == 0
     assert main(["eval", "--run", str(run), "--text", str(tmp_path / "none.txt")]) == 2
-    assert "text file not found" in capsys.readouterr().err
+    assert "none.txt: file not found" in capsys.readouterr().err
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9 ".encode("latin-1") * 50)
     assert main(["eval", "--run", str(run), "--text", str(bad)]) == 2
@@ -166,7 +166,7 @@ def test_eval_text_skips_characters_outside_a_char_vocabulary(tmp_path, tiny, ca
     assert lines[0] == ("skipped 40 characters not in the tokenizer's vocabulary "
                         "(e.g. '\u2018' x10, '\u2019' x10, '\u201c' x10, ...); the rest is scored")
     plain_count = len("Curiouser and curiouser! cried Alice; O Romeo.\n" * 10) - 1
-    assert lines[1].startswith(f"{text}: loss") and f"over {plain_count // 32 * 32:,} tokens" in lines[1]
+    assert lines[1].startswith(f"{text}: token perplexity") and f"over {plain_count:,} tokens" in lines[1]
     text.write_text("ROMEO:\nWhat light through yonder window breaks?\n" * 20)
     assert main(["eval", "--run", str(run), "--text", str(text)]) == 0
     assert "skipped" not in capsys.readouterr().out
@@ -232,7 +232,7 @@ def test_document_attention_trains_with_the_block_causal_mask(tmp_path, tiny):
         plain = float(F.cross_entropy(trainer.model(x).flatten(0, 1), y.flatten()))
     assert abs(masked - plain) > 1e-4
     assert trainer.step()["loss"] == pytest.approx(masked, rel=1e-6)
-    assert math.isfinite(trainer.evaluate())
+    assert math.isfinite(trainer.evaluate().loss)
 
     with pytest.raises(ConfigError, match="data.document_attention"):
         Trainer(load_config(None, {**overrides, "parallel.pp": "2"}), log=False)
@@ -263,7 +263,7 @@ def test_compiled_training_matches_eager(tmp_path, tiny):
         trainer = Trainer(cfg, log=False)
         losses_by_mode[compiled] = [trainer.step()["loss"] for _ in range(4)]
         assert (counters["stats"]["unique_graphs"] > 0) == compiled
-        assert math.isfinite(trainer.evaluate())
+        assert math.isfinite(trainer.evaluate().loss)
         assert len(trainer.sample(12)[0]) > 1
     assert losses_by_mode[True] == pytest.approx(losses_by_mode[False], rel=1e-4)
 

@@ -125,3 +125,28 @@ def test_lr_find_rules_and_stop():
 def test_lr_find_bad_range_is_one_line(capsys):
     assert main(["lr-find", "--start", "1", "--end", "1e-3"]) == 2
     assert "0 < --start < --end" in capsys.readouterr().err
+
+
+def test_bits_per_byte_as_the_objective(tmp_path, tiny, capsys):
+    """--objective val_bpb: each trial's value is its run's final val_bpb, pruning sees bpb at each
+    evaluation, and the study keeps its objective (continuing it with another is refused in one line)."""
+    job = tiny(tmp_path / "job", **{"train.steps": 6, "train.eval_interval": 3, "train.compile": "false",
+                                    "monitor.enabled": "false", "train.threads": 1, "data.tokenizer": "bpe",
+                                    "data.vocab_size": 300})
+    folder = tmp_path / "tune"
+    tune = ["tune", "--space", str(SPACE), "--dir", str(folder), *flags(job)]
+    assert main([*tune, "--trials", "2", "--objective", "val_bpb"]) == 0
+    doc = json.loads((folder / "study.json").read_text())
+    assert doc["objective"] == "final val bpb"
+    baseline = doc["trials"][0]  # the job's own values: `scaletrain train` of the job records the same val_bpb
+    assert baseline["baseline"] and list(baseline["intermediate"]) == ["3", "6"]
+    assert main(["train", *flags({**job, "train.run_dir": str(tmp_path / "ref")})]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    evals = {str(r["step"]): r for r in rows if "val_bpb" in r}
+    assert baseline["value"] == pytest.approx(evals["6"]["val_bpb"], rel=1e-6)
+    assert baseline["intermediate"]["3"] == pytest.approx(evals["3"]["val_bpb"], rel=1e-6)
+    assert abs(baseline["value"] - evals["6"]["val_loss"]) > 0.1  # bits per byte, not the loss
+    capsys.readouterr()
+    assert main([*tune, "--trials", "3", "--objective", "val_loss"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was started with --objective val_bpb" in err[0], err

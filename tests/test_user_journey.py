@@ -309,6 +309,12 @@ def test_compress_report_interleaves_rounds_and_writes_json(base_run, tmp_path, 
     rows = json.loads(table.read_text())
     assert rows[0]["speed_ratio"] == 1.0 and rows[1]["decode_tokens_per_s"] > 0
     assert isinstance(rows[1]["machine_busy"], bool)
+    # Each variant's bits per byte is `scaletrain eval`'s on the same windows (one definition).
+    assert "val bpb" in said
+    for row, run in zip(rows, (base_run, out)):
+        assert main(["eval", "--run", str(run), "--batches", "2", "--json", str(tmp_path / "e.json")]) == 0
+        assert row["val_bpb"] == json.loads((tmp_path / "e.json").read_text())["bpb"]
+    assert rows[1]["val_bpb"] != rows[0]["val_bpb"]
 
 
 def test_a_fine_tune_longer_than_the_default_context_is_not_refused_before_its_base_is_read():

@@ -147,7 +147,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     final = summary["final_val_loss"]
     say(f"done: {summary['steps']} steps, median {summary['median_step_ms']:.1f} ms/step, "
         f"{summary['tokens_per_second']:,.0f} tokens/s, MFU {100 * summary['mfu']:.1f}%, "
-        f"peak memory {summary['peak_memory_mb']:.0f} MB" + (f", final val loss {final:.4f}" if final else "")
+        f"peak memory {summary['peak_memory_mb']:.0f} MB"
+        + (f", final val loss {final:.4f} (bpb {summary['final_val_bpb']:.4f})" if final else "")
         + _stall_note(summary))
     return 0
 
@@ -166,48 +167,88 @@ def _stall_note(summary: dict) -> str:
 
 
 def _eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="loss and perplexity of a run's latest checkpoint")
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run's latest checkpoint, on its "
+                                    "validation split or any text (docs/evaluation.md)")
     p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
-    p.add_argument("--text", help="a UTF-8 text file (or builtin:NAME) to score instead of the run's validation "
-                                  "split (with a char tokenizer, characters outside its vocabulary are skipped and "
-                                  "counted)")
+    p.add_argument("--text", help="a UTF-8 text file (or builtin:NAME; builtin:wikitext-2 is WikiText-2's validation "
+                                  "split) to score instead of the run's validation split, with sliding windows: "
+                                  "token perplexity, word-level perplexity and bits per byte (with a char tokenizer, "
+                                  "characters outside its vocabulary are skipped and counted)")
     p.add_argument("--batches", type=int, default=None,
-                   help="batches of train.batch_size x data.seq_len tokens to score: of the validation split, spread "
+                   help="of the validation split: batches of train.batch_size x data.seq_len tokens, spread "
                         "evenly over it as training's eval spreads them (default: train.eval_batches, so the loss is "
-                        "the val_loss the run recorded for this checkpoint; 0 = every window); of --text, from its "
-                        "start (default: all of it)")
+                        "the val_loss the run recorded for this checkpoint; 0 = every window); of --text: score "
+                        "only the tokens of its first BATCHES x train.batch_size windows (default: all of it)")
+    p.add_argument("--context", type=int, default=None,
+                   help="--text: tokens of context each prediction may see at most (default: data.seq_len, the "
+                        "context the run trained at; at most model.max_seq_len)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="--text: tokens between the starts of two windows (default: half the context); each token "
+                        "is scored once, in the window that gives it the most context")
+    p.add_argument("--check-transformers", action="store_true",
+                   help="--text: also score the same windows with transformers on the run's Hugging Face export "
+                        "(a temporary folder) and print the relative difference (needs scaletrain[export])")
+    p.add_argument("--json", help="write the numbers, the windows and the settings to this JSON file")
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
+    from scaletrain.train import evaluate
 
+    if not args.text:
+        given = [flag for flag, value in (("--context", args.context), ("--stride", args.stride),
+                                          ("--check-transformers", args.check_transformers)) if value]
+        if given:
+            raise ConfigError(f"{given[0]} applies to --text (the sliding-window score of a text); the validation "
+                              f"split is scored on training's windows")
+    path, text = evaluate.read_eval_text(args.text) if args.text else (None, "")  # a bad file: before loading
     cfg, model, tokenizer, ckpt = load_run(args.run)
-    if not args.text:  # the run's validation loss: the number training's eval computes (train/evaluate.py)
-        from scaletrain.train.evaluate import score_run
+    settings = {"run": str(args.run), "checkpoint": ckpt.name, "batch_size": cfg.train.batch_size}
+    if not args.text:  # the run's validation loss and bpb: the numbers training's eval computes (train/evaluate.py)
+        run_score = evaluate.score_run(cfg, model, tokenizer, args.batches)
+        print(f"{run_score.line} ({ckpt.name})")
+        record = {"source": "val split", **evaluate.validation_record(run_score, cfg),
+                  "settings": {**settings, "batches": run_score.batches, "precision": run_score.precision}}
+    else:
+        context = args.context or cfg.data.seq_len
+        stride = args.stride if args.stride is not None else max(1, context // 2)
+        evaluate.check_window(context, stride, cfg.model.max_seq_len)
+        max_tokens = context + (args.batches * cfg.train.batch_size - 1) * stride + 1 \
+            if args.batches and args.batches > 0 else None  # 0 (or less): all of it, as for the val split
+        score, tokens = evaluate.score_text(model, tokenizer, text, context, stride, cfg.train.batch_size, max_tokens)
+        if score.skipped:
+            from scaletrain.data.tokenizer import describe_skipped
 
-        print(f"{score_run(cfg, model, tokenizer, args.batches).line} ({ckpt.name})")
-        return 0
-    import torch
+            print(describe_skipped(score.skipped), flush=True)
+        print(f"{evaluate.text_line(str(path), score)} ({ckpt.name})")
+        check = None
+        if args.check_transformers:
+            from scaletrain.train.transformers_check import exported_nll
 
-    from scaletrain.data.prepare import read_text_file
-    from scaletrain.data.sources import resolve_source
-    from scaletrain.data.tokenizer import DataError, describe_skipped, encode_known
-    from scaletrain.train.evaluate import perplexity, token_loss
-
-    path = resolve_source(args.text) if args.text.startswith("builtin:") else Path(args.text)
-    if not path.is_file():
-        raise DataError(f"text file not found: {path}")
-    ids, unknown = encode_known(tokenizer, read_text_file(path))  # a char tokenizer skips what it lacks
-    if unknown:
-        print(describe_skipped(unknown), flush=True)
-    tokens = torch.tensor(ids, dtype=torch.long)
-    if args.batches:
-        tokens = tokens[: args.batches * cfg.train.batch_size * cfg.data.seq_len + 1]
-    loss, count = token_loss(model, tokens, cfg.data.seq_len, cfg.train.batch_size,
-                             vocab_limit=tokenizer.vocab_size)
-    print(f"{path}: loss {loss:.4f}, perplexity {perplexity(loss):.2f} over {count:,} tokens ({ckpt.name})")
+            check = exported_nll(args.run, cfg, model, tokenizer, tokens, context, stride)
+        record = {"source": str(args.text), "path": str(path), **evaluate.text_record(score, check),
+                  "settings": {**settings, "context": context, "stride": stride, "max_tokens": max_tokens,
+                               "precision": str(next(model.parameters()).dtype).removeprefix("torch.")}}
+        if check is not None:
+            theirs = record["transformers_check"]
+            print(f"transformers on the Hugging Face export, the same windows: token perplexity "
+                  f"{theirs['perplexity']:.3f}, word perplexity {theirs['word_perplexity']:.3f}, bpb "
+                  f"{theirs['bpb']:.4f}; largest relative difference {theirs['relative_difference']:.1e}")
+    if args.json:
+        _write_json(args.json, record)
     return 0
+
+
+def _write_json(path: str, record: dict) -> None:
+    """``record`` as indented JSON at ``path`` (a user's path: written through ``guarded_write``)."""
+    import json
+
+    from scaletrain.files import guarded_write
+
+    with guarded_write(f"the JSON {path}", path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def _export_parser(sub) -> None:

@@ -241,7 +241,7 @@ def measure(run: str, batches: int | None) -> tuple[dict, tuple]:
         f"{what['prune']['method']} {what['prune']['pattern']}" if "prune" in what else "",
         "structured" if "structured" in what else "", what["quantize"]["method"] if "quantize" in what else ""]))
     row = {"run": str(run), "variant": label or "original", "val_loss": loss, "val_perplexity": perplexity(loss),
-           "tokens_scored": count, "bytes": state_bytes(model)}
+           "val_bpb": score.score.bpb, "tokens_scored": count, "bytes": state_bytes(model)}
     row["scored"] = score.windows_text
     return row, (model, cfg, tokenizer, prompt)
 
@@ -268,8 +268,8 @@ def report(args: argparse.Namespace) -> int:
         for row, (model, cfg, tokenizer, prompt) in zip(rows, timings):
             row.update(decode_report(model, tokenizer.vocab_size, len(prompt), args.decode_tokens, cfg.data.seq_len))
     base = rows[0]
-    print(f"{'run':<36} {'variant':<24} {'val ppl':>9} {'d ppl':>8} {'MB':>8} {'size':>6} {'decode tok/s':>12} "
-          f"{'speed':>6}")
+    print(f"{'run':<36} {'variant':<24} {'val ppl':>9} {'d ppl':>8} {'val bpb':>8} {'MB':>8} {'size':>6} "
+          f"{'decode tok/s':>12} {'speed':>6}")
     for i, r in enumerate(rows):
         r["perplexity_change"] = r["val_perplexity"] / base["val_perplexity"] - 1
         r["size_ratio"] = r["bytes"] / base["bytes"]
@@ -277,7 +277,8 @@ def report(args: argparse.Namespace) -> int:
         r["speed_ratio"] = ratios[i] if args.decode_tokens else 0.0
         r["machine_busy"] = bool(busy)
         print(f"{Path(r['run']).name[:36]:<36} {r['variant'][:24]:<24} {r['val_perplexity']:>9.2f} "
-              f"{100 * r['perplexity_change']:>+7.1f}% {r['bytes'] / 1e6:>8.2f} {r['size_ratio']:>5.2f}x "
+              f"{100 * r['perplexity_change']:>+7.1f}% {r['val_bpb']:>8.4f} {r['bytes'] / 1e6:>8.2f} "
+              f"{r['size_ratio']:>5.2f}x "
               f"{r['decode_tokens_per_s']:>12.1f} {r['speed_ratio']:>5.2f}x")
     if args.decode_tokens:
         print(f"decode: medians of {args.rounds} interleaved round(s) of {args.decode_tokens} tokens at batch 1 on "

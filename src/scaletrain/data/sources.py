@@ -36,7 +36,9 @@ from scaletrain.data.tokenizer import DataError
 
 # wikitext2: the validation split of WikiText-2 (trains configs/wikitext_zero.toml), wikitext2-test its test split
 BUILTIN = {"tinyshakespeare": "assets/tinyshakespeare/input.txt", "wikitext2": "assets/wikitext-2/valid.txt",
-           "wikitext2-test": "assets/wikitext-2/test.txt"}
+           "wikitext2-test": "assets/wikitext-2/test.txt",
+           # the names WikiText is usually written with (``eval --text builtin:wikitext-2``): the same files
+           "wikitext-2": "assets/wikitext-2/valid.txt", "wikitext-2-test": "assets/wikitext-2/test.txt"}
 COMPRESSED = {".gz", ".zst", ".xz", ".bz2"}
 BINARY_MAGIC = (b"\x89PNG", b"%PDF", b"PK\x03\x04", b"\x7fELF", b"GIF8", b"\xff\xd8\xff", b"PAR1")
 

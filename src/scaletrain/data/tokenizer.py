@@ -298,6 +298,43 @@ def describe_skipped(unknown: Counter) -> str:
             f"(e.g. {shown}{', ...' if len(unknown) > 3 else ''}); the rest is scored")
 
 
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """(vocab_size,) int64: the UTF-8 bytes of text each token id stands for, so that the bytes of any scored
+    tokens are a sum (bits per byte, ``train/evaluate.py``). A char token: its character's UTF-8 length. A
+    byte-level BPE token (ours, GPT-2, Llama 3, Qwen): one byte per symbol of its byte alphabet. A SentencePiece-
+    style piece (Mistral, Gemma): ``<0xNN>`` is one byte, ``▁`` a space. Special tokens (BOS, EOS, pad, chat
+    markers) are 0: they stand for no text. Decoding tokens one by one would not do: a byte-level token that
+    holds half a character decodes to U+FFFD, three bytes."""
+    if isinstance(tokenizer, CharTokenizer):
+        return np.array([len(c.encode("utf-8")) for c in tokenizer.chars], dtype=np.int64)
+    tok = tokenizer.tok
+    lengths = np.zeros(tok.get_vocab_size(), dtype=np.int64)
+    added = tok.get_added_tokens_decoder()  # {id: AddedToken}: written as plain text, not in the byte alphabet
+    byte_level = "ByteLevel" in json.dumps(json.loads(tok.to_str()).get("decoder"))
+    alphabet = set(_byte_alphabet()) if byte_level else set()
+    for token_id in range(len(lengths)):
+        if token_id in added:
+            lengths[token_id] = 0 if added[token_id].special else len(added[token_id].content.encode("utf-8"))
+            continue
+        piece = tok.id_to_token(token_id)
+        if piece is None:  # a hole in the id range
+            continue
+        if byte_level and all(c in alphabet for c in piece):
+            lengths[token_id] = len(piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            lengths[token_id] = 1
+        else:
+            lengths[token_id] = len(piece.replace("\u2581", " ").encode("utf-8"))
+    return lengths
+
+
+def _byte_alphabet() -> list[str]:
+    """The 256 characters byte-level BPE writes bytes as (GPT-2's ``bytes_to_unicode``), in byte order."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel.alphabet()
+
+
 def iter_batches(items: Iterable, size: int) -> Iterator[list]:
     batch: list = []
     for item in items:

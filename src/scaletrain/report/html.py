@@ -47,6 +47,10 @@ class PlotSpec:
 STEP_PLOTS = [
     PlotSpec("plot-loss", "Loss", "loss",
              [Series("train", "loss", "train loss"), Series("val", "val_loss", "val loss")]),
+    PlotSpec("plot-val-bpb", "Validation bits per byte (comparable across tokenizers)", "bits per byte",
+             [Series("val", "val_bpb", "val bpb")],
+             empty_note="no val_bpb in these runs (recorded since bits per byte was added; `scaletrain eval --run R` "
+                        "prints a checkpoint's)"),
     PlotSpec("plot-lr", "Learning rate", "lr", [Series("train", "lr", "lr")]),
     PlotSpec("plot-grad-norm", "Gradient norm (before clipping)", "grad norm",
              [Series("train", "grad_norm", "grad norm")], log_y=True),
@@ -223,6 +227,17 @@ def run_prediction(run: RunData) -> dict | None:
     return None
 
 
+def final_quality(run: RunData) -> str:
+    """'1.6012 (2.3101 bpb)': the last evaluation's val loss and bits per byte ('-' before any)."""
+    summary = run.segments[-1].get("summary", {}) if run.segments else {}
+    last = run.val[-1] if run.val else {}
+    loss = summary.get("final_val_loss") or last.get("val_loss")
+    bpb = summary.get("final_val_bpb") or last.get("val_bpb")
+    if not isinstance(loss, (int, float)):
+        return "-"
+    return f"{loss:.4f}" + (f" ({bpb:.4f} bpb)" if isinstance(bpb, (int, float)) else "")
+
+
 def prediction_rows(run: RunData) -> list[tuple[str, str, str, str]]:
     """(quantity, predicted, measured, error) rows; the error is measured / predicted - 1."""
     p = run_prediction(run)
@@ -238,6 +253,8 @@ def prediction_rows(run: RunData) -> list[tuple[str, str, str, str]]:
             continue
         error = f"{100 * (measured / predicted - 1):+.1f}%" if measured else "-"
         rows.append((label, fmt(predicted), fmt(measured) if measured else "not measured yet", error))
+    if rows:  # what the planned compute bought, in the tokenizer-independent unit too
+        rows.append(("final val loss (bits per byte)", "not predicted", final_quality(run), "-"))
     return rows
 
 
@@ -312,6 +329,7 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
             ("wall time", _duration(wall) + (f" over {len(segs)} segments (resumed)" if len(segs) > 1 else "")),
             ("steps", f"{steps_done(run):,}" + (f" of {run.config.train.steps:,}" if run.config else "")),
             (val_label, val_text),
+            ("val loss (bits per byte)", final_quality(run)),
             ("median step / tokens/s", f"{_duration(run.median_step_seconds())} / "
                                        f"{run.median_tokens_per_second() or 0:,.0f}"),
             ("cost", cost)]

@@ -39,7 +39,7 @@ from scaletrain.train.adaptive import Adaptive
 from scaletrain.train.compile_choice import choose, compiled_before, expected_eager_ms, remember
 from scaletrain.train.contention import ThreadWatch
 from scaletrain.train.engine import engine_for
-from scaletrain.train.evaluate import validation_loss
+from scaletrain.train.evaluate import ValidationScore, byte_table, validation_loss
 from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, Throughput, peak_memory_bytes
 from scaletrain.train.monitor import ResourceMonitor, finish_run_info, gathered_window, write_run_info
@@ -112,9 +112,11 @@ class Trainer:
             self._write_run_files()
         self.cfg = cfg = resolve_compile(cfg, self.device, announce=self.log_enabled)
         self._build(cfg, dims)
-        # Hooks for tune/: ``on_eval(step, val_loss)`` after each evaluation (a trial reports to its pruner; an
-        # exception ends the run, the caller then calls ``close``); ``lr_override(step)``: lr-find's peak LR.
-        self.on_eval: Callable[[int, float], None] | None = None
+        # Hooks for tune/: ``on_eval(step, score)`` after each evaluation (a trial reports its objective to its
+        # pruner; an exception ends the run, the caller then calls ``close``); ``lr_override(step)``: lr-find's
+        # peak LR.
+        self.on_eval: Callable[[int, ValidationScore], None] | None = None
+        self._token_bytes: torch.Tensor | None = None  # ``byte_table`` of the tokenizer, on the device
         self.lr_override: Callable[[int], float] | None = None
         self._check_disk(cfg)
 
@@ -257,15 +259,18 @@ class Trainer:
         return inputs, targets, mask
 
     # -- evaluation and samples ---------------------------------------------------------------------
-    def evaluate(self) -> float:
-        """The run's validation loss: ``validation_loss`` over ``validation_batches`` (train.eval_batches batches
-        evenly spread over the val split, or the first held-out instruction examples), as ``scaletrain eval``."""
+    def evaluate(self) -> ValidationScore:
+        """The run's validation loss and bits per byte: ``validation_loss`` over ``validation_batches``
+        (train.eval_batches batches evenly spread over the val split, or the first held-out instruction examples),
+        as ``scaletrain eval``."""
         # Eager even when the model is compiled: no-grad eval mode is another graph, and its cold compile
         # (14.8 s on the baby recipe) cost more than the whole run's evals take eagerly (9 x 0.24 s; compiled
         # 0.21 s each). It is also the forward ``scaletrain eval`` runs, so the two agree to the last bit.
         with torch.compiler.set_stance("force_eager"):
+            if self._token_bytes is None:  # the UTF-8 bytes of each token id, for bits per byte (once)
+                self._token_bytes = byte_table(self.tokenizer, self.device)
             return validation_loss(self.pm, validation_batches(self.cfg, self.data), self.precision,
-                                   self.cfg.train.batch_size)[0]
+                                   self.cfg.train.batch_size, self._token_bytes)
 
     def sample(self, max_new_tokens: int) -> tuple[str, str]:
         """(text from the current model, a note when it stopped at the context); its own generator keeps the
@@ -424,12 +429,15 @@ class Trainer:
     def _eval_and_sample(self, logger: MetricsLogger) -> None:
         """Evaluate and log (then ``on_eval``); rank 0 also samples and logs text when train.sample_tokens."""
         with self.throughput.stall("eval"):
-            val_loss = self.evaluate()
-        self.evals.append({"step": self.state.step, "val_loss": val_loss})
-        logger.log({"step": self.state.step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss)})
-        logger.message(f"step {self.state.step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}")
+            score = self.evaluate()
+        val_loss = score.loss
+        self.evals.append({"step": self.state.step, "val_loss": val_loss, "val_bpb": score.bpb})
+        logger.log({"step": self.state.step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
+                    "val_bpb": score.bpb})
+        logger.message(f"step {self.state.step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}, "
+                       f"bpb {score.bpb:.4f}")
         if self.on_eval is not None:
-            self.on_eval(self.state.step, val_loss)
+            self.on_eval(self.state.step, score)
         if self.cfg.train.sample_tokens and self.is_main and not self.pm.sharded:
             with self.throughput.stall("sample"):
                 text, note = self.sample(self.cfg.train.sample_tokens)
@@ -440,6 +448,7 @@ class Trainer:
         """Steps, speed, evaluations, memory, parameters, communication, NaN-guard events, stalls."""
         return {"steps": self.state.step, **self.throughput.median(),
                 "evals": self.evals, "final_val_loss": self.evals[-1]["val_loss"] if self.evals else None,
+                "final_val_bpb": self.evals[-1]["val_bpb"] if self.evals else None,
                 "peak_memory_mb": peak_memory_bytes(self.device) / 2**20,
                 "parameters": num_params(self.cfg.model),
                 "trainable_parameters": parameter_counts(self.pm.modules)[0],

@@ -31,6 +31,10 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-trials", type=int, default=0,
                         help="random trials before TPE models the space, and trials before pruning starts; 0 = "
                              "a third of --trials, between 3 and 10")
+    parser.add_argument("--objective", default="val_loss", choices=("val_loss", "val_bpb"),
+                        help="what a trial minimises, at each evaluation (pruning) and at the end: the validation "
+                             "loss, or bits per byte (val_bpb: comparable across tokenizers, e.g. when "
+                             "data.tokenizer or data.vocab_size is searched; docs/evaluation.md)")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (each worker adds its index)")
     parser.add_argument("--memory-gb", type=float, default=0.0,
                         help="skip trials the planner predicts need more per device than this; 0 = this machine's "
@@ -65,12 +69,14 @@ def run_tune(args: argparse.Namespace) -> int:
     threads = cfg.train.threads or (max(1, (os.cpu_count() or 1) // args.parallel)
                                     if device_kind == "cpu" and args.parallel > 1 else 0)
     settings = {"seed": args.seed, "pruner": args.pruner, "device_kind": device_kind, "threads": threads,
+                "objective": args.objective,
                 "startup_trials": args.startup_trials or max(3, min(10, args.trials // 3)),
                 "memory_limit": args.memory_gb * 2**30 if args.memory_gb > 0
                 else st.default_memory_limit(device_kind, args.parallel)}
     # The data is prepared once here, so that workers starting together do not all prepare it.
     prepare_data(load_config(folder / "job.toml", st.trial_overrides(folder, 0, cfg, threads)))
     study = st.open_study(folder, args.seed, args.pruner, settings["startup_trials"], 0)
+    st.set_objective(study, args.objective)  # a continued study keeps its objective
     if not study.trials:
         baseline = st.baseline_values(cfg, params)
         if baseline is not None:  # the hand-set config runs first, under the same budget
@@ -88,7 +94,7 @@ def run_tune(args: argparse.Namespace) -> int:
     study = st.open_study(folder, args.seed, args.pruner, settings["startup_trials"], 0)
     st.write_study_json(study, folder)
     rows = st.trial_rows(study)
-    print(st.trial_table(rows, [p.name for p in params]))
+    print(st.trial_table(rows, [p.name for p in params], args.objective))
     best = st.write_best(study, folder)
     counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "skipped", "fail")}
     print(f"{len(rows)} trials: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + " (* = the job's own "
@@ -97,7 +103,7 @@ def run_tune(args: argparse.Namespace) -> int:
         print("no trial completed; nothing to recommend")
         return 0
     top = st.best_trial(study)
-    print(f"best: trial {top.number}, final val loss {top.value:.4f}: "
+    print(f"best: trial {top.number}, {st.OBJECTIVES[args.objective]} {top.value:.4f}: "
           + ", ".join(f"{k}={st.format_value(v)}" for k, v in top.params.items())
           + f"; its job is {best} (scaletrain train --config {best}); scaletrain report {folder} draws the study")
     return 0

@@ -28,15 +28,22 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaletrain.config import JobConfig, load_config, to_toml
 from scaletrain.options import ConfigError
 from scaletrain.tune.space import Param, load_space
 
+if TYPE_CHECKING:
+    from scaletrain.train.evaluate import ValidationScore
+
 STUDY_NAME = "tune"
 HEARTBEAT_SECONDS = 5  # a worker's running trial pings the storage this often
 GRACE_SECONDS = 20  # a trial without a ping for this long belongs to a dead worker: failed, then retried
+
+
+# What a trial minimises (``tune --objective``): a key of the Trainer's evaluations and how tables name it.
+OBJECTIVES = {"val_loss": "final val loss", "val_bpb": "final val bpb"}
 
 
 def optuna_module():
@@ -126,9 +133,10 @@ class Objective:
     train it with the Trainer, reporting each evaluation to the pruner."""
 
     def __init__(self, folder: Path, params: list[Param], memory_limit: float, device_kind: str, threads: int,
-                 say=print):
+                 say=print, objective: str = "val_loss"):
         self.folder, self.params, self.memory_limit = folder, params, memory_limit
         self.device_kind, self.threads, self.say = device_kind, threads, say
+        self.objective = objective  # a key of OBJECTIVES and of the trainer's evaluations (``Trainer.evals``)
 
     def __call__(self, trial: Any) -> float:
         optuna = optuna_module()
@@ -153,12 +161,15 @@ class Objective:
         tokens_per_step = trainer.tokens_per_step
         trial.set_user_attr("flops_per_token", trainer.flops_per_token)
 
-        def report(step: int, val_loss: float) -> None:
+        name = self.objective.replace("_", " ")  # "val loss", "val bpb"
+
+        def report(step: int, score: ValidationScore) -> None:
             if step == 0:  # before any training: says nothing about the hyperparameters
                 return
-            trial.report(val_loss, step)
+            value = score.loss if self.objective == "val_loss" else score.bpb
+            trial.report(value, step)
             if step < cfg.train.steps and trial.should_prune():
-                raise optuna.TrialPruned(f"val loss {val_loss:.4f} at step {step}")
+                raise optuna.TrialPruned(f"{name} {value:.4f} at step {step}")
 
         trainer.on_eval = report
         try:
@@ -167,16 +178,16 @@ class Objective:
             trainer.close()
             self._record(trial, trainer.state.step, tokens_per_step, t0)
             last = trainer.evals[-1]
-            self.say(f"trial {trial.number} ({shown}): pruned at step {last['step']} (val loss "
-                     f"{last['val_loss']:.4f})")
+            self.say(f"trial {trial.number} ({shown}): pruned at step {last['step']} ({name} "
+                     f"{last[self.objective]:.4f})")
             raise
         except BaseException:
             trainer.close()
             raise
         self._record(trial, summary["steps"], tokens_per_step, t0)
-        loss = summary["final_val_loss"]
-        self.say(f"trial {trial.number} ({shown}): val loss {loss:.4f} ({time.time() - t0:.0f} s)")
-        return loss
+        value = summary["evals"][-1][self.objective]
+        self.say(f"trial {trial.number} ({shown}): {name} {value:.4f} ({time.time() - t0:.0f} s)")
+        return value
 
     @staticmethod
     def _record(trial: Any, steps: int, tokens_per_step: int, t0: float) -> None:
@@ -193,7 +204,8 @@ def run_worker(folder: Path, worker: int, total: int, settings: dict) -> None:
     params = load_space(folder / "space.toml")
     study = open_study(folder, settings["seed"], settings["pruner"], settings["startup_trials"], worker)
     objective = Objective(folder, params, settings["memory_limit"], settings["device_kind"], settings["threads"],
-                          say=lambda text: print(f"[worker {worker}] {text}", flush=True))
+                          say=lambda text: print(f"[worker {worker}] {text}", flush=True),
+                          objective=settings.get("objective", "val_loss"))
     remaining = total - finished_count(study)
     if remaining <= 0:
         return
@@ -255,7 +267,8 @@ def write_study_json(study: Any, folder: Path) -> Path:
     """``study.json``: what ``scaletrain report`` draws (it needs no optuna). Written atomically: several
     workers rewrite it as their trials finish."""
     best = best_trial(study)
-    doc = {"kind": "scaletrain-tune", "study": STUDY_NAME, "direction": "minimize", "objective": "final val loss",
+    doc = {"kind": "scaletrain-tune", "study": STUDY_NAME, "direction": "minimize",
+           "objective": OBJECTIVES[study_objective(study)],
            "params": [{"name": p.name, "kind": p.kind} for p in load_space(folder / "space.toml")],
            "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params},
            "trials": trial_rows(study)}
@@ -265,9 +278,23 @@ def write_study_json(study: Any, folder: Path) -> Path:
     return folder / "study.json"
 
 
-def trial_table(rows: list[dict], params: list[str]) -> str:
+def study_objective(study: Any) -> str:
+    """The study's objective (``tune --objective``, kept in the study): val_loss for studies from before it."""
+    return study.user_attrs.get("objective", "val_loss")
+
+
+def set_objective(study: Any, objective: str) -> None:
+    """Record ``objective`` in a new study; a continued study must keep the one it started with (ConfigError)."""
+    saved = study.user_attrs.get("objective", "val_loss" if study.trials else None)
+    if saved is not None and saved != objective:
+        raise ConfigError(f"--objective {objective}: the study was started with --objective {saved} (its trials "
+                          f"are values of that); continue it with {saved}, or start a new --dir")
+    study.set_user_attr("objective", objective)
+
+
+def trial_table(rows: list[dict], params: list[str], objective: str = "val_loss") -> str:
     """The trials as a plain-text table (one line each)."""
-    head = ["#", "state", "val loss", "steps", *params]
+    head = ["#", "state", objective.replace("_", " "), "steps", *params]
     lines = [head]
     for r in rows:
         value = f"{r['value']:.4f}" if r["value"] is not None else "-"
@@ -288,7 +315,8 @@ def write_best(study: Any, folder: Path) -> Path | None:
     over = {k: str(v) for k, v in best.params.items()}
     over["train.run_dir"] = f"{base.train.run_dir}-best"
     cfg = load_config(folder / "job.toml", over)
-    header = (f"# The best trial (#{best.number}, final val loss {best.value:.4f}) of the study in {folder}:\n"
+    header = (f"# The best trial (#{best.number}, {OBJECTIVES[study_objective(study)]} {best.value:.4f}) of the "
+              f"study in {folder}:\n"
               f"# {', '.join(f'{k} = {format_value(v)}' for k, v in best.params.items())}\n"
               f"#   scaletrain train --config {folder / 'best.toml'}\n")
     path = folder / "best.toml"
