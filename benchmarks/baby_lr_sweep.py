@@ -37,7 +37,8 @@ KELLER_JORDAN = ["--optim.name=muon", "--optim.muon_lr=0.02", "--optim.muon_adju
 def run_row(optimizer: str, lr: str, warmup: str, scratch: Path) -> dict:
     run_dir = scratch / f"{optimizer}-{lr}-{warmup}"
     flags = KELLER_JORDAN if optimizer == "muon_kj" else [f"--optim.name={optimizer}"]
-    cmd = [sys.executable, "-m", "scaletrain", "train", "--config", str(ROOT / "configs/shakespeare_char_baby_adamw.toml"),
+    cmd = [sys.executable, "-m", "scaletrain", "train",
+           "--config", str(ROOT / "configs/shakespeare_char_baby_adamw.toml"),
            "--train.compile=false", "--train.stop_at_step=600", "--train.eval_interval=100",
            "--train.sample_tokens=0", "--checkpoint.enabled=false", *flags,
            f"--optim.lr={lr}", f"--schedule.warmup_steps={warmup}", f"--train.run_dir={run_dir}",

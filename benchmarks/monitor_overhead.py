@@ -119,7 +119,8 @@ def main() -> None:
     ratios = {m: [a / b for a, b in zip(medians[m], medians["off"])] for m in modes if m != "off"}
     cpu_ratios = {m: [a / b for a, b in zip(cpu[m], cpu["off"])] for m in modes if m != "off"}
     result = {
-        "what": "baby recipe (configs/shakespeare_char_baby_adamw.toml) step time with and without the resource sampler",
+        "what": "baby recipe (configs/shakespeare_char_baby_adamw.toml) step time with and without the resource "
+                "sampler",
         "config": str(Path(args.config).relative_to(ROOT)) if Path(args.config).is_relative_to(ROOT) else args.config,
         "compile": cfg.train.compile, "precision": cfg.train.precision, "rounds": args.rounds,
         "block_steps": args.block_steps, "intervals_s": {m: v for m, v in modes.items() if v is not None},
