@@ -174,10 +174,30 @@ def _eval_parser(sub) -> None:
                         "evenly over it as training's eval spreads them (default: train.eval_batches, so the loss is "
                         "the val_loss the run recorded for this checkpoint; 0 = every window); of --text, from its "
                         "start (default: all of it)")
+    # lm-evaluation-harness tasks (harness/): only read when --tasks is given
+    p.add_argument("--tasks", help="comma-separated lm-evaluation-harness tasks (hellaswag,arc_easy,...) or "
+                                   "gutenberg-cloze (built from the run's held-out text), run by lm-eval's own "
+                                   "evaluator on this run (needs scaletrain[eval]; see docs/evaluation.md)")
+    p.add_argument("--limit", type=int, help="--tasks: score the first N samples of each task (default: all)")
+    p.add_argument("--num-fewshot", type=int, help="--tasks: few-shot examples before each sample (default: each "
+                                                   "task's own)")
+    p.add_argument("--include-path", help="--tasks: a folder of your own task YAMLs (local data: dataset_path: json "
+                                          "with dataset_kwargs.data_files)")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="--tasks: render each prompt in the chat template of the run's Hugging Face base")
+    p.add_argument("--batch-size", type=int, default=8, help="--tasks: requests scored a forward pass")
+    p.add_argument("--json", help="write the scores (with their settings) to this JSON file")
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.tasks:  # benchmarks through lm-evaluation-harness (harness/tasks.py)
+        from scaletrain.harness.tasks import TaskRequest, evaluate_tasks
+
+        evaluate_tasks(TaskRequest(args.run, [t.strip() for t in args.tasks.split(",")], args.limit,
+                                   args.num_fewshot, args.include_path, args.json, args.apply_chat_template,
+                                   args.batch_size))
+        return 0
     from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
 
     cfg, model, tokenizer, ckpt = load_run(args.run)
