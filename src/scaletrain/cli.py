@@ -198,6 +198,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                    args.num_fewshot, args.include_path, args.json, args.apply_chat_template,
                                    args.batch_size))
         return 0
+    task_flags = [f for f, v in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+                                 ("--include-path", args.include_path),
+                                 ("--apply-chat-template", args.apply_chat_template or None)) if v is not None]
+    if task_flags:
+        raise ConfigError(f"{', '.join(task_flags)}: only with --tasks (lm-evaluation-harness tasks)")
     from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
 
     cfg, model, tokenizer, ckpt = load_run(args.run)

@@ -10,8 +10,8 @@ How an item is built (deterministic: the same prepared data gives the same task,
   whitespace, or at a blank line (a verse speech or a heading ends there too). Whitespace inside a sentence is
   collapsed to one space, so line breaks are no clue.
 - **Passage**: the ``PASSAGE_SENTENCES`` (3) sentences before the answer, in the same document; the answer is
-  the sentence that follows them, and only sentences of ``MIN_CHARS``-``MAX_CHARS`` (20-200) characters are
-  answers or distractors.
+  the sentence that follows them, and only sentences of ``MIN_CHARS``-``MAX_CHARS`` (20-100) characters are
+  answers or distractors (an answer must fit the window of a char model: the default run's is 128 characters).
 - **Distractors**: three sentences from elsewhere in the held-out text: not within ``NEIGHBOURHOOD`` (20)
   sentences of the answer in its document, not equal to it or to each other, and of nearly its length (within
   ``LENGTH_TOLERANCE``, 25%, else the closest lengths), so that length alone (which ``acc`` rewards: a shorter
@@ -45,7 +45,7 @@ TASK = "gutenberg-cloze"
 VERSION = 1  # bump when an item changes for the same data: the cached task is rebuilt
 SEED = 1234
 PASSAGE_SENTENCES = 3
-MIN_CHARS, MAX_CHARS = 20, 200
+MIN_CHARS, MAX_CHARS = 20, 100
 NEIGHBOURHOOD = 20
 LENGTH_TOLERANCE = 0.25
 MAX_ITEMS = 500

@@ -100,6 +100,11 @@ class ScaletrainLM(TemplateLM):
             tokens = request[1] + request[2]
             return -len(tokens), tuple(tokens)
 
+        too_long = next((r for r in requests if len(r[2]) > self.max_length), None)
+        if too_long is not None:  # the hf backend stops at an assert here: no window holds the whole answer
+            raise ConfigError(f"a continuation of {len(too_long[2])} tokens is longer than the model's context of "
+                              f"{self.max_length} (model.max_seq_len), so it cannot be scored in one window; "
+                              f"use a model with a longer context or a task with shorter answers")
         order = Collator(requests, sort_fn=longest_first)
         results = []
         for chunk in order.get_batched(n=self.batch_size):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+import torch
+
 from scaletrain.data.tokenizer import describe_skipped
 from scaletrain.files import guarded_write
 from scaletrain.options import ConfigError
@@ -39,7 +41,7 @@ class TaskRequest:
     json_path: str | None = None
     apply_chat_template: bool = False
     batch_size: int = 8
-    device: str = "cpu"
+    device: str = "auto"  # the GPU when there is one
 
     def check(self) -> None:
         """The arguments alone (before the run or lm-eval is loaded)."""
@@ -106,8 +108,10 @@ def load_tasks(task_manager, names: list[str], online: bool) -> dict:
                           f"is reachable, or {LOCAL_ROUTE}") from None
 
 
-def check_output_types(tasks: dict, lm) -> None:
-    """Refuse, before scoring, a task the model cannot serve."""
+def check_servable(tasks: dict, lm, limit: int | None) -> None:
+    """Refuse, before scoring, a task the model cannot serve: generation without an end-of-text token, a rolling
+    log-likelihood without a BOS/EOS, a multiple-choice answer longer than the model's window (the first
+    ``limit`` samples)."""
     from scaletrain.harness.model import no_end_of_text
 
     for name, task in tasks.items():
@@ -116,6 +120,16 @@ def check_output_types(tasks: dict, lm) -> None:
             raise ConfigError(f"--tasks {name}: " + no_end_of_text(lm.name))
         if kind == "loglikelihood_rolling":
             lm.prefix_token_id  # noqa: B018  (raises the one-line refusal when there is no BOS/EOS)
+        if kind == "multiple_choice":
+            docs = task.eval_docs
+            delimiter = task.config.target_delimiter
+            longest = max((len(lm.tok_encode(delimiter + choice, add_special_tokens=False))
+                           for i, doc in zip(range(limit or len(docs)), docs) for choice in task.doc_to_choice(doc)),
+                          default=0)
+            if longest > lm.max_length:
+                raise ConfigError(f"--tasks {name}: an answer of {longest} tokens is longer than the model's context "
+                                  f"of {lm.max_length} (model.max_seq_len), so it cannot be scored in one window; "
+                                  f"use a model with a longer context")
 
 
 class _LoadedOnce:
@@ -140,10 +154,14 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     evaluator, TaskManager = import_lm_eval()
+    import datasets
+
+    datasets.disable_progress_bars()  # "Generating test split" bars: the task lines and lm-eval's own bars suffice
     from scaletrain.checkpoint.run import load_run
     from scaletrain.harness.model import ScaletrainLM
 
-    cfg, model, tokenizer, ckpt = load_run(request.run, device=request.device)
+    device = request.device if request.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    cfg, model, tokenizer, ckpt = load_run(request.run, device=device)
     lm = ScaletrainLM(model, tokenizer, cfg.model.max_seq_len, request.batch_size, name=str(request.run))
     if request.apply_chat_template:
         lm.chat_template(True)  # a run without a template is refused here, not after the first task
@@ -155,7 +173,7 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
         if name not in manager.all_tasks:
             raise ConfigError(unknown_task(name, manager.all_tasks))
     loaded = load_tasks(manager, request.tasks, online)
-    check_output_types(loaded["tasks"], lm)
+    check_servable(loaded["tasks"], lm, request.limit)
     results = evaluator.simple_evaluate(
         model=lm, tasks=request.tasks, task_manager=_LoadedOnce(manager, loaded), num_fewshot=request.num_fewshot,
         limit=request.limit, apply_chat_template=request.apply_chat_template, log_samples=False,
