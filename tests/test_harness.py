@@ -61,8 +61,9 @@ def bpe_run(tmp_path_factory):
 
 @pytest.fixture
 def in_fixtures(monkeypatch):
-    """The fixture YAMLs name their JSONL by a relative path, which lm-eval (``datasets``) reads from the cwd."""
-    monkeypatch.chdir(FIXTURES)
+    """The fixture YAMLs name their JSONL relative to the repository root (as docs/evaluation.md runs them), which
+    lm-eval (``datasets``) reads from the working folder."""
+    monkeypatch.chdir(FIXTURES.parents[2])
 
 
 def _evaluate(lm, tasks: list[str]) -> dict:
@@ -170,7 +171,8 @@ def test_eval_tasks_prints_scores_with_their_settings(bpe_run, tmp_path, in_fixt
                  str(FIXTURES), "--limit", "3", "--num-fewshot", "1", "--json", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     choices = next(line for line in lines if line.startswith("tiny-choices: "))
-    assert "acc " in choices and "acc_norm (per byte) " in choices and "(1-shot, limit 3: 3 of 8 samples)" in choices
+    assert "acc " in choices and "acc_norm (per character) " in choices
+    assert "(1-shot, limit 3: 3 of 8 samples)" in choices
     answers = next(line for line in lines if line.startswith("tiny-answers: "))
     assert "exact_match " in answers and "(1-shot, limit 3: 3 of 4 samples)" in answers
     report = json.loads(out.read_text())

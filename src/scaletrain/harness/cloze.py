@@ -23,7 +23,7 @@ How an item is built (deterministic: the same prepared data gives the same task,
 The task is written as lm-eval's own YAML over a JSONL file (``dataset_path: json``) into the prepared data
 folder (``<data>/gutenberg-cloze/``, rebuilt when the data or this recipe changes) and run by lm-eval's
 evaluator like any other task: ``acc`` (the choice with the highest log-likelihood) and ``acc_norm`` (log-
-likelihood per byte of the choice).
+likelihood per character of the choice).
 """
 
 from __future__ import annotations

@@ -221,14 +221,15 @@ def summarize(results: dict, request: TaskRequest, ckpt: Path) -> dict:
             "lm_eval_version": _lm_eval_version()}
 
 
-# What each metric is, said beside its number (acc_norm: normalised by the choice's length in bytes).
-METRIC_NOTES = {"acc": "acc", "acc_norm": "acc_norm (per byte)", "exact_match": "exact_match",
+# What each metric is, said beside its number (acc_norm: the log-likelihood divided by the choice's characters).
+METRIC_NOTES = {"acc": "acc", "acc_norm": "acc_norm (per character)", "acc_bytes": "acc_bytes (per byte)",
+                "exact_match": "exact_match",
                 "word_perplexity": "word perplexity", "byte_perplexity": "byte perplexity",
                 "bits_per_byte": "bits per byte", "perplexity": "perplexity"}
 
 
 def report_lines(report: dict) -> list[str]:
-    """'arc_easy: acc 0.2500 ± 0.0433, acc_norm (per byte) 0.2600 ± 0.0441 (0-shot, limit 100: 100 of 2376
+    """'arc_easy: acc 0.2500 ± 0.0433, acc_norm (per character) 0.2600 ± 0.0441 (0-shot, limit 100: 100 of 2376
     samples)' for each task."""
     lines = []
     for name, task in report["tasks"].items():
