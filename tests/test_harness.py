@@ -136,6 +136,53 @@ def test_adapter_run_matches_its_merged_export(bpe_run, tmp_path, tiny, in_fixtu
     assert_matches_hf_backend(run, _export(run, tmp_path / "hf", "--merge"), ["tiny-choices", "tiny-answers"], TEXTS)
 
 
+@pytest.fixture(scope="module")
+def chatml_base(tmp_path_factory):
+    """A tiny random Llama as a Hugging Face folder with the ChatML fixture tokenizer and its chat template."""
+    import shutil
+
+    from scaletrain.checkpoint.export import export_hf
+    from scaletrain.config import ModelConfig
+    from scaletrain.data.tokenizer import load_tokenizer
+    from scaletrain.model import build_model
+
+    chatml = Path(__file__).parent / "fixtures" / "chatml_tokenizer"
+    tokenizer = load_tokenizer(chatml / "tokenizer.json")
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      ffn_hidden_dim=64, max_seq_len=64)
+    folder = tmp_path_factory.mktemp("chatml_base")
+    export_hf(build_model(cfg, seed=0), cfg, tokenizer, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(chatml / name, folder / name)
+    return folder
+
+
+def test_chat_template_matches_the_hf_backend(chatml_base, tmp_path, tiny, in_fixtures):
+    """--apply-chat-template: a LoRA fine-tune of a base with a chat template renders the few-shot conversation in
+    it (transformers' apply_chat_template, the last answer continued) and scores as the hf backend does."""
+    run = _finetune(chatml_base, tmp_path / "lora", tiny, "lora")
+    export = _export(run, tmp_path / "hf", "--merge")
+    cfg, model, tok, _ = load_run(run)
+    ours = ScaletrainLM(model, tok, cfg.model.max_seq_len, batch_size=3)
+    history = [{"role": "user", "content": "Who speaks?"}, {"role": "assistant", "content": "The citizen"}]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(export))
+    assert ours.apply_chat_template(history, add_generation_prompt=False) == hf_tok.apply_chat_template(
+        history, tokenize=False, continue_final_message=True)
+    assert "<|im_start|>assistant" in ours.apply_chat_template(history[:1])
+    tasks = ["tiny-choices", "tiny-answers"]
+    results = []
+    for lm in (ours, HFLM(pretrained=str(export), device="cpu", dtype="float32", batch_size=3)):
+        results.append(evaluator.simple_evaluate(
+            model=lm, tasks=tasks, task_manager=TaskManager(include_path=str(FIXTURES)), num_fewshot=1,
+            apply_chat_template=True, log_samples=True, bootstrap_iters=0, verbosity="ERROR"))
+    for task in tasks:
+        for a, b in zip(results[0]["samples"][task], results[1]["samples"][task]):
+            assert a["arguments"] == b["arguments"] and "<|im_start|>" in str(a["arguments"][0][0])
+            for mine, hers in zip(a["resps"], b["resps"]):
+                assert mine[0] == hers[0] if isinstance(mine[0], str) else \
+                    mine[0][0] == pytest.approx(hers[0][0], abs=1e-4)
+
+
 @pytest.mark.slow
 def test_pruned_run_matches_its_export(bpe_run, tmp_path, in_fixtures):
     out = tmp_path / "wanda"
@@ -196,6 +243,8 @@ def test_bad_task_arguments_are_one_line(bpe_run, tmp_path, tiny, in_fixtures, c
     assert "unknown task 'tiny-choice'" in err and "did you mean tiny-choices" in err
     assert "--limit must be >= 1" in _refused(capsys, *run, "--tasks", "tiny-choices", "--limit", "0")
     assert "--num-fewshot must be >= 0" in _refused(capsys, *run, "--tasks", "tiny-choices", "--num-fewshot", "-1")
+    assert "only with --tasks" in _refused(capsys, "--run", str(bpe_run), "--limit", "3")  # else silently ignored
+    assert "give one or the other" in _refused(capsys, *run, "--tasks", "tiny-choices", "--text", "x.txt")
     char = _train(tmp_path / "char", tiny, **{"train.steps": 2})
     err = _refused(capsys, "--run", str(char), "--include-path", str(FIXTURES), "--tasks", "tiny-answers")
     assert "no end-of-text token" in err and "generate_until" in err

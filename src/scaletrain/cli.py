@@ -191,18 +191,12 @@ def _eval_parser(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    if args.tasks:  # benchmarks through lm-evaluation-harness (harness/tasks.py)
-        from scaletrain.harness.tasks import TaskRequest, evaluate_tasks
+    from scaletrain.harness.tasks import evaluate_tasks, task_request  # lm-eval itself only with --tasks
 
-        evaluate_tasks(TaskRequest(args.run, [t.strip() for t in args.tasks.split(",")], args.limit,
-                                   args.num_fewshot, args.include_path, args.json, args.apply_chat_template,
-                                   args.batch_size))
+    request = task_request(args)  # --tasks: lm-evaluation-harness benchmarks instead of the loss below
+    if request is not None:
+        evaluate_tasks(request)
         return 0
-    task_flags = [f for f, v in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
-                                 ("--include-path", args.include_path),
-                                 ("--apply-chat-template", args.apply_chat_template or None)) if v is not None]
-    if task_flags:
-        raise ConfigError(f"{', '.join(task_flags)}: only with --tasks (lm-evaluation-harness tasks)")
     from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
 
     cfg, model, tokenizer, ckpt = load_run(args.run)

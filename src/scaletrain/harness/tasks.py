@@ -60,6 +60,24 @@ class TaskRequest:
             raise ConfigError(f"--batch-size must be >= 1 (got {self.batch_size})")
 
 
+def task_request(args) -> TaskRequest | None:
+    """``scaletrain eval``'s arguments as a TaskRequest when --tasks is given; None otherwise, after checking that
+    no flag of --tasks stands alone (it would be ignored) and that --tasks comes without --text / --batches."""
+    if not args.tasks:
+        alone = [flag for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
+                                          ("--include-path", args.include_path),
+                                          ("--apply-chat-template", args.apply_chat_template or None))
+                 if value is not None]
+        if alone:
+            raise ConfigError(f"{', '.join(alone)}: only with --tasks (lm-evaluation-harness tasks)")
+        return None
+    if args.text or args.batches is not None:
+        raise ConfigError("--text and --batches score a text or the val split, --tasks benchmark tasks: give one "
+                          "or the other")
+    return TaskRequest(args.run, [name.strip() for name in args.tasks.split(",")], args.limit, args.num_fewshot,
+                       args.include_path, args.json, args.apply_chat_template, args.batch_size)
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face Hub (HF_ENDPOINT, default huggingface.co) answers a TCP connection."""
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
