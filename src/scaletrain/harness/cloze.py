@@ -9,14 +9,16 @@ How an item is built (deterministic: the same prepared data gives the same task,
 - **Sentences**: a sentence ends at ``.``, ``!`` or ``?`` (closing quotes and brackets kept with it) followed by
   whitespace, or at a blank line (a verse speech or a heading ends there too). Whitespace inside a sentence is
   collapsed to one space, so line breaks are no clue.
-- **Passage**: the ``PASSAGE_SENTENCES`` (3) sentences before the answer, in the same document; the answer is
+- **Passage**: the ``PASSAGE_SENTENCES`` (3) sentences before the answer, in the same document and not its first
+  (which a tail split may have cut in the middle); the answer is
   the sentence that follows them, and only sentences of ``MIN_CHARS``-``MAX_CHARS`` (20-100) characters are
   answers or distractors (an answer must fit the window of a char model: the default run's is 128 characters).
-- **Distractors**: three sentences from elsewhere in the held-out text: not within ``NEIGHBOURHOOD`` (20)
-  sentences of the answer in its document, not equal to it or to each other, and of nearly its length (within
-  ``LENGTH_TOLERANCE``, 25%, else the closest lengths), so that length alone (which ``acc`` rewards: a shorter
-  sentence has a higher log-likelihood) does not give the answer away. What is left to tell them apart is what
-  the passage says: who speaks, what about, in which style.
+- **Distractors**: three distinct sentences from elsewhere in the held-out text: not within ``NEIGHBOURHOOD`` (20)
+  sentences of the answer in its document, not equal to it, and next to it in length: ``acc`` picks the choice with
+  the highest total log-likelihood, which favours short sentences, so the answer's length rank among the four is
+  drawn uniformly (0-3 distractors shorter than it, from its ``NEAREST`` (10) nearest neighbours in length below,
+  the rest from the 10 above). A choice made by length alone is right 25% of the time; what is left to tell them
+  apart is what the passage says: who speaks, about what, in which register.
 - **Order**: the answer's position among the four is drawn from a seeded ``random.Random(SEED)``, as are the
   distractors; chance is 25%. At most ``MAX_ITEMS`` (500) items, spread evenly over the candidate answers.
 
@@ -28,7 +30,6 @@ likelihood per character of the choice).
 
 from __future__ import annotations
 
-import bisect
 import json
 import random
 import re
@@ -42,12 +43,12 @@ from scaletrain.data.tokenizer import DataError, Tokenizer
 from scaletrain.files import guarded_write
 
 TASK = "gutenberg-cloze"
-VERSION = 1  # bump when an item changes for the same data: the cached task is rebuilt
+VERSION = 2  # bump when an item changes for the same data: the cached task is rebuilt
 SEED = 1234
 PASSAGE_SENTENCES = 3
 MIN_CHARS, MAX_CHARS = 20, 100
 NEIGHBOURHOOD = 20
-LENGTH_TOLERANCE = 0.25
+NEAREST = 10
 MAX_ITEMS = 500
 MAX_TEXT_CHARS = 5_000_000
 CHOICES = 4
@@ -91,28 +92,31 @@ def split_sentences(text: str) -> list[str]:
 
 
 def _answer_positions(documents: list[list[str]]) -> list[tuple[int, int]]:
-    """(document, sentence) of every sentence that can be an answer: long enough, with a whole passage before it."""
-    return [(d, i) for d, sentences in enumerate(documents) for i in range(PASSAGE_SENTENCES, len(sentences))
+    """(document, sentence) of every sentence that can be an answer: long enough, with a whole passage before it
+    that leaves out the document's first sentence (a tail split cuts a book mid-sentence)."""
+    return [(d, i) for d, sentences in enumerate(documents) for i in range(PASSAGE_SENTENCES + 1, len(sentences))
             if MIN_CHARS <= len(sentences[i]) <= MAX_CHARS]
 
 
-def _distractors(pool: list[tuple[int, int, int, str]], lengths: list[int], answer: tuple[int, int, str],
-                 rng: random.Random) -> list[str]:
-    """Three sentences of nearly the answer's length from away from it (``pool``: (length, document, index,
-    text) sorted by length; ``lengths`` its first column)."""
-    doc, index, text = answer
-    def allowed(entry: tuple[int, int, int, str]) -> bool:
-        return entry[3] != text and not (entry[1] == doc and abs(entry[2] - index) <= NEIGHBOURHOOD)
+def _distractors(pool: list[tuple[int, int, int, str]], position: int, rng: random.Random) -> list[str]:
+    """Three sentences from away from the answer ``pool[position]`` (``pool``: (length, document, index, text) of
+    every candidate sentence, sorted by length): ``shorter`` of them among its ``NEAREST`` neighbours in length
+    below it and the rest among those above, ``shorter`` drawn uniformly from 0-3, so that the answer's length
+    rank among the four is uniform and a choice made by length alone is right a quarter of the time."""
+    _, doc, index, text = pool[position]
 
-    low = bisect.bisect_left(lengths, len(text) * (1 - LENGTH_TOLERANCE))
-    high = bisect.bisect_right(lengths, len(text) * (1 + LENGTH_TOLERANCE))
-    near = list(dict.fromkeys(entry[3] for entry in pool[low:high] if allowed(entry)))
-    if len(near) < CHOICES - 1:  # too few of nearly its length: the closest lengths
-        by_gap = sorted((entry for entry in pool if allowed(entry)), key=lambda e: (abs(e[0] - len(text)), e[1:]))
-        near = list(dict.fromkeys(entry[3] for entry in by_gap))[:CHOICES - 1]
-        if len(near) < CHOICES - 1:
-            raise DataError(f"{TASK}: the held-out text has too few sentences for distractors")
-    return rng.sample(near, CHOICES - 1)
+    def allowed(entries) -> list[str]:
+        return list(dict.fromkeys(e[3] for e in entries
+                                  if e[3] != text and not (e[1] == doc and abs(e[2] - index) <= NEIGHBOURHOOD)))
+
+    below = allowed(reversed(pool[max(0, position - 4 * NEAREST):position]))[:NEAREST]  # nearest first
+    above = allowed(pool[position + 1:position + 1 + 4 * NEAREST])[:NEAREST]
+    above = [t for t in above if t not in below]
+    shorter = rng.randrange(CHOICES)
+    shorter = min(max(shorter, CHOICES - 1 - len(above)), len(below))  # at the ends of the pool: what there is
+    if shorter + len(above) < CHOICES - 1:
+        raise DataError(f"{TASK}: the held-out text has too few sentences for distractors")
+    return rng.sample(below, shorter) + rng.sample(above, CHOICES - 1 - shorter)
 
 
 def build_items(texts: list[str], max_items: int = MAX_ITEMS, seed: int = SEED) -> list[dict]:
@@ -123,14 +127,14 @@ def build_items(texts: list[str], max_items: int = MAX_ITEMS, seed: int = SEED) 
         raise DataError(f"{TASK}: the held-out text has no sentence of {MIN_CHARS}-{MAX_CHARS} characters after "
                         f"{PASSAGE_SENTENCES} others; the run's validation split is too small (data.val_fraction)")
     pool = sorted((len(documents[d][i]), d, i, documents[d][i]) for d, i in positions)
-    lengths = [entry[0] for entry in pool]
+    where = {(entry[1], entry[2]): k for k, entry in enumerate(pool)}
     picks = np.linspace(0, len(positions) - 1, min(max_items, len(positions))).round().astype(int)
     rng = random.Random(seed)
     items = []
     for pick in dict.fromkeys(picks.tolist()):
         d, i = positions[pick]
         answer = documents[d][i]
-        choices = _distractors(pool, lengths, (d, i, answer), rng)
+        choices = _distractors(pool, where[d, i], rng)
         label = rng.randrange(CHOICES)
         choices.insert(label, answer)
         items.append({"passage": " ".join(documents[d][i - PASSAGE_SENTENCES:i]), "choices": choices,

@@ -14,13 +14,11 @@ lm-eval's own helpers):
 - generation: greedy, at most ``max_gen_toks`` (default 256) new tokens, the context truncated from the left to
   ``max_length - max_gen_toks``; it stops at the end-of-text token or a stop sequence, which is cut off.
 
-A char tokenizer has no unknown token: characters outside its vocabulary are left out (counted in ``skipped`` and
+A char tokenizer has no unknown token: characters outside its vocabulary are left out (listed in ``skipped`` and
 reported), as ``scaletrain eval --text`` does.
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -51,7 +49,7 @@ class ScaletrainLM(TemplateLM):
         self.batch_size = batch_size
         self.name = name
         self.vocab_limit = tokenizer.vocab_size  # a padded model's extra columns are not tokens
-        self.skipped: Counter = Counter()  # characters a char tokenizer lacks, left out of the texts
+        self.skipped: set[str] = set()  # characters a char tokenizer lacks, left out of the texts
         self._device = next(model.parameters()).device
 
     # -- tokens ------------------------------------------------------------------------------------------------
@@ -79,7 +77,7 @@ class ScaletrainLM(TemplateLM):
                    **kwargs) -> list[int]:
         if isinstance(self.tok, CharTokenizer):  # no special tokens to add; unknown characters left out
             ids, unknown = encode_known(self.tok, string)
-            self.skipped.update(unknown)
+            self.skipped.update(unknown)  # which characters, not how many: a text is encoded more than once
         else:
             if add_special_tokens is None:  # a text that already starts with the BOS (a chat template's) gets no other
                 bos = self.tok.bos_id
@@ -153,7 +151,7 @@ class ScaletrainLM(TemplateLM):
         if eot is None:
             raise ConfigError(no_end_of_text(self.name))
         order = Collator([request.args for request in requests],
-                         sort_fn=lambda args: (-len(self.tok_encode(args[0])), args[0]),
+                         sort_fn=lambda args: (-len(args[0]), args[0]),  # longest first: batches of like length
                          group_by="gen_kwargs", group_fn=lambda args: args[1])
         results = []
         for chunk in order.get_batched(n=self.batch_size):

@@ -21,7 +21,6 @@ from urllib.parse import urlparse
 
 import torch
 
-from scaletrain.data.tokenizer import describe_skipped
 from scaletrain.files import guarded_write
 from scaletrain.options import ConfigError
 
@@ -197,9 +196,11 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
         limit=request.limit, apply_chat_template=request.apply_chat_template, log_samples=False,
         bootstrap_iters=1000, verbosity="ERROR")
     report = summarize(results, request, ckpt)
-    if lm.skipped:
-        report["skipped_characters"] = sum(lm.skipped.values())
-        say(describe_skipped(lm.skipped))
+    if lm.skipped:  # a char tokenizer: what it could not encode was left out of the texts
+        report["skipped_characters"] = sorted(lm.skipped)
+        shown = ", ".join(repr(c) for c in sorted(lm.skipped)[:8]) + (", ..." if len(lm.skipped) > 8 else "")
+        say(f"left out {len(lm.skipped)} distinct character(s) not in the tokenizer's vocabulary ({shown}); the "
+            f"rest of each text is scored")
     for line in report_lines(report):
         say(line)
     if request.json_path:
