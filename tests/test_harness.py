@@ -42,7 +42,7 @@ BPE = {"data.tokenizer": "bpe", "data.vocab_size": 300}
 
 
 def _train(run: Path, tiny, **extra) -> Path:
-    over = tiny(run, **{"train.steps": 150, **extra})
+    over = tiny(run, **{"train.steps": 60, **extra})
     assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 0
     return run
 
@@ -115,12 +115,12 @@ def test_char_run_matches_the_hf_backend(tmp_path, tiny, in_fixtures):
     """A char tokenizer (no special tokens) exports a tokenizer transformers loads; multiple choice agrees. The hf
     backend itself cannot start on a tokenizer without BOS and EOS (it decodes its prefix token even where a
     context is given): it is given one, which only a text scored without context would read."""
-    run = _train(tmp_path / "char", tiny, **{"train.steps": 40})
+    run = _train(tmp_path / "char", tiny, **{"train.steps": 20})
     assert_matches_hf_backend(run, _export(run, tmp_path / "hf"), ["tiny-choices"], TEXTS, prefix_token_id=0)
 
 
 def _finetune(base: Path, run: Path, tiny, method: str) -> Path:
-    over = {k: v for k, v in tiny(run, **{"train.steps": 20, "finetune.method": method}).items()
+    over = {k: v for k, v in tiny(run, **{"train.steps": 8, "finetune.method": method}).items()
             if not k.startswith("model.")}
     assert main(["finetune", "--from", str(base)] + [f"--{k}={v}" for k, v in over.items()]) == 0
     return run
