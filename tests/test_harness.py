@@ -139,22 +139,9 @@ def test_adapter_run_matches_its_merged_export(bpe_run, tmp_path, tiny, in_fixtu
 @pytest.fixture(scope="module")
 def chatml_base(tmp_path_factory):
     """A tiny random Llama as a Hugging Face folder with the ChatML fixture tokenizer and its chat template."""
-    import shutil
+    from helpers.tiny import tiny_chatml_base
 
-    from scaletrain.checkpoint.export import export_hf
-    from scaletrain.config import ModelConfig
-    from scaletrain.data.tokenizer import load_tokenizer
-    from scaletrain.model import build_model
-
-    chatml = Path(__file__).parent / "fixtures" / "chatml_tokenizer"
-    tokenizer = load_tokenizer(chatml / "tokenizer.json")
-    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                      ffn_hidden_dim=64, max_seq_len=64)
-    folder = tmp_path_factory.mktemp("chatml_base")
-    export_hf(build_model(cfg, seed=0), cfg, tokenizer, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(chatml / name, folder / name)
-    return folder
+    return tiny_chatml_base(tmp_path_factory.mktemp("chatml_base"))
 
 
 def test_chat_template_matches_the_hf_backend(chatml_base, tmp_path, tiny, in_fixtures):
