@@ -185,7 +185,7 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
     paths = [request.include_path] if request.include_path else []
     if "gutenberg-cloze" in request.tasks:
         paths.append(str(cloze_folder(cfg, say)))
-    manager = TaskManager(include_path=paths or None, verbosity="ERROR")
+    manager = TaskManager(include_path=paths or None)
     for name in request.tasks:
         if name not in manager.all_tasks:
             raise ConfigError(unknown_task(name, manager.all_tasks))
