@@ -3,7 +3,7 @@
 Layers, lowest first (a module may import from its own layer or a lower one)::
 
     base (options, files, quiet, invocation)  <  model  <  config, peak  <  data, parallel  <  checkpoint
-    <  train, infer  <  plan, report, tune  <  cli
+    <  train, infer, harness  <  plan, report, tune  <  cli
 
 Every import counts, including the ones inside functions: a late import hides a circle from Python,
 not from the design. Run ``python scripts/check_layers.py``; exit status 1 lists each violation.
@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     "config": 2, "peak": 2,
     "data": 3, "parallel": 3,
     "checkpoint": 4, "finetune": 4, "compress": 4,
-    "train": 5, "infer": 5,
+    "train": 5, "infer": 5, "harness": 5,
     "plan": 6, "report": 6, "tune": 6,
     "cli": 7, "__main__": 7,
 }

@@ -14,6 +14,11 @@ if WORKER:
 # test's measurement appear half-way through.
 os.environ.setdefault("SCALETRAIN_CACHE", os.path.join(os.path.dirname(__file__), ".cache", WORKER))
 
+# No test reaches the Hugging Face Hub (CI has no network): datasets / lm-eval read only local files and caches,
+# and the hub probe (data/sources.hub_reachable) answers at once. A test of the probe itself sets these to 0.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402  (after the environment above: OpenMP reads it when torch loads)

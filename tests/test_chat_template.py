@@ -254,18 +254,9 @@ def test_preview_brackets_the_targets(tmp_path):
 @pytest.fixture(scope="module")
 def chatml_base(tmp_path_factory):
     """A tiny random Llama exported as a Hugging Face folder, with the ChatML fixture as its tokenizer."""
-    from scaletrain.checkpoint.export import export_hf
-    from scaletrain.config import ModelConfig
-    from scaletrain.model import build_model
+    from helpers.tiny import tiny_chatml_base
 
-    tokenizer = load_tokenizer(FIXTURE / "tokenizer.json")
-    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                      ffn_hidden_dim=64, max_seq_len=64)
-    folder = tmp_path_factory.mktemp("chatml_base")
-    export_hf(build_model(cfg, seed=0), cfg, tokenizer, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(FIXTURE / name, folder / name)
-    return folder
+    return tiny_chatml_base(tmp_path_factory.mktemp("chatml_base"))
 
 
 def _finetune(base: Path, run: Path, tiny, data: Path, **extra) -> list[str]:

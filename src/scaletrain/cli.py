@@ -188,11 +188,30 @@ def _eval_parser(sub) -> None:
     p.add_argument("--check-transformers", action="store_true",
                    help="--text: also score the same windows with transformers on the run's Hugging Face export "
                         "(a temporary folder) and print the relative difference (needs scaletrain[export])")
-    p.add_argument("--json", help="write the numbers, the windows and the settings to this JSON file")
+    # lm-evaluation-harness tasks (harness/): only read when --tasks is given
+    p.add_argument("--tasks", help="comma-separated lm-evaluation-harness tasks (hellaswag,arc_easy,...) or "
+                                   "gutenberg-cloze (built from the run's held-out text), run by lm-eval's own "
+                                   "evaluator on this run (needs scaletrain[eval]; see docs/evaluation.md)")
+    p.add_argument("--limit", type=int, help="--tasks: score the first N samples of each task (default: all)")
+    p.add_argument("--num-fewshot", type=int, help="--tasks: few-shot examples before each sample (default: each "
+                                                   "task's own)")
+    p.add_argument("--include-path", help="--tasks: a folder of your own task YAMLs (local data: dataset_path: json "
+                                          "with dataset_kwargs.data_files)")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="--tasks: render each prompt in the chat template of the run's Hugging Face base")
+    p.add_argument("--batch-size", type=int, default=8, help="--tasks: requests scored a forward pass")
+    p.add_argument("--json", help="write the numbers (loss, perplexity, bpb, tokens, bytes; with --tasks the scores) "
+                                  "with the windows and settings to this JSON file")
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from scaletrain.harness.tasks import evaluate_tasks, task_request  # lm-eval itself only with --tasks
+
+    request = task_request(args)  # --tasks: lm-evaluation-harness benchmarks instead of the loss below
+    if request is not None:
+        evaluate_tasks(request)
+        return 0
     from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
     from scaletrain.train import evaluate
 

@@ -36,3 +36,23 @@ def tiny_hf_base(folder: Path) -> Path:
                       max_seq_len=64)
     export_hf(build_model(cfg, seed=0), cfg, CharTokenizer(CHARS), folder)
     return folder
+
+
+def tiny_chatml_base(folder: Path) -> Path:
+    """A tiny random Llama exported as a Hugging Face folder into ``folder``, with the ChatML fixture tokenizer
+    (tests/fixtures/chatml_tokenizer) and its chat template: a base whose fine-tunes talk in a template."""
+    import shutil
+
+    from scaletrain.checkpoint.export import export_hf
+    from scaletrain.config import ModelConfig
+    from scaletrain.data.tokenizer import load_tokenizer
+    from scaletrain.model import build_model
+
+    chatml = ROOT / "tests" / "fixtures" / "chatml_tokenizer"
+    tokenizer = load_tokenizer(chatml / "tokenizer.json")
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      ffn_hidden_dim=64, max_seq_len=64)
+    export_hf(build_model(cfg, seed=0), cfg, tokenizer, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(chatml / name, folder / name)
+    return folder

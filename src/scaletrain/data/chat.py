@@ -51,10 +51,12 @@ def uses_base_template(tokenizer: Tokenizer, choice: str) -> bool:
     return has and choice != "plain"
 
 
-def render(hf, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation as the template writes it (text, not ids)."""
+def render(hf, messages: list[dict], add_generation_prompt: bool = False, continue_final_message: bool = False) -> str:
+    """The conversation as the template writes it (text, not ids). ``continue_final_message``: the last message
+    is left open for the model to continue (lm-eval's few-shot answers, ``harness/model.py``)."""
     try:
-        return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message)
     except Exception as exc:  # jinja2's TemplateError, or the template's own raise_exception
         why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise DataError(f"the chat template refuses this conversation: {why}") from None

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
+from urllib.parse import urlparse
 
 from scaletrain.data.prepare_config import SourceConfig
 from scaletrain.data.report import Report
@@ -526,10 +527,14 @@ def read_saved_dataset(path: Path, cfg: SourceConfig, report: Report) -> Iterato
         yield from read_arrow(path / entry["filename"], cfg, report)
 
 
-def _network_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
-    """Can we open a TCP connection to the hub within ``timeout`` seconds? The probe runs in a daemon
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Can we open a TCP connection to the hub (HF_ENDPOINT, default huggingface.co) within ``timeout`` seconds?
+    Never probed when HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set to 1 (False then). The probe runs in a daemon
     thread because the socket timeout does not bound the DNS lookup before it, which can hang for long
     on a machine whose resolver is cut off."""
+    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
     result: list[bool] = []
 
     def probe() -> None:
@@ -550,7 +555,7 @@ def read_hf(name: str, cfg: SourceConfig, report: Report) -> Iterator[Document]:
     HF_DATASETS_OFFLINE/HF_HUB_OFFLINE is already set, a 3 s probe decides, and when the hub is
     unreachable the offline mode is switched on so only the local cache is used."""
     offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
-    if not offline and not _network_reachable():
+    if not offline and not hub_reachable():
         os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
         offline = True
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
