@@ -66,6 +66,13 @@ def env(**extra: str) -> dict[str, str]:
     return out
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """Run in the child before exec: SIGINT back to its default, so Python installs KeyboardInterrupt as it does
+    in a terminal. A suite started in the background (``cmd &`` in a script, nohup) has SIGINT ignored, which
+    children inherit: Python then never raises KeyboardInterrupt and a Ctrl-C test waits for nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def launch(args: list[str], nproc: int = 1, torchrun_args: tuple[str, ...] = (), **extra_env: str) -> subprocess.Popen:
     """``scaletrain`` in a new process (under torchrun when nproc > 1); output goes to a temp file."""
     if nproc == 1:
@@ -74,7 +81,8 @@ def launch(args: list[str], nproc: int = 1, torchrun_args: tuple[str, ...] = (),
         cmd = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *torchrun_args, str(HELPERS / "fault_train.py"),
                *args]
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, env=env(**extra_env), stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=env(**extra_env), stdout=log, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_sigint_as_in_a_terminal)
     proc.log = log  # type: ignore[attr-defined]
     return proc
 
