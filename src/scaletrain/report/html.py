@@ -304,6 +304,14 @@ def last_val_loss(run: RunData) -> tuple[str, str]:
     return ("final val loss" if final else "last val loss"), f"{loss:.4f}{at}"
 
 
+def last_val_bpb(run: RunData) -> str:
+    """The bits per byte of the evaluation ``last_val_loss`` shows (its row says which step), '-' without one:
+    the header names the loss once, as 'final' or 'last' by the run's status."""
+    record = run.val[-1] if run.val else (run.segments[-1].get("summary", {}) if run.segments else {})
+    bpb = record.get("val_bpb", record.get("final_val_bpb"))
+    return f"{bpb:.4f}" if isinstance(bpb, (int, float)) else "-"
+
+
 def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
     segs = run.segments
     last = segs[-1] if segs else {}
@@ -329,7 +337,7 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
             ("wall time", _duration(wall) + (f" over {len(segs)} segments (resumed)" if len(segs) > 1 else "")),
             ("steps", f"{steps_done(run):,}" + (f" of {run.config.train.steps:,}" if run.config else "")),
             (val_label, val_text),
-            ("val loss (bits per byte)", final_quality(run)),
+            ("val bits per byte", last_val_bpb(run)),
             ("median step / tokens/s", f"{_duration(run.median_step_seconds())} / "
                                        f"{run.median_tokens_per_second() or 0:,.0f}"),
             ("cost", cost)]
