@@ -134,6 +134,17 @@ def compare(row: Row, measured: dict, planned: dict) -> dict:
             "done_line": measured["done_line"], "load_average_1min": os.getloadavg()[0]}
 
 
+def communication_source() -> str:
+    """Where the plans' collective costs come from: this machine's 2-rank `doctor`, or the reference CPU's."""
+    from scaletrain.plan.hardware_spec import parse_hardware
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # the key the plan (run with one thread per rank) reads
+    import torch
+
+    torch.set_num_threads(1)
+    return parse_hardware("auto:2").hardware.calibration.get("comm_source", "?")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="", help="comma-separated row names, or held_out for issue 36's shape "
@@ -142,7 +153,15 @@ def main() -> int:
                                                              f"{WARMUP_STEPS})")
     parser.add_argument("--out", default=default_out("planner_two_rank.json"),
                         help=OUT_HELP.format(name="planner_two_rank.json"))
+    parser.add_argument("--doctor", action="store_true",
+                        help="first calibrate this machine as a user would on a quiet machine: `scaletrain doctor` "
+                             "(one thread, as each rank runs) and `torchrun --nproc-per-node 2 -m scaletrain.cli "
+                             "doctor` (gloo's collectives, TP's and FSDP2's host overhead)")
     args = parser.parse_args()
+    if args.doctor:
+        run_ranks(["-m", "scaletrain.cli", "doctor"], 1, "doctor")
+        run_ranks(["-m", "scaletrain.cli", "doctor"], 2, "doctor under torchrun")
+    collectives = communication_source()
     names = [n for n in args.rows.split(",") if n]
     rows = [r for r in ROWS + HELD_OUT if r.name in names or (r in HELD_OUT and "held_out" in names)] if names \
         else list(ROWS)
@@ -170,12 +189,13 @@ def main() -> int:
     console.print(table)
     worst_mem = max(abs(r["memory_error"]) for r in records)
     worst_time = max(abs(r["time_error"]) for r in records)
+    console.print(f"collectives: {collectives}")
     console.print(f"worst memory error {worst_mem:.1%} (target {MEMORY_TARGET:.0%}); worst step-time error "
                   f"{worst_time:.1%} (target {TIME_TARGET:.0%}; final only on a quiet machine)")
     path = write_result(args.out, {
         "what": "scaletrain plan vs real 2-rank torchrun runs (reported apart from planner_accuracy.json's "
                 "one-process rows)", "targets": {"memory": MEMORY_TARGET, "time": TIME_TARGET}, "rows": records,
-        "worst_memory_error": worst_mem, "worst_time_error": worst_time,
+        "worst_memory_error": worst_mem, "worst_time_error": worst_time, "collectives": collectives,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     console.print(f"wrote {path}")
     return 0 if worst_mem <= MEMORY_TARGET else 1

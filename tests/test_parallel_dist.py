@@ -278,6 +278,28 @@ def test_diloco_reaches_ddp_loss_with_h_times_fewer_all_reduces(tmp_path):
     assert diloco["all_reduce_bytes"] * 10 <= ddp["all_reduce_bytes"]
 
 
+@pytest.mark.slow
+def test_two_rank_doctor_measures_tensor_parallel_and_fsdp_host_overheads(tmp_path, monkeypatch):
+    """With a single-process calibration cached (the reference CPU's, under this machine's one-thread key, as
+    `scaletrain doctor` would write it), `torchrun ... doctor` also measures what TP and FSDP2 ZeRO-3 add
+    beyond their compute and bytes, per block and per model; the planner charges both."""
+    from scaletrain.peak import device_fingerprint
+    from scaletrain.plan.hardware_spec import COMMUNICATION_KEYS
+    from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    single = {k: v for k, v in REFERENCE_CPU_CALIBRATION.items() if k not in COMMUNICATION_KEYS}
+    (tmp_path / "calibration.json").write_text(json.dumps({device_fingerprint("cpu", threads=1): single}))
+    proc = torchrun(2, "-m", "scaletrain.cli", "doctor", "--clock", "cpu", timeout=CEILING_S)
+    assert "FSDP2 ZeRO-3" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "calibration.json").read_text())
+    (comm,) = [v for k, v in data.items() if k.startswith("comm|")]
+    for cost in (comm["fsdp_overhead"], *comm["tp_overhead"].values()):
+        assert set(cost) == {"per_block_s", "per_model_s"}
+        assert 0.0 <= cost["per_block_s"] < 1.0 and 0.0 <= cost["per_model_s"] < 1.0
+    assert sum(comm["tp_overhead"]["replicated"].values()) > 0  # DTensor's host work is never free
+
+
 def test_two_rank_doctor_measures_communication_and_contention(tmp_path, monkeypatch):
     """`torchrun ... scaletrain doctor` on 2 gloo ranks writes the host's communication entry: all-reduce
     bandwidth and latency, DTensor overhead and the co-running slowdown the time model charges ranks

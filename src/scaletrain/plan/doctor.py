@@ -124,6 +124,8 @@ def measure_dtensor_overhead(reps: int = 200) -> float:
 # block shape: dim 384, 6 heads, SwiGLU 1024, T=192; one sequence) -- not one of the accuracy benchmark's rows.
 TP_PROBE_MODEL = calibration.REFERENCE_SHAPE
 TP_PROBE_LAYERS = (1, 3)
+# Keys that hold a measured layout overhead: left out when measuring one (it is what remains beyond the rest).
+OVERHEAD_KEYS = ("tp_overhead", "fsdp_overhead", "dtensor_op_overhead_s")
 
 
 def measure_corun_slowdown(clock: str = "wall", reps: int = 7) -> float:
@@ -167,26 +169,61 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
     the world size, with and without sequence parallelism:
     ``{"sequence_parallel"|"replicated": {"per_block_s", "per_model_s"}}``.
 
-    A reference Llama of 1 and of 3 blocks runs its forward + loss + backward through
-    ``scaletrain.parallel.parallelize``; from each time (best of ``reps``, slowest rank) the CPU time model
-    subtracts what it already charges -- the sharded GEMMs, attention, elementwise work and dispatch from
-    this machine's single-process calibration ``entry``, and the activations' bytes over the measured
-    all-reduce bandwidth. The rest (DTensor sharding propagation on every op, redistributions, the
-    collectives' fixed cost) split by the number of blocks: slope = per block, intercept = per model. The
-    same method as the elementwise calibration (measured block minus what the curves predict).
-    """
+    What remains is DTensor sharding propagation on every op, redistributions and the collectives' fixed
+    cost; measured by ``layout_overhead``."""
     import torch.distributed as dist
 
-    from scaletrain.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
+    from scaletrain.config import ParallelConfig
+    from scaletrain.plan.spec import Plan
+
+    world = dist.get_world_size()
+    return {("sequence_parallel" if sp else "replicated"): layout_overhead(
+        entry, ParallelConfig(tp=world, sequence_parallel=sp), Plan(tp=world, micro_batch=1, sequence_parallel=sp),
+        clock, reps) for sp in (True, False)}
+
+
+def measure_fsdp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict:
+    """Seconds FSDP2 (ZeRO-3, ``dp_shard`` = the world size) adds to one micro-batch's forward + backward
+    beyond its compute, its all-gathers' and reduce-scatters' bytes and their fixed cost:
+    ``{"per_block_s", "per_model_s"}`` (per sharded unit: each block, and the embedding/head root).
+
+    On a CPU this is the host's work around each collective -- the copy-in into and copy-out of the flat
+    all-gather buffer, the pre/post hooks, DTensor's parameter swaps -- which runs on the same core as the
+    compute and hides behind nothing. Without it the planner under-predicted a 2-rank ZeRO-3 step on this
+    machine by 16% (benchmarks/results/planner_two_rank_quiet.json)."""
+    import torch.distributed as dist
+
+    from scaletrain.config import ParallelConfig
+    from scaletrain.plan.spec import Plan
+
+    world = dist.get_world_size()
+    return layout_overhead(entry, ParallelConfig(dp_shard=world, zero_stage=3),
+                           Plan(dp_shard=world, zero_stage=3, micro_batch=1), clock, reps)
+
+
+def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7) -> dict:
+    """The host seconds a parallel layout adds per block and per model: ``{"per_block_s", "per_model_s"}``.
+
+    A reference Llama of 1 and of 3 blocks runs one micro-batch's forward + loss + backward through
+    ``scaletrain.parallel.parallelize`` in the layout ``pcfg``; from each time (best of ``reps``, slowest rank)
+    the CPU time model subtracts what it already charges ``plan`` -- the GEMMs, attention, elementwise work and
+    dispatch from this machine's single-process calibration ``entry``, and the collectives' bytes over the
+    measured all-reduce bandwidth plus their fixed cost (``timing.communication`` without a measured overhead).
+    The rest split by the number of blocks: slope = per block, intercept = per model. The same method as the
+    elementwise calibration (measured block minus what the curves predict)."""
+    import torch.distributed as dist
+
+    from scaletrain.config import JobConfig, ModelConfig, TrainConfig
     from scaletrain.parallel import ParallelDims, forward_backward
     from scaletrain.plan.catalog import CATALOG, Cluster, with_calibration
-    from scaletrain.plan.spec import Plan, Workload
-    from scaletrain.plan.timing import cpu_micro_seconds, tp_bandwidth_seconds
+    from scaletrain.plan.spec import Workload
+    from scaletrain.plan.timing import communication, cpu_micro_seconds
     from scaletrain.train.step import build_parallel_training
 
     timer = CLOCKS[clock]
     world = dist.get_world_size()
-    cluster = Cluster(with_calibration(CATALOG["cpu"], entry), world, 1)
+    bare = {k: v for k, v in entry.items() if k not in OVERHEAD_KEYS}  # charge the collectives' bytes only
+    cluster = Cluster(with_calibration(CATALOG["cpu"], bare), world, 1)
     seq = TP_PROBE_MODEL["max_seq_len"]
     inputs = torch.randint(0, TP_PROBE_MODEL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0))
 
@@ -202,30 +239,25 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
             times.append(float(elapsed))
         return min(times)
 
-    out = {}
-    for sp in (True, False):
-        extra = {}
-        for layers in TP_PROBE_LAYERS:
-            cfg = ModelConfig(n_layers=layers, **TP_PROBE_MODEL)
-            pcfg = ParallelConfig(tp=world, sequence_parallel=sp)
-            dims = ParallelDims.from_config(pcfg, world)
-            pm, _ = build_parallel_training(JobConfig(model=cfg, parallel=pcfg, train=TrainConfig(seed=0)), dims,
-                                            torch.device("cpu"))
+    extra = {}
+    for layers in TP_PROBE_LAYERS:
+        cfg = ModelConfig(n_layers=layers, **TP_PROBE_MODEL)
+        dims = ParallelDims.from_config(pcfg, world)
+        pm, _ = build_parallel_training(JobConfig(model=cfg, parallel=pcfg, train=TrainConfig(seed=0)), dims,
+                                        torch.device("cpu"))
 
-            def tp_step():  # one micro-batch's forward + backward: what the time model charges the overhead to
-                forward_backward(pm, inputs, inputs, accum=1, sync=True)
-                for p in pm.parameters():
-                    p.grad = None
+        def step():  # one micro-batch's forward + backward: what the time model charges the overhead to
+            forward_backward(pm, inputs, inputs, accum=1, sync=True)
+            for p in pm.parameters():
+                p.grad = None
 
-            plan = Plan(tp=world, micro_batch=1, sequence_parallel=sp)
-            compute, _ = cpu_micro_seconds(Workload(cfg, seq, 1, 1e6, "fp32"), plan, cluster)
-            charged = compute + tp_bandwidth_seconds(cfg, 1, seq, world, float(entry["allreduce_busbw"]), layers)
-            extra[layers] = best(tp_step) - charged
-        lo, hi = TP_PROBE_LAYERS
-        per_block = max(0.0, (extra[hi] - extra[lo]) / (hi - lo))
-        out["sequence_parallel" if sp else "replicated"] = {"per_block_s": per_block,
-                                                            "per_model_s": max(0.0, extra[lo] - lo * per_block)}
-    return out
+        workload = Workload(cfg, seq, plan.dp, 1e6, "fp32")
+        compute, _ = cpu_micro_seconds(workload, plan, cluster)
+        comm, _ = communication(workload, plan, cluster, compute)
+        extra[layers] = best(step) - compute - sum(comm.values())
+    lo, hi = TP_PROBE_LAYERS
+    per_block = max(0.0, (extra[hi] - extra[lo]) / (hi - lo))
+    return {"per_block_s": per_block, "per_model_s": max(0.0, extra[lo] - lo * per_block)}
 
 
 def measure_machine(log=print, rounds: int = 3, clock: str = "wall") -> dict:
@@ -249,9 +281,10 @@ def measure_machine(log=print, rounds: int = 3, clock: str = "wall") -> dict:
             if "elementwise_s_per_element" in entry:
                 result["tp_overhead"] = measure_tp_overhead({**entry, **result}, clock)
                 result["tp_overhead_world_size"] = dist.get_world_size()
+                result["fsdp_overhead"] = measure_fsdp_overhead({**entry, **result}, clock)
             elif dist.get_rank() == 0 and backend == "gloo":
                 log("no single-process calibration with this thread count: run `scaletrain doctor` (same --clock) "
-                    "first to measure tensor parallelism's overhead")
+                    "first to measure tensor parallelism's and FSDP2's overhead")
             if dist.get_rank() == 0:
                 device = "cuda" if backend == "nccl" else "cpu"
                 key = comm_fingerprint(device)
@@ -263,7 +296,9 @@ def measure_machine(log=print, rounds: int = 3, clock: str = "wall") -> dict:
                     f"{result['dtensor_op_overhead_s'] * 1e6:.0f} us/op; ranks running together are "
                     f"{result.get('corun_slowdown', 1.0):.2f}x slower than alone; tensor parallelism adds "
                     + ", ".join(f"{k} {v['per_block_s'] * 1e3:.1f} ms/block + {v['per_model_s'] * 1e3:.1f} ms/model"
-                                for k, v in result.get("tp_overhead", {}).items())
+                                for k, v in {**result.get("tp_overhead", {}),
+                                             **({"FSDP2 ZeRO-3": result["fsdp_overhead"]}
+                                                if "fsdp_overhead" in result else {})}.items())
                     + f" per micro-batch ({clock} clock) -> {calibration_path()}")
             dist.barrier()
         finally:

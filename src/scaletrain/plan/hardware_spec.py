@@ -16,6 +16,7 @@ from scaletrain import allocator
 from scaletrain.options import ConfigError
 from scaletrain.plan.calibration import calibration_entry
 from scaletrain.plan.catalog import CATALOG, Cluster, Hardware, catalog_listing, with_calibration
+from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
 
 
 def catalog_key_for_gpu(name: str) -> str | None:
@@ -38,6 +39,29 @@ def hardware_from_calibration() -> Hardware:
         return with_calibration(match, calibration_entry("cuda"), name=f"auto ({match.name})")
     hw = with_calibration(CATALOG["cpu"], calibration_entry("cpu"), name="auto (this cpu)")
     return replace(hw, allocator=allocator.chosen_name())  # what `scaletrain train` runs on here
+
+
+# What ``torchrun --nproc-per-node 2 -m scaletrain.cli doctor`` adds to this machine's calibration: gloo's
+# all-reduce bandwidth and fixed cost per collective, and DTensor's host overhead (TP). Without them a plan of
+# several CPU ranks would charge its collectives nothing but the catalog link's bandwidth: measured on 2 cores,
+# that under-costs ZeRO-3 by 27% and TP by 45% (benchmarks/results/planner_two_rank_quiet.json).
+COMMUNICATION_KEYS = ("allreduce_busbw", "collective_latency_s", "dtensor_op_overhead_s", "corun_slowdown",
+                      "tp_overhead", "fsdp_overhead")
+DOCTOR_RANKS = "torchrun --nproc-per-node 2 -m scaletrain.cli doctor"
+
+
+def with_communication(hw: Hardware) -> Hardware:
+    """``hw`` (this CPU) with the collectives' costs: this machine's from a ``doctor`` run under torchrun, else
+    the reference CPU's (the catalog ``cpu``'s, also 2 cores and gloo), saying which in ``comm_source``."""
+    calibration = dict(hw.calibration)
+    if "allreduce_busbw" in calibration:
+        calibration["comm_source"] = (f"measured on this machine (gloo, {calibration.get('allreduce_world_size', '?')}"
+                                      f" ranks) by `{DOCTOR_RANKS}`")
+    else:
+        calibration.update({k: v for k, v in REFERENCE_CPU_CALIBRATION.items() if k in COMMUNICATION_KEYS})
+        calibration["comm_source"] = (f"not measured here: the reference CPU's gloo numbers (run `{DOCTOR_RANKS}` "
+                                      f"to measure this machine's)")
+    return replace(hw, calibration=calibration)
 
 
 _SPEC = re.compile(r"^(?P<name>[a-z0-9\-]+?)(?:[:@x*](?P<count>\d+))?(?:[x*](?P<nodes>\d+))?$")
@@ -68,4 +92,5 @@ def parse_hardware(spec: str, count: int | None = None, nodes: int | None = None
         raise ConfigError(f"{per_node} ranks per node but this CPU has {hw.cores} cores: ranks would share cores")
     if name == "auto" and hw.kind == "cpu" and per_node * n_nodes > 1:
         hw = replace(hw, allocator=allocator.torchrun_worker_name())  # torchrun's workers: not re-executed
+        hw = with_communication(hw)
     return Cluster(hw, per_node, n_nodes)

@@ -99,6 +99,8 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
                                  f"{workload_utilisation(w, hw):.2f} utilisation")
     summary.add_row("utilisation source", hw.utilisation_source)
     summary.add_row("optimizer", optimizer_text(w))
+    if hw.kind == "cpu" and cluster.world_size > 1 and "comm_source" in hw.calibration:
+        summary.add_row("collectives", hw.calibration["comm_source"])
     if hw.kind == "cpu" and hw.name.startswith("auto"):  # the allocator decides the margin of a CPU's memory
         summary.add_row("malloc", launch_note(cluster.world_size))
     console.print(summary)

@@ -460,7 +460,8 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
             # CPU: the host cost TP adds (DTensor sharding propagation on every op, redistributions, the
             # collectives' fixed cost), measured by doctor on a tiny TP model per block and per model
             # (embedding, final norm, vocabulary-parallel head and loss); not hidden behind async kernels.
-            out["tp"] = micro * (layers * (bandwidth + measured["per_block_s"]) + measured["per_model_s"])
+            out["tp"] = micro * (layers * (bandwidth + collectives * latency + measured["per_block_s"])
+                                 + measured["per_model_s"])
         else:
             out["tp"] = micro * layers * (bandwidth + collectives * latency)
             if not gpu:  # older calibrations: DTensor's per-op overhead on every op of a block
@@ -479,6 +480,13 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         frac = (shard - 1) / shard
         out["fsdp"] = micro * ((gathers * psi * rec.param + psi * max(rec.grad, 4)) * frac / bw
                                + (gathers + 1) * (layers + 1) * latency)  # one collective per unit and pass
+        measured = None if gpu else calib.get("fsdp_overhead")
+        if measured:
+            # CPU: the host work around each collective (copy-in/out of the flat buffers, hooks, DTensor
+            # parameter swaps), measured by doctor on a tiny ZeRO-3 model per block and per model (the root
+            # unit); same core as the compute, nothing hides it. Measured at ZeRO-3: charged to ZeRO-2 too
+            # (one gather fewer: an upper bound there).
+            out["fsdp"] += micro * (layers * measured["per_block_s"] + measured["per_model_s"])
         exposed += max(0.0, out["fsdp"] - compute) if gpu else out["fsdp"]
     if workload.optimizer == "muon" and plan.zero_stage >= 2 and shard > 1:
         # Muon under FSDP2: the optimizer step all-gathers each matrix's fp32 update (one collective a matrix),
