@@ -1,0 +1,312 @@
+"""Preference tuning (finetune/preference.py, data/preferences.py): TRL's losses as the oracle, the reference
+through disabled adapters, the stored reference of full fine-tuning across a resume, bad input in one line."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.tiny import CHARS, tiny_hf_base, tiny_overrides
+from scaletrain.cli import main
+from scaletrain.config import ModelConfig
+from scaletrain.data.preferences import pair_rows, read_preferences
+from scaletrain.data.tokenizer import CharTokenizer, DataError
+from scaletrain.finetune.lora import adapters_disabled, apply_lora
+from scaletrain.finetune.preference import dpo_loss, orpo_loss, sequence_logps, simpo_loss
+from scaletrain.model import build_model
+
+FIXTURE = Path(__file__).parent / "fixtures" / "preferences.jsonl"
+SEQ = 72  # the fixture's longest rendered pair is 72 tokens
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    return tiny_hf_base(tmp_path_factory.mktemp("base"))
+
+
+def _finetune(source, run, **extra) -> list[str]:
+    over = tiny_overrides(run, **{"train.steps": 6, "data.seq_len": SEQ, "finetune.preferences": str(FIXTURE),
+                                  "finetune.objective": "dpo", "data.val_fraction": 0.25, "optim.lr": 0.01,
+                                  "logging.log_interval": 1, **extra})
+    return ["finetune", "--from", str(source)] + [f"--{k}={v}" for k, v in over.items() if not k.startswith("model.")]
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- data ---------------------------------------------------------------------------------------------------
+def test_pairs_score_the_completions_only():
+    tok = CharTokenizer(CHARS)
+    pairs = read_preferences(FIXTURE, tok, SEQ)
+    assert len(pairs) == 12
+    (chosen, chosen_target), (rejected, rejected_target) = pairs[0]
+    assert tok.decode(chosen[chosen_target].tolist()) == "The king speaks first.\n\n"
+    assert tok.decode(rejected[rejected_target].tolist()) == "A dog barks first.\n\n"
+    # a conversation's earlier assistant turn is context, not scored
+    (ids, target), _ = pairs[10]
+    assert tok.decode(ids[target].tolist()) == "A friend.\n\n" and "Hail." in tok.decode(ids.tolist())
+    ci, ct, ri, rt = pair_rows(pairs, SEQ)
+    assert ci.shape == ri.shape == (12, SEQ) and int((ct[0] != -100).sum()) == len("The king speaks first.\n\n")
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"prompt": "Hi", "chosen": "Yes."}, ":2: missing field 'rejected'"),
+    ({"prompt": "Hi", "chosen": " ", "rejected": "No."}, ":2: 'chosen' is empty"),
+    ({"prompt": "Hi", "chosen": "Yes.", "rejected": "Yes."}, ":2: 'chosen' and 'rejected' are identical"),
+    ({"chosen": "Yes.", "rejected": "No."}, ":2: needs a 'prompt' string or a 'messages' list"),
+    ({"prompt": "Hi", "chosen": "Yes " * 30, "rejected": "No."}, ":2: the prompt and its 'chosen' completion are "
+                                                                 "149 tokens, longer than data.seq_len + 1 = 73; "
+                                                                 "pairs are refused, not cut"),
+])
+def test_bad_pair_is_one_line_naming_the_line(tmp_path, line, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "Hi", "chosen": "Yes.", "rejected": "No."}) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(DataError) as err:
+        read_preferences(bad, CharTokenizer(CHARS), SEQ)
+    assert str(err.value).startswith(f"{bad}{message}"), str(err.value)
+
+
+def test_cli_bad_preferences_exit_2(hf_base, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
+    assert main(_finetune(hf_base, tmp_path / "a", **{"finetune.preferences": str(bad)})) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: missing field 'rejected'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(_finetune(hf_base, tmp_path / "b", **{"finetune.method": "prompt"})) == 2
+    assert "finetune.objective=dpo with finetune.method=prompt is not supported" in capsys.readouterr().err
+    assert main(_finetune(hf_base, tmp_path / "c", **{"finetune.objective": "sft"})) == 2
+    assert "finetune.preferences is set but finetune.objective=sft" in capsys.readouterr().err
+
+
+# -- the oracle: TRL's loss computations on the same log-probabilities ----------------------------------------
+@pytest.fixture(scope="module")
+def batch():
+    """A real (2B, T) batch of the fixture's pairs through two tiny random models (policy, reference): the
+    logits, targets and each row's summed log-probabilities."""
+    tok = CharTokenizer(CHARS)
+    ci, ct, ri, rt = pair_rows(read_preferences(FIXTURE, tok, SEQ)[:6], SEQ)
+    inputs, targets = torch.cat([ci, ri]), torch.cat([ct, rt])
+    cfg = ModelConfig(vocab_size=len(CHARS), dim=32, n_layers=2, n_heads=4, ffn_hidden_dim=64, max_seq_len=SEQ)
+    with torch.no_grad():
+        logits = build_model(cfg, seed=1)(inputs)
+        ref_logits = build_model(cfg, seed=2)(inputs)
+    return SimpleNamespace(inputs=inputs, targets=targets, logits=logits, ref_logits=ref_logits)
+
+
+def _trl_logps(logits, targets):
+    """TRL's own per-row summed log-probabilities (``get_batch_logps``; it shifts labels itself, so ours,
+    already shifted, get one ignored column in front and the logits one unused position at the end)."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    labels = torch.cat([torch.full((len(targets), 1), -100), targets], dim=1)
+    padded = torch.cat([logits, torch.zeros_like(logits[:, :1])], dim=1)
+    return ORPOTrainer.get_batch_logps(padded, labels)
+
+
+def _trl_dpo(batch, loss_type, beta, label_smoothing):
+    """TRL 1.16's ``DPOTrainer._compute_loss`` (precomputed reference log-probs) on our per-token log-probs:
+    the loss and the logged rewards."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    per_token = -torch.nn.functional.cross_entropy(batch.logits.flatten(0, 1), batch.targets.flatten(),
+                                                   reduction="none").view(batch.targets.shape)
+    ref, _ = sequence_logps(batch.ref_logits, batch.targets)
+    completion = torch.cat([torch.zeros(len(batch.targets), 1, dtype=torch.long), (batch.targets != -100).long()], 1)
+    zeros = torch.zeros_like(per_token)
+    model = SimpleNamespace(training=True)
+
+    def forward(**kwargs):
+        return SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+
+    model.__call__ = forward
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
+    trainer = SimpleNamespace(model=model, accelerator=accelerator, aux_loss_enabled=False, ld_alpha=None,
+                              precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type],
+                              loss_weights=[1.0], beta=beta, label_smoothing=label_smoothing, use_weighting=False,
+                              _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    inputs = {"input_ids": torch.cat([batch.inputs, batch.inputs[:, :1]], 1), "completion_mask": completion,
+              "attention_mask": torch.ones_like(completion), "ref_chosen_logps": ref.chunk(2)[0],
+              "ref_rejected_logps": ref.chunk(2)[1]}
+    loss = DPOTrainer._compute_loss(trainer, lambda **kw: forward(**kw), inputs, False)
+    return float(loss), {k: v[0] for k, v in trainer._metrics["train"].items()}
+
+
+def test_sequence_logps_equal_trls(batch):
+    ours, tokens = sequence_logps(batch.logits, batch.targets)
+    theirs = _trl_logps(batch.logits, batch.targets)
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-5) and (tokens > 0).all()
+
+
+ORACLE = {}  # (objective, variant) -> (ours, TRL's) loss, printed by the last oracle test for the report
+
+
+@pytest.mark.parametrize("loss_type, label_smoothing, trl_type", [
+    ("sigmoid", 0.0, "sigmoid"), ("ipo", 0.0, "ipo"), ("robust", 0.1, "robust")])
+def test_dpo_equals_trl(batch, loss_type, label_smoothing, trl_type):
+    beta = 0.2
+    logps, tokens = sequence_logps(batch.logits, batch.targets)
+    ref, _ = sequence_logps(batch.ref_logits, batch.targets)
+    ours = dpo_loss(*logps.chunk(2), *ref.chunk(2), beta, loss_type, label_smoothing, *tokens.chunk(2))
+    theirs, metrics = _trl_dpo(batch, trl_type, beta, label_smoothing)
+    ORACLE[f"DPO {loss_type} e={label_smoothing}"] = (float(ours.loss), theirs)
+    assert abs(float(ours.loss) - theirs) < 1e-5, (float(ours.loss), theirs)
+    assert abs(float(ours.chosen_rewards.mean()) - metrics["rewards/chosen"]) < 1e-5
+    assert abs(float(ours.rejected_rewards.mean()) - metrics["rewards/rejected"]) < 1e-5
+    margin = ours.chosen_rewards - ours.rejected_rewards
+    assert abs(float(margin.mean()) - metrics["rewards/margins"]) < 1e-5
+    assert float((margin > 0).float().mean()) == metrics["rewards/accuracies"]
+
+
+def _cpo(loss_type, beta, label_smoothing=0.0, gamma=0.5):
+    from trl.experimental.cpo import CPOTrainer
+
+    fake = SimpleNamespace(alpha=0.0, loss_type=loss_type, simpo_gamma=gamma, beta=beta,
+                           label_smoothing=label_smoothing, accelerator=SimpleNamespace(device=torch.device("cpu")))
+    return lambda chosen, rejected: CPOTrainer.cpo_loss(fake, chosen, rejected)
+
+
+def test_conservative_dpo_equals_trls_label_smoothed_sigmoid(batch):
+    """DPO's sigmoid with label smoothing (cDPO): TRL 1.16's DPO ``sigmoid`` has no smoothing any more, its
+    CPO ``sigmoid`` has the same formula on a difference of log-ratios: given the log-ratios, it is the oracle."""
+    beta, e = 0.2, 0.1
+    logps, tokens = sequence_logps(batch.logits, batch.targets)
+    ref, _ = sequence_logps(batch.ref_logits, batch.targets)
+    ours = dpo_loss(*logps.chunk(2), *ref.chunk(2), beta, "sigmoid", e)
+    ratios = (logps - ref).chunk(2)
+    losses, chosen, rejected = _cpo("sigmoid", beta, e)(*ratios)
+    ORACLE["DPO sigmoid e=0.1 (cDPO)"] = (float(ours.loss), float(losses.mean()))
+    assert abs(float(ours.loss) - float(losses.mean())) < 1e-5
+    assert torch.allclose(ours.chosen_rewards, chosen, atol=1e-5) and torch.allclose(ours.rejected_rewards, rejected,
+                                                                                     atol=1e-5)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_simpo_equals_trls_cpo_simpo(batch, label_smoothing):
+    beta, gamma = 2.0, 0.5
+    logps, tokens = sequence_logps(batch.logits, batch.targets)
+    ours = simpo_loss(*logps.chunk(2), *tokens.chunk(2), beta, gamma, label_smoothing)
+    average = (logps / tokens).chunk(2)  # CPO's simpo reads length-averaged log-probs (average_log_prob=True)
+    losses, chosen, rejected = _cpo("simpo", beta, label_smoothing, gamma)(*average)
+    ORACLE[f"SimPO e={label_smoothing}"] = (float(ours.loss), float(losses.mean()))
+    assert abs(float(ours.loss) - float(losses.mean())) < 1e-5
+    assert torch.allclose(ours.chosen_rewards, chosen, atol=1e-5) and torch.allclose(ours.rejected_rewards, rejected,
+                                                                                     atol=1e-5)
+
+
+def test_orpo_equals_trls_odds_ratio_loss(batch):
+    """ORPO = the chosen completions' NLL - mean(beta log s(log odds)); TRL's ``odds_ratio_loss`` gives the
+    second term (and the rewards); the NLL is the cross-entropy over the chosen rows' completion tokens."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    beta = 0.1
+    logps, tokens = sequence_logps(batch.logits, batch.targets)
+    ours = orpo_loss(*logps.chunk(2), *tokens.chunk(2), beta)
+    fake = SimpleNamespace(beta=beta, accelerator=SimpleNamespace(device=torch.device("cpu")))
+    losses, chosen, rejected, _, _ = ORPOTrainer.odds_ratio_loss(fake, *(logps / tokens).chunk(2))
+    half = len(batch.targets) // 2
+    nll = torch.nn.functional.cross_entropy(batch.logits[:half].flatten(0, 1), batch.targets[:half].flatten())
+    theirs = float(nll - losses.mean())
+    ORACLE["ORPO"] = (float(ours.loss), theirs)
+    assert abs(float(ours.loss) - theirs) < 1e-5
+    assert torch.allclose(ours.chosen_rewards, chosen, atol=1e-5) and torch.allclose(ours.rejected_rewards, rejected,
+                                                                                     atol=1e-5)
+
+
+def test_oracle_table(capsys):
+    """The table the issue's closing note quotes (run after the oracle tests above)."""
+    with capsys.disabled():
+        for name, (ours, theirs) in ORACLE.items():
+            print(f"\n{name:28s} ours {ours:.8f}  TRL {theirs:.8f}  |diff| {abs(ours - theirs):.1e}", end="")
+    assert all(abs(a - b) < 1e-5 for a, b in ORACLE.values())
+
+
+# -- the reference ------------------------------------------------------------------------------------------
+def test_disabled_adapters_are_the_base():
+    cfg = ModelConfig(vocab_size=len(CHARS), dim=32, n_layers=2, n_heads=4, ffn_hidden_dim=64, max_seq_len=32)
+    base, adapted = build_model(cfg, seed=3), build_model(cfg, seed=3)
+    apply_lora(adapted, ["q", "v", "down"], 4, 8.0, 0.0, False)
+    for name, p in adapted.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)  # a trained adapter (a fresh B is zero and proves nothing)
+    ids = torch.randint(0, len(CHARS), (2, 32))
+    with torch.no_grad():
+        assert not torch.allclose(adapted(ids), base(ids))
+        with adapters_disabled(adapted) as count:
+            assert count == 6 and torch.equal(adapted(ids), base(ids))
+        assert not torch.allclose(adapted(ids), base(ids))  # switched back on
+
+
+def test_lora_dpo_trains_from_zero_rewards_and_exports_to_peft(hf_base, tmp_path):
+    """A LoRA DPO run: rewards start at exactly 0 (the reference is the same model, adapters off), the held-out
+    accuracy and the logged numbers are there, and the peft export gives the run's log-probabilities."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from scaletrain.checkpoint.run import load_run
+
+    run = tmp_path / "run"
+    assert main(_finetune(hf_base, run, **{"train.eval_interval": 6, "finetune.lora_targets": "q,k,v,o,up,down",
+                                           "finetune.beta": 0.5})) == 0
+    records = _records(run)
+    first_eval = next(r for r in records if "val_reward_accuracy" in r)
+    assert first_eval["val_reward_margin"] == 0.0 and first_eval["val_reward_chosen"] == 0.0
+    steps = [r for r in records if "reward_margin" in r]
+    assert len(steps) == 6 and steps[-1]["reward_margin"] > 0 and not (run / "reference_logps.pt").exists()
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    out = tmp_path / "export"  # the base's folder, and the peft adapter in out/adapter
+    assert main(["export", "--run", str(run), "--out", str(out)]) == 0
+    ci, ct, ri, rt = pair_rows(read_preferences(FIXTURE, CharTokenizer(CHARS), SEQ), SEQ)
+    inputs, targets = torch.cat([ci, ri]), torch.cat([ct, rt])
+    _, model, _, _ = load_run(run)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(hf, str(out / "adapter")).eval()
+    with torch.no_grad():
+        ours = sequence_logps(model.eval()(inputs), targets)[0]
+        theirs = sequence_logps(peft_model(input_ids=inputs).logits, targets)[0]
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-4), (ours - theirs).abs().max()
+        with peft_model.disable_adapter():  # peft's reference is ours: the base
+            base = sequence_logps(peft_model(input_ids=inputs).logits, targets)[0]
+    assert not torch.allclose(ours, base, atol=1e-3)
+
+
+def test_full_dpo_stores_the_reference_and_resumes_bitwise(hf_base, tmp_path, capsys):
+    """Full fine-tuning: the reference log-probs are computed once, stored in the run folder and read back on
+    the resume (not recomputed from the trained weights); stop at 3 + resume to 6 == 6 straight, bitwise."""
+    from scaletrain.checkpoint.run import load_run
+
+    extra = {"finetune.method": "full", "train.eval_interval": 3, "checkpoint.interval": 3}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(_finetune(hf_base, straight, **extra)) == 0
+    assert main(_finetune(hf_base, resumed, **extra, **{"train.stop_at_step": 3})) == 0
+    stored = torch.load(resumed / "reference_logps.pt", weights_only=True)
+    assert len(stored["keys"]) == 24  # 12 pairs x (chosen, rejected)
+    capsys.readouterr()
+    assert main(_finetune(hf_base, resumed, **extra) + ["--resume"]) == 0
+    assert f"24 log-probabilities read from {resumed / 'reference_logps.pt'}" in capsys.readouterr().out
+    a = [r for r in _records(straight) if "reward_margin" in r]
+    b = [r for r in _records(resumed) if "reward_margin" in r]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["reward_margin"] for r in a] == \
+        [r["reward_margin"] for r in b]
+    _, x, _, _ = load_run(straight)
+    _, y, _, _ = load_run(resumed)
+    for (name, p), (_, q) in zip(x.named_parameters(), y.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_gradient_accumulation_equals_the_larger_batch(hf_base, tmp_path):
+    """DPO's loss is a mean over pairs: 2 micro-batches of 2 pairs == 1 of 4, step for step."""
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    assert main(_finetune(hf_base, one, **{"train.batch_size": 4, "train.steps": 4})) == 0
+    assert main(_finetune(hf_base, two, **{"train.batch_size": 2, "train.grad_accum_steps": 2,
+                                           "train.steps": 4})) == 0
+    a = [r for r in _records(one) if "loss" in r]
+    b = [r for r in _records(two) if "loss" in r]
+    assert np.allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-5)
+    assert np.allclose([r["reward_accuracy"] for r in a], [r["reward_accuracy"] for r in b])
