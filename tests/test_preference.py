@@ -259,6 +259,12 @@ def test_lora_dpo_trains_from_zero_rewards_and_exports_to_peft(hf_base, tmp_path
     steps = [r for r in records if "reward_margin" in r]
     assert len(steps) == 6 and steps[-1]["reward_margin"] > 0 and not (run / "reference_logps.pt").exists()
     assert steps[-1]["loss"] < steps[0]["loss"]
+    assert main(["report", str(run), "--out", str(tmp_path / "report.html")]) == 0
+    page = (tmp_path / "report.html").read_text()
+    for plot in ("plot-rewards", "plot-reward-accuracy"):  # with the run's curves, not the empty note
+        start = page.index(f'"{plot}",')
+        chunk = page[start:page.index("Plotly.newPlot", start)]
+        assert '"name":"run: ' in chunk and '"y":[' in chunk and "no preference objective" not in chunk, plot
     out = tmp_path / "export"  # the base's folder, and the peft adapter in out/adapter
     assert main(["export", "--run", str(run), "--out", str(out)]) == 0
     ci, ct, ri, rt = pair_rows(read_preferences(FIXTURE, CharTokenizer(CHARS), SEQ), SEQ)
