@@ -93,6 +93,19 @@ def held_out_logps(run_dir: Path, pairs_file: Path, seq_len: int, seed: int, ada
             "logp_true": float(chosen.mean()), "logp_other": float(rejected.mean())}
 
 
+def train_base(work: Path, books: dict[str, str], args: argparse.Namespace) -> None:
+    """The character-level base, pretrained on the books as they are (their .txt files alone, copied to
+    ``work/books``: the line breaks stay, so the vocabulary has the newline the chat template writes)."""
+    books_dir = work / "books"
+    books_dir.mkdir(parents=True)
+    for path in sorted(Path(args.books).glob("*.txt")):
+        shutil.copy(path, books_dir / path.name)
+    print(f"1/3 base: {args.base_steps} steps on {len(books)} books", flush=True)
+    run("train", f"--data.path={books_dir}", f"--data.cache_dir={work / 'data'}", f"--train.run_dir={work / 'base'}",
+        f"--train.steps={args.base_steps}", "--train.batch_size=16", "--optim.lr=3e-3", "--train.eval_interval=0",
+        f"--train.seed={args.seed}", *BASE, *QUIET)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--books", default=str(ROOT / "tests/fixtures/gutenberg"))
@@ -108,18 +121,17 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/preference_demo.json"))
     args = parser.parse_args()
     work = Path(args.work)
-    shutil.rmtree(work, ignore_errors=True)
-    books_dir = work / "books"  # the .txt files alone (a folder of books may hold other files)
-    books_dir.mkdir(parents=True)
     books = book_texts(Path(args.books))
-    for name, text in books.items():
-        (books_dir / f"{name}.txt").write_text(text, encoding="utf-8")
-
-    print(f"1/3 base: {args.base_steps} steps on {len(books)} books", flush=True)
-    run("train", f"--data.path={books_dir}", f"--data.cache_dir={work / 'data'}", f"--train.run_dir={work / 'base'}",
-        f"--train.steps={args.base_steps}", "--train.batch_size=16", "--optim.lr=3e-3", "--train.eval_interval=0",
-        f"--train.seed={args.seed}", *BASE, *QUIET)
-
+    # The base is kept for a rerun with the same books and steps (the DPO run and the pairs are redone).
+    stamp = json.dumps({"books": args.books, "base_steps": args.base_steps, "seed": args.seed, "raw": True})
+    if not (work / "base" / "checkpoints").is_dir() or not (work / "base.stamp").is_file() \
+            or (work / "base.stamp").read_text() != stamp:
+        shutil.rmtree(work, ignore_errors=True)
+        train_base(work, books, args)
+        (work / "base.stamp").write_text(stamp)
+    else:
+        print(f"1/3 base: reusing {work / 'base'}", flush=True)
+    shutil.rmtree(work / "dpo", ignore_errors=True)
     pairs_file = work / "pairs.jsonl"
     pairs = build_pairs(books, args.pairs, args.context, args.completion, args.seed)
     pairs_file.write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
@@ -130,7 +142,7 @@ def main() -> None:
     run("finetune", "--from", str(work / "base"), f"--finetune.preferences={pairs_file}", "--finetune.objective=dpo",
         "--finetune.method=lora", "--finetune.lora_targets=q,k,v,o,gate,up,down", f"--finetune.beta={args.beta}",
         f"--train.steps={args.steps}", "--train.batch_size=8", f"--optim.lr={args.lr}", "--data.seq_len=128",
-        "--data.val_fraction=0.2", f"--train.eval_interval={args.steps}", "--train.eval_batches=0",
+        "--data.val_fraction=0.2", f"--train.eval_interval={args.steps}", "--train.eval_batches=1000",
         f"--train.seed={args.seed}", f"--train.run_dir={dpo}", *QUIET)
 
     lines = (dpo / "metrics.jsonl").read_text().splitlines()

@@ -316,3 +316,52 @@ def test_gradient_accumulation_equals_the_larger_batch(hf_base, tmp_path):
     b = [r for r in _records(two) if "loss" in r]
     assert np.allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-5)
     assert np.allclose([r["reward_accuracy"] for r in a], [r["reward_accuracy"] for r in b])
+
+
+class _CopyReference:
+    """A frozen second copy of the base as DPO's reference: what the trainer avoids, measured for comparison."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, inputs, targets):
+        with torch.no_grad():
+            return sequence_logps(self.model(inputs), targets)[0]
+
+
+@pytest.mark.parametrize("reference", ["adapters", "copy", "precomputed"])
+def test_planner_preference_memory_matches_measured(hf_base, tmp_path, reference, capsys):
+    """The planner's DPO step memory vs the live tensor bytes of the trainer's step (10%): LoRA with the
+    reference through disabled adapters, LoRA with a frozen copy of the base, full with precomputed log-probs."""
+    from scaletrain.config import DataConfig, FinetuneConfig, JobConfig, OptimConfig, ParallelConfig, TrainConfig
+    from scaletrain.finetune import resolve_finetune
+    from scaletrain.finetune.base import open_base
+    from scaletrain.parallel import ParallelDims
+    from scaletrain.plan.finetune import preference_memory
+    from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
+    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.train.step import build_parallel_training, training_step
+
+    pairs, seq = 4, SEQ
+    ft = FinetuneConfig(source=str(hf_base), method="full" if reference == "precomputed" else "lora",
+                        lora_targets=["q", "v"], objective="dpo", preferences=str(FIXTURE))
+    cfg = resolve_finetune(JobConfig(data=DataConfig(seq_len=seq), optim=OptimConfig(),
+                                     train=TrainConfig(seed=0, run_dir=str(tmp_path / "run")), finetune=ft))
+    model = cfg.model
+    tracker = LiveTensorBytes().__enter__()
+    pm, optimizer = build_parallel_training(cfg, ParallelDims.from_config(ParallelConfig(), 1), torch.device("cpu"))
+    if reference == "copy":
+        copy = build_model(model, seed=0)
+        copy.load_state_dict(open_base(str(hf_base)).state(), strict=False)
+        pm.preference.reference = _CopyReference(copy.requires_grad_(False).eval())
+    ci, ct, ri, rt = pair_rows(read_preferences(FIXTURE, CharTokenizer(CHARS), seq)[:pairs], seq)
+    micro = [(torch.cat([ci, ri]), torch.cat([ct, rt]), None)]
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker,
+                            steps=1)["peak_bytes"]
+    workload = Workload(model=model, seq_len=seq, global_batch=pairs, train_tokens=pairs * seq)
+    est = preference_memory(workload, Plan(micro_batch=pairs), ft, "cpu", reference=reference)
+    predicted = est["tensor_total"] + resident_extras(model, 2 * pairs, seq)
+    with capsys.disabled():
+        print(f"\nDPO {ft.method} reference={reference}: measured {measured / 2**20:.2f} MiB, predicted "
+              f"{predicted / 2**20:.2f} MiB ({predicted / measured - 1:+.1%})", end="")
+    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
