@@ -365,3 +365,46 @@ def test_planner_preference_memory_matches_measured(hf_base, tmp_path, reference
         print(f"\nDPO {ft.method} reference={reference}: measured {measured / 2**20:.2f} MiB, predicted "
               f"{predicted / 2**20:.2f} MiB ({predicted / measured - 1:+.1%})", end="")
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+
+
+# -- a family base and its chat template ---------------------------------------------------------------------
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers"
+
+
+@pytest.mark.skipif(not (SHARED / "qwen3" / "tokenizer.json").is_file(), reason="../shared/data/tokenizers absent")
+def test_qwen3_template_scores_the_completion_and_its_end_token(tmp_path):
+    """With Qwen3's own chat template the chosen row is apply_chat_template's ids of the conversation ending in
+    the chosen answer, and its targets are that answer's turn (the empty think block, the answer, <|im_end|>)."""
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(SHARED / "qwen3" / "tokenizer.json")
+    hf = tok.transformers_tokenizer()
+    line = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                         {"role": "user", "content": "Who goes there?"}], "chosen": "A friend.", "rejected": "Nobody."}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    ((ids, target), (rids, rtarget)), = read_preferences(path, tok, 128, chat_template="base")
+    conversation = line["messages"] + [{"role": "assistant", "content": "A friend."}]
+    assert ids.tolist() == list(hf.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"])
+    assert hf.decode(ids[target]) == "<think>\n\n</think>\n\nA friend.<|im_end|>"
+    assert hf.decode(rids[rtarget]) == "<think>\n\n</think>\n\nNobody.<|im_end|>"
+
+
+def test_dpo_on_a_qwen3_family_base_with_its_chat_template(tmp_path):
+    """A Qwen3-layout base (q/k norms) with the ChatML fixture tokenizer, pairs rendered in its chat template:
+    DPO with LoRA trains (the reward margin grows)."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    fixtures = Path(__file__).parent / "fixtures"
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(**json.loads((fixtures / "families" / "qwen3.json").read_text()))
+    base = tmp_path / "qwen3"
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(base)
+    for file in (fixtures / "chatml_tokenizer").iterdir():
+        shutil.copy(file, base / file.name)
+    run = tmp_path / "run"
+    assert main(_finetune(base, run, **{"data.seq_len": 96, "finetune.chat_template": "base",
+                                        "finetune.beta": 0.5, "optim.lr": 0.02})) == 0
+    steps = [r for r in _records(run) if "reward_margin" in r]
+    assert len(steps) == 6 and steps[-1]["reward_margin"] > steps[0]["reward_margin"]
