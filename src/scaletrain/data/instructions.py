@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from functools import lru_cache, partial
 from pathlib import Path
 
@@ -153,25 +154,30 @@ def encode_record(record: object, where: str, tokenizer: Tokenizer, hf) -> tuple
     return np.array(ids, dtype=np.int64), np.array(target, dtype=bool)
 
 
-def read_instructions(path: str | Path, tokenizer: Tokenizer,
-                      chat_template: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every example of a JSONL file as (ids, is_target) arrays, in the template ``chat_template`` chooses
-    (module docstring); a bad line is a DataError naming it."""
+def jsonl_records(path: str | Path, setting: str) -> Iterator[tuple[str, object]]:
+    """(``file:line``, the parsed record) of every non-blank line of a JSONL file; a missing file names
+    ``setting`` (e.g. finetune.instructions), a line that is not JSON is a DataError naming it."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"finetune.instructions: file not found: {path}")
-    hf = tokenizer.transformers_tokenizer() if uses_base_template(tokenizer, chat_template) else None
-    examples = []
+        raise DataError(f"{setting}: file not found: {path}")
     with path.open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
             try:
-                record = json.loads(line)
+                yield where, json.loads(line)
             except ValueError:
                 raise DataError(f"{where}: not a JSON object") from None
-            examples.append(encode_record(record, where, tokenizer, hf))
+
+
+def read_instructions(path: str | Path, tokenizer: Tokenizer,
+                      chat_template: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every example of a JSONL file as (ids, is_target) arrays, in the template ``chat_template`` chooses
+    (module docstring); a bad line is a DataError naming it."""
+    hf = tokenizer.transformers_tokenizer() if uses_base_template(tokenizer, chat_template) else None
+    examples = [encode_record(record, where, tokenizer, hf)
+                for where, record in jsonl_records(path, "finetune.instructions")]
     if not examples:
         raise DataError(f"{path}: no examples")
     return examples

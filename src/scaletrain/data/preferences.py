@@ -23,14 +23,13 @@ different text, and the chosen and rejected rows would no longer be compared on 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from scaletrain.data.chat import uses_base_template
-from scaletrain.data.instructions import InstructionLoader, encode_record, make_rows, split_examples
+from scaletrain.data.instructions import InstructionLoader, encode_record, jsonl_records, make_rows, split_examples
 from scaletrain.data.tokenizer import DataError, Tokenizer
 
 # A pair: ((chosen ids, chosen is_target), (rejected ids, rejected is_target)), numpy arrays.
@@ -89,21 +88,9 @@ def encode_pair(record: object, where: str, tokenizer: Tokenizer, hf, seq_len: i
 def read_preferences(path: str | Path, tokenizer: Tokenizer, seq_len: int, chat_template: str = "auto") -> list[Pair]:
     """Every pair of a preference JSONL file, in the template ``chat_template`` chooses; a bad line is a
     DataError naming the file and line number."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"finetune.preferences: file not found: {path}")
     hf = tokenizer.transformers_tokenizer() if uses_base_template(tokenizer, chat_template) else None
-    pairs = []
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise DataError(f"{where}: not a JSON object") from None
-            pairs.append(encode_pair(record, where, tokenizer, hf, seq_len))
+    pairs = [encode_pair(record, where, tokenizer, hf, seq_len)
+             for where, record in jsonl_records(path, "finetune.preferences")]
     if not pairs:
         raise DataError(f"{path}: no preference pairs")
     return pairs
