@@ -53,8 +53,11 @@ def book_texts(folder: Path) -> dict[str, str]:
     return books
 
 
-def build_pairs(books: dict[str, str], count: int, context: int, completion: int, seed: int) -> list[dict]:
-    """``count`` pairs: a book's passage, its true continuation (chosen), another book's passage (rejected)."""
+def build_pairs(books: dict[str, str], count: int, context: int, completion: int, seed: int,
+                alphabet: set[str]) -> list[dict]:
+    """``count`` pairs: a book's passage, its true continuation (chosen), another book's passage (rejected);
+    passages with a character outside ``alphabet`` (the base's vocabulary: prepare's cleaning dropped the
+    Gutenberg headers and their '*') are drawn again."""
     rng = random.Random(seed)
     names = list(books)
     pairs = []
@@ -65,7 +68,7 @@ def build_pairs(books: dict[str, str], count: int, context: int, completion: int
         other = books[rng.choice([n for n in names if n != name])]
         at = rng.randrange(0, len(other) - completion)
         chosen, rejected = text[start + context:start + context + completion], other[at:at + completion]
-        if chosen != rejected:
+        if chosen != rejected and set(text[start:start + context] + chosen + rejected) <= alphabet:
             pairs.append({"prompt": text[start:start + context], "chosen": chosen, "rejected": rejected})
     return pairs
 
@@ -133,7 +136,10 @@ def main() -> None:
         print(f"1/3 base: reusing {work / 'base'}", flush=True)
     shutil.rmtree(work / "dpo", ignore_errors=True)
     pairs_file = work / "pairs.jsonl"
-    pairs = build_pairs(books, args.pairs, args.context, args.completion, args.seed)
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    alphabet = set(load_tokenizer(work / "base" / "tokenizer.json").chars)
+    pairs = build_pairs(books, args.pairs, args.context, args.completion, args.seed, alphabet)
     pairs_file.write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
     print(f"2/3 {len(pairs)} pairs (true continuation vs another book's) in {pairs_file}", flush=True)
 

@@ -47,6 +47,7 @@ from scaletrain.data.tokenizer import DataError, load_tokenizer
 from scaletrain.files import file_sha256
 from scaletrain.finetune.base import open_base
 from scaletrain.finetune.lora import adapters_disabled
+from scaletrain.parallel.parallelize import EVAL_LOGITS_BYTES
 from scaletrain.parallel.tensor import _mask_padding
 
 OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
@@ -120,6 +121,26 @@ def orpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torch
     return PairScores(loss, beta * chosen_avg.detach(), beta * rejected_avg.detach())
 
 
+def reference_rows(vocab: int, seq_len: int, rows: int) -> int:
+    """How many rows a no-grad scoring pass sends through the head at once: their fp32 logits within
+    ``EVAL_LOGITS_BYTES`` (at least one row), so a large vocabulary's logits are never all held (8 rows of 1024
+    tokens of Qwen3's 151,936 would be 5 GB, twice with their log-softmax)."""
+    return min(rows, max(1, EVAL_LOGITS_BYTES // (4 * vocab * seq_len)))
+
+
+@torch.no_grad()
+def scored_logps(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, attn_mask: torch.Tensor | None,
+                 vocab_limit: int | None, whole: bool) -> torch.Tensor:
+    """Each row's summed target log-probability (N,) without a gradient: on a model held whole (``whole``: no
+    FSDP shards) the blocks run once and the head by ``reference_rows`` rows at a time."""
+    if not whole:
+        return sequence_logps(model(inputs, attn_mask=attn_mask), targets, vocab_limit)[0]
+    hidden = model(inputs, attn_mask=attn_mask, hidden_only=True)  # (N, T, d)
+    step = reference_rows(model.cfg.vocab_size, targets.size(1), len(targets))
+    return torch.cat([sequence_logps(model.head(hidden[i:i + step]), targets[i:i + step], vocab_limit)[0]
+                      for i in range(0, len(targets), step)])
+
+
 def row_key(inputs: torch.Tensor, targets: torch.Tensor) -> str:
     """The identity of one padded row (its input ids and targets): what a stored reference log-prob belongs to."""
     digest = hashlib.blake2b(inputs.cpu().numpy().tobytes(), digest_size=16)
@@ -136,7 +157,7 @@ class PrecomputedReference:
 
     @classmethod
     def build(cls, model: nn.Module, rows: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int,
-              device: torch.device, vocab_limit: int | None) -> PrecomputedReference:
+              device: torch.device, vocab_limit: int | None, whole: bool) -> PrecomputedReference:
         """One no-grad fp32 pass of ``model`` (the base) over ``rows`` [(inputs (T,), targets (T,))]."""
         table: dict[str, float] = {}
         mode = model.training
@@ -146,7 +167,7 @@ class PrecomputedReference:
                 chunk = rows[start:start + batch_size]
                 inputs = torch.stack([r[0] for r in chunk]).to(device)
                 targets = torch.stack([r[1] for r in chunk]).to(device)
-                logps, _ = sequence_logps(model(inputs), targets, vocab_limit)
+                logps = scored_logps(model, inputs, targets, None, vocab_limit, whole)
                 for (row_inputs, row_targets), value in zip(chunk, logps.tolist()):
                     table[row_key(row_inputs, row_targets)] = value
         model.train(mode)
@@ -183,6 +204,7 @@ class PreferenceObjective:
         self.ft, self.reference = ft, reference
         self.model = pm.modules[0]
         self.vocab_limit = pm.vocab_limit
+        self.whole = held_whole(pm)
         self.inputs: tuple | None = None
         # [sum of chosen rewards, rejected rewards, accuracy, chosen log-probs, rejected log-probs, pairs]
         self.sums = {"train": torch.zeros(6, dtype=torch.float64), "eval": torch.zeros(6, dtype=torch.float64)}
@@ -197,8 +219,8 @@ class PreferenceObjective:
         inputs, attn_mask = self.inputs
         if self.reference is not None:
             return self.reference(inputs, targets)
-        with torch.no_grad(), adapters_disabled(self.model):  # the base: LoRA / DoRA / QLoRA without adapters
-            return sequence_logps(self.model(inputs, attn_mask=attn_mask), targets, self.vocab_limit)[0]
+        with adapters_disabled(self.model):  # the base: LoRA / DoRA / QLoRA without adapters
+            return scored_logps(self.model, inputs, targets, attn_mask, self.vocab_limit, self.whole)
 
     def scores(self, logps: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> PairScores:
         """The objective on one (2B, T) micro-batch from its rows' summed log-probabilities and target counts
@@ -243,6 +265,11 @@ class PreferenceObjective:
                 f"{prefix}logps_chosen": lc / n, f"{prefix}logps_rejected": lr / n}
 
 
+def held_whole(pm) -> bool:
+    """Whether this rank holds the model whole as plain tensors (its head can be called alone)."""
+    return not pm.sharded and pm.pipeline is None and hasattr(pm.modules[0], "head")
+
+
 def preference_metrics(pm, mode: str) -> dict:
     """The rewards, margin and accuracy of the pairs scored since the last call (``PreferenceObjective``), or {}
     for a run without a preference objective. Collective over data-parallel ranks: every rank calls it."""
@@ -271,7 +298,8 @@ def precomputed_reference(pm, cfg: JobConfig, say=print) -> PrecomputedReference
                              cfg.finetune.chat_template)
     ci, ct, ri, rt = pair_rows(pairs, cfg.data.seq_len)
     rows = list(zip(torch.cat([ci, ri]), torch.cat([ct, rt])))
-    reference = PrecomputedReference.build(pm.modules[0], rows, 2 * cfg.train.batch_size, pm.device, pm.vocab_limit)
+    reference = PrecomputedReference.build(pm.modules[0], rows, 2 * cfg.train.batch_size, pm.device, pm.vocab_limit,
+                                           held_whole(pm))
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         reference.save(path, fingerprint)
