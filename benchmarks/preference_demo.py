@@ -53,11 +53,22 @@ def book_texts(folder: Path) -> dict[str, str]:
     return books
 
 
+def shuffled_words(text: str, rng: random.Random) -> str:
+    """``text`` with its words in another order (the same characters, a corrupted continuation)."""
+    words = text.split(" ")
+    for _ in range(10):
+        rng.shuffle(words)
+        if " ".join(words) != text:
+            break
+    return " ".join(words)
+
+
 def build_pairs(books: dict[str, str], count: int, context: int, completion: int, seed: int,
-                alphabet: set[str]) -> list[dict]:
-    """``count`` pairs: a book's passage, its true continuation (chosen), another book's passage (rejected);
-    passages with a character outside ``alphabet`` (the base's vocabulary: prepare's cleaning dropped the
-    Gutenberg headers and their '*') are drawn again."""
+                alphabet: set[str], rejected_kind: str = "other") -> list[dict]:
+    """``count`` pairs: a book's passage, its true continuation (chosen), and as rejected another book's passage
+    (``rejected_kind`` 'other') or the true continuation's words shuffled ('shuffled'); passages with a
+    character outside ``alphabet`` (the base's vocabulary: prepare's cleaning dropped the Gutenberg headers and
+    their '*') are drawn again."""
     rng = random.Random(seed)
     names = list(books)
     pairs = []
@@ -67,7 +78,8 @@ def build_pairs(books: dict[str, str], count: int, context: int, completion: int
         start = rng.randrange(0, len(text) - context - completion)
         other = books[rng.choice([n for n in names if n != name])]
         at = rng.randrange(0, len(other) - completion)
-        chosen, rejected = text[start + context:start + context + completion], other[at:at + completion]
+        chosen = text[start + context:start + context + completion]
+        rejected = other[at:at + completion] if rejected_kind == "other" else shuffled_words(chosen, rng)
         if chosen != rejected and set(text[start:start + context] + chosen + rejected) <= alphabet:
             pairs.append({"prompt": text[start:start + context], "chosen": chosen, "rejected": rejected})
     return pairs
@@ -114,12 +126,14 @@ def main() -> None:
     parser.add_argument("--books", default=str(ROOT / "tests/fixtures/gutenberg"))
     parser.add_argument("--work", default=str(ROOT / "benchmarks/out/preference_demo"))
     parser.add_argument("--base-steps", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=240)
     parser.add_argument("--pairs", type=int, default=400)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--completion", type=int, default=24)
+    parser.add_argument("--context", type=int, default=48)
+    parser.add_argument("--completion", type=int, default=40)
+    parser.add_argument("--rejected", choices=("other", "shuffled"), default="other",
+                        help="rejected = another book's passage, or the true continuation with its words shuffled")
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/preference_demo.json"))
     args = parser.parse_args()
@@ -139,9 +153,9 @@ def main() -> None:
     from scaletrain.data.tokenizer import load_tokenizer
 
     alphabet = set(load_tokenizer(work / "base" / "tokenizer.json").chars)
-    pairs = build_pairs(books, args.pairs, args.context, args.completion, args.seed, alphabet)
+    pairs = build_pairs(books, args.pairs, args.context, args.completion, args.seed, alphabet, args.rejected)
     pairs_file.write_text("".join(json.dumps(p) + "\n" for p in pairs), encoding="utf-8")
-    print(f"2/3 {len(pairs)} pairs (true continuation vs another book's) in {pairs_file}", flush=True)
+    print(f"2/3 {len(pairs)} pairs (true continuation vs {args.rejected}) in {pairs_file}", flush=True)
 
     print(f"3/3 DPO with LoRA: {args.steps} steps", flush=True)
     dpo = work / "dpo"
@@ -155,7 +169,7 @@ def main() -> None:
     evals = [json.loads(line) for line in lines if "val_reward_margin" in line]
     before, after = evals[0], evals[-1]
     result = {
-        "books": sorted(books), "pairs": len(pairs), "base_steps": args.base_steps, "dpo_steps": args.steps,
+        "books": sorted(books), "pairs": len(pairs), "rejected": args.rejected, "base_steps": args.base_steps, "dpo_steps": args.steps,
         "beta": args.beta, "lr": args.lr,
         "reward_accuracy": {"before": before["val_reward_accuracy"], "after": after["val_reward_accuracy"]},
         "reward_margin": {"before": before["val_reward_margin"], "after": after["val_reward_margin"]},
