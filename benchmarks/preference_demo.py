@@ -169,7 +169,8 @@ def main() -> None:
     evals = [json.loads(line) for line in lines if "val_reward_margin" in line]
     before, after = evals[0], evals[-1]
     result = {
-        "books": sorted(books), "pairs": len(pairs), "rejected": args.rejected, "base_steps": args.base_steps, "dpo_steps": args.steps,
+        "books": sorted(books), "pairs": len(pairs), "rejected": args.rejected, "base_steps": args.base_steps,
+        "dpo_steps": args.steps,
         "beta": args.beta, "lr": args.lr,
         "reward_accuracy": {"before": before["val_reward_accuracy"], "after": after["val_reward_accuracy"]},
         "reward_margin": {"before": before["val_reward_margin"], "after": after["val_reward_margin"]},

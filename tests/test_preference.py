@@ -303,6 +303,11 @@ def test_full_dpo_stores_the_reference_and_resumes_bitwise(hf_base, tmp_path, ca
     _, y, _, _ = load_run(resumed)
     for (name, p), (_, q) in zip(x.named_parameters(), y.named_parameters()):
         assert torch.equal(p, q), name
+    # ``scaletrain eval`` scores the objective with the stored reference: the val loss training recorded
+    capsys.readouterr()
+    assert main(["eval", "--run", str(resumed), "--batches", "1000"]) == 0
+    last = [r for r in _records(resumed) if "val_loss" in r][-1]
+    assert f"val loss {last['val_loss']:.4f}" in capsys.readouterr().out
 
 
 def test_gradient_accumulation_equals_the_larger_batch(hf_base, tmp_path):

@@ -227,7 +227,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg, model, tokenizer, ckpt = load_run(args.run)
     settings = {"run": str(args.run), "checkpoint": ckpt.name, "batch_size": cfg.train.batch_size}
     if not args.text:  # the run's validation loss and bpb: the numbers training's eval computes (train/evaluate.py)
-        run_score = evaluate.score_run(cfg, model, tokenizer, args.batches)
+        run_score = evaluate.score_run(cfg, model, tokenizer, args.batches, run_dir=args.run)
         print(f"{run_score.line} ({ckpt.name})")
         record = {"source": "val split", **evaluate.validation_record(run_score, cfg),
                   "settings": {**settings, "batches": run_score.batches, "precision": run_score.precision}}

@@ -307,6 +307,24 @@ def precomputed_reference(pm, cfg: JobConfig, say=print) -> PrecomputedReference
     return reference
 
 
+def attach_for_evaluation(pm, cfg: JobConfig, run_dir: str | Path) -> PreferenceObjective:
+    """A finished run's objective on its loaded model (``scaletrain eval``), so its val loss is the one training
+    recorded: DPO's reference is the run's stored log-probabilities (method=full) or its adapters switched off."""
+    ft = cfg.finetune
+    reference = None
+    if ft.objective == "dpo" and ft.method == "full":
+        path = Path(run_dir) / REFERENCE_FILE
+        reference = PrecomputedReference.load(path, reference_fingerprint(cfg))
+        if reference is None:
+            raise DataError(f"{path}: missing, or stored for another base or preference file; a DPO run's val loss "
+                            f"needs the reference log-probabilities it trained with")
+    elif ft.objective == "dpo":
+        with adapters_disabled(pm.modules[0]) as count:
+            if not count:
+                raise DataError(f"{run_dir}: a DPO run's model has no adapters to switch off for its reference")
+    return PreferenceObjective(pm, ft, reference)
+
+
 def attach_preference(pm, cfg: JobConfig, say=print) -> PreferenceObjective:
     """Install ``finetune.objective`` on ``pm`` (the base and adapters loaded); DPO with full fine-tuning
     precomputes its reference first, DPO with adapters uses the adapter-free model."""
