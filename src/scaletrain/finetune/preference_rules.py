@@ -27,3 +27,9 @@ def check_preference(cfg, world_size: int) -> None:
     if par.tp > 1 or par.pp > 1 or par.cp > 1 or par.engine != "native" or par.balance != "none":
         raise ConfigError(f"finetune.objective={ft.objective} runs with data parallelism only (DDP, FSDP2) on the "
                           f"native engine; set parallel.tp/pp/cp=1, parallel.engine=native, parallel.balance=none")
+
+
+def rows_per_example(ft) -> int:
+    """Rows of data.seq_len tokens one example of train.batch_size is: 2 for a preference pair (chosen and
+    rejected), else 1."""
+    return 1 if ft.objective == "sft" else 2

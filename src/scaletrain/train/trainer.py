@@ -23,6 +23,7 @@ from scaletrain.data.loader import block_causal_mask
 from scaletrain.data.run_data import training_data, validation_batches
 from scaletrain.finetune import parameter_counts, resolve_finetune
 from scaletrain.finetune.preference import preference_metrics
+from scaletrain.finetune.preference_rules import rows_per_example
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
 from scaletrain.options import UserError
@@ -160,8 +161,9 @@ class Trainer:
         self.adaptive = Adaptive(cfg, dims, self.pm.dp_rank, self.device, self.env.world_size, local_state)
         self.checkpoint = self.engine.checkpoint(self.checkpoint_store, self.pm, self.optimizer, local_state,
                                                  self.state, cfg, self._message)
-        # Tokens per optimizer step over all data-parallel ranks.
-        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
+        # Tokens per optimizer step over all data-parallel ranks (a preference pair is two rows: rows_per_example).
+        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size \
+            * rows_per_example(cfg.finetune)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.device, self.precision,
                                      self.env.world_size, self.env.rank, self._message)
