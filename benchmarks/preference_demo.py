@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
+from launch import write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.ffn_hidden_dim=384",
@@ -179,8 +180,7 @@ def main() -> None:
     }
     result["logp_true_change"] = result["dpo"]["logp_true"] - result["base"]["logp_true"]
     result["logp_other_change"] = result["dpo"]["logp_other"] - result["base"]["logp_other"]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"held-out pairs: {result['base']['pairs']}")
     print(f"DPO reward accuracy   {before['val_reward_accuracy']:.3f} -> {after['val_reward_accuracy']:.3f} "
           f"(margin {before['val_reward_margin']:.3f} -> {after['val_reward_margin']:.3f})")
