@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from launch import write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
