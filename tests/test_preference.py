@@ -413,3 +413,17 @@ def test_dpo_on_a_qwen3_family_base_with_its_chat_template(tmp_path):
                                         "finetune.beta": 0.5, "optim.lr": 0.02})) == 0
     steps = [r for r in _records(run) if "reward_margin" in r]
     assert len(steps) == 6 and steps[-1]["reward_margin"] > steps[0]["reward_margin"]
+
+
+@pytest.mark.parametrize("method", ["dora", "qlora"])
+def test_dpo_reference_is_the_adapter_free_model_for_dora_and_qlora(hf_base, tmp_path, method):
+    """DoRA and QLoRA (4-bit base) too: before training every held-out reward is exactly 0 (the reference is the
+    same model with its adapters off), and the rewards move once the adapters train."""
+    if method == "qlora":
+        pytest.importorskip("torchao")
+    extra = {"finetune.method": "lora", "finetune.dora": "true"} if method == "dora" else {"finetune.method": "qlora"}
+    run = tmp_path / "run"
+    assert main(_finetune(hf_base, run, **{**extra, "train.steps": 3, "train.eval_interval": 3})) == 0
+    evals = [r for r in _records(run) if "val_reward_margin" in r]
+    assert evals[0]["val_reward_chosen"] == 0.0 and evals[0]["val_reward_rejected"] == 0.0
+    assert evals[-1]["val_reward_chosen"] != 0.0
