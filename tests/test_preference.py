@@ -427,3 +427,33 @@ def test_dpo_reference_is_the_adapter_free_model_for_dora_and_qlora(hf_base, tmp
     evals = [r for r in _records(run) if "val_reward_margin" in r]
     assert evals[0]["val_reward_chosen"] == 0.0 and evals[0]["val_reward_rejected"] == 0.0
     assert evals[-1]["val_reward_chosen"] != 0.0
+
+
+def test_kill9_during_full_dpo_then_resume_is_bitwise_with_the_stored_reference(tmp_path):
+    """kill -9 in the middle of a full-fine-tuning DPO run, then --resume: the reference log-probs are read back
+    from the run folder (the same bytes) and the run equals the one never interrupted, bitwise."""
+    import random
+
+    from helpers.faults import assert_same_run, last_step, launch, run_ok, wait_for, write_config
+    from scaletrain.checkpoint.export import export_hf
+
+    steps = 24
+    model = ModelConfig(vocab_size=len(CHARS), dim=64, n_layers=4, n_heads=4, ffn_hidden_dim=128, max_seq_len=64)
+    export_hf(build_model(model, seed=0), model, CharTokenizer(CHARS), tmp_path / "base")
+    config = write_config(tmp_path, steps, 4)  # its [model] is the base's shape
+    args = ["finetune", "--from", str(tmp_path / "base"), "--config", str(config), "--finetune.method=full",
+            "--finetune.objective=dpo", f"--finetune.preferences={FIXTURE}", f"--data.seq_len={SEQ}",
+            "--data.val_fraction=0.25", "--train.batch_size=2", "--optim.lr=1e-3"]
+    reference, run = tmp_path / "straight", tmp_path / "run"
+    run_ok([*args, f"--train.run_dir={reference}"])
+    kill_at = random.Random(0).randint(6, steps - 8)
+    proc = launch([*args, f"--train.run_dir={run}"])
+    wait_for(lambda: last_step(run) >= kill_at, proc, what=f"step {kill_at}")
+    proc.kill()  # SIGKILL: no handler, no cleanup
+    proc.wait()
+    assert last_step(run) < steps, "the run finished before the kill landed"
+    stored = (run / "reference_logps.pt").read_bytes()
+    out = run_ok([*args, f"--train.run_dir={run}", "--resume"])
+    assert "resumed from" in out and "24 log-probabilities read from" in out
+    assert (run / "reference_logps.pt").read_bytes() == stored == (reference / "reference_logps.pt").read_bytes()
+    assert_same_run(reference, run)  # per-step losses and every final tensor, bitwise
