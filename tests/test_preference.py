@@ -434,7 +434,7 @@ def test_kill9_during_full_dpo_then_resume_is_bitwise_with_the_stored_reference(
     from the run folder (the same bytes) and the run equals the one never interrupted, bitwise."""
     import random
 
-    from helpers.faults import assert_same_run, last_step, launch, run_ok, wait_for, write_config
+    from helpers.faults import assert_same_run, kill9_after_step, run_ok, write_config
     from scaletrain.checkpoint.export import export_hf
 
     steps = 24
@@ -447,11 +447,7 @@ def test_kill9_during_full_dpo_then_resume_is_bitwise_with_the_stored_reference(
     reference, run = tmp_path / "straight", tmp_path / "run"
     run_ok([*args, f"--train.run_dir={reference}"])
     kill_at = random.Random(0).randint(6, steps - 8)
-    proc = launch([*args, f"--train.run_dir={run}"])
-    wait_for(lambda: last_step(run) >= kill_at, proc, what=f"step {kill_at}")
-    proc.kill()  # SIGKILL: no handler, no cleanup
-    proc.wait()
-    assert last_step(run) < steps, "the run finished before the kill landed"
+    kill9_after_step(args, run, kill_at, steps)
     stored = (run / "reference_logps.pt").read_bytes()
     out = run_ok([*args, f"--train.run_dir={run}", "--resume"])
     assert "resumed from" in out and "24 log-probabilities read from" in out
