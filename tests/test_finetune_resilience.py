@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from helpers.faults import assert_same_run, last_step, launch, run_ok, wait_for, write_config
+from helpers.faults import assert_same_run, kill9_after_step, run_ok, write_config
 from helpers.tiny import CHARS
 
 STEPS, INTERVAL = 40, 5
@@ -33,11 +33,7 @@ def test_kill9_during_a_lora_finetune_then_resume_is_bitwise_exact(lora_straight
     args, reference = lora_straight
     run = tmp_path / "run"
     kill_at = random.Random(0).randint(8, STEPS - 10)
-    proc = launch([*args, f"--train.run_dir={run}"])
-    wait_for(lambda: last_step(run) >= kill_at, proc, what=f"step {kill_at}")
-    proc.kill()  # SIGKILL: no handler, no cleanup
-    proc.wait()
-    assert last_step(run) < STEPS, "the run finished before the kill landed"
+    kill9_after_step(args, run, kill_at, STEPS)
     out = run_ok([*args, f"--train.run_dir={run}", "--resume"])
     assert "resumed from" in out
     assert_same_run(reference, run)  # per-step losses and every final tensor (base + adapters), bitwise

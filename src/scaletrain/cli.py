@@ -126,7 +126,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     counts = trainer.summary()
     trainable = "" if not n.finetune.source else \
         f" ({counts['trainable_parameters']:,} trainable, finetune.method={n.finetune.method})"
-    data = f"instructions {n.finetune.instructions}" if n.finetune.instructions else n.data.path
+    data = (f"preference pairs {n.finetune.preferences} (finetune.objective={n.finetune.objective})"
+            if n.finetune.preferences else f"instructions {n.finetune.instructions}" if n.finetune.instructions
+            else n.data.path)
     say(f"model: {counts['parameters'] / 1e6:.2f}M parameters{trainable} ({n.model.n_layers} layers x {n.model.dim}), "
         f"vocab {trainer.vocab_note}; data {data}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
         f"{precision}; run folder {trainer.run_dir}" + (f"; {trainer.disk_note}" if trainer.disk_note else ""))
@@ -225,7 +227,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg, model, tokenizer, ckpt = load_run(args.run)
     settings = {"run": str(args.run), "checkpoint": ckpt.name, "batch_size": cfg.train.batch_size}
     if not args.text:  # the run's validation loss and bpb: the numbers training's eval computes (train/evaluate.py)
-        run_score = evaluate.score_run(cfg, model, tokenizer, args.batches)
+        run_score = evaluate.score_run(cfg, model, tokenizer, args.batches, run_dir=args.run)
         print(f"{run_score.line} ({ckpt.name})")
         record = {"source": "val split", **evaluate.validation_record(run_score, cfg),
                   "settings": {**settings, "batches": run_score.batches, "precision": run_score.precision}}

@@ -289,6 +289,21 @@ class FinetuneConfig:
                                      "none), plain (scaletrain's \"User:\" / \"Assistant:\" text) or auto (base when "
                                      "the base's tokenizer folder has a chat template, else plain)",
                              choices=("auto", "base", "plain"))
+    objective: str = opt("sft", "what the fine-tune minimises: sft (next-token loss on the data or "
+                                "instructions), or on finetune.preferences pairs dpo (with a reference: the base "
+                                "through disabled adapters, or log-probs precomputed for method=full), simpo or "
+                                "orpo (no reference) (docs/finetuning.md)", choices=("sft", "dpo", "simpo", "orpo"))
+    preferences: str = opt("", "dpo/simpo/orpo: a JSONL file of {\"prompt\" (or \"messages\"), \"chosen\", "
+                               "\"rejected\"} lines, rendered as instructions are, the completions scored; "
+                               "data.val_fraction of the pairs are held out")
+    beta: float = opt(0.1, "dpo/simpo/orpo: beta (DPO's KL strength, SimPO's reward scale, ORPO's odds-ratio "
+                           "weight lambda)", gt=0)
+    dpo_loss: str = opt("sigmoid", "dpo: sigmoid (the paper's; conservative with label_smoothing), robust (rDPO) "
+                                   "or ipo (length-normalised squared loss), as TRL's loss_type",
+                        choices=("sigmoid", "robust", "ipo"))
+    label_smoothing: float = opt(0.0, "dpo sigmoid/robust and simpo: the assumed probability that a pair's "
+                                      "preference is flipped", ge=0, lt=0.5)
+    simpo_gamma: float = opt(0.5, "simpo: target reward margin gamma", ge=0)
     virtual_tokens: int = opt(16, "prompt/prefix: number of trainable virtual tokens", ge=1)
     freeze_embeddings: bool = opt(False, "full: keep the input embedding (and a tied head) frozen")
     freeze_blocks: int = opt(0, "full: keep the first k transformer blocks frozen", ge=0)

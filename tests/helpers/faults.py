@@ -132,6 +132,16 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = CEILING_S, what
         time.sleep(0.003)
 
 
+def kill9_after_step(args: list[str], run: Path, step: int, total: int) -> None:
+    """``scaletrain ARGS`` into ``run``, killed with SIGKILL (no handler, no cleanup) once its metrics reach
+    ``step``; fails if the run finished (``total`` steps) before the kill landed."""
+    proc = launch([*args, f"--train.run_dir={run}"])
+    wait_for(lambda: last_step(run) >= step, proc, what=f"step {step}")
+    proc.kill()
+    proc.wait()
+    assert last_step(run) < total, "the run finished before the kill landed"
+
+
 def worker_pids(torchrun: subprocess.Popen) -> dict[int, int]:
     """RANK -> pid of torchrun's worker processes."""
     out = {}

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from functools import lru_cache, partial
 from pathlib import Path
 
@@ -141,31 +142,42 @@ def encode_example(segments: list[tuple[str, bool]], tokenizer: Tokenizer) -> tu
     return ids, target
 
 
-def read_instructions(path: str | Path, tokenizer: Tokenizer,
-                      chat_template: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every example of a JSONL file as (ids, is_target) arrays, in the template ``chat_template`` chooses
-    (module docstring); a bad line is a DataError naming it."""
+def encode_record(record: object, where: str, tokenizer: Tokenizer, hf) -> tuple[np.ndarray, np.ndarray]:
+    """One prompt/response or messages record as (ids, is_target) arrays: in the base's template when ``hf``
+    (its transformers tokenizer) is given, else in the plain one; a bad record is a DataError naming ``where``."""
+    messages, is_pair = _conversation(record, where)
+    try:
+        ids, target = (encode_conversation(messages, hf) if hf is not None
+                       else encode_example(_segments(messages, is_pair), tokenizer))
+    except DataError as exc:
+        raise DataError(f"{where}: {exc}") from None
+    return np.array(ids, dtype=np.int64), np.array(target, dtype=bool)
+
+
+def jsonl_records(path: str | Path, setting: str) -> Iterator[tuple[str, object]]:
+    """(``file:line``, the parsed record) of every non-blank line of a JSONL file; a missing file names
+    ``setting`` (e.g. finetune.instructions), a line that is not JSON is a DataError naming it."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"finetune.instructions: file not found: {path}")
-    hf = tokenizer.transformers_tokenizer() if uses_base_template(tokenizer, chat_template) else None
-    examples = []
+        raise DataError(f"{setting}: file not found: {path}")
     with path.open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
             try:
-                record = json.loads(line)
+                yield where, json.loads(line)
             except ValueError:
                 raise DataError(f"{where}: not a JSON object") from None
-            messages, is_pair = _conversation(record, where)
-            try:
-                ids, target = (encode_conversation(messages, hf) if hf is not None
-                               else encode_example(_segments(messages, is_pair), tokenizer))
-            except DataError as exc:
-                raise DataError(f"{where}: {exc}") from None
-            examples.append((np.array(ids, dtype=np.int64), np.array(target, dtype=bool)))
+
+
+def read_instructions(path: str | Path, tokenizer: Tokenizer,
+                      chat_template: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every example of a JSONL file as (ids, is_target) arrays, in the template ``chat_template`` chooses
+    (module docstring); a bad line is a DataError naming it."""
+    hf = tokenizer.transformers_tokenizer() if uses_base_template(tokenizer, chat_template) else None
+    examples = [encode_record(record, where, tokenizer, hf)
+                for where, record in jsonl_records(path, "finetune.instructions")]
     if not examples:
         raise DataError(f"{path}: no examples")
     return examples
@@ -216,14 +228,18 @@ class InstructionLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = self._next_rows()
+        return self.inputs[mine], self.targets[mine]
+
+    def _next_rows(self) -> torch.Tensor:
+        """The example indices of this rank's next micro-batch (the cursor moves over the whole global batch)."""
         rows = []
         for _ in range(self.batch_size * self.world_size):  # the global batch, then this rank's slice
             if self.cursor >= len(self.inputs):
                 self.epoch, self.cursor = self.epoch + 1, 0
             rows.append(int(self._order(self.epoch)[self.cursor]))
             self.cursor += 1
-        mine = torch.tensor(rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
-        return self.inputs[mine], self.targets[mine]
+        return torch.tensor(rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
 
     def close(self) -> None:
         pass

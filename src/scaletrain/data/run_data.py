@@ -16,6 +16,7 @@ import torch
 from scaletrain.config import ConfigError, JobConfig
 from scaletrain.data.instructions import InstructionLoader, instruction_eval_batches, instruction_splits
 from scaletrain.data.loader import TokenLoader, eval_batches
+from scaletrain.data.preferences import PreferenceLoader, preference_eval_batches, preference_splits
 from scaletrain.data.prepare import ensure_prepared
 from scaletrain.data.shards import MANIFEST, read_manifest
 from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -83,12 +84,16 @@ class TrainingData:
     vocab_note: str  # the vocabulary as the model log line says it (``resolve_vocab``)
     data_dir: Path | None = None
     instructions: tuple[list, list] | None = None  # (train, val) instruction examples
+    preferences: tuple[list, list] | None = None  # (train, val) preference pairs (data/preferences.py)
 
     def train_loader(self, dp_rank: int, dp_size: int, balanced: bool = False) -> InstructionLoader | TokenLoader:
         """This data-parallel rank's loader of the train split. ``balanced`` (parallel.balance = "throughput"):
         every rank walks the one global stream of micro-batches and keeps its own run of them
         (train/adaptive.py), so the loader is the single-process one on every rank."""
         cfg = self.cfg
+        if self.preferences is not None:
+            return PreferenceLoader(self.preferences[0], cfg.data.seq_len, cfg.train.batch_size, rank=dp_rank,
+                                    world_size=dp_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         if self.instructions is not None:
             return InstructionLoader(self.instructions[0], cfg.data.seq_len, cfg.train.batch_size, rank=dp_rank,
                                      world_size=dp_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
@@ -102,6 +107,12 @@ def training_data(cfg: JobConfig, is_main: bool = True, say: Callable[[str], Non
     """The data of ``cfg``: instruction JSONL (finetune.instructions, data/instructions.py) split into train and
     validation examples, or a text corpus prepared once (rank 0 prepares, the other ranks wait at a barrier and
     then find it cached). ``tp``: the tensor-parallel degree the vocabulary is padded for."""
+    if cfg.finetune.preferences:
+        tokenizer = load_tokenizer(Path(cfg.data.tokenizer))
+        preferences = preference_splits(cfg.finetune.preferences, tokenizer, cfg.data.seq_len, cfg.data.val_fraction,
+                                        cfg.train.seed, chat_template=cfg.finetune.chat_template)
+        cfg, vocab_note = resolve_vocab(cfg, {"vocab_size": tokenizer.vocab_size}, tp)
+        return TrainingData(cfg, tokenizer, vocab_note, preferences=preferences)
     if cfg.finetune.instructions:
         tokenizer = load_tokenizer(Path(cfg.data.tokenizer))
         instructions = instruction_splits(cfg.finetune.instructions, tokenizer, cfg.data.seq_len,
@@ -126,6 +137,8 @@ def validation_batches(cfg: JobConfig, data: TrainingData, num_batches: int | No
     <= 0: all) batches of train.batch_size windows of data.seq_len tokens, spread evenly over the split (the
     same windows at every evaluation), or the first held-out instruction examples in file order."""
     count = cfg.train.eval_batches if num_batches is None else num_batches
+    if data.preferences is not None:
+        return preference_eval_batches(data.preferences[1], cfg.data.seq_len, cfg.train.batch_size, count)
     if data.instructions is not None:
         return instruction_eval_batches(data.instructions[1], cfg.data.seq_len, cfg.train.batch_size, count)
     return eval_batches(str(data.data_dir), split, cfg.data.seq_len, cfg.train.batch_size, count,
@@ -134,7 +147,8 @@ def validation_batches(cfg: JobConfig, data: TrainingData, num_batches: int | No
 
 def describe_validation(cfg: JobConfig, data: TrainingData, num_batches: int | None = None) -> str:
     """Which windows ``validation_batches`` scores, for the line that prints the loss."""
-    where = ("the first held-out instruction examples in file order" if data.instructions is not None
+    where = ("the first held-out preference pairs in file order" if data.preferences is not None
+             else "the first held-out instruction examples in file order" if data.instructions is not None
              else "evenly spread over the val split")
     if num_batches is None or num_batches == cfg.train.eval_batches:
         return f"{where} (the windows training's eval scores)"

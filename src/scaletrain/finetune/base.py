@@ -188,7 +188,7 @@ def with_base_data(cfg, announce=None):
     """``cfg`` (a JobConfig whose data.path was not given) fine-tuning on its base run's data: a fine-tune (a
     recovery after compression above all) goes on with what the base learnt from, where the default corpus
     would silently change the task. A Hugging Face base (no data known), or instruction tuning: unchanged."""
-    if not cfg.finetune.source or cfg.finetune.instructions:
+    if not cfg.finetune.source or cfg.finetune.instructions or cfg.finetune.preferences:
         return cfg
     base = open_base(cfg.finetune.source)
     if not base.data or base.data == cfg.data.path:

@@ -18,8 +18,9 @@ to the input only - the base never gets a gradient.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,12 @@ class LoRALinear(nn.Linear):
         x = self.lora_dropout(x)
         return x if torch.is_autocast_enabled(x.device.type) else x.to(self.lora_A.dtype)
 
+    # Class-level default: ``adapters_disabled`` sets it on the instances it switches off (no state_dict entry).
+    disabled = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.disabled:  # the base alone (``adapters_disabled``: DPO's reference model, peft's disable_adapter)
+            return self.base_forward(x)
         if self.dora:
             return self._dora_forward(x)
         x_adapter = self._adapter_input(x)
@@ -118,6 +124,21 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[int]:
+    """Within the block, every ``LoRALinear`` of ``model`` computes its frozen base alone: the model *is* its base,
+    with no second copy of the weights (peft's ``disable_adapter``, which TRL's DPO uses as the reference model).
+    Yields how many adapters were switched off (0: the model has none, and is unchanged)."""
+    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for module in adapters:
+        module.disabled = True
+    try:
+        yield len(adapters)
+    finally:
+        for module in adapters:
+            del module.disabled  # back to the class default
 
 
 def check_lora_targets(targets: list[str]) -> None:

@@ -103,6 +103,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ft.add_argument("--lora-targets", default="q,k,v,o", help="lora/qlora projections (q,k,v,o,gate,up,down)")
     ft.add_argument("--virtual-tokens", type=int, default=16, help="prompt/prefix virtual tokens")
     ft.add_argument("--dora", action="store_true", help="lora/qlora as DoRA (a trainable magnitude per output row)")
+    ft.add_argument("--objective", default="sft", choices=("sft", "dpo", "simpo", "orpo"),
+                    help="finetune.objective: dpo/simpo/orpo count --micro-batch as pairs (two rows each) and DPO its "
+                         "reference (disabled adapters, or log-probs precomputed for full); memory only")
     ft.add_argument("--muon-adapters", action="store_true",
                     help="lora/qlora with --optimizer muon: Muon on the adapters' lora_A / lora_B too "
                          "(optim.muon_adapters; a --config's when not given)")
@@ -355,7 +358,7 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     ft = FinetuneConfig(method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
-                        virtual_tokens=args.virtual_tokens, dora=args.dora)
+                        virtual_tokens=args.virtual_tokens, dora=args.dora, objective=args.objective)
     # the trainer's own rules for the optimizer of a fine-tune (muon_adapters: LoRA / QLoRA only)
     check_optimizer(JobConfig(model=workload.model, finetune=ft,
                               optim=OptimConfig(name=workload.optimizer, muon_adapters=workload.muon_adapters)))
@@ -372,6 +375,10 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
                   f"trainable states {gib(answer['trainable_state_bytes'])} + activations "
                   f"{gib(answer['activations'])} + loss / runtime; {cluster.hardware.name} has "
                   f"{gib(answer['device_memory_bytes'])}: " + ("fits" if answer["fits"] else "does NOT fit"))
+    if args.objective != "sft":  # plan/finetune.py preference_memory
+        console.print(f"{args.objective}: micro-batch {answer['micro_batch']} pairs = {answer['rows']} rows in one "
+                      f"forward; reference {answer['reference']} ({gib(answer['reference_bytes'])} in the loss "
+                      f"phase); the step time below is the SFT step's, not modelled for {args.objective}")
     timing = finetune_step_time(workload, Plan(dp_replicate=cluster.world_size, micro_batch=answer["micro_batch"],
                                                activation_checkpointing=pins.get("activation_checkpointing", "none")),
                                 cluster, ft)

@@ -31,6 +31,7 @@ import time
 from scaletrain.config import ConfigError, FinetuneConfig, ModelConfig
 from scaletrain.model.config import head_width
 from scaletrain.model.presets import ffn_hidden_dim, matmul_params, num_params
+from scaletrain.parallel.parallelize import EVAL_LOGITS_BYTES
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.memory import (
     RECIPES,
@@ -183,7 +184,40 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
             "optimizer_state_bytes": optimizer_bytes, "muon_parameters": on_muon,
             "activations": activations, "weight_casts": casts, "tensor_total": tensor_total,
             "peak_phase": "loss" if loss_phase >= optimizer_phase else "optimizer step",
+            "loss_phase_bytes": loss_phase, "optimizer_phase_bytes": optimizer_phase,
             "pretraining_tensor_total": pretrain.tensor_total}
+
+
+def preference_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_kind: str = "cpu",
+                      reference: str = "auto") -> dict:
+    """Peak bytes of one preference step (``finetune.objective`` dpo / simpo / orpo; finetune/preference.py):
+    ``plan.micro_batch`` pairs are 2 x micro_batch rows (chosen and rejected through one forward), so the
+    step is ``finetune_memory``'s at twice the rows. DPO's reference (``reference``, 'auto' = what the trainer
+    does): 'adapters' (LoRA/DoRA/QLoRA: the same model with its adapters off) adds, in the loss phase while the
+    policy's activations are held, one no-grad forward of the same rows, at its largest moment (the logits and
+    their log-softmax, or a block's SwiGLU); 'precomputed' (method=full) adds nothing to the step (two floats a pair,
+    computed before training by a no-grad pass); 'copy' (a frozen second model, which the trainer does not
+    build: for comparison) adds the same forward plus the frozen weights."""
+    rows = dataclasses.replace(plan, micro_batch=2 * plan.micro_batch)
+    est = finetune_memory(workload, rows, ft, device_kind)
+    if reference == "auto":
+        reference = "none" if ft.objective != "dpo" else "precomputed" if ft.method == "full" else "adapters"
+    extra = 0.0
+    if reference in ("adapters", "copy"):
+        rec = recipe_for(workload, rows)
+        bt, model = rows.micro_batch * workload.seq_len, workload.model
+        # A no-grad forward saves nothing: its peak is its largest moment on top of the residual stream, the
+        # fp32 logits with their log-softmax at the end, or the SwiGLU's gate, up and product inside a block.
+        # The head runs on ``reference_rows`` rows at a time (finetune/preference.py ``scored_logps``).
+        head_rows = min(rows.micro_batch, max(1, EVAL_LOGITS_BYTES // (4 * model.vocab_size * workload.seq_len)))
+        logits = head_rows * workload.seq_len * model.vocab_size * 4
+        forward = max(2 * logits, 3 * bt * ffn_hidden_dim(model) * rec.activation) + bt * model.dim * rec.activation
+        extra = forward + (num_params(model) * rec.param if reference == "copy" else 0.0)
+    loss_phase = est["loss_phase_bytes"] + extra
+    tensor_total = max(loss_phase, est["optimizer_phase_bytes"])
+    return {**est, "objective": ft.objective, "reference": reference, "rows": rows.micro_batch,
+            "reference_bytes": extra, "loss_phase_bytes": loss_phase, "tensor_total": tensor_total,
+            "peak_phase": "loss" if loss_phase >= est["optimizer_phase_bytes"] else "optimizer step"}
 
 
 def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, ft: FinetuneConfig,
@@ -196,8 +230,9 @@ def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, f
     is subtracted beyond what the recomputed blocks hold)."""
 
     def total(mb: int) -> tuple[float, dict]:
-        est = finetune_memory(workload, Plan(micro_batch=mb, activation_checkpointing=activation_checkpointing),
-                              ft, device_kind)
+        plan = Plan(micro_batch=mb, activation_checkpointing=activation_checkpointing)
+        est = (finetune_memory(workload, plan, ft, device_kind) if ft.objective == "sft"
+               else preference_memory(workload, plan, ft, device_kind))  # mb pairs: 2 x mb rows
         return est["tensor_total"] * (1 + allocator_margin(device_kind, allocator)) + RUNTIME_BYTES[device_kind], est
 
     if micro_batch is None:

@@ -51,6 +51,13 @@ STEP_PLOTS = [
              [Series("val", "val_bpb", "val bpb")],
              empty_note="no val_bpb in these runs (recorded since bits per byte was added; `scaletrain eval --run R` "
                         "prints a checkpoint's)"),
+    PlotSpec("plot-rewards", "Preference rewards (DPO: beta x log-ratio to the reference)", "reward",
+             [Series("train", "reward_chosen", "chosen"), Series("train", "reward_rejected", "rejected"),
+              Series("train", "reward_margin", "margin"), Series("val", "val_reward_margin", "val margin")],
+             empty_note="no preference objective in these runs (finetune.objective = dpo, simpo or orpo)"),
+    PlotSpec("plot-reward-accuracy", "Reward accuracy (share of pairs whose chosen reward is higher)", "%",
+             [Series("train", "reward_accuracy", "train", 100.0), Series("val", "val_reward_accuracy", "val", 100.0)],
+             empty_note="no preference objective in these runs (finetune.objective = dpo, simpo or orpo)"),
     PlotSpec("plot-lr", "Learning rate", "lr", [Series("train", "lr", "lr")]),
     PlotSpec("plot-grad-norm", "Gradient norm (before clipping)", "grad norm",
              [Series("train", "grad_norm", "grad norm")], log_y=True),

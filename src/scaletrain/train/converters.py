@@ -26,8 +26,10 @@ from scaletrain.config import FinetuneConfig, JobConfig
 from scaletrain.finetune.distill import attach_teacher
 from scaletrain.finetune.masks import keep_zeros
 from scaletrain.finetune.methods import FinetuneMethod
+from scaletrain.finetune.preference import attach_preference
 from scaletrain.finetune.qat import prepare_qat
 from scaletrain.parallel import ParallelDims
+from scaletrain.parallel.distributed import say
 from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.train.fp8 import convert_to_fp8
 
@@ -77,6 +79,16 @@ class Distillation(AfterOnly):
 
 
 @dataclass
+class Preference(AfterOnly):
+    """``finetune.objective`` dpo / simpo / orpo: the preference loss and DPO's reference (finetune/preference.py)."""
+
+    cfg: JobConfig
+
+    def after_parallelize(self, pm: ParallelModel) -> None:
+        attach_preference(pm, self.cfg, say=say)
+
+
+@dataclass
 class QuantizationAware(AfterOnly):
     """``finetune.qat``: fake-quantized block weights, on the loaded base (finetune/qat.py)."""
 
@@ -120,6 +132,8 @@ def build_converters(cfg: JobConfig, dims: ParallelDims, device: torch.device) -
         items.append(FinetuneMethod(ft, cfg.train.seed, device))
         if ft.teacher:
             items.append(Distillation(ft, cfg.data.tokenizer))
+        if ft.objective != "sft":
+            items.append(Preference(cfg))
         if ft.qat:
             items.append(QuantizationAware(ft))
         if ft.keep_zeros:

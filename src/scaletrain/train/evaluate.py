@@ -22,6 +22,7 @@ from scaletrain.data.prepare import read_text_file
 from scaletrain.data.run_data import describe_validation, training_data, validation_batches
 from scaletrain.data.sources import resolve_source
 from scaletrain.data.tokenizer import DataError, Tokenizer, encode_known, token_byte_lengths
+from scaletrain.finetune.preference import attach_for_evaluation
 from scaletrain.parallel import forward_loss
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.parallelize import ParallelModel
@@ -122,7 +123,7 @@ class RunScore:
 
 
 def score_run(cfg: JobConfig, model: nn.Module, tokenizer: Tokenizer, num_batches: int | None = None,
-              say: Callable[[str], None] = print) -> RunScore:
+              say: Callable[[str], None] = print, run_dir: str | Path | None = None) -> RunScore:
     """The validation score of a run read back by ``checkpoint.run.load_run``, computed as training's eval computes
     it (``validation_loss`` over ``validation_batches``, under the run's precision): for the same checkpoint and
     ``num_batches`` (default train.eval_batches) it is the val_loss and val_bpb the run recorded. ``say`` hears
@@ -132,6 +133,8 @@ def score_run(cfg: JobConfig, model: nn.Module, tokenizer: Tokenizer, num_batche
     data = training_data(cfg, say=say)
     pm = ParallelModel(parts=[model], dims=ParallelDims.from_config(ParallelConfig(), 1), mesh=None,
                        device=device, vocab_limit=tokenizer.vocab_size)
+    if cfg.finetune.objective != "sft":  # DPO/SimPO/ORPO: the loss training recorded (finetune/preference.py)
+        attach_for_evaluation(pm, cfg, run_dir or cfg.train.run_dir)
     score = validation_loss(pm, validation_batches(cfg, data, num_batches), precision, cfg.train.batch_size,
                             byte_table(tokenizer, device))
     bs, seq = cfg.train.batch_size, cfg.data.seq_len

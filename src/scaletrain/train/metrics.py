@@ -151,6 +151,8 @@ class MetricsLogger:
         if "loss" in record:
             info = (f"loss {record['loss']:.4f} | {record['step_ms']:.1f} ms/step | "
                     f"{record['tokens_per_second']:,.0f} tok/s | MFU {100 * record['mfu']:.1f}%")
+            if "reward_accuracy" in record:  # a preference objective's pairs (finetune/preference.py)
+                info += f" | reward acc {record['reward_accuracy']:.2f} margin {record['reward_margin']:.3f}"
             if self.progress is not None:  # the live bar: also memory, and the ETA (TimeRemainingColumn)
                 self.progress.update(self.task, completed=record["step"],
                                      info=f"{info} | mem {record['peak_memory_mb']:.0f} MB")

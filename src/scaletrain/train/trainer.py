@@ -22,6 +22,8 @@ from scaletrain.config import ConfigError, JobConfig, to_toml
 from scaletrain.data.loader import block_causal_mask
 from scaletrain.data.run_data import training_data, validation_batches
 from scaletrain.finetune import parameter_counts, resolve_finetune
+from scaletrain.finetune.preference import preference_metrics
+from scaletrain.finetune.preference_rules import rows_per_example
 from scaletrain.model import flops_per_token, num_params
 from scaletrain.model.generate import generate
 from scaletrain.options import UserError
@@ -159,8 +161,9 @@ class Trainer:
         self.adaptive = Adaptive(cfg, dims, self.pm.dp_rank, self.device, self.env.world_size, local_state)
         self.checkpoint = self.engine.checkpoint(self.checkpoint_store, self.pm, self.optimizer, local_state,
                                                  self.state, cfg, self._message)
-        # Tokens per optimizer step over all data-parallel ranks.
-        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size
+        # Tokens per optimizer step over all data-parallel ranks (a preference pair is two rows: rows_per_example).
+        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size \
+            * rows_per_example(cfg.finetune)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.device, self.precision,
                                      self.env.world_size, self.env.rank, self._message)
@@ -241,7 +244,8 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += plan.global_batch * cfg.data.seq_len
         self.pm.replicas.after_step(self.state.step)
-        record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr}
+        record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+                  **preference_metrics(self.pm, "train")}  # DPO/SimPO/ORPO's rewards (finetune/preference.py)
         self.adaptive.after_step(plan, self.state.step, result.grad_norm, record)
         if not result.updated:
             record["skipped_update"] = 1
@@ -432,10 +436,12 @@ class Trainer:
             score = self.evaluate()
         val_loss = score.loss
         self.evals.append({"step": self.state.step, "val_loss": val_loss, "val_bpb": score.bpb})
+        rewards = preference_metrics(self.pm, "eval")  # held-out pairs' rewards (finetune/preference.py)
         logger.log({"step": self.state.step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
-                    "val_bpb": score.bpb})
+                    "val_bpb": score.bpb, **rewards})
         logger.message(f"step {self.state.step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}, "
-                       f"bpb {score.bpb:.4f}")
+                       f"bpb {score.bpb:.4f}" + (f", reward accuracy {rewards['val_reward_accuracy']:.3f}, margin "
+                                                 f"{rewards['val_reward_margin']:.4f}" if rewards else ""))
         if self.on_eval is not None:
             self.on_eval(self.state.step, score)
         if self.cfg.train.sample_tokens and self.is_main and not self.pm.sharded:

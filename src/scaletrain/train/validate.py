@@ -10,6 +10,7 @@ import torch
 
 from scaletrain.config import ConfigError, JobConfig, validate_job
 from scaletrain.finetune.lora import check_lora_targets, check_qlora_installed
+from scaletrain.finetune.preference_rules import check_preference
 from scaletrain.finetune.qat import check_qat
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.deepspeed_engine import check_deepspeed
@@ -34,6 +35,7 @@ def check_finetune(cfg: JobConfig, world_size: int, here: bool = True) -> None:
     ft, par = cfg.finetune, cfg.parallel
     if ft.instructions and not ft.source:
         raise ConfigError("finetune.instructions needs finetune.source (the base whose tokenizer reads them)")
+    check_preference(cfg, world_size)
     if not ft.source:
         return
     if ft.method in ("lora", "qlora"):
