@@ -99,9 +99,16 @@ def test_plan_with_a_fit_predicts_bpb_and_answers_a_target(data_dir, capsys):
                  "--hardware", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "predicted val bpb" in out and "tokens per parameter" in out
-    assert main(["plan", "--data", str(data_dir), "--target-bpb", "1.3", "--hardware", "h100-sxm:8"]) == 0
+    assert main(["plan", "--data", str(data_dir), "--target-bpb", "1.3", "--hardware", "h100-sxm:8",
+                 "--max-nodes", "1"]) == 0
     out = capsys.readouterr().out
     assert "reaches 1.3" in out and "$" in out
+    # the choice's own predicted bpb is at (or just under) the target it was sized for
+    assert main(["plan", "--data", str(data_dir), "--budget", "50", "--hardware", "h100-sxm:8", "--max-nodes", "1",
+                 "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["choice"]["on_demand_usd"] <= 50 * 1.0001
+    assert doc["choice"]["val_bpb"] == min(r["val_bpb"] for r in doc["candidates"])
     assert main(["plan", "--data", str(data_dir), "--target-bpb", "1.0", "--hardware", "h100-sxm:8"]) == 2
     assert "irreducible" in capsys.readouterr().err
 
@@ -117,7 +124,7 @@ def _micro_grid(monkeypatch) -> None:
 @pytest.mark.slow
 def test_scale_trains_a_grid_fits_it_and_resumes(tmp_path, data_dir, monkeypatch, capsys):
     _micro_grid(monkeypatch)
-    args = ["scale", str(data_dir), "--out", str(tmp_path / "grid"), "--budget", "0.35s", "--hardware", "cpu",
+    args = ["scale", str(data_dir), "--out", str(tmp_path / "grid"), "--budget", "1s", "--hardware", "cpu",
             "--min-tokens-per-param", "0.01", "--bootstrap", "10"]
     # the grid is printed before anything trains
     assert main([*args, "--dry-run"]) == 0
@@ -128,6 +135,11 @@ def test_scale_trains_a_grid_fits_it_and_resumes(tmp_path, data_dir, monkeypatch
     assert len(doc["runs"]) == 6 and doc["data_fingerprint"] == data_fingerprint(data_dir)
     assert set(doc["intervals"]) == {"E", "A", "alpha", "B", "beta"}
     assert all((tmp_path / "grid" / r["name"] / "metrics.jsonl").is_file() for r in doc["runs"])
+    # the report of a grid run places it against its data's frontier
+    run = tmp_path / "grid" / doc["runs"][0]["name"]
+    assert main(["report", str(run), "--out", str(tmp_path / "r.html")]) == 0
+    assert "scaling frontier" in (tmp_path / "r.html").read_text() and "bpb vs predicted" in \
+        (tmp_path / "r.html").read_text()
     # started again: every run is skipped (training one would fail here)
     monkeypatch.setattr(grid, "train_run", lambda *a, **k: pytest.fail("a finished run was trained again"))
     capsys.readouterr()

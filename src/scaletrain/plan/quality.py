@@ -27,8 +27,11 @@ from scaletrain.plan.deadline import Option, options
 from scaletrain.plan.spec import Workload
 from scaletrain.scaling.fit import ScalingFit, check_target
 
-SIZE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # sizes tried around the compute-optimal one
-SIZES_WITHIN = 10  # sizes tried for --budget / --deadline, log-spaced
+SIZE_FACTORS = (0.5, 1.0, 2.0)  # sizes tried around the compute-optimal one
+SIZES_WITHIN = 7  # sizes tried for --budget / --deadline, log-spaced
+# The searches price data-parallel plans (DDP / ZeRO / FSDP, micro-batch, recomputation): a 4-30x smaller plan
+# space than with TP / PP / CP, which the family's sizes rarely need; `plan --model` prices those for one size.
+PINS = {"tp": 1, "pp": 1, "cp": 1}
 
 
 def predicted_quality(fit: ScalingFit, params: float, tokens: float) -> dict:
@@ -119,7 +122,7 @@ def best_within(fit: ScalingFit, vocab_size: int, cluster: Cluster, seq_len: int
     counts; cost and time are linear in the tokens, so each option affords tokens = limit / (cost per token)."""
     probe_tokens = 1e9
     rows = []
-    for n in np.logspace(5, 11, SIZES_WITHIN):
+    for n in np.logspace(5, 11, SIZES_WITHIN):  # 100k .. 100B non-embedding parameters
         model = model_for_params(n, vocab_size, seq_len)
         workload = Workload(model, seq_len, global_batch, probe_tokens, precision)
         for option in _priced(workload, cluster, pins, prices, as_of, max_nodes):
@@ -175,7 +178,7 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
     gpu = cluster.hardware.kind == "gpu"
     seq = args.seq_len or (1024 if gpu else int(doc.get("recipe", {}).get("seq_len", 64)))
     batch = args.global_batch or (max(1, round(524288 / seq)) if gpu else int(doc.get("recipe", {}).get("batch", 16)))
-    common = (vocab, cluster, seq, batch, precision, {}, prices, as_of, args.max_nodes)
+    common = (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes)
     if args.target_bpb is not None:
         result = cheapest_for_target(fit, args.target_bpb, *common)
         title = f"the cheapest way to reach {args.target_bpb:g} bpb"

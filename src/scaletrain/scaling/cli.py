@@ -123,3 +123,5 @@ def print_fit(fit, flops: float) -> None:
                                                  ("beta", ".3f"))))
     print(f"  residual scatter {fit.residual_std:.4f} in log bpb; compute-optimal tokens per parameter at "
           f"{flops:.3g} FLOPs: {fit.tokens_per_param(flops):.1f} (Chinchilla's 20 is a convention)")
+    for note in fit.caveats():
+        print(f"  caveat: {note}")

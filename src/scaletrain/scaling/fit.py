@@ -88,6 +88,18 @@ class ScalingFit:
         hi = math.log(mid) + math.hypot(hi - math.log(mid), z * self.residual_std)
         return mid, math.exp(lo), math.exp(hi)
 
+    def caveats(self) -> list[str]:
+        """What the fit cannot tell from its runs (printed with it, stored with it)."""
+        notes = []
+        if self.params.E < 1e-3:
+            notes.append("E went to 0: the runs do not show the loss levelling off (too short or too small), so the "
+                         "irreducible loss is not identified and predictions far beyond the grid lean optimistic")
+        for k in ("alpha", "beta"):
+            if not 0.02 <= getattr(self.params, k) <= 2.0:
+                notes.append(f"{k} = {getattr(self.params, k):.3g} is outside the usual 0.02-2: that term is "
+                             f"barely constrained by these runs")
+        return notes
+
     def param_intervals(self) -> dict[str, list[float]]:
         """Each parameter's 90% bootstrap interval."""
         if not self.bootstrap:
@@ -101,7 +113,7 @@ class ScalingFit:
         return d / n
 
     def as_dict(self) -> dict:
-        return {"params": self.params.as_dict(), "intervals": self.param_intervals(),
+        return {"params": self.params.as_dict(), "intervals": self.param_intervals(), "caveats": self.caveats(),
                 "residual_std_log": self.residual_std, "huber": self.huber,
                 "bootstrap": [p.as_dict() for p in self.bootstrap]}
 

@@ -101,7 +101,7 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
         base_steps = min(base_steps, MAX_EPOCHS * train_tokens / per_step / ladder[-1])
         if base_steps >= MIN_STEPS and base_steps * per_step >= min_tokens_per_param * n_max:
             return [make_run(d, L, vocab, int(base_steps * r), hardware) for d, L in shapes for r in ladder]
-    raise ConfigError(f"--budget {budget_seconds:.0f} s is too small for a grid of {SIZES} sizes x {TOKEN_STEPS} "
+    raise ConfigError(f"--budget {budget_seconds:g} s is too small for a grid of {SIZES} sizes x {TOKEN_STEPS} "
                       f"token counts of at least {MIN_STEPS} steps each on this machine; raise --budget")
 
 
