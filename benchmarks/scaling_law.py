@@ -52,7 +52,7 @@ def run_dataset(name: str, budget_scale: float, work: str) -> dict:
     import torch
 
     from scaletrain.cli import main
-    from scaletrain.scaling.grid import FAMILY, finished, make_run, train_run, vocabulary
+    from scaletrain.scaling.grid import FAMILY, finished_records, make_run, train_run, vocabulary
     from scaletrain.scaling.store import load_fit
 
     torch.set_num_threads(1)
@@ -63,8 +63,10 @@ def run_dataset(name: str, budget_scale: float, work: str) -> dict:
         raise SystemExit(f"{name}: prepare failed")
     prepared = time.perf_counter() - t0
     t0 = time.perf_counter()
+    # a rerun with the same --work refits the finished grid (re-planning could pick another grid)
+    again = ["--fit-only"] if len(finished_records(root / "grid")) >= 12 else []
     if main(["scale", str(data), "--out", str(root / "grid"), "--budget", f"{spec['budget'] * budget_scale:.0f}s",
-             "--min-tokens-per-param", str(spec["min_tpp"])]) != 0:
+             "--min-tokens-per-param", str(spec["min_tpp"]), *again]) != 0:
         raise SystemExit(f"{name}: scale failed")
     grid_seconds = time.perf_counter() - t0
     fit, doc = load_fit(data)
@@ -75,10 +77,15 @@ def run_dataset(name: str, budget_scale: float, work: str) -> dict:
     rows = []
     for k, mult in enumerate(MULTIPLES):
         dim, layers = FAMILY[top + 1 + k]
-        probe = make_run(dim, layers, vocab, 1)
-        steps = max(1, round(mult * largest["flops"] / (6 * probe.params) / probe.tokens))
-        run = make_run(dim, layers, vocab, steps)
-        record = finished(root / "heldout" / run.name) or train_run(run, data, root / "heldout", threads=1)
+        done = [r for r in finished_records(root / "heldout") if (r["dim"], r["n_layers"]) == (dim, layers)]
+        if done:  # trained before (a rerun with the same --work): keep it, whatever multiple it now is
+            run = make_run(dim, layers, vocab, done[0]["steps"])
+            record = done[0]
+        else:
+            probe = make_run(dim, layers, vocab, 1)
+            steps = max(1, round(mult * largest["flops"] / (6 * probe.params) / probe.tokens))
+            run = make_run(dim, layers, vocab, steps)
+            record = train_run(run, data, root / "heldout", threads=1)
         mid, lo, hi = fit.predict(run.params, run.tokens)
         rows.append({"dataset": name, "run": run.name, "params": run.params, "tokens": run.tokens,
                      "flops": run.flops, "compute_multiple": run.flops / largest["flops"],

@@ -33,6 +33,7 @@ from scaletrain.plan.deadline import check_limits
 from scaletrain.plan.quality import add_quality_arguments, predicted_quality, quality_search, quality_text
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
+from scaletrain.scaling.fit import law_params
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -283,7 +284,7 @@ def run_plan(args: argparse.Namespace) -> int:
             return 0
         workload, chinchilla = workload_from_args(args, cluster.hardware, _is_auto(args.hardware))
         if fit_doc is not None:  # what the run buys, beside what it costs
-            console.print(quality_text(predicted_quality(fit_doc[0], workload.params_non_embedding,
+            console.print(quality_text(predicted_quality(fit_doc[0], law_params(workload.model),
                                                          workload.train_tokens)))
         if args.method:
             return _finetune_plan(args, workload, cluster, console)

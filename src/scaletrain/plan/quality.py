@@ -24,8 +24,9 @@ from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.model.presets import num_params
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.deadline import Option, options
+from scaletrain.plan.report import duration
 from scaletrain.plan.spec import Workload
-from scaletrain.scaling.fit import ScalingFit, check_target
+from scaletrain.scaling.fit import ScalingFit, check_target, law_params
 
 SIZE_FACTORS = (0.5, 1.0, 2.0)  # sizes tried around the compute-optimal one
 SIZES_WITHIN = 7  # sizes tried for --budget / --deadline, log-spaced
@@ -50,14 +51,17 @@ def quality_text(q: dict) -> str:
 
 
 def model_for_params(target: float, vocab_size: int, max_seq_len: int) -> ModelConfig:
-    """The family member whose non-embedding parameters are closest to ``target`` (log scale)."""
+    """The family member whose non-embedding parameters are closest to ``target`` (log scale): widths in steps
+    of 16 (head_dim 16 below 128, 64 from there), about one layer per 64 of width (at least 2; half and double
+    that depth are tried too, for sizes between two widths)."""
     best, best_gap = None, math.inf
-    for dim in range(64, 16385, 64):
+    for dim in (*range(16, 128, 16), *range(128, 16385, 64)):
         n_layers = max(2, round(dim / 64))
         for layers in {n_layers, max(1, n_layers // 2), 2 * n_layers}:
-            cfg = ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=layers, n_heads=max(1, dim // 64),
+            cfg = ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=layers,
+                              n_heads=dim // 16 if dim < 128 else dim // 64, ffn_hidden_dim=0, multiple_of=16,
                               max_seq_len=max_seq_len)
-            gap = abs(math.log(num_params(cfg, exclude_embedding=True) / target))
+            gap = abs(math.log(law_params(cfg) / target))
             if gap < best_gap:
                 best, best_gap = cfg, gap
     return best
@@ -76,7 +80,7 @@ def _priced(workload: Workload, cluster: Cluster, pins: dict, prices: dict, as_o
 
 
 def _row(fit: ScalingFit, model: ModelConfig, tokens: float, option: Option) -> dict:
-    n = num_params(model, exclude_embedding=True)
+    n = law_params(model)
     return {"model": {"dim": model.dim, "n_layers": model.n_layers, "n_heads": model.n_heads},
             "parameters": num_params(model), **predicted_quality(fit, n, tokens), **option.as_dict()}
 
@@ -90,7 +94,7 @@ def cheapest_for_target(fit: ScalingFit, target: float, vocab_size: int, cluster
     rows = []
     for factor in SIZE_FACTORS:
         model = model_for_params(n_opt * factor, vocab_size, seq_len)
-        n = num_params(model, exclude_embedding=True)
+        n = law_params(model)
         tokens = tokens_for_target(fit, n, target)
         if tokens is None:
             continue
@@ -190,24 +194,28 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
     return result
 
 
+def _usd(x: float) -> str:
+    return f"${x:,.2f}" if x >= 1 else f"${x:.2g}"
+
+
 def print_quality(console, result: dict, title: str, cluster: Cluster, as_of: str, seq: int, batch: int) -> None:
     from rich.table import Table
 
     table = Table(title=f"{title} on {cluster.hardware.name} (seq {seq}, {batch} sequences a step; prices as of "
                         f"{as_of})")
-    for col in ("N (non-emb)", "dim x layers", "tokens", "tok/param", "devices", "hours", "on-demand $",
+    for col in ("N (non-emb)", "dim x layers", "tokens", "tok/param", "devices", "time", "on-demand $",
                 "predicted bpb [90%]"):
         table.add_column(col)
     for r in result["candidates"]:
         table.add_row(f"{r['params_non_embedding']:,.0f}", f"{r['model']['dim']} x {r['model']['n_layers']}",
                       f"{r['tokens']:,.3g}", f"{r['tokens_per_param']:.1f}", str(r["devices"]),
-                      f"{r['hours']:,.2f}", f"{r['on_demand_usd']:,.2f}",
+                      duration(r["hours"] * 3600), _usd(r["on_demand_usd"]),
                       f"{r['val_bpb']:.4f} [{r['interval'][0]:.4f}, {r['interval'][1]:.4f}]")
     console.print(table)
     c = result["choice"]
     reach = f"reaches {result['target_bpb']:g} bpb" if "target_bpb" in result else "is the best within the limits"
     console.print(f"choice: {c['model']['dim']} x {c['model']['n_layers']} ({c['params_non_embedding']:,.0f} "
                   f"non-embedding, {c['parameters']:,} total parameters) on {c['tokens']:,.0f} tokens, "
-                  f"{c['devices']} device(s), {c['plan']}: {c['hours']:,.2f} h, ${c['on_demand_usd']:,.2f} on demand "
-                  f"(${c['spot_usd']:,.2f} spot); {reach}")
+                  f"{c['devices']} device(s), {c['plan']}: {duration(c['hours'] * 3600)}, "
+                  f"{_usd(c['on_demand_usd'])} on demand ({_usd(c['spot_usd'])} spot); {reach}")
     console.print(quality_text(c))

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scaletrain.model.presets import num_params
 from scaletrain.report.runs import RunData
-from scaletrain.scaling.fit import ScalingFitError
+from scaletrain.scaling.fit import ScalingFitError, law_params
 from scaletrain.scaling.store import fit_path, load_fit
 
 
@@ -24,7 +23,7 @@ def frontier_row(run: RunData, steps: int, bpb: float | None) -> tuple[str, str]
         fit, _ = load_fit(Path(cfg.data.path))
     except ScalingFitError as exc:
         return "scaling frontier", f"not shown: {exc}"
-    n = num_params(cfg.model, exclude_embedding=True)
+    n = law_params(cfg.model)
     d = steps * cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len * max(1, run.world_size)
     if n <= 0 or d <= 0:
         return None

@@ -93,10 +93,13 @@ def print_grid(runs, budget: str) -> None:
 
 def fit_and_write(data: Path, records: list[dict], bootstrap: int) -> int:
     """Fit the finished runs, write ``scaling_fit.json`` into the data folder, print the law."""
-    from scaletrain.scaling.fit import fit_law
-    from scaletrain.scaling.grid import BATCH, EVAL_BATCHES, LR, MUP_BASE_WIDTH, SEQ_LEN
+    from scaletrain.scaling.fit import fit_law, law_params
+    from scaletrain.scaling.grid import BATCH, EVAL_BATCHES, LR, MUP_BASE_WIDTH, SEQ_LEN, model_config, vocabulary
     from scaletrain.scaling.store import write_fit
 
+    vocab = vocabulary(data)[0]  # N from the shape, by today's definition (``law_params``), not as recorded
+    records = [{**r, "params": law_params(model_config(r["dim"], r["n_layers"], vocab))} for r in records]
+    records = [{**r, "flops": 6.0 * r["params"] * r["tokens"]} for r in records]
     fit = fit_law([r["params"] for r in records], [r["tokens"] for r in records],
                   [r["val_bpb"] for r in records], bootstrap=bootstrap)
     recipe = {"seq_len": SEQ_LEN, "batch": BATCH, "lr": LR, "parametrization": "mup", "mup_base_width": MUP_BASE_WIDTH,

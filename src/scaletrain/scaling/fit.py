@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.presets import block_params
 from scaletrain.options import ConfigError
 
 HUBER_DELTA = 1e-3  # Hoffmann et al.'s delta, on log L
@@ -38,6 +40,13 @@ _GRID = {"alpha": (0.0, 0.5, 1.0, 1.5), "beta": (0.0, 0.5, 1.0, 1.5), "e": (-1.0
 _STARTS = 8  # grid points optimised from
 # |gradient| of the mean Huber loss / delta (O(1) away from the optimum) at which a fit counts as converged
 _GRAD_TOL = 1e-4
+
+
+def law_params(cfg: ModelConfig) -> int:
+    """N of the law: the non-embedding parameters, i.e. the blocks and the final norm, without the input embedding
+    and the output matrix (Kaplan et al. 2020 exclude all vocabulary matrices: at small sizes they are most of the
+    parameters and scale with the tokenizer, not with the model's capacity)."""
+    return cfg.n_layers * block_params(cfg) + cfg.dim
 
 
 class ScalingFitError(ConfigError):

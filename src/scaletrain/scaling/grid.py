@@ -24,10 +24,10 @@ from pathlib import Path
 
 from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.data.shards import read_manifest
-from scaletrain.model.presets import num_params
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
+from scaletrain.scaling.fit import law_params
 
 # (dim, n_layers) of the family, smallest first; heads = dim / HEAD_DIM
 FAMILY = ((32, 2), (48, 2), (64, 2), (80, 3), (96, 3), (128, 3), (160, 4), (192, 4), (256, 5), (320, 6))
@@ -53,7 +53,7 @@ class GridRun:
     n_layers: int
     tokens: int
     steps: int
-    params: int  # non-embedding (N of the fit)
+    params: int  # N of the fit: non-embedding parameters (``law_params``)
     predicted_seconds: float
 
     @property
@@ -92,7 +92,7 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
     for start in range(len(FAMILY) - SIZES, -1, -1):
         shapes = FAMILY[start: start + SIZES]
         models = [model_config(d, L, vocab) for d, L in shapes]
-        n_max = max(num_params(m, exclude_embedding=True) for m in models)
+        n_max = max(law_params(m) for m in models)
         ladder = [TOKEN_RATIO ** j for j in range(TOKEN_STEPS)]
         # seconds per step of each size (planner), so the budget fixes the smallest token count directly
         per_step_s = [predicted_seconds(m, 1, hardware) - predicted_seconds(m, 0, hardware) for m in models]
@@ -110,7 +110,7 @@ def make_run(dim: int, n_layers: int, vocab_size: int, steps: int, hardware: str
     model = model_config(dim, n_layers, vocab_size)
     tokens = steps * BATCH * SEQ_LEN
     return GridRun(f"d{dim}-l{n_layers}-t{tokens}", dim, n_layers, tokens, steps,
-                   num_params(model, exclude_embedding=True), predicted_seconds(model, steps, hardware))
+                   law_params(model), predicted_seconds(model, steps, hardware))
 
 
 def run_overrides(run: GridRun, data_dir: str | Path, run_dir: Path, threads: int = 0) -> dict[str, str]:
