@@ -103,6 +103,13 @@ def test_plan_with_a_fit_predicts_bpb_and_answers_a_target(data_dir, capsys):
                  "--max-nodes", "1"]) == 0
     out = capsys.readouterr().out
     assert "reaches 1.3" in out and "$" in out
+    assert main(["plan", "--data", str(data_dir), "--target-bpb", "1.3", "--hardware", "h100-sxm:8",
+                 "--max-nodes", "1", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)  # sized to the target: its own prediction is the target
+    assert doc["choice"]["val_bpb"] == pytest.approx(1.3, rel=1e-6)
+    assert doc["choice"]["on_demand_usd"] == min(r["on_demand_usd"] for r in doc["candidates"])
+    assert main(["plan", "--target-bpb", "1.3", "--model", "nano", "--hardware", "cpu"]) == 2
+    assert "needs --data" in capsys.readouterr().err
     # the choice's own predicted bpb is at (or just under) the target it was sized for
     assert main(["plan", "--data", str(data_dir), "--budget", "50", "--hardware", "h100-sxm:8", "--max-nodes", "1",
                  "--json", "-"]) == 0
