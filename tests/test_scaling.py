@@ -57,7 +57,8 @@ def test_fit_refusals(monkeypatch):
         fit_law(n[:3], d[:3], loss[:3])
     with pytest.raises(ScalingFitError, match="two model sizes"):
         fit_law(np.full(6, 1e5), d[:6], loss[:6])
-    monkeypatch.setattr(fitmod, "_GRAD_TOL", 0.0)  # no start can meet it: the non-convergence path
+    monkeypatch.setattr(fitmod, "_GRAD_TOL", 0.0)  # no start can meet these: the non-convergence path
+    monkeypatch.setattr(fitmod, "_STALL", -1.0)
     with pytest.raises(ScalingFitError, match="did not converge"):
         fit_law(n, d, loss, bootstrap=0)
 
