@@ -95,30 +95,35 @@ def test_fit_from_other_data_is_refused(tmp_path, data_dir, capsys):
 
 def test_plan_with_a_fit_predicts_bpb_and_answers_a_target(data_dir, capsys):
     n, d, loss = synthetic()
-    write_fit(data_dir, fit_law(n, d, loss, bootstrap=20), [], {})
+    write_fit(data_dir, fit_law(n, d, loss, bootstrap=20), [{"params": x} for x in (1e5, 3e6)], {})
     assert main(["plan", "--data", str(data_dir), "--model", "nano", "--vocab-size", "256", "--tokens", "20M",
                  "--hardware", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "predicted val bpb" in out and "tokens per parameter" in out
-    assert main(["plan", "--data", str(data_dir), "--target-bpb", "1.3", "--hardware", "h100-sxm:8",
-                 "--max-nodes", "1"]) == 0
+    # the fixture play has 27k training characters: at most 4 epochs, where TRUE's D term alone is 5.2 bpb
+    assert main(["plan", "--data", str(data_dir), "--target-bpb", "7.0", "--hardware", "h100-sxm:8",
+                 "--max-nodes", "1", "--global-batch", "8", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
-    assert "reaches 1.3" in out and "$" in out
-    assert main(["plan", "--data", str(data_dir), "--target-bpb", "1.3", "--hardware", "h100-sxm:8",
-                 "--max-nodes", "1", "--json", "-"]) == 0
+    assert "reaches 7" in out and "$" in out and "scope" in out
+    assert main(["plan", "--data", str(data_dir), "--target-bpb", "7.0", "--hardware", "h100-sxm:8",
+                 "--max-nodes", "1", "--global-batch", "8", "--seq-len", "64", "--json", "-"]) == 0
     doc = json.loads(capsys.readouterr().out)  # sized to the target: its own prediction is the target
-    assert doc["choice"]["val_bpb"] == pytest.approx(1.3, rel=1e-6)
+    assert doc["choice"]["val_bpb"] == pytest.approx(7.0, rel=1e-6)
+    assert doc["choice"]["tokens"] <= doc["scope"]["max_tokens"]
     assert doc["choice"]["on_demand_usd"] == min(r["on_demand_usd"] for r in doc["candidates"])
     assert main(["plan", "--target-bpb", "1.3", "--model", "nano", "--hardware", "cpu"]) == 2
     assert "needs --data" in capsys.readouterr().err
     # the choice's own predicted bpb is at (or just under) the target it was sized for
     assert main(["plan", "--data", str(data_dir), "--budget", "50", "--hardware", "h100-sxm:8", "--max-nodes", "1",
-                 "--json", "-"]) == 0
+                 "--global-batch", "8", "--seq-len", "64", "--json", "-"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["choice"]["on_demand_usd"] <= 50 * 1.0001
     assert doc["choice"]["val_bpb"] == min(r["val_bpb"] for r in doc["candidates"])
     assert main(["plan", "--data", str(data_dir), "--target-bpb", "1.0", "--hardware", "h100-sxm:8"]) == 2
     assert "irreducible" in capsys.readouterr().err
+    # above E, but only with more data than the folder has (or a model far beyond the grid's)
+    assert main(["plan", "--data", str(data_dir), "--target-bpb", "1.3", "--hardware", "h100-sxm:8"]) == 2
+    assert "within the fit's scope" in capsys.readouterr().err
 
 
 def _micro_grid(monkeypatch) -> None:

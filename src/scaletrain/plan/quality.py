@@ -17,22 +17,26 @@ an extrapolation (docs/planning.md says which changes invalidate a fit).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from scaletrain.config import ConfigError, ModelConfig
+from scaletrain.data.shards import read_manifest
 from scaletrain.model.presets import num_params
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.deadline import Option, options
 from scaletrain.plan.report import duration
 from scaletrain.plan.spec import Workload
 from scaletrain.scaling.fit import ScalingFit, check_target, law_params
+from scaletrain.scaling.grid import MAX_EPOCHS
 
 SIZE_FACTORS = (0.5, 1.0, 2.0)  # sizes tried around the compute-optimal one
 SIZES_WITHIN = 7  # sizes tried for --budget / --deadline, log-spaced
 # The searches price data-parallel plans (DDP / ZeRO / FSDP, micro-batch, recomputation): a 4-30x smaller plan
 # space than with TP / PP / CP, which the family's sizes rarely need; `plan --model` prices those for one size.
 PINS = {"tp": 1, "pp": 1, "cp": 1}
+SMALLER, LARGER = 0.1, 100.0  # the sizes a fit is used for, relative to its grid's smallest and largest
 
 
 def predicted_quality(fit: ScalingFit, params: float, tokens: float) -> dict:
@@ -85,20 +89,44 @@ def _row(fit: ScalingFit, model: ModelConfig, tokens: float, option: Option) -> 
             "parameters": num_params(model), **predicted_quality(fit, n, tokens), **option.as_dict()}
 
 
-def cheapest_for_target(fit: ScalingFit, target: float, vocab_size: int, cluster: Cluster, seq_len: int,
-                        global_batch: int, precision: str, pins: dict, prices: dict, as_of: str,
+@dataclass(frozen=True)
+class Scope:
+    """Where a fit may be used: sizes from ``SMALLER`` x its smallest to ``LARGER`` x its largest model, and at
+    most ``MAX_EPOCHS`` epochs of the data's training split (the grid's own limit; more repeats change the law)."""
+
+    n_low: float
+    n_high: float
+    max_tokens: float
+
+    @classmethod
+    def of(cls, fit_doc: dict, train_tokens: int) -> Scope:
+        sizes = [r["params"] for r in fit_doc.get("runs", [])] or [1e5]
+        return cls(min(sizes) * SMALLER, max(sizes) * LARGER, MAX_EPOCHS * float(train_tokens))
+
+    def describe(self) -> str:
+        return (f"{self.n_low:,.0f} to {self.n_high:,.0f} non-embedding parameters and at most "
+                f"{self.max_tokens:,.0f} tokens ({MAX_EPOCHS} epochs of this data)")
+
+
+def cheapest_for_target(fit: ScalingFit, target: float, scope: Scope, vocab_size: int, cluster: Cluster,
+                        seq_len: int, global_batch: int, precision: str, pins: dict, prices: dict, as_of: str,
                         max_nodes: int) -> dict:
     """The cheapest (on-demand) size, tokens and device count predicted to reach ``target`` bpb."""
     check_target(fit, target)
-    n_opt = _optimal_params_for_target(fit, target)
+    n_opt = _optimal_params_for_target(fit, target, scope)
+    if not n_opt:
+        raise ConfigError(f"no model within the fit's scope ({scope.describe()}) is predicted to reach {target:g} "
+                          f"bpb; aim higher, or prepare more data and fit again")
     rows = []
     for factor in SIZE_FACTORS:
-        model = model_for_params(n_opt * factor, vocab_size, seq_len)
+        model = model_for_params(min(max(n_opt * factor, scope.n_low), scope.n_high), vocab_size, seq_len)
         n = law_params(model)
         tokens = tokens_for_target(fit, n, target)
-        if tokens is None:
+        if tokens is None or tokens > scope.max_tokens:
             continue
-        tokens = max(tokens, float(global_batch * seq_len))
+        tokens = max(tokens, float(global_batch * seq_len))  # at least one step (it may overshoot the target)
+        if tokens > scope.max_tokens:
+            continue
         workload = Workload(model, seq_len, global_batch, tokens, precision)
         opts = _priced(workload, cluster, pins, prices, as_of, max_nodes)
         if opts:
@@ -109,30 +137,30 @@ def cheapest_for_target(fit: ScalingFit, target: float, vocab_size: int, cluster
     return {"target_bpb": target, "candidates": rows, "choice": min(rows, key=lambda r: r["on_demand_usd"])}
 
 
-def _optimal_params_for_target(fit: ScalingFit, target: float) -> float:
-    """N minimising the compute 6 N D(N) that reaches ``target`` (a log-spaced scan)."""
+def _optimal_params_for_target(fit: ScalingFit, target: float, scope: Scope) -> float:
+    """N minimising the compute 6 N D(N) that reaches ``target`` within ``scope`` (a log-spaced scan); 0: none."""
     best_n, best_c = 0.0, math.inf
-    for n in np.logspace(3, 13, 401):
+    for n in np.logspace(math.log10(scope.n_low), math.log10(scope.n_high), 201):
         d = tokens_for_target(fit, n, target)
-        if d is not None and n * d < best_c:
+        if d is not None and d <= scope.max_tokens and n * d < best_c:
             best_n, best_c = n, n * d
     return best_n
 
 
-def best_within(fit: ScalingFit, vocab_size: int, cluster: Cluster, seq_len: int, global_batch: int,
+def best_within(fit: ScalingFit, scope: Scope, vocab_size: int, cluster: Cluster, seq_len: int, global_batch: int,
                 precision: str, pins: dict, prices: dict, as_of: str, max_nodes: int, budget_usd: float | None,
                 deadline_h: float | None) -> dict:
     """The lowest predicted bpb within the budget (on-demand USD) and/or deadline (hours) over sizes and device
     counts; cost and time are linear in the tokens, so each option affords tokens = limit / (cost per token)."""
     probe_tokens = 1e9
     rows = []
-    for n in np.logspace(5, 11, SIZES_WITHIN):  # 100k .. 100B non-embedding parameters
+    for n in np.logspace(math.log10(scope.n_low), math.log10(scope.n_high), SIZES_WITHIN):  # within the scope
         model = model_for_params(n, vocab_size, seq_len)
         workload = Workload(model, seq_len, global_batch, probe_tokens, precision)
         for option in _priced(workload, cluster, pins, prices, as_of, max_nodes):
             limits = [probe_tokens * budget_usd / option.cost.on_demand_usd] if budget_usd else []
             limits += [probe_tokens * deadline_h / option.hours] if deadline_h else []
-            tokens = min(limits)
+            tokens = min([*limits, scope.max_tokens])
             if tokens < global_batch * seq_len:
                 continue
             scaled = _scaled(option, tokens / probe_tokens)
@@ -182,16 +210,18 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
     gpu = cluster.hardware.kind == "gpu"
     seq = args.seq_len or (1024 if gpu else int(doc.get("recipe", {}).get("seq_len", 64)))
     batch = args.global_batch or (max(1, round(524288 / seq)) if gpu else int(doc.get("recipe", {}).get("batch", 16)))
+    scope = Scope.of(doc, read_manifest(args.data, verify=False)["splits"]["train"]["tokens"])
     common = (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes)
     if args.target_bpb is not None:
-        result = cheapest_for_target(fit, args.target_bpb, *common)
+        result = cheapest_for_target(fit, args.target_bpb, scope, *common)
         title = f"the cheapest way to reach {args.target_bpb:g} bpb"
     else:
-        result = best_within(fit, *common, args.budget, args.deadline)
+        result = best_within(fit, scope, *common, args.budget, args.deadline)
         title = "the lowest predicted bpb within " + " and ".join(
             ([f"${args.budget:,.0f}"] if args.budget else []) + ([f"{args.deadline:g} h"] if args.deadline else []))
     print_quality(console, result, title, cluster, as_of, seq, batch)
-    return result
+    console.print(f"searched within the fit's scope: {scope.describe()}")
+    return {**result, "scope": {"n_low": scope.n_low, "n_high": scope.n_high, "max_tokens": scope.max_tokens}}
 
 
 def _usd(x: float) -> str:

@@ -66,7 +66,8 @@ class LawParams:
     beta: float
 
     def loss(self, n: np.ndarray | float, d: np.ndarray | float) -> np.ndarray | float:
-        return self.E + self.A / np.power(n, self.alpha) + self.B / np.power(d, self.beta)
+        with np.errstate(over="ignore"):  # N^alpha past float range: its term is 0, as it should be
+            return self.E + self.A / np.power(n, self.alpha) + self.B / np.power(d, self.beta)
 
     def compute_optimal(self, flops: float) -> tuple[float, float]:
         """(N, D) minimising L at C = 6 N D FLOPs (Hoffmann et al. eq. 4): N = G (C/6)^(beta/(alpha+beta))."""
