@@ -12,11 +12,11 @@ process each (one torch thread each, both at once):
 4. each held-out run's predicted bpb and 90% interval (from the stored fit: `load_fit`) against the measured
    val bpb.
 
-The grid is kept tiny (models of 0.03-1.3M non-embedding parameters, runs of a few hundred to a few thousand
-steps) so the whole benchmark finishes in about 25 minutes on 2 shared cores. Wall times are recorded, measured
+The grid is kept tiny (models of 0.03-0.6M non-embedding parameters, runs of a few dozen to a few thousand
+steps) so the whole benchmark finishes in about half an hour on 2 shared cores. Wall times are recorded, measured
 under the load of other developers' jobs: bpb does not depend on the load, the times do.
 
-    .venv/bin/python benchmarks/scaling_law.py                       # ~15-25 minutes on 2 shared cores
+    .venv/bin/python benchmarks/scaling_law.py     # 34 min measured on 2 cores at load average 8-15
     .venv/bin/python benchmarks/scaling_law.py --only char --work /tmp/sl   # resumable in --work
 
 Writes benchmarks/out/scaling_law.json (``--out benchmarks/results/scaling_law.json`` replaces the tracked
