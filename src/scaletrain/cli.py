@@ -429,6 +429,8 @@ PLUGINS = [
      "describe this machine and measure its FLOP/s and bandwidths for the planner"),
     ("report", "scaletrain.report.cli", "add_report_arguments", "run_report",
      "one offline HTML page of a run's curves, resources, events and predicted vs measured (several overlay)"),
+    ("scale", "scaletrain.scaling.cli", "add_scale_arguments", "run_scale",
+     "scaling law: train a grid of short runs sized to a --budget, fit L(N, D) in bits per byte, store it by the data"),
     ("tune", "scaletrain.tune.cli", "add_tune_arguments", "run_tune",
      "hyperparameter search over config fields (Optuna TPE + pruning; a resumable SQLite study)"),
     ("lr-find", "scaletrain.tune.cli", "add_lr_find_arguments", "run_lr_find",

@@ -30,8 +30,10 @@ from scaletrain.files import guarded_write
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
+from scaletrain.plan.quality import add_quality_arguments, predicted_quality, quality_search, quality_text
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
+from scaletrain.scaling.fit import law_params
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -119,6 +121,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--top", type=int, default=5, help="plans to show")
     out.add_argument("--json", default="", help="write everything as JSON to this file ('-' = stdout)")
     out.add_argument("--emit", default="", help="write the best plan as a runnable job TOML to this file")
+    add_quality_arguments(parser)
 
 
 # Every numeric flag of `plan` and its rule: a value out of range is one line naming the flag (0 and negative
@@ -271,8 +274,21 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         check_numbers(args)
         cluster = parse_hardware(args.hardware, args.count, args.nodes)
-        workload, chinchilla = workload_from_args(args, cluster.hardware, _is_auto(args.hardware))
         prices, as_of = load_prices(args.prices)
+        fit_doc = _fit_of(args)
+        searched = None if fit_doc is None else quality_search(
+            args, fit_doc, data_vocabulary(DataConfig(path=args.data)), cluster, prices, as_of,
+            planned_precision(args.precision, cluster.hardware, _is_auto(args.hardware)), console)
+        if args.target_bpb is not None and fit_doc is None:
+            raise ConfigError("--target-bpb needs --data FOLDER (a prepared data folder with a scaling_fit.json)")
+        if searched is not None:
+            if args.json:
+                write_json(searched, args.json)
+            return 0
+        workload, chinchilla = workload_from_args(args, cluster.hardware, _is_auto(args.hardware))
+        if fit_doc is not None:  # what the run buys, beside what it costs
+            console.print(quality_text(predicted_quality(fit_doc[0], law_params(workload.model),
+                                                         workload.train_tokens)))
         if args.method:
             return _finetune_plan(args, workload, cluster, console)
         if args.deadline is not None or args.budget is not None:
@@ -319,6 +335,15 @@ def run_plan(args: argparse.Namespace) -> int:
                                    f"predicted {best.time.tokens_per_second:,.0f} tokens/s", prediction=predicted)
         console.print(f"wrote {path}")
     return status
+
+
+def _fit_of(args: argparse.Namespace):
+    """``--data``'s scaling fit (fit, document), or None; ScalingFitError (one line) when missing or from other data."""
+    if not args.data:
+        return None
+    from scaletrain.scaling.store import load_fit
+
+    return load_fit(args.data)
 
 
 def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as_of: str, console) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scaletrain.plan.report import duration
+from scaletrain.report.frontier import frontier_row
 from scaletrain.report.runs import RunData
 
 # Plotly's default colour cycle: one colour per run, so a run keeps its colour on every plot.
@@ -331,6 +332,8 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
     else:
         cost = "pass --price USD_PER_DEVICE_HOUR" if wall is not None else "-"
     val_label, val_text = last_val_loss(run)
+    bpb = last_val_bpb(run)
+    frontier = frontier_row(run, steps_done(run), float(bpb) if bpb != "-" else None)
     return [("folder", str(run.path)),
             ("status", run_status(run)),
             ("command", "\n".join(s.get("command", "-") for s in segs) or "-"),
@@ -344,7 +347,8 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
             ("wall time", _duration(wall) + (f" over {len(segs)} segments (resumed)" if len(segs) > 1 else "")),
             ("steps", f"{steps_done(run):,}" + (f" of {run.config.train.steps:,}" if run.config else "")),
             (val_label, val_text),
-            ("val bits per byte", last_val_bpb(run)),
+            ("val bits per byte", bpb),
+            *([frontier] if frontier else []),
             ("median step / tokens/s", f"{_duration(run.median_step_seconds())} / "
                                        f"{run.median_tokens_per_second() or 0:,.0f}"),
             ("cost", cost)]

@@ -1,0 +1,251 @@
+"""What a run buys: the predicted val bpb of a plan from the data's scaling fit, and the searches over it.
+
+- ``predicted_quality``: a model of N non-embedding parameters trained on D tokens -> bpb and its 90% interval,
+  and the fitted compute-optimal tokens per parameter at that compute (``scaletrain plan --data``);
+- ``cheapest_for_target``: the (model size, tokens, device count) that reaches a bpb for the least money
+  (``--target-bpb``): for each size near the compute-optimal one, the tokens the law needs to reach the target,
+  then the deadline search's options (``deadline.options``: the fastest plan on every device count, priced);
+- ``best_within``: the lowest predicted bpb within a budget and/or a deadline (``--budget`` / ``--deadline``
+  with ``--data`` and no model): for each size, the tokens its cheapest qualifying option affords.
+
+Models are members of one width/depth family (``model_for_params``: head_dim 64, about 1 layer per 64 of width),
+the shape that the fit's ``N`` (non-embedding parameters) stands for. The law was fitted on one recipe (the
+grid's sequence length, batch, schedule and optimizer); its prediction for another batch or sequence length is
+an extrapolation (docs/planning.md says which changes invalidate a fit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from scaletrain.config import ConfigError, ModelConfig
+from scaletrain.data.shards import read_manifest
+from scaletrain.model.presets import num_params
+from scaletrain.plan.catalog import Cluster
+from scaletrain.plan.deadline import Option, options
+from scaletrain.plan.report import duration
+from scaletrain.plan.spec import Workload
+from scaletrain.scaling.fit import ScalingFit, check_target, law_params
+from scaletrain.scaling.grid import MAX_EPOCHS
+
+SIZE_FACTORS = (0.5, 1.0, 2.0)  # sizes tried around the compute-optimal one
+SIZES_WITHIN = 7  # sizes tried for --budget / --deadline, log-spaced
+# The searches price data-parallel plans (DDP / ZeRO / FSDP, micro-batch, recomputation): a 4-30x smaller plan
+# space than with TP / PP / CP, which the family's sizes rarely need; `plan --model` prices those for one size.
+PINS = {"tp": 1, "pp": 1, "cp": 1}
+SMALLER, LARGER = 0.1, 100.0  # the sizes a fit is used for, relative to its grid's smallest and largest
+
+
+def predicted_quality(fit: ScalingFit, params: float, tokens: float) -> dict:
+    """bpb, its interval and the compute-optimal tokens per parameter at this run's compute (C = 6 N D)."""
+    mid, lo, hi = fit.predict(params, tokens)
+    flops = 6.0 * params * tokens
+    return {"val_bpb": mid, "interval": [lo, hi], "params_non_embedding": params, "tokens": tokens, "flops": flops,
+            "tokens_per_param": tokens / params, "optimal_tokens_per_param": fit.tokens_per_param(flops)}
+
+
+def quality_text(q: dict) -> str:
+    return (f"predicted val bpb {q['val_bpb']:.4f} [90%: {q['interval'][0]:.4f}, {q['interval'][1]:.4f}] for "
+            f"{q['params_non_embedding']:,.0f} non-embedding parameters on {q['tokens']:,.0f} tokens "
+            f"({q['tokens_per_param']:.1f} tokens per parameter; compute-optimal at {q['flops']:.3g} FLOPs on this "
+            f"data: {q['optimal_tokens_per_param']:.1f} tokens per parameter, Chinchilla's 20 is a convention)")
+
+
+def model_for_params(target: float, vocab_size: int, max_seq_len: int) -> ModelConfig:
+    """The family member whose non-embedding parameters are closest to ``target`` (log scale): widths in steps
+    of 16 (head_dim 16 below 128, 64 from there), about one layer per 64 of width (at least 2; half and double
+    that depth are tried too, for sizes between two widths)."""
+    best, best_gap = None, math.inf
+    for dim in (*range(16, 128, 16), *range(128, 16385, 64)):
+        n_layers = max(2, round(dim / 64))
+        for layers in {n_layers, max(1, n_layers // 2), 2 * n_layers}:
+            cfg = ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=layers,
+                              n_heads=dim // 16 if dim < 128 else dim // 64, ffn_hidden_dim=0, multiple_of=16,
+                              max_seq_len=max_seq_len)
+            gap = abs(math.log(law_params(cfg) / target))
+            if gap < best_gap:
+                best, best_gap = cfg, gap
+    return best
+
+
+def tokens_for_target(fit: ScalingFit, params: float, target: float) -> float | None:
+    """D with L(N, D) = target, or None when this N cannot reach it with any D."""
+    p = fit.params
+    room = target - p.E - p.A / params ** p.alpha
+    return (p.B / room) ** (1.0 / p.beta) if room > 0 else None
+
+
+def _priced(workload: Workload, cluster: Cluster, pins: dict, prices: dict, as_of: str, max_nodes: int
+            ) -> list[Option]:
+    return options(workload, cluster, pins, prices, as_of, max_nodes)
+
+
+def _row(fit: ScalingFit, model: ModelConfig, tokens: float, option: Option) -> dict:
+    n = law_params(model)
+    return {"model": {"dim": model.dim, "n_layers": model.n_layers, "n_heads": model.n_heads},
+            "parameters": num_params(model), **predicted_quality(fit, n, tokens), **option.as_dict()}
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where a fit may be used: sizes from ``SMALLER`` x its smallest to ``LARGER`` x its largest model, and at
+    most ``MAX_EPOCHS`` epochs of the data's training split (the grid's own limit; more repeats change the law)."""
+
+    n_low: float
+    n_high: float
+    max_tokens: float
+
+    @classmethod
+    def of(cls, fit_doc: dict, train_tokens: int) -> Scope:
+        sizes = [r["params"] for r in fit_doc.get("runs", [])] or [1e5]
+        return cls(min(sizes) * SMALLER, max(sizes) * LARGER, MAX_EPOCHS * float(train_tokens))
+
+    def describe(self) -> str:
+        return (f"{self.n_low:,.0f} to {self.n_high:,.0f} non-embedding parameters and at most "
+                f"{self.max_tokens:,.0f} tokens ({MAX_EPOCHS} epochs of this data)")
+
+
+def cheapest_for_target(fit: ScalingFit, target: float, scope: Scope, vocab_size: int, cluster: Cluster,
+                        seq_len: int, global_batch: int, precision: str, pins: dict, prices: dict, as_of: str,
+                        max_nodes: int) -> dict:
+    """The cheapest (on-demand) size, tokens and device count predicted to reach ``target`` bpb."""
+    check_target(fit, target)
+    n_opt = _optimal_params_for_target(fit, target, scope)
+    if not n_opt:
+        raise ConfigError(f"no model within the fit's scope ({scope.describe()}) is predicted to reach {target:g} "
+                          f"bpb; aim higher, or prepare more data and fit again")
+    rows = []
+    for factor in SIZE_FACTORS:
+        model = model_for_params(min(max(n_opt * factor, scope.n_low), scope.n_high), vocab_size, seq_len)
+        n = law_params(model)
+        tokens = tokens_for_target(fit, n, target)
+        if tokens is None or tokens > scope.max_tokens:
+            continue
+        tokens = max(tokens, float(global_batch * seq_len))  # at least one step (it may overshoot the target)
+        if tokens > scope.max_tokens:
+            continue
+        workload = Workload(model, seq_len, global_batch, tokens, precision)
+        opts = _priced(workload, cluster, pins, prices, as_of, max_nodes)
+        if opts:
+            rows.append(_row(fit, model, tokens, min(opts, key=lambda o: (o.cost.on_demand_usd, o.hours))))
+    if not rows:
+        raise ConfigError(f"no model of the family fits {cluster.hardware.name} at the size that reaches "
+                          f"{target:g} bpb; try other --hardware or a higher --max-nodes")
+    return {"target_bpb": target, "candidates": rows, "choice": min(rows, key=lambda r: r["on_demand_usd"])}
+
+
+def _optimal_params_for_target(fit: ScalingFit, target: float, scope: Scope) -> float:
+    """N minimising the compute 6 N D(N) that reaches ``target`` within ``scope`` (a log-spaced scan); 0: none."""
+    best_n, best_c = 0.0, math.inf
+    for n in np.logspace(math.log10(scope.n_low), math.log10(scope.n_high), 201):
+        d = tokens_for_target(fit, n, target)
+        if d is not None and d <= scope.max_tokens and n * d < best_c:
+            best_n, best_c = n, n * d
+    return best_n
+
+
+def best_within(fit: ScalingFit, scope: Scope, vocab_size: int, cluster: Cluster, seq_len: int, global_batch: int,
+                precision: str, pins: dict, prices: dict, as_of: str, max_nodes: int, budget_usd: float | None,
+                deadline_h: float | None) -> dict:
+    """The lowest predicted bpb within the budget (on-demand USD) and/or deadline (hours) over sizes and device
+    counts; cost and time are linear in the tokens, so each option affords tokens = limit / (cost per token)."""
+    probe_tokens = 1e9
+    rows = []
+    for n in np.logspace(math.log10(scope.n_low), math.log10(scope.n_high), SIZES_WITHIN):  # within the scope
+        model = model_for_params(n, vocab_size, seq_len)
+        workload = Workload(model, seq_len, global_batch, probe_tokens, precision)
+        for option in _priced(workload, cluster, pins, prices, as_of, max_nodes):
+            limits = [probe_tokens * budget_usd / option.cost.on_demand_usd] if budget_usd else []
+            limits += [probe_tokens * deadline_h / option.hours] if deadline_h else []
+            tokens = min([*limits, scope.max_tokens])
+            if tokens < global_batch * seq_len:
+                continue
+            scaled = _scaled(option, tokens / probe_tokens)
+            rows.append(_row(fit, model, tokens, scaled))
+    if not rows:
+        raise ConfigError("no size and device count trains even one step within the limits; raise --budget or "
+                          "--deadline")
+    best: dict = {}
+    for r in rows:  # per size, the option with the lowest bpb; then the lowest overall
+        key = r["params_non_embedding"]
+        if key not in best or r["val_bpb"] < best[key]["val_bpb"]:
+            best[key] = r
+    table = sorted(best.values(), key=lambda r: r["params_non_embedding"])
+    return {"budget_usd": budget_usd, "deadline_hours": deadline_h, "candidates": table,
+            "choice": min(table, key=lambda r: r["val_bpb"])}
+
+
+def _scaled(option: Option, factor: float) -> Option:
+    """The option for ``factor`` times the tokens: hours and dollars scale, the plan does not."""
+    from dataclasses import replace
+
+    cost = replace(option.cost, device_hours=option.cost.device_hours * factor,
+                   on_demand_usd=option.cost.on_demand_usd * factor, spot_usd=option.cost.spot_usd * factor)
+    return replace(option, hours=option.hours * factor, cost=cost)
+
+
+# -- `scaletrain plan --data / --target-bpb`: the command-line side ------------------------------------------------
+def add_quality_arguments(parser) -> None:
+    """``--data`` and ``--target-bpb`` (``--budget`` / ``--deadline`` are the deadline search's)."""
+    q = parser.add_argument_group("quality (a scaling fit of the data: `scaletrain scale`)")
+    q.add_argument("--data", default="", help="a prepared data folder with a scaling_fit.json: every plan prints its "
+                                              "predicted val bpb; with --budget/--deadline and no model, the lowest "
+                                              "predicted bpb within them")
+    q.add_argument("--target-bpb", type=float, default=None,
+                   help="the cheapest model size, tokens and device count predicted to reach this val bpb (--data)")
+
+
+def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cluster: Cluster, prices: dict,
+                   as_of: str, precision: str, console) -> dict | None:
+    """``--target-bpb`` or ``--budget``/``--deadline`` without a model: search and print; the result, or None
+    when the plan is the ordinary one (``--data`` only adds the predicted bpb to it)."""
+    wants_search = args.target_bpb is not None or (not args.model and not args.config and
+                                                    (args.budget is not None or args.deadline is not None))
+    if fit_doc is None or not wants_search:
+        return None
+    fit, doc = fit_doc
+    gpu = cluster.hardware.kind == "gpu"
+    seq = args.seq_len or (1024 if gpu else int(doc.get("recipe", {}).get("seq_len", 64)))
+    batch = args.global_batch or (max(1, round(524288 / seq)) if gpu else int(doc.get("recipe", {}).get("batch", 16)))
+    scope = Scope.of(doc, read_manifest(args.data, verify=False)["splits"]["train"]["tokens"])
+    common = (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes)
+    if args.target_bpb is not None:
+        result = cheapest_for_target(fit, args.target_bpb, scope, *common)
+        title = f"the cheapest way to reach {args.target_bpb:g} bpb"
+    else:
+        result = best_within(fit, scope, *common, args.budget, args.deadline)
+        title = "the lowest predicted bpb within " + " and ".join(
+            ([f"${args.budget:,.0f}"] if args.budget else []) + ([f"{args.deadline:g} h"] if args.deadline else []))
+    print_quality(console, result, title, cluster, as_of, seq, batch)
+    console.print(f"searched within the fit's scope: {scope.describe()}")
+    return {**result, "scope": {"n_low": scope.n_low, "n_high": scope.n_high, "max_tokens": scope.max_tokens}}
+
+
+def _usd(x: float) -> str:
+    return f"${x:,.2f}" if x >= 1 else f"${x:.2g}"
+
+
+def print_quality(console, result: dict, title: str, cluster: Cluster, as_of: str, seq: int, batch: int) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{title} on {cluster.hardware.name} (seq {seq}, {batch} sequences a step; prices as of "
+                        f"{as_of})")
+    for col in ("N (non-emb)", "dim x layers", "tokens", "tok/param", "devices", "time", "on-demand $",
+                "predicted bpb [90%]"):
+        table.add_column(col)
+    for r in result["candidates"]:
+        table.add_row(f"{r['params_non_embedding']:,.0f}", f"{r['model']['dim']} x {r['model']['n_layers']}",
+                      f"{r['tokens']:,.3g}", f"{r['tokens_per_param']:.1f}", str(r["devices"]),
+                      duration(r["hours"] * 3600), _usd(r["on_demand_usd"]),
+                      f"{r['val_bpb']:.4f} [{r['interval'][0]:.4f}, {r['interval'][1]:.4f}]")
+    console.print(table)
+    c = result["choice"]
+    reach = f"reaches {result['target_bpb']:g} bpb" if "target_bpb" in result else "is the best within the limits"
+    console.print(f"choice: {c['model']['dim']} x {c['model']['n_layers']} ({c['params_non_embedding']:,.0f} "
+                  f"non-embedding, {c['parameters']:,} total parameters) on {c['tokens']:,.0f} tokens, "
+                  f"{c['devices']} device(s), {c['plan']}: {duration(c['hours'] * 3600)}, "
+                  f"{_usd(c['on_demand_usd'])} on demand ({_usd(c['spot_usd'])} spot); {reach}")
+    console.print(quality_text(c))

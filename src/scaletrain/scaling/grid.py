@@ -1,0 +1,176 @@
+"""The grid of short runs behind a scaling fit: a width/depth family of our decoder x a ladder of token counts,
+sized to a time budget with the planner's own step-time prediction, each run through the ``Trainer``.
+
+Family: head_dim 16, SwiGLU (8/3 d), untied embeddings, depth growing slowly with the width (Kaplan et al.
+found the loss insensitive to the shape at a fixed non-embedding size, so one path through (width, depth) is
+enough). Learning rate: muP (model/mup.py) with base width 128 and lr 2e-3, the transfer point
+benchmarks/mup.py measured (its best lr moved 1.0x from width 128 to 512 under muP, 2.7x under the standard
+parametrization): one lr for every size instead of a per-size sweep the budget cannot pay for. Each run has
+its own cosine schedule ending at its own last step (Hoffmann et al.: a schedule longer than the run
+overestimates its loss), warmup 5% of its steps.
+
+A run's folder holds ``scale_run.json`` once it finished (its N, D, val_bpb, wall time and predicted time); a
+grid started again skips those runs and restarts the unfinished one from scratch (they are minutes long).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from scaletrain.config import ConfigError, ModelConfig, load_config
+from scaletrain.data.shards import read_manifest
+from scaletrain.plan.hardware_spec import parse_hardware
+from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.timing import step_time
+from scaletrain.scaling.fit import law_params
+
+# (dim, n_layers) of the family, smallest first; heads = dim / HEAD_DIM
+FAMILY = ((32, 2), (48, 2), (64, 2), (80, 3), (96, 3), (128, 3), (160, 4), (192, 4), (256, 5), (320, 6))
+HEAD_DIM = 16
+SEQ_LEN = 64
+BATCH = 16  # sequences a step: 1,024 tokens
+EVAL_BATCHES = 20  # the final evaluation: 20 x 16 x 64 = 20k held-out tokens, the same windows in every run
+LR, MUP_BASE_WIDTH = 2e-3, 128  # benchmarks/mup.py's transfer point (see the module docstring)
+SIZES, TOKEN_STEPS, TOKEN_RATIO = 4, 3, 2.5  # 4 sizes x 3 token counts, each 2.5x the last
+MIN_STEPS = 30
+MIN_TOKENS_PER_PARAM = 1.0  # at the grid's corner (largest model, fewest tokens): below it the run is all warmup
+# Up to 4 epochs of repeated data train about as well as unique data (Muennighoff et al. 2023); more changes the law
+MAX_EPOCHS = 4
+RESULT = "scale_run.json"
+
+
+@dataclass
+class GridRun:
+    """One run of the grid: its shape, tokens, non-embedding parameters and predicted seconds."""
+
+    name: str
+    dim: int
+    n_layers: int
+    tokens: int
+    steps: int
+    params: int  # N of the fit: non-embedding parameters (``law_params``)
+    predicted_seconds: float
+
+    @property
+    def flops(self) -> float:
+        return 6.0 * self.params * self.tokens
+
+
+def model_config(dim: int, n_layers: int, vocab_size: int) -> ModelConfig:
+    """A member of the family (the fields the trainer's [model] section takes)."""
+    return ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=dim // HEAD_DIM, ffn_hidden_dim=0,
+                       multiple_of=16, max_seq_len=SEQ_LEN, parametrization="mup", mup_base_width=MUP_BASE_WIDTH)
+
+
+def predicted_seconds(model: ModelConfig, steps: int, hardware: str = "auto") -> float:
+    """The planner's time for ``steps`` steps plus the final evaluation (a forward: ~1/3 of a step) on one
+    device of ``hardware`` (``auto``: this machine, calibrated by ``scaletrain doctor``)."""
+    cluster = parse_hardware(hardware, count=1)
+    workload = Workload(model, SEQ_LEN, BATCH, float(steps * BATCH * SEQ_LEN), "fp32")
+    step = step_time(workload, Plan(micro_batch=BATCH), cluster).step
+    return step * (steps + EVAL_BATCHES / 3)
+
+
+def vocabulary(data_dir: str | Path) -> tuple[int, int]:
+    """(vocab size, training tokens) of a prepared data folder."""
+    manifest = read_manifest(data_dir, verify=False)
+    return int(manifest["vocab_size"]), int(manifest["splits"]["train"]["tokens"])
+
+
+def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto",
+              min_tokens_per_param: float = MIN_TOKENS_PER_PARAM) -> list[GridRun]:
+    """The largest grid (SIZES consecutive family members x TOKEN_STEPS token counts) whose predicted total fits
+    the budget, with at least ``min_tokens_per_param`` for the largest model at the smallest token count and no
+    run longer than ``MAX_EPOCHS`` epochs of the training split."""
+    vocab, train_tokens = vocabulary(data_dir)
+    per_step = BATCH * SEQ_LEN
+    for start in range(len(FAMILY) - SIZES, -1, -1):
+        shapes = FAMILY[start: start + SIZES]
+        models = [model_config(d, L, vocab) for d, L in shapes]
+        n_max = max(law_params(m) for m in models)
+        ladder = [TOKEN_RATIO ** j for j in range(TOKEN_STEPS)]
+        # seconds per step of each size (planner), so the budget fixes the smallest token count directly
+        per_step_s = [predicted_seconds(m, 1, hardware) - predicted_seconds(m, 0, hardware) for m in models]
+        fixed = sum(predicted_seconds(m, 0, hardware) for m in models) * TOKEN_STEPS
+        base_steps = (budget_seconds - fixed) / (sum(per_step_s) * sum(ladder))
+        base_steps = min(base_steps, MAX_EPOCHS * train_tokens / per_step / ladder[-1])
+        if base_steps >= MIN_STEPS and base_steps * per_step >= min_tokens_per_param * n_max:
+            return [make_run(d, L, vocab, int(base_steps * r), hardware) for d, L in shapes for r in ladder]
+    raise ConfigError(f"--budget {budget_seconds:g} s is too small for a grid of {SIZES} sizes x {TOKEN_STEPS} "
+                      f"token counts of at least {MIN_STEPS} steps each on this machine; raise --budget")
+
+
+def make_run(dim: int, n_layers: int, vocab_size: int, steps: int, hardware: str = "auto") -> GridRun:
+    """A run of the family: ``dim`` x ``n_layers`` for ``steps`` steps, with the planner's predicted time."""
+    model = model_config(dim, n_layers, vocab_size)
+    tokens = steps * BATCH * SEQ_LEN
+    return GridRun(f"d{dim}-l{n_layers}-t{tokens}", dim, n_layers, tokens, steps,
+                   law_params(model), predicted_seconds(model, steps, hardware))
+
+
+def run_overrides(run: GridRun, data_dir: str | Path, run_dir: Path, threads: int = 0) -> dict[str, str]:
+    """The job of one grid run, as the dotted overrides ``scaletrain train`` takes."""
+    over = {"model.dim": run.dim, "model.n_layers": run.n_layers, "model.n_heads": run.dim // HEAD_DIM,
+            "model.ffn_hidden_dim": 0, "model.multiple_of": 16, "model.max_seq_len": SEQ_LEN,
+            "model.parametrization": "mup", "model.mup_base_width": MUP_BASE_WIDTH, "model.tie_embeddings": "false",
+            "data.path": str(data_dir), "data.seq_len": SEQ_LEN, "train.batch_size": BATCH,
+            "train.steps": run.steps, "train.eval_interval": 0, "train.eval_batches": EVAL_BATCHES,
+            "train.sample_tokens": 0, "train.precision": "fp32", "train.compile": "false", "optim.lr": LR,
+            "schedule.name": "cosine", "schedule.warmup_steps": max(1, run.steps // 20), "schedule.min_lr": LR / 10,
+            "checkpoint.enabled": "false", "logging.progress": "off", "logging.tensorboard": "false",
+            "train.run_dir": str(run_dir), "train.overwrite": "true"}
+    if threads:
+        over["train.threads"] = threads
+    return {k: str(v) for k, v in over.items()}
+
+
+def finished(run_dir: Path) -> dict | None:
+    """The recorded result of a finished run, or None."""
+    try:
+        return json.loads((run_dir / RESULT).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def train_run(run: GridRun, data_dir: str | Path, out: Path, threads: int = 0) -> dict:
+    """Train one grid run through the ``Trainer`` (the normal training entry point) and record its result."""
+    from scaletrain.train.trainer import Trainer
+
+    run_dir = out / run.name
+    t0 = time.perf_counter()
+    summary = Trainer(load_config(None, run_overrides(run, data_dir, run_dir, threads)), log=True).train()
+    bpb = summary.get("final_val_bpb")
+    record = {**asdict(run), "flops": run.flops, "val_bpb": bpb, "val_loss": summary.get("final_val_loss"),
+              "seconds": time.perf_counter() - t0}
+    if bpb is None or not math.isfinite(bpb):
+        raise ConfigError(f"{run_dir}: the run ended without a finite val_bpb (got {bpb}); see its metrics.jsonl")
+    (run_dir / RESULT).write_text(json.dumps(record, indent=1))
+    return record
+
+
+def run_grid(runs: list[GridRun], data_dir: str | Path, out: Path, say: Callable[[str], None],
+             threads: int = 0) -> list[dict]:
+    """Train every run not finished yet; returns the records of all finished runs (in grid order)."""
+    records = []
+    for i, run in enumerate(runs, 1):
+        done = finished(out / run.name)
+        if done is not None:
+            say(f"[{i}/{len(runs)}] {run.name}: finished before (val bpb {done['val_bpb']:.4f}), skipped")
+        else:
+            say(f"[{i}/{len(runs)}] {run.name}: training ({run.steps} steps, predicted "
+                f"{run.predicted_seconds:.0f} s)")
+            done = train_run(run, data_dir, out, threads)
+            say(f"[{i}/{len(runs)}] {run.name}: val bpb {done['val_bpb']:.4f} in {done['seconds']:.0f} s")
+        records.append(done)
+    return records
+
+
+def finished_records(out: Path) -> list[dict]:
+    """Every finished run under ``out`` (a grid folder), whatever grid it came from."""
+    return [r for r in (finished(p) for p in sorted(out.iterdir()) if p.is_dir()) if r is not None] \
+        if out.is_dir() else []
