@@ -72,7 +72,7 @@ FAMILY = Family(
     wrapper_prefixes=(("language_model.model.", "model."), ("model.language_model.", "model."),
                       ("language_model.lm_head.", "lm_head.")),
     wrapper_skipped=("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
-    gguf=GGUFLayout(arch="gemma3", norm_shift=1.0, metadata=_gguf_metadata, refuse=_gguf_refuse),
+    gguf=GGUFLayout(arch="gemma3", norm_shift=1.0, sliding=True, metadata=_gguf_metadata, refuse=_gguf_refuse),
     presets={
         # Gemma 3 270M: 268M (170M of it the embedding), 5 local layers (window 512, rotary base 10k) to 1 global.
         "gemma-3-270m": _gemma3_shape(640, 18, 2048),

@@ -7,9 +7,7 @@ FAMILY = Family(
     defaults=dict(tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
                   max_position_embeddings=131072, hidden_act="silu"),
     write=lambda cfg, sliding: dict(sliding_window=cfg.sliding_window or None),
-    gguf=GGUFLayout(arch="llama", interleave_rotary=True,
-                    refuse=lambda cfg: "a sliding window (llama.cpp's llama architecture has none)"
-                    if cfg.sliding_window else None),
+    gguf=GGUFLayout(arch="llama", interleave_rotary=True),
     presets={
         # Mistral 7B v0.3: 7.25B, no sliding window.
         "mistral-7b-v0.3": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336,

@@ -3,21 +3,13 @@ that order), split at import and joined at export."""
 
 from scaletrain.model.family.spec import Family, GGUFLayout
 
-
-def _gguf_refuse(cfg) -> str | None:
-    if cfg.sliding_window and cfg.sliding_window < cfg.max_seq_len:
-        # llama.cpp's phi3 reads the key but attends over the whole context (its loader's TODO)
-        return (f"sliding_window {cfg.sliding_window} < max_seq_len {cfg.max_seq_len} (llama.cpp's phi3 attends over "
-                f"the whole context)")
-    return None
-
-
 FAMILY = Family(
     model_type="phi3", hf_class="Phi3ForCausalLM",
     defaults=dict(tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
                   hidden_act="silu"),
     write=lambda cfg, sliding: dict(sliding_window=cfg.sliding_window or None),
     fused={"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")},
-    gguf=GGUFLayout(arch="phi3", refuse=_gguf_refuse,
-                    metadata=lambda writer, cfg: writer.add_sliding_window(cfg.sliding_window)),
+    # llama.cpp's phi3 reads a sliding_window key but attends over the whole context (its loader's TODO), so a
+    # window shorter than the context is refused (GGUFLayout.sliding False)
+    gguf=GGUFLayout(arch="phi3"),
 )

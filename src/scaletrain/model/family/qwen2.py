@@ -15,17 +15,13 @@ def qwen_write(cfg, sliding: list[bool]) -> dict:
                 max_window_layers=first)
 
 
-def no_sliding_in_llama_cpp(cfg) -> str | None:
-    return "a sliding window (llama.cpp's architecture for it has none)" if cfg.sliding_window else None
-
-
 FAMILY = Family(
     model_type="qwen2", hf_class="Qwen2ForCausalLM",
     defaults=dict(tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
                   use_sliding_window=False, max_window_layers=28, hidden_act="silu"),
     read=lambda f, n_layers: dict(qkv_bias=True),
     write=qwen_write, window=flagged_window, layer_pattern=qwen_layer_pattern,
-    gguf=GGUFLayout(arch="qwen2", refuse=no_sliding_in_llama_cpp),
+    gguf=GGUFLayout(arch="qwen2"),
     presets={
         # Qwen2.5-0.5B: 494M, q/k/v bias.
         "qwen2.5-0.5b": dict(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_hidden_dim=4864,

@@ -1,6 +1,6 @@
 """Qwen3: RMSNorm over each head's queries and keys (no q/k/v bias); Qwen2's sliding-window fields."""
 
-from scaletrain.model.family.qwen2 import no_sliding_in_llama_cpp, qwen_layer_pattern, qwen_write
+from scaletrain.model.family.qwen2 import qwen_layer_pattern, qwen_write
 from scaletrain.model.family.spec import Family, GGUFLayout, flagged_window
 
 FAMILY = Family(
@@ -10,7 +10,7 @@ FAMILY = Family(
     read=lambda f, n_layers: dict(qk_norm=True),
     write=lambda cfg, sliding: dict(attention_bias=False, **qwen_write(cfg, sliding)),
     window=flagged_window, layer_pattern=qwen_layer_pattern,
-    gguf=GGUFLayout(arch="qwen3", refuse=no_sliding_in_llama_cpp),
+    gguf=GGUFLayout(arch="qwen3"),
     presets={
         # Qwen3-0.6B: 596M, q/k norms, head_dim 128 (16 x 128 = 2048 != dim 1024).
         "qwen3-0.6b": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_hidden_dim=3072,

@@ -29,7 +29,7 @@ def _gguf_refuse(cfg) -> str | None:
     if sorted(cfg.no_rope_layers) != expected:
         return (f"no_rope_layers {cfg.no_rope_layers} (llama.cpp's smollm3 leaves rotary out of every "
                 f"{LLAMA_CPP_NO_ROPE_STEP}th layer: {expected})")
-    return "a sliding window (llama.cpp's smollm3 has none)" if cfg.sliding_window else None
+    return None
 
 
 FAMILY = Family(

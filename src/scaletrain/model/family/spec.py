@@ -65,11 +65,13 @@ class GGUFLayout:
     ``arch``: the ``gguf.MODEL_ARCH`` name the file declares; ``interleave_rotary``: llama.cpp's architecture rotates
     adjacent pairs (rope type NORM: the converter permutes q/k rows) rather than Hugging Face's halves (NEOX);
     ``norm_shift``: added to every RMSNorm gain (Gemma stores gains as offsets from 1, llama.cpp multiplies by the
-    gain); ``metadata(writer, cfg)``: the architecture's own keys; ``refuse(cfg)``: a reason llama.cpp would compute
-    this model otherwise (None when it computes ours)."""
+    gain); ``sliding``: the architecture computes per-layer sliding windows (else a window shorter than the context is
+    refused); ``metadata(writer, cfg)``: the architecture's own keys; ``refuse(cfg)``: a reason llama.cpp would
+    compute this model otherwise (None when it computes ours)."""
 
     arch: str
     interleave_rotary: bool = False
+    sliding: bool = False
     norm_shift: float = 0.0
     metadata: Callable[[Any, ModelConfig], None] = _nothing
     refuse: Callable[[ModelConfig], str | None] = lambda cfg: None
