@@ -1,9 +1,12 @@
-"""The open families as options of our decoder (model/families.py): for each family's published config.json,
-shrunk (tests/fixtures/families/), our logits equal the transformers model's, the KV-cached forward equals the
-full one, and Hugging Face -> ours -> Hugging Face is bitwise the same tensors and loads in the family's class."""
+"""The open families as options of our decoder (model/family/, model/families.py): for each family's published
+config.json, shrunk (tests/fixtures/families/), saved by transformers and read through the real import
+(``finetune --from FOLDER``'s loader: finetune/base.open_base -> hf_import), our logits equal the transformers
+model's, the KV-cached forward equals the full one, and Hugging Face -> ours -> Hugging Face is bitwise the same
+tensors and loads in the family's class."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,14 +16,9 @@ import torch
 from scaletrain.model import Transformer
 from scaletrain.model.cache import KVCache
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.families import (
-    ARCHITECTURES,
-    hf_config_from_model_config,
-    load_hf_tensors,
-    model_config_from_hf,
-    state_dict_from_hf,
-    state_dict_to_hf,
-)
+from scaletrain.model.families import hf_config_from_model_config, model_config_from_hf, state_dict_to_hf
+from scaletrain.model.family import FAMILIES as REGISTERED
+from scaletrain.model.family import family as family_entry
 from scaletrain.model.hf_names import from_hf, to_hf
 from scaletrain.options import ConfigError
 
@@ -37,10 +35,26 @@ def _fixture(name: str) -> dict:
     return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
+def _with_tokenizer(folder: Path) -> Path:
+    """A base folder needs its tokenizer to be a fine-tuning base (the ChatML fixture's 384 ids < 512)."""
+    for file in (FIXTURES.parent / "chatml_tokenizer").iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    return folder
+
+
+def _folder(folder: Path, config: dict, tensors: dict) -> Path:
+    """A Hugging Face folder of ``config`` and ``tensors`` (as save_pretrained writes one)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    safetensors_torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    return _with_tokenizer(folder)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
-    """(name, the saved config.json as a dict, its tensors, the transformers model) for one fixture: built from
-    the config with random weights (every norm, bias and offset moved off its init), saved with save_pretrained."""
+    """(name, the saved config.json as a dict, its tensors, the transformers model, the saved folder) for one
+    fixture: built from the config with random weights (every norm, bias and offset moved off its init), saved with
+    save_pretrained beside a tokenizer."""
     name = request.param
     torch.manual_seed(0)
     hf_config = transformers.AutoConfig.for_model(**_fixture(name))
@@ -53,16 +67,24 @@ def family(request, tmp_path_factory):
     hf_model.save_pretrained(folder)
     saved = json.loads((folder / "config.json").read_text())
     tensors = safetensors_torch.load_file(str(folder / "model.safetensors"))
-    return name, saved, tensors, hf_model
+    return name, saved, tensors, hf_model, _with_tokenizer(folder)
 
 
-def _ours(config: dict, tensors: dict) -> Transformer:
-    cfg = model_config_from_hf(config, "config.json", max_seq_len=CONTEXT)
+def _base_state(folder: Path) -> tuple[ModelConfig, dict]:
+    """(the ModelConfig, the weights under our names) as ``finetune --from folder`` reads them."""
+    from scaletrain.finetune.base import open_base
+
+    base = open_base(str(folder))
+    return dataclasses.replace(base.model, max_seq_len=CONTEXT), base.state()
+
+
+def _ours(folder: Path) -> Transformer:
+    cfg, state = _base_state(folder)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
     model.init_buffers()
-    load_hf_tensors(model, tensors)
+    model.load_state_dict(state)
     return model.eval()
 
 
@@ -72,8 +94,8 @@ def _tokens() -> torch.Tensor:
 
 def test_logits_equal_transformers(family):
     """fp32, same weights, same input: max |ours - theirs| <= 1e-4 (Gemma 3 and Phi-3: past the window)."""
-    name, config, tensors, hf_model = family
-    model = _ours(config, tensors)
+    name, _, _, hf_model, folder = family
+    model = _ours(folder)
     tokens = _tokens()
     with torch.no_grad():
         ours, theirs = model(tokens), hf_model(tokens).logits
@@ -83,8 +105,7 @@ def test_logits_equal_transformers(family):
 
 def test_cached_forward_equals_full(family):
     """Prefill 10 tokens, then one a step past every sliding window: the logits of the full forward."""
-    _, config, tensors, _ = family
-    model = _ours(config, tensors)
+    model = _ours(family[-1])
     tokens = _tokens()
     with torch.no_grad():
         full = model(tokens)
@@ -96,8 +117,7 @@ def test_cached_forward_equals_full(family):
 
 def test_cached_left_padded_row_equals_alone(family):
     """A row left-padded in a batch (cache positions and windows count only its tokens) = the row alone."""
-    _, config, tensors, _ = family
-    model = _ours(config, tensors)
+    model = _ours(family[-1])
     tokens = _tokens()
     padded = torch.cat([tokens[:1], torch.cat([torch.zeros(1, 5, dtype=torch.long), tokens[1:, 5:]], 1)])
     padding = torch.zeros_like(padded, dtype=torch.bool)
@@ -111,13 +131,13 @@ def test_cached_left_padded_row_equals_alone(family):
 def test_round_trip_is_bitwise_and_loads_in_the_family_class(family):
     """HF tensors -> ours -> HF: the same names and bits; our config -> config.json -> ours: the same config; the
     export builds the family's own class and computes the same logits."""
-    name, config, tensors, hf_model = family
-    cfg = model_config_from_hf(config, "config.json", max_seq_len=CONTEXT)
-    back = state_dict_to_hf(state_dict_from_hf(tensors, cfg), cfg)
+    name, config, tensors, hf_model, folder = family
+    cfg, state = _base_state(folder)
+    back = state_dict_to_hf(dict(state), cfg)
     assert sorted(back) == sorted(tensors)
     assert all(torch.equal(back[k], tensors[k]) for k in tensors)
     exported = hf_config_from_model_config(cfg)
-    assert exported["architectures"] == [ARCHITECTURES[cfg.family]] == config["architectures"]
+    assert exported["architectures"] == [family_entry(cfg.family).hf_class] == config["architectures"]
     assert model_config_from_hf(exported, "exported", max_seq_len=CONTEXT) == cfg
     # The token ids are the tokenizer's, not the model's: an export copies them from the base's config.json.
     tokens_ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
@@ -183,7 +203,7 @@ def test_every_rope_type_transformers_computes_is_computed_or_refused():
         assert cfg.rope_scaling == rope_type and cfg.rope_scaling_factor == 2.0
 
 
-def test_yarn_beside_default_rope_parameters_is_yarn_as_transformers_reads_it():
+def test_yarn_beside_default_rope_parameters_is_yarn_as_transformers_reads_it(tmp_path):
     """The issue's config.json: default rope_parameters plus rope_scaling yarn factor 4 (no theta in it): YaRN
     with the original context max_position_embeddings, and the logits of transformers' model of that file."""
     config = _fixture("llama_yarn")
@@ -200,8 +220,8 @@ def test_yarn_beside_default_rope_parameters_is_yarn_as_transformers_reads_it():
     tokens = _tokens()
     with torch.no_grad():
         theirs = hf_model(tokens).logits
-        ours = _ours(config, tensors)(tokens)
-        plain = _ours({**config, "rope_scaling": None}, tensors)(tokens)
+        ours = _ours(_folder(tmp_path / "yarn", config, tensors))(tokens)
+        plain = _ours(_folder(tmp_path / "plain", {**config, "rope_scaling": None}, tensors))(tokens)
     assert (ours - theirs).abs().max().item() <= 1e-4
     assert (plain - theirs).abs().max().item() > 0.1  # plain rotary would be another model
 
@@ -250,25 +270,34 @@ def test_family_presets_have_the_published_shapes(preset):
         **{**PRESETS[preset], "n_kv_heads": cfg.n_kv_heads})
 
 
-def test_a_family_folder_is_a_fine_tuning_base(family, tmp_path):
+def test_a_family_folder_is_a_fine_tuning_base(family):
     """``finetune --from FOLDER`` reads the family's folder lazily (headers first, then tensor by tensor; a fused
     Phi-3 projection row by row) into the same model transformers computes."""
-    import dataclasses
-
     from scaletrain.config import JobConfig
     from scaletrain.finetune import resolve_finetune
     from scaletrain.finetune.export import base_model
 
-    name, _, _, hf_model = family
-    hf_model.save_pretrained(tmp_path)
-    for file in (FIXTURES.parent / "chatml_tokenizer").iterdir():  # a base needs its tokenizer (384 < 512 ids)
-        (tmp_path / file.name).write_bytes(file.read_bytes())
+    name, _, _, hf_model, folder = family
     cfg = JobConfig()
     cfg = resolve_finetune(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=16),
-                                               finetune=dataclasses.replace(cfg.finetune, source=str(tmp_path),
+                                               finetune=dataclasses.replace(cfg.finetune, source=str(folder),
                                                                             method="lora")))
-    assert ARCHITECTURES[cfg.model.family] == type(hf_model).__name__
+    assert family_entry(cfg.model.family).hf_class == type(hf_model).__name__
     ids = _tokens()
     with torch.no_grad():
         diff = (base_model(cfg).eval()(ids).float() - hf_model(ids).logits).abs().max()
     assert diff <= 1e-4, (name, diff)
+
+
+def test_every_registered_family_has_a_fixture_and_no_name_branch_outside_its_entry():
+    """Adding a family is its file in model/family/ plus a fixture here: each entry is tested against transformers,
+    and no other module compares a family name as a string (the registry is read, never branched on)."""
+    import re
+
+    assert set(REGISTERED) <= {json.loads(p.read_text())["model_type"] for p in FIXTURES.glob("*.json")}
+    names = "|".join(map(re.escape, [*REGISTERED, "gemma3"]))
+    branch = re.compile(rf"""(==|!=|\bin)\s*\(?[^)\n]*["']({names})["']""")
+    src = Path(__file__).parents[1] / "src" / "scaletrain"
+    offenders = [f"{p.relative_to(src)}:{i}" for p in src.rglob("*.py") if "model/family/" not in p.as_posix()
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if branch.search(line)]
+    assert not offenders

@@ -19,7 +19,7 @@ from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
 from scaletrain.finetune.export import save_peft_adapter
 from scaletrain.finetune.run import build_finetuned_model
-from scaletrain.model.families import ARCHITECTURES
+from scaletrain.model.family import family as family_entry
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -107,7 +107,7 @@ def test_lora_run_exports_to_the_family_class_and_as_a_peft_adapter(workdir, nam
     with torch.no_grad():
         ours = model.eval()(ids)
     cls, theirs = _hf_logits(merged, ids)
-    assert cls == ARCHITECTURES[model.cfg.family] == type(_hf_model(name)).__name__
+    assert cls == family_entry(model.cfg.family).hf_class == type(_hf_model(name)).__name__
     assert (ours - theirs).abs().max().item() <= 1e-4, name
     cls, theirs = _hf_logits(plain, ids, plain / "adapter")
     assert (ours - theirs).abs().max().item() <= 1e-4, name
@@ -251,7 +251,7 @@ def test_compress_a_family_fine_tune(workdir, name):
     with torch.no_grad():
         ours = model.eval()(ids)
     cls, theirs = _hf_logits(pruned / "hf", ids)
-    assert cls == ARCHITECTURES[name] and (ours - theirs).abs().max().item() <= 1e-4
+    assert cls == family_entry(name).hf_class and (ours - theirs).abs().max().item() <= 1e-4
     for extra in (["--prune", "wanda", "--calibration-sequences", "4"], ["--quantize", "int8-weight"]):
         out = workdir / "compressed" / f"{name}-{extra[1]}"
         assert main(["compress", "--run", str(run), "--out", str(out), *extra]) == 0

@@ -219,3 +219,14 @@ def test_predicted_muon_over_adamw_step_ratio_of_the_nano_recipe_matches_a_measu
     measured = statistics.median(seconds["muon"]) / statistics.median(seconds["adamw"])
     ratio = predicted["muon"] / predicted["adamw"]
     assert abs(ratio - measured) <= RATIO_TOLERANCE, (ratio, measured, predicted)
+
+
+def test_the_planner_refuses_an_optimizer_it_does_not_model():
+    """An optimizer outside config.OPTIMIZERS is refused in one line, not planned with AdamW's states and step."""
+    from scaletrain.config import OPTIMIZERS, ConfigError, ModelConfig
+    from scaletrain.plan.spec import Workload
+
+    with pytest.raises(ConfigError, match="not 'lion'") as err:
+        Workload(ModelConfig(vocab_size=64), 64, 8, 1e6, optimizer="lion")
+    assert "\n" not in str(err.value) and all(name in str(err.value) for name in OPTIMIZERS)
+    assert Workload(ModelConfig(vocab_size=64), 64, 8, 1e6, optimizer="muon").optimizer == "muon"

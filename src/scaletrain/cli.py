@@ -315,7 +315,7 @@ def _export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.export import export_hf, hf_base_folder
     from scaletrain.checkpoint.run import load_run  # any run folder; a quantized one is refused in one line
     from scaletrain.finetune.export import base_model, is_plain, merge_adapters, save_peft_adapter
-    from scaletrain.model.families import ARCHITECTURES
+    from scaletrain.model.family import family
 
     if args.format == "gguf":  # one file: refused before the run is loaded, as the folder below
         from scaletrain.checkpoint.gguf import gguf_target
@@ -343,7 +343,7 @@ def _export(args: argparse.Namespace) -> int:
               f"llama.cpp: llama-cli -m {out}, or Ollama: see docs/inference.md)")
         return 0
     out = Path(args.out or Path(args.run) / "export-hf")
-    base, family_class = hf_base_folder(args.run, cfg), ARCHITECTURES[cfg.model.family]
+    base, family_class = hf_base_folder(args.run, cfg), family(cfg.model.family).hf_class
     if is_plain(model):
         export_hf(model, cfg.model, tokenizer, out, base)
         merged = " with the adapters merged" if cfg.finetune.source and cfg.finetune.method != "full" else ""

@@ -27,7 +27,8 @@ from scaletrain.config import ConfigError, JobConfig, ModelConfig, load_config
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, HFTokenizer, Tokenizer
 from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.config import head_width
-from scaletrain.model.families import ARCHITECTURES, hf_config_from_model_config, state_dict_to_hf
+from scaletrain.model.families import hf_config_from_model_config, state_dict_to_hf
+from scaletrain.model.family import WRAPPERS, family
 
 # What a base's config.json says about its tokenizer rather than its weights: carried over to the export.
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -56,7 +57,7 @@ def hf_config(cfg: ModelConfig, tokenizer: Tokenizer | None = None, base: Path |
     out = {**hf_config_from_model_config(cfg), "torch_dtype": "float32"}
     if base is not None:
         base_config = json.loads((base / "config.json").read_text(encoding="utf-8"))
-        if base_config.get("model_type") == "gemma3":  # the multimodal checkpoint: its ids may sit in text_config
+        if base_config.get("model_type") in WRAPPERS:  # a multimodal checkpoint: its ids may sit in text_config
             base_config = {**base_config.get("text_config", {}), **base_config}
         out.update({k: base_config[k] for k in TOKEN_ID_FIELDS if k in base_config})
     elif tokenizer is not None:
@@ -101,7 +102,7 @@ def export_hf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out_dir:
     as are the token ids and ``generation_config.json``."""
     if cfg.parametrization != "standard":  # the families' classes have no logit multiplier nor 1/head_dim attention
         raise ConfigError(f"model.parametrization={cfg.parametrization} cannot be exported as a Hugging Face "
-                          f"{ARCHITECTURES[cfg.family]} (its logit and attention scales are not the family's); "
+                          f"{family(cfg.family).hf_class} (its logit and attention scales are not the family's); "
                           f"only standard models export")
     if cfg.dim % cfg.n_heads:  # transformers 5's LlamaConfig validates this even when head_dim is given
         raise ConfigError(f"model.n_heads {cfg.n_heads} does not divide model.dim {cfg.dim}: transformers' LlamaConfig "

@@ -1,22 +1,29 @@
 """Export a run to one GGUF file for llama.cpp and Ollama, through the ``gguf`` package (the format's reference
 writer; optional extra ``scaletrain[gguf]``).
 
-Layout: llama.cpp's ``llama`` architecture (the tensor names of ``gguf.TENSOR_NAMES``, the hyperparameters
-under ``llama.*``). Our rotary layout is Hugging Face's rotate-half (pairs (i, i + hd/2)); llama.cpp's Llama
-rotates adjacent pairs (2i, 2i + 1), so, as llama.cpp's ``convert_hf_to_gguf.py`` does for a Hugging Face
-Llama, the rows of wq and wk are permuted within each head (``rotary_to_interleaved``): q.k per head is
-unchanged, each pair now adjacent.
+Every family with a GGUF layout in its entry (``model/family/``, ``Family.gguf``): llama (and SmolLM2), mistral,
+qwen2, qwen3, gemma3, phi3, smollm3, in llama.cpp's architecture of that name. The tensors are the family's Hugging
+Face ones (``state_dict_to_hf``: its names, Phi-3's fused qkv / gate_up) named as llama.cpp's converter names them
+(``gguf.TensorNameMap`` of the architecture, the converter's own table), with the entry's changes:
+``interleave_rotary`` (llama, mistral, smollm3: llama.cpp rotates adjacent pairs (2i, 2i + 1) where we rotate
+halves (i, i + hd/2), so the rows of wq and wk are permuted within each head, ``rotary_to_interleaved``, as the
+converter does), ``norm_shift`` (Gemma 3's gains stored as offsets from 1: llama.cpp multiplies by the gain, so 1
+is added), and the architecture's keys (``metadata``: Gemma 3's window, which layers use it and their rotary base).
+What llama.cpp would compute otherwise is refused in one line (``refuse``, a sliding window where the architecture
+has none, rope scaling other than linear).
 
 Tokenizer: a byte-level BPE run is written as llama.cpp's ``gpt2`` vocabulary (tokens, merges, special-token
 types and ids); a character vocabulary as a ``gpt2`` vocabulary of single byte-level characters and one merge that
 can never apply, which llama.cpp encodes one character a token as we do (ASCII characters; others decode but cannot
-be typed). The rows of a padded vocabulary are not written (they are never a token), as in the Hugging Face
-export. A base's own tokenizer (a Hugging Face folder: Llama 3, Qwen) is written as llama.cpp's converter writes
-it: ``tokenizer.ggml.pre`` the name llama.cpp gives its pre-tokenizer (found, as ``convert_hf_to_gguf.py``'s
-``get_vocab_base_pre`` finds it, by the sha256 of the ids of one check text: ``llama-bpe``, ``qwen2``, ...),
-``add_bos_token`` whether the tokenizer puts a BOS in front (what training saw), and the chat template the run
-was trained in: the base's own (``finetune.chat_template``, ``data.chat.uses_base_template``), else ours
-(``data.instructions.jinja_chat_template``).
+be typed), plus an end-of-text control token (``<|endoftext|>``, its embedding and output rows zero, so its logit is
+0) so that llama.cpp has an end-of-generation id rather than taking a character for one. The rows of a padded
+vocabulary are not written (they are never a token), as in the Hugging Face export. A base's own tokenizer (a
+Hugging Face folder: Llama 3, Qwen) is written as llama.cpp's converter writes it: ``tokenizer.ggml.pre`` the name
+llama.cpp gives its pre-tokenizer (found, as ``convert_hf_to_gguf.py``'s ``get_vocab_base_pre`` finds it, by the
+sha256 of the ids of one check text: ``llama-bpe``, ``qwen2``, ...), ``add_bos_token`` whether the tokenizer puts a
+BOS in front (what training saw), and the chat template the run was trained in: the base's own
+(``finetune.chat_template``, ``data.chat.uses_base_template``), else ours (``data.instructions.jinja_chat_template``).
+A SentencePiece base (Gemma's) is refused by the pre-tokenizer check (its split has no name here).
 
 dtypes: f32; f16 and q8_0 for the 2-D weights (the norms stay f32, as in llama.cpp's converter; a matrix
 whose rows are not a multiple of q8_0's block of 32 is written f16).
@@ -37,32 +44,14 @@ from scaletrain.data.instructions import jinja_chat_template
 from scaletrain.data.tokenizer import BPETokenizer, HFTokenizer, Tokenizer
 from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.config import head_width
-from scaletrain.model.hf_names import block_suffix, to_hf
+from scaletrain.model.families import state_dict_to_hf
+from scaletrain.model.family import family
+from scaletrain.model.hf_names import PROJECTIONS
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 DTYPES = ("f32", "f16", "q8_0")
 NO_MERGE = "<|no-merge|>"
-
-# Hugging Face module inside a decoder layer -> llama.cpp's ("blk.<i>.<name>"), as llama.cpp's
-# convert_hf_to_gguf.py maps them; our side comes from the one name table (model/hf_names.py).
-_GGUF_BLOCK = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}
-_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-
-
-def gguf_name(name: str) -> str:
-    """Our parameter name -> llama.cpp's tensor name (through the Hugging Face name)."""
-    hf = to_hf(name)
-    if hf in _GGUF_TOP:
-        return _GGUF_TOP[hf]
-    _, _, index, rest = hf.split(".", 3)  # model.layers.<i>.<module>.<kind>
-    module, _, kind = rest.rpartition(".")
-    return f"blk.{index}.{_GGUF_BLOCK[module]}.{kind}"
-
+END_OF_TEXT = "<|endoftext|>"  # the end-of-generation token a character vocabulary's GGUF gets
 
 def rotary_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """wq or wk (n_heads * hd, dim) from rotate-half row order to llama.cpp's adjacent pairs: within each head,
@@ -72,41 +61,70 @@ def rotary_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def gguf_state(model: nn.Module, cfg: ModelConfig, vocab_rows: int) -> dict[str, np.ndarray]:
-    """llama.cpp name -> fp32 array (tied head omitted: llama.cpp reuses token_embd)."""
+def gguf_state(model: nn.Module, cfg: ModelConfig, vocab_rows: int, token_rows: int | None = None
+               ) -> dict[str, np.ndarray]:
+    """llama.cpp name -> fp32 array (tied head omitted: llama.cpp reuses token_embd). The embedding and head keep
+    ``vocab_rows`` rows, those from ``token_rows`` on zero (a token the model never learnt: the char vocabulary's
+    end-of-text)."""
+    import gguf
+
+    layout = _layout(cfg)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH[layout.arch.upper()], cfg.n_layers)
+    ours = {k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}
+    q, k = (f"{PROJECTIONS[role][1]}.weight" for role in ("q", "k"))
     out = {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith("rope_") or (name == "output.weight" and cfg.tie_embeddings):
-            continue
+    for hf_name, tensor in state_dict_to_hf(ours, cfg).items():
         tensor = tensor.detach().float().cpu()
-        if name in ("tok_embeddings.weight", "output.weight"):
-            tensor = tensor[:vocab_rows]
-        if name.endswith(f"{block_suffix('q')}.weight"):
+        if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensor = _vocab_rows(tensor, vocab_rows, token_rows)
+        if layout.interleave_rotary and hf_name.endswith(q):
             tensor = rotary_to_interleaved(tensor, cfg.n_heads)
-        elif name.endswith(f"{block_suffix('k')}.weight"):
+        elif layout.interleave_rotary and hf_name.endswith(k):
             tensor = rotary_to_interleaved(tensor, kv_heads(cfg))
-        out[gguf_name(name)] = tensor.contiguous().numpy()
+        if hf_name.endswith("norm.weight"):
+            tensor = tensor + layout.norm_shift
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ConfigError(f"--format gguf: tensor {hf_name} has no name in llama.cpp's {layout.arch}")
+        out[name] = tensor.contiguous().numpy()
     return out
 
 
-# The families whose tensors and metadata this writer's llama architecture holds (SmolLM2 is a llama).
-GGUF_FAMILIES = ("llama", "mistral")
+def _vocab_rows(tensor: torch.Tensor, rows: int, token_rows: int | None) -> torch.Tensor:
+    """``tensor``'s first ``rows`` rows (zeros added past its end), those from ``token_rows`` on zero."""
+    out = torch.zeros(rows, *tensor.shape[1:])
+    keep = min(rows, tensor.shape[0], token_rows if token_rows is not None else rows)
+    out[:keep] = tensor[:keep]
+    return out
+
+
+def _layout(cfg: ModelConfig):
+    layout = family(cfg.family).gguf
+    if layout is None:
+        raise ConfigError(f"--format gguf: the {cfg.family} family has no llama.cpp layout here; export a Hugging "
+                          f"Face folder (--format hf) and convert it with llama.cpp's convert_hf_to_gguf.py")
+    return layout
+
+
+# rope scaling llama.cpp computes as we do from the file's keys alone (llama3's needs a rope_freqs tensor, yarn
+# per-architecture attention factors: refused rather than approximated)
+GGUF_ROPE_SCALING = ("none", "linear")
 
 
 def check_exportable(model: nn.Module, cfg: ModelConfig) -> None:
-    """One ConfigError line when llama.cpp's llama architecture cannot run this model."""
+    """One ConfigError line when llama.cpp's architecture for the family would not compute this model."""
     if cfg.parametrization != "standard":
         raise ConfigError(f"--format gguf: model.parametrization={cfg.parametrization} is not an architecture "
                           f"llama.cpp knows (its logit and attention scales are not Llama's)")
-    if cfg.family not in GGUF_FAMILIES:
-        raise ConfigError(f"--format gguf: the {cfg.family} family is not written here (only the Llama layout: "
-                          f"{', '.join(GGUF_FAMILIES)}, SmolLM2); export a Hugging Face folder (scaletrain export "
-                          f"--run RUN --out hf) and convert it with llama.cpp's convert_hf_to_gguf.py")
-    for field, used in (("rope_scaling", cfg.rope_scaling != "none"), ("sliding_window", cfg.sliding_window > 0)):
-        if used:
-            raise ConfigError(f"--format gguf: model.{field} = {getattr(cfg, field)!r} is not written here (plain "
-                              f"Llama only); export a Hugging Face folder (scaletrain export --run RUN --out hf) and "
-                              f"convert it with llama.cpp's convert_hf_to_gguf.py")
+    layout = _layout(cfg)
+    why = layout.refuse(cfg)
+    if why is None and cfg.rope_scaling not in GGUF_ROPE_SCALING:
+        why = f"rope_scaling {cfg.rope_scaling!r} (written here: {', '.join(GGUF_ROPE_SCALING)})"
+    if why is None and cfg.sliding_window and not layout.sliding and cfg.sliding_window < cfg.max_seq_len:
+        why = f"sliding_window {cfg.sliding_window} (llama.cpp's {layout.arch} attends over the whole context)"
+    if why is not None:
+        raise ConfigError(f"--format gguf: llama.cpp's {layout.arch} would compute this {cfg.family} model otherwise: "
+                          f"{why}; export a Hugging Face folder (--format hf) instead")
     kinds = {type(m).__name__ for m in model.modules()}
     adapters = kinds & {"PromptEmbedding", "PrefixAttention"}
     if adapters:
@@ -150,7 +168,13 @@ def _vocabulary(tokenizer: Tokenizer, rows: int) -> tuple[list[str], list[int], 
         # llama.cpp refuses a gpt2 vocabulary without merges; one between two multi-character strings that no
         # merge produces can never apply (symbols start as single characters), so every character stays a token
         merges = [f"{NO_MERGE} {NO_MERGE}"]
+        tokens, types = tokens[:rows - 1] + [END_OF_TEXT], types[:rows - 1] + [gguf.TokenType.CONTROL]
     return tokens[:rows], [int(t) for t in types[:rows]], merges
+
+
+def _adds_end_of_text(tokenizer: Tokenizer) -> bool:
+    """A character vocabulary has no end-of-text token: the GGUF gets one (``END_OF_TEXT``) after the characters."""
+    return not isinstance(tokenizer, BPETokenizer) and tokenizer.eos_id is None
 
 
 # llama.cpp's pre-tokenizer check (``convert_hf_to_gguf.py``, ``get_vocab_base_pre``; ggml-org/llama.cpp PR 6920):
@@ -228,16 +252,17 @@ def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: s
     except ImportError:
         raise ConfigError("--format gguf needs the gguf package: pip install 'scaletrain[gguf]'") from None
     check_exportable(model, cfg)
-    rows = min(cfg.vocab_size, tokenizer.vocab_size)  # a padded vocabulary's extra rows are never a token
+    token_rows = min(cfg.vocab_size, tokenizer.vocab_size)  # a padded vocabulary's extra rows are never a token
+    rows = token_rows + int(_adds_end_of_text(tokenizer))
     out = gguf_target(out, overwrite=True)  # the command refused an existing file before loading the run
     tmp = out.parent / f".{out.name}.tmp"
     with guarded_write(f"the GGUF file {out}", out.parent, cleanup=(tmp,),
                        needed=sum(p.numel() * p.element_size() for p in model.parameters())):
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_quietly(tmp)
-        writer = gguf.GGUFWriter(str(tmp), "llama")
+        writer = gguf.GGUFWriter(str(tmp), _layout(cfg).arch)
         _write_metadata(writer, cfg, tokenizer, rows, dtype, name, template)
-        for tensor_name, array in gguf_state(model, cfg, rows).items():
+        for tensor_name, array in gguf_state(model, cfg, rows, token_rows).items():
             data, raw = _tensor(array, dtype)
             writer.add_tensor(tensor_name, data, raw_dtype=raw)
         writer.write_header_to_file()
@@ -264,7 +289,11 @@ def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, d
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
+    if cfg.rope_scaling == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(cfg.rope_scaling_factor)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    _layout(cfg).metadata(writer, cfg)
     writer.add_vocab_size(rows)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype])
@@ -278,6 +307,8 @@ def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, d
         writer.add_bos_token_id(tokenizer.bos_id)
     if tokenizer.eos_id is not None:
         writer.add_eos_token_id(tokenizer.eos_id)
+    elif _adds_end_of_text(tokenizer):
+        writer.add_eos_token_id(rows - 1)
     # a BOS in front exactly when the tokenizer put one there in training (Llama 3's <|begin_of_text|>; ours, Qwen: no)
     prefix = tokenizer.prefix_ids() if isinstance(tokenizer, BPETokenizer) else []
     writer.add_add_bos_token(tokenizer.bos_id is not None and prefix[:1] == [tokenizer.bos_id])

@@ -71,6 +71,56 @@ def saved_config(cfg: JobConfig) -> JobConfig:
                                                               overwrite=False))
 
 
+def global_batch(cfg: JobConfig, dp_size: int) -> int:
+    """Sequences per optimizer step over every rank (the one definition: both engines, the trainer's token count,
+    a checkpoint's record and a resume's match): train.batch_size x train.grad_accum_steps x data-parallel ranks."""
+    return cfg.train.batch_size * cfg.train.grad_accum_steps * dp_size
+
+
+def checkpoint_meta(cfg: JobConfig, state: TrainState, dp_size: int, plan: dict, optimizer_state: bool,
+                    **extra) -> dict:
+    """What a resume needs to know before loading, whatever the engine: counters, layout (``plan``), the global
+    batch, whether optimizer states exist, the config's hash; ``extra`` what the engine adds (its name, a base)."""
+    return {**extra, "tokens_seen": state.tokens_seen, "dp_size": dp_size, "plan": plan,
+            "global_batch": {"sequences": global_batch(cfg, dp_size), "seq_len": cfg.data.seq_len},
+            "optimizer_state": optimizer_state,
+            "config_sha256": hashlib.sha256(to_toml(saved_config(cfg), comments=False).encode()).hexdigest()}
+
+
+def restore_local(manager: CheckpointManager, path: Path, local: dict[str, Stateful], names: tuple[str, ...],
+                  seed: int, step: int) -> None:
+    """The small per-rank states ``names`` of ``local`` from ``path``; on another world size a rank has no RNG
+    stream of its own: a fresh one (``RNGState.reseed``), as every engine does."""
+    saved, own = manager.load_local(path)
+    for name in names:
+        if name == "rng" and not own:
+            RNGState.reseed(seed, step, manager.rank)
+        elif name in saved:
+            local[name].load_state_dict(saved[name])
+
+
+def resume_run(checkpoint, describe: Callable[[dict], str] = lambda meta: "") -> Path | None:
+    """A run checkpoint's ``resume`` (every engine's: ``checkpoint.manager``, ``.local``, ``.state``, ``.message``
+    and ``.load(path, local_names) -> meta``): the newest good checkpoint loaded and announced with ``describe(meta)``
+    after the step; None when there is none."""
+    path = checkpoint_to_resume(checkpoint.manager, checkpoint.message)
+    if path is None:
+        return None
+    meta = checkpoint.load(path, tuple(checkpoint.local))
+    checkpoint.message(f"resumed from {path} (step {checkpoint.state.step}{describe(meta)})"
+                       f"{fallback_note(checkpoint.manager)}")
+    return path
+
+
+def check_base(path: Path, reference: dict | None, remedy: str) -> None:
+    """The base rule, once: a fine-tune's checkpoint at ``path`` records its base's checksum (meta.json ``base``);
+    one trained on another base, or on a base changed since, is refused in one line ending with ``remedy``."""
+    saved = CheckpointManager.read_meta(path).get("base")
+    if reference is not None and saved is not None and saved.get("sha256") != reference["sha256"]:
+        raise CheckpointError(f"{path}: trained on a base with checksum {saved['sha256'][:12]}, but finetune.source "
+                              f"{reference['source']} now has {reference['sha256'][:12]}; {remedy}")
+
+
 def match_global_batch(cfg: JobConfig, store: CheckpointManager, dp_size: int,
                        say: Callable[[str], None]) -> JobConfig:
     """Resuming (train.resume) on another number of data-parallel ranks: keep the global batch (sequences per
@@ -82,7 +132,7 @@ def match_global_batch(cfg: JobConfig, store: CheckpointManager, dp_size: int,
         return cfg
     target = saved["sequences"]
     per_micro = cfg.train.batch_size * dp_size
-    if per_micro * cfg.train.grad_accum_steps == target:
+    if global_batch(cfg, dp_size) == target:
         return cfg
     if target % per_micro:
         raise ConfigError(f"cannot keep the checkpoint's global batch of {target} sequences with train.batch_size="
@@ -118,16 +168,12 @@ class TrainingCheckpoint:
                 "optimizer": optimizer_tensors(self.pm.modules, self.optimizer, prefix)}
 
     def meta(self) -> dict:
-        """What a resume needs to know before loading: layout, global batch, whether optimizer states exist."""
+        """What a resume needs to know before loading (``checkpoint_meta``), with this engine's layout."""
         cfg, dims = self.cfg, self.pm.dims
-        return {"tokens_seen": self.state.tokens_seen, "dp_size": dims.dp_size,
-                "plan": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}
-                | {"zero_stage": dims.zero_stage, "low_comm": cfg.parallel.low_comm},
-                "global_batch": {"sequences": cfg.train.batch_size * cfg.train.grad_accum_steps * dims.dp_size,
-                                 "seq_len": cfg.data.seq_len},
-                "optimizer_state": bool(local_optimizer(self.optimizer).state),
-                "config_sha256": hashlib.sha256(to_toml(saved_config(cfg), comments=False).encode()).hexdigest()} \
-            | ({"base": self.base} if self.base is not None else {})
+        plan = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")} | {
+            "zero_stage": dims.zero_stage, "low_comm": cfg.parallel.low_comm}
+        return checkpoint_meta(cfg, self.state, dims.dp_size, plan, bool(local_optimizer(self.optimizer).state),
+                               **({"base": self.base} if self.base is not None else {}))
 
     def save(self, blocking: bool) -> Path:
         """Write a checkpoint of the current step (collective); complete once ``manager.wait()`` returns."""
@@ -136,11 +182,7 @@ class TrainingCheckpoint:
     def load(self, path: Path, local_names: tuple[str, ...]) -> dict:
         """Model + optimizer from ``path`` (resharded to this run's layout) and the named small states."""
         meta = CheckpointManager.read_meta(path)
-        saved_base = meta.get("base")
-        if self.base is not None and saved_base is not None and saved_base.get("sha256") != self.base["sha256"]:
-            raise CheckpointError(f"{path}: trained on a base with checksum {saved_base['sha256'][:12]}, but "
-                                  f"finetune.source {self.base['source']} now has {self.base['sha256'][:12]}; "
-                                  f"restore that base or fine-tune again into a new train.run_dir")
+        check_base(path, self.base, "restore that base or fine-tune again into a new train.run_dir")
         if is_deepspeed_checkpoint(path):
             raise CheckpointError(f"{path}: written by the deepspeed engine; resume it with "
                                   f"--parallel.engine=deepspeed (or start a new train.run_dir)")
@@ -155,27 +197,19 @@ class TrainingCheckpoint:
         else:
             tensors.pop("optimizer")
         self.manager.load(path, tensors)
-        local, own = self.manager.load_local(path)
-        for name in local_names:
-            if name == "rng" and not own:
-                RNGState.reseed(self.cfg.train.seed, int(meta["step"]), self.rank)
-            elif name in local:
-                self.local[name].load_state_dict(local[name])
+        restore_local(self.manager, path, self.local, local_names, self.cfg.train.seed, int(meta["step"]))
         return meta
 
     def resume(self) -> Path | None:
         """Load the newest good checkpoint (None when there is none). Works across world sizes and plans:
         DCP reshards model and optimizer, the data stream continues at the next unseen sample."""
-        path = checkpoint_to_resume(self.manager, self.message)
-        if path is None:
-            return None
-        meta = self.load(path, tuple(self.local))
+        return resume_run(self, self._describe_resume)
+
+    def _describe_resume(self, meta: dict) -> str:
         if self.state.schedule != dataclasses.asdict(self.cfg.schedule):
             self.message("warning: the [schedule] settings differ from the checkpoint's; using the new ones")
-        moved = "" if meta.get("world_size") == self.manager.world_size else \
+        return "" if meta.get("world_size") == self.manager.world_size else \
             f", resharded from {meta.get('world_size')} to {self.manager.world_size} ranks"
-        self.message(f"resumed from {path} (step {self.state.step}{moved}){fallback_note(self.manager)}")
-        return path
 
     def roll_back(self) -> Path | None:
         """Back to the last good checkpoint's weights, optimizer and counters (None when there is none);

@@ -22,6 +22,7 @@ from scaletrain.finetune.lora import LoRALinear, is_nf4, merge_lora
 from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding, SkipPromptLinear
 from scaletrain.model import Transformer
 from scaletrain.model.config import head_width
+from scaletrain.model.family import family as family_entry
 from scaletrain.model.hf_names import HF_BLOCK_PREFIX, block_suffix, hf_module_name, to_hf
 from scaletrain.model.presets import kv_heads
 
@@ -32,10 +33,6 @@ def _lora_tensors(module: LoRALinear) -> dict[str, torch.Tensor]:
     if module.dora:  # peft's name for DoRA's magnitude in adapter_model.safetensors
         out["lora_magnitude_vector"] = module.lora_magnitude
     return {k: v.detach().float().cpu().contiguous() for k, v in out.items()}
-
-
-# Phi-3's fused projections: (the peft module name, the roles stacked in its rows, in order).
-_PHI3_FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
 
 
 def _fused_lora(parts: list[nn.Linear], rank: int) -> dict[str, torch.Tensor]:
@@ -65,30 +62,31 @@ def _fused_lora(parts: list[nn.Linear], rank: int) -> dict[str, torch.Tensor]:
 
 def _lora_adapter(model: nn.Module, ft, family: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(the LoRA part of adapter_config.json, the tensors under peft's names) of a LoRA/DoRA model of ``family``.
-    Phi-3 adapts its fused qkv_proj / gate_up_proj: one exact adapter each, of rank n*r (``_fused_lora``), whose
-    alpha in ``alpha_pattern`` keeps peft's scaling alpha / r (alpha / sqrt(r) with rsLoRA) that of the parts."""
+    A family that stores projections fused (its entry's ``fused``: Phi-3's qkv_proj / gate_up_proj) gets one exact
+    adapter per fused module, of rank n*r (``_fused_lora``), whose alpha in ``alpha_pattern`` keeps peft's scaling
+    alpha / r (alpha / sqrt(r) with rsLoRA) that of the parts."""
     tensors: dict[str, torch.Tensor] = {}
     targets = {hf_module_name(t) for t in ft.lora_targets}
     rank_pattern, alpha_pattern = {}, {}
-    fused_roles = {role for roles in _PHI3_FUSED.values() for role in roles} if family == "phi3" else set()
+    fused = family_entry(family).fused
+    fused_roles = {role for roles in fused.values() for role in roles}
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear) and not any(name.endswith(block_suffix(r)) for r in fused_roles):
             key = f"base_model.model.{to_hf(name, family)}"  # the module's name in the family's class
             tensors.update({f"{key}.{suffix}": t for suffix, t in _lora_tensors(module).items()})
-    if family == "phi3":
-        for fused, roles in _PHI3_FUSED.items():
-            if not set(roles) & set(ft.lora_targets):
-                continue
-            targets -= {hf_module_name(r) for r in roles}
-            short = fused.rpartition(".")[2]
-            targets.add(short)
-            n = len(roles)
-            rank_pattern[short] = n * ft.lora_rank
-            alpha_pattern[short] = ft.lora_alpha * (n ** 0.5 if ft.rslora else n)
-            for index, block in model.layers.items():
-                parts = [block.get_submodule(block_suffix(r)) for r in roles]
-                key = f"base_model.model.{HF_BLOCK_PREFIX}{index}.{fused}"
-                tensors.update({f"{key}.{suffix}": t for suffix, t in _fused_lora(parts, ft.lora_rank).items()})
+    for fused_module, roles in fused.items():
+        if not set(roles) & set(ft.lora_targets):
+            continue
+        targets -= {hf_module_name(r) for r in roles}
+        short = fused_module.rpartition(".")[2]
+        targets.add(short)
+        n = len(roles)
+        rank_pattern[short] = n * ft.lora_rank
+        alpha_pattern[short] = ft.lora_alpha * (n ** 0.5 if ft.rslora else n)
+        for index, block in model.layers.items():
+            parts = [block.get_submodule(block_suffix(r)) for r in roles]
+            key = f"base_model.model.{HF_BLOCK_PREFIX}{index}.{fused_module}"
+            tensors.update({f"{key}.{suffix}": t for suffix, t in _fused_lora(parts, ft.lora_rank).items()})
     config = {"peft_type": "LORA", "r": ft.lora_rank, "lora_alpha": ft.lora_alpha, "lora_dropout": ft.lora_dropout,
               "use_rslora": ft.rslora, "bias": "none", "fan_in_fan_out": False, "target_modules": sorted(targets),
               "init_lora_weights": True, "use_dora": ft.dora, "rank_pattern": rank_pattern,

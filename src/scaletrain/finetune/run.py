@@ -8,21 +8,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
+from scaletrain.checkpoint.manager import load_tensors
 from scaletrain.checkpoint.state import model_tensors, trainable_names
+from scaletrain.checkpoint.training import check_base
 from scaletrain.config import JobConfig
 from scaletrain.finetune.base import open_base
 from scaletrain.finetune.methods import FinetuneMethod
 from scaletrain.model import Transformer
-
-
-def check_base(checkpoint: Path, reference: dict) -> None:
-    """A checkpoint trained on another base (or a base changed since) is refused in one line."""
-    saved = CheckpointManager.read_meta(checkpoint).get("base")
-    if saved is not None and saved.get("sha256") != reference["sha256"]:
-        raise CheckpointError(f"{checkpoint}: the adapter was trained on a base with checksum {saved['sha256'][:12]}, "
-                              f"but finetune.source {reference['source']} now has {reference['sha256'][:12]}; "
-                              f"restore that base or fine-tune again from the new one")
 
 
 def build_finetuned_model(cfg: JobConfig, device: str = "cpu", adapters: dict | None = None) -> nn.Module:
@@ -40,7 +32,8 @@ def build_finetuned_model(cfg: JobConfig, device: str = "cpu", adapters: dict | 
 
 def load_finetuned(cfg: JobConfig, checkpoint: Path, device: str = "cpu") -> nn.Module:
     """The fine-tune of ``cfg`` with ``checkpoint``'s trainable tensors over its base, frozen."""
-    check_base(checkpoint, open_base(cfg.finetune.source).reference())
+    check_base(checkpoint, open_base(cfg.finetune.source).reference(),
+               "restore that base or fine-tune again from the new one")
     model = build_finetuned_model(cfg, device)
     names = trainable_names([model])
     load_tensors(checkpoint, {"model": {k: v for k, v in model_tensors([model]).items() if k in names}})

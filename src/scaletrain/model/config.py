@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scaletrain.model.family import NAMES as FAMILY_NAMES
 from scaletrain.options import opt
 
 # The default training context (the job's data.seq_len) and the default rotary tables' length: equal, so a
@@ -49,9 +50,9 @@ class ModelConfig:
                                    "muP equals the standard parametrization)", ge=1)
 
     family: str = opt("llama", "the Hugging Face model family (config.json model_type) whose names and class an "
-                               "import reads and an export writes: llama, mistral, qwen2, qwen3, gemma3_text, "
-                               "phi3, smollm3 (model/families.py)",
-                      choices=("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "smollm3"))
+                               "import reads and an export writes: " + ", ".join(FAMILY_NAMES) +
+                               " (one file each in model/family/)",
+                      choices=FAMILY_NAMES)
     # The options below are what the open model families compute differently from Llama (model/families.py
     # maps each family's config.json onto them); the defaults are the Llama computation above, unchanged.
     qkv_bias: bool = opt(False, "bias on the q, k and v projections (Qwen2/2.5); the output projection has none")

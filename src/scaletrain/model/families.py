@@ -1,11 +1,12 @@
 """The open model families as options of our one decoder: a Hugging Face config.json -> ``ModelConfig`` and back,
 and a family's tensors -> our parameters and back.
 
-Supported (``model_type``): llama (1, 2, 3, 3.1, 3.2), mistral, qwen2 (2.5), qwen3, gemma3_text (and gemma3's
-text_config), phi3, smollm3. SmolLM2 is a llama. What each family computes is a ``ModelConfig`` option
-(``model/config.py``); anything a config asks for that the decoder does not compute is a one-line
-``ConfigError`` naming the field, never a silent difference. Names go through ``model/hf_names.py``; Phi-3's
-fused ``qkv_proj`` / ``gate_up_proj`` are split here at import and joined at export.
+Family-blind: what a family does differently is its entry in ``model/family/`` (one file each: llama, mistral,
+qwen2, qwen3, gemma3_text and the multimodal gemma3's text_config, phi3, smollm3; SmolLM2 is a llama), read here.
+What each family computes is a ``ModelConfig`` option (``model/config.py``); anything a config asks for that the
+decoder does not compute is a one-line ``ConfigError`` naming the field, never a silent difference. Names go
+through ``model/hf_names.py``; fused tensors (Phi-3's ``qkv_proj`` / ``gate_up_proj``, the entry's ``fused``) are
+split here at import and joined at export.
 
 Nothing here reads files: callers pass the parsed config.json and a dict of tensors (``finetune/hf_import.py``
 reads the folder).
@@ -19,80 +20,28 @@ from pathlib import Path
 import torch
 
 from scaletrain.model.config import ModelConfig, head_width, is_sliding
-from scaletrain.model.hf_names import from_hf, to_hf
+from scaletrain.model.family import WRAPPERS, family
+from scaletrain.model.family.spec import Family, Fields
+from scaletrain.model.hf_names import PROJECTIONS, from_hf, to_hf
 from scaletrain.model.llama import rope_attention_factor
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 from scaletrain.options import ConfigError
 
-# model_type -> the causal-LM class an export names in ``architectures``.
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-    "smollm3": "SmolLM3ForCausalLM",
-}
-
-# The class defaults transformers uses for a field a config.json leaves out (save_pretrained drops values equal
-# to them; Gemma 3's nested text_config drops most). Only the fields read below.
-_DEFAULTS: dict[str, dict] = {
-    "llama": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048,
-                  hidden_act="silu"),
-    "mistral": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
-                    max_position_embeddings=131072, hidden_act="silu"),
-    "qwen2": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
-                  use_sliding_window=False, max_window_layers=28, hidden_act="silu"),
-    "qwen3": dict(tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
-                  use_sliding_window=False, max_window_layers=28, head_dim=128, hidden_act="silu"),
-    "gemma3_text": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
-                        rope_local_base_freq=10000.0, max_position_embeddings=131072, head_dim=256,
-                        query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
-                        hidden_activation="gelu_pytorch_tanh", num_attention_heads=8, num_key_value_heads=4,
-                        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26),
-    "phi3": dict(tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
-                 hidden_act="silu"),
-    "smollm3": dict(tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=2_000_000.0,
-                    max_position_embeddings=32768, use_sliding_window=False, no_rope_layer_interval=4,
-                    hidden_act="silu"),
-}
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# Hugging Face's rope types -> ModelConfig.rope_scaling (the others are refused).
 _ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "dynamic": "dynamic", "yarn": "yarn"}
-# Tensors of Gemma 3's multimodal checkpoint that are not the text decoder (kept out of an import on purpose).
-_GEMMA3_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
-class _Fields:
-    """config.json fields with the family's class defaults; a missing required one is a one-line error."""
-
-    def __init__(self, config: dict, family: str, where: str):
-        self.config, self.defaults, self.where = config, _DEFAULTS[family], where
-
-    def get(self, key: str, default=None):
-        value = self.config.get(key)
-        return value if value is not None or key in self.config else self.defaults.get(key, default)
-
-    def need(self, key: str):
-        value = self.get(key)
-        if value is None:
-            raise ConfigError(f"{self.where}: missing field {key}")
-        return value
-
-    def refuse(self, key: str, why: str) -> ConfigError:
-        return ConfigError(f"{self.where}: {key} = {self.config.get(key)!r} is not supported ({why})")
-
 
 def model_config_from_hf(config: dict, path: str | Path = "config.json", *,
                          max_seq_len: int | None = None) -> ModelConfig:
     """A family's config.json (parsed) as our ``ModelConfig``; ``path`` names it in errors. ``max_seq_len``: the
     context to build rotary tables for (default: the config's max_position_embeddings)."""
     where = str(path)
-    family = config.get("model_type")
-    if family == "gemma3":  # the multimodal checkpoint: its text decoder is a gemma3_text
+    model_type = config.get("model_type")
+    if model_type in WRAPPERS:  # a multimodal checkpoint: its text decoder is the family of its text_config
         if not isinstance(config.get("text_config"), dict):
-            raise ConfigError(f"{where}: model_type gemma3 without a text_config")
-        config, family = {**config["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
-    if family not in ARCHITECTURES:
-        raise ConfigError(f"{where}: model_type {family!r} is not supported (supported: "
-                          f"{', '.join(ARCHITECTURES)}, and gemma3)")
-    f = _Fields(config, family, where)
+            raise ConfigError(f"{where}: model_type {model_type} without a text_config")
+        config = {**config["text_config"], "model_type": WRAPPERS[model_type]}
+    fam = family(config.get("model_type"), where)
+    f = Fields(config, fam.defaults, where)
     for key in ("attention_bias", "mlp_bias"):
         if f.get(key):
             raise f.refuse(key, "no bias on these projections in our decoder")
@@ -101,10 +50,9 @@ def model_config_from_hf(config: dict, path: str | Path = "config.json", *,
             raise f.refuse(key, "logit soft-capping is not computed")
     if f.get("use_bidirectional_attention"):
         raise f.refuse("use_bidirectional_attention", "causal attention only")
-    act_key = "hidden_activation" if family == "gemma3_text" else "hidden_act"
-    activation = _ACTIVATIONS.get(f.get(act_key))
-    if activation is None or (activation == "gelu_tanh") != (family == "gemma3_text"):
-        raise f.refuse(act_key, "silu, or gelu_pytorch_tanh for Gemma")
+    activation = fam.activations.get(f.get(fam.activation_field))
+    if activation is None:
+        raise f.refuse(fam.activation_field, f"{fam.model_type} computes {', '.join(fam.activations)}")
     dim, n_heads, n_layers = int(f.need("hidden_size")), int(f.need("num_attention_heads")), int(
         f.need("num_hidden_layers"))
     n_kv = int(f.get("num_key_value_heads") or n_heads)
@@ -114,32 +62,23 @@ def model_config_from_hf(config: dict, path: str | Path = "config.json", *,
     if n_heads % n_kv:
         raise ConfigError(f"{where}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
     context = int(max_seq_len or f.need("max_position_embeddings"))
-    rope = _rope_fields(f, family, context)
-    sliding_window, sliding = _sliding_layers(f, family, n_layers)
-    no_rope = []
-    if family == "smollm3":
-        interval = int(f.get("no_rope_layer_interval"))
-        uses_rope = f.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layers)]
-        no_rope = [i for i in range(n_layers) if not uses_rope[i]]
-    gemma = family == "gemma3_text"
+    sliding_window, sliding = _sliding_layers(f, fam, n_layers)
     return ModelConfig(
-        family=family, vocab_size=int(f.need("vocab_size")), dim=dim, n_layers=n_layers, n_heads=n_heads,
+        family=fam.model_type, vocab_size=int(f.need("vocab_size")), dim=dim, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=n_kv, head_dim=0 if hd * n_heads == dim else hd,
         ffn_hidden_dim=int(f.need("intermediate_size")), max_seq_len=context, norm_eps=float(f.get("rms_norm_eps")),
         tie_embeddings=bool(f.get("tie_word_embeddings")), init_std=float(f.get("initializer_range", 0.02)),
-        qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "gemma3_text"), activation=activation,
-        norm_plus_one=gemma, scale_embeddings=gemma, post_norms=gemma,
-        query_pre_attn_scalar=float(f.get("query_pre_attn_scalar")) if gemma else 0.0,
-        sliding_window=sliding_window, sliding_layers=sliding, no_rope_layers=no_rope, **rope)
+        activation=activation, sliding_window=sliding_window, sliding_layers=sliding,
+        **_rope_fields(f, fam, context), **fam.read(f, n_layers))
 
 
-def _rope_params(f: _Fields, family: str) -> tuple[dict, dict | None]:
+def _rope_params(f: Fields, fam: Family) -> tuple[dict, dict | None]:
     """(the global layers' rope parameters, Gemma 3's local layers' or None) from either config format:
     transformers 5's ``rope_parameters`` or the older ``rope_theta`` + ``rope_scaling``. A ``rope_scaling``
     present beside ``rope_parameters`` replaces it, as transformers 5 reads such a file
     (``convert_rope_params_to_dict``: ``rope_scaling or rope_parameters``)."""
     params, legacy = f.get("rope_parameters"), f.config.get("rope_scaling")
-    if family == "gemma3_text" and isinstance(params, dict) and "full_attention" in params:
+    if fam.local_rope_field and isinstance(params, dict) and "full_attention" in params:
         return dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
     if isinstance(params, dict) and params and not legacy:
         return dict(params), None
@@ -147,11 +86,11 @@ def _rope_params(f: _Fields, family: str) -> tuple[dict, dict | None]:
     scaling.setdefault("rope_theta", f.get("rope_theta"))
     if "partial_rotary_factor" in f.config:
         scaling.setdefault("partial_rotary_factor", f.get("partial_rotary_factor"))
-    local = {"rope_theta": f.get("rope_local_base_freq")} if family == "gemma3_text" else None
+    local = {"rope_theta": f.get(fam.local_rope_field)} if fam.local_rope_field else None
     return scaling, local
 
 
-def _yarn_fields(f: _Fields, params: dict) -> dict:
+def _yarn_fields(f: Fields, params: dict) -> dict:
     """YaRN's ModelConfig fields as transformers 5 reads them (``_compute_yarn_parameters``,
     ``standardize_rope_params``): the original context from a top-level original_max_position_embeddings, else
     the rope dict's, else max_position_embeddings; a missing factor is max_position_embeddings / that; the
@@ -173,9 +112,9 @@ def _yarn_fields(f: _Fields, params: dict) -> dict:
                 rope_attention_factor=float(attention or 0.0))
 
 
-def _rope_fields(f: _Fields, family: str, context: int) -> dict:
-    """The ModelConfig rotary fields: base, scaling and Gemma 3's local base."""
-    params, local = _rope_params(f, family)
+def _rope_fields(f: Fields, fam: Family, context: int) -> dict:
+    """The ModelConfig rotary fields: base, scaling and the local layers' base (Gemma 3)."""
+    params, local = _rope_params(f, fam)
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in _ROPE_TYPES:
         field = "rope_scaling" if f.config.get("rope_scaling") else "rope_parameters"
@@ -203,29 +142,18 @@ def _rope_fields(f: _Fields, family: str, context: int) -> dict:
         if (local.get("rope_type") or "default") != "default":
             raise ConfigError(f"{f.where}: rope_parameters.sliding_attention.rope_type {local['rope_type']!r} is "
                               f"not computed (plain rotary on the local layers)")
-        out["local_rope_theta"] = float(local.get("rope_theta") or f.get("rope_local_base_freq"))
+        out["local_rope_theta"] = float(local.get("rope_theta") or f.get(fam.local_rope_field))
     return out
 
 
-def _sliding_layers(f: _Fields, family: str, n_layers: int) -> tuple[int, list[int]]:
+def _sliding_layers(f: Fields, fam: Family, n_layers: int) -> tuple[int, list[int]]:
     """(sliding_window, the layers that use it): 0 and [] when every layer sees the whole context."""
-    if family in ("qwen2", "qwen3", "smollm3") and not f.get("use_sliding_window"):
-        return 0, []
-    window = f.get("sliding_window") if family != "llama" else None
+    window = fam.window(f)
     if not window:
         return 0, []
     types = f.get("layer_types")
     if types is None:
-        if family == "gemma3_text":
-            pattern = int(f.get("sliding_window_pattern"))
-            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
-        elif family in ("qwen2", "qwen3"):
-            first = int(f.get("max_window_layers"))
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-        elif family == "smollm3":
-            raise f.refuse("use_sliding_window", "give layer_types with it")
-        else:  # mistral, phi3: every layer
-            types = ["sliding_attention"] * n_layers
+        types = fam.layer_pattern(f, n_layers)
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
     if unknown or len(types) != n_layers:
         raise f.refuse("layer_types", f"one of sliding_attention / full_attention per layer ({n_layers})")
@@ -236,42 +164,21 @@ def _sliding_layers(f: _Fields, family: str, n_layers: int) -> tuple[int, list[i
 def hf_config_from_model_config(cfg: ModelConfig) -> dict:
     """Our ``ModelConfig`` as its family's config.json (architectures, model_type and every field the family's
     class reads for the computation); a config the family cannot express is a ConfigError naming the field."""
-    family = cfg.family
+    fam = family(cfg.family)
     hd, n_layers = head_width(cfg), cfg.n_layers
     sliding = [is_sliding(cfg, i) for i in range(n_layers)]
+    activation = next((theirs for theirs, ours in fam.activations.items() if ours == cfg.activation), cfg.activation)
     out = {
-        "architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab_size,
+        "architectures": [fam.hf_class], "model_type": fam.model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim, "intermediate_size": ffn_hidden_dim(cfg), "num_hidden_layers": n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": kv_heads(cfg), "head_dim": hd,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": _rope_scaling(cfg), "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
+        "initializer_range": cfg.init_std, fam.activation_field: activation,
     }
     if cfg.rope_scaling == "dynamic":  # plain within max_position_embeddings (checked at build)
         out["max_position_embeddings"] = cfg.rope_original_max_seq_len
-    if family == "gemma3_text":
-        out.update(hidden_activation="gelu_pytorch_tanh" if cfg.activation == "gelu_tanh" else cfg.activation,
-                   query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or hd),
-                   sliding_window=cfg.sliding_window or None,
-                   layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-                   rope_local_base_freq=cfg.local_rope_theta or cfg.rope_theta, attention_bias=False,
-                   attn_logit_softcapping=None, final_logit_softcapping=None)
-    else:
-        out["hidden_act"] = cfg.activation
-    if family in ("llama", "qwen3", "smollm3"):
-        out["attention_bias"] = False
-    if family in ("llama", "smollm3"):
-        out["mlp_bias"] = False
-    if family in ("mistral", "phi3"):
-        out["sliding_window"] = cfg.sliding_window or None
-    if family in ("qwen2", "qwen3"):
-        first = sliding.index(True) if any(sliding) else n_layers
-        out.update(use_sliding_window=cfg.sliding_window > 0, sliding_window=cfg.sliding_window or None,
-                   max_window_layers=first)
-    if family == "smollm3":
-        out.update(no_rope_layers=[int(i not in cfg.no_rope_layers) for i in range(n_layers)],
-                   use_sliding_window=cfg.sliding_window > 0, sliding_window=cfg.sliding_window or None,
-                   layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
+    out.update(fam.write(cfg, sliding))
     _check_expressed(cfg, out)
     return out
 
@@ -321,31 +228,25 @@ def _check_expressed(cfg: ModelConfig, hf: dict) -> None:
     for name, value in ours.items():
         if theirs.get(name) != value:
             raise ConfigError(f"model.{name} = {value!r} cannot be written as a {cfg.family} config.json "
-                              f"({ARCHITECTURES[cfg.family]} computes {theirs.get(name)!r})")
+                              f"({family(cfg.family).hf_class} computes {theirs.get(name)!r})")
 
 
-# Phi-3's fused tensors: the suffix -> the Llama layout's separate ones, in the order their rows are stacked.
-_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                        "self_attn.v_proj.weight"),
-          "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+def _role_rows(role: str, cfg: ModelConfig) -> int:
+    """Rows of a projection role's weight (its output features)."""
+    if role == "q":
+        return cfg.n_heads * head_width(cfg)
+    if role in ("k", "v"):
+        return kv_heads(cfg) * head_width(cfg)
+    return ffn_hidden_dim(cfg)  # gate, up
 
 
-def _fused_rows(suffix: str, cfg: ModelConfig) -> list[int]:
-    """Rows of each part of a fused Phi-3 tensor (q, k, v or gate, up)."""
-    if suffix == "self_attn.qkv_proj.weight":
-        q_rows, kv_rows = cfg.n_heads * head_width(cfg), kv_heads(cfg) * head_width(cfg)
-        return [q_rows, kv_rows, kv_rows]
-    return [ffn_hidden_dim(cfg)] * 2
-
-
-def text_decoder_name(name: str) -> str | None:
-    """A tensor name of Gemma 3's multimodal checkpoint as the text decoder's (transformers 4's
-    ``language_model.model.``, 5's ``model.language_model.``); None for the vision tower and projector (left out on
-    purpose). Other names as they are."""
-    if name.startswith(_GEMMA3_NOT_TEXT):
+def text_decoder_name(name: str, fam: Family) -> str | None:
+    """A tensor name of a wrapper checkpoint (Gemma 3's multimodal: transformers 4's ``language_model.model.``, 5's
+    ``model.language_model.``) as the text decoder's; None for what is not the text decoder (the vision tower and
+    projector, left out on purpose). Other names as they are."""
+    if name.startswith(fam.wrapper_skipped):
         return None
-    for prefix, plain in (("language_model.model.", "model."), ("model.language_model.", "model."),
-                          ("language_model.lm_head.", "lm_head.")):
+    for prefix, plain in fam.wrapper_prefixes:
         if name.startswith(prefix):
             return plain + name[len(prefix):]
     return name
@@ -354,23 +255,23 @@ def text_decoder_name(name: str) -> str | None:
 def hf_places(name: str, cfg: ModelConfig) -> list[tuple[str, slice | None]] | None:
     """Where one of a family's tensors goes in our model: [(our parameter, its rows of the tensor or None for all
     of it)]; [] for what is not ours to read (a derived rotary buffer, Gemma 3's vision tower); None for a name with
-    no place in the model (refused by the callers, never dropped). Phi-3's fused ``qkv_proj`` / ``gate_up_proj``
-    give one place per part."""
-    name = text_decoder_name(name)
+    no place in the model (refused by the callers, never dropped). A fused tensor (Phi-3's ``qkv_proj`` /
+    ``gate_up_proj``) gives one place per part."""
+    fam = family(cfg.family)
+    name = text_decoder_name(name, fam)
     if name is None:
         return []
-    if cfg.family == "phi3":
-        for fused, parts in _FUSED.items():
-            if name.endswith(fused):
-                stem, starts = name[: -len(fused)], 0
-                places = []
-                for part, rows in zip(parts, _fused_rows(fused, cfg)):
-                    ours = from_hf(stem + part, cfg.family)
-                    if not ours:
-                        return None
-                    places.append((ours, slice(starts, starts + rows)))
-                    starts += rows
-                return places
+    for fused, roles in fam.fused.items():
+        if name.endswith(f"{fused}.weight"):
+            stem, starts, places = name[: -len(f"{fused}.weight")], 0, []
+            for role in roles:
+                ours = from_hf(f"{stem}{PROJECTIONS[role][1]}.weight", cfg.family)
+                if not ours:
+                    return None
+                rows = _role_rows(role, cfg)
+                places.append((ours, slice(starts, starts + rows)))
+                starts += rows
+            return places
     ours = from_hf(name, cfg.family)
     if ours is None:
         return None
@@ -384,33 +285,14 @@ def check_fused_rows(name: str, rows: int, places: list[tuple[str, slice | None]
                           f"({' + '.join(str(r.stop - r.start) for _, r in places)})")
 
 
-def join_fused(hf_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Separate q/k/v and gate/up projections (Hugging Face names) as Phi-3's fused ones (the export)."""
-    parts = {part: fused for fused, group in _FUSED.items() for part in group}
-    out = {}
-    for name, tensor in hf_tensors.items():
-        suffix = next((p for p in parts if name.endswith(p)), None)
-        if suffix is None:
-            out[name] = tensor
-        elif suffix == _FUSED[parts[suffix]][0]:  # the first part: stack the group here
-            stem = name[: -len(suffix)]
-            out[stem + parts[suffix]] = torch.cat([hf_tensors[stem + p] for p in _FUSED[parts[suffix]]])
-    return out
-
-
-def state_dict_from_hf(hf_tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A family's tensors (Hugging Face names) as our parameters (``Transformer.state_dict`` names, the tied head
-    included when tied). A name with no place in the model is refused, not dropped."""
-    out = {}
-    for name, tensor in hf_tensors.items():
-        places = hf_places(name, cfg)
-        if places is None:
-            raise ConfigError(f"tensor {name} has no place in a {cfg.family} model (another architecture?)")
-        check_fused_rows(name, tensor.shape[0], places)
-        for ours, rows in places:
-            out[ours] = tensor if rows is None else tensor[rows]
-    if cfg.tie_embeddings and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
+def join_fused(hf_tensors: dict[str, torch.Tensor], fam: Family) -> dict[str, torch.Tensor]:
+    """Separate projections (Hugging Face names) stacked into the family's fused ones (the export)."""
+    out = dict(hf_tensors)
+    for fused, roles in fam.fused.items():
+        parts = [f"{PROJECTIONS[role][1]}.weight" for role in roles]
+        for name in [n for n in hf_tensors if n.endswith(parts[0])]:
+            stem = name[: -len(parts[0])]
+            out[f"{stem}{fused}.weight"] = torch.cat([out.pop(stem + part) for part in parts])
     return out
 
 
@@ -418,24 +300,4 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     """Our parameters as the family's tensors (the tied head left out, as transformers saves it)."""
     out = {to_hf(name, cfg.family): tensor for name, tensor in state.items()
            if not (cfg.tie_embeddings and name == "output.weight")}
-    return join_fused(out) if cfg.family == "phi3" else out
-
-
-def load_hf_tensors(model: torch.nn.Module, hf_tensors: dict[str, torch.Tensor]) -> None:
-    """Copy a family's tensors into ``model`` (a ``Transformer`` built for the matching ``ModelConfig``); a
-    missing, extra or misshapen tensor is a one-line ConfigError."""
-    cfg = model.cfg
-    state = state_dict_from_hf(hf_tensors, cfg)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    missing = [name for name in expected if name not in state]
-    if missing:
-        raise ConfigError(f"weights missing for {len(missing)} parameter(s), e.g. {to_hf(missing[0], cfg.family)} "
-                          f"(config.json and the safetensors do not match)")
-    extra = [name for name in state if name not in expected]
-    if extra:
-        raise ConfigError(f"tensor {to_hf(extra[0], cfg.family)} is not in a model of this config.json")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise ConfigError(f"{to_hf(name, cfg.family)} has shape {tuple(state[name].shape)} but config.json "
-                              f"implies {shape}")
-    model.load_state_dict(state)
+    return join_fused(out, family(cfg.family))

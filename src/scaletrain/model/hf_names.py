@@ -11,6 +11,8 @@ names. Module names have no ``.weight``/``.bias``; parameter names do.
 
 from __future__ import annotations
 
+from scaletrain.model.family import family as family_entry
+
 # Role (as users write it in finetune.lora_targets) -> (our module inside a block, Hugging Face module inside a
 # decoder layer). The order is the order roles are listed in messages.
 PROJECTIONS: dict[str, tuple[str, str]] = {
@@ -24,7 +26,7 @@ PROJECTIONS: dict[str, tuple[str, str]] = {
 }
 
 # Our module inside a block -> the Hugging Face module inside a decoder layer, projections and norms (Llama
-# layout; also Mistral, Qwen2/3, SmolLM and Phi-3 once its fused projections are split, model/families.py).
+# layout; a family's entry in model/family/ overrides the modules it names differently).
 BLOCK_MODULES: dict[str, str] = {
     **{ours: theirs for ours, theirs in PROJECTIONS.values()},
     "attention_norm": "input_layernorm",
@@ -32,13 +34,6 @@ BLOCK_MODULES: dict[str, str] = {
     "attention.q_norm": "self_attn.q_norm",  # Qwen3, Gemma 3 (model.qk_norm)
     "attention.k_norm": "self_attn.k_norm",
 }
-
-# Families whose blocks name a module differently: family -> {our module: theirs}, over BLOCK_MODULES. In Gemma 3
-# post_attention_layernorm normalizes the attention's *output* (our attention_post_norm, model.post_norms), and
-# the norm before the feed-forward, our ffn_norm, is pre_feedforward_layernorm.
-_GEMMA3_BLOCK = {"ffn_norm": "pre_feedforward_layernorm", "attention_post_norm": "post_attention_layernorm",
-                 "ffn_post_norm": "post_feedforward_layernorm"}
-FAMILY_BLOCK_MODULES: dict[str, dict[str, str]] = {"gemma3_text": _GEMMA3_BLOCK, "gemma3": _GEMMA3_BLOCK}
 
 # Our top-level parameter -> the Hugging Face one.
 TOP_LEVEL: dict[str, str] = {
@@ -60,8 +55,9 @@ def _split_param(name: str) -> tuple[str, str]:
 
 
 def block_modules(family: str = "llama") -> dict[str, str]:
-    """Our module inside a block -> the Hugging Face one, for ``family`` (a config.json model_type)."""
-    return {**BLOCK_MODULES, **FAMILY_BLOCK_MODULES.get(family, {})}
+    """Our module inside a block -> the Hugging Face one, for ``family`` (a config.json model_type): the Llama
+    layout with the modules the family's entry names differently (``model/family/``, ``block_modules``)."""
+    return {**BLOCK_MODULES, **family_entry(family).block_modules}
 
 
 def to_hf(name: str, family: str = "llama") -> str:

@@ -7,6 +7,7 @@ check them against ``sum(p.numel())`` of real modules.
 from __future__ import annotations
 
 from scaletrain.model.config import ModelConfig, head_width
+from scaletrain.model.family import presets as family_presets
 
 # Each preset sets only what differs from ModelConfig's defaults. vocab_size 0 means "from the data".
 PRESETS: dict[str, dict] = {
@@ -32,40 +33,8 @@ PRESETS: dict[str, dict] = {
                       multiple_of=4096,
                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
     # The open families' published shapes (their config.json as model/families.py reads it), for `scaletrain plan`
-    # before anything is downloaded. Parameter counts in the comments are the published ones.
-    # Qwen2.5-0.5B: 494M, q/k/v bias.
-    "qwen2.5-0.5b": dict(family="qwen2", dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_hidden_dim=4864,
-                         vocab_size=151936, max_seq_len=32768, rope_theta=1_000_000.0, norm_eps=1e-6,
-                         tie_embeddings=True, qkv_bias=True),
-    # Qwen3-0.6B: 596M, q/k norms, head_dim 128 (16 x 128 = 2048 != dim 1024).
-    "qwen3-0.6b": dict(family="qwen3", dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
-                       ffn_hidden_dim=3072, vocab_size=151936, max_seq_len=40960, rope_theta=1_000_000.0,
-                       norm_eps=1e-6, tie_embeddings=True, qk_norm=True),
-    # Llama 3.2 1B: 1.24B, rope scaling llama3.
-    "llama-3.2-1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192, vocab_size=128256,
-                         max_seq_len=131072, rope_theta=500000.0, rope_scaling="llama3", rope_scaling_factor=32.0,
-                         rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_seq_len=8192,
-                         tie_embeddings=True),
-    # SmolLM2-135M: 135M, a Llama.
-    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_hidden_dim=1536, vocab_size=49152,
-                         max_seq_len=8192, rope_theta=100000.0, tie_embeddings=True, init_std=0.041666666666666664),
-    # Gemma 3 270M: 268M (170M of it the embedding), 5 local layers (window 512, rotary base 10k) to 1 global.
-    "gemma-3-270m": dict(family="gemma3_text", dim=640, n_layers=18, n_heads=4, n_kv_heads=1, head_dim=256,
-                         ffn_hidden_dim=2048, vocab_size=262144, max_seq_len=32768, rope_theta=1_000_000.0,
-                         norm_eps=1e-6, tie_embeddings=True, qk_norm=True, activation="gelu_tanh",
-                         norm_plus_one=True, scale_embeddings=True, post_norms=True, query_pre_attn_scalar=256.0,
-                         sliding_window=512, sliding_layers=[i for i in range(18) if (i + 1) % 6],
-                         local_rope_theta=10000.0),
-    # Gemma 3 1B: 1.0B.
-    "gemma-3-1b": dict(family="gemma3_text", dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256,
-                       ffn_hidden_dim=6912, vocab_size=262144, max_seq_len=32768, rope_theta=1_000_000.0,
-                       norm_eps=1e-6, tie_embeddings=True, qk_norm=True, activation="gelu_tanh",
-                       norm_plus_one=True, scale_embeddings=True, post_norms=True, query_pre_attn_scalar=256.0,
-                       sliding_window=512, sliding_layers=[i for i in range(26) if (i + 1) % 6],
-                       local_rope_theta=10000.0),
-    # Mistral 7B v0.3: 7.25B, no sliding window.
-    "mistral-7b-v0.3": dict(family="mistral", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336,
-                            vocab_size=32768, max_seq_len=32768, rope_theta=1_000_000.0),
+    # before anything is downloaded: each family's entry lists its own (model/family/, ``presets``).
+    **family_presets(),
 }
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.config import (
+    OPTIMIZERS,
     ConfigError,
     DataConfig,
     FinetuneConfig,
@@ -80,7 +81,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                      help="auto = what `scaletrain train` picks on the target: bf16 mixed precision on GPUs, and on "
                           "a CPU bf16 where its bf16 matmuls measure at least 1.5x fp32's (else fp32); a --config's "
                           "train.precision when given")
-    src.add_argument("--optimizer", default=None, choices=("adamw", "muon"),
+    src.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                      help="the optimizer to plan for: adamw, or muon (one momentum buffer per block matrix; "
                           "Newton-Schulz in the step, FSDP2 gathers each matrix); default: a --config's optim.name, "
                           "else adamw")

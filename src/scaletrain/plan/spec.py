@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from scaletrain.config import (
+    OPTIMIZERS,
     ConfigError,
     DataConfig,
     DeepSpeedConfig,
@@ -43,6 +44,12 @@ class Workload:
     # changes the optimizer's memory (one momentum buffer a matrix) and time (Newton-Schulz, FSDP2's gathers)
     optimizer: str = "adamw"
     muon_adapters: bool = False  # optim.muon_adapters: with muon, LoRA's lora_A / lora_B are Muon matrices too
+
+    def __post_init__(self):
+        # the memory and time models know these optimizers' states and steps; another would be modelled as AdamW
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"the planner models optimizers {', '.join(OPTIMIZERS)}, not {self.optimizer!r} (its "
+                              f"state bytes and step would be AdamW's guesses)")
 
     @property
     def params(self) -> int:

@@ -21,7 +21,6 @@ The NaN/Inf guard sees every step's loss and gradient norm and still rolls back 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,14 +30,13 @@ from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.deepspeed_format import TAG, convert_to_universal, is_deepspeed_checkpoint
 from scaletrain.checkpoint.manager import CheckpointError
 from scaletrain.checkpoint.training import (
-    RNGState,
     TrainState,
-    checkpoint_to_resume,
-    fallback_note,
+    checkpoint_meta,
+    restore_local,
+    resume_run,
     roll_back_to_latest,
-    saved_config,
 )
-from scaletrain.config import JobConfig, to_toml
+from scaletrain.config import JobConfig
 from scaletrain.model import build_model
 from scaletrain.parallel import ParallelDims, ParallelModel
 from scaletrain.parallel.deepspeed_engine import (
@@ -130,15 +128,10 @@ class DeepSpeedCheckpoint:
         return self.pm.parts[0]
 
     def meta(self) -> dict:
-        cfg, dims, stage = self.cfg, self.pm.dims, self.ds_config["zero_optimization"]["stage"]
-        return {"engine": "deepspeed", "zero_stage": stage,
-                "tokens_seen": self.state.tokens_seen, "dp_size": dims.dp_size,
-                "plan": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": 1, "pp": 1, "cp": 1,
-                         "zero_stage": stage, "low_comm": "none"},
-                "global_batch": {"sequences": cfg.train.batch_size * cfg.train.grad_accum_steps * dims.dp_size,
-                                 "seq_len": cfg.data.seq_len},
-                "optimizer_state": True,
-                "config_sha256": hashlib.sha256(to_toml(saved_config(cfg), comments=False).encode()).hexdigest()}
+        dims, stage = self.pm.dims, self.ds_config["zero_optimization"]["stage"]
+        plan = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": 1, "pp": 1, "cp": 1,
+                "zero_stage": stage, "low_comm": "none"}
+        return checkpoint_meta(self.cfg, self.state, dims.dp_size, plan, True, engine="deepspeed", zero_stage=stage)
 
     def save(self, blocking: bool = True) -> Path:
         """DeepSpeed writes synchronously, whatever ``blocking`` asks."""
@@ -168,21 +161,11 @@ class DeepSpeedCheckpoint:
                                                    load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f"{path}: DeepSpeed could not load its checkpoint")
-        local, own = self.manager.load_local(path)
-        for name in local_names:
-            if name == "rng" and not own:  # another world size: fresh streams, as the native engine does
-                RNGState.reseed(self.cfg.train.seed, int(meta["step"]), self.manager.rank)
-            elif name in local:
-                self.local[name].load_state_dict(local[name])
+        restore_local(self.manager, path, self.local, local_names, self.cfg.train.seed, int(meta["step"]))
         return meta
 
     def resume(self) -> Path | None:
-        path = checkpoint_to_resume(self.manager, self.message)
-        if path is None:
-            return None
-        self.load(path, tuple(self.local))
-        self.message(f"resumed from {path} (step {self.state.step}, DeepSpeed checkpoint){fallback_note(self.manager)}")
-        return path
+        return resume_run(self, lambda meta: ", DeepSpeed checkpoint")
 
     def roll_back(self) -> Path | None:
         return roll_back_to_latest(self)

@@ -17,7 +17,7 @@ import torch
 
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.run_folder import RunLock, checkpoint_bytes, disk_verdict, take_run_folder
-from scaletrain.checkpoint.training import RNGState, TrainState, match_global_batch, saved_config
+from scaletrain.checkpoint.training import RNGState, TrainState, global_batch, match_global_batch, saved_config
 from scaletrain.config import ConfigError, JobConfig, to_toml
 from scaletrain.data.loader import block_causal_mask
 from scaletrain.data.run_data import training_data, validation_batches
@@ -162,8 +162,7 @@ class Trainer:
         self.checkpoint = self.engine.checkpoint(self.checkpoint_store, self.pm, self.optimizer, local_state,
                                                  self.state, cfg, self._message)
         # Tokens per optimizer step over all data-parallel ranks (a preference pair is two rows: rows_per_example).
-        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len * cfg.train.grad_accum_steps * dims.dp_size \
-            * rows_per_example(cfg.finetune)
+        self.tokens_per_step = global_batch(cfg, dims.dp_size) * cfg.data.seq_len * rows_per_example(cfg.finetune)
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.device, self.precision,
                                      self.env.world_size, self.env.rank, self._message)
