@@ -108,6 +108,12 @@ class TrainConfig:
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default (or OMP_NUM_THREADS), fewer when other "
                           "processes hold cores they need, checked at the start and when steps run far beyond "
                           "the estimate (train/contention.py); N pins the count", ge=0)
+    loss_chunk_rows: int = opt(-1, "the next-token loss by chunks of this many positions, so the whole logits tensor "
+                                   "(tokens x vocabulary) never exists in forward or backward (model/loss.py, "
+                                   "docs/training.md); -1 = auto: chunks of 32 MB of fp32 logits when a batch's "
+                                   "logits pass that; 0 = off (the whole logits, as before); not with parallel.tp, "
+                                   "parallel.pp, the deepspeed engine or a teacher (they keep the whole logits)",
+                               ge=-1)
     eval_interval: int = opt(250, "evaluate val loss every N steps (and at the end); 0 = only at the end", ge=0)
     eval_batches: int = opt(20, "batches per evaluation", ge=1)
     sample_tokens: int = opt(200, "tokens of text sampled at each evaluation; 0 = none", ge=0)
