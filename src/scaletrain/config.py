@@ -288,8 +288,15 @@ class FinetuneConfig:
                                       "the learning rate of the rest (16 in the paper; peft's "
                                       "create_loraplus_optimizer); 1 = plain LoRA", gt=0)
     instructions: str = opt("", "a JSONL file of {\"prompt\", \"response\"} or {\"messages\": [...]} lines to train on "
-                                "instead of data.path, loss on the responses only, one example a padded row "
-                                "(docs/finetuning.md); data.val_fraction of the examples are held out")
+                                "instead of data.path, loss on the responses only, packed or padded rows "
+                                "(finetune.packing; docs/finetuning.md); data.val_fraction of the examples are held "
+                                "out")
+    packing: str = opt("auto", "instructions: several examples a row (true: a block-causal mask keeps each to itself, "
+                               "positions restart per example, padding only at a row's end), one example a padded "
+                               "row (false), or auto: packed for full, lora and qlora, padded for prompt and prefix "
+                               "(their virtual tokens would be shared by the examples of a row) and with "
+                               "parallel.pp or parallel.cp (the mask does not travel)",
+                       choices=("auto", "true", "false"))
     chat_template: str = opt("auto", "instructions: the template conversations are rendered in: base (the base's "
                                      "own chat_template, e.g. Qwen3's ChatML, Llama 3's headers; an error if it has "
                                      "none), plain (scaletrain's \"User:\" / \"Assistant:\" text) or auto (base when "

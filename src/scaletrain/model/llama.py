@@ -399,6 +399,10 @@ class Transformer(nn.Module):
         ``last_only`` (generation): the logits of the last position only, (B, 1, vocab): the head runs on one
         position instead of all T (a long prompt's prefill would otherwise hold T x vocab logits).
 
+        ``attn_mask`` (B, 1, T, T) bool, True = visible: a block-causal mask of packed documents (finetune.packing,
+        data.document_attention); each position's rotary angle is then its index within its document
+        (``document_positions``), as if each document were a sequence of its own.
+
         ``targets`` (B, T), -100 where no target: the mean next-token loss instead of the logits, computed by
         chunks of ``loss_rows`` positions (default ``model.loss.chunk_rows``) so the whole logits tensor never
         exists (``model/loss.py``); columns >= ``vocab_limit`` (a padded vocabulary) take no softmax mass. Inside
@@ -407,9 +411,10 @@ class Transformer(nn.Module):
             return self._forward_cached(tokens, cache, padding, last_only)
         h = self.embed(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)
         seqlen = h.shape[1]
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]  # (T, hd)
+        positions = document_positions(attn_mask) if attn_mask is not None else slice(seqlen)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, hd), or (B, T, hd) per document
         if has_local_rope(self.cfg):
-            local = self.rope_cos_local[:seqlen], self.rope_sin_local[:seqlen]
+            local = self.rope_cos_local[positions], self.rope_sin_local[positions]
             for layer in self.layers.values():
                 h = layer(h, *(local if layer.local_rope else (cos, sin)), attn_mask)
         else:
@@ -472,6 +477,13 @@ class Transformer(nn.Module):
         logits = self._head(self.norm(h), last_only, cache)
         cache.end(seqlen)
         return logits
+
+
+def document_positions(attn_mask: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) block-causal mask -> (B, T) int64: each query's position within its document, which is the
+    number of keys it sees before itself (a causal mask confined to contiguous documents: the keys it sees are
+    its document's first tokens up to itself)."""
+    return attn_mask[:, 0].sum(-1) - 1
 
 
 def check_rope(cfg: ModelConfig) -> None:

@@ -39,6 +39,16 @@ def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
+def rows_at_once(positions: int, vocab_size: int, setting: int = -1) -> int:
+    """Positions whose logits the loss holds at once for a batch of ``positions`` under ``train.loss_chunk_rows``
+    = ``setting`` (-1 auto: ``chunk_rows``; 0 off; N): ``positions`` when the whole logits are computed (off, or
+    when they fit in one chunk anyway). The trainer (``parallel.parallelize.loss_chunk_rows``) and the planner
+    (``plan.memory``) both ask this."""
+    if setting == 0:
+        return positions
+    return min(positions, setting if setting > 0 else chunk_rows(vocab_size))
+
+
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, multiplier: float, softcap: float,
                   vocab_limit: int) -> torch.Tensor:
     """hidden (n, d), weight (V, d) -> fp32 logits (n, V) exactly as the head + the plain loss compute them."""

@@ -24,7 +24,7 @@ from torch import nn
 
 from scaletrain.config import ModelConfig, ParallelConfig
 from scaletrain.model.config import has_local_rope
-from scaletrain.model.loss import chunk_rows, chunkable_head
+from scaletrain.model.loss import chunkable_head, rows_at_once
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile, compiles_whole_model
 from scaletrain.parallel.context import context_parallel_context
@@ -246,8 +246,8 @@ def loss_chunk_rows(pm: ParallelModel, inputs: torch.Tensor) -> int:
     if (pm.loss_rows == 0 or pm.tp_enabled or pm.pipeline is not None or "loss_fn" in vars(pm)
             or not chunkable_head(getattr(model, "output", None))):
         return 0
-    rows = pm.loss_rows if pm.loss_rows > 0 else chunk_rows(model.output.weight.shape[0])
-    return rows if inputs.numel() > rows else 0
+    rows = rows_at_once(inputs.numel(), model.output.weight.shape[0], pm.loss_rows)
+    return rows if rows < inputs.numel() else 0
 
 
 def _cp_context(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor):
