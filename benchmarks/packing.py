@@ -143,7 +143,9 @@ def main() -> int:
     speedup = rows[1]["target_tokens_per_second"] / rows[0]["target_tokens_per_second"]
     print(f"packed / padded target tokens/s: {speedup:.2f}x (wall clock: noise on a shared machine); "
           f"|packed - padded| loss over {args.equality_examples} examples: {difference:.2e}")
-    result = {"seq_len": SEQ, "source": args.source, "examples": len(examples),
+    source = Path(args.source).resolve()
+    result = {"seq_len": SEQ, "source": str(source.relative_to(ROOT) if source.is_relative_to(ROOT) else source),
+              "examples": len(examples),
               "length_percentiles": {str(p): float(np.percentile(lengths, p)) for p in (10, 50, 90, 100)},
               "model": {"dim": args.dim, "layers": args.layers}, "batch": args.batch, "steps": args.steps,
               "threads": torch.get_num_threads(), "rows": rows, "speedup": speedup,
