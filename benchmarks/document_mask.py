@@ -78,7 +78,9 @@ def main() -> int:
               f"{r['median_step_ms_noisy']:.1f} |")
     print(f"windows of {args.seq_len} tokens holding a document boundary: {100 * crossing:.2f}%; "
           f"the mask: {mask_bytes / 2**20:.1f} MiB a micro-batch")
-    write_result(args.out, {"data": args.data, "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
+    data = Path(args.data).resolve()
+    shown = f"../{data.relative_to(ROOT.parent)}" if data.is_relative_to(ROOT.parent) else str(data)
+    write_result(args.out, {"data": shown, "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch,
                             "rows": rows, "crossing_fraction": crossing, "mask_bytes": mask_bytes,
                             "bpb_difference": rows[1]["val_bpb"] - rows[0]["val_bpb"]})
     print(f"wrote {args.out}")
