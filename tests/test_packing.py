@@ -124,10 +124,11 @@ def _args(base: Path, run: Path, tiny, **extra) -> list[str]:
     return ["finetune", "--from", str(base)] + [f"--{k}={v}" for k, v in over.items()]
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method", ["lora", "dora", "full"])
 def test_packed_finetune_resumes_bitwise(hf_base, tmp_path, tiny, method):
     """Stop at step 3 and resume to 6 == 6 steps straight, packed (the loader's rows and cursor are restored)."""
-    extra = {"finetune.method": method, "finetune.packing": "true", "checkpoint.interval": 3}
+    extra = {"finetune.method": "lora" if method == "dora" else method, "finetune.dora": method == "dora",
+             "finetune.packing": "true", "checkpoint.interval": 3}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert main(_args(hf_base, straight, tiny, **extra)) == 0
     assert main(_args(hf_base, resumed, tiny, **extra, **{"train.stop_at_step": 3})) == 0
