@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import scaletrain.model.loss as loss_module
 import scaletrain.parallel.parallelize as parallelize
 from scaletrain.config import ModelConfig
 from scaletrain.model import build_model
@@ -21,6 +22,8 @@ class _WholeModel:
 
     sharded = False
     pipeline = None
+    tp_enabled = False
+    loss_rows = -1
     dims = SimpleNamespace(cp=1)
 
     def __init__(self, model, vocab_limit=None):
@@ -48,11 +51,11 @@ def test_evaluation_past_the_logits_budget_runs_the_head_by_chunks_with_the_same
     with torch.no_grad():
         whole = parallelize.forward_loss(pm, inputs, targets)  # 3 x 16 x 1024 x 4 bytes: under the budget
         rows: list[int] = []
-        model.output.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
-        monkeypatch.setattr(parallelize, "EVAL_LOGITS_BYTES", 10 * 1024 * 4)  # 10 positions' logits at a time
+        real = loss_module._chunk_logits
+        monkeypatch.setattr(loss_module, "_chunk_logits", lambda h, *a: rows.append(h.shape[0]) or real(h, *a))
+        pm.loss_rows = 10  # 10 positions' logits at a time
         chunked = parallelize.forward_loss(pm, inputs, targets)
-    assert rows and max(rows) == 10 and sum(rows) <= 48  # never the whole batch's 48 positions at once
-    assert len(rows) == (4 if masked else 5)  # (with targets masked out, a chunk of none is not computed)
+    assert rows == [10, 10, 10, 10, 8]  # never the whole batch's 48 positions at once
     assert chunked.item() == pytest.approx(whole.item(), rel=1e-6)
     assert (torch.isfinite(chunked)).item()
 
@@ -64,7 +67,7 @@ def test_the_chunked_loss_is_not_used_for_a_replaced_loss(monkeypatch):
     pm = _WholeModel(model)
     seen = []
     pm.loss_fn = lambda logits, targets: seen.append(logits.shape) or logits.float().mean()
-    monkeypatch.setattr(parallelize, "EVAL_LOGITS_BYTES", 1)
+    pm.loss_rows = 1
     with torch.no_grad():
         parallelize.forward_loss(pm, torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
     assert seen == [torch.Size([2, 8, 256])]

@@ -112,6 +112,12 @@ class TrainConfig:
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default (or OMP_NUM_THREADS), fewer when other "
                           "processes hold cores they need, checked at the start and when steps run far beyond "
                           "the estimate (train/contention.py); N pins the count", ge=0)
+    loss_chunk_rows: int = opt(-1, "the next-token loss by chunks of this many positions, so the whole logits tensor "
+                                   "(tokens x vocabulary) never exists in forward or backward (model/loss.py, "
+                                   "docs/training.md); -1 = auto: chunks of 32 MB of fp32 logits when a batch's "
+                                   "logits pass that; 0 = off (the whole logits, as before); not with parallel.tp, "
+                                   "parallel.pp, the deepspeed engine or a teacher (they keep the whole logits)",
+                               ge=-1)
     eval_interval: int = opt(250, "evaluate val loss every N steps (and at the end); 0 = only at the end", ge=0)
     eval_batches: int = opt(20, "batches per evaluation", ge=1)
     sample_tokens: int = opt(200, "tokens of text sampled at each evaluation; 0 = none", ge=0)
@@ -286,8 +292,15 @@ class FinetuneConfig:
                                       "the learning rate of the rest (16 in the paper; peft's "
                                       "create_loraplus_optimizer); 1 = plain LoRA", gt=0)
     instructions: str = opt("", "a JSONL file of {\"prompt\", \"response\"} or {\"messages\": [...]} lines to train on "
-                                "instead of data.path, loss on the responses only, one example a padded row "
-                                "(docs/finetuning.md); data.val_fraction of the examples are held out")
+                                "instead of data.path, loss on the responses only, packed or padded rows "
+                                "(finetune.packing; docs/finetuning.md); data.val_fraction of the examples are held "
+                                "out")
+    packing: str = opt("auto", "instructions: several examples a row (true: a block-causal mask keeps each to itself, "
+                               "positions restart per example, padding only at a row's end), one example a padded "
+                               "row (false), or auto: packed for full, lora and qlora, padded for prompt and prefix "
+                               "(their virtual tokens would be shared by the examples of a row) and with "
+                               "parallel.pp or parallel.cp (the mask does not travel)",
+                       choices=("auto", "true", "false"))
     chat_template: str = opt("auto", "instructions: the template conversations are rendered in: base (the base's "
                                      "own chat_template, e.g. Qwen3's ChatML, Llama 3's headers; an error if it has "
                                      "none), plain (scaletrain's \"User:\" / \"Assistant:\" text) or auto (base when "

@@ -70,6 +70,15 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
 }
 
 COMPILE_SUFFIX = "_compile"
+# "X_chunked": X with the chunked loss (model/loss.py) at 24 positions a chunk (the tiny logits would not pass
+# the automatic threshold): the model returns the loss, the head's weight gathered by FSDP2 inside its forward.
+CHUNKED_SUFFIX = "_chunked"
+CHUNK_ROWS = 24
+
+
+def loss_rows_of(name: str) -> int:
+    """train.loss_chunk_rows of a strategy name (the suffix is taken off before ``resolve``)."""
+    return CHUNK_ROWS if name.endswith(CHUNKED_SUFFIX) else -1
 PADDED_SUFFIX = "_padded"
 MUON_SUFFIX = "_muon"  # optim.name = muon (train/muon.py), the reference too; before any _padded / _compile
 MUON = dataclasses.replace(OPTIM, name="muon")
@@ -131,16 +140,20 @@ def reference_losses(accum: int, device: torch.device | None = None, vocab_limit
     return losses
 
 
-def job(fields: dict, accum: int = 1, compile: bool = False, optim: OptimConfig = OPTIM) -> JobConfig:
-    """The tiny job of every strategy: only the [parallel] section, accumulation, compile and optimizer differ."""
+def job(fields: dict, accum: int = 1, compile: bool = False, optim: OptimConfig = OPTIM,
+        loss_rows: int = -1) -> JobConfig:
+    """The tiny job of every strategy: only the [parallel] section, accumulation, compile, optimizer and the
+    chunked loss differ."""
     return JobConfig(model=MODEL, optim=optim, parallel=ParallelConfig(**fields),
-                     train=TrainConfig(seed=SEED, compile="true" if compile else "false", grad_accum_steps=accum))
+                     train=TrainConfig(seed=SEED, compile="true" if compile else "false", grad_accum_steps=accum,
+                                       loss_chunk_rows=loss_rows))
 
 
 def parallel_losses(fields: dict, accum: int, compile: bool, device: torch.device,
-                    vocab_limit: int | None = None, optim: OptimConfig = OPTIM) -> tuple[list[float], dict]:
+                    vocab_limit: int | None = None, optim: OptimConfig = OPTIM,
+                    loss_rows: int = -1) -> tuple[list[float], dict]:
     """The trainer's own build and step (``build_parallel_training`` + ``training_step``) for one strategy."""
-    cfg = job(fields, accum, compile, optim)
+    cfg = job(fields, accum, compile, optim, loss_rows)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size())
     local_batch = GLOBAL_BATCH // accum // dims.dp_size
     dims.check_model(cfg.parallel, MODEL, SEQ, local_batch)
@@ -216,12 +229,12 @@ def main() -> int:
             print(f"{name:>16}: memory " + " | ".join(f"rank {r['rank']}: P {r['params_at_rest']}/"
                   f"{r['params_in_step']} G {r['grads']} O {r['optimizer_states']}" for r in gathered), flush=True)
     for name in filter(None, args.strategies.split(",")):
-        fields, accum, compiled, vocab_limit, optim = resolve(name)
+        fields, accum, compiled, vocab_limit, optim = resolve(name.removesuffix(CHUNKED_SUFFIX))
         key = (vocab_limit, optim.name)
         if key not in ref_cache:  # always one eager process and one batch of k * b rows, whatever k is
             ref_cache[key] = reference_losses(1, device, vocab_limit, optim)
         ref = ref_cache[key]
-        losses, info = parallel_losses(fields, accum, compiled, device, vocab_limit, optim)
+        losses, info = parallel_losses(fields, accum, compiled, device, vocab_limit, optim, loss_rows_of(name))
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
         records.append({"kind": "parity", "strategy": name, "world_size": dist.get_world_size(),
                         "grad_accum_steps": accum, "vocab_limit": vocab_limit,

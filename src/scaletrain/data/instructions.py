@@ -23,10 +23,12 @@ Two templates, chosen by ``finetune.chat_template`` (``uses_base_template``):
   tokens (and ``end``) are targets. The pieces are encoded one by one without special tokens, after the ones
   the tokenizer puts before every text (Llama 3's ``<|begin_of_text|>``), once.
 
-Everything that is no target has target -100, which ``F.cross_entropy`` ignores. Padded, not packed: one
-example a row, cut at ``seq_len + 1`` tokens (counted and reported) and padded with target -100, so no example
-attends to another and every loss token belongs to its own example. The loss is the mean over a
-micro-batch's answer tokens.
+Everything that is no target has target -100, which ``F.cross_entropy`` ignores. Each example is cut at
+``seq_len + 1`` tokens (counted and reported). Padded (``make_rows``): one example a row, padded with target -100.
+Packed (``pack_rows``, finetune.packing): several examples a row, padding only at its end, with document ids
+that the trainer turns into a block-causal mask, and rotary positions restarting at each example (the model
+counts them from the mask), so no example attends to another and each example's loss is its padded loss. Either
+way the loss is the mean over a micro-batch's answer tokens.
 
 ``render_prompt`` gives generation the prompt a model fine-tuned either way reads, ``stop_ids`` the tokens
 that end its answer;
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import json
 import sys
+from bisect import bisect_left, insort
 from collections.abc import Iterator
 from functools import lru_cache, partial
 from pathlib import Path
@@ -204,18 +207,62 @@ def make_rows(examples: list, seq_len: int, pad_id: int = 0) -> tuple[torch.Tens
     return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 
+def pack_rows(examples: list, seq_len: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets, doc_ids), each (R, seq_len): several examples a row, padding only at a row's end.
+
+    Each example is cut at ``seq_len + 1`` tokens as ``make_rows`` cuts it and takes ``len - 1`` positions; rows
+    are filled best-fit decreasing (the longest example first, into the row it leaves the least room in), a
+    deterministic function of the examples, so a resume finds the same rows. ``doc_ids`` numbers the examples of
+    a row 0, 1, ... and gives the padding one more id of its own: the block-causal mask
+    (``data.loader.block_causal_mask``) keeps every example from seeing another, and the padding sees only
+    padding (no query is left without a key). Targets of padding are -100."""
+    lengths = [min(len(ids), seq_len + 1) - 1 for ids, _ in examples]
+    rows: list[list[int]] = []  # example indices of each row
+    room: list[tuple[int, int]] = []  # (free positions, row), sorted: the best fit is the first with enough room
+    for index in sorted(range(len(examples)), key=lambda i: (-lengths[i], i)):
+        slot = bisect_left(room, (lengths[index], -1))
+        if slot == len(room):
+            rows.append([])
+            free, row = seq_len, len(rows) - 1
+        else:
+            free, row = room.pop(slot)
+        rows[row].append(index)
+        if free - lengths[index] > 0:
+            insort(room, (free - lengths[index], row))
+    inputs = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
+    targets = np.full((len(rows), seq_len), IGNORE, dtype=np.int64)
+    doc_ids = np.zeros((len(rows), seq_len), dtype=np.int64)
+    for r, members in enumerate(rows):
+        start = 0
+        for doc, index in enumerate(members):
+            ids, is_target = examples[index][0][:seq_len + 1], examples[index][1][:seq_len + 1]
+            end = start + len(ids) - 1
+            inputs[r, start:end] = ids[:-1]
+            targets[r, start:end] = np.where(is_target[1:], ids[1:], IGNORE)
+            doc_ids[r, start:end] = doc
+            start = end
+        doc_ids[r, start:] = len(members)  # the padding: a document of its own
+    return torch.from_numpy(inputs), torch.from_numpy(targets), torch.from_numpy(doc_ids)
+
+
 def truncated(examples: list, seq_len: int) -> int:
     return sum(len(ids) > seq_len + 1 for ids, _ in examples)
 
 
 class InstructionLoader:
-    """``TokenLoader``'s interface over padded instruction rows: (inputs, targets) batches forever, each
+    """``TokenLoader``'s interface over instruction rows: (inputs, targets) batches forever - (inputs, targets,
+    doc_ids) when ``packed`` (``pack_rows``: the trainer turns the ids into a block-causal mask) - each
     data-parallel rank its slice of one global batch, the order a pure function of (seed, epoch), and a
-    ``state_dict`` so a resume continues with the next unseen example."""
+    ``state_dict`` so a resume continues with the next unseen row."""
 
     def __init__(self, examples: list, seq_len: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True):
-        self.inputs, self.targets = make_rows(examples, seq_len)
+                 seed: int = 0, shuffle: bool = True, packed: bool = False):
+        self.packed = packed
+        self.doc_ids = None
+        if packed:
+            self.inputs, self.targets, self.doc_ids = pack_rows(examples, seq_len)
+        else:
+            self.inputs, self.targets = make_rows(examples, seq_len)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.shuffle, self.seq_len = seed, shuffle, seq_len
         self.epoch, self.cursor = 0, 0
@@ -227,8 +274,10 @@ class InstructionLoader:
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[torch.Tensor, ...]:
         mine = self._next_rows()
+        if self.doc_ids is not None:
+            return self.inputs[mine], self.targets[mine], self.doc_ids[mine]
         return self.inputs[mine], self.targets[mine]
 
     def _next_rows(self) -> torch.Tensor:
@@ -246,10 +295,11 @@ class InstructionLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
-                "examples": len(self.inputs)}
+                "examples": len(self.inputs), "packed": self.packed}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seq_len", "seed", "examples"):
+        state = {"packed": False, **state}  # a checkpoint from before packing was padded
+        for key in ("seq_len", "seed", "examples", "packed"):
             if state.get(key) != self.state_dict()[key]:
                 raise DataError(f"cannot resume the instruction data: {key} was {state.get(key)}, now "
                                 f"{self.state_dict()[key]}")

@@ -96,10 +96,21 @@ class TrainingData:
                                     world_size=dp_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
         if self.instructions is not None:
             return InstructionLoader(self.instructions[0], cfg.data.seq_len, cfg.train.batch_size, rank=dp_rank,
-                                     world_size=dp_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+                                     world_size=dp_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
+                                     packed=packs_instructions(cfg))
         return TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
                            rank=0 if balanced else dp_rank, world_size=1 if balanced else dp_size,
                            seed=cfg.train.seed, shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
+
+
+def packs_instructions(cfg: JobConfig) -> bool:
+    """Whether finetune.packing packs the instruction rows: true, or auto for the methods whose examples can share
+    a row (not prompt/prefix tuning: the virtual tokens in front of a row would be every example's) and a layout
+    the mask reaches (not pipeline or context parallelism). ``train.validate`` refuses ``true`` where it cannot."""
+    packing = cfg.finetune.packing
+    if packing != "auto":
+        return packing == "true"
+    return cfg.finetune.method not in ("prompt", "prefix") and cfg.parallel.pp == 1 and cfg.parallel.cp == 1
 
 
 def training_data(cfg: JobConfig, is_main: bool = True, say: Callable[[str], None] = print,

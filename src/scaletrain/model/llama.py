@@ -22,6 +22,7 @@ from torch import nn
 
 from scaletrain.model.cache import KVCache, LayerCache
 from scaletrain.model.config import ModelConfig, has_local_rope, head_width, is_sliding
+from scaletrain.model.loss import chunked_cross_entropy
 from scaletrain.model.mup import attention_scale, hidden_init_scale, output_multiplier
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 from scaletrain.options import ConfigError
@@ -386,7 +387,8 @@ class Transformer(nn.Module):
             nn.init.ones_(module.weight)
 
     def forward(self, tokens: torch.Tensor, attn_mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                padding: torch.Tensor | None = None, last_only: bool = False, hidden_only: bool = False
+                padding: torch.Tensor | None = None, last_only: bool = False, hidden_only: bool = False,
+                targets: torch.Tensor | None = None, vocab_limit: int | None = None, loss_rows: int | None = None
                 ) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). On a middle pipeline stage, hidden in / hidden out.
         ``hidden_only``: the final norm's output (B, T, d) without the head, for a caller that runs ``head``
@@ -395,14 +397,24 @@ class Transformer(nn.Module):
         With ``cache`` (generation, ``model/cache.py``): the tokens follow the cached ones; ``padding`` (B, T)
         bool marks left padding. Without (training, evaluation) nothing below the first ``if`` changes.
         ``last_only`` (generation): the logits of the last position only, (B, 1, vocab): the head runs on one
-        position instead of all T (a long prompt's prefill would otherwise hold T x vocab logits)."""
+        position instead of all T (a long prompt's prefill would otherwise hold T x vocab logits).
+
+        ``attn_mask`` (B, 1, T, T) bool, True = visible: a block-causal mask of packed documents (finetune.packing,
+        data.document_attention); each position's rotary angle is then its index within its document
+        (``document_positions``), as if each document were a sequence of its own.
+
+        ``targets`` (B, T), -100 where no target: the mean next-token loss instead of the logits, computed by
+        chunks of ``loss_rows`` positions (default ``model.loss.chunk_rows``) so the whole logits tensor never
+        exists (``model/loss.py``); columns >= ``vocab_limit`` (a padded vocabulary) take no softmax mass. Inside
+        the forward, so a sharded data-parallel wrapper (FSDP2) holds the head's weight gathered while it runs."""
         if cache is not None:
             return self._forward_cached(tokens, cache, padding, last_only)
         h = self.embed(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)
         seqlen = h.shape[1]
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]  # (T, hd)
+        positions = document_positions(attn_mask) if attn_mask is not None else slice(seqlen)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, hd), or (B, T, hd) per document
         if has_local_rope(self.cfg):
-            local = self.rope_cos_local[:seqlen], self.rope_sin_local[:seqlen]
+            local = self.rope_cos_local[positions], self.rope_sin_local[positions]
             for layer in self.layers.values():
                 h = layer(h, *(local if layer.local_rope else (cos, sin)), attn_mask)
         else:
@@ -411,7 +423,18 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         if self.output is None or hidden_only:
             return h
+        if targets is not None:
+            return self.chunked_loss(h, targets, vocab_limit, loss_rows)
         return self._head(h, last_only)
+
+    def chunked_loss(self, h: torch.Tensor, targets: torch.Tensor, vocab_limit: int | None = None,
+                     rows: int | None = None) -> torch.Tensor:
+        """The mean next-token loss of the normed hidden states h (B, T', d) against targets (B, T) through the
+        output head, by chunks of positions (``model/loss.py``). Prompt tuning's head reads the real positions
+        only (its ``virtual_tokens`` come first), as its forward does."""
+        h = h[:, getattr(self.output, "virtual_tokens", 0):]  # (B, T, d)
+        return chunked_cross_entropy(h, self.output.weight, targets, multiplier=self.output_multiplier,
+                                     vocab_limit=vocab_limit, rows=rows)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """h (..., d), the final norm's output -> logits (..., vocab): the output layer (and muP's multiplier)."""
@@ -454,6 +477,13 @@ class Transformer(nn.Module):
         logits = self._head(self.norm(h), last_only, cache)
         cache.end(seqlen)
         return logits
+
+
+def document_positions(attn_mask: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) block-causal mask -> (B, T) int64: each query's position within its document, which is the
+    number of keys it sees before itself (a causal mask confined to contiguous documents: the keys it sees are
+    its document's first tokens up to itself)."""
+    return attn_mask[:, 0].sum(-1) - 1
 
 
 def check_rope(cfg: ModelConfig) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from scaletrain.config import ModelConfig, ParallelConfig
 from scaletrain.model.config import has_local_rope
+from scaletrain.model.loss import chunkable_head, rows_at_once
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile, compiles_whole_model
 from scaletrain.parallel.context import context_parallel_context
@@ -49,6 +50,7 @@ class ParallelModel:
     comm: CommCounter = field(default_factory=CommCounter)
     dp_rank: int = 0
     vocab_limit: int | None = None  # the tokenizer's vocabulary when the model's is padded (see cross_entropy)
+    loss_rows: int = -1  # the chunked loss's positions a chunk (model/loss.py): -1 auto, 0 the whole logits
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -221,49 +223,31 @@ def forward_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor,
         with autocast(), pm.loss_context():
             return pm.pipeline.eval(inputs, targets)
     with _cp_context(pm, inputs, targets), pm.loss_context():
-        return _eval_loss(pm, inputs, targets, autocast, attn_mask)
+        return _loss(pm, inputs, targets, autocast, attn_mask)
 
 
 def _loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, autocast,
           attn_mask: torch.Tensor | None) -> torch.Tensor:
+    rows = loss_chunk_rows(pm, inputs)
     with autocast():
+        if rows:  # the model returns the loss, its head run by chunks (model/loss.py)
+            return pm.parts[0](inputs, attn_mask=attn_mask, targets=targets, vocab_limit=pm.vocab_limit,
+                               loss_rows=rows)
         return pm.loss_fn(pm.parts[0](inputs, attn_mask=attn_mask), targets)
 
 
-# The most bytes of fp32 logits an evaluation batch holds at once; past it the head and the loss run over
-# chunks of positions (``_chunked_loss``). A 151,936-token vocabulary x 4 x 64 positions is 156 MB a copy, and
-# the loss made two more (the fp32 cast, log_softmax's output), page-faulted fresh on every batch on a CPU.
-EVAL_LOGITS_BYTES = 32 * 2**20
-
-
-def _eval_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, autocast,
-               attn_mask: torch.Tensor | None) -> torch.Tensor:
-    """``_loss`` without a backward: by chunks of positions when the batch's logits would pass
-    ``EVAL_LOGITS_BYTES`` on a model held whole (no FSDP/TP/PP/CP) with the plain loss (not distillation's)."""
+def loss_chunk_rows(pm: ParallelModel, inputs: torch.Tensor) -> int:
+    """Positions a chunk of the chunked loss for this batch, or 0 for the plain loss on the whole logits: with
+    ``loss_rows`` 0, when the batch's logits fit in one chunk anyway, and where the logits must exist whole -
+    tensor parallelism (its logits are vocabulary-sharded already: ``loss_parallel`` holds V / tp columns a rank,
+    and the chunked product would need the head's DTensor weight), the pipeline (its schedule calls the loss on
+    the last stage's output logits) and a replaced loss (distillation compares them with the teacher's)."""
     model = pm.modules[0]
-    vocab = getattr(getattr(model, "cfg", None), "vocab_size", 0)
-    whole = not pm.sharded and pm.pipeline is None and "loss_fn" not in vars(pm) and hasattr(model, "head")
-    if not whole or inputs.numel() * vocab * 4 <= EVAL_LOGITS_BYTES:
-        return _loss(pm, inputs, targets, autocast, attn_mask)
-    with autocast():
-        hidden = model(inputs, attn_mask=attn_mask, hidden_only=True)  # (B, T, d)
-        return _chunked_loss(model.head, hidden.flatten(0, 1), targets.flatten(), pm.vocab_limit,
-                             max(1, EVAL_LOGITS_BYTES // (4 * vocab)))
-
-
-def _chunked_loss(head, hidden: torch.Tensor, targets: torch.Tensor, vocab_limit: int | None,
-                  positions: int) -> torch.Tensor:
-    """hidden (N, d), targets (N,) -> the mean cross-entropy over the targets that count (not -100), as
-    ``cross_entropy`` gives it on the whole batch (to float rounding: a sum of chunk sums), holding the logits of
-    ``positions`` rows at a time."""
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, len(hidden), positions):
-        part = targets[start:start + positions]
-        counted = int((part != -100).sum())
-        if counted:  # a chunk of answer-masked positions only would be a mean over nothing (NaN)
-            logits = head(hidden[start:start + positions])  # (n, V)
-            total += cross_entropy(logits[None], part[None], vocab_limit) * counted
-    return total / (targets != -100).sum()
+    if (pm.loss_rows == 0 or pm.tp_enabled or pm.pipeline is not None or "loss_fn" in vars(pm)
+            or not chunkable_head(getattr(model, "output", None))):
+        return 0
+    rows = rows_at_once(inputs.numel(), model.output.weight.shape[0], pm.loss_rows)
+    return rows if rows < inputs.numel() else 0
 
 
 def _cp_context(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor):

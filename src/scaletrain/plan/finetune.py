@@ -42,6 +42,8 @@ from scaletrain.plan.memory import (
     block_matrix_params,
     block_params,
     checkpointed_blocks,
+    chunked_loss_backward,
+    loss_rows,
     masked_attention_layers,
     memory_breakdown,
     muon_shapes,
@@ -146,7 +148,13 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     optimizer_bytes = (trainable - on_muon) * rec.optimizer + on_muon * rec.optimizer / 2
     at_rest = frozen + trainable * (rec.param + rec.master) + optimizer_bytes
     bt, vocab = plan.micro_batch * workload.seq_len, workload.model.vocab_size
-    logits = bt * vocab * 4
+    held = loss_rows(workload, plan, bt)
+    if held < bt:  # the chunked loss: a chunk's logits, the hidden states' gradient, a trained head's gradient
+        transients, head_grad = chunked_loss_backward(held, bt, workload.model.dim, vocab, rec.autocast,
+                                                      head_trains=ft.method == "full" and not ft.freeze_embeddings)
+        loss_transients = transients + head_grad * rec.grad
+    else:  # the whole logits: the log-softmax output and the logits' gradient
+        loss_transients = 2 * bt * vocab * 4
     # End of forward / loss backward: saved activations, log-softmax output, gradient of the logits.
     # Checkpointed blocks save only their input; the frozen-input saving applies to un-checkpointed ones.
     unsaved = unsaved_activation_elements(workload.model, ft, plan.micro_batch, workload.seq_len) \
@@ -172,7 +180,7 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
         cfg = workload.model
         kept = cfg.n_layers - len(checkpointed_blocks(cfg.n_layers, plan.activation_checkpointing, plan.ac_every))
         casts = 2 * ((0 if ft.method == "qlora" else kept * block_matrix_params(cfg)) + cfg.vocab_size * cfg.dim)
-    loss_phase = at_rest + activations + casts + 2 * logits
+    loss_phase = at_rest + activations + casts + loss_transients
     # Optimizer: every trainable gradient (the fused AdamW kernel, the default, allocates no temporary), and
     # Muon's Newton-Schulz temporaries
     optimizer_phase = at_rest + trainable * rec.grad

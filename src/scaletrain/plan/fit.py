@@ -35,7 +35,7 @@ def job_workload(cfg: JobConfig, precision: str) -> Workload:
     t = cfg.train
     return Workload(cfg.model, cfg.data.seq_len, t.batch_size * max(1, t.grad_accum_steps), float(t.steps),
                     "bf16" if precision in ("bf16", "fp16", "fp8") else "fp32", cfg.optim.name,
-                    muon_adapters=cfg.optim.muon_adapters)
+                    muon_adapters=cfg.optim.muon_adapters, loss_chunk_rows=t.loss_chunk_rows)
 
 
 def job_plan(cfg: JobConfig, dims: ParallelDims | None = None) -> Plan:

@@ -44,6 +44,7 @@ class Workload:
     # changes the optimizer's memory (one momentum buffer a matrix) and time (Newton-Schulz, FSDP2's gathers)
     optimizer: str = "adamw"
     muon_adapters: bool = False  # optim.muon_adapters: with muon, LoRA's lora_A / lora_B are Muon matrices too
+    loss_chunk_rows: int = -1  # train.loss_chunk_rows: the chunked loss (model/loss.py) holds fewer logits at once
 
     def __post_init__(self):
         # the memory and time models know these optimizers' states and steps; another would be modelled as AdamW

@@ -47,6 +47,7 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
                      compile=compile_enabled(cfg), grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
                      init_weights=not converters.loads_weights)  # a fine-tune's weights come from its base
+    pm.loss_rows = cfg.train.loss_chunk_rows  # the chunked loss (model/loss.py): -1 auto, 0 off
     converters.after_parallelize(pm)
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
     lora_plus = cfg.finetune.lora_plus_ratio if cfg.finetune.source else 1.0  # validate: lora/qlora only
