@@ -47,7 +47,7 @@ from scaletrain.data.tokenizer import DataError, load_tokenizer
 from scaletrain.files import file_sha256
 from scaletrain.finetune.base import open_base
 from scaletrain.finetune.lora import adapters_disabled
-from scaletrain.parallel.parallelize import EVAL_LOGITS_BYTES
+from scaletrain.model.loss import CHUNK_BYTES
 from scaletrain.parallel.tensor import _mask_padding
 
 OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
@@ -123,9 +123,9 @@ def orpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torch
 
 def reference_rows(vocab: int, seq_len: int, rows: int) -> int:
     """How many rows a no-grad scoring pass sends through the head at once: their fp32 logits within
-    ``EVAL_LOGITS_BYTES`` (at least one row), so a large vocabulary's logits are never all held (8 rows of 1024
+    ``CHUNK_BYTES`` (at least one row), so a large vocabulary's logits are never all held (8 rows of 1024
     tokens of Qwen3's 151,936 would be 5 GB, twice with their log-softmax)."""
-    return min(rows, max(1, EVAL_LOGITS_BYTES // (4 * vocab * seq_len)))
+    return min(rows, max(1, CHUNK_BYTES // (4 * vocab * seq_len)))
 
 
 @torch.no_grad()

@@ -30,8 +30,8 @@ import time
 
 from scaletrain.config import ConfigError, FinetuneConfig, ModelConfig
 from scaletrain.model.config import head_width
+from scaletrain.model.loss import CHUNK_BYTES
 from scaletrain.model.presets import ffn_hidden_dim, matmul_params, num_params
-from scaletrain.parallel.parallelize import EVAL_LOGITS_BYTES
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.memory import (
     RECIPES,
@@ -217,7 +217,7 @@ def preference_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device
         # A no-grad forward saves nothing: its peak is its largest moment on top of the residual stream, the
         # fp32 logits with their log-softmax at the end, or the SwiGLU's gate, up and product inside a block.
         # The head runs on ``reference_rows`` rows at a time (finetune/preference.py ``scored_logps``).
-        head_rows = min(rows.micro_batch, max(1, EVAL_LOGITS_BYTES // (4 * model.vocab_size * workload.seq_len)))
+        head_rows = min(rows.micro_batch, max(1, CHUNK_BYTES // (4 * model.vocab_size * workload.seq_len)))
         logits = head_rows * workload.seq_len * model.vocab_size * 4
         forward = max(2 * logits, 3 * bt * ffn_hidden_dim(model) * rec.activation) + bt * model.dim * rec.activation
         extra = forward + (num_params(model) * rec.param if reference == "copy" else 0.0)
