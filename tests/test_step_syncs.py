@@ -1,0 +1,156 @@
+"""No host-device sync in the training step's hot path (train/deferred.py, issue 41): counted on a CPU.
+
+A read back to the host is ``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``, ``if t``) or
+``Tensor.tolist`` / ``.cpu()`` / ``.numpy()``; on a GPU each waits for the queue to drain. The counter sees every
+one of them between the trainer's steps; the same runs' losses are bitwise those of the per-step reads."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from scaletrain.config import load_config
+from scaletrain.train.trainer import Trainer
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts reads of tensor values back to the host while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self._patched = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for name in ("tolist", "cpu", "numpy"):
+            original = getattr(torch.Tensor, name)
+            self._patched[name] = original
+
+            def counted(t, *a, _original=original, **k):
+                self.count += 1
+                return _original(t, *a, **k)
+            setattr(torch.Tensor, name, counted)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._patched.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
+
+
+def _count_per_step(trainer: Trainer) -> tuple[list[int], list[int]]:
+    """Run ``trainer.train()`` counting the syncs inside each step and inside each step's logging."""
+    in_step, in_log = [], []
+    counter = SyncCounter()
+    timed, log_step = trainer._timed_step, trainer._log_step
+
+    def counted_step(profiler):
+        before = counter.count
+        record = timed(profiler)
+        in_step.append(counter.count - before)
+        return record
+
+    def counted_log(record, logger):
+        before = counter.count
+        log_step(record, logger)
+        in_log.append(counter.count - before)
+
+    trainer._timed_step, trainer._log_step = counted_step, counted_log
+    with counter:
+        trainer.train()
+    return in_step, in_log
+
+
+def _trainer(tmp_path, tiny, name, **extra) -> Trainer:
+    over = tiny(tmp_path / name, **{"train.steps": 12, "logging.log_interval": 4, **extra})
+    return Trainer(load_config(None, over), log=True)
+
+
+def test_no_sync_inside_a_step_and_one_read_per_log_step(tmp_path, tiny):
+    trainer = _trainer(tmp_path, tiny, "deferred")
+    assert trainer._defer  # fused AdamW on the CPU, no fp16 scaler: the loop defers its reads
+    in_step, in_log = _count_per_step(trainer)
+    assert in_step == [0] * 12
+    # logging: nothing between log steps; at steps 4, 8, 12 the pending losses and norms come back in one read
+    assert [n for i, n in enumerate(in_log, 1) if i % 4] == [0] * 9
+    assert all(n >= 1 for i, n in enumerate(in_log, 1) if i % 4 == 0)
+
+
+def test_the_per_step_reads_it_replaces_are_counted_and_the_losses_are_bitwise_the_same(tmp_path, tiny):
+    old = _trainer(tmp_path, tiny, "per-step")
+    old._defer = False  # the path before issue 41 (and the one Muon, ZeRO-1, fp16 and DeepSpeed still take)
+    in_step, _ = _count_per_step(old)
+    assert in_step == [2] * 12  # float(grad norm), float(loss)
+    new = _trainer(tmp_path, tiny, "deferred")
+    _count_per_step(new)
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k in ("step", "loss", "grad_norm", "val_loss", "lr")}
+                for x in lines]
+    assert rows("per-step") == rows("deferred") and len(rows("deferred")) >= 4
+
+
+def test_a_nonfinite_step_is_skipped_on_the_device_and_counted_at_the_next_read(tmp_path, tiny):
+    trainer = _trainer(tmp_path, tiny, "nan", **{"train.rollback_after": 3, "checkpoint.interval": 0})
+    assert trainer._defer
+    for _ in range(2):
+        trainer.step(deferred=True)
+    with torch.no_grad():
+        trainer.model.norm.weight[0] = math.nan  # every loss from now on is NaN
+    poisoned = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in trainer.optimizer.state.values()]
+    record = trainer.step(deferred=True)
+    assert torch.is_tensor(record["loss"]) and trainer.guard.skipped_total == 0  # not read yet
+    for k, v in trainer.model.state_dict().items():  # skipped on the device: no weight moved, no NaN spread
+        assert torch.equal(v, poisoned[k]) or (torch.isnan(v).sum() == torch.isnan(poisoned[k]).sum()), k
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(moments, trainer.optimizer.state.values()))
+    events = []
+    trainer._read_deferred(type("L", (), {"log": staticmethod(events.append)})(), record)
+    assert trainer.guard.skipped_total == 1 and record["skipped_update"] == 1 and math.isnan(record["loss"])
+    # two more bad steps, read together: the third in a row asks for a rollback, which has no checkpoint here
+    trainer.step(deferred=True)
+    trainer.step(deferred=True)
+    from scaletrain.train.trainer import TrainingError
+    with pytest.raises(TrainingError, match="no checkpoint to roll back to"):
+        trainer._read_deferred(type("L", (), {"log": staticmethod(events.append)})(), {})
+    assert events == [{"step": 4, "skipped_update": 1}]  # the step read before the current one: its own event
+
+
+def test_the_cuda_step_clock_waits_once_per_read_not_per_step(monkeypatch):
+    """On CUDA the step times come from timing events: recording them never waits; reading them waits for the
+    last event only (fake events stand in for torch.cuda.Event on this CPU machine)."""
+    from scaletrain.train.metrics import StepClock
+
+    waits, clock_ms = [], iter(range(0, 1000, 10))
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.ms = next(clock_ms)
+
+        def synchronize(self):
+            waits.append(self)
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    clock = StepClock(torch.device("cuda"))
+    for _ in range(5):
+        clock.start()
+        clock.stop()
+    assert waits == []
+    assert clock.times() == [0.01] * 5 and len(waits) == 1
+    assert clock.times() == [0.01] * 5 and len(waits) == 1  # nothing pending: no second wait
