@@ -45,7 +45,8 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     converters.convert(model)
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
-                     compile=compile_enabled(cfg), grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
+                     compile=compile_enabled(cfg), compile_mode=cfg.train.compile_mode,
+                     grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
                      init_weights=not converters.loads_weights)  # a fine-tune's weights come from its base
     converters.after_parallelize(pm)
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
