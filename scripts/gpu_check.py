@@ -198,11 +198,30 @@ def gpt2_check(ctx: Ctx, name: str, **extra) -> dict:
     return got
 
 
+# The profiled window of the compiled row: steps 28-30, clear of the compile and of the last log window (41-50)
+# whose median gives its tokens/s; no memory history (recording every allocation slows every step).
+PROFILE_WINDOW = {"profile.enabled": "true", "profile.wait": 25, "profile.warmup": 2, "profile.active": 3,
+                  "profile.memory_snapshot": "false"}
+DRY_PROFILE_WINDOW = {**PROFILE_WINDOW, "profile.wait": 0, "profile.warmup": 1, "profile.active": 1}
+
+
+def profile_breakdown(run: Path) -> dict | None:
+    """train/profile.py's breakdown of the run's profiled steps (kernel time against launch gaps, kernels by kind,
+    the attention backend, the optimizer, syncs per step), or None when the run wrote none."""
+    path = run / "profile" / "breakdown_rank0.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def check_train_bf16_compile(ctx: Ctx) -> dict:
     if ctx.dry:  # a cold inductor compile costs ~20 s on this CPU: the dry run trains eagerly
-        out = gpt2_check(ctx, "train", **{"train.precision": "bf16", "train.compile": "false"})
-        return {**out, "note": "dry run: compile off (cold compile ~20 s on a CPU)"}
-    return gpt2_check(ctx, "train", **{"train.precision": "bf16", "train.compile": "true"})
+        out = gpt2_check(ctx, "train", **{"train.precision": "bf16", "train.compile": "false"}, **DRY_PROFILE_WINDOW)
+        out = {**out, "note": "dry run: compile off (cold compile ~20 s on a CPU); the profile has no kernels"}
+    else:
+        out = gpt2_check(ctx, "train", **{"train.precision": "bf16", "train.compile": "true"}, **PROFILE_WINDOW)
+    out["profile"] = profile_breakdown(ctx.folder / "run")
+    if out["profile"] is None:
+        raise Failed("the profiled steps wrote no breakdown (run/profile/breakdown_rank0.json)")
+    return out
 
 
 def check_train_bf16_eager(ctx: Ctx) -> dict:
@@ -705,6 +724,7 @@ def check_monitor_profile(ctx: Ctx) -> dict:
                                        ("no memory snapshot", not ctx.dry and not snapshot.is_file())) if bad]
     if problems:
         raise Failed("; ".join(problems))
+    out["profile"] = profile_breakdown(run)
     if ctx.dry:
         out["note"] = "dry run: CPU samples and trace only (NVML, kernels and the memory snapshot need CUDA)"
     return out
@@ -723,8 +743,10 @@ class Check:
 
 PRETRAIN_KEYS = ("tokens_per_second", "predicted_tokens_per_second", "mfu_vs_datasheet_bf16", "peak_memory_mib",
                  "predicted_tensor_mib", "micro_batch")
+PROFILE_KEYS = ("profile.launch_gap_share", "profile.kernel_ms", "profile.gpu_span_ms", "profile.syncs_per_step",
+                "profile.top_attention_kernels")
 CHECKS = [
-    Check("train-bf16-compile", 150, check_train_bf16_compile, PRETRAIN_KEYS, expected_s=92),
+    Check("train-bf16-compile", 150, check_train_bf16_compile, PRETRAIN_KEYS + PROFILE_KEYS, expected_s=95),
     Check("nanogpt-side-by-side", 75, check_nanogpt_side_by_side,
           ("ours_tokens_per_second", "nanogpt_tokens_per_second", "ours_over_nanogpt", "ours_mfu_vs_datasheet_bf16",
            "nanogpt_mfu_vs_datasheet_bf16", "ours_peak_memory_mib", "nanogpt_peak_memory_mib"), expected_s=60),

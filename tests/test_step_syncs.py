@@ -154,3 +154,42 @@ def test_the_cuda_step_clock_waits_once_per_read_not_per_step(monkeypatch):
     assert waits == []
     assert clock.times() == [0.01] * 5 and len(waits) == 1
     assert clock.times() == [0.01] * 5 and len(waits) == 1  # nothing pending: no second wait
+
+
+@pytest.mark.parametrize("defer, reads", [(True, 0.0), (False, 2.0)])
+def test_the_profile_breakdown_counts_the_step_syncs_and_names_the_attention_op(tmp_path, tiny, defer, reads):
+    """profile.enabled writes breakdown_rank0.json (train/profile.py): on a CPU no kernels, but the attention
+    backend the step called and the program's value reads per profiled step (none between log steps now)."""
+    over = tiny(tmp_path / "run", **{"train.steps": 8, "profile.enabled": "true", "profile.wait": 2,
+                                     "profile.warmup": 1, "profile.active": 3, "logging.log_interval": 10})
+    trainer = Trainer(load_config(None, over), log=False)
+    trainer._defer = defer
+    trainer.train()
+    parts = json.loads((tmp_path / "run" / "profile" / "breakdown_rank0.json").read_text())
+    assert parts["profiled_steps"] == 3 and parts["kernel_ms"] == 0 and parts["step_ms"] > 0
+    assert any("scaled_dot_product" in name for name in parts["attention_ops"])
+    assert parts["syncs_per_step"] == {"value_reads": reads, "cuda_synchronize_calls": 0.0}
+
+
+def test_the_breakdown_of_a_gpu_trace_splits_kernels_from_gaps_and_by_kind():
+    from scaletrain.train.profile import breakdown
+
+    def x(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    trace = {"traceEvents": [
+        x("user_annotation", "ProfilerStep#5", 0, 100), x("user_annotation", "ProfilerStep#6", 100, 100),
+        x("kernel", "sm90_xmma_gemm_bf16", 10, 30), x("kernel", "flash_fwd_kernel", 35, 10),  # overlaps the gemm
+        x("kernel", "triton_red_fused__log_softmax_0", 60, 10), x("kernel", "multi_tensor_apply_kernel<adam>",
+                                                                  150, 20),
+        x("gpu_memcpy", "Memcpy HtoD", 190, 10), x("cpu_op", "aten::_scaled_dot_product_flash_attention", 5, 3),
+        x("cuda_runtime", "cudaStreamSynchronize", 180, 5), x("cpu_op", "Optimizer.step#AdamW.step", 120, 8)]}
+    parts = breakdown(trace)
+    assert parts["profiled_steps"] == 2 and parts["kernels_per_step"] == 2.0
+    assert parts["kernel_ms"] == 0.04 and parts["gpu_busy_ms"] == pytest.approx(0.0375, abs=1e-3)
+    assert parts["gpu_span_ms"] == 0.095  # 10 .. 200 us over two steps
+    assert parts["launch_gap_share"] == round(1 - 75 / 190, 4)
+    assert parts["kernel_ms_by_kind"] == {"attention": 0.005, "loss_head": 0.005, "matmul": 0.015,
+                                          "memcpy_memset": 0.005, "optimizer": 0.01}
+    assert parts["top_attention_kernels"] == ["flash_fwd_kernel"]
+    assert parts["attention_ops"] == {"aten::_scaled_dot_product_flash_attention": 0.5}
+    assert parts["syncs_per_step"]["cuda_synchronize_calls"] == 0.5 and parts["optimizer_step_host_ms"] == 0.004
