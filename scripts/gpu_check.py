@@ -525,7 +525,11 @@ def nccl_worker(out: Path, dry: bool) -> None:
 # Llama 3.2 1B's blocks (16 x 2048, GQA 32/8, SwiGLU 8192) with the 8192-token BPE of the bundled text as the
 # vocabulary (an exported base keeps its tokenizer's rows): ~0.99B parameters.
 BASE_1B = {"preset": "llama-1b", "vocab_size": 8192}
-FT_SEQ, FT_BATCH, FT_STEPS = 1024, 4, 10
+FT_SEQ, FT_BATCH, FT_STEPS = 1024, 4, 15
+# LoRA's profiled steps 6-8: clear of the compile and of the last log window (11-15) its tokens/s comes from; the
+# breakdown says where the base step's time goes (the planner predicted it 1.8x fast: docs/gpu.md)
+FT_PROFILE = {"profile.enabled": "true", "profile.wait": 4, "profile.warmup": 1, "profile.active": 3,
+              "profile.memory_snapshot": "false"}
 
 
 def make_base(ctx: Ctx, folder: Path) -> dict:
@@ -565,6 +569,9 @@ def check_lora_qlora(ctx: Ctx) -> dict:
                "train.sample_tokens": 0, "checkpoint.enabled": "false", "logging.progress": "plain",
                "logging.tensorboard": "false", "logging.log_interval": 1 if ctx.dry else 5,
                "train.precision": "bf16", "optim.lr": 1e-4}
+        if method == "lora":
+            job.update(FT_PROFILE, **({"profile.wait": 0, "profile.warmup": 0, "profile.active": 1} if ctx.dry
+                                      else {}))
         ctx.run(scaletrain("finetune", "--from", str(base), *flags(job)), method, timeout=600)
         measured = last_step_record(run)
         plan_json = ctx.folder / f"plan-{method}.json"
@@ -580,6 +587,8 @@ def check_lora_qlora(ctx: Ctx) -> dict:
                        "tokens_per_second": round(measured["tokens_per_second"], 1),
                        "predicted_tokens_per_second": round(predicted["tokens_per_second"], 1),
                        "loss": measured["loss"]}
+        if method == "lora":
+            out[method]["profile"] = profile_breakdown(run)
         if not ctx.dry:
             out[method]["memory_error"] = round(out[method]["predicted_tensor_mib"]
                                                 / out[method]["peak_memory_mib"] - 1, 3)
