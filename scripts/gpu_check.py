@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
-TOTAL_BUDGET_S = 510  # the whole run on one H100: the lent machine's 15 minutes hold its start, this and a short rerun
+TOTAL_BUDGET_S = 520  # the whole run on one H100: the lent machine's 15 minutes hold its start, this and a short rerun
 # The rehearsal takes ~80 s of CPU time, but on 2 cores shared with other people's jobs its wall time has been
 # 3-10x that: its limits are this much longer.
 DRY_SLOWDOWN = 5
@@ -769,7 +769,7 @@ CHECKS = [
     Check("nccl-fsdp-ddp", 60, check_nccl_fsdp_ddp, ("backend", "max_relative_loss_difference"), expected_s=16),
     Check("lora-qlora", 150, check_lora_qlora, ("lora.peak_memory_mib", "lora.predicted_tensor_mib",
                                                 "qlora.peak_memory_mib", "qlora.predicted_tensor_mib",
-                                                "lora.tokens_per_second", "qlora.tokens_per_second"), expected_s=55),
+                                                "lora.tokens_per_second", "qlora.tokens_per_second"), expected_s=58),
     Check("quant-decode", 90, check_quant_decode, ("bf16_tokens_per_second", "int8-weight_speedup",
                                                    "int4-weight_speedup"), expected_s=17),
     Check("sparse-2of4", 45, check_sparse_2of4, ("dense_ms", "sparse_ms", "speedup", "relative_output_difference"),
