@@ -78,3 +78,22 @@ def test_the_side_by_side_row_runs_both_loops_on_the_same_batch_and_prints_the_e
     expected = sum(c.expected_s for c in _script().CHECKS[:2])
     assert doc["expected_h100_seconds"] == expected and f"expected on one H100: {expected} s" in proc.stdout
     assert sum(c.expected_s for c in _script().CHECKS) <= _script().TOTAL_BUDGET_S
+
+
+def test_both_sides_count_the_same_flops_per_token_at_gpt2_124m():
+    """The side-by-side MFUs divide by the same work: nanoGPT's GPT-2 (GELU MLP 4x wide, fused qkv) and our
+    gpt2-124m preset (SwiGLU 2048 wide) have the same matmul weights and attention term per token."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("nanogpt_reference", ROOT / "benchmarks" / "nanogpt_reference.py")
+    ng = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("nanogpt_reference", ng)  # its dataclasses look their module up there
+    spec.loader.exec_module(ng)
+    from scaletrain.config import ModelConfig, build
+    from scaletrain.model.presets import PRESETS, flops_per_token
+
+    cfg = ng.CONFIGS["gpt2"]
+    with torch.device("meta"):
+        theirs = ng.flops_per_token(ng.GPT(cfg, 50304), cfg)
+    ours = flops_per_token(build(ModelConfig, {"preset": "gpt2-124m"}, presets=PRESETS), 1024)
+    assert theirs == ours == 6.0 * 123_568_128 + 12.0 * 12 * 1024 * 768
