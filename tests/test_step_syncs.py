@@ -1,7 +1,8 @@
 """No host-device sync in the training step's hot path (train/deferred.py, issue 41): counted on a CPU.
 
-A read back to the host is ``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``, ``if t``) or
-``Tensor.tolist`` / ``.cpu()`` / ``.numpy()``; on a GPU each waits for the queue to drain. The counter sees every
+A read back to the host is ``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``, ``if t``),
+``Tensor.tolist`` / ``.cpu()`` / ``.numpy()``, or an operator whose output size depends on the values (nonzero,
+masked_select, unique, boolean-mask indexing); on a GPU each waits for the queue to drain. The counter sees every
 one of them between the trainer's steps; the same runs' losses are bitwise those of the per-step reads."""
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from scaletrain.config import load_config
 from scaletrain.train.trainer import Trainer
 
+# Operators whose output size depends on the values: on a GPU the host waits for them to know it.
+DATA_DEPENDENT = {torch.ops.aten.nonzero, torch.ops.aten.masked_select, torch.ops.aten._unique2,
+                  torch.ops.aten.unique_consecutive, torch.ops.aten.unique_dim}
+
 
 class SyncCounter(TorchDispatchMode):
     """Counts reads of tensor values back to the host while active."""
@@ -26,7 +31,8 @@ class SyncCounter(TorchDispatchMode):
         self._patched = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default or func.overloadpacket in DATA_DEPENDENT or (
+                func is torch.ops.aten.index.Tensor and any(t is not None and t.dtype == torch.bool for t in args[1])):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -193,3 +199,16 @@ def test_the_breakdown_of_a_gpu_trace_splits_kernels_from_gaps_and_by_kind():
     assert parts["top_attention_kernels"] == ["flash_fwd_kernel"]
     assert parts["attention_ops"] == {"aten::_scaled_dot_product_flash_attention": 0.5}
     assert parts["syncs_per_step"]["cuda_synchronize_calls"] == 0.5 and parts["optimizer_step_host_ms"] == 0.004
+
+
+def test_the_counter_sees_every_kind_of_read():
+    t = torch.arange(6.0)
+    with SyncCounter() as counter:
+        t.sum().item()
+        float(t[0])
+        bool(t[1] > 0)
+        t[t > 2]  # a boolean mask: its size depends on the values
+        torch.nonzero(t)
+        t.tolist()
+        t.clone().add_(1)  # stays on the device: not a read
+    assert counter.count == 6
