@@ -22,6 +22,8 @@ prepares the config's recipe into benchmarks/out/nanogpt-data/<config> with scal
 
     python benchmarks/nanogpt_reference.py --config char            # BASELINES.md's baby-GPT run
     python benchmarks/nanogpt_reference.py --config bpe --data DIR  # configs/gutenberg_bpe_small.toml's tokens
+    python benchmarks/nanogpt_reference.py --config gpt2 --speed --data DIR --batch-size 64 --vocab-size 50304
+        # nanoGPT's GPU loop at GPT-2 124M: bf16 autocast + compile + fused AdamW, one JSON line (tokens/s, memory)
 
 stdout: one JSON line per evaluation {"step", "train_loss", "val_loss", "time"} (time.time() when the
 evaluation finished), then {"end": true, "step", "time", "wall_s", "median_step_ms"} when training ends, then
@@ -37,8 +39,10 @@ import time
 STARTED = time.time()  # before torch is imported: the process's own start-up is part of its wall time
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -91,6 +95,11 @@ CONFIGS = {
                       batch_size=12, max_iters=2000, eval_interval=250, eval_iters=20),
     # configs/gutenberg_bpe_small.toml's size, context, batch and steps, with the small configs' hyperparameters
     # (lr 1e-3, warmup 100, cosine to lr / 10, beta2 0.99, weight decay 0.1).
+    # nanoGPT's GPT-2 124M (config/train_gpt2.py: 12 x 12 x 768, context 1024, bias off, dropout 0, lr 6e-4,
+    # beta2 0.95, warmup 2000) for --speed: the batch is the caller's (scripts/gpu_check.py: our train row's).
+    "gpt2": RunConfig(recipe="", n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=12, max_iters=50,
+                      eval_interval=0, eval_iters=0, learning_rate=6e-4, warmup_iters=2000, min_lr=6e-5,
+                      beta2=0.95, log_interval=10),
     "bpe": RunConfig(recipe="configs/gutenberg_bpe_small.toml", n_layer=4, n_head=4, n_embd=128, block_size=128,
                      batch_size=16, max_iters=1000, eval_interval=250, eval_iters=20, log_interval=10),
 }
@@ -165,7 +174,7 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(0, idx.size(1), dtype=torch.long)  # (T,)
+        pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
@@ -177,14 +186,16 @@ class GPT(nn.Module):
         return configure_adamw(self, cfg)
 
 
-def configure_adamw(model: nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
+def configure_adamw(model: nn.Module, cfg: RunConfig, device_type: str = "cpu") -> torch.optim.AdamW:
     """nanoGPT's optimizer over ``model`` (its GPT, or any other: benchmarks/baby_wall.py trains ours with it).
     nanoGPT's groups: decay every tensor of >= 2 dimensions (matmul weights, embeddings), not biases and norms;
-    fused only on CUDA, so on a CPU torch's default AdamW implementation."""
+    fused only on CUDA (``use_fused = fused_available and device_type == 'cuda'``), so on a CPU torch's default
+    AdamW implementation."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied weight once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
+    extra = {"fused": True} if device_type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), **extra)
 
 
 # -- the loop (nanoGPT's train.py) ---------------------------------------------------------------------------
@@ -276,6 +287,76 @@ def train(cfg: RunConfig, splits: dict[str, np.ndarray], vocab_size: int, out_di
     return model
 
 
+# -- the speed run (nanoGPT's train.py on a GPU: bf16 autocast, torch.compile, fused AdamW) -----------------
+
+def get_batch_on(data: np.ndarray, cfg: RunConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``get_batch`` moved to ``device`` as nanoGPT does on CUDA: pinned, then copied without blocking."""
+    x, y = get_batch(data, cfg)
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x, y
+
+
+def speed(cfg: RunConfig, train_tokens: np.ndarray, vocab_size: int, device: torch.device, dtype: str,
+          compile_: bool, skip: int) -> dict:
+    """nanoGPT's loop as its train.py runs it on a GPU: the model in fp32 under ``torch.autocast(dtype)``,
+    ``torch.compile(model)``, fused AdamW on CUDA, clipping at 1.0, the next batch fetched while the forward
+    runs, and ``loss.item()`` only every ``log_interval`` steps (no other host-device sync: nanoGPT has none).
+    Tokens/s is the time of the steps after the first ``skip`` (the compile and the allocator's warm-up),
+    measured between two synchronisations, over their tokens; peak memory is the allocator's maximum."""
+    torch.manual_seed(cfg.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True  # nanoGPT's train.py sets both
+    torch.backends.cudnn.allow_tf32 = True
+    model = GPT(cfg, vocab_size).to(device)
+    optimizer = configure_adamw(model, cfg, device.type)
+    step_fn = torch.compile(model) if compile_ else model
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    ctx = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    X, Y = get_batch_on(train_tokens, cfg, device)
+    started = time.perf_counter()
+    t_timed, lossf = started, float("nan")
+    for iter_num in range(cfg.max_iters):
+        if iter_num == skip:
+            sync()
+            t_timed = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(iter_num, cfg)
+        with ctx():
+            _, loss = step_fn(X, Y)
+        X, Y = get_batch_on(train_tokens, cfg, device)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters - 1:
+            lossf = loss.item()
+            print(f"iter {iter_num}: loss {lossf:.4f}, {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    sync()
+    timed_s, timed = time.perf_counter() - t_timed, cfg.max_iters - skip
+    tokens = timed * cfg.batch_size * cfg.block_size
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"speed": True, "device": str(device), "dtype": dtype, "compile": compile_, "steps": cfg.max_iters,
+            "timed_steps": timed, "tokens_per_second": round(tokens / timed_s, 1),
+            "step_ms": round(1000 * timed_s / timed, 2), "peak_memory_mib": round(peak / 2**20, 1),
+            "loss": round(lossf, 4), "batch_size": cfg.batch_size, "block_size": cfg.block_size,
+            "vocab_size": vocab_size, "parameters": sum(p.numel() for p in model.parameters()),
+            "flops_per_token": flops_per_token(model, cfg)}
+
+
+def flops_per_token(model: GPT, cfg: RunConfig) -> float:
+    """Training FLOPs per token as scaletrain's MFU counts them (model/presets.py, PaLM's convention, nanoGPT's
+    estimate_mfu's too): 6 x the matmul weights (every Linear, the tied head once) + attention's 12 L T d."""
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6.0 * matmul + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd
+
+
 @torch.no_grad()
 def windows_val_loss(model: GPT, data_dir: Path, cfg: RunConfig, num_batches: int) -> float:
     """Mean loss over the windows scaletrain's evaluation scores (``eval_batches``: evenly spread over val)."""
@@ -304,7 +385,18 @@ def main() -> int:
     parser.add_argument("--eval-interval", type=int, default=0, help="override eval_interval")
     parser.add_argument("--windows-batches", type=int, default=20,
                         help="after training, score the val windows scaletrain evaluates (0 = skip)")
+    speed_args = parser.add_argument_group("--speed: nanoGPT's GPU loop (bf16 autocast + compile + fused AdamW), "
+                                           "timed; one JSON line")
+    speed_args.add_argument("--speed", action="store_true", help="time the training loop only (no evaluation)")
+    speed_args.add_argument("--device", default="cuda")
+    speed_args.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    speed_args.add_argument("--no-compile", action="store_true")
+    speed_args.add_argument("--skip", type=int, default=10, help="steps left out of the timing (the compile)")
+    for name in ("n-layer", "n-head", "n-embd", "block-size", "batch-size", "vocab-size"):
+        speed_args.add_argument(f"--{name}", type=int, default=0, help="override the config's (vocab: the data's)")
     args = parser.parse_args()
+    if args.speed:
+        return run_speed(args)
     cfg = CONFIGS[args.config]
     overrides = {"max_iters": args.max_iters, "lr_decay_iters": args.max_iters, "eval_interval": args.eval_interval}
     cfg = RunConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v}})
@@ -318,6 +410,26 @@ def main() -> int:
     if args.windows_batches:
         emit({"val_loss_windows": round(windows_val_loss(model, data_dir, cfg, args.windows_batches), 4),
               "windows_batches": args.windows_batches})
+    return 0
+
+
+def run_speed(args: argparse.Namespace) -> int:
+    """``--speed``: the config (its sizes overridden by the flags) on ``--data``'s train tokens; one JSON line."""
+    if not args.data:
+        print("--speed needs --data (a scaletrain prepared token folder)", file=sys.stderr)
+        return 2
+    cfg = CONFIGS[args.config]
+    sizes = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "block_size": args.block_size,
+             "batch_size": args.batch_size, "max_iters": args.max_iters}
+    cfg = RunConfig(**{**asdict(cfg), **{k: v for k, v in sizes.items() if v}})
+    if args.skip >= cfg.max_iters:
+        print(f"--skip {args.skip} leaves no timed step of {cfg.max_iters}", file=sys.stderr)
+        return 2
+    data_dir = Path(args.data)
+    vocab_size = args.vocab_size or json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
+    splits = load_splits(data_dir)
+    emit(speed(cfg, splits["train"], vocab_size, torch.device(args.device), args.dtype, not args.no_compile,
+               args.skip))
     return 0
 
 

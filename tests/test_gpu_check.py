@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,40 @@ def test_hardware_names_match_the_planner_catalog():
     assert name("NVIDIA H100 80GB HBM3") == "h100-sxm" and name("NVIDIA H100 PCIe") == "h100-pcie"
     assert name("NVIDIA H200") == "h200"
     assert {name(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200")} <= set(CATALOG)
+
+
+def test_the_side_by_side_row_runs_both_loops_on_the_same_batch_and_prints_the_estimate(tmp_path):
+    """The dry run of ours and nanoGPT's loop (both tiny, eager, on the CPU): both really trained, the ratio is
+    theirs, and the expected H100 time of the chosen checks is printed before they run."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path / "check"), "--only",
+                           "train-bf16-compile,nanogpt-side-by-side"], capture_output=True, text=True,
+                          timeout=CEILING_S, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "check" / "gpu_check.json").read_text())
+    row = {e["name"]: e for e in doc["checks"]}["nanogpt-side-by-side"]
+    n = row["numbers"]
+    assert row["status"] == "ok" and n["ours_from"] == "train-bf16-compile" and n["micro_batch"] == 2
+    assert n["ours_over_nanogpt"] == round(n["ours_tokens_per_second"] / n["nanogpt_tokens_per_second"], 3)
+    assert n["nanogpt_timed_steps"] == 3 and math.isfinite(n["nanogpt_loss"]) and n["nanogpt_peak_memory_mib"] > 0
+    expected = sum(c.expected_s for c in _script().CHECKS[:2])
+    assert doc["expected_h100_seconds"] == expected and f"expected on one H100: {expected} s" in proc.stdout
+    assert sum(c.expected_s for c in _script().CHECKS) <= _script().TOTAL_BUDGET_S
+
+
+def test_both_sides_count_the_same_flops_per_token_at_gpt2_124m():
+    """The side-by-side MFUs divide by the same work: nanoGPT's GPT-2 (GELU MLP 4x wide, fused qkv) and our
+    gpt2-124m preset (SwiGLU 2048 wide) have the same matmul weights and attention term per token."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("nanogpt_reference", ROOT / "benchmarks" / "nanogpt_reference.py")
+    ng = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("nanogpt_reference", ng)  # its dataclasses look their module up there
+    spec.loader.exec_module(ng)
+    from scaletrain.config import ModelConfig, build
+    from scaletrain.model.presets import PRESETS, flops_per_token
+
+    cfg = ng.CONFIGS["gpt2"]
+    with torch.device("meta"):
+        theirs = ng.flops_per_token(ng.GPT(cfg, 50304), cfg)
+    ours = flops_per_token(build(ModelConfig, {"preset": "gpt2-124m"}, presets=PRESETS), 1024)
+    assert theirs == ours == 6.0 * 123_568_128 + 12.0 * 12 * 1024 * 768

@@ -48,3 +48,27 @@ def test_plan_method_prints_the_step_time(tmp_path, capsys):
     assert "step time on 1 x rtx-4090" in capsys.readouterr().out
     answer = json.loads(out.read_text())["finetune"]
     assert answer["step_seconds"] > 0 and answer["tokens_per_second"] > 0
+
+
+def test_the_gpu_lora_step_charges_the_frozen_weight_casts_and_the_adapters_passes():
+    """The GPU check's 1B LoRA row (llama-1b blocks, vocabulary 8192, 4 x 1024 tokens, bf16 autocast on one H100):
+    autocast recasts every frozen fp32 weight to bf16 each forward (6 bytes a weight) and the q/k/v/o adapters
+    pass ~6 times over their input and output activations; by hand, at 3.35 TB/s."""
+    from scaletrain.model.presets import num_params
+    from scaletrain.plan.finetune import gpu_memory_bound_seconds, trainable_parameters
+    from scaletrain.plan.memory import projection_shapes
+
+    model = build(ModelConfig, {"preset": "llama-1b", "vocab_size": 8192}, presets=PRESETS)
+    ft = FinetuneConfig(method="lora")
+    hw = parse_hardware("h100-sxm").hardware
+    shapes = projection_shapes(model)
+    frozen = num_params(model) - trainable_parameters(model, ft)
+    cast = frozen * 6 / 3.35e12
+    adapters = 16 * ((2048 + 2048) * 2 + (2048 + 512) * 2) * 6 * 4096 * 2 / 3.35e12
+    got = gpu_memory_bound_seconds(model, ft, hw, 4096, shapes, ["q", "k", "v", "o"], 0, autocast=True)
+    assert got == pytest.approx(cast + adapters, rel=1e-6)
+    assert 1.7e-3 < cast < 1.9e-3 and 3.0e-3 < adapters < 3.3e-3
+    # without autocast (fp32, or FSDP's bf16 parameters) nothing is recast; a full fine-tune has no adapters
+    assert gpu_memory_bound_seconds(model, ft, hw, 4096, shapes, ["q", "k", "v", "o"], 0, autocast=False) \
+        == pytest.approx(adapters, rel=1e-6)
+    assert gpu_memory_bound_seconds(model, FinetuneConfig(method="full"), hw, 4096, shapes, [], 0, True) == 0

@@ -68,7 +68,9 @@ class OptimConfig:
     beta2: float = opt(0.99, "AdamW beta2 (0.99 suits small data; large runs use 0.95)", ge=0, lt=1)
     eps: float = opt(1e-8, "AdamW epsilon", gt=0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping", ge=0)
-    implementation: str = opt("auto", "AdamW kernel: auto (fused on CPU and GPU), fused, foreach, loop",
+    implementation: str = opt("auto", "AdamW kernel: auto (fused when every trainable parameter is on the CPU or "
+                                      "the GPU in a float dtype, which also skips a non-finite step on the device; "
+                                      "else foreach), fused, foreach, loop",
                               choices=("auto", "fused", "foreach", "loop"))
     muon_lr: float = opt(0.0, "muon: peak learning rate of the Muon matrices (the schedule scales it with optim.lr); "
                               "0 = optim.lr, right with muon_adjust_lr = match_rms_adamw (Moonlight); Keller "
@@ -109,6 +111,11 @@ class TrainConfig:
     compile: str = opt("auto", "torch.compile the model: true, false, or auto = only when this run's steps repay the "
                                "compile (always on a GPU; on a CPU from this machine's measurements: "
                                "train/compile_choice.py)", choices=("auto", "true", "false"))
+    compile_mode: str = opt("default", "torch.compile's mode when compiling: default; max-autotune-no-cudagraphs "
+                                       "(inductor tries several kernels per matmul and fusion and keeps the "
+                                       "fastest: a longer compile); reduce-overhead (CUDA graphs: one launch per "
+                                       "graph, a GPU and a whole-model compile only; docs/gpu.md)",
+                            choices=("default", "max-autotune-no-cudagraphs", "reduce-overhead"))
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default (or OMP_NUM_THREADS), fewer when other "
                           "processes hold cores they need, checked at the start and when steps run far beyond "
                           "the estimate (train/contention.py); N pins the count", ge=0)

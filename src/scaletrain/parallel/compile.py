@@ -63,9 +63,30 @@ def resolve_compile(cfg: JobConfig, device: torch.device, announce: bool) -> Job
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile="false"))
 
 
-def apply_compile(model: nn.Module, *, whole_model: bool = False) -> None:
+def compile_mode_refusal(cfg: JobConfig, device_type: str, whole_model: bool) -> str | None:
+    """Why train.compile_mode cannot work for this job (one line), or None. reduce-overhead records CUDA graphs:
+    it needs a GPU, and a whole-model graph (per-block compiles sit between FSDP/DDP hooks, tensor-parallel
+    collectives, pipeline stages or recomputation, which a graph replay would skip)."""
+    mode = cfg.train.compile_mode
+    if mode == "default":
+        return None
+    if cfg.train.compile == "false":
+        return f"train.compile_mode={mode} needs train.compile=true (or auto); it is false"
+    if mode == "reduce-overhead" and device_type != "cuda":
+        return ("train.compile_mode=reduce-overhead records CUDA graphs and needs a GPU; use default or "
+                "max-autotune-no-cudagraphs on a CPU")
+    if mode == "reduce-overhead" and not whole_model:
+        return ("train.compile_mode=reduce-overhead needs the whole model compiled as one graph (a single process or "
+                "DDP-free replicas, no FSDP, TP, pipeline or activation checkpointing); use "
+                "max-autotune-no-cudagraphs here")
+    return None
+
+
+def apply_compile(model: nn.Module, *, whole_model: bool = False, mode: str = "default") -> None:
+    """``Module.compile`` of the whole model or each block, in torch.compile's ``mode`` (train.compile_mode)."""
+    kwargs = {} if mode == "default" else {"mode": mode}
     if whole_model:
-        model.compile()
+        model.compile(**kwargs)
         return
     for block in model.layers.values():
-        block.compile()
+        block.compile(**kwargs)

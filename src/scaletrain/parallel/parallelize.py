@@ -103,6 +103,7 @@ def _dp_rank(mesh, dims: ParallelDims) -> int:
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, mesh, model_cfg: ModelConfig,
                 device: torch.device, seed: int, compile: bool = False, grad_accum_steps: int = 1,
+                compile_mode: str = "default",
                 vocab_limit: int | None = None, init_weights: bool = True) -> ParallelModel:
     """Apply the configured parallelism to ``model`` (built on the meta device) and materialize it.
 
@@ -120,7 +121,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
             apply_tp(part, mesh["tp"], sequence_parallel=cfg.sequence_parallel)
         apply_ac(part, cfg.activation_checkpointing, cfg.ac_every)  # 3.
         if compile:  # 4.
-            apply_compile(part, whole_model=compiles_whole_model(dims, cfg))
+            apply_compile(part, whole_model=compiles_whole_model(dims, cfg), mode=compile_mode)
         if dims.dp_shard > 1 or dims.cp > 1:  # 5. FSDP2 (HSDP with dp_replicate > 1)
             apply_fsdp(part, _dp_mesh(mesh, dims), reshard_after_forward=dims.zero_stage == 3,
                        param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload)

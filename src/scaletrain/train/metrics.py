@@ -44,6 +44,50 @@ def mfu(flops_per_token: float, tokens_per_second: float, job_peak_flops: float)
     return flops_per_token * tokens_per_second / job_peak_flops
 
 
+class StepClock:
+    """Each step's wall time without a host-device sync per step.
+
+    On a CPU: ``time.perf_counter`` around the step. On CUDA the host only queues a step's kernels, so its
+    clock stops long before the GPU does; instead of synchronising after every step (a pipeline drain per step)
+    a timing event is recorded on the stream before and after each step's work, and the times are read when
+    asked (``times``: the log steps), after waiting for the last event only. A step's time is then the GPU's
+    from reaching the step's first event to finishing its last kernel: the step's wall time in steady state,
+    including the GPU's idle gaps while the host is behind."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._times: list[float] = []
+        self._pending: list[tuple[object, object]] = []  # (start, end) events not read yet
+        self._start: object = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((self._start, end))
+        else:
+            self._times.append(time.perf_counter() - self._start)
+
+    def last(self) -> float:
+        """The last step's seconds (on CUDA this waits for it: for the CPU-only thread watch and tests)."""
+        return self.times()[-1]
+
+    def times(self) -> list[float]:
+        """Every step's seconds so far (on CUDA: one wait, for the last pending event)."""
+        if self._pending:
+            self._pending[-1][1].synchronize()
+            self._times.extend(a.elapsed_time(b) / 1000 for a, b in self._pending)
+            self._pending = []
+        return self._times
+
+
 class Throughput:
     """How fast the training loop runs and where its time goes: every step's wall time and wait for data,
     tokens/s and MFU against the job's measured peak, and the stalls (seconds spent evaluating, sampling and
@@ -56,7 +100,7 @@ class Throughput:
         self._peak_dtype = "bf16" if precision == "bf16" else "fp32"
         self.peak_flops = self.job_peak_flops()
         self._peak_remeasured = False
-        self.step_times: list[float] = []
+        self.clock = StepClock(device)
         self.data_times: list[float] = []  # seconds of each step spent waiting for batches (monitor.timed)
         self.stall_seconds = {"eval": 0.0, "sample": 0.0, "checkpoint": 0.0}
         self.loop_seconds = 0.0
@@ -68,6 +112,16 @@ class Throughput:
         per_device = peak_flops(self.device, self._peak_dtype, remeasure, log=self.log) if self.rank == 0 else 0.0
         devices = devices_in_job(self.device.type, self.world_size, torch.get_num_threads())
         return rank_zero_value(per_device, self.device) * devices
+
+    @property
+    def step_times(self) -> list[float]:
+        """Every step's wall time (``StepClock.times``: read on CUDA at the log steps, not per step)."""
+        return self.clock.times()
+
+    @step_times.setter
+    def step_times(self, seconds: list[float]) -> None:  # tests and tools that bring their own times
+        self.clock.times()
+        self.clock._times = list(seconds)
 
     def record(self, steps: int) -> dict:
         """Median step time, tokens/s, MFU, peak memory (every rank's too) and the data-wait share of the last

@@ -64,13 +64,26 @@ def lora_plus_groups(model: nn.Module, groups: list[dict], ratio: float) -> list
     return out
 
 
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def fused_supported(model: nn.Module, device: torch.device) -> bool:
+    """Whether torch's fused AdamW can take every trainable parameter of ``model``: all on ``device``'s type,
+    CUDA or CPU, in a floating dtype its kernel has (a parameter elsewhere, e.g. offloaded to another device
+    type, or in another dtype makes ``fused=True`` raise at the first step). The fused kernel is also what skips
+    a non-finite step on the device (train/step.py ``skips_on_device``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return device.type in ("cuda", "cpu") and all(p.device.type == device.type and p.dtype in FUSED_DTYPES
+                                                  for p in params)
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
                     width_mult: float = 1.0, lora_plus_ratio: float = 1.0) -> torch.optim.AdamW:
     """AdamW over ``param_groups``; ``width_mult`` != 1 (muP): ``mup_param_groups``; ``lora_plus_ratio`` != 1:
     ``lora_plus_groups``. Each group's initial lr is already times its ``lr_scale``."""
     impl = cfg.implementation
     if impl == "auto":  # fused: one kernel per step; on the CPU too since torch 2.4, where foreach took ~4x longer
-        impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
+        impl = "fused" if fused_supported(model, device) else "foreach"
     kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "loop" else {"foreach": False}
     if impl == "fused":
         kwargs.pop("foreach")

@@ -45,7 +45,8 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     converters.convert(model)
     mesh = dims.build_mesh(device.type) if mesh is None else mesh
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
-                     compile=compile_enabled(cfg), grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
+                     compile=compile_enabled(cfg), compile_mode=cfg.train.compile_mode,
+                     grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
                      init_weights=not converters.loads_weights)  # a fine-tune's weights come from its base
     pm.loss_rows = cfg.train.loss_chunk_rows  # the chunked loss (model/loss.py): -1 auto, 0 off
     converters.after_parallelize(pm)
@@ -56,9 +57,37 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
 
 @dataclass
 class StepResult:
-    loss: float  # mean loss of the step (over data-parallel ranks, unless replicas train independently)
-    grad_norm: float  # global gradient norm before clipping
+    loss: float | torch.Tensor  # mean loss of the step (over data-parallel ranks, unless replicas train
+    # independently); a 0-dim tensor on the device when the step was ``DeferredGuard`` (read it at a log step)
+    grad_norm: float | torch.Tensor  # global gradient norm before clipping (a tensor when ``DeferredGuard``)
     updated: bool  # False when ``before_update`` refused the update (e.g. a non-finite loss)
+
+
+class DeferredGuard:
+    """``before_update`` for a step that reads nothing back to the host: a step whose loss or gradient norm is
+    not finite is skipped on the device instead (``nonfinite_flag`` as the fused optimizer's ``found_inf``), and
+    the loss and norm stay tensors for the trainer to read at its next log step (train/deferred.py).
+    ``before_step`` runs between the gradient and the update (e.g. waiting for an asynchronous save's copy)."""
+
+    def __init__(self, before_step: Callable[[], None] = lambda: None):
+        self.before_step = before_step
+
+    def __call__(self, loss: float, grad_norm: float) -> bool:  # a step that reads anyway: always update
+        self.before_step()
+        return True
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer`` can skip an update on the device from a flag tensor: a fused ``torch.optim.AdamW``
+    (its kernel takes ``found_inf``, as the gradient scaler uses it, and leaves weights, moments and the step
+    count untouched when it is set). Muon, ZeRO-1's wrapper, foreach/loop AdamW and DeepSpeed's cannot."""
+    return type(optimizer) is torch.optim.AdamW and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def nonfinite_flag(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """1.0 on the device when the loss or the gradient norm is NaN/Inf, else 0.0 (no read back)."""
+    finite = torch.isfinite(loss.detach().float()) & torch.isfinite(grad_norm.detach().float())
+    return (~finite).float().to(grad_norm.device)
 
 
 def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: Iterator[MicroBatch],
@@ -71,8 +100,10 @@ def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_bat
     Data-parallel gradients are synchronised only on the final micro-batch (DDP ``no_sync`` before); with
     low-communication training they are not synchronised at all (replicas meet in ``pm.replicas``).
     ``before_update(loss, grad_norm)`` runs between the gradient and the update; returning False skips the
-    update (the gradients are still cleared). ``scaler``: the fp16 gradient scaler (None or disabled
-    otherwise).
+    update (the gradients are still cleared); a ``DeferredGuard`` reads nothing back: with an optimizer that
+    ``skips_on_device`` and no scaler, a non-finite step's update is skipped on the device and the result holds
+    tensors (other optimizers: read and always updated, as with None). ``scaler``: the fp16 gradient scaler
+    (None or disabled otherwise).
 
     ``loss_divisor`` (default ``accum``): what each micro-batch's loss is divided by; with ranks that run
     different numbers of micro-batches (``parallel.balance``, train/adaptive.py) it is the step's micro-batches
@@ -95,8 +126,20 @@ def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_bat
     if scaler is not None:
         scaler.unscale_(optimizer)
     max_norm = grad_clip if grad_clip > 0 else math.inf
-    grad_norm = float(clip_grad_norm_(pm.parameters(), max_norm, pm.group("pp"), foreach=True))
-    loss_value = float(pm.replicas.step_loss(loss_sum, pm.dims, pm.device))
+    norm = clip_grad_norm_(pm.parameters(), max_norm, pm.group("pp"), foreach=True)
+    loss_t = pm.replicas.step_loss(loss_sum, pm.dims, pm.device)
+    if isinstance(before_update, DeferredGuard) and (scaler is None or not scaler.is_enabled()) \
+            and skips_on_device(optimizer):
+        # No host-device sync: the update is skipped on the device when the step is not finite.
+        before_update.before_step()
+        optimizer.found_inf = nonfinite_flag(loss_t, norm)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_t, norm, True)
+    grad_norm, loss_value = float(norm), float(loss_t)  # the step's two reads back (before_update's inputs)
     updated = before_update(loss_value, grad_norm) if before_update is not None else True
     if updated:
         (scaler.step if scaler is not None else lambda opt: opt.step())(optimizer)

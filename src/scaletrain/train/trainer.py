@@ -40,6 +40,7 @@ from scaletrain.parallel.distributed import (
 from scaletrain.train.adaptive import Adaptive
 from scaletrain.train.compile_choice import choose, compiled_before, expected_eager_ms, remember
 from scaletrain.train.contention import ThreadWatch
+from scaletrain.train.deferred import DeferredReads, defer_reads, settle
 from scaletrain.train.engine import engine_for
 from scaletrain.train.evaluate import ValidationScore, byte_table, validation_loss
 from scaletrain.train.guard import NonFiniteGuard
@@ -49,6 +50,7 @@ from scaletrain.train.precision import agree_on_precision, autocast, grad_scaler
 from scaletrain.train.preemption import PreemptionHandler, save_on_notice, stop_reason, torchrun_launcher
 from scaletrain.train.profile import StepProfiler
 from scaletrain.train.schedule import lr_at, warmup_warning
+from scaletrain.train.step import DeferredGuard
 from scaletrain.train.validate import check_runnable
 
 
@@ -153,6 +155,9 @@ class Trainer:
                                                    cfg.parallel.balance == "throughput" and dims.dp_size > 1)
         self.state = TrainState(schedule=dataclasses.asdict(cfg.schedule))
         self.guard = NonFiniteGuard(self.pm.replicas.rollback_after(cfg.train.rollback_after))
+        # The loop's steps read nothing back until a log step where the optimizer can skip on the device.
+        self.deferred, self._defer = DeferredReads(), defer_reads(self.optimizer, self.scaler,
+                                                                  cfg.parallel.engine != "deepspeed")
         # Small per-rank state, saved beside the sharded model and optimizer tensors.
         local_state = {"data": self.train_loader, "train_state": self.state, "rng": RNGState(),
                        "scaler": self.scaler, "guard": self.guard}
@@ -213,9 +218,11 @@ class Trainer:
             say(text)
 
     # -- one optimizer step -------------------------------------------------------------------------
-    def step(self) -> dict:
+    def step(self, deferred: bool = False) -> dict:
         """One optimizer step (the engine's) at the schedule's learning rate, with the NaN/Inf guard deciding
-        whether to update, then the counters and the replicas' synchronisation; returns the step's record."""
+        whether to update, then the counters and the replicas' synchronisation; returns the step's record.
+        ``deferred`` (the loop's, train/deferred.py): the record's loss and norm stay on the device and the guard
+        counts the step at the next read (``_read_deferred``)."""
         cfg, step = self.cfg, self.state.step
         plan = self.adaptive.plan(step)  # the ramp's global batch and this rank's micro-batches (train/adaptive.py)
         lr = lr_at(step, cfg.optim.lr, cfg.train.steps, cfg.schedule) * self.adaptive.lr_factor(step) \
@@ -232,11 +239,13 @@ class Trainer:
             return verdicts[-1] == "ok"
 
         data_seconds = [0.0]
+        deferred = deferred and plan.micro_grad_sq is None  # a noise-scale step reads its norm at once
         result = self.engine.step(self.pm, self.optimizer,
                                   self.adaptive.batches(plan, self.train_loader, self._batch, data_seconds),
                                   plan.mine, grad_clip=cfg.optim.grad_clip,
                                   autocast=lambda: autocast(self.precision, self.device), scaler=self.scaler,
-                                  before_update=before_update, loss_divisor=plan.loss_divisor,
+                                  before_update=DeferredGuard(self.checkpoint_store.wait_staged) if deferred
+                                  else before_update, loss_divisor=plan.loss_divisor,
                                   micro_grad_sq=plan.micro_grad_sq)
         self.adaptive.skip_rest(plan, self.train_loader)  # the other ranks' micro-batches of this step
         self.throughput.data_times.append(data_seconds[0])
@@ -246,18 +255,22 @@ class Trainer:
         record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                   **preference_metrics(self.pm, "train")}  # DPO/SimPO/ORPO's rewards (finetune/preference.py)
         self.adaptive.after_step(plan, self.state.step, result.grad_norm, record)
-        if not result.updated:
+        if deferred:
+            self.deferred.add(self.state.step, result)
+        elif not result.updated:
             record["skipped_update"] = 1
             self._message(f"warning: step {self.state.step}: loss {result.loss} / gradient norm {result.grad_norm} "
                           f"is not finite; update skipped ({self.guard.consecutive} in a row)")
-        if verdicts[-1] == "rollback":
+        if verdicts and verdicts[-1] == "rollback":
             self._rollback()
         return record
 
     def _batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(inputs, targets, attention mask or None) on the device; with data.document_attention the
         loader's document ids become a block-causal mask (B, 1, T, T)."""
-        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
+        # Pinned on CUDA: a copy from pageable memory makes the host wait for the stream (a sync per batch).
+        inputs, targets = ((t.pin_memory() if self.device.type == "cuda" else t).to(self.device, non_blocking=True)
+                           for t in batch[:2])
         mask = block_causal_mask(batch[2].to(self.device)) if len(batch) > 2 else None
         return inputs, targets, mask
 
@@ -376,20 +389,22 @@ class Trainer:
         """``step``, its wall time recorded (after the GPU has finished it)."""
         if self.thread_watch is not None:
             self.thread_watch.before_step()
-        t0 = time.perf_counter()
-        record = self.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.throughput.step_times.append(time.perf_counter() - t0)
+        self.throughput.clock.start()  # on CUDA timing events, read at the log steps (no sync per step)
+        record = self.step(deferred=self._defer)
+        self.throughput.clock.stop()
         if self.thread_watch is not None:
-            self.thread_watch.after_step(self.throughput.step_times[-1], self.state.step)
+            self.thread_watch.after_step(self.throughput.clock.last(), self.state.step)
         profiler.step()
         return record
 
     def _log_step(self, record: dict, logger: MetricsLogger) -> None:
         """The step's full record every logging.log_interval steps (and the last), else only its events."""
-        step = self.state.step
-        if step % self.cfg.logging.log_interval == 0 or step == self.cfg.train.steps:
+        step, cfg = self.state.step, self.cfg
+        log_due = step % cfg.logging.log_interval == 0 or step == cfg.train.steps
+        if self.deferred.pending and (log_due or step >= (cfg.train.stop_at_step or cfg.train.steps) or any(
+                every and step % every == 0 for every in (cfg.train.eval_interval, cfg.checkpoint.interval))):
+            self._read_deferred(logger, record)  # the steps' reads, before the log, an evaluation or a save
+        if log_due:
             logger.log(self._step_record(record))  # collective (per-rank memory): all ranks call it
         else:
             logger.advance(step)
@@ -399,9 +414,15 @@ class Trainer:
             self._rollbacks_logged = self.guard.rollbacks
             logger.log({"step": step, "rollback": self._rollbacks_logged})
 
+    def _read_deferred(self, logger: MetricsLogger, record: dict) -> None:
+        """The deferred steps' losses, norms and NaN-guard verdicts, in one read (train/deferred.py)."""
+        if settle(self.deferred.read(self.guard), record, self.state.step, logger.log, self._message, self.guard):
+            self._rollback()
+
     def _finish(self, notice: PreemptionHandler, logger: MetricsLogger) -> None:
         """After the loop: a preempted run saves this step at once; a finished one evaluates (and samples) the
         last step's weights and saves; any save still in flight completes."""
+        self._read_deferred(logger, {})  # a preemption notice can end the loop between reads
         state = self.state
         if self.preempted:
             save_on_notice(notice, self.preempted, state.step, self.cfg.checkpoint, self._save_now, logger)

@@ -12,6 +12,7 @@ from scaletrain.config import ConfigError, JobConfig, validate_job
 from scaletrain.finetune.lora import check_lora_targets, check_qlora_installed
 from scaletrain.finetune.preference_rules import check_preference
 from scaletrain.finetune.qat import check_qat
+from scaletrain.parallel.compile import compile_mode_refusal, compiles_whole_model
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.deepspeed_engine import check_deepspeed
 from scaletrain.parallel.dims import ParallelDims
@@ -167,4 +168,6 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     check_adaptive(cfg, dims.dp_size, precision)  # batch ramp, noise scale, parallel.balance (docs/tuning.md)
     if dims.cp > 1:
         check_context_parallel_supported(torch.device(device_type))
+    if refusal := compile_mode_refusal(cfg, device_type, compiles_whole_model(dims, cfg.parallel)):
+        raise ConfigError(refusal)
     return dims
