@@ -33,8 +33,9 @@ def gpt2(batch=512, tokens=2.5e9, precision="bf16"):
 
 def test_search_returns_only_fitting_plans_fastest_first():
     cluster = parse_hardware("a100-40gb:8")
-    result = search(gpt2(), cluster)
-    assert result.ranked and result.rejected  # some large micro-batches do not fit in 40 GB
+    # some large micro-batches do not fit in 40 GB (at batch 512 the chunked loss lets all of them fit)
+    result = search(gpt2(batch=2048), cluster)
+    assert result.ranked and result.rejected
     for c in result.ranked:
         assert c.fits and c.memory.total <= cluster.hardware.memory_bytes
     for c in result.rejected:

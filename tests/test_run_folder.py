@@ -180,8 +180,8 @@ def test_trigger_file_is_consumed_and_a_stale_one_ignored(tmp_path, tiny):
     trainer = Trainer(load_config(None, overrides), log=False)
     step = trainer.step
 
-    def step_then_notice() -> dict:
-        record = step()
+    def step_then_notice(**kwargs) -> dict:
+        record = step(**kwargs)
         if trainer.state.step == 3:
             trigger.write_text("reclaimed in 120 s")
         return record
