@@ -180,3 +180,29 @@ def test_packed_lora_under_fsdp2_matches_one_process(tmp_path):
     expected, got = losses(tmp_path / "one"), losses(tmp_path / "fsdp")
     assert len(got) == len(expected) == 4
     assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL, (got, expected)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_a_document_at_a_time_equals_the_block_causal_mask(window):
+    """On a CPU a packed row's attention runs one causal SDPA a document (``Attention.attend_documents``, the
+    spans read from the mask by ``document_spans``); an accelerator keeps the masked kernel over T x T. Both give
+    the same output and gradients, with grouped-query heads and a sliding window shorter than some documents."""
+    from scaletrain.model.llama import Attention, document_spans
+
+    cfg = ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=24,
+                      sliding_window=window)
+    attention = Attention(cfg, layer_id=0)
+    assert attention.sliding_window == window
+    doc_ids = torch.tensor([[0] * 7 + [1] * 3 + [2] * 14, [0] * 24, [0] + [1] * 11 + [2] * 12])
+    mask = block_causal_mask(doc_ids)
+    spans = document_spans(mask)
+    assert spans == [[(0, 7), (7, 10), (10, 24)], [(0, 24)], [(0, 1), (1, 12), (12, 24)]]
+    q, k, v = (torch.randn(3, h, 24, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    attention = attention.double()
+    masked = attention.attend(q, k, v, attention.windowed(mask, 24, q.device) if window else mask)
+    grads = torch.autograd.grad(masked.square().sum(), (q, k, v))
+    by_document = attention.attend_documents(q, k, v, spans)
+    torch.testing.assert_close(by_document, masked, rtol=0, atol=1e-12)
+    for ours, reference in zip(torch.autograd.grad(by_document.square().sum(), (q, k, v)), grads):
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
+    assert document_spans(mask.to("meta")) is None  # not on a CPU: the masked kernel, no host read

@@ -72,3 +72,54 @@ def test_the_gpu_lora_step_charges_the_frozen_weight_casts_and_the_adapters_pass
     assert gpu_memory_bound_seconds(model, ft, hw, 4096, shapes, ["q", "k", "v", "o"], 0, autocast=False) \
         == pytest.approx(adapters, rel=1e-6)
     assert gpu_memory_bound_seconds(model, FinetuneConfig(method="full"), hw, 4096, shapes, [], 0, True) == 0
+
+
+@pytest.mark.parametrize("hardware,precision", [("cpu", "fp32"), ("h100-sxm", "bf16")])
+def test_a_preference_step_is_two_rows_a_pair_plus_dpos_reference_forward(hardware, precision):
+    """plan/finetune.preference_step_time: pairs are two rows through the SFT step (SimPO / ORPO add nothing
+    else), DPO with adapters adds the base's no-grad forward each micro-batch (cheaper than the step it rides on,
+    QLoRA's dearer by its dequantization), DPO with full fine-tuning precomputes it once before training."""
+    import dataclasses
+
+    from scaletrain.plan.finetune import preference_step_time
+
+    pairs, micro = 8, 2
+    workload = Workload(model=SMALL, seq_len=128, global_batch=pairs, train_tokens=1e6, precision=precision)
+    rows = dataclasses.replace(workload, global_batch=2 * pairs)
+    cluster = parse_hardware(hardware)
+
+    def ft(method: str, objective: str) -> FinetuneConfig:
+        return FinetuneConfig(method=method, objective=objective)
+
+    for method in ("lora", "full"):
+        sft = finetune_step_time(rows, Plan(micro_batch=2 * micro), cluster, ft(method, "sft"))
+        for objective in ("simpo", "orpo"):
+            other = preference_step_time(workload, Plan(micro_batch=micro), cluster, ft(method, objective))
+            assert other["step_seconds"] == pytest.approx(sft["step_seconds"], rel=1e-12)
+            assert other["reference"] == "none" and other["tokens_per_second"] == pytest.approx(
+                sft["tokens_per_second"], rel=1e-12)
+    lora_sft = finetune_step_time(rows, Plan(micro_batch=2 * micro), cluster, ft("lora", "sft"))
+    dpo = preference_step_time(workload, Plan(micro_batch=micro), cluster, ft("lora", "dpo"))
+    assert dpo["reference"] == "adapters" and dpo["micro_steps"] == pairs // micro
+    assert dpo["reference_seconds"] == pytest.approx(dpo["micro_steps"] * dpo["base_forward_seconds"], rel=1e-12)
+    assert dpo["step_seconds"] == pytest.approx(lora_sft["step_seconds"] + dpo["reference_seconds"], rel=1e-12)
+    per_micro = lora_sft["compute_seconds"] / lora_sft["micro_steps"]
+    assert 0.15 * per_micro < dpo["base_forward_seconds"] < 0.6 * per_micro  # a forward of a LoRA step
+    qlora = preference_step_time(workload, Plan(micro_batch=micro), cluster, ft("qlora", "dpo"))
+    assert qlora["base_forward_seconds"] > dpo["base_forward_seconds"]
+    full = preference_step_time(workload, Plan(micro_batch=micro), cluster, ft("full", "dpo"))
+    full_sft = finetune_step_time(rows, Plan(micro_batch=2 * micro), cluster, ft("full", "sft"))
+    assert full["reference"] == "precomputed" and full["reference_seconds"] == 0.0
+    assert full["step_seconds"] == pytest.approx(full_sft["step_seconds"], rel=1e-12)
+    assert full["reference_pass_seconds"] == pytest.approx(full["base_forward_seconds"], rel=1e-12)
+    assert full["reference_pass_seconds"] > 0
+
+
+def test_plan_objective_dpo_prints_the_modelled_step(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "qwen3-0.6b", "--method", "lora", "--objective", "dpo", "--hardware",
+                 "h100-sxm:1", "--seq-len", "1024", "--global-batch", "8", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "not modelled" not in text and "reference's no-grad forward (adapters off)" in text, text
+    answer = json.loads(out.read_text())["finetune"]
+    assert answer["reference"] == "adapters" and answer["reference_seconds"] > 0

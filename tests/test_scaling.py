@@ -63,6 +63,23 @@ def test_fit_refusals(monkeypatch):
         fit_law(n, d, loss, bootstrap=0)
 
 
+def test_runs_that_barely_depend_on_size_fit_in_any_order_without_an_overflow():
+    """A real character-level grid (Tiny Shakespeare, 12 runs of 91-574 steps: 55k-332k non-embedding parameters
+    change val bpb by under 1% at a token count) leaves the N term unconstrained; starts and bootstrap replicas
+    that run off to A = e^800 once raised OverflowError out of `scale`."""
+    n = np.repeat([55536, 100672, 238640, 332448], 3)
+    d = np.tile([93184, 234496, 587776], 4)
+    loss = np.array([  # the values `scale` fitted, in its order (another order takes another L-BFGS path)
+        3.442751439495852, 3.1012260728362904, 2.8586147735974348, 3.450810271343042,
+        3.0953489956996814, 2.8452775792169516, 3.4240008246063534, 3.063541664335859,
+        2.797398056371638, 3.417440959147554, 3.1153259500794226, 2.778300647065807,
+    ])
+    fit = fit_law(n, d, loss, bootstrap=200)
+    assert all(np.isfinite([fit.params.E, fit.params.A, fit.params.B])) and fit.bootstrap
+    shuffled = np.random.default_rng(0).permutation(n.size)  # the same runs listed in another order: the same fit
+    assert fit_law(n[shuffled], d[shuffled], loss[shuffled], bootstrap=200).params == fit.params
+
+
 def test_target_below_irreducible_loss_is_refused():
     n, d, loss = synthetic()
     fit = fit_law(n, d, loss, bootstrap=0)

@@ -108,7 +108,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ft.add_argument("--dora", action="store_true", help="lora/qlora as DoRA (a trainable magnitude per output row)")
     ft.add_argument("--objective", default="sft", choices=("sft", "dpo", "simpo", "orpo"),
                     help="finetune.objective: dpo/simpo/orpo count --micro-batch as pairs (two rows each) and DPO its "
-                         "reference (disabled adapters, or log-probs precomputed for full); memory only")
+                         "reference (disabled adapters, or log-probs precomputed for full): memory and step time")
     ft.add_argument("--muon-adapters", action="store_true",
                     help="lora/qlora with --optimizer muon: Muon on the adapters' lora_A / lora_B too "
                          "(optim.muon_adapters; a --config's when not given)")
@@ -378,7 +378,7 @@ def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as
 
 def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     """``scaletrain plan --method``: the memory per device and step time of fine-tuning, and whether it fits."""
-    from scaletrain.plan.finetune import finetune_answer, finetune_step_time
+    from scaletrain.plan.finetune import finetune_answer, finetune_step_time, preference_step_time
     from scaletrain.plan.report import gib, human, optimizer_text
     from scaletrain.train.validate import check_optimizer
 
@@ -404,12 +404,18 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     if args.objective != "sft":  # plan/finetune.py preference_memory
         console.print(f"{args.objective}: micro-batch {answer['micro_batch']} pairs = {answer['rows']} rows in one "
                       f"forward; reference {answer['reference']} ({gib(answer['reference_bytes'])} in the loss "
-                      f"phase); the step time below is the SFT step's, not modelled for {args.objective}")
-    timing = finetune_step_time(workload, Plan(dp_replicate=cluster.world_size, micro_batch=answer["micro_batch"],
-                                               activation_checkpointing=pins.get("activation_checkpointing", "none")),
-                                cluster, ft)
+                      f"phase)")
+    plan = Plan(dp_replicate=cluster.world_size, micro_batch=answer["micro_batch"],
+                activation_checkpointing=pins.get("activation_checkpointing", "none"))
+    timing = (finetune_step_time(workload, plan, cluster, ft) if args.objective == "sft"
+              else preference_step_time(workload, plan, cluster, ft))  # --global-batch counts pairs
     console.print(f"step time on {cluster.describe()}: {timing['step_seconds']:.3g} s "
                   f"({timing['tokens_per_second']:,.0f} tokens/s)")
+    if timing.get("reference_seconds"):
+        console.print(f"  of which the reference's no-grad forward (adapters off): {timing['reference_seconds']:.3g} s")
+    if timing.get("reference_pass_seconds"):
+        console.print(f"  the reference log-probs, computed once before training: "
+                      f"{timing['reference_pass_seconds']:.3g} s a micro-batch of pairs over the data")
     if args.json:
         write_json({"finetune": {**answer, **timing, "optimizer": workload.optimizer,
                                  "muon_adapters": workload.muon_adapters}, "hardware": cluster.hardware.name},

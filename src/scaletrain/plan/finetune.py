@@ -228,6 +228,25 @@ def preference_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device
             "peak_phase": "loss" if loss_phase >= est["optimizer_phase_bytes"] else "optimizer step"}
 
 
+def preference_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: FinetuneConfig,
+                         reference: str = "auto") -> dict:
+    """Predicted seconds per optimizer step of a preference fine-tune (dpo / simpo / orpo): ``plan.micro_batch``
+    and ``workload.global_batch`` count pairs, each two rows through one forward and backward, so the step is
+    ``finetune_step_time``'s at twice the rows; DPO's reference (``reference``, 'auto' as the trainer does)
+    'adapters' adds the base's no-grad forward of the same rows each micro-batch; 'precomputed' (method=full)
+    adds nothing to the step (its one pass before training, over the whole data, is ``reference_pass_seconds``
+    a micro-batch of pairs); 'copy' (a frozen second model, for comparison) costs what 'adapters' does."""
+    rows = dataclasses.replace(plan, micro_batch=2 * plan.micro_batch)
+    est = finetune_step_time(dataclasses.replace(workload, global_batch=2 * workload.global_batch), rows, cluster, ft)
+    if reference == "auto":
+        reference = "none" if ft.objective != "dpo" else "precomputed" if ft.method == "full" else "adapters"
+    per_step = est["base_forward_seconds"] * est["micro_steps"] if reference in ("adapters", "copy") else 0.0
+    step = est["step_seconds"] + per_step
+    return {**est, "objective": ft.objective, "reference": reference, "reference_seconds": per_step,
+            "reference_pass_seconds": est["base_forward_seconds"] if reference == "precomputed" else 0.0,
+            "step_seconds": step, "tokens_per_second": 2 * workload.global_batch * workload.seq_len / step}
+
+
 def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, ft: FinetuneConfig,
                     micro_batch: int | None = None, activation_checkpointing: str = "none",
                     allocator: str = "system") -> dict:
@@ -314,9 +333,11 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
     micro_steps = max(1, workload.global_batch // (b * plan.dp))
     if hw.kind == "cpu":
         rates = precision_rates(hw.calibration, workload.precision)  # bf16: the curves measured under autocast
-        per_micro, optimizer = _cpu_seconds(cfg, ft, plan, rates, b, seq, shapes, targets, n_ckpt, trainable)
+        per_micro, optimizer, base_forward = _cpu_seconds(cfg, ft, plan, rates, b, seq, shapes, targets, n_ckpt,
+                                                          trainable)
     else:
-        per_micro, optimizer = _gpu_seconds(workload, cfg, ft, hw, tokens, seq, shapes, targets, n_ckpt, trainable)
+        per_micro, optimizer, base_forward = _gpu_seconds(workload, cfg, ft, hw, tokens, seq, shapes, targets,
+                                                          n_ckpt, trainable)
         per_micro += gpu_memory_bound_seconds(cfg, ft, hw, tokens, shapes, targets, n_ckpt,
                                               recipe_for(workload, plan).autocast)
     # Muon's Newton-Schulz over its whole matrices, on every data-parallel replica
@@ -331,7 +352,7 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
             comm = max(0.0, comm - per_micro * micro_steps * 2 / 3)
     step = per_micro * micro_steps + optimizer + comm
     return {"step_seconds": step, "compute_seconds": per_micro * micro_steps, "optimizer_seconds": optimizer,
-            "newton_schulz_seconds": newton_schulz,
+            "newton_schulz_seconds": newton_schulz, "base_forward_seconds": base_forward, "micro_steps": micro_steps,
             "comm_exposed_seconds": comm, "tokens_per_second": workload.global_batch * workload.seq_len / step}
 
 
@@ -349,10 +370,15 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
     att_f, att_b = attention_seconds(b * cfg.n_heads, seq, head_width(cfg), entry)
     if ft.method == "prefix":  # every query also reads the P prefix keys: causal T^2/2 -> T^2/2 + T*P
         att_f, att_b = (a * (1 + 2 * ft.virtual_tokens / seq) for a in (att_f, att_b))
-    total = 0.0
+    total, base_forward = 0.0, 0.0
     for block in range(cfg.n_layers):
         masked = masked_attention_factor(seq) if masked_attention_layers(cfg, seq, range(block, block + 1)) else 1.0
         fwd = att_f * masked + sum(gemm_seconds(tokens, o, i, entry) for i, o in shapes.values())
+        # the base's no-grad forward (DPO's reference through disabled adapters, ``preference_step_time``): the
+        # frozen GEMMs and attention, a forward's third of the elementwise work and dispatch (as a recompute)
+        base_forward += fwd + (units * elem + (entry["block_ops"] + family_block_ops(cfg)) * entry["op_overhead_s"]) / 3
+        if ft.method == "qlora":
+            base_forward += sum(i * o for i, o in shapes.values()) * dequant
         bwd = att_b * masked
         for name, (i, o) in shapes.items():
             both = gemm_seconds(tokens, o, i, entry, backward=True)  # input and weight gradient GEMMs
@@ -387,7 +413,11 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
             + tokens * vocab * interp_curve(entry["cross_entropy_curve"], vocab) + 3 * tokens * d * elem
             + (vocab * d * elem if head_trains and not ft.freeze_embeddings else 0.0))
     optimizer = trainable * interp_curve(entry["optimizer_curve"], trainable)
-    return total + head, optimizer
+    # the reference's head: logits, then a cross-entropy forward (the log-softmax: about half the measured
+    # forward + backward, the backward being the softmax again less the targets)
+    base_forward += head_gemm_seconds(tokens, vocab, d, entry) + tokens * vocab * interp_curve(
+        entry["cross_entropy_curve"], vocab) / 2 + tokens * d * elem
+    return total + head, optimizer, base_forward
 
 
 # Passes over an adapted projection's input and output activations (tokens x width, bf16) one LoRA adapter makes in
@@ -451,4 +481,11 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
         projections = cfg.n_layers * sum(i * o for i, o in shapes.values())
         seconds += 2 * projections * GPU_NF4_DEQUANT_BYTES_PER_WEIGHT / hw.memory_bandwidth
     optimizer = trainable * 3 * 20 / hw.memory_bandwidth  # pretraining's ~3 passes of 20 bytes a parameter
-    return seconds, optimizer
+    # the base's no-grad forward (DPO's reference through disabled adapters): its FLOPs at the same rate, and its
+    # frozen weights read once more (QLoRA: dequantized once more)
+    base_forward = max(tokens * (2.0 * n_matmul + attention_fwd) / rate,
+                       cfg.n_layers * OPS_PER_BLOCK / 3 * GPU_LAUNCH_SECONDS)
+    if ft.method == "qlora":
+        base_forward += cfg.n_layers * sum(i * o for i, o in shapes.values()) * GPU_NF4_DEQUANT_BYTES_PER_WEIGHT \
+            / hw.memory_bandwidth
+    return seconds, optimizer, base_forward

@@ -197,7 +197,8 @@ def _fit_once(n: np.ndarray, d: np.ndarray, loss: np.ndarray, starts: torch.Tens
     found = []
     for theta0 in starts:
         theta, value, converged = _lbfgs(theta0, *t)
-        if math.isfinite(value) and bool(torch.isfinite(theta).all()):
+        # exp(theta) finite too: a start that ran off to A = e^800 (a term the runs do not constrain) is no fit
+        if math.isfinite(value) and bool(torch.isfinite(theta.exp()).all()):
             found.append((value, theta, converged or value < 1e-14))
     if not found:
         return starts[0], float("inf"), False
@@ -217,6 +218,10 @@ def fit_law(n, d, loss, bootstrap: int = 200, seed: int = 0) -> ScalingFit:
     N or D (the two terms cannot be told apart), or no start converging."""
     n, d, loss = (np.asarray(x, dtype=np.float64).ravel() for x in (n, d, loss))
     check_runs(n, d, loss)
+    # one order for one set of runs (by N, then D): the sums' rounding, and so L-BFGS's path and the bootstrap's
+    # resamples, would otherwise depend on the order the grid folder lists them in
+    order = np.lexsort((loss, d, n))
+    n, d, loss = n[order], d[order], loss[order]
     theta, value, converged = _fit_once(n, d, loss)
     if not converged:
         raise ScalingFitError(f"the fit of {n.size} runs did not converge (L-BFGS from {_STARTS} starts; best "
