@@ -40,7 +40,7 @@ def measure(name: str, base: str) -> dict:
     from scaletrain.plan.hardware_spec import parse_hardware
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
     from scaletrain.plan.spec import Plan, Workload
-    from scaletrain.train.step import build_parallel_training, training_step
+    from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     method = "qlora" if name == "qlora" else "prompt" if name == "prompt" else "full" if name == "full" else "lora"
     ft = FinetuneConfig(source=base, method=method, **METHODS[name])
@@ -53,7 +53,8 @@ def measure(name: str, base: str) -> dict:
     gen = torch.Generator().manual_seed(1)
     micro = [(torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=gen),
               torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=gen), None)]
-    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker, steps=7)
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, StepOptions(grad_clip=1.0)).loss,
+                            tracker, steps=7)
     workload = Workload(model=model, seq_len=SEQ, global_batch=BATCH, train_tokens=BATCH * SEQ)
     predicted = finetune_memory(workload, Plan(micro_batch=BATCH), dataclasses.replace(ft), "cpu")
     predicted_bytes = predicted["tensor_total"] + resident_extras(model, BATCH, SEQ)
