@@ -195,7 +195,8 @@ def planned_optimizer(args: argparse.Namespace, job: JobConfig | None) -> tuple[
     ``--muon-adapters`` or the config's optim.muon_adapters, which only Muon has."""
     optimizer = args.optimizer or (job.optim.name if job is not None else "adamw")
     asked = args.muon_adapters
-    takes_adapters = "muon_adapters" in optimizer_entry(optimizer, "--optimizer").fields
+    where = "--optimizer" if args.optimizer else f"optim.name in {args.config}"
+    takes_adapters = "muon_adapters" in optimizer_entry(optimizer, where).fields
     if asked and not takes_adapters:
         raise ConfigError(f"--muon-adapters puts LoRA's adapters under Muon: it needs --optimizer muon (planning "
                           f"{optimizer}); add --optimizer muon or drop it")

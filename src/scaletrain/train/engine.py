@@ -28,7 +28,14 @@ from scaletrain.config import JobConfig
 from scaletrain.finetune import open_base
 from scaletrain.parallel import ParallelDims, ParallelModel
 from scaletrain.train.engine_deepspeed import DeepSpeedEngine
-from scaletrain.train.step import MicroBatch, StepOptions, StepResult, build_parallel_training, training_step
+from scaletrain.train.step import (
+    MicroBatch,
+    StepFunction,
+    StepOptions,
+    StepResult,
+    build_parallel_training,
+    training_step,
+)
 
 
 class RunCheckpoint(Protocol):
@@ -74,7 +81,7 @@ class NativeEngine:
               vocab_limit: int | None) -> tuple[ParallelModel, torch.optim.Optimizer]:
         return build_parallel_training(cfg, dims, device, vocab_limit=vocab_limit)
 
-    step = staticmethod(training_step)
+    step: StepFunction = staticmethod(training_step)
 
     def checkpoint(self, store: CheckpointManager, pm: ParallelModel, optimizer: torch.optim.Optimizer,
                    local: dict, state: TrainState, cfg: JobConfig,

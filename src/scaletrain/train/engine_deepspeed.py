@@ -46,7 +46,7 @@ from scaletrain.parallel.deepspeed_engine import (
 )
 from scaletrain.parallel.distributed import barrier
 from scaletrain.train.optimizer import build_optimizer, param_groups
-from scaletrain.train.step import MicroBatch, StepOptions, StepResult
+from scaletrain.train.step import MicroBatch, StepFunction, StepOptions, StepResult
 
 
 def build_optimizer_for(model: torch.nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -184,7 +184,7 @@ class DeepSpeedEngine:
                                                                  vocab_limit=vocab_limit, load_universal=other_world)
         return pm, optimizer
 
-    step = staticmethod(deepspeed_training_step)
+    step: StepFunction = staticmethod(deepspeed_training_step)
 
     def checkpoint(self, store: CheckpointManager, pm: ParallelModel, optimizer: torch.optim.Optimizer,
                    local: dict, state: TrainState, cfg: JobConfig,
