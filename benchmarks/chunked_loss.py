@@ -47,7 +47,7 @@ def measure(method: str, loss_rows: int, base: str, layers: int) -> dict:
     from scaletrain.plan.finetune import finetune_memory
     from scaletrain.plan.measure import LiveTensorBytes, resident_extras
     from scaletrain.plan.spec import Plan, Workload
-    from scaletrain.train.step import build_parallel_training, training_step
+    from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     model = ModelConfig(**model_fields(layers))
     ft = FinetuneConfig(source=base, **METHODS[method])
@@ -57,10 +57,10 @@ def measure(method: str, loss_rows: int, base: str, layers: int) -> dict:
     gen = torch.Generator().manual_seed(1)
     micro = [(torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=gen),
               torch.randint(0, model.vocab_size, (BATCH, SEQ), generator=gen), None)]
-    losses = [training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss]  # warm-up: AdamW's states
+    losses = [training_step(pm, optimizer, iter(micro), 1, StepOptions(grad_clip=1.0)).loss]  # warm-up: AdamW's states
     tracker.peak = tracker.live
     started = time.perf_counter()
-    losses.append(training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss)
+    losses.append(training_step(pm, optimizer, iter(micro), 1, StepOptions(grad_clip=1.0)).loss)
     seconds = time.perf_counter() - started
     tracker.__exit__(None, None, None)
     workload = Workload(model=model, seq_len=SEQ, global_batch=BATCH, train_tokens=BATCH * SEQ,

@@ -211,7 +211,7 @@ def measure_all(args, base: Path) -> int:
     from scaletrain.model.presets import matmul_params
     from scaletrain.parallel import ParallelDims
     from scaletrain.train.evaluate import perplexity, token_loss
-    from scaletrain.train.step import build_parallel_training, training_step
+    from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     torch.set_num_threads(1)
     runs = build_variants(base, args.base_steps, args.recovery_fraction, args.reuse)
@@ -262,7 +262,7 @@ def measure_all(args, base: Path) -> int:
         for name, (pm, opt, batch) in (list(steppers.items()) if r % 2 == 0 else list(steppers.items())[::-1]):
             t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(2):
-                training_step(pm, opt, iter(batch), 1, grad_clip=1.0)
+                training_step(pm, opt, iter(batch), 1, StepOptions(grad_clip=1.0))
             train_ms[name].append((time.perf_counter() - t0) / 2 * 1000)
             train_cpu_ms[name].append((time.thread_time() - c0) / 2 * 1000)
     train_tps = {name: BATCH * SEQ / (statistics.median(ms[1:]) / 1000) for name, ms in train_ms.items()}

@@ -46,7 +46,7 @@ def measure(name: str, base: str) -> dict:
     from scaletrain.plan.hardware_spec import parse_hardware
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
     from scaletrain.plan.spec import Plan, Workload
-    from scaletrain.train.step import build_parallel_training, training_step
+    from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     if name in PREFERENCE:
         method, objective = PREFERENCE[name]
@@ -76,7 +76,8 @@ def measure(name: str, base: str) -> dict:
                                                    torch.device("cpu"), pm.vocab_limit, True)
         PreferenceObjective(pm, ft, reference)
     micro = [(inputs, targets, None)]
-    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker, steps=7)
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, StepOptions(grad_clip=1.0)).loss,
+                            tracker, steps=7)
     if pairs:  # the planner counts pairs: micro-batch and global batch
         workload = Workload(model=model, seq_len=SEQ, global_batch=pairs, train_tokens=BATCH * SEQ)
         predicted = preference_memory(workload, Plan(micro_batch=pairs), ft, "cpu")

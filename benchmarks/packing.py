@@ -77,7 +77,7 @@ def _run_mode(examples: list, vocab: int, packed: bool, args) -> dict:
     from scaletrain.data.loader import block_causal_mask
     from scaletrain.parallel import ParallelDims
     from scaletrain.plan.measure import LiveTensorBytes
-    from scaletrain.train.step import build_parallel_training, training_step
+    from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     torch.manual_seed(0)
     model = ModelConfig(vocab_size=vocab, dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64 or 1,
@@ -94,13 +94,13 @@ def _run_mode(examples: list, vocab: int, packed: bool, args) -> dict:
         return iter([(batch[0], batch[1], mask)])
 
     micro.targets = 0
-    training_step(pm, optimizer, micro(), 1, grad_clip=1.0)  # warm-up: AdamW's states
+    training_step(pm, optimizer, micro(), 1, StepOptions(grad_clip=1.0))  # warm-up: AdamW's states
     tracker.peak = tracker.live
-    training_step(pm, optimizer, micro(), 1, grad_clip=1.0)
+    training_step(pm, optimizer, micro(), 1, StepOptions(grad_clip=1.0))
     tracker.__exit__(None, None, None)
     micro.targets, started = 0, time.perf_counter()
     for _ in range(args.steps):
-        training_step(pm, optimizer, micro(), 1, grad_clip=1.0)
+        training_step(pm, optimizer, micro(), 1, StepOptions(grad_clip=1.0))
     seconds = time.perf_counter() - started
     real = sum(min(len(ids), SEQ + 1) - 1 for ids, _ in examples)  # positions that are no padding
     return {"packed": packed, "rows": len(loader.inputs), "filled_fraction": real / loader.inputs.numel(),

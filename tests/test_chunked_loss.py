@@ -178,7 +178,7 @@ def test_planner_peak_matches_a_real_step_with_and_without_chunks(method, loss_r
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
     from scaletrain.plan.memory import memory_breakdown
     from scaletrain.plan.spec import Plan, Workload
-    from scaletrain.train.step import build_parallel_training, training_step
+    from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     model = ModelConfig(vocab_size=8192, dim=64, n_layers=1, n_heads=2, ffn_hidden_dim=128, max_seq_len=128)
     batch, seq = 4, 128
@@ -193,8 +193,8 @@ def test_planner_peak_matches_a_real_step_with_and_without_chunks(method, loss_r
     gen = torch.Generator().manual_seed(0)
     micro = [(torch.randint(0, 8192, (batch, seq), generator=gen), torch.randint(0, 8192, (batch, seq), generator=gen),
               None)]
-    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker,
-                            steps=1)["peak_bytes"]
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, StepOptions(grad_clip=1.0)).loss,
+                            tracker, steps=1)["peak_bytes"]
     workload = Workload(model=model, seq_len=seq, global_batch=batch, train_tokens=batch * seq,
                         loss_chunk_rows=loss_rows)
     if method == "pretrain":

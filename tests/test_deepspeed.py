@@ -124,6 +124,14 @@ def test_engines_are_chosen_from_the_config_and_share_one_interface(tmp_path):
         protocol = list(inspect.signature(getattr(TrainingEngine, name)).parameters)[1:]  # without self
         for engine in (native, deepspeed):
             assert list(inspect.signature(getattr(engine, name)).parameters) == protocol, (engine, name)
+    # One step signature (train/step.py: StepFunction): the engines' step functions are written alike, the step's
+    # settings in one StepOptions.
+    from scaletrain.train.engine_deepspeed import deepspeed_training_step
+    from scaletrain.train.step import training_step
+
+    assert str(inspect.signature(training_step)) == str(inspect.signature(deepspeed_training_step)) == \
+        "(pm: 'ParallelModel', optimizer: 'torch.optim.Optimizer', micro_batches: 'Iterator[MicroBatch]', " \
+        "accum: 'int', options: 'StepOptions') -> 'StepResult'"
 
 
 @needs_deepspeed

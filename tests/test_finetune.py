@@ -354,7 +354,7 @@ def test_planner_finetune_memory_matches_measured(hf_base, method):
     from scaletrain.plan.finetune import finetune_memory
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
     from scaletrain.plan.spec import Plan, Workload
-    from scaletrain.train.step import build_parallel_training, training_step
+    from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     model = _job(hf_base).model
     ft = FinetuneConfig(source=str(hf_base), method="lora" if method == "dora" else method, lora_targets=["q", "v"],
@@ -366,8 +366,8 @@ def test_planner_finetune_memory_matches_measured(hf_base, method):
     gen = torch.Generator().manual_seed(0)
     micro = [(torch.randint(0, model.vocab_size, (batch, seq), generator=gen),
               torch.randint(0, model.vocab_size, (batch, seq), generator=gen), None)]
-    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker,
-                            steps=1)["peak_bytes"]
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, StepOptions(grad_clip=1.0)).loss,
+                            tracker, steps=1)["peak_bytes"]
     workload = Workload(model=model, seq_len=seq, global_batch=batch, train_tokens=batch * seq)
     predicted = finetune_memory(workload, Plan(micro_batch=batch), ft, "cpu")["tensor_total"]
     predicted += resident_extras(model, batch, seq)
@@ -510,7 +510,7 @@ def test_muon_adapters_without_lora_exit_2(hf_base, tmp_path, tiny, capsys):
     assert "optim.muon_adapters puts LoRA's adapter matrices under Muon: it needs finetune.method=lora" \
         in capsys.readouterr().err
     assert main(_finetune_args(hf_base, tmp_path / "b", tiny, **{"optim.muon_adapters": "true"})) == 2
-    assert "optim.muon_* settings apply to optim.name=muon" in capsys.readouterr().err
+    assert "optim.muon_adapters applies to optim.name=muon only" in capsys.readouterr().err
 
 
 def test_qlora_without_torchao_is_one_line_naming_the_extra(hf_base, tmp_path, tiny):

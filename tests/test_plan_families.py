@@ -158,7 +158,7 @@ def test_family_finetune_peak_matches_a_real_step(family, method, precision, tmp
     from scaletrain.plan.finetune import finetune_memory
     from scaletrain.plan.measure import LiveTensorBytes, measure_step
     from scaletrain.train.precision import autocast
-    from scaletrain.train.step import build_parallel_training, training_step
+    from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     ft = FinetuneConfig(source=str(_family_folder(family, tmp_path)), method=method)
     cfg = JobConfig(optim=OptimConfig(), train=TrainConfig(seed=0), finetune=ft)
@@ -170,8 +170,8 @@ def test_family_finetune_peak_matches_a_real_step(family, method, precision, tmp
     gen = torch.Generator().manual_seed(0)
     micro = [(torch.randint(0, 384, (batch, seq), generator=gen), torch.randint(0, 384, (batch, seq), generator=gen),
               None)]
-    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0,
-                                                  autocast=lambda: autocast(precision, torch.device("cpu"))).loss,
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, StepOptions(
+                                grad_clip=1.0, autocast=lambda: autocast(precision, torch.device("cpu")))).loss,
                             tracker, steps=1)["peak_bytes"]
     workload = Workload(model=model, seq_len=seq, global_batch=batch, train_tokens=batch * seq, precision=precision)
     predicted = finetune_memory(workload, Plan(micro_batch=batch), cfg.finetune, "cpu")["tensor_total"]

@@ -33,7 +33,7 @@ from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extr
 from scaletrain.plan.memory import memory_breakdown, muon_matrix_params, muon_shapes
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import newton_schulz_flops, step_time
-from scaletrain.train.step import build_parallel_training, training_step
+from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
 ROOT = Path(__file__).resolve().parents[1]
 BABY = str(ROOT / "configs" / "shakespeare_char_baby_adamw.toml")  # the nano preset, 12 x 64 characters, fp32
@@ -129,8 +129,8 @@ def _lora_step(source: Path, optim: OptimConfig, batch: int, seq: int) -> tuple[
     vocab = cfg.model.vocab_size
     micro = [(torch.randint(0, vocab, (batch, seq), generator=gen), torch.randint(0, vocab, (batch, seq),
                                                                                   generator=gen), None)]
-    return cfg, measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker,
-                             steps=1)
+    return cfg, measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, StepOptions(grad_clip=1.0)).loss,
+                             tracker, steps=1)
 
 
 def test_muon_adapters_finetune_memory_matches_a_real_lora_step(hf_base):
@@ -206,7 +206,7 @@ def test_predicted_muon_over_adamw_step_ratio_of_the_nano_recipe_matches_a_measu
             micro = [(torch.randint(0, 65, (batch, seq), generator=gen), torch.randint(0, 65, (batch, seq),
                                                                                        generator=gen), None)]
             steps[name] = (lambda pm=pm, optimizer=optimizer, micro=micro:  # noqa: E731
-                           training_step(pm, optimizer, iter(micro), 1, grad_clip=base.optim.grad_clip))
+                           training_step(pm, optimizer, iter(micro), 1, StepOptions(grad_clip=base.optim.grad_clip)))
         seconds: dict[str, list[float]] = {name: [] for name in steps}
         for i in range(25):
             for name, step in steps.items():
@@ -222,9 +222,11 @@ def test_predicted_muon_over_adamw_step_ratio_of_the_nano_recipe_matches_a_measu
 
 
 def test_the_planner_refuses_an_optimizer_it_does_not_model():
-    """An optimizer outside config.OPTIMIZERS is refused in one line, not planned with AdamW's states and step."""
-    from scaletrain.config import OPTIMIZERS, ConfigError, ModelConfig
+    """An optimizer outside the optimizer table (train/optimizer.py) is refused in one line, not planned with
+    AdamW's states and step."""
+    from scaletrain.config import ConfigError, ModelConfig
     from scaletrain.plan.spec import Workload
+    from scaletrain.train.optimizer import OPTIMIZERS
 
     with pytest.raises(ConfigError, match="not 'lion'") as err:
         Workload(ModelConfig(vocab_size=64), 64, 8, 1e6, optimizer="lion")

@@ -345,7 +345,7 @@ def test_planner_preference_memory_matches_measured(hf_base, tmp_path, reference
     from scaletrain.plan.finetune import preference_memory
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
     from scaletrain.plan.spec import Plan, Workload
-    from scaletrain.train.step import build_parallel_training, training_step
+    from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     pairs, seq = 4, SEQ
     ft = FinetuneConfig(source=str(hf_base), method="full" if reference == "precomputed" else "lora",
@@ -361,8 +361,8 @@ def test_planner_preference_memory_matches_measured(hf_base, tmp_path, reference
         pm.preference.reference = _CopyReference(copy.requires_grad_(False).eval())
     ci, ct, ri, rt = pair_rows(read_preferences(FIXTURE, CharTokenizer(CHARS), seq)[:pairs], seq)
     micro = [(torch.cat([ci, ri]), torch.cat([ct, rt]), None)]
-    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, grad_clip=1.0).loss, tracker,
-                            steps=1)["peak_bytes"]
+    measured = measure_step(lambda: training_step(pm, optimizer, iter(micro), 1, StepOptions(grad_clip=1.0)).loss,
+                            tracker, steps=1)["peak_bytes"]
     workload = Workload(model=model, seq_len=seq, global_batch=pairs, train_tokens=pairs * seq)
     est = preference_memory(workload, Plan(micro_batch=pairs), ft, "cpu", reference=reference)
     predicted = est["tensor_total"] + resident_extras(model, 2 * pairs, seq)

@@ -18,7 +18,7 @@ from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.dims import padded_vocab_size
 from scaletrain.parallel.tensor import cross_entropy
 from scaletrain.train.evaluate import token_loss
-from scaletrain.train.step import training_step
+from scaletrain.train.step import StepOptions, training_step
 from scaletrain.train.trainer import Trainer
 
 
@@ -94,8 +94,8 @@ def test_padding_rows_get_exactly_zero_gradient_in_a_training_step(tmp_path, tin
     inputs, targets = next(trainer.train_loader)
     with torch.no_grad():
         expected = F.cross_entropy(model(inputs)[..., :65].flatten(0, 1), targets.flatten())
-    training_step(trainer.pm, trainer.optimizer, iter([(inputs, targets, None)]), 1, grad_clip=1.0,
-                  before_update=before_update)
+    training_step(trainer.pm, trainer.optimizer, iter([(inputs, targets, None)]), 1,
+                  StepOptions(grad_clip=1.0, before_update=before_update))
     assert checked == [pytest.approx(float(expected), rel=1e-6)]
     # Zero gradient and no weight decay on embeddings: AdamW leaves the padding row exactly as it was.
     assert torch.equal(model.tok_embeddings.weight[65:], embedding_padding)

@@ -52,15 +52,12 @@ class DataConfig:
                                           "window; not with parallel.pp or parallel.cp")
 
 
-# The optimizers optim.name takes: the one list (the config's choices, plan --optimizer's, the planner's check).
-OPTIMIZERS = ("adamw", "muon")
-
-
 @dataclass
 class OptimConfig:
-    name: str = opt("adamw", "adamw, or muon: Muon (torch.optim.Muon: orthogonalized momentum, one state buffer) on "
+    name: str = opt("adamw", "an entry of the optimizer table (train/optimizer.py: OPTIMIZERS; checked with the job): "
+                             "adamw, or muon: Muon (torch.optim.Muon: orthogonalized momentum, one state buffer) on "
                              "the blocks' weight matrices and AdamW on embeddings, head, norms and biases "
-                             "(docs/training.md)", choices=OPTIMIZERS)
+                             "(docs/training.md)")
     lr: float = opt(1e-3, "peak learning rate", gt=0)
     weight_decay: float = opt(0.1, "decoupled weight decay for matrices, AdamW's and Muon's (norms, biases and "
                                     "embeddings get none)", ge=0)

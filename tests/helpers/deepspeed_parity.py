@@ -25,7 +25,7 @@ from scaletrain.model.presets import num_params
 from scaletrain.parallel.distributed import destroy_distributed, init_distributed
 from scaletrain.plan.memory import RECIPES, model_states
 from scaletrain.train.engine_deepspeed import build_deepspeed_training, deepspeed_training_step
-from scaletrain.train.step import build_parallel_training, training_step
+from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 from scaletrain.train.validate import check_runnable
 
 MODEL = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, ffn_hidden_dim=128, max_seq_len=32)
@@ -86,7 +86,8 @@ def run(strategy: str, steps: int, env, nvme: str = "") -> dict:
         step_fn = deepspeed_training_step
     losses = []
     for step in range(steps):
-        result = step_fn(pm, optimizer, batches(step, env.rank, env.world_size), ACCUM, grad_clip=cfg.optim.grad_clip)
+        result = step_fn(pm, optimizer, batches(step, env.rank, env.world_size), ACCUM,
+                         StepOptions(grad_clip=cfg.optim.grad_clip))
         losses.append(result.loss)
     weights = pm.parts[0].module if strategy != "native" else pm.modules[0]
     with torch.no_grad():  # ZeRO-3 holds partitions: the plain sum of one rank's view is not comparable

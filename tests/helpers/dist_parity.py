@@ -35,7 +35,7 @@ from scaletrain.model import build_model
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.distributed import destroy_distributed, init_distributed
 from scaletrain.train.optimizer import build_optimizer
-from scaletrain.train.step import build_parallel_training, training_step
+from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
 MODEL = ModelConfig(vocab_size=64, dim=64, n_layers=4, n_heads=4, ffn_hidden_dim=128, max_seq_len=32)
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=1.0)
@@ -164,7 +164,7 @@ def parallel_losses(fields: dict, accum: int, compile: bool, device: torch.devic
     for step in range(STEPS):
         micro = ((x[lo:lo + local_batch].to(device), y[lo:lo + local_batch].to(device), None)
                  for x, y in batches(step, accum, vocab_limit or MODEL.vocab_size))
-        losses.append(training_step(pm, opt, micro, accum, grad_clip=OPTIM.grad_clip).loss)
+        losses.append(training_step(pm, opt, micro, accum, StepOptions(grad_clip=OPTIM.grad_clip)).loss)
     return losses, {"dims": dataclasses.asdict(dims), "seconds": time.perf_counter() - t0,
                     "all_reduce_calls": pm.comm.all_reduce_calls,
                     "muon_gathered_bytes": getattr(opt, "gathered_bytes", 0),  # FSDP2 + Muon's all-gathers

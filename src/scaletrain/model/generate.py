@@ -89,6 +89,24 @@ def left_pad(rows: list[list[int]], device: torch.device, pad_id: int = 0) -> tu
     return tokens.to(device), padding.to(device)
 
 
+def _next_logits(model: nn.Module, rows: list[list[int]], cache: KVCache | None, max_seq_len: int, use_cache: bool,
+                 device: torch.device) -> tuple[torch.Tensor, KVCache | None]:
+    """(the last position's logits (B, V) of every row, the cache to go on with) for one generation step."""
+    if not use_cache:  # the whole context of each row, one row at a time
+        return torch.cat([model(torch.tensor([r[-max_seq_len:]], device=device))[:, -1] for r in rows]), cache
+    if cache is not None and cache.tokens >= max_seq_len and min(map(len, rows)) >= max_seq_len:
+        # Every row fills the context: from now on each step is a whole-window forward (the window slides by one
+        # token), so the plain causal forward, without filling a cache that would be dropped at once.
+        window = torch.tensor([r[-max_seq_len:] for r in rows], dtype=torch.long, device=device)
+        return model(window, last_only=True)[:, -1], cache
+    if cache is None or cache.tokens >= max_seq_len:  # prefill (again, once the context is full)
+        tokens, padding = left_pad([r[-max_seq_len:] for r in rows], device)
+        cache = KVCache(len(rows), max_seq_len)
+        return model(tokens, cache=cache, padding=padding, last_only=True)[:, -1], cache
+    last = torch.tensor([[r[-1]] for r in rows], dtype=torch.long, device=device)  # (B, 1)
+    return model(last, cache=cache, last_only=True)[:, -1], cache
+
+
 @torch.no_grad()
 def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, max_seq_len: int,
            sampling: Sampling | None = None, generator: torch.Generator | None = None,
@@ -120,20 +138,7 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
         for _ in range(max_new_tokens):
             if not going:
                 break
-            if not use_cache:  # the whole context of each row, one row at a time
-                logits = torch.cat([model(torch.tensor([r[-max_seq_len:]], device=device))[:, -1] for r in rows])
-            elif cache is not None and cache.tokens >= max_seq_len and min(map(len, rows)) >= max_seq_len:
-                # Every row fills the context: from now on each step is a whole-window forward (the window slides
-                # by one token), so the plain causal forward, without filling a cache that would be dropped at once.
-                window = torch.tensor([r[-max_seq_len:] for r in rows], dtype=torch.long, device=device)
-                logits = model(window, last_only=True)[:, -1]
-            elif cache is None or cache.tokens >= max_seq_len:  # prefill (again, once the context is full)
-                tokens, padding = left_pad([r[-max_seq_len:] for r in rows], device)
-                cache = KVCache(len(rows), max_seq_len)
-                logits = model(tokens, cache=cache, padding=padding, last_only=True)[:, -1]
-            else:
-                last = torch.tensor([[r[-1]] for r in rows], dtype=torch.long, device=device)  # (B, 1)
-                logits = model(last, cache=cache, last_only=True)[:, -1]
+            logits, cache = _next_logits(model, rows, cache, max_seq_len, use_cache, device)
             logits = logits[:, :vocab_limit].float()  # (B, V): padding rows of the vocabulary never compete
             if sampling.repetition_penalty != 1.0:
                 logits = penalize_repetition(logits, rows, sampling.repetition_penalty)

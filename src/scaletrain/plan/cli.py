@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from scaletrain.config import (
-    OPTIMIZERS,
     ConfigError,
     DataConfig,
     FinetuneConfig,
@@ -35,6 +34,7 @@ from scaletrain.plan.quality import add_quality_arguments, predicted_quality, qu
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
 from scaletrain.scaling.fit import law_params
+from scaletrain.train.optimizer import OPTIMIZERS, optimizer_entry
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -81,10 +81,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                      help="auto = what `scaletrain train` picks on the target: bf16 mixed precision on GPUs, and on "
                           "a CPU bf16 where its bf16 matmuls measure at least 1.5x fp32's (else fp32); a --config's "
                           "train.precision when given")
-    src.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
-                     help="the optimizer to plan for: adamw, or muon (one momentum buffer per block matrix; "
-                          "Newton-Schulz in the step, FSDP2 gathers each matrix); default: a --config's optim.name, "
-                          "else adamw")
+    src.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS),
+                     help="the optimizer to plan for, an entry of train/optimizer.py's table: adamw, or muon (one "
+                          "momentum buffer per block matrix; Newton-Schulz in the step, FSDP2 gathers each matrix); "
+                          "default: a --config's optim.name, else adamw")
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--hardware", default="auto", help="catalog NAME, NAME:COUNT or NAME:COUNTxNODES "
                                                        "(e.g. h100-sxm:8x4), or auto (this machine, from doctor)")
@@ -195,11 +195,13 @@ def planned_optimizer(args: argparse.Namespace, job: JobConfig | None) -> tuple[
     ``--muon-adapters`` or the config's optim.muon_adapters, which only Muon has."""
     optimizer = args.optimizer or (job.optim.name if job is not None else "adamw")
     asked = args.muon_adapters
-    if asked and optimizer != "muon":
+    where = "--optimizer" if args.optimizer else f"optim.name in {args.config}"
+    takes_adapters = "muon_adapters" in optimizer_entry(optimizer, where).fields
+    if asked and not takes_adapters:
         raise ConfigError(f"--muon-adapters puts LoRA's adapters under Muon: it needs --optimizer muon (planning "
                           f"{optimizer}); add --optimizer muon or drop it")
     from_config = job is not None and job.optim.muon_adapters
-    return optimizer, optimizer == "muon" and bool(asked or from_config)
+    return optimizer, takes_adapters and bool(asked or from_config)
 
 
 def planned_precision(requested: str, hardware: Hardware, this_machine: bool) -> str:

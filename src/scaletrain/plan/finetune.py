@@ -88,12 +88,12 @@ def trainable_parameters(cfg: ModelConfig, ft: FinetuneConfig) -> int:
 
 
 def finetune_muon_shapes(workload: Workload, ft: FinetuneConfig) -> list[tuple[int, int]]:
-    """(rows, cols) of the trainable matrices Muon takes when ``workload.optimizer`` is muon
-    (train/muon.py:muon_matrices): a full fine-tune's block matrices (of the blocks not frozen); with
+    """(rows, cols) of the trainable matrices Muon takes when ``workload.optimizer``'s entry takes the
+    ``matrices`` (muon; train/muon.py:muon_matrices): a full fine-tune's block matrices (of the blocks not frozen); with
     ``workload.muon_adapters`` each LoRA / QLoRA target's lora_A (rank, in) and lora_B (out, rank), not DoRA's
     magnitude vectors. Nothing else: frozen weights have no update and the other methods train no block matrix."""
     cfg = workload.model
-    if workload.optimizer != "muon":
+    if not workload.optimizer_entry.matrices:
         return []
     shapes = projection_shapes(cfg)
     if ft.method == "full":
@@ -142,10 +142,13 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     pretrain = memory_breakdown(workload, plan, device_kind)
     trainable = trainable_parameters(workload.model, ft)
     frozen = frozen_bytes(workload.model, ft, rec.param)
-    # Optimizer state: AdamW's two moments a trainable parameter, Muon's one momentum buffer a matrix element
+    # Optimizer state: the entry's bytes on the parameters its rule updates (Muon's one momentum buffer a matrix
+    # element), AdamW's two moments on the rest
+    entry = workload.optimizer_entry
     muon = finetune_muon_shapes(workload, ft)
     on_muon = sum(r * c for r, c in muon)
-    optimizer_bytes = (trainable - on_muon) * rec.optimizer + on_muon * rec.optimizer / 2
+    own = on_muon if entry.matrices else trainable  # the parameters the entry's own rule updates
+    optimizer_bytes = (trainable - own) * rec.optimizer + own * rec.optimizer * entry.state_share()
     at_rest = frozen + trainable * (rec.param + rec.master) + optimizer_bytes
     bt, vocab = plan.micro_batch * workload.seq_len, workload.model.vocab_size
     held = loss_rows(workload, plan, bt)
@@ -184,7 +187,7 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     # Optimizer: every trainable gradient (the fused AdamW kernel, the default, allocates no temporary), and
     # Muon's Newton-Schulz temporaries
     optimizer_phase = at_rest + trainable * rec.grad
-    if muon:
+    if muon and entry.orthogonalizes:
         optimizer_phase += muon_step_transient_bytes(on_muon, max(r * c for r, c in muon))
     tensor_total = max(loss_phase, optimizer_phase)
     return {"method": ft.method, "trainable_parameters": trainable, "frozen_bytes": frozen,
@@ -341,7 +344,8 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
         per_micro += gpu_memory_bound_seconds(cfg, ft, hw, tokens, shapes, targets, n_ckpt,
                                               recipe_for(workload, plan).autocast)
     # Muon's Newton-Schulz over its whole matrices, on every data-parallel replica
-    newton_schulz = newton_schulz_seconds(finetune_muon_shapes(workload, ft), hw)
+    newton_schulz = newton_schulz_seconds(finetune_muon_shapes(workload, ft), hw) \
+        if workload.optimizer_entry.orthogonalizes else 0.0
     optimizer += newton_schulz
     comm = 0.0
     if plan.dp > 1:  # data parallelism all-reduces the trainable gradients only

@@ -26,7 +26,7 @@ from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.distributed import init_distributed
 from scaletrain.peak import measure_matmul_flops
 from scaletrain.train.precision import autocast
-from scaletrain.train.step import build_parallel_training, training_step
+from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -162,8 +162,8 @@ def _measure_trainer_step(model_cfg: ModelConfig, parallel: ParallelConfig, worl
     micro = list(zip(inputs.chunk(accum), targets.chunk(accum), [None] * accum))
 
     def step() -> float:
-        return training_step(pm, optimizer, iter(micro), accum, grad_clip=cfg.optim.grad_clip,
-                             autocast=lambda: autocast(precision, device)).loss
+        options = StepOptions(grad_clip=cfg.optim.grad_clip, autocast=lambda: autocast(precision, device))
+        return training_step(pm, optimizer, iter(micro), accum, options).loss
 
     return measure_step(step, tracker, steps=steps)
 

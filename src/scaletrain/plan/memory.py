@@ -20,6 +20,7 @@ from scaletrain.model.loss import rows_at_once
 from scaletrain.model.presets import block_params, block_vector_params, ffn_hidden_dim, kv_heads, num_params
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.train.muon import CHUNK_ELEMENTS
+from scaletrain.train.optimizer import OPTIMIZERS
 
 
 @dataclass(frozen=True)
@@ -282,12 +283,13 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     ``foreach_optimizer``: AdamW's foreach kernel (``optim.implementation = foreach``) allocates one temporary
     the size of the largest parameter group for sqrt(v); the fused kernel (the default on CPU and GPU) does not.
     ``allocator`` (CPU): the malloc the run uses (``CPU_ALLOCATOR_MARGIN``), ``Hardware.allocator``.
-    ``optimizer`` (default: the workload's, ``Workload.optimizer``) ``= "muon"``: the blocks' matrices keep one
-    fp32 momentum buffer instead of AdamW's two moments, and the step holds Newton-Schulz's temporaries of the
-    largest matrix (the whole matrix, gathered, under FSDP).
+    ``optimizer`` (default: the workload's, ``Workload.optimizer``): its entry of the optimizer table
+    (train/optimizer.py) sets the state bytes per parameter, on the blocks' matrices only when ``matrices`` (Muon:
+    one fp32 momentum buffer instead of AdamW's two moments), and with ``orthogonalizes`` the step holds
+    Newton-Schulz's temporaries of the largest matrix (the whole matrix, gathered, under FSDP).
     """
     cfg, rec = workload.model, recipe_for(workload, plan)
-    optimizer = optimizer or workload.optimizer
+    entry = OPTIMIZERS[optimizer or workload.optimizer]
     foreach = bool(foreach_optimizer)
     tp, pp = plan.tp, plan.pp
     psi = stage_params(cfg, pp, tp)
@@ -295,8 +297,9 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     shards = plan.dp if deepspeed else plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate
     states = model_states(psi, plan.zero_stage, shards, rec)
     layers = -(-cfg.n_layers // pp)
-    if optimizer == "muon" and psi:  # half the optimizer bytes of the Muon matrices: m only, no v
-        states["optimizer"] *= 1 - muon_matrix_params(cfg, layers, tp) / psi / 2
+    if psi:  # the entry's state bytes on its parameters (Muon: half AdamW's on the matrices, m only, no v)
+        share = muon_matrix_params(cfg, layers, tp) / psi if entry.matrices else 1.0
+        states["optimizer"] *= 1 - share * (1 - entry.state_share())
     offloaded = 0.0
     if plan.cpu_offload:  # FSDP2 CPUOffloadPolicy: sharded params, grads and states live in host memory
         offloaded = sum(states.values())
@@ -386,7 +389,7 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     opt_tmp = (layers * block_p + (0 if cfg.tie_embeddings else v * d / tp)) * 4 / max(1, shards if
                                                                                        plan.zero_stage >= 1 else 1)
     opt_transient = opt_tmp if foreach and not plan.cpu_offload else 0.0
-    if optimizer == "muon":  # batched Newton-Schulz over a chunk of (gathered) matrices (train/muon.py: chunks)
+    if entry.orthogonalizes:  # batched Newton-Schulz over a chunk of (gathered) matrices (train/muon.py: chunks)
         opt_transient = muon_step_transient_bytes(muon_matrix_params(cfg, layers), max(d, ffn_hidden_dim(cfg)) * d)
     phases.append(("optimizer step", dict(activations=0.0, transients=opt_transient, held=0.0,
                                           grads=full_grad_bytes)))

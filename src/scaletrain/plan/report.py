@@ -13,6 +13,7 @@ from scaletrain.plan.cost import Cost
 from scaletrain.plan.search import Candidate, SearchResult
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 from scaletrain.plan.timing import DTYPE_OF_PRECISION, workload_utilisation
+from scaletrain.train.optimizer import OPTIMIZERS
 
 FLOPS_FORMULA = ("6 * N_matmul + 12 * n_layers * seq_len * dim per token (forward + backward = 3x forward; "
                  "N_matmul = weights of every matmul incl. the output head, not the embedding lookup; attention "
@@ -66,11 +67,8 @@ def workload_dict(w: Workload, chinchilla: bool) -> dict:
 
 def optimizer_text(w: Workload) -> str:
     """The planned optimizer in words, for the tables."""
-    if w.optimizer != "muon":
-        return f"{w.optimizer} (m, v per parameter)"
     adapters = ", LoRA's lora_A / lora_B too" if w.muon_adapters else ""
-    return (f"muon (Muon with one momentum buffer on the blocks' matrices{adapters}, Newton-Schulz in the step; "
-            "AdamW on the rest)")
+    return f"{w.optimizer} ({w.optimizer_entry.summary.format(adapters=adapters)})"
 
 
 def plan_dict(c: Candidate, w: Workload, cost: Cost | None) -> dict:
@@ -143,7 +141,7 @@ def _money(x: float) -> str:
 def breakdown_table(c: Candidate, optimizer: str = "adamw") -> Table:
     """The best plan's memory at its peak and its step time, part by part."""
     m, t = c.memory, c.time
-    states = "optimizer states (Muon m; AdamW m, v)" if optimizer == "muon" else "optimizer states (m, v)"
+    states = f"optimizer states ({OPTIMIZERS[optimizer].states_label})"
     table = Table(title=f"Plan #1 ({c.plan.label()}): memory per device at its peak ({m.peak_phase}) and step time")
     table.add_column("memory")
     table.add_column("bytes", justify="right")

@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass, field
 
 from scaletrain.config import (
-    OPTIMIZERS,
     ConfigError,
     DataConfig,
     DeepSpeedConfig,
@@ -25,6 +24,7 @@ from scaletrain.config import (
     TrainConfig,
 )
 from scaletrain.model.presets import flops_per_token, num_params
+from scaletrain.train.optimizer import OPTIMIZERS, OptimizerEntry
 from scaletrain.train.validate import check_runnable
 
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022, the usual rounding of their compute-optimal fit
@@ -40,17 +40,21 @@ class Workload:
     global_batch: int
     train_tokens: float
     precision: str = "fp32"  # a key of memory.RECIPES
-    # optim.name: "adamw", or "muon" (train/muon.py: Muon on the blocks' matrices, AdamW on the rest), which
-    # changes the optimizer's memory (one momentum buffer a matrix) and time (Newton-Schulz, FSDP2's gathers)
+    # optim.name: an entry of the optimizer table (train/optimizer.py: OPTIMIZERS), whose state bytes, matrices
+    # and Newton-Schulz set the optimizer's memory and time (``optimizer_entry``)
     optimizer: str = "adamw"
     muon_adapters: bool = False  # optim.muon_adapters: with muon, LoRA's lora_A / lora_B are Muon matrices too
     loss_chunk_rows: int = -1  # train.loss_chunk_rows: the chunked loss (model/loss.py) holds fewer logits at once
 
     def __post_init__(self):
-        # the memory and time models know these optimizers' states and steps; another would be modelled as AdamW
+        # the memory and time models read the table's entries; a name without one cannot be planned
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"the planner models optimizers {', '.join(OPTIMIZERS)}, not {self.optimizer!r} (its "
                               f"state bytes and step would be AdamW's guesses)")
+
+    @property
+    def optimizer_entry(self) -> OptimizerEntry:
+        return OPTIMIZERS[self.optimizer]
 
     @property
     def params(self) -> int:

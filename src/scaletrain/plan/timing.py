@@ -273,7 +273,7 @@ def step_time(workload: Workload, plan: Plan, cluster: Cluster) -> TimeBreakdown
         per_micro, optimizer = _gpu_micro_seconds(workload, plan, cluster)
     optimizer += offload_transfer_seconds(workload, plan, hw)
     newton_schulz = 0.0
-    if workload.optimizer == "muon":  # every rank orthogonalizes its stage's whole matrices
+    if workload.optimizer_entry.orthogonalizes:  # every rank orthogonalizes its stage's whole matrices
         newton_schulz = newton_schulz_seconds(muon_shapes(workload.model, -(-workload.model.n_layers // plan.pp)),
                                               hw) * (cpu_rank_share(cluster) if hw.kind == "cpu" else 1.0)
         optimizer += newton_schulz
@@ -488,7 +488,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
             # (one gather fewer: an upper bound there).
             out["fsdp"] += micro * (layers * measured["per_block_s"] + measured["per_model_s"])
         exposed += max(0.0, out["fsdp"] - compute) if gpu else out["fsdp"]
-    if workload.optimizer == "muon" and plan.zero_stage >= 2 and shard > 1:
+    if workload.optimizer_entry.orthogonalizes and plan.zero_stage >= 2 and shard > 1:
         # Muon under FSDP2: the optimizer step all-gathers each matrix's fp32 update (one collective a matrix),
         # once per step, after the backward: nothing to overlap it with
         bw, _ = group_link(cluster, plan.dp_shard, inner_cp)

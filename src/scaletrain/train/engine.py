@@ -28,7 +28,14 @@ from scaletrain.config import JobConfig
 from scaletrain.finetune import open_base
 from scaletrain.parallel import ParallelDims, ParallelModel
 from scaletrain.train.engine_deepspeed import DeepSpeedEngine
-from scaletrain.train.step import MicroBatch, StepResult, build_parallel_training, training_step
+from scaletrain.train.step import (
+    MicroBatch,
+    StepFunction,
+    StepOptions,
+    StepResult,
+    build_parallel_training,
+    training_step,
+)
 
 
 class RunCheckpoint(Protocol):
@@ -52,10 +59,8 @@ class TrainingEngine(Protocol):
         """The parallel model and its optimizer, initialised from ``cfg.train.seed``."""
 
     def step(self, pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: Iterator[MicroBatch],
-             accum: int, *, grad_clip: float, autocast: Callable, scaler: torch.amp.GradScaler | None,
-             before_update: Callable[[float, float], bool] | None, loss_divisor: float | None,
-             micro_grad_sq: list[float] | None) -> StepResult:
-        """One optimizer step over ``accum`` micro-batches (the arguments of ``train/step.py:training_step``)."""
+             accum: int, options: StepOptions) -> StepResult:
+        """One optimizer step over ``accum`` micro-batches (``train/step.py:StepFunction``, ``StepOptions``)."""
 
     def checkpoint(self, store: CheckpointManager, pm: ParallelModel, optimizer: torch.optim.Optimizer,
                    local: dict, state: TrainState, cfg: JobConfig,
@@ -76,7 +81,7 @@ class NativeEngine:
               vocab_limit: int | None) -> tuple[ParallelModel, torch.optim.Optimizer]:
         return build_parallel_training(cfg, dims, device, vocab_limit=vocab_limit)
 
-    step = staticmethod(training_step)
+    step: StepFunction = staticmethod(training_step)
 
     def checkpoint(self, store: CheckpointManager, pm: ParallelModel, optimizer: torch.optim.Optimizer,
                    local: dict, state: TrainState, cfg: JobConfig,

@@ -20,7 +20,6 @@ The NaN/Inf guard sees every step's loss and gradient norm and still rolls back 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from scaletrain.parallel.deepspeed_engine import (
 )
 from scaletrain.parallel.distributed import barrier
 from scaletrain.train.optimizer import build_optimizer, param_groups
-from scaletrain.train.step import MicroBatch, StepResult
+from scaletrain.train.step import MicroBatch, StepFunction, StepOptions, StepResult
 
 
 def build_optimizer_for(model: torch.nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -86,22 +85,19 @@ def build_deepspeed_training(cfg: JobConfig, dims: ParallelDims, device: torch.d
 
 
 def deepspeed_training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: Iterator[MicroBatch],
-                            accum: int, *, grad_clip: float, autocast: Callable = contextlib.nullcontext,
-                            scaler: torch.amp.GradScaler | None = None,
-                            before_update: Callable[[float, float], bool] | None = None,
-                            loss_divisor: float | None = None, micro_grad_sq: list[float] | None = None) -> StepResult:
+                            accum: int, options: StepOptions) -> StepResult:
     """One optimizer step through the engine (``training_step``'s signature; ``grad_clip`` and the
     accumulation are DeepSpeed's, from the ds_config built from the same fields). DeepSpeed divides every
     micro-batch's loss by its fixed accumulation and synchronises inside ``engine.backward``, so the
     load balancer's ``loss_divisor`` and the noise scale's ``micro_grad_sq`` cannot be served
     (``check_runnable`` refuses parallel.balance and batch.noise_scale_interval with this engine)."""
-    if loss_divisor is not None or micro_grad_sq is not None:
+    if options.loss_divisor is not None or options.micro_grad_sq is not None:
         raise ValueError("the DeepSpeed engine takes neither loss_divisor nor micro_grad_sq (native engine only)")
     engine = pm.parts[0]
     loss_sum = None
     for _ in range(accum):
         inputs, targets, mask = next(micro_batches)
-        with autocast():
+        with options.autocast():
             loss = pm.loss_fn(engine(inputs, attn_mask=mask), targets)
         engine.backward(loss)  # divided by gradient_accumulation_steps inside
         engine.step()  # reduces, clips and updates at the accumulation boundary only
@@ -110,8 +106,8 @@ def deepspeed_training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer,
     norm = engine.get_global_grad_norm()
     grad_norm = float(norm) if norm is not None else float("nan")
     loss_value = float(pm.replicas.step_loss(loss_sum, pm.dims, pm.device))
-    if before_update is not None:
-        before_update(loss_value, grad_norm)  # counted for rollback; the update has already been applied
+    if options.before_update is not None:
+        options.before_update(loss_value, grad_norm)  # counted for rollback; the update has already been applied
     return StepResult(loss_value, grad_norm, True)
 
 
@@ -188,7 +184,7 @@ class DeepSpeedEngine:
                                                                  vocab_limit=vocab_limit, load_universal=other_world)
         return pm, optimizer
 
-    step = staticmethod(deepspeed_training_step)
+    step: StepFunction = staticmethod(deepspeed_training_step)
 
     def checkpoint(self, store: CheckpointManager, pm: ParallelModel, optimizer: torch.optim.Optimizer,
                    local: dict, state: TrainState, cfg: JobConfig,

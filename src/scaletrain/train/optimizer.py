@@ -1,17 +1,27 @@
-"""AdamW with parameter groups: weight decay on matrices only; or Muon on the blocks' matrices + AdamW on the
-rest (``optim.name = "muon"``, train/muon.py)."""
+"""The optimizer table (``OPTIMIZERS``: one ``OptimizerEntry`` per ``optim.name``) and the builders that read it.
+
+AdamW with parameter groups: weight decay on matrices only; or Muon on the blocks' matrices + AdamW on the rest
+(``optim.name = "muon"``, train/muon.py). Each entry holds what the trainer builds, what the job validation refuses
+(``train/validate.py:check_optimizer``) and what the planner charges (``plan/memory.py``, ``plan/timing.py``,
+``plan/finetune.py``); ``plan --optimizer``'s choices are its names. Adding an optimizer is one entry plus tests.
+"""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from scaletrain.config import OptimConfig
-from scaletrain.parallel import ParallelModel
+from scaletrain.config import ConfigError, JobConfig, OptimConfig
 from scaletrain.parallel.ddp import build_zero1_optimizer
 from scaletrain.train.muon import Muon, MuonAdamW, muon_matrices
+
+if TYPE_CHECKING:  # the planner reads the table: no parallelize (DTensor, pipelining) on its import path
+    from scaletrain.parallel import ParallelModel
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -77,28 +87,44 @@ def fused_supported(model: nn.Module, device: torch.device) -> bool:
                                                   for p in params)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
-                    width_mult: float = 1.0, lora_plus_ratio: float = 1.0) -> torch.optim.AdamW:
-    """AdamW over ``param_groups``; ``width_mult`` != 1 (muP): ``mup_param_groups``; ``lora_plus_ratio`` != 1:
+def adamw_param_groups(model: nn.Module, cfg: OptimConfig, width_mult: float = 1.0,
+                       lora_plus_ratio: float = 1.0) -> list[dict]:
+    """``param_groups``; ``width_mult`` != 1 (muP): ``mup_param_groups``; ``lora_plus_ratio`` != 1:
     ``lora_plus_groups``. Each group's initial lr is already times its ``lr_scale``."""
-    impl = cfg.implementation
-    if impl == "auto":  # fused: one kernel per step; on the CPU too since torch 2.4, where foreach took ~4x longer
-        impl = "fused" if fused_supported(model, device) else "foreach"
-    kwargs = {"fused": impl == "fused", "foreach": impl == "foreach"} if impl != "loop" else {"foreach": False}
-    if impl == "fused":
-        kwargs.pop("foreach")
     groups = param_groups(model, cfg.weight_decay) if width_mult == 1.0 else \
         mup_param_groups(model, cfg.weight_decay, width_mult)
     if lora_plus_ratio != 1.0:
         groups = lora_plus_groups(model, groups, lora_plus_ratio)
-    groups = [{**g, "lr": cfg.lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
-    if cfg.name == "muon":
-        return build_muon(model, groups, cfg, device, kwargs)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+    return [{**g, "lr": cfg.lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
+
+
+def adamw_kernel(model: nn.Module, cfg: OptimConfig, device: torch.device) -> dict:
+    """torch.optim.AdamW's kernel keywords for optim.implementation (auto: fused when ``fused_supported``: one
+    kernel per step; on the CPU too since torch 2.4, where foreach took ~4x longer)."""
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if fused_supported(model, device) else "foreach"
+    if impl == "loop":
+        return {"foreach": False}
+    return {"fused": True} if impl == "fused" else {"fused": False, "foreach": True}
+
+
+def build_adamw(model: nn.Module, groups: list[dict], cfg: OptimConfig, device: torch.device,
+                kernel: dict) -> torch.optim.AdamW:
+    """torch.optim.AdamW over ``groups`` (``kernel``: ``adamw_kernel``'s fused / foreach / loop)."""
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernel)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device,
+                    width_mult: float = 1.0, lora_plus_ratio: float = 1.0) -> torch.optim.Optimizer:
+    """The optimizer of ``cfg.name`` (its entry of ``OPTIMIZERS``) over its parameter groups."""
+    entry = optimizer_entry(cfg.name)
+    groups = entry.param_groups(model, cfg, width_mult, lora_plus_ratio)
+    return entry.build(model, groups, cfg, device, adamw_kernel(model, cfg, device))
 
 
 def build_muon(model: nn.Module, groups: list[dict], cfg: OptimConfig, device: torch.device,
-               adamw_kwargs: dict) -> MuonAdamW:
+               kernel: dict) -> MuonAdamW:
     """``groups`` (AdamW's) with the blocks' matrices (``muon_matrices``) moved to one Muon group at
     ``optim.muon_lr`` (0: optim.lr), ``lr_scale`` = muon_lr / lr so the trainer's schedule scales both alike.
     Newton-Schulz in bf16 on a GPU, fp32 on a CPU (train/muon.py)."""
@@ -109,7 +135,7 @@ def build_muon(model: nn.Module, groups: list[dict], cfg: OptimConfig, device: t
     scale = (cfg.muon_lr or cfg.lr) / cfg.lr
     muon_group = {"params": [by_id[i] for i in by_id if i in matrices], "lr_scale": scale, "lr": cfg.lr * scale}
     adamw = torch.optim.AdamW(adamw_groups or [{"params": []}], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                              eps=cfg.eps, **adamw_kwargs)
+                              eps=cfg.eps, **kernel)
     muon = Muon([muon_group], lr=cfg.lr * scale, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
                 adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     return MuonAdamW(adamw, muon)
@@ -117,7 +143,8 @@ def build_muon(model: nn.Module, groups: list[dict], cfg: OptimConfig, device: t
 
 def build_parallel_optimizer(pm: ParallelModel, cfg: OptimConfig, device: torch.device, zero_stage: int,
                              width_mult: float = 1.0, lora_plus_ratio: float = 1.0):
-    """AdamW over this rank's parameters (all parts), or ZeRO-1 (``ZeroRedundancyOptimizer``) around it."""
+    """The optimizer over this rank's parameters (all parts), or ZeRO-1 (``ZeroRedundancyOptimizer``) around
+    AdamW (``check_optimizer`` refuses ZeRO-1 for an optimizer that is not AdamW)."""
     adamw = build_optimizer(nn.ModuleList(pm.modules), cfg, device, width_mult, lora_plus_ratio)
     if zero_stage != 1 or pm.dims.dp_replicate == 1:
         return adamw
@@ -126,3 +153,73 @@ def build_parallel_optimizer(pm: ParallelModel, cfg: OptimConfig, device: torch.
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"], "lr": g["lr"],
                **({"lr_scale": g["lr_scale"]} if "lr_scale" in g else {})} for g in adamw.param_groups]
     return build_zero1_optimizer(groups, pm.group("dp_replicate"), **kwargs)
+
+
+def muon_refusal(cfg: JobConfig) -> str | None:
+    """optim.name = muon (train/muon.py): Newton-Schulz needs each whole matrix, which FSDP2 gathers per matrix
+    but tensor / context parallelism splits across ranks that compute different things; ZeRO-1, DeepSpeed and
+    low-communication replicas build their own AdamW; muP scales the hidden matrices' lr its own way."""
+    o, par, ft = cfg.optim, cfg.parallel, cfg.finetune
+    if par.tp > 1 or par.cp > 1:
+        return ("optim.name=muon needs whole weight matrices: not with parallel.tp > 1 or parallel.cp > 1 "
+                "(FSDP2, parallel.dp_shard, gathers each matrix for its update)")
+    if par.engine != "native" or par.zero_stage == 1 or par.low_comm != "none":
+        return ("optim.name=muon runs on the native engine with DDP or FSDP2 (parallel.zero_stage 0, 2 or 3, "
+                "parallel.low_comm=none); ZeRO-1, DeepSpeed and local SGD / DiLoCo build their own AdamW")
+    if o.muon_adapters and ft.method not in ("lora", "qlora"):
+        return (f"optim.muon_adapters puts LoRA's adapter matrices under Muon: it needs finetune.method=lora "
+                f"or qlora (got {ft.method}); drop it")
+    if o.muon_adapters and ft.lora_plus_ratio != 1.0:
+        return ("optim.muon_adapters with finetune.lora_plus_ratio != 1: LoRA+ sets the B matrices' AdamW "
+                "lr, Muon scales each matrix's lr by its shape; use one of them")
+    if cfg.model.parametrization == "mup":
+        return ("optim.name=muon with model.parametrization=mup is not supported (muP scales the hidden "
+                "matrices' AdamW lr; Muon scales its own by shape): use one of them")
+    return None
+
+
+# AdamW's state per parameter: m and v in fp32 (the planner's Recipe.optimizer, plan/memory.py).
+ADAMW_STATE_BYTES = 8
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    """One optimizer: how the trainer builds it, what a job with it is refused, what the planner charges."""
+
+    name: str  # optim.name and plan --optimizer
+    # the planner's words for it (plan's tables); ``{adapters}`` is filled when optim.muon_adapters is planned
+    summary: str
+    # (model, param groups, optim, device, AdamW's kernel keywords: adamw_kernel) -> the optimizer
+    build: Callable[[nn.Module, list[dict], OptimConfig, torch.device, dict], torch.optim.Optimizer]
+    # (model, optim, muP's width_mult, LoRA+'s ratio) -> param groups, each with its initial lr
+    param_groups: Callable[[nn.Module, OptimConfig, float, float], list[dict]] = adamw_param_groups
+    # a job this optimizer cannot train: one line, or None (train/validate.py:check_optimizer raises it)
+    refusal: Callable[[JobConfig], str | None] = lambda cfg: None
+    fields: tuple[str, ...] = ()  # the optim.* fields only this optimizer reads: set with another, refused
+    # The planner: optimizer-state bytes per parameter its own rule updates (fp32); on the blocks' weight
+    # matrices only when ``matrices`` (AdamW's ADAMW_STATE_BYTES on the rest), else on every trainable parameter.
+    state_bytes: float = ADAMW_STATE_BYTES
+    matrices: bool = False
+    orthogonalizes: bool = False  # Newton-Schulz on each whole matrix: its temporaries, FLOPs and FSDP2's gathers
+    states_label: str = "m, v"  # the memory breakdown's row: "optimizer states (<this>)"
+
+    def state_share(self) -> float:
+        """Its state bytes per parameter over AdamW's (1 for AdamW, 0.5 for Muon's one momentum buffer)."""
+        return self.state_bytes / ADAMW_STATE_BYTES
+
+
+OPTIMIZERS: dict[str, OptimizerEntry] = {entry.name: entry for entry in (
+    OptimizerEntry("adamw", "m, v per parameter", build_adamw),
+    OptimizerEntry("muon", "Muon with one momentum buffer on the blocks' matrices{adapters}, Newton-Schulz in the "
+                   "step; AdamW on the rest", build_muon, refusal=muon_refusal,
+                   fields=("muon_lr", "muon_adjust_lr", "muon_momentum", "muon_adapters"),
+                   state_bytes=4, matrices=True, orthogonalizes=True, states_label="Muon m; AdamW m, v"),
+)}
+
+
+def optimizer_entry(name: str, where: str = "optim.name") -> OptimizerEntry:
+    """The entry of ``name``; a one-line ConfigError naming the optimizers there are."""
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"{where}: no optimizer {name!r} (there are {', '.join(OPTIMIZERS)}: "
+                          f"train/optimizer.py's OPTIMIZERS)")
+    return OPTIMIZERS[name]

@@ -55,6 +55,33 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     return pm, build_parallel_optimizer(pm, cfg.optim, device, dims.zero_stage, width_mult(cfg.model), lora_plus)
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How one optimizer step runs, besides its model, optimizer and micro-batches: the step signature every engine
+    shares (``training_step``, ``train/engine_deepspeed.py``, ``train/engine.py:TrainingEngine.step``).
+
+    ``before_update(loss, grad_norm)`` runs between the gradient and the update; returning False skips the update
+    (the gradients are still cleared); a ``DeferredGuard`` reads nothing back. ``scaler``: the fp16 gradient
+    scaler (None or disabled otherwise). ``loss_divisor`` (default: the step's ``accum``): what each micro-batch's
+    loss is divided by; with ranks that run different numbers of micro-batches (``parallel.balance``,
+    train/adaptive.py) it is the step's micro-batches over the data-parallel ranks, so the averaged gradient is
+    the mean over all of them. ``micro_grad_sq``: when a list, the squared norm of each unsynchronised
+    micro-batch's own mean-loss gradient is appended (the gradient noise scale's small batch; costs a copy of the
+    gradients per micro-batch)."""
+
+    grad_clip: float  # the global gradient norm is clipped to this; 0 = no clipping
+    autocast: Callable = contextlib.nullcontext
+    scaler: torch.amp.GradScaler | None = None
+    before_update: Callable[[float, float], bool] | None = None
+    loss_divisor: float | None = None
+    micro_grad_sq: list[float] | None = None
+
+
+# The one step signature: (model, optimizer, micro-batches, how many of them, options) -> the step's result.
+StepFunction = Callable[[ParallelModel, torch.optim.Optimizer, Iterator[MicroBatch], int, StepOptions],
+                        "StepResult"]
+
+
 @dataclass
 class StepResult:
     loss: float | torch.Tensor  # mean loss of the step (over data-parallel ranks, unless replicas train
@@ -91,26 +118,17 @@ def nonfinite_flag(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
 
 
 def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_batches: Iterator[MicroBatch],
-                  accum: int, *, grad_clip: float, autocast: Callable = contextlib.nullcontext,
-                  scaler: torch.amp.GradScaler | None = None,
-                  before_update: Callable[[float, float], bool] | None = None,
-                  loss_divisor: float | None = None, micro_grad_sq: list[float] | None = None) -> StepResult:
-    """Accumulate gradients over ``accum`` micro-batches, clip, and update once.
+                  accum: int, options: StepOptions) -> StepResult:
+    """Accumulate gradients over ``accum`` micro-batches, clip, and update once (``StepOptions``: how).
 
     Data-parallel gradients are synchronised only on the final micro-batch (DDP ``no_sync`` before); with
-    low-communication training they are not synchronised at all (replicas meet in ``pm.replicas``).
-    ``before_update(loss, grad_norm)`` runs between the gradient and the update; returning False skips the
-    update (the gradients are still cleared); a ``DeferredGuard`` reads nothing back: with an optimizer that
-    ``skips_on_device`` and no scaler, a non-finite step's update is skipped on the device and the result holds
-    tensors (other optimizers: read and always updated, as with None). ``scaler``: the fp16 gradient scaler
-    (None or disabled otherwise).
-
-    ``loss_divisor`` (default ``accum``): what each micro-batch's loss is divided by; with ranks that run
-    different numbers of micro-batches (``parallel.balance``, train/adaptive.py) it is the step's micro-batches
-    over the data-parallel ranks, so the averaged gradient is the mean over all of them. ``micro_grad_sq``:
-    when a list, the squared norm of each unsynchronised micro-batch's own mean-loss gradient is appended (the
-    gradient noise scale's small batch; costs a copy of the gradients per micro-batch)."""
-    divisor = accum if loss_divisor is None else loss_divisor
+    low-communication training they are not synchronised at all (replicas meet in ``pm.replicas``). With a
+    ``DeferredGuard`` as ``before_update``, an optimizer that ``skips_on_device`` and no scaler, a non-finite
+    step's update is skipped on the device and the result holds tensors (other optimizers: read and always
+    updated, as with None)."""
+    grad_clip, autocast, scaler = options.grad_clip, options.autocast, options.scaler
+    before_update, micro_grad_sq = options.before_update, options.micro_grad_sq
+    divisor = accum if options.loss_divisor is None else options.loss_divisor
     scale = scaler.scale if scaler is not None else (lambda x: x)
     loss_sum = None
     for micro in range(accum):

@@ -8,58 +8,50 @@ batch, precision, metrics, monitor, preemption, checkpoint, data).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint import CheckpointManager
-from scaletrain.checkpoint.run_folder import RunLock, checkpoint_bytes, disk_verdict, take_run_folder
-from scaletrain.checkpoint.training import RNGState, TrainState, global_batch, match_global_batch, saved_config
-from scaletrain.config import ConfigError, JobConfig, to_toml
+from scaletrain.checkpoint.training import RNGState, TrainState, global_batch, saved_config
+from scaletrain.config import JobConfig, to_toml
 from scaletrain.data.loader import block_causal_mask
-from scaletrain.data.run_data import training_data, validation_batches
+from scaletrain.data.run_data import training_data
 from scaletrain.finetune import parameter_counts, resolve_finetune
 from scaletrain.finetune.preference import preference_metrics
 from scaletrain.finetune.preference_rules import rows_per_example
 from scaletrain.model import flops_per_token, num_params
-from scaletrain.model.generate import generate
 from scaletrain.options import UserError
 from scaletrain.parallel import ParallelDims
-from scaletrain.parallel.compile import compile_enabled, compiles_whole_model, resolve_compile
+from scaletrain.parallel.compile import compile_enabled, resolve_compile
 from scaletrain.parallel.distributed import (
     destroy_distributed,
     init_distributed,
     is_rank_zero,
-    rank_zero_object,
     say,
     world_size_from_env,
 )
 from scaletrain.train.adaptive import Adaptive
-from scaletrain.train.compile_choice import choose, compiled_before, expected_eager_ms, remember
 from scaletrain.train.contention import ThreadWatch
 from scaletrain.train.deferred import DeferredReads, defer_reads, settle
 from scaletrain.train.engine import engine_for
-from scaletrain.train.evaluate import ValidationScore, byte_table, validation_loss
+from scaletrain.train.evaluate import ValidationScore
 from scaletrain.train.guard import NonFiniteGuard
 from scaletrain.train.metrics import MetricsLogger, Throughput, peak_memory_bytes
 from scaletrain.train.monitor import ResourceMonitor, finish_run_info, gathered_window, write_run_info
 from scaletrain.train.precision import agree_on_precision, autocast, grad_scaler, resolve_device, resolve_precision
 from scaletrain.train.preemption import PreemptionHandler, save_on_notice, stop_reason, torchrun_launcher
 from scaletrain.train.profile import StepProfiler
+from scaletrain.train.run_evaluation import RunEvaluation
+from scaletrain.train.run_setup import CompileChoice, MemoryCheck, check_disk, check_memory, open_run_folder
 from scaletrain.train.schedule import lr_at, warmup_warning
-from scaletrain.train.step import DeferredGuard
+from scaletrain.train.step import DeferredGuard, StepOptions
 from scaletrain.train.validate import check_runnable
 
 
 class TrainingError(UserError, RuntimeError):
     """Training cannot go on (e.g. non-finite steps with nothing to roll back to); printed as one line."""
-
-
-# (resolved job, precision, device, degrees) -> a one-line refusal when the job will not fit in memory, else None
-MemoryCheck = Callable[[JobConfig, str, torch.device, ParallelDims], "str | None"]
 
 
 class Trainer:
@@ -95,7 +87,8 @@ class Trainer:
         if cfg.train.precision == "auto" and self.env.world_size > 1:
             self.precision, self.precision_why = agree_on_precision(self.precision, self.precision_why, self.device)
         self.run_dir = Path(cfg.train.run_dir)
-        cfg = self._open_run_folder(cfg)
+        self.checkpoint_store, self.lock, cfg = open_run_folder(cfg, self.run_dir, self.is_main, dims.dp_size,
+                                                                self._message)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         # Instruction JSONL or a text corpus prepared once (data/run_data.py), and the vocabulary it gives the model.
@@ -105,8 +98,9 @@ class Trainer:
         self.cfg = cfg
         dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)  # now with the vocab
         if memory_check is not None:
-            self._check_memory(memory_check, cfg, dims)
-        cfg = self._choose_compile(cfg, dims)  # train.compile = auto decided (train/compile_choice.py)
+            check_memory(memory_check, cfg, self.precision, self.device, dims, self.is_main)
+        cfg, self.compile_choice = CompileChoice.decide(cfg, dims, self.device, self.env.world_size, self.run_dir,
+                                                        self.is_main, self.thread_watch, self._message)
         self._run_config = saved_config(cfg)
         # The run folder is self-contained (tokenizer.json, config.toml). On a resume they are rewritten only
         # once the checkpoint has loaded: settings that do not fit it (another vocabulary or width) must not
@@ -120,27 +114,9 @@ class Trainer:
         # pruner; an exception ends the run, the caller then calls ``close``); ``lr_override(step)``: lr-find's
         # peak LR.
         self.on_eval: Callable[[int, ValidationScore], None] | None = None
-        self._token_bytes: torch.Tensor | None = None  # ``byte_table`` of the tokenizer, on the device
         self.lr_override: Callable[[int], float] | None = None
-        self._check_disk(cfg)
-
-    def _open_run_folder(self, cfg: JobConfig) -> JobConfig:
-        """The run's checkpoint store, and one writer per run folder: rank 0 takes the folder's lock and decides
-        what this run is there (a resume, a refused or an --overwrite fresh start); every rank gets the run id
-        or the refusal. A resume on another world size keeps the checkpoint's global batch (``cfg`` returned
-        with train.grad_accum_steps to match)."""
-        self.checkpoint_store = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint.keep_last,
-                                                  cfg.checkpoint.keep_every,
-                                                  collective_timeout_s=cfg.parallel.collective_timeout_seconds)
-        self.lock: RunLock | None
-        self.lock, run_id, refusal = take_run_folder(self.run_dir, self.checkpoint_store, cfg.train.resume,
-                                                     cfg.train.overwrite, say=self._message) \
-            if self.is_main else (None, None, None)
-        run_id, refusal = rank_zero_object((run_id, refusal))  # the other ranks' (None, None) is replaced
-        if refusal:
-            raise refusal if self.is_main else ConfigError(f"rank 0 refused the run folder {self.run_dir}")
-        self.checkpoint_store.run_id = run_id
-        return match_global_batch(cfg, self.checkpoint_store, self.dims.dp_size, self._message)
+        self.disk_note = check_disk(cfg, self.run_dir, self.checkpoint_store, self.pm.modules, self.is_main,
+                                    self._message)
 
     def _build(self, cfg: JobConfig, dims: ParallelDims) -> None:
         """The engine's model and optimizer (a padded vocabulary: the loss masks the rows beyond the tokenizer's
@@ -172,37 +148,9 @@ class Trainer:
         self.throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.device, self.precision,
                                      self.env.world_size, self.env.rank, self._message)
         self.monitor: ResourceMonitor | None = None
-        self.evals: list[dict] = []
+        self.evaluation = RunEvaluation(cfg, self.data, self.pm, self.model, self.precision, self.device, self.is_main)
+        self.evals = self.evaluation.evals  # step, val_loss, val_bpb of each evaluation
         self.preempted = ""
-
-    def _choose_compile(self, cfg: JobConfig, dims: ParallelDims) -> JobConfig:
-        """train.compile as "true"/"false": "auto" decided on rank 0 (every rank builds the same model) and said."""
-        self._whole_model = compiles_whole_model(dims, cfg.parallel)
-        self._compiled_before = compiled_before(cfg, self.device, self._whole_model) if self.is_main else False
-        if self.thread_watch is not None:  # what a step should take here: the slow-step check's yardstick
-            self.thread_watch.expected_seconds = expected_eager_ms(cfg, self.device, self.env.world_size,
-                                                                   self._whole_model) / 1000
-        choice, why = rank_zero_object(choose(cfg, self.device, self.env.world_size, self._whole_model, self.run_dir)
-                                       if self.is_main else None)
-        if why:
-            self._message(why)
-        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=choice))
-
-    def _check_memory(self, memory_check: MemoryCheck, cfg: JobConfig, dims: ParallelDims) -> None:
-        """Before the model is built: rank 0 asks ``memory_check``; every rank raises its refusal."""
-        refusal = rank_zero_object(memory_check(cfg, self.precision, self.device, dims) if self.is_main else None)
-        if refusal:
-            raise ConfigError(refusal if self.is_main else "rank 0 found too little memory for this job")
-
-    def _check_disk(self, cfg: JobConfig) -> None:
-        """Nothing tells a person how much disk the checkpoints take unless we do, before step 1: the note for
-        the start line (``disk_note``), a warning, or a refusal when not even one checkpoint fits."""
-        size = checkpoint_bytes(num_params(cfg.model), self.pm.modules, bool(cfg.finetune.source))
-        self.disk_note, refusal = rank_zero_object(
-            disk_verdict(self.run_dir, self.checkpoint_store, cfg.checkpoint, size, self._message) if self.is_main
-            else None)
-        if refusal:
-            raise ConfigError(refusal if self.is_main else "rank 0 found too little disk space for a checkpoint")
 
     def close(self) -> None:
         """Barrier, then destroy the process group (a no-op in a single process or when already closed), and
@@ -240,13 +188,13 @@ class Trainer:
 
         data_seconds = [0.0]
         deferred = deferred and plan.micro_grad_sq is None  # a noise-scale step reads its norm at once
+        options = StepOptions(grad_clip=cfg.optim.grad_clip, autocast=lambda: autocast(self.precision, self.device),
+                              scaler=self.scaler, before_update=DeferredGuard(self.checkpoint_store.wait_staged)
+                              if deferred else before_update, loss_divisor=plan.loss_divisor,
+                              micro_grad_sq=plan.micro_grad_sq)
         result = self.engine.step(self.pm, self.optimizer,
                                   self.adaptive.batches(plan, self.train_loader, self._batch, data_seconds),
-                                  plan.mine, grad_clip=cfg.optim.grad_clip,
-                                  autocast=lambda: autocast(self.precision, self.device), scaler=self.scaler,
-                                  before_update=DeferredGuard(self.checkpoint_store.wait_staged) if deferred
-                                  else before_update, loss_divisor=plan.loss_divisor,
-                                  micro_grad_sq=plan.micro_grad_sq)
+                                  plan.mine, options)
         self.adaptive.skip_rest(plan, self.train_loader)  # the other ranks' micro-batches of this step
         self.throughput.data_times.append(data_seconds[0])
         self.state.step += 1
@@ -276,36 +224,13 @@ class Trainer:
 
     # -- evaluation and samples ---------------------------------------------------------------------
     def evaluate(self) -> ValidationScore:
-        """The run's validation loss and bits per byte: ``validation_loss`` over ``validation_batches``
-        (train.eval_batches batches evenly spread over the val split, or the first held-out instruction examples),
-        as ``scaletrain eval``."""
-        # Eager even when the model is compiled: no-grad eval mode is another graph, and its cold compile
-        # (14.8 s on the baby recipe) cost more than the whole run's evals take eagerly (9 x 0.24 s; compiled
-        # 0.21 s each). It is also the forward ``scaletrain eval`` runs, so the two agree to the last bit.
-        with torch.compiler.set_stance("force_eager"):
-            if self._token_bytes is None:  # the UTF-8 bytes of each token id, for bits per byte (once)
-                self._token_bytes = byte_table(self.tokenizer, self.device)
-            return validation_loss(self.pm, validation_batches(self.cfg, self.data), self.precision,
-                                   self.cfg.train.batch_size, self._token_bytes)
+        """The run's validation loss and bits per byte, as ``scaletrain eval`` (train/run_evaluation.py)."""
+        return self.evaluation.evaluate()
 
     def sample(self, max_new_tokens: int) -> tuple[str, str]:
-        """(text from the current model, a note when it stopped at the context); its own generator keeps the
-        training RNG untouched."""
-        gen = torch.Generator().manual_seed(self.cfg.train.seed + self.state.step)
-        prompt = self.tokenizer.encode(self.cfg.train.sample_prompt) or [0]
-        context = self.cfg.data.seq_len
-        # Eager even when the model is compiled: the context grows by one token a step, and each new length
-        # would cost a recompile (seconds on a CPU) for a forward pass that takes milliseconds.
-        with torch.compiler.set_stance("force_eager"):
-            # Within the trained context (data.seq_len) and no further (slide=False): every token is one cached
-            # step. Sliding past it cost a whole window's forward over the whole vocabulary per token (101 s for
-            # 200 tokens past a 64-token context with a 151,936-token vocabulary, issue 36).
-            new = generate(self.model, prompt, max_new_tokens, max_seq_len=context, temperature=0.8, top_k=200,
-                           generator=gen, stop_id=self.tokenizer.eos_id, vocab_limit=self.tokenizer.vocab_size,
-                           slide=False)
-        cut = len(new) < max_new_tokens and len(prompt) + len(new) > context
-        note = f" ({len(new)} tokens: stopped at the model's {context}-token context)" if cut else ""
-        return self.cfg.train.sample_prompt + self.tokenizer.decode(new), note
+        """(text from the current model, a note when it stopped at the context); the training RNG untouched."""
+        return self.evaluation.sample(self.state.step, max_new_tokens)
+
     # -- checkpoints (what a checkpoint holds: the engine's, e.g. checkpoint/training.py) -----------
     def save(self, blocking: bool | None = None) -> Path:
         """Write a checkpoint of the current step (collective). Asynchronous when checkpoint.async_save is
@@ -381,8 +306,8 @@ class Trainer:
         if self.is_main:
             finish_run_info(self.run_dir, summary)
             if self.env.world_size == 1:  # what the next train.compile = auto run of this shape weighs
-                remember(self.cfg, self.device, self._whole_model, compile_enabled(self.cfg),
-                         self.throughput.step_times, self._compiled_before)
+                self.compile_choice.remember(self.cfg, self.device, compile_enabled(self.cfg),
+                                             self.throughput.step_times)
         return summary
 
     def _timed_step(self, profiler: StepProfiler) -> dict:
@@ -452,23 +377,7 @@ class Trainer:
 
     def _eval_and_sample(self, logger: MetricsLogger) -> None:
         """Evaluate and log (then ``on_eval``); rank 0 also samples and logs text when train.sample_tokens."""
-        with self.throughput.stall("eval"):
-            score = self.evaluate()
-        val_loss = score.loss
-        self.evals.append({"step": self.state.step, "val_loss": val_loss, "val_bpb": score.bpb})
-        rewards = preference_metrics(self.pm, "eval")  # held-out pairs' rewards (finetune/preference.py)
-        logger.log({"step": self.state.step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
-                    "val_bpb": score.bpb, **rewards})
-        logger.message(f"step {self.state.step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}, "
-                       f"bpb {score.bpb:.4f}" + (f", reward accuracy {rewards['val_reward_accuracy']:.3f}, margin "
-                                                 f"{rewards['val_reward_margin']:.4f}" if rewards else ""))
-        if self.on_eval is not None:
-            self.on_eval(self.state.step, score)
-        if self.cfg.train.sample_tokens and self.is_main and not self.pm.sharded:
-            with self.throughput.stall("sample"):
-                text, note = self.sample(self.cfg.train.sample_tokens)
-            logger.log({"step": self.state.step, "sample": text})  # for the report
-            logger.message(f"--- sample{note} ---\n" + text.strip() + "\n--------------")
+        self.evaluation.evaluate_and_sample(self.state.step, logger, self.throughput, self.on_eval)
 
     def summary(self) -> dict:
         """Steps, speed, evaluations, memory, parameters, communication, NaN-guard events, stalls."""

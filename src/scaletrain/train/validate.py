@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from scaletrain.config import ConfigError, JobConfig, validate_job
+from scaletrain.config import ConfigError, JobConfig, OptimConfig, validate_job
 from scaletrain.finetune.lora import check_lora_targets, check_qlora_installed
 from scaletrain.finetune.preference_rules import check_preference
 from scaletrain.finetune.qat import check_qat
@@ -18,6 +18,7 @@ from scaletrain.parallel.deepspeed_engine import check_deepspeed
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.train.adaptive import check_adaptive
 from scaletrain.train.fp8 import check_fp8_available
+from scaletrain.train.optimizer import OPTIMIZERS, optimizer_entry
 
 
 def check_feature_combinations(cfg: JobConfig, precision: str) -> None:
@@ -86,31 +87,19 @@ def check_mup(cfg: JobConfig) -> None:
 
 
 def check_optimizer(cfg: JobConfig) -> None:
-    """optim.name = muon (train/muon.py): Newton-Schulz needs each whole matrix, which FSDP2 gathers per matrix
-    but tensor / context parallelism splits across ranks that compute different things; ZeRO-1, DeepSpeed and
-    low-communication replicas build their own AdamW; muP scales the hidden matrices' lr its own way."""
-    o, par = cfg.optim, cfg.parallel
-    if o.name != "muon":
-        if o.muon_lr or o.muon_adjust_lr != "match_rms_adamw" or o.muon_momentum != 0.95 or o.muon_adapters:
-            raise ConfigError(f"optim.muon_* settings apply to optim.name=muon (got optim.name={o.name}); set "
-                              f"optim.name=muon or drop them")
-        return
-    if par.tp > 1 or par.cp > 1:
-        raise ConfigError("optim.name=muon needs whole weight matrices: not with parallel.tp > 1 or parallel.cp > 1 "
-                          "(FSDP2, parallel.dp_shard, gathers each matrix for its update)")
-    if par.engine != "native" or par.zero_stage == 1 or par.low_comm != "none":
-        raise ConfigError("optim.name=muon runs on the native engine with DDP or FSDP2 (parallel.zero_stage 0, 2 or "
-                          "3, parallel.low_comm=none); ZeRO-1, DeepSpeed and local SGD / DiLoCo build their own AdamW")
-    ft = cfg.finetune
-    if o.muon_adapters and ft.method not in ("lora", "qlora"):
-        raise ConfigError(f"optim.muon_adapters puts LoRA's adapter matrices under Muon: it needs finetune.method=lora "
-                          f"or qlora (got {ft.method}); drop it")
-    if o.muon_adapters and ft.lora_plus_ratio != 1.0:
-        raise ConfigError("optim.muon_adapters with finetune.lora_plus_ratio != 1: LoRA+ sets the B matrices' AdamW "
-                          "lr, Muon scales each matrix's lr by its shape; use one of them")
-    if cfg.model.parametrization == "mup":
-        raise ConfigError("optim.name=muon with model.parametrization=mup is not supported (muP scales the hidden "
-                          "matrices' AdamW lr; Muon scales its own by shape): use one of them")
+    """optim.name's entry of the optimizer table (train/optimizer.py): it must exist, no optim.* field that only
+    another optimizer reads may be set, and the entry's own refusal (e.g. Muon's: whole matrices, the native
+    engine, not with muP)."""
+    entry = optimizer_entry(cfg.optim.name)
+    defaults = OptimConfig()
+    for other in OPTIMIZERS.values():
+        changed = [f for f in other.fields if f not in entry.fields
+                   and getattr(cfg.optim, f) != getattr(defaults, f)]
+        if changed:
+            raise ConfigError(f"optim.{changed[0]} applies to optim.name={other.name} only (got optim.name="
+                              f"{entry.name}); set optim.name={other.name} or drop it")
+    if refusal := entry.refusal(cfg):
+        raise ConfigError(refusal)
 
 
 def check_distillation(cfg: JobConfig, here: bool = True) -> None:
