@@ -282,7 +282,8 @@ def test_diloco_reaches_ddp_loss_with_h_times_fewer_all_reduces(tmp_path):
 def test_two_rank_doctor_measures_tensor_parallel_and_fsdp_host_overheads(tmp_path, monkeypatch):
     """With a single-process calibration cached (the reference CPU's, under this machine's one-thread key, as
     `scaletrain doctor` would write it), `torchrun ... doctor` also measures what TP and FSDP2 ZeRO-3 add
-    beyond their compute and bytes, per block and per model; the planner charges both."""
+    beyond their compute and bytes, per block and per model (FSDP2 also per parameter of its big units), and the
+    optimizer step per tensor and per element in each layout; the planner charges them."""
     from scaletrain.peak import device_fingerprint
     from scaletrain.plan.hardware_spec import COMMUNICATION_KEYS
     from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
@@ -294,10 +295,18 @@ def test_two_rank_doctor_measures_tensor_parallel_and_fsdp_host_overheads(tmp_pa
     assert "FSDP2 ZeRO-3" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "calibration.json").read_text())
     (comm,) = [v for k, v in data.items() if k.startswith("comm|")]
-    for cost in (comm["fsdp_overhead"], *comm["tp_overhead"].values()):
+    for cost in comm["tp_overhead"].values():
         assert set(cost) == {"per_block_s", "per_model_s"}
         assert 0.0 <= cost["per_block_s"] < 1.0 and 0.0 <= cost["per_model_s"] < 1.0
     assert sum(comm["tp_overhead"]["replicated"].values()) > 0  # DTensor's host work is never free
+    fsdp = comm["fsdp_overhead"]  # and per parameter of a unit past glibc's mmap threshold (its fresh pages)
+    assert set(fsdp) == {"per_block_s", "per_model_s", "per_param_s"}
+    assert 0.0 <= fsdp["per_block_s"] < 1.0 and 0.0 <= fsdp["per_model_s"] < 1.0 and 0.0 <= fsdp["per_param_s"] < 1e-6
+    # The optimizer step (clipping + AdamW) as the ranks run it, per layout: every step touches every element
+    assert set(comm["optimizer_step"]) == {"plain", "fsdp", "tp"}
+    for rates in comm["optimizer_step"].values():
+        assert 1e-12 < rates["per_element_s"] < 1e-7 and 0.0 <= rates["per_tensor_s"] < 0.01
+    assert "ns/element" in proc.stdout + proc.stderr
 
 
 def test_two_rank_doctor_measures_communication_and_contention(tmp_path, monkeypatch):
@@ -311,3 +320,4 @@ def test_two_rank_doctor_measures_communication_and_contention(tmp_path, monkeyp
     (comm,) = [v for k, v in data.items() if k.startswith("comm|")]
     assert comm["allreduce_busbw"] > 0 and comm["collective_latency_s"] > 0 and comm["allreduce_world_size"] == 2
     assert 1.0 <= comm["corun_slowdown"] < 4.0
+    assert set(comm["optimizer_step"]) == {"plain", "fsdp", "tp"}  # needs no single-process rate: measured too

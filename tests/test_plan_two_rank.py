@@ -128,3 +128,98 @@ def test_two_rank_memory_is_within_10_percent_of_a_real_run(tmp_path):
     planned = bench.plan(row, tmp_path, hardware="cpu:2")  # memory only: the catalog CPU needs no calibration
     record = bench.compare(row, measured, planned)
     assert abs(record["memory_error"]) <= bench.MEMORY_TARGET, record
+
+
+# doctor's optimizer-step rates (per parameter tensor, per element a rank updates), one set per layout
+OPTIMIZER_STEP = {"plain": {"per_tensor_s": 1e-5, "per_element_s": 1e-9},
+                  "fsdp": {"per_tensor_s": 5e-5, "per_element_s": 2e-9},
+                  "tp": {"per_tensor_s": 4e-4, "per_element_s": 3e-9}}
+
+
+def _cpu(**calibration):
+    """The catalog CPU with the reference calibration, as before the optimizer-step probe, plus ``calibration``."""
+    from scaletrain.plan.catalog import CATALOG
+    from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
+
+    older = {k: v for k, v in REFERENCE_CPU_CALIBRATION.items() if k != "optimizer_step"}
+    return replace(CATALOG["cpu"], calibration={**older, **calibration})
+
+
+def test_two_ranks_pay_the_measured_optimizer_step_of_their_layout_once_per_step():
+    """Before: every layout's optimizer step was the single-process AdamW curve (16.8 ms for the d384 rows) plus a
+    guessed DTensor cost; measured on 2 ranks, clipping + AdamW took 22 ms (FSDP2), 31 (DDP: the ranks share the
+    memory bandwidth) and 59 (TP: DTensor dispatch per tensor). Now doctor's rates for the layout are charged:
+    per parameter tensor and per element this rank updates, once per optimizer step whatever the micro-batches."""
+    from scaletrain.plan.catalog import Cluster
+    from scaletrain.plan.timing import step_time
+
+    measured = Cluster(_cpu(optimizer_step=OPTIMIZER_STEP), 2, 1)
+    tensors, psi = CFG.n_layers * 9 + 3, stage_params(CFG, 1, 1)
+    for plan, layout, local in ((Plan(dp_shard=2, micro_batch=2, zero_stage=3), "fsdp", psi / 2),
+                                (Plan(dp_shard=2, micro_batch=2, zero_stage=2), "fsdp", psi / 2),
+                                (Plan(dp_replicate=2, micro_batch=2), "plain", psi),
+                                (Plan(dp_replicate=2, micro_batch=2, zero_stage=1), "plain", psi / 2),
+                                (Plan(tp=2, micro_batch=2), "tp", stage_params(CFG, 1, 2))):
+        rates = OPTIMIZER_STEP[layout]
+        expected = tensors * rates["per_tensor_s"] + local * rates["per_element_s"]
+        assert step_time(WORKLOAD, plan, measured).optimizer == pytest.approx(expected), (plan, layout)
+        one_micro = replace(plan, micro_batch=1)  # twice the micro-batches: the same optimizer step
+        assert step_time(WORKLOAD, one_micro, measured).optimizer == pytest.approx(expected)
+    # TP's DTensors cost more per step than FSDP2's shards of as many elements
+    assert step_time(WORKLOAD, Plan(tp=2, micro_batch=2), measured).optimizer > \
+        step_time(WORKLOAD, Plan(dp_shard=2, micro_batch=2), measured).optimizer
+
+
+def test_without_measured_rates_the_optimizer_step_is_the_single_process_curve():
+    """One process, or a calibration from before the optimizer-step probe: the AdamW curve at the rank's share of
+    the cores, plus DTensor's per-op overhead on each foreach op of the step for sharded parameters."""
+    from scaletrain.plan.catalog import Cluster
+    from scaletrain.plan.timing import FOREACH_OPS_PER_STEP, cpu_rank_share, interp_curve, step_time
+
+    older = Cluster(_cpu(), 2, 1)
+    entry, psi = older.hardware.calibration, stage_params(CFG, 1, 1)
+    ddp = step_time(WORKLOAD, Plan(dp_replicate=2, micro_batch=2), older).optimizer
+    assert ddp == pytest.approx(psi * interp_curve(entry["optimizer_curve"], psi) * cpu_rank_share(older))
+    z3 = step_time(WORKLOAD, Plan(dp_shard=2, micro_batch=2, zero_stage=3), older).optimizer
+    curve = psi / 2 * interp_curve(entry["optimizer_curve"], psi / 2) * cpu_rank_share(older)
+    assert z3 == pytest.approx(curve + (CFG.n_layers * 9 + 3) * FOREACH_OPS_PER_STEP * entry["dtensor_op_overhead_s"])
+    one = Cluster(_cpu(optimizer_step=OPTIMIZER_STEP), 1, 1)  # a single process has no 2-rank rates to pay
+    assert step_time(WORKLOAD, Plan(micro_batch=2), one).optimizer == pytest.approx(
+        psi * interp_curve(entry["optimizer_curve"], psi) * cpu_rank_share(one))
+
+
+def test_a_plan_of_two_auto_ranks_without_the_optimizer_probe_charges_the_reference_cpus(monkeypatch):
+    """The fallback, as for the collectives: a machine without its own `torchrun ... doctor` gets the reference
+    CPU's optimizer-step rates (measured on the 2-core developer machine); its own win when measured."""
+    from scaletrain.plan import hardware_spec
+    from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
+
+    assert "optimizer_step" in hardware_spec.COMMUNICATION_KEYS
+    assert set(REFERENCE_CPU_CALIBRATION["optimizer_step"]) == {"plain", "fsdp", "tp"}
+    single = {k: v for k, v in REFERENCE_CPU_CALIBRATION.items() if k not in hardware_spec.COMMUNICATION_KEYS}
+    here = replace(hardware_spec.CATALOG["cpu"], name="auto (this cpu)", calibration=single)
+    monkeypatch.setattr(hardware_spec, "hardware_from_calibration", lambda: here)
+    two = hardware_spec.parse_hardware("auto:2")
+    assert two.hardware.calibration["optimizer_step"] == REFERENCE_CPU_CALIBRATION["optimizer_step"]
+    own = {**single, "allreduce_busbw": 2e9, "optimizer_step": OPTIMIZER_STEP}
+    monkeypatch.setattr(hardware_spec, "hardware_from_calibration", lambda: replace(here, calibration=own))
+    assert hardware_spec.parse_hardware("auto:2").hardware.calibration["optimizer_step"] == OPTIMIZER_STEP
+
+
+def test_fsdp_units_past_glibcs_mmap_threshold_pay_their_fresh_pages_per_parameter():
+    """A d384 ZeRO-3 step with a 16,384-row vocabulary page-faulted 312 MiB a forward + backward (its 50 MB root
+    unit's buffers, mapped afresh by glibc at each collective) and ran 106 ms beyond its plan; with 512 rows
+    7 MiB. Only units whose fp32 buffers pass 32 MiB pay doctor's ``per_param_s``, per micro-batch."""
+    from scaletrain.plan.catalog import Cluster
+    from scaletrain.plan.timing import communication, fresh_mapped_params
+
+    plan = Plan(dp_shard=2, micro_batch=1, zero_stage=3)  # 2 micro-batches a step
+    root = stage_params(CFG, 1, 1) - CFG.n_layers * block_params(CFG)
+    assert root * 4 > allocator.GLIBC_MMAP_THRESHOLD_MAX > block_params(CFG) * 4
+    assert fresh_mapped_params(CFG, plan) == pytest.approx(root)  # the root alone: blocks stay below it
+    assert fresh_mapped_params(replace(CFG, vocab_size=512), plan) == 0
+    cost = {"per_block_s": 0.01, "per_model_s": 0.004}
+    without = communication(WORKLOAD, plan, Cluster(_cpu(fsdp_overhead=cost), 2, 1), 1.0)[0]["fsdp"]
+    with_pages = communication(WORKLOAD, plan, Cluster(_cpu(fsdp_overhead={**cost, "per_param_s": 8e-9}), 2, 1),
+                               1.0)[0]["fsdp"]
+    assert with_pages - without == pytest.approx(2 * root * 8e-9)

@@ -183,7 +183,7 @@ def release_free_memory() -> bool:
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULTGLIBC_MMAP_THRESHOLD_MAX)
 
 
 def keep_freed_memory() -> bool:
@@ -199,7 +199,7 @@ def keep_freed_memory() -> bool:
     ``scaletrain`` command preloads one where installed; glibc also fragments its heap under a training step,
     and always mmaps blocks over 32 MB). Called by ``train/step.py: build_parallel_training`` on the CPU."""
     mallopt = _process_symbol("mallopt") if in_use() == "system" else None
-    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
                 and mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 

@@ -124,6 +124,10 @@ def measure_dtensor_overhead(reps: int = 200) -> float:
 # block shape: dim 384, 6 heads, SwiGLU 1024, T=192; one sequence) -- not one of the accuracy benchmark's rows.
 TP_PROBE_MODEL = calibration.REFERENCE_SHAPE
 TP_PROBE_LAYERS = (1, 3)
+# FSDP2's third reference model (1 block, this vocabulary): a root unit of 12.6M parameters (50 MB in fp32), beyond
+# glibc's mmap threshold as a real model's root is, where the reference's 0.4M stays below it (measured: a d384
+# ZeRO-3 step with a 16,384-row vocabulary ran 106 ms beyond its plan, with 512 rows 4 ms).
+FSDP_PROBE_VOCAB = 16384
 # Keys that hold a measured layout overhead: left out when measuring one (it is what remains beyond the rest).
 OVERHEAD_KEYS = ("tp_overhead", "fsdp_overhead", "dtensor_op_overhead_s")
 
@@ -185,12 +189,17 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
 def measure_fsdp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict:
     """Seconds FSDP2 (ZeRO-3, ``dp_shard`` = the world size) adds to one micro-batch's forward + backward
     beyond its compute, its all-gathers' and reduce-scatters' bytes and their fixed cost:
-    ``{"per_block_s", "per_model_s"}`` (per sharded unit: each block, and the embedding/head root).
+    ``{"per_block_s", "per_model_s", "per_param_s"}`` (per sharded unit: each block, and the embedding/head
+    root; and per parameter of the units whose buffers glibc maps afresh at every collective).
 
     On a CPU this is the host's work around each collective -- the copy-in into and copy-out of the flat
     all-gather buffer, the pre/post hooks, DTensor's parameter swaps -- which runs on the same core as the
     compute and hides behind nothing. Without it the planner under-predicted a 2-rank ZeRO-3 step on this
-    machine by 16% (benchmarks/results/planner_two_rank_quiet.json)."""
+    machine by 16% (benchmarks/results/planner_two_rank_quiet.json). A unit whose fp32 buffers pass glibc's mmap
+    threshold (32 MiB: a 16,384-row vocabulary's root at d384) gets fresh pages from the kernel at every gather
+    and reduce-scatter, page-faulted and zeroed: 312 MiB of minor faults a forward + backward of that d384 ZeRO-3
+    model against 7 MiB with 512 rows, 106 ms of its step that the reference root (0.4M parameters, below the
+    threshold) did not show; hence ``per_param_s``, measured on such a root."""
     import torch.distributed as dist
 
     from scaletrain.config import ParallelConfig
@@ -198,11 +207,12 @@ def measure_fsdp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> di
 
     world = dist.get_world_size()
     return layout_overhead(entry, ParallelConfig(dp_shard=world, zero_stage=3),
-                           Plan(dp_shard=world, zero_stage=3, micro_batch=1), clock, reps)
+                           Plan(dp_shard=world, zero_stage=3, micro_batch=1), clock, reps, per_param=True)
 
 
-def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7) -> dict:
-    """The host seconds a parallel layout adds per block and per model: ``{"per_block_s", "per_model_s"}``.
+def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7, per_param: bool = False) -> dict:
+    """The host seconds a parallel layout adds per block and per model: ``{"per_block_s", "per_model_s"}``, and
+    with ``per_param`` per parameter of the FSDP units beyond glibc's mmap threshold (``"per_param_s"``).
 
     A reference Llama of 1 and of 3 blocks runs one micro-batch's forward + loss + backward through
     ``scaletrain.parallel.parallelize`` in the layout ``pcfg``; from each time (best of ``reps``, slowest rank)
@@ -210,14 +220,16 @@ def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7)
     dispatch from this machine's single-process calibration ``entry``, and the collectives' bytes over the
     measured all-reduce bandwidth plus their fixed cost (``timing.communication`` without a measured overhead).
     The rest split by the number of blocks: slope = per block, intercept = per model. The same method as the
-    elementwise calibration (measured block minus what the curves predict)."""
+    elementwise calibration (measured block minus what the curves predict). ``per_param``: a third reference model,
+    of 1 block and a ``FSDP_PROBE_VOCAB``-row vocabulary, whose root unit is beyond glibc's mmap threshold: what it
+    adds over the first, per parameter of such units (``timing.fresh_mapped_params``)."""
     import torch.distributed as dist
 
     from scaletrain.config import JobConfig, ModelConfig, TrainConfig
     from scaletrain.parallel import ParallelDims, forward_backward
     from scaletrain.plan.catalog import CATALOG, Cluster, with_calibration
     from scaletrain.plan.spec import Workload
-    from scaletrain.plan.timing import communication, cpu_micro_seconds
+    from scaletrain.plan.timing import communication, cpu_micro_seconds, fresh_mapped_params
     from scaletrain.train.step import build_parallel_training
 
     timer = CLOCKS[clock]
@@ -225,7 +237,6 @@ def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7)
     bare = {k: v for k, v in entry.items() if k not in OVERHEAD_KEYS}  # charge the collectives' bytes only
     cluster = Cluster(with_calibration(CATALOG["cpu"], bare), world, 1)
     seq = TP_PROBE_MODEL["max_seq_len"]
-    inputs = torch.randint(0, TP_PROBE_MODEL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0))
 
     def best(fn) -> float:
         fn()  # warm-up: DTensor's sharding-propagation caches, gloo connections
@@ -239,9 +250,12 @@ def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7)
             times.append(float(elapsed))
         return min(times)
 
-    extra = {}
-    for layers in TP_PROBE_LAYERS:
-        cfg = ModelConfig(n_layers=layers, **TP_PROBE_MODEL)
+    shapes = [(layers, TP_PROBE_MODEL["vocab_size"]) for layers in TP_PROBE_LAYERS]
+    shapes += [(TP_PROBE_LAYERS[0], FSDP_PROBE_VOCAB)] if per_param else []
+    extra = []
+    for layers, vocab in shapes:
+        cfg = ModelConfig(n_layers=layers, **{**TP_PROBE_MODEL, "vocab_size": vocab})
+        inputs = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
         dims = ParallelDims.from_config(pcfg, world)
         pm, _ = build_parallel_training(JobConfig(model=cfg, parallel=pcfg, train=TrainConfig(seed=0)), dims,
                                         torch.device("cpu"))
@@ -254,10 +268,93 @@ def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7)
         workload = Workload(cfg, seq, plan.dp, 1e6, "fp32")
         compute, _ = cpu_micro_seconds(workload, plan, cluster)
         comm, _ = communication(workload, plan, cluster, compute)
-        extra[layers] = best(step) - compute - sum(comm.values())
+        extra.append(best(step) - compute - sum(comm.values()))
     lo, hi = TP_PROBE_LAYERS
-    per_block = max(0.0, (extra[hi] - extra[lo]) / (hi - lo))
-    return {"per_block_s": per_block, "per_model_s": max(0.0, extra[lo] - lo * per_block)}
+    per_block = max(0.0, (extra[1] - extra[0]) / (hi - lo))
+    out = {"per_block_s": per_block, "per_model_s": max(0.0, extra[0] - lo * per_block)}
+    if per_param:  # the same blocks, a root unit beyond glibc's mmap threshold: what its fresh mappings cost
+        big = fresh_mapped_params(ModelConfig(n_layers=lo, **{**TP_PROBE_MODEL, "vocab_size": FSDP_PROBE_VOCAB}), plan)
+        small = fresh_mapped_params(ModelConfig(n_layers=lo, **TP_PROBE_MODEL), plan)
+        out["per_param_s"] = max(0.0, (extra[2] - extra[0]) / (big - small))
+    return out
+
+
+# The optimizer-step probe's reference Llamas, (blocks, vocabulary) of the elementwise calibration's block shape:
+# more blocks add parameter tensors and elements together, a bigger vocabulary adds elements alone (the embedding
+# and the head), so the two costs separate. 8192 rows keep the root unit beyond the caches, as a real model's is.
+OPTIMIZER_PROBE_SHAPES = ((1, 512), (4, 512), (1, 16384), (4, 16384))
+
+
+def measure_optimizer_step(clock: str = "wall", reps: int = 7) -> dict:
+    """Seconds of one optimizer step as the trainer runs it -- ``clip_grad_norm_`` then AdamW (fused) -- on every
+    rank at once, per parameter tensor and per element a rank updates, in each layout: ``{"plain" | "fsdp" |
+    "tp": {"per_tensor_s", "per_element_s"}}`` (DDP's plain tensors, FSDP2's shards over the world size, TP over
+    the world size; ``timing.optimizer_layout`` says which a plan pays).
+
+    The single-process calibration's AdamW curve misses two things here, measured on 2 cores for the d384
+    two-rank rows (benchmarks/planner_two_rank.py): on DTensors every foreach op, and the clipping's norm, pays
+    sharding propagation once per tensor (TP: 59 ms a step against the 17 ms charged); and ranks stepping at once
+    share the memory bandwidth this memory-bound step lives on (DDP: 31 ms against 17). Each reference Llama of
+    ``OPTIMIZER_PROBE_SHAPES`` takes one forward + backward for its gradients (their placements are the
+    layout's), then its step is timed (best of ``reps``, slowest rank; the gradients are kept, as the calibration
+    curve keeps them); a least-squares fit over the shapes gives the two costs (non-negative)."""
+    import torch.distributed as dist
+
+    from scaletrain.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
+    from scaletrain.parallel import ParallelDims, forward_backward
+    from scaletrain.train.step import build_parallel_training
+
+    timer = CLOCKS[clock]
+    world = dist.get_world_size()
+    layouts = {"plain": ParallelConfig(dp_replicate=world), "fsdp": ParallelConfig(dp_shard=world, zero_stage=3),
+               "tp": ParallelConfig(tp=world)}
+    seq = TP_PROBE_MODEL["max_seq_len"]
+    out = {}
+    for name, pcfg in layouts.items():
+        rows, seconds = [], []
+        for layers, vocab in OPTIMIZER_PROBE_SHAPES:
+            cfg = ModelConfig(n_layers=layers, **{**TP_PROBE_MODEL, "vocab_size": vocab})
+            pm, optimizer = build_parallel_training(JobConfig(model=cfg, parallel=pcfg, train=TrainConfig(seed=0)),
+                                                    ParallelDims.from_config(pcfg, world), torch.device("cpu"))
+            inputs = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+            forward_backward(pm, inputs, inputs, accum=1, sync=True)  # the gradients, in the layout's placements
+            rows.append(_parameter_counts(pm))
+            seconds.append(_best_optimizer_step(pm, optimizer, timer, reps))
+        fit = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                                 torch.tensor(seconds, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
+        per_tensor, per_element = (max(0.0, float(v)) for v in fit)
+        out[name] = {"per_tensor_s": per_tensor, "per_element_s": per_element}
+    return out
+
+
+def _parameter_counts(pm) -> list[float]:
+    """[parameter tensors, elements this rank holds] of a parallelized model."""
+    params = list(pm.parameters())
+    return [float(len(params)), float(sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params))]
+
+
+def _best_optimizer_step(pm, optimizer, timer, reps: int) -> float:
+    """Best of ``reps`` (slowest rank each) of the trainer's clipping + optimizer step over ``pm``'s gradients."""
+    import torch.distributed as dist
+
+    from scaletrain.parallel.parallelize import clip_grad_norm_
+
+    params = list(pm.parameters())
+
+    def step():
+        clip_grad_norm_(params, 1.0, pm.group("pp"), foreach=True)
+        optimizer.step()
+
+    step()  # warm-up: the optimizer's state, DTensor's sharding-propagation caches
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = timer()
+        step()
+        elapsed = torch.tensor([timer() - t0], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
+        times.append(float(elapsed))
+    return min(times)
 
 
 def measure_machine(log=print, rounds: int = 3, clock: str = "wall") -> dict:
@@ -276,6 +373,7 @@ def measure_machine(log=print, rounds: int = 3, clock: str = "wall") -> dict:
                       "dtensor_op_overhead_s": measure_dtensor_overhead()}
             if backend == "gloo":  # before the TP overhead, which is measured beyond it
                 result["corun_slowdown"] = measure_corun_slowdown(clock)
+                result["optimizer_step"] = measure_optimizer_step(clock)  # a whole step's: needs no other rate
             # The TP overhead is what remains after the single-process rates: it needs that calibration.
             entry = calibration.calibration_entry("cpu", measure_if_missing=False) if backend == "gloo" else {}
             if "elementwise_s_per_element" in entry:
@@ -299,7 +397,10 @@ def measure_machine(log=print, rounds: int = 3, clock: str = "wall") -> dict:
                                 for k, v in {**result.get("tp_overhead", {}),
                                              **({"FSDP2 ZeRO-3": result["fsdp_overhead"]}
                                                 if "fsdp_overhead" in result else {})}.items())
-                    + f" per micro-batch ({clock} clock) -> {calibration_path()}")
+                    + " per micro-batch; the optimizer step (clipping + AdamW) costs "
+                    + ", ".join(f"{k} {v['per_tensor_s'] * 1e6:.0f} us/tensor + {v['per_element_s'] * 1e9:.2f} "
+                                f"ns/element" for k, v in result.get("optimizer_step", {}).items())
+                    + f" ({clock} clock) -> {calibration_path()}")
             dist.barrier()
         finally:
             dist.destroy_process_group()

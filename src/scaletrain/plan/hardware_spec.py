@@ -42,11 +42,12 @@ def hardware_from_calibration() -> Hardware:
 
 
 # What ``torchrun --nproc-per-node 2 -m scaletrain.cli doctor`` adds to this machine's calibration: gloo's
-# all-reduce bandwidth and fixed cost per collective, and DTensor's host overhead (TP). Without them a plan of
-# several CPU ranks would charge its collectives nothing but the catalog link's bandwidth: measured on 2 cores,
-# that under-costs ZeRO-3 by 27% and TP by 45% (benchmarks/results/planner_two_rank_quiet.json).
+# all-reduce bandwidth and fixed cost per collective, DTensor's host overhead (TP), and the optimizer step as the
+# ranks run it together (``optimizer_step``). Without them a plan of several CPU ranks would charge its
+# collectives nothing but the catalog link's bandwidth: measured on 2 cores, that under-costs ZeRO-3 by 27% and
+# TP by 45% (benchmarks/results/planner_two_rank_quiet.json).
 COMMUNICATION_KEYS = ("allreduce_busbw", "collective_latency_s", "dtensor_op_overhead_s", "corun_slowdown",
-                      "tp_overhead", "fsdp_overhead")
+                      "tp_overhead", "fsdp_overhead", "optimizer_step")
 DOCTOR_RANKS = "torchrun --nproc-per-node 2 -m scaletrain.cli doctor"
 
 

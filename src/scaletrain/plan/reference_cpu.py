@@ -11,7 +11,9 @@ The single-process rates are of 2026-11-26 (issue 23), measured by benchmarks/pl
 jobs used ~53% of the CPUs (this process waited 6% of the time for a core): the fp32 curves, the same curves
 measured under the trainer's bf16 autocast (keys ``*_bf16``) and the output head's own curve by model width
 (``head_curve``); the four 2-rank keys (all-reduce bandwidth, its world size, collective latency, DTensor op
-overhead) are kept from the 2026-11-22 measurement.
+overhead) are kept from the 2026-11-22 measurement. The optimizer step on 2 ranks (``optimizer_step``: clipping +
+AdamW per parameter tensor and per element, by layout) is of 2026-11-28, ``doctor.measure_optimizer_step`` under
+``torchrun --nproc-per-node 2`` (wall clock, under the quiet lock: benchmarks/planner_two_rank.py --doctor at 09:26).
 """
 
 REFERENCE_CPU_CALIBRATION: dict = {'allreduce_busbw': 1088000000.0,
@@ -127,6 +129,9 @@ REFERENCE_CPU_CALIBRATION: dict = {'allreduce_busbw': 1088000000.0,
  'memory_bytes': 25280000000.0,
  'op_overhead_s': 1.09e-06,
  'optimizer_curve': [[262100.0, 1.231e-09], [2097000.0, 8.615e-10], [16780000.0, 9.734e-10]],
+ 'optimizer_step': {'fsdp': {'per_element_s': 1.428e-09, 'per_tensor_s': 6.994e-05},
+                    'plain': {'per_element_s': 1.45e-09, 'per_tensor_s': 0.0},
+                    'tp': {'per_element_s': 2.594e-09, 'per_tensor_s': 0.0003548}},
  'other_processes_cpu': 0.531,
  'rounds': 3,
  'threads': 1}

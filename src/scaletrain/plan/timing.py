@@ -33,10 +33,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from scaletrain.allocator import GLIBC_MMAP_THRESHOLD_MAX
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.model.config import head_width
 from scaletrain.model.llama import TransformerBlock, rope_tables
-from scaletrain.model.presets import ffn_hidden_dim, flops_per_token, kv_heads
+from scaletrain.model.presets import block_params, ffn_hidden_dim, flops_per_token, kv_heads
 from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.catalog import LINKS, Cluster, Hardware
 from scaletrain.plan.memory import (
@@ -337,13 +338,35 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
             + (3 * tokens * cfg.dim + cfg.vocab_size * cfg.dim / tp) * elem)
     psi = stage_params(cfg, plan.pp, tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
                                             plan.dp_replicate if plan.zero_stage == 1 else 1)
+    tensors = layers * PARAM_TENSORS_PER_BLOCK + (2 if cfg.tie_embeddings else 3)
+    return blocks + head * share, optimizer_seconds(entry, plan, cluster, psi, tensors, share)
+
+
+def optimizer_layout(plan: Plan) -> str:
+    """Which of doctor's measured optimizer-step rates (``optimizer_step``) a plan's parameters pay: ``tp``
+    (DTensors with TP placements), ``fsdp`` (FSDP2's Shard(0) DTensors: ZeRO-2/3) or ``plain`` (plain tensors:
+    DDP, ZeRO-1, one process)."""
+    if plan.tp > 1:
+        return "tp"
+    return "fsdp" if plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1 else "plain"
+
+
+def optimizer_seconds(entry: dict, plan: Plan, cluster: Cluster, psi: float, tensors: int, share: float) -> float:
+    """CPU seconds of one optimizer step (gradient clipping + AdamW) over the ``psi`` elements in ``tensors``
+    parameter tensors this rank updates; charged once per step.
+
+    Several ranks: the rates ``torchrun ... doctor`` measured with every rank stepping at once, per tensor and per
+    element, for the plan's layout (``optimizer_step``: DTensor dispatch per tensor, the clipping's collective,
+    the ranks sharing the memory bandwidth this step is bound by). Without them (one process, or an older
+    calibration): the single-process AdamW curve times the rank's share of the cores, plus DTensor's per-op
+    overhead on each foreach op of the step (FOREACH_OPS_PER_STEP) for each parameter tensor."""
+    measured = entry.get("optimizer_step", {}).get(optimizer_layout(plan)) if cluster.world_size > 1 else None
+    if measured:
+        return tensors * measured["per_tensor_s"] + psi * measured["per_element_s"]
     optimizer = psi * interp_curve(entry["optimizer_curve"], psi) * share
-    if plan.tp > 1 or (plan.zero_stage >= 2 and plan.dp_shard * plan.cp > 1):
-        # Parameters are DTensors (FSDP2 shards, TP placements): every foreach op of AdamW and of the
-        # gradient clipping goes through DTensor dispatch once per parameter tensor.
-        tensors = layers * PARAM_TENSORS_PER_BLOCK + (2 if cfg.tie_embeddings else 3)
+    if optimizer_layout(plan) != "plain":  # DTensors (FSDP2 shards, TP placements)
         optimizer += tensors * FOREACH_OPS_PER_STEP * entry.get("dtensor_op_overhead_s", 0.0)
-    return blocks + head * share, optimizer
+    return optimizer
 
 
 def gpu_utilisation(hw: Hardware, cfg: ModelConfig, seq_len: int) -> float:
@@ -430,6 +453,18 @@ def tp_bandwidth_seconds(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, 
     return layers * 4 * 2 * (tp - 1) / tp * act / bus_bandwidth
 
 
+def fresh_mapped_params(cfg: ModelConfig, plan: Plan) -> float:
+    """Parameters (per tensor-parallel rank, of the busiest stage) in FSDP2 units whose fp32 buffers -- the
+    gradients' reduce-scatter, the gathered parameters in fp32 -- pass glibc's mmap threshold (32 MiB): glibc
+    serves each with a fresh mapping, page-faulted and zeroed by the kernel at every collective (a torchrun
+    worker runs on glibc unless the environment preloads another malloc). The units are each block and the root
+    (embedding, final norm, head)."""
+    layers = -(-cfg.n_layers // plan.pp)
+    block = block_params(cfg) / plan.tp
+    root = stage_params(cfg, plan.pp, plan.tp) - layers * block
+    return sum(n * count for n, count in ((block, layers), (root, 1)) if n * 4 > GLIBC_MMAP_THRESHOLD_MAX)
+
+
 def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: float) -> tuple[dict, float]:
     """({collective: seconds per step}, exposed seconds). Mesh order outer->inner: pp, dp_rep, dp_shard, cp, tp."""
     cfg, rec = workload.model, RECIPES[workload.precision]
@@ -485,8 +520,10 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
             # CPU: the host work around each collective (copy-in/out of the flat buffers, hooks, DTensor
             # parameter swaps), measured by doctor on a tiny ZeRO-3 model per block and per model (the root
             # unit); same core as the compute, nothing hides it. Measured at ZeRO-3: charged to ZeRO-2 too
-            # (one gather fewer: an upper bound there).
-            out["fsdp"] += micro * (layers * measured["per_block_s"] + measured["per_model_s"])
+            # (one gather fewer: an upper bound there). Units beyond glibc's mmap threshold also pay the kernel's
+            # fresh pages per parameter (``fresh_mapped_params``; older calibrations have no ``per_param_s``).
+            out["fsdp"] += micro * (layers * measured["per_block_s"] + measured["per_model_s"]
+                                    + fresh_mapped_params(cfg, plan) * measured.get("per_param_s", 0.0))
         exposed += max(0.0, out["fsdp"] - compute) if gpu else out["fsdp"]
     if workload.optimizer_entry.orthogonalizes and plan.zero_stage >= 2 and shard > 1:
         # Muon under FSDP2: the optimizer step all-gathers each matrix's fp32 update (one collective a matrix),
