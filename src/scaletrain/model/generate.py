@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from scaletrain.model.cache import KVCache
+from scaletrain.model.cache import KVCache, StaticKVCache
+from scaletrain.model.decode import StaticDecoder, static_capacity
 from scaletrain.options import ConfigError
 
 
@@ -94,12 +95,15 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
            sampling: Sampling | None = None, generator: torch.Generator | None = None,
            stop_id: int | Collection[int] | None = None,
            vocab_limit: int | None = None, stop: Callable[[int, list[int]], bool] | None = None,
-           use_cache: bool = True, slide: bool = True) -> Iterator[list[tuple[int, int]]]:
+           use_cache: bool = True, slide: bool = True, decoder: StaticDecoder | None = None
+           ) -> Iterator[list[tuple[int, int]]]:
     """Yield, at each step, [(row, token)] for the rows still going. A row ends after ``max_new_tokens``, at
     ``stop_id`` (one id or several, e.g. a chat template's end of turn and the EOS; not yielded), when
     ``stop(row, its new tokens)`` says so (the token that made it is yielded), or, with ``slide=False``, once
     it fills the context. ``vocab_limit``: only ids below it are produced (the tokenizer's vocabulary when the
-    model's is padded). ``max_seq_len``: the trained context (see the module docstring)."""
+    model's is padded). ``max_seq_len``: the trained context (see the module docstring). ``decoder``: the first
+    context's decode through its static cache and compiled step (``model/decode.py``; same tokens), the
+    rest (sliding past the context) as without."""
     sampling = sampling or Sampling(temperature=0.0)
     sampling.check()
     stop_ids = set() if stop_id is None else {stop_id} if isinstance(stop_id, int) else set(stop_id)
@@ -127,13 +131,18 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
                 # by one token), so the plain causal forward, without filling a cache that would be dropped at once.
                 window = torch.tensor([r[-max_seq_len:] for r in rows], dtype=torch.long, device=device)
                 logits = model(window, last_only=True)[:, -1]
+            elif cache is None and decoder is not None:  # the static cache's prefill (eager)
+                tokens, padding = left_pad(rows, device)
+                cache = decoder.cache(len(rows), static_capacity(tokens.shape[1], max_new_tokens, max_seq_len))
+                logits = decoder.prefill(tokens, padding, cache)
             elif cache is None or cache.tokens >= max_seq_len:  # prefill (again, once the context is full)
                 tokens, padding = left_pad([r[-max_seq_len:] for r in rows], device)
                 cache = KVCache(len(rows), max_seq_len)
                 logits = model(tokens, cache=cache, padding=padding, last_only=True)[:, -1]
             else:
                 last = torch.tensor([[r[-1]] for r in rows], dtype=torch.long, device=device)  # (B, 1)
-                logits = model(last, cache=cache, last_only=True)[:, -1]
+                logits = (decoder.step(last, cache) if isinstance(cache, StaticKVCache)
+                          else model(last, cache=cache, last_only=True)[:, -1])
             logits = logits[:, :vocab_limit].float()  # (B, V): padding rows of the vocabulary never compete
             if sampling.repetition_penalty != 1.0:
                 logits = penalize_repetition(logits, rows, sampling.repetition_penalty)
@@ -189,15 +198,17 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 @torch.no_grad()
 def decode_speed(model: nn.Module, vocab_size: int, prompt_tokens: int, new_tokens: int, batch_size: int = 1,
-                 use_cache: bool = True, seed: int = 0, max_seq_len: int | None = None) -> dict[str, float]:
+                 use_cache: bool = True, seed: int = 0, max_seq_len: int | None = None,
+                 decoder: StaticDecoder | None = None) -> dict[str, float]:
     """Prefill and decode tokens/s of greedy generation: ``batch_size`` random prompts of ``prompt_tokens``,
     ``new_tokens`` generated each (no stop token). Prefill = the first step (the prompt's forward and the first
     token); decode = the rest, per generated token of all rows. ``max_seq_len``: the context (default: prompt +
-    new tokens; a shorter one slides, as ``stream`` does)."""
+    new tokens; a shorter one slides, as ``stream`` does). ``decoder``: the compiled decode (``model/decode.py``;
+    compile it first with a run of the same shape: this times the steps, not the compiling)."""
     rng = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab_size, (batch_size, prompt_tokens), generator=rng).tolist()
     steps = stream(model, prompts, new_tokens, max_seq_len=max_seq_len or prompt_tokens + new_tokens,
-                   vocab_limit=vocab_size, use_cache=use_cache)
+                   vocab_limit=vocab_size, use_cache=use_cache, decoder=decoder)
     start = time.perf_counter()
     next(steps)
     prefilled = time.perf_counter()
