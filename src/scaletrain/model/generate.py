@@ -176,11 +176,12 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: i
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, max_seq_len: int,
              temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
              generator: torch.Generator | None = None, stop_id: int | Collection[int] | None = None,
-             vocab_limit: int | None = None, use_cache: bool = True, slide: bool = True) -> list[int]:
+             vocab_limit: int | None = None, use_cache: bool = True, slide: bool = True,
+             decoder: StaticDecoder | None = None) -> list[int]:
     """Sample up to ``max_new_tokens`` after ``prompt``; temperature 0 is greedy. Returns only the new tokens."""
     return generate_batch(model, [prompt], max_new_tokens, max_seq_len=max_seq_len,
                           sampling=Sampling(temperature, top_k, top_p), generator=generator, stop_id=stop_id,
-                          vocab_limit=vocab_limit, use_cache=use_cache, slide=slide)[0]
+                          vocab_limit=vocab_limit, use_cache=use_cache, slide=slide, decoder=decoder)[0]
 
 
 def stop_at_strings(decode: Callable[[list[int]], str], stops: list[str]) -> Callable[[int, list[int]], bool]:
