@@ -65,8 +65,8 @@ class StaticDecoder:
     def cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         """An empty cache of this shape (the one made before for it, reset: same buffers, no recompile)."""
         key = (batch_size, capacity)
-        if key not in self._caches:
-            self._caches = {key: StaticKVCache(batch_size, capacity, self.device)}  # one shape held at a time
+        if key not in self._caches:  # kept: the compiled step is guarded on these very buffers (a new one recompiles)
+            self._caches[key] = StaticKVCache(batch_size, capacity, self.device)
         cache = self._caches[key]
         cache.slot.zero_()
         cache.tokens = 0
