@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check          # every check, in order (<= 8.5 min, H100)
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --only fp8,lora-qlora
+    PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --only decode-compiled   # not in the full run
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --dry-run   # the rehearsal on a CPU (tests)
 
 Each check runs in its own process (``--child NAME``) with its own time limit, through the project's own
@@ -599,19 +600,22 @@ def check_lora_qlora(ctx: Ctx) -> dict:
 
 
 # -- inference: torchao weight-only quantization, 2:4 sparsity ----------------------------------------------
-def decode_speed(model, cfg, vocab: int, tokens: int) -> float:
-    """Greedy decoding tokens/s at batch 1 through ``scaletrain.model.generate`` (what `scaletrain generate`
-    and `compress --report` run), with its KV cache (model/cache.py), eager (no compiled decode step)."""
+def decode_speed(model, cfg, vocab: int, tokens: int, decoder=None) -> float:
+    """Greedy decoding tokens/s at batch 1 through ``scaletrain.model.generate`` (what `scaletrain generate` runs):
+    today's eager step over the KV cache (model/cache.py), or with ``decoder`` the compiled one (model/decode.py:
+    static cache, ``torch.compile`` mode="reduce-overhead", a CUDA graph a step; `generate --compile`). A warm-up
+    generation of the same shape first (it compiles and captures the graph), so this times the steps only."""
     import torch
 
     from scaletrain.model.generate import generate
 
     prompt = list(range(1, 17))
-    generate(model, prompt, 4, max_seq_len=cfg.max_seq_len, temperature=0.0, vocab_limit=vocab)  # warm-up
+    kw = dict(max_seq_len=cfg.max_seq_len, temperature=0.0, vocab_limit=vocab, decoder=decoder)
+    generate(model, prompt, tokens, **kw)  # warm-up: the compile and the graph capture of this shape
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    new = generate(model, prompt, tokens, max_seq_len=cfg.max_seq_len, temperature=0.0, vocab_limit=vocab)
+    new = generate(model, prompt, tokens, **kw)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return len(new) / (time.perf_counter() - t0)
@@ -642,6 +646,58 @@ def check_quant_decode(ctx: Ctx) -> dict:
         out[f"{method}_speedup"] = round(out[f"{method}_tokens_per_second"] / out["bf16_tokens_per_second"], 3)
     out["notes"] = notes
     out["kv_cache"] = "model/cache.py's KV cache (generate's default), eager: no compiled decode step"
+    return out
+
+
+def check_decode_compiled(ctx: Ctx) -> dict:
+    """The compiled decode (model/decode.py, `generate --compile`) at batch 1 on quant-decode's ~1B-shaped model, bf16
+    and torchao int8 / int4 weight-only, each beside today's eager decode (issue 38: bf16 at >= 30% of the
+    bandwidth limit), and the fraction of
+    the limit: memory bandwidth (plan/catalog.py) / the bytes of the weights (compress/run.state_bytes: the stored
+    form, quantized tensors included), the tokens/s a step that reads every weight once a token cannot beat."""
+    import torch
+
+    from scaletrain.compress.quantize import quantize_model
+    from scaletrain.compress.run import state_bytes
+    from scaletrain.config import ModelConfig, build
+    from scaletrain.model import build_model
+    from scaletrain.model.decode import StaticDecoder
+    from scaletrain.model.presets import PRESETS
+    from scaletrain.plan.catalog import CATALOG
+
+    fields = {k.split(".")[1]: v for k, v in TINY_MODEL.items()} if ctx.dry else {"preset": "llama-1b"}
+    cfg = build(ModelConfig, {**fields, "vocab_size": 512 if ctx.dry else 32768, "max_seq_len": 256},
+                presets=PRESETS)
+    tokens = 8 if ctx.dry else 64
+    bandwidth = CATALOG[ctx.hardware].memory_bandwidth
+    out, notes = {"memory_bandwidth_bytes_per_second": bandwidth}, {}
+    for method in ("bf16", "int8-weight", "int4-weight"):
+        model = build_model(cfg, ctx.device, seed=0).to(torch.bfloat16).eval()
+        if method != "bf16":
+            notes[method] = quantize_model(model, method, group_size=128 if not ctx.dry else 32, device=ctx.device)
+        weight_bytes = state_bytes(model)
+        limit = bandwidth / weight_bytes  # tokens/s
+        eager = decode_speed(model, cfg, cfg.vocab_size, tokens)
+        started = time.perf_counter()
+        decoder = StaticDecoder(model)  # mode="reduce-overhead" on CUDA
+        compiled = decode_speed(model, cfg, cfg.vocab_size, tokens, decoder)
+        out[f"{method}_eager_tokens_per_second"] = round(eager, 2)
+        out[f"{method}_tokens_per_second"] = round(compiled, 2)
+        out[f"{method}_compile_and_measure_seconds"] = round(time.perf_counter() - started, 1)
+        out[f"{method}_weight_bytes"] = weight_bytes
+        out[f"{method}_bandwidth_limit_tokens_per_second"] = round(limit, 1)
+        out[f"{method}_fraction_of_bandwidth_limit"] = round(compiled / limit, 3)
+        out[f"{method}_compiled_over_eager"] = round(compiled / eager, 2)
+        del model, decoder
+    for method in ("int8-weight", "int4-weight"):
+        out[f"{method}_speedup"] = round(out[f"{method}_tokens_per_second"] / out["bf16_tokens_per_second"], 3)
+    out["notes"] = notes
+    out["decode"] = ("compiled: model/decode.py's static KV cache and torch.compile'd one-token step (mode="
+                     "'reduce-overhead' on CUDA: a CUDA graph a step), `generate --compile`; eager: model/cache.py's "
+                     "KV cache, generate's default")
+    if not ctx.dry and out["bf16_fraction_of_bandwidth_limit"] < 0.3:
+        out["target_missed"] = (f"bf16 decode at {out['bf16_fraction_of_bandwidth_limit']:.0%} of the bandwidth "
+                                f"limit, below issue 38's 30%")
     return out
 
 
@@ -748,6 +804,7 @@ class Check:
     keys: tuple[str, ...]  # the numbers its table row shows (all of them are in gpu_check.json)
     dry_budget_s: int = 600
     expected_s: int = 0  # what it took on the last H100 run (benchmarks/results/gpu_check.json), or an estimate
+    full_run: bool = True  # in the run without --only on a GPU (False: only when --only names it; dry runs: all)
 
 
 PRETRAIN_KEYS = ("tokens_per_second", "predicted_tokens_per_second", "mfu_vs_datasheet_bf16", "peak_memory_mib",
@@ -772,6 +829,11 @@ CHECKS = [
                                                 "lora.tokens_per_second", "qlora.tokens_per_second"), expected_s=58),
     Check("quant-decode", 90, check_quant_decode, ("bf16_tokens_per_second", "int8-weight_speedup",
                                                    "int4-weight_speedup"), expected_s=17),
+    # Three cold compiles of a 1B model (an estimate: not yet run on a GPU) do not fit the full run's 520 s beside
+    # the rest: its own call, `--only decode-compiled` (the dry run rehearses it with every check).
+    Check("decode-compiled", 240, check_decode_compiled,
+          ("bf16_tokens_per_second", "bf16_fraction_of_bandwidth_limit", "bf16_eager_tokens_per_second",
+           "int8-weight_tokens_per_second", "int4-weight_tokens_per_second"), expected_s=150, full_run=False),
     Check("sparse-2of4", 45, check_sparse_2of4, ("dense_ms", "sparse_ms", "speedup", "relative_output_difference"),
           expected_s=10),
     Check("monitor-profile", 60, check_monitor_profile, ("monitor_samples", "nvml_samples", "trace_kernels",
@@ -923,15 +985,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{host.get('torchao')} | planner hardware {host['hardware']}" + (" | DRY RUN on the CPU" if args.dry_run
                                                                               else ""), flush=True)
     print(f"{'check':<20} {'status':<8} {'time':>7}  reason | key numbers", flush=True)
-    chosen = [c for c in CHECKS if not wanted or c.name in wanted]
+    chosen = [c for c in CHECKS if c.name in wanted or (not wanted and (c.full_run or args.dry_run))]
     expected = sum(c.expected_s for c in chosen)
     print(f"expected on one H100: {expected} s for {len(chosen)} checks (the last run's times, the new ones "
           f"estimated) of the run's {args.total_s:.0f} s cap" + ("" if expected <= args.total_s else
                                                                  " - OVER: trim steps or use --only"), flush=True)
     entries = []
-    for check in CHECKS:
-        if wanted and check.name not in wanted:
-            continue
+    for check in chosen:
         left = args.total_s - (time.monotonic() - started)
         if left < 10:
             entry = {"name": check.name, "status": "skipped", "reason": f"the run's {args.total_s:.0f} s are spent",

@@ -23,6 +23,7 @@ from scaletrain.data.tokenizer import DataError
 from scaletrain.files import guarded_write
 from scaletrain.infer.chat import Chat, Render, conversation_format
 from scaletrain.infer.text import StreamPrinter
+from scaletrain.model.decode import StaticDecoder, supports
 from scaletrain.model.generate import Sampling, cut_at_stop, generate_batch, stop_at_strings, stream
 from scaletrain.options import ConfigError
 
@@ -84,6 +85,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="--prompts-file: prompts generated together")
     p.add_argument("--no-cache", action="store_true",
                    help="re-run the whole context at every token (the slow reference; for comparisons)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode with a static KV cache and a torch.compile'd one-token step (CUDA graphs on a GPU); "
+                        "the same greedy tokens; compiling costs seconds to a minute once per batch shape, so it pays "
+                        "for long generations and on GPUs (docs/inference.md)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -95,12 +100,15 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None and args.prompts_file:
         raise ConfigError("--prompt and --prompts-file are two sources of prompts: give one (put the prompt in the "
                           "file as a {\"prompt\": ...} line)")
+    if args.compile and args.no_cache:
+        raise ConfigError("--compile decodes with a (static) KV cache; --no-cache has none: give one of them")
     records = read_prompts(args.prompts_file) if args.prompts_file else None  # before the model loads
     cfg, model, tokenizer, _ = load_run(args.run)
     check_max_tokens(args.max_tokens, cfg.data.seq_len)
     kw = dict(max_seq_len=cfg.data.seq_len, sampling=sampling, stop_id=tokenizer.eos_id,
               vocab_limit=tokenizer.vocab_size, use_cache=not args.no_cache, slide=args.slide,
-              stop=stop_at_strings(tokenizer.decode, args.stop) if args.stop else None)
+              stop=stop_at_strings(tokenizer.decode, args.stop) if args.stop else None,
+              decoder=compiled_decoder(model, args.run) if args.compile else None)
     if records is not None:
         fmt = conversation_format(args.run, tokenizer, cfg.finetune.chat_template)
         return _generate_file(args, records, model, tokenizer, {**kw, "stop_id": fmt.stop_ids}, fmt.render)
@@ -128,6 +136,14 @@ def run_generate(args: argparse.Namespace) -> int:
         print(text + cut_at_stop(tokenizer.decode(new), args.stop))
     context_note(len(prompt), len(new), args, cfg.data.seq_len)
     return 0
+
+
+def compiled_decoder(model: torch.nn.Module, run: str) -> StaticDecoder:
+    """``--compile``'s decoder, or a ConfigError saying why this run's model cannot have one."""
+    reason = supports(model)
+    if reason:
+        raise ConfigError(f"--compile: the compiled decode cannot run {run}'s model ({reason}); drop --compile")
+    return StaticDecoder(model)
 
 
 @contextmanager

@@ -114,3 +114,101 @@ class KVCache:
     def end(self, seqlen: int) -> None:
         """Called by the model after its head: the new positions are now cached."""
         self.length += seqlen
+
+
+class StaticLayerCache:
+    """One block's keys and values in a ``StaticKVCache``: (B, KV, capacity, hd) each, allocated at the first
+    ``update`` (the prefill, eager) and written in place by slot index from then on."""
+
+    def __init__(self, owner: StaticKVCache):
+        self.owner = owner
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(B, T) rotary positions of this forward's new slots."""
+        return self.owner.positions
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, C) bool: which slots each new position may attend to."""
+        return self.owner.mask
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values k, v (B, KV, T, hd) at this forward's slots; return every slot, (B, KV, C, hd):
+        the slots not yet written (or padding) are masked out by ``StaticKVCache.mask``."""
+        if self.k is None:
+            shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
+            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            torch._dynamo.mark_static_address(self.k)  # CUDA graphs replay on these very buffers
+            torch._dynamo.mark_static_address(self.v)
+        self.k.index_copy_(2, self.owner.query_slots, k)
+        self.v.index_copy_(2, self.owner.query_slots, v)
+        return self.k, self.v
+
+
+class StaticKVCache:
+    """A KV cache whose every shape is fixed for a generation: ``capacity`` slots a row, attended in full under a
+    mask, with the next slot to write held as a tensor (``slot``), so the one-token decode step is the same graph
+    at every position and can be ``torch.compile``d (and captured in a CUDA graph) once - gpt-fast's design.
+
+    The same interface as ``KVCache`` (``begin``, ``positions``, ``mask``, ``layer``, ``window_mask``, ``end``),
+    so ``Transformer.forward(tokens, cache=...)`` runs unchanged on either; the left padding's rules are the same
+    (padding slots never attended to, rotary positions counting valid slots only). What differs: the first forward
+    (the prefill, eager) fixes every slot's rotary position, the future ones included (a slot after the prompt is
+    always a token); each forward attends over all ``capacity`` slots, those after it masked (their softmax weight
+    is exactly 0, so the tokens are today's). Nothing in ``begin``/``update``/``end`` reads a Python number that
+    changes between steps: ``tokens`` (the Python count) is kept by the caller (``model/decode.py``), outside
+    the compiled step. No positions in front of the tokens (prompt tuning keeps the dynamic ``KVCache``)."""
+
+    def __init__(self, batch_size: int, capacity: int, device: torch.device):
+        self.batch_size = batch_size
+        self.max_tokens = self.capacity = capacity
+        self.extra = 0
+        self.tokens = 0  # slots filled, counted by the caller (not read inside a compiled step)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the next slot to write
+        self.slot_ids = torch.arange(capacity, device=device)  # (C,)
+        self.valid = torch.ones(batch_size, capacity, dtype=torch.bool, device=device)  # (B, C): not padding
+        self.slot_positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # (B, C)
+        for buffer in (self.slot, self.valid, self.slot_positions):
+            torch._dynamo.mark_static_address(buffer)
+        self.query_slots: torch.Tensor | None = None  # (T,): this forward's slots
+        self.positions: torch.Tensor | None = None  # (B, T)
+        self.mask: torch.Tensor | None = None  # (B, 1, T, C)
+        self._windows: dict[int, torch.Tensor] = {}
+        self.layers: dict[str, StaticLayerCache] = {}
+
+    def layer(self, name: str) -> StaticLayerCache:
+        if name not in self.layers:
+            self.layers[name] = StaticLayerCache(self)
+        return self.layers[name]
+
+    def begin(self, n_tokens: int, seqlen: int, padding: torch.Tensor | None, device: torch.device) -> None:
+        """``KVCache.begin`` for the slots ``slot`` .. ``slot + seqlen``. ``padding`` (prefill only) marks left padding
+        and fixes the rotary position of every slot."""
+        if seqlen != n_tokens:
+            raise ValueError("a static KV cache takes no positions in front of the tokens (prompt tuning)")
+        self.query_slots = self.slot + torch.arange(seqlen, device=device)  # (T,)
+        if padding is not None:
+            self.valid[:, :seqlen] = ~padding.to(device)
+            self.valid[:, seqlen:] = True
+            self.slot_positions.copy_((self.valid.cumsum(1) - 1).clamp_(min=0))
+        self.positions = self.slot_positions.index_select(1, self.query_slots)  # (B, T)
+        self._windows = {}
+        query = self.query_slots[:, None]  # (T, 1)
+        causal = self.slot_ids[None, :] <= query  # (T, C)
+        itself = (self.slot_ids[None, :] == query)[None]  # (1, T, C): a padding query sees itself (finite output)
+        self.mask = ((causal[None] & self.valid[:, None, :]) | itself).unsqueeze(1)  # (B, 1, T, C)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """``KVCache.window_mask``: ``mask`` confined to the last ``window`` positions of each query."""
+        if window not in self._windows:
+            recent = self.slot_positions[:, None, :] > self.positions[:, :, None] - window  # (B, T, C)
+            self._windows[window] = self.mask & recent.unsqueeze(1)
+        return self._windows[window]
+
+    def end(self, seqlen: int) -> None:
+        """The new slots are written: move ``slot`` past them (in place: the compiled step's buffer)."""
+        self.slot.add_(seqlen)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from scaletrain.model.cache import KVCache
+from scaletrain.model.cache import KVCache, StaticKVCache
+from scaletrain.model.decode import StaticDecoder, static_capacity
 from scaletrain.options import ConfigError
 
 
@@ -89,9 +90,11 @@ def left_pad(rows: list[list[int]], device: torch.device, pad_id: int = 0) -> tu
     return tokens.to(device), padding.to(device)
 
 
-def _next_logits(model: nn.Module, rows: list[list[int]], cache: KVCache | None, max_seq_len: int, use_cache: bool,
-                 device: torch.device) -> tuple[torch.Tensor, KVCache | None]:
-    """(the last position's logits (B, V) of every row, the cache to go on with) for one generation step."""
+def _next_logits(model: nn.Module, rows: list[list[int]], cache: KVCache | StaticKVCache | None, max_seq_len: int,
+                 use_cache: bool, device: torch.device, decoder: StaticDecoder | None = None,
+                 max_new_tokens: int = 0) -> tuple[torch.Tensor, KVCache | StaticKVCache | None]:
+    """(the last position's logits (B, V) of every row, the cache to go on with) for one generation step;
+    ``decoder``: the first context through its static cache (eager prefill, then its compiled step)."""
     if not use_cache:  # the whole context of each row, one row at a time
         return torch.cat([model(torch.tensor([r[-max_seq_len:]], device=device))[:, -1] for r in rows]), cache
     if cache is not None and cache.tokens >= max_seq_len and min(map(len, rows)) >= max_seq_len:
@@ -99,11 +102,17 @@ def _next_logits(model: nn.Module, rows: list[list[int]], cache: KVCache | None,
         # token), so the plain causal forward, without filling a cache that would be dropped at once.
         window = torch.tensor([r[-max_seq_len:] for r in rows], dtype=torch.long, device=device)
         return model(window, last_only=True)[:, -1], cache
+    if cache is None and decoder is not None:  # the static cache's prefill (eager)
+        tokens, padding = left_pad(rows, device)
+        cache = decoder.cache(len(rows), static_capacity(tokens.shape[1], max_new_tokens, max_seq_len))
+        return decoder.prefill(tokens, padding, cache), cache
     if cache is None or cache.tokens >= max_seq_len:  # prefill (again, once the context is full)
         tokens, padding = left_pad([r[-max_seq_len:] for r in rows], device)
         cache = KVCache(len(rows), max_seq_len)
         return model(tokens, cache=cache, padding=padding, last_only=True)[:, -1], cache
     last = torch.tensor([[r[-1]] for r in rows], dtype=torch.long, device=device)  # (B, 1)
+    if isinstance(cache, StaticKVCache):
+        return decoder.step(last, cache), cache
     return model(last, cache=cache, last_only=True)[:, -1], cache
 
 
@@ -112,12 +121,15 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
            sampling: Sampling | None = None, generator: torch.Generator | None = None,
            stop_id: int | Collection[int] | None = None,
            vocab_limit: int | None = None, stop: Callable[[int, list[int]], bool] | None = None,
-           use_cache: bool = True, slide: bool = True) -> Iterator[list[tuple[int, int]]]:
+           use_cache: bool = True, slide: bool = True, decoder: StaticDecoder | None = None
+           ) -> Iterator[list[tuple[int, int]]]:
     """Yield, at each step, [(row, token)] for the rows still going. A row ends after ``max_new_tokens``, at
     ``stop_id`` (one id or several, e.g. a chat template's end of turn and the EOS; not yielded), when
     ``stop(row, its new tokens)`` says so (the token that made it is yielded), or, with ``slide=False``, once
     it fills the context. ``vocab_limit``: only ids below it are produced (the tokenizer's vocabulary when the
-    model's is padded). ``max_seq_len``: the trained context (see the module docstring)."""
+    model's is padded). ``max_seq_len``: the trained context (see the module docstring). ``decoder``: the first
+    context's decode through its static cache and compiled step (``model/decode.py``; same tokens), the
+    rest (sliding past the context) as without."""
     sampling = sampling or Sampling(temperature=0.0)
     sampling.check()
     stop_ids = set() if stop_id is None else {stop_id} if isinstance(stop_id, int) else set(stop_id)
@@ -138,7 +150,7 @@ def stream(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *, m
         for _ in range(max_new_tokens):
             if not going:
                 break
-            logits, cache = _next_logits(model, rows, cache, max_seq_len, use_cache, device)
+            logits, cache = _next_logits(model, rows, cache, max_seq_len, use_cache, device, decoder, max_new_tokens)
             logits = logits[:, :vocab_limit].float()  # (B, V): padding rows of the vocabulary never compete
             if sampling.repetition_penalty != 1.0:
                 logits = penalize_repetition(logits, rows, sampling.repetition_penalty)
@@ -172,11 +184,12 @@ def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: i
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *, max_seq_len: int,
              temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
              generator: torch.Generator | None = None, stop_id: int | Collection[int] | None = None,
-             vocab_limit: int | None = None, use_cache: bool = True, slide: bool = True) -> list[int]:
+             vocab_limit: int | None = None, use_cache: bool = True, slide: bool = True,
+             decoder: StaticDecoder | None = None) -> list[int]:
     """Sample up to ``max_new_tokens`` after ``prompt``; temperature 0 is greedy. Returns only the new tokens."""
     return generate_batch(model, [prompt], max_new_tokens, max_seq_len=max_seq_len,
                           sampling=Sampling(temperature, top_k, top_p), generator=generator, stop_id=stop_id,
-                          vocab_limit=vocab_limit, use_cache=use_cache, slide=slide)[0]
+                          vocab_limit=vocab_limit, use_cache=use_cache, slide=slide, decoder=decoder)[0]
 
 
 def stop_at_strings(decode: Callable[[list[int]], str], stops: list[str]) -> Callable[[int, list[int]], bool]:
@@ -194,15 +207,17 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 @torch.no_grad()
 def decode_speed(model: nn.Module, vocab_size: int, prompt_tokens: int, new_tokens: int, batch_size: int = 1,
-                 use_cache: bool = True, seed: int = 0, max_seq_len: int | None = None) -> dict[str, float]:
+                 use_cache: bool = True, seed: int = 0, max_seq_len: int | None = None,
+                 decoder: StaticDecoder | None = None) -> dict[str, float]:
     """Prefill and decode tokens/s of greedy generation: ``batch_size`` random prompts of ``prompt_tokens``,
     ``new_tokens`` generated each (no stop token). Prefill = the first step (the prompt's forward and the first
     token); decode = the rest, per generated token of all rows. ``max_seq_len``: the context (default: prompt +
-    new tokens; a shorter one slides, as ``stream`` does)."""
+    new tokens; a shorter one slides, as ``stream`` does). ``decoder``: the compiled decode (``model/decode.py``;
+    compile it first with a run of the same shape: this times the steps, not the compiling)."""
     rng = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab_size, (batch_size, prompt_tokens), generator=rng).tolist()
     steps = stream(model, prompts, new_tokens, max_seq_len=max_seq_len or prompt_tokens + new_tokens,
-                   vocab_limit=vocab_size, use_cache=use_cache)
+                   vocab_limit=vocab_size, use_cache=use_cache, decoder=decoder)
     start = time.perf_counter()
     next(steps)
     prefilled = time.perf_counter()

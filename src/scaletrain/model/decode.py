@@ -1,0 +1,92 @@
+"""A compiled decode: the static KV cache (``model/cache.py``'s ``StaticKVCache``) and a ``torch.compile``d
+one-token step, as gpt-fast does it.
+
+Today's decode (``KVCache``) runs each step eagerly, and each step's shapes grow by one slot, so a compiled step
+would recompile at every position. Here every shape of a generation is fixed (``capacity`` slots a row, the
+next slot a tensor), so the step is one graph for all positions: compiled once per (batch size, capacity, dtype)
+with ``fullgraph=True`` (no graph breaks) and ``dynamic=False``; on CUDA with ``mode="reduce-overhead"`` (the
+step captured in a CUDA graph and replayed: one launch instead of hundreds a token). The prefill (the prompt's
+forward, its length varying) stays eager. Greedy tokens equal today's (``tests/test_decode_compiled.py``).
+
+``stream(..., decoder=StaticDecoder(model))`` uses it (``scaletrain generate --compile``); a model it cannot run
+(prompt tuning's embedding puts positions in front of the tokens) keeps the eager decode (``supports``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from scaletrain.model.cache import StaticKVCache
+
+CAPACITY_MULTIPLE = 64  # slots: capacities rounded up to this, so prompts of nearby lengths share a compiled step
+# dynamo keeps one compiled graph a (model, batch size, capacity) on the one code object of ``_forward``, and stops
+# compiling it past ``recompile_limit`` (8) entries: a process that decodes with several models (a benchmark's fp32
+# and int8, the tests) reaches that without any per-position recompile. The step's own limit is raised to this.
+STEP_RECOMPILE_LIMIT = 64
+
+
+def supports(model: nn.Module) -> str:
+    """Why ``model`` cannot decode with the static cache ('' when it can)."""
+    if any(getattr(m, "takes_cache", False) for m in (getattr(model, "tok_embeddings", None),
+                                                       getattr(model, "output", None))):
+        return "prompt tuning's virtual tokens change the sequence length at the first forward"
+    if getattr(model, "tok_embeddings", None) is None or getattr(model, "output", None) is None:
+        return "a pipeline stage is not a whole model"
+    return ""
+
+
+def static_capacity(prompt_width: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """The slots a generation needs (the prompt and every new token but the last), rounded up to
+    ``CAPACITY_MULTIPLE``, at most the context ``max_seq_len`` (past it ``stream`` slides, eagerly)."""
+    needed = prompt_width + max(max_new_tokens, 1)
+    return min(max_seq_len, -(-needed // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE)
+
+
+class StaticDecoder:
+    """Holds the compiled step and the static caches of one model (a cache a shape, reused: a CUDA graph replays
+    on the same buffers). ``compile=False``: the same static cache, eager (for comparisons)."""
+
+    def __init__(self, model: nn.Module, compile: bool = True, mode: str | None = None):
+        reason = supports(model)
+        if reason:
+            raise ValueError(f"the compiled decode cannot run this model: {reason}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cuda_graphs = compile and self.device.type == "cuda" and mode in (None, "reduce-overhead")
+        self.mode = mode or ("reduce-overhead" if self.device.type == "cuda" else None)
+        self._step = (torch.compile(self._forward, fullgraph=True, dynamic=False, mode=self.mode) if compile
+                      else self._forward)
+        self._caches: dict[tuple[int, int], StaticKVCache] = {}
+
+    def _forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        return self.model(tokens, cache=cache, last_only=True)[:, -1]  # (B, V)
+
+    def cache(self, batch_size: int, capacity: int) -> StaticKVCache:
+        """An empty cache of this shape (the one made before for it, reset: same buffers, no recompile)."""
+        key = (batch_size, capacity)
+        if key not in self._caches:  # kept: the compiled step is guarded on these very buffers (a new one recompiles)
+            self._caches[key] = StaticKVCache(batch_size, capacity, self.device)
+        cache = self._caches[key]
+        cache.slot.zero_()
+        cache.tokens = 0
+        return cache
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, padding: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """tokens, padding (B, T) (left padding, ``generate.left_pad``) -> the last position's logits (B, V), eager."""
+        logits = self.model(tokens, cache=cache, padding=padding, last_only=True)[:, -1]
+        cache.tokens += tokens.shape[1]
+        return logits
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """tokens (B, 1), each row's last token -> the next logits (B, V): the compiled step."""
+        if cache.tokens >= cache.capacity:
+            raise ValueError(f"static KV cache full: {cache.tokens} of {cache.capacity} slots")
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are read: reuse its memory
+        with torch._dynamo.config.patch(recompile_limit=STEP_RECOMPILE_LIMIT):
+            logits = self._step(tokens, cache)
+        cache.tokens += 1
+        return logits.clone() if self.cuda_graphs else logits  # the graph's output buffer is rewritten next replay

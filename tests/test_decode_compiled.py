@@ -1,0 +1,90 @@
+"""The compiled decode (model/decode.py): the static KV cache gives today's greedy tokens, eager and compiled, at
+batch 1 and for ragged batches, with grouped-query attention and sliding-window layers; the compiled step is one
+graph for every position (no graph break, no recompile a token); what it cannot run is said."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scaletrain.model.cache import StaticKVCache
+from scaletrain.model.decode import StaticDecoder, static_capacity, supports
+from scaletrain.model.generate import Sampling, generate_batch
+from scaletrain.options import ConfigError
+from test_generate import MODELS, VOCAB, tiny_model
+
+GREEDY = dict(max_seq_len=240, vocab_limit=VOCAB, sampling=Sampling(temperature=0.0, repetition_penalty=2.0))
+
+
+def ragged_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (3, 17, 9, 1, 5, 12, 2, 30)]
+
+
+def gqa_sliding():
+    """Grouped-query attention (4 query heads a KV head) and a sliding-window layer with its own rotary base
+    (Gemma 3's local layers), the window shorter than the generation."""
+    return tiny_model(n_kv_heads=1, sliding_window=6, sliding_layers=[0], local_rope_theta=500.0)
+
+
+MODELS_STATIC = {**{k: v for k, v in MODELS.items() if k != "prompt-tuning"}, "gqa-sliding": gqa_sliding}
+
+
+@pytest.mark.parametrize("option", list(MODELS_STATIC))
+def test_static_cache_eager_gives_todays_tokens(option):
+    model = MODELS_STATIC[option]()
+    decoder = StaticDecoder(model, compile=False)
+    prompts = ragged_prompts()
+    for batch in (prompts[:1], prompts):
+        assert generate_batch(model, batch, 50, decoder=decoder, **GREEDY) == generate_batch(model, batch, 50, **GREEDY)
+
+
+def unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow  # ~30 s: two compiles (batch 1 and 8) on 2 cores
+def test_compiled_step_gives_todays_tokens_with_one_graph_for_all_positions():
+    model = gqa_sliding()
+    decoder = StaticDecoder(model)
+    prompts = ragged_prompts()
+    for batch in (prompts[:1], prompts):
+        before = unique_graphs()
+        assert generate_batch(model, batch, 40, decoder=decoder, **GREEDY) == generate_batch(model, batch, 40, **GREEDY)
+        assert unique_graphs() - before == 1  # 39 positions, one compiled graph (fullgraph: no graph break)
+    before = unique_graphs()  # another prompt of the same shape: the graph and the cache are reused
+    other = [[(t + 1) % VOCAB for t in p] for p in prompts]
+    assert generate_batch(model, other, 40, decoder=decoder, **GREEDY) == generate_batch(model, other, 40, **GREEDY)
+    assert unique_graphs() == before
+
+
+def test_capacity_rounds_up_within_the_context_and_past_it_the_window_slides_eagerly():
+    assert static_capacity(10, 20, 240) == 64 and static_capacity(60, 20, 240) == 128
+    assert static_capacity(200, 100, 240) == 240
+    model = tiny_model()
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    decoder = StaticDecoder(model, compile=False)
+    assert generate_batch(model, prompts, 40, max_seq_len=24, decoder=decoder) == \
+        generate_batch(model, prompts, 40, max_seq_len=24)
+
+
+def test_a_full_static_cache_is_refused_not_overwritten():
+    decoder = StaticDecoder(tiny_model(), compile=False)
+    cache = decoder.cache(1, 4)
+    decoder.prefill(torch.tensor([[1, 2, 3, 4]]), torch.zeros(1, 4, dtype=torch.bool), cache)
+    with pytest.raises(ValueError, match="full"):
+        decoder.step(torch.tensor([[5]]), cache)
+    assert isinstance(cache, StaticKVCache) and cache.tokens == 4
+
+
+def test_prompt_tuning_is_said_and_generate_compile_refuses_it_in_one_line(tmp_path):
+    from scaletrain.infer.cli import compiled_decoder
+
+    model = MODELS["prompt-tuning"]()
+    assert "prompt tuning" in supports(model)
+    with pytest.raises(ValueError, match="prompt tuning"):
+        StaticDecoder(model)
+    with pytest.raises(ConfigError, match="--compile: the compiled decode cannot run"):
+        compiled_decoder(model, str(tmp_path))
