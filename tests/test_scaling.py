@@ -4,6 +4,7 @@ micro grid (resumable), and `plan --data` with a stored fit."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -185,3 +186,15 @@ def test_scale_with_too_few_finished_runs_is_one_line(tmp_path, data_dir, capsys
     assert "manifest" in capsys.readouterr().err
     assert main(["scale", str(data_dir), "--out", str(tmp_path / "g"), "--budget", "soon"]) == 2
     assert "--budget" in capsys.readouterr().err
+
+
+def test_the_model_for_a_size_stays_within_the_fits_scope():
+    """`plan --budget` on a real fit chose a 65.7M model where the scope ended at 60.3M: the family member
+    nearest a size may lie outside it; within [low, high] one is taken when one exists."""
+    from scaletrain.plan.quality import model_for_params
+    from scaletrain.scaling.fit import law_params
+
+    nearest = law_params(model_for_params(60_300_800, 1024, 64))
+    inside = law_params(model_for_params(60_300_800, 1024, 64, 10_067, 60_300_800))
+    assert inside <= 60_300_800 and abs(math.log(inside / 60_300_800)) < 0.5
+    assert nearest > 60_300_800  # the case that was wrong: the nearest member is above the scope

@@ -54,10 +54,12 @@ def quality_text(q: dict) -> str:
             f"data: {q['optimal_tokens_per_param']:.1f} tokens per parameter, Chinchilla's 20 is a convention)")
 
 
-def model_for_params(target: float, vocab_size: int, max_seq_len: int) -> ModelConfig:
+def model_for_params(target: float, vocab_size: int, max_seq_len: int, low: float = 0.0,
+                     high: float = math.inf) -> ModelConfig:
     """The family member whose non-embedding parameters are closest to ``target`` (log scale): widths in steps
     of 16 (head_dim 16 below 128, 64 from there), about one layer per 64 of width (at least 2; half and double
-    that depth are tried too, for sizes between two widths)."""
+    that depth are tried too, for sizes between two widths); only members within [``low``, ``high``] (a fit's
+    scope: the nearest member could otherwise be a size the fit may not speak for) when one is."""
     best, best_gap = None, math.inf
     for dim in (*range(16, 128, 16), *range(128, 16385, 64)):
         n_layers = max(2, round(dim / 64))
@@ -65,7 +67,8 @@ def model_for_params(target: float, vocab_size: int, max_seq_len: int) -> ModelC
             cfg = ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=layers,
                               n_heads=dim // 16 if dim < 128 else dim // 64, ffn_hidden_dim=0, multiple_of=16,
                               max_seq_len=max_seq_len)
-            gap = abs(math.log(law_params(cfg) / target))
+            params = law_params(cfg)
+            gap = abs(math.log(params / target)) + (0.0 if low <= params <= high else 1e3)  # outside: last resort
             if gap < best_gap:
                 best, best_gap = cfg, gap
     return best
@@ -119,7 +122,8 @@ def cheapest_for_target(fit: ScalingFit, target: float, scope: Scope, vocab_size
                           f"bpb; aim higher, or prepare more data and fit again")
     rows = []
     for factor in SIZE_FACTORS:
-        model = model_for_params(min(max(n_opt * factor, scope.n_low), scope.n_high), vocab_size, seq_len)
+        model = model_for_params(min(max(n_opt * factor, scope.n_low), scope.n_high), vocab_size, seq_len,
+                                 scope.n_low, scope.n_high)
         n = law_params(model)
         tokens = tokens_for_target(fit, n, target)
         if tokens is None or tokens > scope.max_tokens:
@@ -155,7 +159,7 @@ def best_within(fit: ScalingFit, scope: Scope, vocab_size: int, cluster: Cluster
     probe_tokens = 1e9
     rows = []
     for n in np.logspace(math.log10(scope.n_low), math.log10(scope.n_high), SIZES_WITHIN):  # within the scope
-        model = model_for_params(n, vocab_size, seq_len)
+        model = model_for_params(n, vocab_size, seq_len, scope.n_low, scope.n_high)
         workload = Workload(model, seq_len, global_batch, probe_tokens, precision)
         for option in _priced(workload, cluster, pins, prices, as_of, max_nodes):
             limits = [probe_tokens * budget_usd / option.cost.on_demand_usd] if budget_usd else []
