@@ -116,24 +116,10 @@ class KVCache:
         self.length += seqlen
 
 
-class StaticLayerCache:
+class StaticLayerCache(LayerCache):
     """One block's keys and values in a ``StaticKVCache``: (B, KV, capacity, hd) each, allocated at the first
-    ``update`` (the prefill, eager) and written in place by slot index from then on."""
-
-    def __init__(self, owner: StaticKVCache):
-        self.owner = owner
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """(B, T) rotary positions of this forward's new slots."""
-        return self.owner.positions
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """(B, 1, T, C) bool: which slots each new position may attend to."""
-        return self.owner.mask
+    ``update`` (the prefill, eager) and written in place by slot index from then on; its ``mask`` is
+    (B, 1, T, C) over every slot (the owner's)."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values k, v (B, KV, T, hd) at this forward's slots; return every slot, (B, KV, C, hd):

@@ -239,16 +239,7 @@ def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7,
     seq = TP_PROBE_MODEL["max_seq_len"]
 
     def best(fn) -> float:
-        fn()  # warm-up: DTensor's sharding-propagation caches, gloo connections
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = timer()
-            fn()
-            elapsed = torch.tensor([timer() - t0], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
-            times.append(float(elapsed))
-        return min(times)
+        return _slowest_rank_best(fn, timer, reps)
 
     shapes = [(layers, TP_PROBE_MODEL["vocab_size"]) for layers in TP_PROBE_LAYERS]
     shapes += [(TP_PROBE_LAYERS[0], FSDP_PROBE_VOCAB)] if per_param else []
@@ -335,7 +326,6 @@ def _parameter_counts(pm) -> list[float]:
 
 def _best_optimizer_step(pm, optimizer, timer, reps: int) -> float:
     """Best of ``reps`` (slowest rank each) of the trainer's clipping + optimizer step over ``pm``'s gradients."""
-    import torch.distributed as dist
 
     from scaletrain.parallel.parallelize import clip_grad_norm_
 
@@ -345,14 +335,22 @@ def _best_optimizer_step(pm, optimizer, timer, reps: int) -> float:
         clip_grad_norm_(params, 1.0, pm.group("pp"), foreach=True)
         optimizer.step()
 
-    step()  # warm-up: the optimizer's state, DTensor's sharding-propagation caches
+    return _slowest_rank_best(step, timer, reps)  # its warm-up: the optimizer's state, DTensor's caches
+
+
+def _slowest_rank_best(fn, timer, reps: int) -> float:
+    """Best of ``reps`` timings of ``fn`` on every rank at once, each the slowest rank's (a step waits for it),
+    after one warm-up call (DTensor's sharding-propagation caches, gloo connections, optimizer states)."""
+    import torch.distributed as dist
+
+    fn()
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = timer()
-        step()
+        fn()
         elapsed = torch.tensor([timer() - t0], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
     return min(times)
 
