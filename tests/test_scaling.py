@@ -144,6 +144,22 @@ def test_plan_with_a_fit_predicts_bpb_and_answers_a_target(data_dir, capsys):
     assert "within the fit's scope" in capsys.readouterr().err
 
 
+def test_plan_keeps_the_fits_tokens_a_step_and_warns_when_told_otherwise(data_dir, capsys):
+    """On a GPU too the search plans the grid's seq x batch (a ~0.5M-token step would reach the tokens in a few
+    optimizer steps, far from the law's recipe); another batch prints one caveat line."""
+    n, d, loss = synthetic()
+    write_fit(data_dir, fit_law(n, d, loss, bootstrap=0), [{"params": x} for x in (1e5, 3e6)],
+              {"seq_len": 32, "batch": 4})
+    assert main(["plan", "--data", str(data_dir), "--target-bpb", "7.0", "--hardware", "h100-sxm:8",
+                 "--max-nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "seq 32, 4 sequences a step" in " ".join(out.split()) and "caveat" not in out
+    assert main(["plan", "--data", str(data_dir), "--target-bpb", "7.0", "--hardware", "h100-sxm:8",
+                 "--max-nodes", "1", "--seq-len", "64", "--global-batch", "64"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "caveat: 4,096 tokens a step, the fit's runs took 128" in out
+
+
 def _micro_grid(monkeypatch) -> None:
     """2 sizes x 3 token counts of a few steps: 6 runs (the fit needs 5)."""
     monkeypatch.setattr(grid, "SIZES", 2)

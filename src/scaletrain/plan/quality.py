@@ -211,9 +211,12 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
     if fit_doc is None or not wants_search:
         return None
     fit, doc = fit_doc
-    gpu = cluster.hardware.kind == "gpu"
-    seq = args.seq_len or (1024 if gpu else int(doc.get("recipe", {}).get("seq_len", 64)))
-    batch = args.global_batch or (max(1, round(524288 / seq)) if gpu else int(doc.get("recipe", {}).get("batch", 16)))
+    # The fit's own sequence and batch on every hardware: the law was measured at that many tokens a step, and
+    # a GPU's usual ~0.5M-token step would reach the same tokens in a few hundred times fewer optimizer steps
+    # (7.3M tokens were 14 such steps), far above the small grid's critical batch; the prediction would not hold.
+    recipe = doc.get("recipe", {})
+    seq = args.seq_len or int(recipe.get("seq_len", 64))
+    batch = args.global_batch or int(recipe.get("batch", 16))
     scope = Scope.of(doc, read_manifest(args.data, verify=False)["splits"]["train"]["tokens"])
     common = (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes)
     if args.target_bpb is not None:
@@ -225,7 +228,21 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
             ([f"${args.budget:,.0f}"] if args.budget else []) + ([f"{args.deadline:g} h"] if args.deadline else []))
     print_quality(console, result, title, cluster, as_of, seq, batch)
     console.print(f"searched within the fit's scope: {scope.describe()}")
+    drift = recipe_drift(recipe, seq, batch)
+    if drift:
+        console.print(drift)
     return {**result, "scope": {"n_low": scope.n_low, "n_high": scope.n_high, "max_tokens": scope.max_tokens}}
+
+
+def recipe_drift(recipe: dict, seq: int, batch: int) -> str:
+    """A caveat when --seq-len/--global-batch move the tokens a step away from the fit's (0.5x-2x is kept quiet:
+    the loss is flat in the batch near the critical size); empty when they match."""
+    fitted = int(recipe.get("seq_len", 0)) * int(recipe.get("batch", 0))
+    if not fitted or 0.5 <= seq * batch / fitted <= 2.0:
+        return ""
+    return (f"caveat: {seq * batch:,} tokens a step, the fit's runs took {fitted:,} (seq {recipe['seq_len']} x "
+            f"{recipe['batch']}): the predicted bpb assumes a token buys the same loss at either batch, which holds "
+            f"only below the critical batch size; fewer, larger steps usually reach a higher loss")
 
 
 def _usd(x: float) -> str:
