@@ -76,6 +76,8 @@ ROWS = [
     Row("micro-b8-acfull", {"preset": "micro", "vocab_size": 2048}, 8, 128, "full"),
     Row("micro-b4-t512-acsel", {"preset": "micro", "vocab_size": 2048}, 4, 512, "selective"),
     Row("micro-v32k-b2", {"preset": "micro", "vocab_size": 32768}, 2, 128),
+    # 1,024 positions of a 32k vocabulary: the chunked loss's 4 chunks of 256 rows, its head GEMM recomputed
+    Row("micro-v32k-b8-chunked", {"preset": "micro", "vocab_size": 32768}, 8, 128),
     Row("small-b4-t256", {"preset": "small", "vocab_size": 2048}, 4, 256),
     Row("small-b2-t512-v8k-acsel", {"preset": "small", "vocab_size": 8192}, 2, 512, "selective"),
     Row("small-b8-t256-acfull", {"preset": "small", "vocab_size": 2048}, 8, 256, "full"),

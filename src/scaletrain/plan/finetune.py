@@ -63,6 +63,7 @@ from scaletrain.plan.timing import (
     group_link,
     head_gemm_seconds,
     interp_curve,
+    loss_recompute_seconds,
     masked_attention_factor,
     newton_schulz_seconds,
     precision_rates,
@@ -343,6 +344,9 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
                                                           n_ckpt, trainable)
         per_micro += gpu_memory_bound_seconds(cfg, ft, hw, tokens, shapes, targets, n_ckpt,
                                               recipe_for(workload, plan).autocast)
+    # the chunked loss's recomputed logits (the head and the loss see the real positions, not prompt tuning's)
+    per_micro += loss_recompute_seconds(workload, plan, b * workload.seq_len, cluster,
+                                        rates if hw.kind == "cpu" else None)
     # Muon's Newton-Schulz over its whole matrices, on every data-parallel replica
     newton_schulz = newton_schulz_seconds(finetune_muon_shapes(workload, ft), hw) \
         if workload.optimizer_entry.orthogonalizes else 0.0

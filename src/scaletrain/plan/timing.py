@@ -44,6 +44,7 @@ from scaletrain.plan.memory import (
     RECIPES,
     block_activation_elements,
     checkpointed_blocks,
+    loss_rows,
     masked_attention_layers,
     muon_shapes,
     stage_params,
@@ -139,6 +140,22 @@ def head_gemm_seconds(tokens: int, vocab: int, dim: int, entry: dict, backward: 
         return gemm_seconds(tokens, vocab, dim, entry, backward)
     flops = 2.0 * tokens * vocab * dim * (2 if backward else 1)
     return flops / interp_curve(entry["head_curve"], dim, 2 if backward else 1)
+
+
+def loss_recompute_seconds(workload: Workload, plan: Plan, tokens: int, cluster: Cluster, entry: dict | None
+                           ) -> float:
+    """The chunked loss's backward recomputes each chunk's logits from the saved hidden states (model/loss.py):
+    one more forward head GEMM per micro-batch, where ``memory.loss_rows`` says the loss is chunked. Measured on
+    the reference CPU, one thread, vocab 32,768, d 256, 4 x 256 tokens: +184 ms on a 779 ms head + loss; this
+    charges +202 on a planned 808. On a GPU: its FLOPs at the fitted utilisation."""
+    cfg = workload.model
+    if loss_rows(workload, plan, tokens, plan.engine == "deepspeed") >= tokens:
+        return 0.0
+    if entry is not None:
+        return head_gemm_seconds(tokens, cfg.vocab_size, cfg.dim, entry)
+    hw = cluster.hardware
+    rate = hw.flops(DTYPE_OF_PRECISION[workload.precision]) * gpu_utilisation(hw, cfg, workload.seq_len)
+    return 2.0 * tokens * cfg.vocab_size * cfg.dim / rate
 
 
 def attention_seconds(batch_heads: int, seq: int, head_dim: int, entry: dict) -> tuple[float, float]:
@@ -335,7 +352,8 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
     # Output head GEMMs, cross-entropy per logit, final norm, and the embedding's dense V x d gradient.
     head = (head_gemm_seconds(tokens, vocab, cfg.dim, entry) + head_gemm_seconds(tokens, vocab, cfg.dim, entry, True)
             + tokens * vocab * interp_curve(entry["cross_entropy_curve"], vocab)
-            + (3 * tokens * cfg.dim + cfg.vocab_size * cfg.dim / tp) * elem)
+            + (3 * tokens * cfg.dim + cfg.vocab_size * cfg.dim / tp) * elem
+            + loss_recompute_seconds(workload, plan, tokens, cluster, entry))
     psi = stage_params(cfg, plan.pp, tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
                                             plan.dp_replicate if plan.zero_stage == 1 else 1)
     tensors = layers * PARAM_TENSORS_PER_BLOCK + (2 if cfg.tie_embeddings else 3)
@@ -412,7 +430,8 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
         optimizer = opt_bytes / 20e9 + psi * 6 / (LINKS["pcie4"].bandwidth * LINKS["pcie4"].efficiency)
     else:
         optimizer = opt_bytes / hw.memory_bandwidth
-    return max(executed / rate, launches), optimizer
+    recompute = loss_recompute_seconds(workload, plan, tokens, cluster, None)
+    return max(executed / rate + recompute, launches), optimizer
 
 
 def offload_transfer_seconds(workload: Workload, plan: Plan, hw) -> float:
