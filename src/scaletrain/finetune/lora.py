@@ -99,7 +99,11 @@ class LoRALinear(nn.Linear):
         return result + update.to(result.dtype)
 
     def _plain_weight(self) -> torch.Tensor:
-        return self.weight.get_original_weight() if is_nf4(self.weight) else self.weight
+        if not is_nf4(self.weight):
+            return self.weight
+        if self.nf4_compiled:  # DoRA's row norms dequantize every forward too
+            return compiled_dequantize_nf4(self.weight, self.weight.dtype)
+        return self.weight.get_original_weight()
 
     def _dora_forward(self, x: torch.Tensor) -> torch.Tensor:
         """peft's ``lora.Linear`` + ``DoraLinearLayer``, op for op: base + (m/n - 1) * base + m/n * s * B A x."""
