@@ -298,7 +298,7 @@ class FinetuneConfig:
     qlora_compile: str = opt("auto", "qlora: dequantize the 4-bit base through torch.compile (one fused kernel a "
                                      "weight shape instead of torchao's dozen eager ops; the same forward and "
                                      "gradients) - true, false, or auto: on a CUDA device, off on a CPU (measured "
-                                     "there: a 1.07x step after ~9 s of cold compiles; docs/finetuning.md)",
+                                     "there: a 1.08x step after ~10 s of cold compiles; docs/finetuning.md)",
                              choices=("auto", "true", "false"))
     instructions: str = opt("", "a JSONL file of {\"prompt\", \"response\"} or {\"messages\": [...]} lines to train on "
                                 "instead of data.path, loss on the responses only, packed or padded rows "

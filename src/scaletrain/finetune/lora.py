@@ -369,8 +369,8 @@ def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor],
 def qlora_compiled(setting: str, device: torch.device | str) -> bool:
     """``finetune.qlora_compile`` for a run on ``device``: ``true`` / ``false`` as said; ``auto`` compiles on a CUDA
     device (the GPU check measured torchao's eager dequantization at 171 bytes of traffic a weight) and not on a CPU:
-    there the compiled step was 1.07x the eager one after ~9 s of cold compiles (4 weight shapes), paid back only
-    after ~200 steps of a 11M-parameter model (benchmarks/results/qlora_speed.json, docs/finetuning.md)."""
+    there the compiled step was 1.08x the eager one after ~10 s of cold compiles (4 weight shapes), paid back only
+    after ~200 steps of an 11M-parameter model (benchmarks/results/qlora_speed.json, docs/finetuning.md)."""
     if setting != "auto":
         return setting == "true"
     return torch.device(device).type == "cuda"

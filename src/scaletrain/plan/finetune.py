@@ -296,10 +296,10 @@ GPU_NF4_DEQUANT_BYTES_PER_WEIGHT = 171.0
 # its (QLoRA compiled - LoRA) step gap as the eager value was fitted (docs/gpu.md).
 GPU_NF4_COMPILED_DEQUANT_BYTES_PER_WEIGHT = GPU_NF4_DEQUANT_BYTES_PER_WEIGHT
 # Seconds per element of the compiled dequantization to fp32 on one core of the reference CPU
-# (benchmarks/results/qlora_speed.json, dequant.compiled_s_per_element: 1.43 ns where torchao's eager measured 3.28 in
-# the same run, 2.3x; process CPU time, best of 7, 1024^2), when the calibration has no
+# (benchmarks/results/qlora_speed.json, dequant.compiled_s_per_element: 1.50 ns where torchao's eager measured 3.68 in
+# the same run, 2.5x; process CPU time, best of 7, 1024^2), when the calibration has no
 # ``nf4_compiled_dequant_s_per_element`` of this machine.
-REFERENCE_NF4_COMPILED_DEQUANT_S_PER_ELEMENT = 1.43e-9
+REFERENCE_NF4_COMPILED_DEQUANT_S_PER_ELEMENT = 1.5e-9
 # aten ops a LoRA adapter adds to a projection, forward + backward (dropout, two matmuls, scale, add; their
 # gradients): counted on ``LoRALinear`` with aten_ops.count_aten_ops.
 OPS_PER_ADAPTER = 14
