@@ -98,6 +98,7 @@ def dequant_rates(reps: int = 7, n: int = 1024) -> dict:
             fn()
             best = min(best, time.process_time() - t0)
         out[f"{name}_s_per_element"] = best / (n * n)
+        out[f"{name}_ns_per_element"] = 1e9 * best / (n * n)  # as the docs quote it
     assert torch.equal(weight.get_original_weight(), compiled_dequantize_nf4(weight, torch.float32))
     return out
 
