@@ -251,9 +251,10 @@ NF4_GRAPHS_LIMIT = 256
 def compiled_dequantize_nf4(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The NF4 ``weight`` in ``dtype`` through ``torch.compile``d ``dequantize_nf4``: one graph a weight shape and
     dtype, compiled on first use (a Llama block has 4 shapes, a Qwen3 / Gemma 3 block 5; a run dequantizes to one
-    dtype). Static shapes: on this CPU the dynamic-shape kernel ran 5.7x slower than the static one (8.1 against 1.4
-    ns a weight). Eager torchao runs it as a dozen kernels with int64 and fp32 intermediates (the GPU check measured
-    171 bytes of traffic a weight); compiled, it is one kernel that reads the 4.5 bits and writes ``dtype``.
+    dtype, DoRA's row norms to a second). Static shapes: on this CPU the dynamic-shape kernel ran 5.7x slower than
+    the static one (8.1 against 1.4 ns a weight). Eager torchao runs it as a dozen kernels with int64 and fp32
+    intermediates (the GPU check measured 171 bytes of traffic a weight); compiled, it is one kernel that reads the
+    4.5 bits and writes ``dtype``.
 
     Called without gradients and outside autocast (neither changes an elementwise dequantization): dynamo guards on
     both, and the forward (under autocast) and the backward (outside it) would otherwise compile every shape twice."""
@@ -270,7 +271,9 @@ def compiled_dequantize_nf4(weight: torch.Tensor, dtype: torch.dtype) -> torch.T
         if torch.is_autocast_enabled(device):
             plain.enter_context(torch.autocast(device, enabled=False))
         if key not in _compiled_keys:  # a new graph: a raised recompile limit, for this function's compile only
-            plain.enter_context(torch._dynamo.config.patch(recompile_limit=NF4_GRAPHS_LIMIT))
+            # (named cache_size_limit before torch 2.7; the GPU machine's 2.11 and this 2.13 have recompile_limit)
+            limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+            plain.enter_context(torch._dynamo.config.patch(**{limit: NF4_GRAPHS_LIMIT}))
             _compiled_keys.add(key)
         return _compiled_dequantize(*args)
 
