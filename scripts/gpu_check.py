@@ -3,6 +3,7 @@
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check          # every check, in order (<= 8.5 min, H100)
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --only fp8,lora-qlora
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --only decode-compiled   # not in the full run
+    PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --only qlora-compiled    # not in the full run
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --dry-run   # the rehearsal on a CPU (tests)
 
 Each check runs in its own process (``--child NAME``) with its own time limit, through the project's own
@@ -556,32 +557,47 @@ def make_base(ctx: Ctx, folder: Path) -> dict:
     return {"parameters": num_params(cfg), "vocab_size": vocab, "dim": cfg.dim, "n_layers": cfg.n_layers}
 
 
+def finetune_step(ctx: Ctx, base: Path, name: str, method: str, extra: dict, seq: int, batch: int,
+                  steps: int) -> dict:
+    """``scaletrain finetune --from base`` for ``steps`` steps into ``<folder>/<name>`` (bf16, no checkpoints, no
+    eval): its last logged step record (the median of the last log window, clear of the first step's compiles)."""
+    run = ctx.folder / name
+    job = {"finetune.method": method, "train.run_dir": run, "train.device": ctx.device, "train.steps": steps,
+           "data.path": "builtin:tinyshakespeare", "data.seq_len": seq, "data.cache_dir": ctx.folder / "data",
+           "train.batch_size": batch, "train.eval_interval": 0, "train.eval_batches": 1,
+           "train.sample_tokens": 0, "checkpoint.enabled": "false", "logging.progress": "plain",
+           "logging.tensorboard": "false", "logging.log_interval": 1 if ctx.dry else 5,
+           "train.precision": "bf16", "optim.lr": 1e-4, **extra}
+    ctx.run(scaletrain("finetune", "--from", str(base), *flags(job)), name, timeout=600)
+    return last_step_record(run)
+
+
+def finetune_prediction(ctx: Ctx, name: str, method: str, vocab: int, seq: int, batch: int,
+                        extra: tuple[str, ...] = ()) -> dict:
+    """``scaletrain plan --method`` for the ~1B base (the dry run: the tiny base's config) at ``batch`` x ``seq``."""
+    plan_json = ctx.folder / f"plan-{name}.json"
+    model = ["--model", "llama-1b"] if not ctx.dry else ["--config", str(ctx.folder / name / "config.toml")]
+    ctx.run(scaletrain("plan", *model, "--vocab-size", str(vocab), "--method", method, "--hardware",
+                       f"{ctx.hardware}:1", "--seq-len", str(seq), "--micro-batch", str(batch), "--global-batch",
+                       str(batch), "--precision", "bf16", "--json", str(plan_json), *extra),
+            f"plan-{name}", timeout=120, check=False)  # exit 2 = does not fit: still a prediction
+    return json.loads(plan_json.read_text())["finetune"]
+
+
 def check_lora_qlora(ctx: Ctx) -> dict:
-    """``scaletrain finetune`` with LoRA and with QLoRA (NF4 base) for a few steps; each peak memory and
-    tokens/s beside ``scaletrain plan --method`` for the same model, micro-batch and sequence."""
+    """``scaletrain finetune`` with LoRA and with QLoRA (NF4 base, torchao's eager dequantization: the row's history
+    and its planner fit; the compiled one is ``qlora-compiled``'s) for a few steps; each peak memory and tokens/s
+    beside ``scaletrain plan --method`` for the same model, micro-batch and sequence."""
     base = ctx.folder / "base-hf"
     out = {"base": make_base(ctx, base)}
+    (base / "base.json").write_text(json.dumps(out["base"]))  # for qlora-compiled's reuse in the same call
     seq, batch, steps = (64, 2, 2) if ctx.dry else (FT_SEQ, FT_BATCH, FT_STEPS)
     for method in ("lora", "qlora"):
-        run = ctx.folder / method
-        job = {"finetune.method": method, "train.run_dir": run, "train.device": ctx.device, "train.steps": steps,
-               "data.path": "builtin:tinyshakespeare", "data.seq_len": seq, "data.cache_dir": ctx.folder / "data",
-               "train.batch_size": batch, "train.eval_interval": 0, "train.eval_batches": 1,
-               "train.sample_tokens": 0, "checkpoint.enabled": "false", "logging.progress": "plain",
-               "logging.tensorboard": "false", "logging.log_interval": 1 if ctx.dry else 5,
-               "train.precision": "bf16", "optim.lr": 1e-4}
-        if method == "lora":
-            job.update(FT_PROFILE, **({"profile.wait": 0, "profile.warmup": 0, "profile.active": 1} if ctx.dry
-                                      else {}))
-        ctx.run(scaletrain("finetune", "--from", str(base), *flags(job)), method, timeout=600)
-        measured = last_step_record(run)
-        plan_json = ctx.folder / f"plan-{method}.json"
-        model = ["--model", "llama-1b"] if not ctx.dry else ["--config", str(run / "config.toml")]
-        ctx.run(scaletrain("plan", *model, "--vocab-size", str(out["base"]["vocab_size"]), "--method", method,
-                           "--hardware", f"{ctx.hardware}:1", "--seq-len", str(seq), "--micro-batch", str(batch),
-                           "--global-batch", str(batch), "--precision", "bf16", "--json", str(plan_json)),
-                f"plan-{method}", timeout=120, check=False)  # exit 2 = does not fit: still a prediction
-        predicted = json.loads(plan_json.read_text())["finetune"]
+        extra = {"finetune.qlora_compile": "false"} if method == "qlora" else \
+            {**FT_PROFILE, **({"profile.wait": 0, "profile.warmup": 0, "profile.active": 1} if ctx.dry else {})}
+        measured = finetune_step(ctx, base, method, method, extra, seq, batch, steps)
+        predicted = finetune_prediction(ctx, method, method, out["base"]["vocab_size"], seq, batch,
+                                        ("--qlora-compile", "false") if method == "qlora" else ())
         out[method] = {"peak_memory_mib": round(measured["peak_memory_mb"], 1),
                        "predicted_tensor_mib": round(predicted["tensor_total"] / 2**20, 1),
                        "predicted_per_device_mib": round(predicted["per_device_bytes"] / 2**20, 1),
@@ -589,13 +605,78 @@ def check_lora_qlora(ctx: Ctx) -> dict:
                        "predicted_tokens_per_second": round(predicted["tokens_per_second"], 1),
                        "loss": measured["loss"]}
         if method == "lora":
-            out[method]["profile"] = profile_breakdown(run)
+            out[method]["profile"] = profile_breakdown(ctx.folder / method)
         if not ctx.dry:
             out[method]["memory_error"] = round(out[method]["predicted_tensor_mib"]
                                                 / out[method]["peak_memory_mib"] - 1, 3)
     if not ctx.dry and out["qlora"]["peak_memory_mib"] >= out["lora"]["peak_memory_mib"]:
         raise Failed(f"QLoRA's peak {out['qlora']['peak_memory_mib']} MiB is not below LoRA's "
                      f"{out['lora']['peak_memory_mib']} MiB (the NF4 base should be ~4x smaller)")
+    return out
+
+
+# Issue 38's target for QLoRA's speed on a GPU: at least 0.6x LoRA's tokens/s (the eager path measured 0.41x).
+QLORA_SPEED_TARGET = 0.6
+
+
+def fitted_dequant_bytes(ctx: Ctx, vocab: int, lora_tokens_per_second: float, qlora_tokens_per_second: float,
+                         tokens: int) -> float:
+    """Bytes of traffic a weight and pass that the measured (QLoRA - LoRA) step gap implies, as
+    ``plan/finetune.py``'s ``GPU_NF4_*DEQUANT_BYTES_PER_WEIGHT`` charge it: two dequantizations of every 4-bit
+    projection a micro-batch, at the catalog's memory bandwidth. What the planner's compiled rate is refitted to."""
+    from scaletrain.config import ModelConfig, build
+    from scaletrain.model.presets import PRESETS
+    from scaletrain.plan.catalog import CATALOG
+    from scaletrain.plan.memory import projection_shapes
+
+    cfg = build(ModelConfig, {"preset": "llama-1b", "vocab_size": vocab}, presets=PRESETS) if not ctx.dry else \
+        build(ModelConfig, {"preset": "", **{k.split(".")[1]: v for k, v in TINY_MODEL.items()}, "vocab_size": vocab},
+              presets=PRESETS)
+    projections = cfg.n_layers * sum(i * o for i, o in projection_shapes(cfg).values())
+    gap = tokens / qlora_tokens_per_second - tokens / lora_tokens_per_second
+    return gap * CATALOG[ctx.hardware].memory_bandwidth / (2 * projections)
+
+
+def check_qlora_compiled(ctx: Ctx) -> dict:
+    """LoRA, QLoRA with torchao's eager dequantization and QLoRA with the compiled one (finetune.qlora_compile) on the
+    ~1B base of ``lora-qlora``, side by side: tokens/s, QLoRA's over LoRA's against issue 38's 0.6x, the losses (the
+    compiled dequantization is bitwise torchao's: the same losses), the planner's predictions and the dequantization
+    bytes a weight the measured gaps imply (the refit of ``GPU_NF4_COMPILED_DEQUANT_BYTES_PER_WEIGHT``)."""
+    base = ctx.folder.parent / "lora-qlora" / "base-hf"  # the same base when lora-qlora ran in this call
+    out = {"base": json.loads((base / "base.json").read_text()) if (base / "base.json").is_file() else None}
+    if out["base"] is None:
+        base = ctx.folder / "base-hf"
+        out["base"] = make_base(ctx, base)
+        (base / "base.json").write_text(json.dumps(out["base"]))
+    seq, batch, steps = (64, 2, 2) if ctx.dry else (FT_SEQ, FT_BATCH, FT_STEPS)
+    vocab = out["base"]["vocab_size"]
+    runs = {"lora": ("lora", {}, ()), "qlora_eager": ("qlora", {"finetune.qlora_compile": "false"},
+                                                      ("--qlora-compile", "false")),
+            "qlora_compiled": ("qlora", {"finetune.qlora_compile": "true"}, ("--qlora-compile", "true"))}
+    for name, (method, extra, plan_flags) in runs.items():
+        measured = finetune_step(ctx, base, name, method, extra, seq, batch, steps)
+        predicted = finetune_prediction(ctx, name, method, vocab, seq, batch, plan_flags)
+        out[name] = {"tokens_per_second": round(measured["tokens_per_second"], 1),
+                     "predicted_tokens_per_second": round(predicted["tokens_per_second"], 1),
+                     "peak_memory_mib": round(measured["peak_memory_mb"], 1), "loss": measured["loss"]}
+    lora = out["lora"]["tokens_per_second"]
+    for name in ("qlora_eager", "qlora_compiled"):
+        out[f"{name}_over_lora"] = round(out[name]["tokens_per_second"] / lora, 3)
+        out[name]["fitted_dequant_bytes_per_weight"] = round(fitted_dequant_bytes(
+            ctx, vocab, lora, out[name]["tokens_per_second"], seq * batch), 1)
+    out["compiled_over_eager"] = round(out["qlora_compiled"]["tokens_per_second"]
+                                       / out["qlora_eager"]["tokens_per_second"], 3)
+    out["target_over_lora"] = QLORA_SPEED_TARGET
+    out["meets_target"] = out["qlora_compiled_over_lora"] >= QLORA_SPEED_TARGET
+    out["loss_difference"] = abs(out["qlora_compiled"]["loss"] - out["qlora_eager"]["loss"])
+    if ctx.dry:
+        out["note"] = "dry run: tiny model on the CPU (inductor's C++, not Triton); the ratios measure nothing"
+    elif out["loss_difference"] > 1e-2 * abs(out["qlora_eager"]["loss"]):  # the same weights, data and seeds
+        raise Failed(f"the compiled QLoRA run's loss {out['qlora_compiled']['loss']} is not the eager run's "
+                     f"{out['qlora_eager']['loss']}")
+    elif out["compiled_over_eager"] <= 1.0:
+        raise Failed(f"the compiled dequantization is not faster: {out['qlora_compiled']['tokens_per_second']} "
+                     f"against eager's {out['qlora_eager']['tokens_per_second']} tokens/s")
     return out
 
 
@@ -827,6 +908,12 @@ CHECKS = [
     Check("lora-qlora", 150, check_lora_qlora, ("lora.peak_memory_mib", "lora.predicted_tensor_mib",
                                                 "qlora.peak_memory_mib", "qlora.predicted_tensor_mib",
                                                 "lora.tokens_per_second", "qlora.tokens_per_second"), expected_s=58),
+    # Three fine-tunes of the 1B base, one with cold compiles of its 4 weight shapes (an estimate: not yet run on a
+    # GPU): its own call, `--only qlora-compiled` (or `--only lora-qlora,qlora-compiled`, which reuses the base).
+    Check("qlora-compiled", 240, check_qlora_compiled,
+          ("lora.tokens_per_second", "qlora_eager.tokens_per_second", "qlora_compiled.tokens_per_second",
+           "qlora_eager_over_lora", "qlora_compiled_over_lora", "target_over_lora", "meets_target",
+           "qlora_compiled.fitted_dequant_bytes_per_weight"), expected_s=100, full_run=False),
     Check("quant-decode", 90, check_quant_decode, ("bf16_tokens_per_second", "int8-weight_speedup",
                                                    "int4-weight_speedup"), expected_s=17),
     # Three cold compiles of a 1B model (an estimate: not yet run on a GPU) do not fit the full run's 520 s beside

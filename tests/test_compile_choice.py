@@ -70,7 +70,8 @@ def test_the_record_replaces_the_priors_and_a_warm_cache_is_cheaper(cache):
 def test_qlora_and_gpus(cache):
     cfg = load_config(None, tiny_overrides(cache / "run", **{"finetune.method": "qlora"}))
     assert compile_choice.decide(cfg, CPU, 1, True, steps_to_go=10**6) == \
-        (False, "train.compile=auto: eager (QLoRA's 4-bit base runs eagerly)")
+        (False, "train.compile=auto: eager (QLoRA's model runs eagerly; finetune.qlora_compile compiles the "
+                "dequantization of its 4-bit base alone)")
     plain = load_config(None, tiny_overrides(cache / "run"))
     assert compile_choice.decide(plain, torch.device("cuda"), 1, True, steps_to_go=1)[0]
 

@@ -123,3 +123,47 @@ def test_plan_objective_dpo_prints_the_modelled_step(tmp_path, capsys):
     assert "not modelled" not in text and "reference's no-grad forward (adapters off)" in text, text
     answer = json.loads(out.read_text())["finetune"]
     assert answer["reference"] == "adapters" and answer["reference_seconds"] > 0
+
+
+def test_compiled_qlora_is_a_rate_of_its_own_that_a_gpu_measurement_can_refit(monkeypatch, capsys, tmp_path):
+    """finetune.qlora_compile is charged at its own named rate, resolved as the trainer resolves it (auto: compiled on
+    a GPU, eager on a CPU): on a CPU the measured compiled rate makes the step cheaper; on a GPU the compiled rate is
+    still today's eager one (not measured yet), so the prediction is unchanged until it is refitted."""
+    from scaletrain.plan import finetune as plan_ft
+
+    cpu_auto, cpu_on = FinetuneConfig(method="qlora"), FinetuneConfig(method="qlora", qlora_compile="true")
+    assert plan_ft.nf4_dequant_rate(cpu_auto, "cpu") == plan_ft.REFERENCE_NF4_DEQUANT_S_PER_ELEMENT
+    assert plan_ft.nf4_dequant_rate(cpu_on, "cpu") == plan_ft.REFERENCE_NF4_COMPILED_DEQUANT_S_PER_ELEMENT
+    assert plan_ft.nf4_dequant_rate(cpu_on, "cpu", {"nf4_compiled_dequant_s_per_element": 2e-9}) == 2e-9
+    eager_gpu = FinetuneConfig(method="qlora", qlora_compile="false")
+    assert plan_ft.nf4_dequant_rate(cpu_auto, "gpu") == plan_ft.GPU_NF4_COMPILED_DEQUANT_BYTES_PER_WEIGHT
+    assert plan_ft.nf4_dequant_rate(eager_gpu, "gpu") == plan_ft.GPU_NF4_DEQUANT_BYTES_PER_WEIGHT
+    assert plan_ft.GPU_NF4_COMPILED_DEQUANT_BYTES_PER_WEIGHT == plan_ft.GPU_NF4_DEQUANT_BYTES_PER_WEIGHT  # unmeasured
+
+    workload = Workload(model=SMALL, seq_len=128, global_batch=4, train_tokens=512, precision="fp32")
+    cpu = parse_hardware("cpu")
+    seconds = {ft.qlora_compile: finetune_step_time(workload, Plan(micro_batch=4), cpu, ft)["step_seconds"]
+               for ft in (cpu_auto, cpu_on)}
+    lora = finetune_step_time(workload, Plan(micro_batch=4), cpu, FinetuneConfig(method="lora"))["step_seconds"]
+    assert lora < seconds["true"] < seconds["auto"]
+
+    model = build(ModelConfig, {"preset": "llama-1b", "vocab_size": 8192}, presets=PRESETS)
+    gpu_workload = Workload(model=model, seq_len=1024, global_batch=4, train_tokens=4096, precision="bf16")
+    h100 = parse_hardware("h100-sxm:1")
+
+    def gpu_tokens_per_second(ft):
+        return finetune_step_time(gpu_workload, Plan(micro_batch=4), h100, ft)["tokens_per_second"]
+
+    before = gpu_tokens_per_second(cpu_auto)
+    assert before == pytest.approx(gpu_tokens_per_second(eager_gpu), rel=1e-12)
+    monkeypatch.setattr(plan_ft, "GPU_NF4_COMPILED_DEQUANT_BYTES_PER_WEIGHT", 2.6)  # what a refit would write
+    assert gpu_tokens_per_second(cpu_auto) > 1.5 * before
+    assert gpu_tokens_per_second(eager_gpu) == pytest.approx(before, rel=1e-12)
+    # `scaletrain plan --qlora-compile` asks for either
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "llama-1b", "--vocab-size", "8192", "--method", "qlora", "--hardware", "h100-sxm:1",
+            "--seq-len", "1024", "--micro-batch", "4", "--global-batch", "4", "--precision", "bf16", "--json", str(out)]
+    assert main(args + ["--qlora-compile", "false"]) == 0
+    eager = json.loads(out.read_text())["finetune"]["tokens_per_second"]
+    assert main(args) == 0
+    assert json.loads(out.read_text())["finetune"]["tokens_per_second"] > 1.5 * eager

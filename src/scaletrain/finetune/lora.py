@@ -13,7 +13,8 @@ starting at the row norms of W) rescales the direction of W + s B A: ``y = m / |
 
 QLoRA: the frozen ``weight`` may be a 4-bit NF4 tensor (torchao ``NF4Tensor``, see ``quantize_from_base``); the
 forward then calls torchao's ``linear_nf4``, which dequantizes block by block and differentiates with respect
-to the input only - the base never gets a gradient.
+to the input only - the base never gets a gradient. With ``finetune.qlora_compile`` the same dequantization runs
+as one ``torch.compile``d kernel a weight shape (``CompiledLinearNF4``) instead of torchao's dozen eager ops.
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ class LoRALinear(nn.Linear):
             new.bias.requires_grad_(False)
         return new
 
+    # Class-level default: ``put_back`` sets it on the 4-bit layers of a run with ``finetune.qlora_compile`` on.
+    nf4_compiled = False
+
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return frozen_linear(x, self.weight, self.bias)
+        return frozen_linear(x, self.weight, self.bias, self.nf4_compiled)
 
     def _adapter_input(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's input: dropout, then the adapter's dtype - except under autocast, which casts it for the
@@ -95,7 +99,11 @@ class LoRALinear(nn.Linear):
         return result + update.to(result.dtype)
 
     def _plain_weight(self) -> torch.Tensor:
-        return self.weight.get_original_weight() if is_nf4(self.weight) else self.weight
+        if not is_nf4(self.weight):
+            return self.weight
+        if self.nf4_compiled:  # DoRA's row norms dequantize every forward too
+            return compiled_dequantize_nf4(self.weight, self.weight.dtype)
+        return self.weight.get_original_weight()
 
     def _dora_forward(self, x: torch.Tensor) -> torch.Tensor:
         """peft's ``lora.Linear`` + ``DoraLinearLayer``, op for op: base + (m/n - 1) * base + m/n * s * B A x."""
@@ -199,22 +207,108 @@ def check_qlora_installed() -> None:
                           f"'scaletrain[finetune]', or use finetune.method=lora") from None
 
 
-def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ b) for a frozen weight, plain or 4-bit NF4 (torchao's ``linear_nf4``); the bias stays full precision."""
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  compiled: bool = False) -> torch.Tensor:
+    """x W^T (+ b) for a frozen weight, plain or 4-bit NF4 (torchao's ``linear_nf4``, or with ``compiled`` the
+    same computation with a compiled dequantization: ``CompiledLinearNF4``); the bias stays full precision."""
     if not is_nf4(weight):
         return F.linear(x, weight, bias)
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+    if compiled:
+        out = CompiledLinearNF4.apply(x, weight)
+    else:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
 
-    out = linear_nf4(x, weight)
+        out = linear_nf4(x, weight)
     return out if bias is None else out + bias.to(out.dtype)
+
+
+def dequantize_nf4(quantized_data: torch.Tensor, quantized_scalers: torch.Tensor, quantization_factor: torch.Tensor,
+                   scaler_mean: torch.Tensor, nf4: torch.Tensor, block_size: int, scaler_block_size: int,
+                   shape: tuple[int, ...], scale_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's ``NF4Tensor.get_original_weight`` op for op, over its inner tensors, cast to ``dtype``: unpack the two
+    4-bit codes of each byte, look them up in the ``nf4`` code book, rescale by the block scales (themselves int8,
+    double-quantized, rescaled by ``quantization_factor`` a scaler block plus ``scaler_mean``). Plain tensors, so that
+    ``torch.compile`` traces no tensor subclass (dynamo can trace ``NF4Tensor``, but inductor's cache cannot hash it:
+    every run would compile cold). ``tests/test_qlora_compile.py`` holds it bitwise equal to torchao's."""
+    codes = quantized_data.view(-1)  # (numel / 2,) uint8: two codes a byte, the first in the high nibble
+    first = nf4[(codes >> 4).to(torch.long)]
+    second = nf4[(codes & 0b1111).to(torch.long)]
+    n_scaler_blocks = quantized_scalers.numel() // scaler_block_size
+    scalers = (quantized_scalers.view(n_scaler_blocks, scaler_block_size) / quantization_factor.unsqueeze(-1))
+    scalers = scalers.flatten().to(scale_dtype) + scaler_mean  # (n_blocks,): one absmax a block of weights
+    repeated = scalers.unsqueeze(-1).expand(scalers.size(0), block_size // 2).flatten()  # (numel / 2,)
+    return torch.stack([first * repeated, second * repeated], dim=-1).reshape(shape).to(dtype)
+
+
+_compiled_dequantize = None
+_compiled_keys: set[tuple] = set()  # (shape, dtypes, blocks, device) the compiled dequantization has a graph for
+# Graphs the compiled dequantization may hold in one process: a model needs 4-5 (one a weight shape and dtype), but a
+# process that builds several (tests, the benchmark, eval after training) would pass dynamo's default of 8 recompiles
+# a function, after which it runs eagerly.
+NF4_GRAPHS_LIMIT = 256
+
+
+def compiled_dequantize_nf4(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The NF4 ``weight`` in ``dtype`` through ``torch.compile``d ``dequantize_nf4``: one graph a weight shape and
+    dtype, compiled on first use (a Llama block has 4 shapes, a Qwen3 / Gemma 3 block 5; a run dequantizes to one
+    dtype, DoRA's row norms to a second). Static shapes: on this CPU the dynamic-shape kernel ran 5.7x slower than
+    the static one (8.1 against 1.4 ns a weight). Eager torchao runs it as a dozen kernels with int64 and fp32
+    intermediates (the GPU check measured 171 bytes of traffic a weight); compiled, it is one kernel that reads the
+    4.5 bits and writes ``dtype``.
+
+    Called without gradients and outside autocast (neither changes an elementwise dequantization): dynamo guards on
+    both, and the forward (under autocast) and the backward (outside it) would otherwise compile every shape twice."""
+    global _compiled_dequantize
+    if _compiled_dequantize is None:
+        _compiled_dequantize = torch.compile(dequantize_nf4, dynamic=False)
+    args = (weight.quantized_data, weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean,
+            weight.nf4, weight.block_size, weight.scaler_block_size, tuple(weight.shape), weight.dtype, dtype)
+    device = weight.device.type
+    key = (args[7], weight.dtype, dtype, weight.block_size, weight.scaler_block_size, weight.device)
+    with contextlib.ExitStack() as plain:
+        if torch.is_grad_enabled():
+            plain.enter_context(torch.no_grad())
+        if torch.is_autocast_enabled(device):
+            plain.enter_context(torch.autocast(device, enabled=False))
+        if key not in _compiled_keys:  # a new graph: a raised recompile limit, for this function's compile only
+            # (named cache_size_limit before torch 2.7; the GPU machine's 2.11 and this 2.13 have recompile_limit)
+            limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+            plain.enter_context(torch._dynamo.config.patch(**{limit: NF4_GRAPHS_LIMIT}))
+            _compiled_keys.add(key)
+        return _compiled_dequantize(*args)
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear multiplies ``x`` in: autocast's (bf16) when it is on, else the input's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class CompiledLinearNF4(torch.autograd.Function):
+    """torchao's ``LinearNF4`` (x W^T, the gradient with respect to x only, the 4-bit weight saved for the backward
+    and dequantized again there, never kept in full precision) with the dequantization compiled. Under autocast the
+    weight is dequantized straight to autocast's dtype (eager dequantizes to fp32 and autocast rounds that: the same
+    values), and the matmul is F.linear, the same call eager makes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return F.linear(x, compiled_dequantize_nf4(weight, _matmul_dtype(x)))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return grad_output @ compiled_dequantize_nf4(weight, grad_output.dtype), None
 
 
 class NF4Linear(nn.Linear):
     """A frozen linear layer whose weight is stored in 4-bit NF4 (QLoRA's non-adapted projections); a bias (Qwen2's
     q/k/v) stays in full precision."""
 
+    nf4_compiled = False  # as LoRALinear's
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return frozen_linear(x, self.weight, self.bias)
+        return frozen_linear(x, self.weight, self.bias, self.nf4_compiled)
 
 
 # Elements torchao quantizes at a time: its nearest-code search holds ~130 bytes of temporaries per element
@@ -275,10 +369,22 @@ def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor],
     return held
 
 
-def put_back(held: list[tuple[nn.Module, nn.Parameter]]) -> int:
-    """After ``parallelize``: the 4-bit weights of ``quantize_from_base`` back into their modules; their bytes."""
+def qlora_compiled(setting: str, device: torch.device | str) -> bool:
+    """``finetune.qlora_compile`` for a run on ``device``: ``true`` / ``false`` as said; ``auto`` compiles on a CUDA
+    device (the GPU check measured torchao's eager dequantization at 171 bytes of traffic a weight) and not on a CPU:
+    there the compiled step was 1.08x the eager one after ~10 s of cold compiles (4 weight shapes), paid back only
+    after ~200 steps of an 11M-parameter model (benchmarks/results/qlora_speed.json, docs/finetuning.md)."""
+    if setting != "auto":
+        return setting == "true"
+    return torch.device(device).type == "cuda"
+
+
+def put_back(held: list[tuple[nn.Module, nn.Parameter]], compiled: bool = False) -> int:
+    """After ``parallelize``: the 4-bit weights of ``quantize_from_base`` back into their modules (``compiled``: their
+    forward and backward dequantize through ``CompiledLinearNF4``); their bytes."""
     for module, weight in held:
         module.weight = weight
+        module.nf4_compiled = compiled
     return sum(nf4_bytes(weight) for _, weight in held)
 
 

@@ -18,7 +18,15 @@ from torch import nn
 
 from scaletrain.config import ConfigError, FinetuneConfig
 from scaletrain.finetune.base import open_base
-from scaletrain.finetune.lora import LoRALinear, apply_lora, check_lora_targets, is_nf4, put_back, quantize_from_base
+from scaletrain.finetune.lora import (
+    LoRALinear,
+    apply_lora,
+    check_lora_targets,
+    is_nf4,
+    put_back,
+    qlora_compiled,
+    quantize_from_base,
+)
 from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding, apply_prefix_tuning, apply_prompt_tuning
 from scaletrain.parallel.init import copy_full_into
 
@@ -110,8 +118,9 @@ class FinetuneMethod:
         self.held = hold_out_base(model, self.ft, self.base_state, self.device)
 
     def load(self, parts: list[nn.Module], adapters: dict[str, torch.Tensor] | None = None) -> None:
-        """The 4-bit base back in place, then the base's weights and ``adapters`` (default: initial values)."""
-        put_back(self.held)
+        """The 4-bit base back in place (dequantized through torch.compile if ``finetune.qlora_compile`` says so on
+        this device), then the base's weights and ``adapters`` (default: initial values)."""
+        put_back(self.held, qlora_compiled(self.ft.qlora_compile, self.device))
         load_base_and_adapters(parts, self.base_state, self.seed, adapters)
 
     def after_parallelize(self, pm) -> None:

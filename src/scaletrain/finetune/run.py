@@ -19,7 +19,7 @@ from scaletrain.model import Transformer
 
 def build_finetuned_model(cfg: JobConfig, device: str = "cpu", adapters: dict | None = None) -> nn.Module:
     """The base of ``cfg.finetune.source`` with the method's adapters (initial values unless ``adapters``)."""
-    method = FinetuneMethod(cfg.finetune, cfg.train.seed)
+    method = FinetuneMethod(cfg.finetune, cfg.train.seed, device)  # QLoRA: 4-bit on the device it runs on
     with torch.device("meta"):
         model = Transformer(cfg.model)
     method.convert(model)  # QLoRA: the 4-bit base, never whole in fp32

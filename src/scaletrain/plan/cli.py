@@ -106,6 +106,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ft.add_argument("--lora-targets", default="q,k,v,o", help="lora/qlora projections (q,k,v,o,gate,up,down)")
     ft.add_argument("--virtual-tokens", type=int, default=16, help="prompt/prefix virtual tokens")
     ft.add_argument("--dora", action="store_true", help="lora/qlora as DoRA (a trainable magnitude per output row)")
+    ft.add_argument("--qlora-compile", default="auto", choices=("auto", "true", "false"),
+                    help="qlora: its 4-bit dequantization compiled or eager (finetune.qlora_compile; auto: compiled on "
+                         "a GPU, eager on a CPU)")
     ft.add_argument("--objective", default="sft", choices=("sft", "dpo", "simpo", "orpo"),
                     help="finetune.objective: dpo/simpo/orpo count --micro-batch as pairs (two rows each) and DPO its "
                          "reference (disabled adapters, or log-probs precomputed for full): memory and step time")
@@ -386,7 +389,8 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     ft = FinetuneConfig(method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
-                        virtual_tokens=args.virtual_tokens, dora=args.dora, objective=args.objective)
+                        virtual_tokens=args.virtual_tokens, dora=args.dora, objective=args.objective,
+                        qlora_compile=args.qlora_compile)
     # the trainer's own rules for the optimizer of a fine-tune (muon_adapters: LoRA / QLoRA only)
     check_optimizer(JobConfig(model=workload.model, finetune=ft,
                               optim=OptimConfig(name=workload.optimizer, muon_adapters=workload.muon_adapters)))

@@ -20,7 +20,10 @@ LoRA adds its two thin GEMMs a target, forward and backward (DoRA also the row n
 forward). QLoRA dequantizes every 4-bit weight once in
 the forward and once more for the input gradient (torchao's ``LinearNF4``), at the rate
 ``measure_nf4_dequant`` measures (CPU) or, on a GPU, as ``GPU_NF4_DEQUANT_BYTES_PER_WEIGHT`` bytes of traffic a
-weight at memory bandwidth (calibrated on the GPU check's measured QLoRA step).
+weight at memory bandwidth (calibrated on the GPU check's measured QLoRA step). With ``finetune.qlora_compile`` on
+(the trainer's own rule, ``finetune.lora.qlora_compiled``: auto compiles on a GPU) the dequantization is compiled
+and charged at its own named rates (``nf4_dequant_rate``): measured on the CPU, and on a GPU still today's eager
+value until the GPU check's ``qlora-compiled`` row measures it.
 """
 
 from __future__ import annotations
@@ -288,26 +291,56 @@ REFERENCE_NF4_DEQUANT_S_PER_ELEMENT = 5.0e-9
 # weight), 186.7 ms against 77.0 ms in the second (benchmarks/results/gpu_check.json: 109.7 ms, 189 bytes); the mean,
 # 171. The 2.5 bytes of a single read-and-write pass predicted 92,439 tokens/s where 26,484 and 21,941 were measured.
 GPU_NF4_DEQUANT_BYTES_PER_WEIGHT = 171.0
+# The same for the compiled dequantization (``finetune.qlora_compile``: one fused kernel, which reads the 4.5 bits and
+# writes 16 - about 2.6 bytes a weight if it ran at bandwidth). NOT MEASURED on a GPU yet: today's eager value stands
+# until `scripts/gpu_check.py --only qlora-compiled` measures the compiled QLoRA step beside LoRA's; refit it then from
+# its (QLoRA compiled - LoRA) step gap as the eager value was fitted (docs/gpu.md).
+GPU_NF4_COMPILED_DEQUANT_BYTES_PER_WEIGHT = GPU_NF4_DEQUANT_BYTES_PER_WEIGHT
+# Seconds per element of the compiled dequantization to fp32 on one core of the reference CPU
+# (benchmarks/results/qlora_speed.json, dequant.compiled_s_per_element: 1.50 ns where torchao's eager measured 3.68 in
+# the same run, 2.5x; process CPU time, best of 7, 1024^2), when the calibration has no
+# ``nf4_compiled_dequant_s_per_element`` of this machine.
+REFERENCE_NF4_COMPILED_DEQUANT_S_PER_ELEMENT = 1.5e-9
 # aten ops a LoRA adapter adds to a projection, forward + backward (dropout, two matmuls, scale, add; their
 # gradients): counted on ``LoRALinear`` with aten_ops.count_aten_ops.
 OPS_PER_ADAPTER = 14
 
 
-def measure_nf4_dequant(n: int = 512, reps: int = 7) -> float:
+def measure_nf4_dequant(n: int = 512, reps: int = 7, compiled: bool = False) -> float:
     """Seconds per element of dequantizing a torchao NF4 weight to fp32 on this CPU (process CPU time, so one
-    thread's rate, as the CPU calibration measures; needs ``torch.set_num_threads(1)`` to mean one core)."""
+    thread's rate, as the CPU calibration measures; needs ``torch.set_num_threads(1)`` to mean one core): torchao's
+    eager path, or with ``compiled`` ``finetune.qlora_compile``'s (its compile is the first, untimed call)."""
     import torch
 
-    from scaletrain.finetune.lora import to_nf4
+    from scaletrain.finetune.lora import compiled_dequantize_nf4, to_nf4
 
     weight = to_nf4(torch.randn(n, n), 64, 256)
-    weight.to(torch.float32)
+
+    def dequantize():
+        return compiled_dequantize_nf4(weight, torch.float32) if compiled else weight.to(torch.float32)
+
+    dequantize()
     best = float("inf")
     for _ in range(reps):
         t0 = time.process_time()
-        weight.to(torch.float32)
+        dequantize()
         best = min(best, time.process_time() - t0)
     return best / (n * n)
+
+
+def nf4_dequant_rate(ft: FinetuneConfig, kind: str, entry: dict | None = None) -> float:
+    """What dequantizing one 4-bit weight costs a QLoRA step on hardware of ``kind`` ("cpu", "gpu"), eager or
+    compiled as ``ft.qlora_compile`` resolves there (the trainer's own rule): on a CPU seconds per element
+    (``entry``: its calibration, else the reference CPU's), on a GPU bytes of memory traffic (at its bandwidth)."""
+    from scaletrain.finetune.lora import qlora_compiled
+
+    compiled = qlora_compiled(ft.qlora_compile, "cuda" if kind == "gpu" else "cpu")
+    if kind == "gpu":
+        return GPU_NF4_COMPILED_DEQUANT_BYTES_PER_WEIGHT if compiled else GPU_NF4_DEQUANT_BYTES_PER_WEIGHT
+    entry = entry or {}
+    if compiled:
+        return float(entry.get("nf4_compiled_dequant_s_per_element", REFERENCE_NF4_COMPILED_DEQUANT_S_PER_ELEMENT))
+    return float(entry.get("nf4_dequant_s_per_element", REFERENCE_NF4_DEQUANT_S_PER_ELEMENT))
 
 
 def _input_grad_needed(ft: FinetuneConfig, block: int, targets: tuple[str, ...]) -> bool:
@@ -374,7 +407,7 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
     units = block_activation_elements(cfg, b, seq)
     elem = interp_curve(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
         entry["elementwise_s_per_element"]
-    dequant = float(entry.get("nf4_dequant_s_per_element", REFERENCE_NF4_DEQUANT_S_PER_ELEMENT))
+    dequant = nf4_dequant_rate(ft, "cpu", entry)
     att_f, att_b = attention_seconds(b * cfg.n_heads, seq, head_width(cfg), entry)
     if ft.method == "prefix":  # every query also reads the P prefix keys: causal T^2/2 -> T^2/2 + T*P
         att_f, att_b = (a * (1 + 2 * ft.virtual_tokens / seq) for a in (att_f, att_b))
@@ -485,15 +518,15 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
         adapted = cfg.n_layers * sum(shapes[t][0] * shapes[t][1] for t in targets)
         seconds += 2.0 * ft.lora_rank * adapted / rate \
             + adapted * 3 * rec.param / hw.memory_bandwidth
-    if ft.method == "qlora":  # torchao's eager dequantization of every 4-bit weight, twice a micro-batch
+    if ft.method == "qlora":  # the dequantization of every 4-bit weight (eager or compiled), twice a micro-batch
         projections = cfg.n_layers * sum(i * o for i, o in shapes.values())
-        seconds += 2 * projections * GPU_NF4_DEQUANT_BYTES_PER_WEIGHT / hw.memory_bandwidth
+        seconds += 2 * projections * nf4_dequant_rate(ft, hw.kind) / hw.memory_bandwidth
     optimizer = trainable * 3 * 20 / hw.memory_bandwidth  # pretraining's ~3 passes of 20 bytes a parameter
     # the base's no-grad forward (DPO's reference through disabled adapters): its FLOPs at the same rate, and its
     # frozen weights read once more (QLoRA: dequantized once more)
     base_forward = max(tokens * (2.0 * n_matmul + attention_fwd) / rate,
                        cfg.n_layers * OPS_PER_BLOCK / 3 * GPU_LAUNCH_SECONDS)
     if ft.method == "qlora":
-        base_forward += cfg.n_layers * sum(i * o for i, o in shapes.values()) * GPU_NF4_DEQUANT_BYTES_PER_WEIGHT \
+        base_forward += cfg.n_layers * sum(i * o for i, o in shapes.values()) * nf4_dequant_rate(ft, hw.kind) \
             / hw.memory_bandwidth
     return seconds, optimizer, base_forward

@@ -102,7 +102,8 @@ def decide(cfg: JobConfig, device: torch.device, world_size: int, whole_model: b
            steps_to_go: int) -> tuple[bool, str]:
     """(compile?, why: one line with the numbers it weighed)."""
     if cfg.finetune.method == "qlora":
-        return False, "train.compile=auto: eager (QLoRA's 4-bit base runs eagerly)"
+        return False, ("train.compile=auto: eager (QLoRA's model runs eagerly; finetune.qlora_compile compiles the "
+                       "dequantization of its 4-bit base alone)")
     if device.type != "cpu":
         return True, f"train.compile=auto: compiling (a {device.type} run; a compiled step saves 20-40% there)"
     rec = read_record(shape_key(cfg, device, whole_model))

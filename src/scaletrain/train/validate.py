@@ -57,7 +57,8 @@ def check_finetune(cfg: JobConfig, world_size: int, here: bool = True) -> None:
         check_qlora_installed()
     if ft.method == "qlora" and (world_size > 1 or cfg.train.compile == "true"):
         raise ConfigError("finetune.method=qlora runs in one process without train.compile (the 4-bit torchao "
-                          "base is untested with DDP/FSDP2 and compile); use method=lora to scale out")
+                          "base is untested with DDP/FSDP2 and a compiled model; finetune.qlora_compile compiles its "
+                          "dequantization alone); use method=lora to scale out")
     if ft.packing == "true" and (ft.method in ("prompt", "prefix") or cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         why = (f"finetune.method={ft.method}'s virtual tokens would be shared by every example of a row"
                if ft.method in ("prompt", "prefix") else "the block-causal mask does not travel through pipeline "
