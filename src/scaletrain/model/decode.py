@@ -30,7 +30,9 @@ STEP_RECOMPILE_LIMIT = 64
 
 
 STREAMED_ROWS = 8  # a Linear on at most this many rows is computed by ``StreamedLinear`` inside the compiled step
-K_SPLIT = 2  # the reduction over a row split in this many parts (see StreamedLinear): measured best of 1, 2, 4, 8
+# One row's reduction over K split in this many parts (two accumulators a weight row): 56 vs 9 GB/s of fp32 weights
+# at one row; at 8 rows one part is faster (543 vs 466 tokens/s on benchmarks/decode.py's model, 4 parts: 378).
+K_SPLIT = 2
 
 
 class StreamedLinear(TorchFunctionMode):
@@ -41,8 +43,7 @@ class StreamedLinear(TorchFunctionMode):
     (an AMD EPYC, 2 threads) reads fp32 weights at ~17-20 GB/s, where the memory gives ~40 (llama.cpp's rate);
     and torchao's int8 weight-only linear converts the whole int8 weight to float32 every call. The fused loop
     reads each weight row once, converts int8 to float in registers, and multiplies it into every row's input
-    (benchmarks/decode.py; docs/inference.md). The reduction over K is split in ``K_SPLIT`` parts: two
-    independent accumulators a row, which doubles the fused loop's rate at one row.
+    (benchmarks/decode.py; docs/inference.md). At one row the reduction over K is split in ``K_SPLIT`` parts.
 
     Weights it takes: plain float tensors, and torchao's per-row ``Int8Tensor`` (weight-only: ``qdata`` int8
     (N, K), ``scale`` (N, 1); computed as torchao does, ``x @ qdata.T * scale``). Anything else (other
@@ -68,7 +69,8 @@ def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     does not apply. x (..., K), weight (N, K) -> (..., N)."""
     n, k = weight.shape[0], weight.shape[-1]
     rows = x.numel() // max(k, 1)
-    if x.device.type != "cpu" or rows > STREAMED_ROWS or k % K_SPLIT or not x.dtype.is_floating_point:
+    split = K_SPLIT if rows == 1 else 1
+    if x.device.type != "cpu" or rows > STREAMED_ROWS or k % split or not x.dtype.is_floating_point:
         return None
     if type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == x.dtype:
         values, scale = weight, None  # (N, K)
@@ -79,7 +81,7 @@ def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     # The input as its own buffer: inlined into the loop (the norm before a projection, SwiGLU's product) it would
     # be recomputed for every weight row, and inductor then tiles the loop differently (seen: 10-100x slower).
     inputs = torch.ops.prims.inductor_force_stride_order(x.reshape(rows, k), (k, 1))  # (rows, K)
-    parts = values.view(n, 1, K_SPLIT, k // K_SPLIT).to(x.dtype) * inputs.view(1, rows, K_SPLIT, k // K_SPLIT)
+    parts = values.view(n, 1, split, k // split).to(x.dtype) * inputs.view(1, rows, split, k // split)
     out = parts.sum(-1).sum(-1)  # (N, rows): weight row n stays in cache while every input row uses it
     if scale is not None:
         out = out * scale.view(n, 1).to(out.dtype)
