@@ -88,3 +88,32 @@ def test_prompt_tuning_is_said_and_generate_compile_refuses_it_in_one_line(tmp_p
         StaticDecoder(model)
     with pytest.raises(ConfigError, match="--compile: the compiled decode cannot run"):
         compiled_decoder(model, str(tmp_path))
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_streamed_linear_computes_what_linear_and_torchaos_int8_linear_compute(rows):
+    """StreamedLinear's fused loop (compiled, as in the decode step) equals F.linear on a float weight and
+    torchao's int8 weight-only linear on its Int8Tensor, within float rounding; more rows than it takes pass by."""
+    from scaletrain.model.decode import STREAMED_ROWS, StreamedLinear, streamed_linear
+
+    layer = MODELS["int8"]().layers["0"].feed_forward.w2  # an Int8Tensor weight (96 -> 64)
+    dense = torch.nn.Linear(96, 64, bias=True)
+    x = torch.randn(rows, 1, 96)
+
+    def run(module, x):
+        with StreamedLinear():
+            return module(x)
+
+    with torch.no_grad():
+        for module in (layer, dense):
+            compiled = torch.compile(run, fullgraph=True, dynamic=False)(module, x)
+            torch.testing.assert_close(compiled, module(x), rtol=1e-5, atol=1e-5)
+    assert streamed_linear(torch.randn(STREAMED_ROWS + 1, 96), dense.weight) is None  # a prefill: mm as before
+
+
+@pytest.mark.slow  # ~20 s: one compile of a quantized model
+def test_compiled_int8_decode_gives_the_eager_tokens():
+    model = MODELS["int8"]()
+    decoder = StaticDecoder(model)
+    prompts = ragged_prompts()[:3]
+    assert generate_batch(model, prompts, 30, decoder=decoder, **GREEDY) == generate_batch(model, prompts, 30, **GREEDY)

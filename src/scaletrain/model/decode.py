@@ -6,7 +6,8 @@ would recompile at every position. Here every shape of a generation is fixed (``
 next slot a tensor), so the step is one graph for all positions: compiled once per (batch size, capacity, dtype)
 with ``fullgraph=True`` (no graph breaks) and ``dynamic=False``; on CUDA with ``mode="reduce-overhead"`` (the
 step captured in a CUDA graph and replayed: one launch instead of hundreds a token). The prefill (the prompt's
-forward, its length varying) stays eager. Greedy tokens equal today's (``tests/test_decode_compiled.py``).
+forward, its length varying) stays eager. On the CPU the step's Linears run as fused weight-streaming loops
+(``StreamedLinear``), not ``aten::mm``. Greedy tokens equal today's (``tests/test_decode_compiled.py``).
 
 ``stream(..., decoder=StaticDecoder(model))`` uses it (``scaletrain generate --compile``); a model it cannot run
 (prompt tuning's embedding puts positions in front of the tokens) keeps the eager decode (``supports``).
@@ -15,7 +16,9 @@ forward, its length varying) stays eager. Greedy tokens equal today's (``tests/t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from scaletrain.model.cache import StaticKVCache
 
@@ -24,6 +27,74 @@ CAPACITY_MULTIPLE = 64  # slots: capacities rounded up to this, so prompts of ne
 # compiling it past ``recompile_limit`` (8) entries: a process that decodes with several models (a benchmark's fp32
 # and int8, the tests) reaches that without any per-position recompile. The step's own limit is raised to this.
 STEP_RECOMPILE_LIMIT = 64
+
+
+STREAMED_ROWS = 8  # a Linear on at most this many rows is computed by ``StreamedLinear`` inside the compiled step
+# One row's reduction over K split in this many parts (two accumulators a weight row): 56 vs 9 GB/s of fp32 weights
+# at one row; at 8 rows one part is faster (543 vs 466 tokens/s on benchmarks/decode.py's model, 4 parts: 378).
+K_SPLIT = 2
+
+
+class StreamedLinear(TorchFunctionMode):
+    """Inside the compiled step on the CPU: each ``F.linear`` on a few rows (a decode step's B tokens) written as a
+    product and a sum that inductor fuses into one loop streaming the weight once, instead of ``aten::mm``.
+
+    Why: a decode step is the weights read from memory once a token. At B <= 8 rows torch's ``mm`` on this CPU
+    (an AMD EPYC, 2 threads) reads fp32 weights at ~17-20 GB/s, where the memory gives ~40 (llama.cpp's rate);
+    and torchao's int8 weight-only linear converts the whole int8 weight to float32 every call. The fused loop
+    reads each weight row once, converts int8 to float in registers, and multiplies it into every row's input
+    (benchmarks/decode.py; docs/inference.md). At one row the reduction over K is split in ``K_SPLIT`` parts.
+
+    Weights it takes: plain float tensors, and torchao's per-row ``Int8Tensor`` (weight-only: ``qdata`` int8
+    (N, K), ``scale`` (N, 1); computed as torchao does, ``x @ qdata.T * scale``). Anything else (other
+    subclasses, more rows, an odd K, a GPU) goes to ``F.linear`` unchanged. The sums run in another order
+    than ``mm``'s (float rounding in the last bits, ~1e-6 relative)."""
+
+    def __enter__(self):
+        import torch._inductor.inductor_prims  # noqa: F401 (registers prims.inductor_force_stride_order)
+
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            out = streamed_linear(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` as one weight-streaming reduction (``StreamedLinear``), or None where it
+    does not apply. x (..., K), weight (N, K) -> (..., N)."""
+    n, k = weight.shape[0], weight.shape[-1]
+    rows = x.numel() // max(k, 1)
+    split = K_SPLIT if rows == 1 else 1
+    if x.device.type != "cpu" or rows > STREAMED_ROWS or k % split or not x.dtype.is_floating_point:
+        return None
+    if type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == x.dtype:
+        values, scale = weight, None  # (N, K)
+    elif _int8_weight_only(weight, k):
+        values, scale = weight.qdata, weight.scale  # (N, K) int8, (N, 1)
+    else:
+        return None
+    # The input as its own buffer: inlined into the loop (the norm before a projection, SwiGLU's product) it would
+    # be recomputed for every weight row, and inductor then tiles the loop differently (seen: 10-100x slower).
+    inputs = torch.ops.prims.inductor_force_stride_order(x.reshape(rows, k), (k, 1))  # (rows, K)
+    parts = values.view(n, 1, split, k // split).to(x.dtype) * inputs.view(1, rows, split, k // split)
+    out = parts.sum(-1).sum(-1)  # (N, rows): weight row n stays in cache while every input row uses it
+    if scale is not None:
+        out = out * scale.view(n, 1).to(out.dtype)
+    out = out.t().reshape(*x.shape[:-1], n)
+    return out if bias is None else out + bias
+
+
+def _int8_weight_only(weight: torch.Tensor, k: int) -> bool:
+    """torchao's ``Int8Tensor`` quantized per row, weight-only (no activation quantization, no pre-scale)."""
+    qdata = getattr(weight, "qdata", None)
+    return (type(weight).__name__ == "Int8Tensor" and qdata is not None and qdata.dtype == torch.int8
+            and list(getattr(weight, "block_size", ())) == [1, k] and getattr(weight, "act_quant_kwargs", 0) is None
+            and getattr(weight, "act_pre_scale", 0) is None)
 
 
 def supports(model: nn.Module) -> str:
@@ -60,7 +131,8 @@ class StaticDecoder:
         self._caches: dict[tuple[int, int], StaticKVCache] = {}
 
     def _forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        return self.model(tokens, cache=cache, last_only=True)[:, -1]  # (B, V)
+        with StreamedLinear():
+            return self.model(tokens, cache=cache, last_only=True)[:, -1]  # (B, V)
 
     def cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         """An empty cache of this shape (the one made before for it, reset: same buffers, no recompile)."""
