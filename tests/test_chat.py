@@ -190,3 +190,30 @@ def test_chat_refuses_bytes_that_are_not_utf8_with_a_bpe_tokenizer():
     lines = out.getvalue().splitlines()
     assert lines[0] == "(not sent: the message is not UTF-8 text (byte 0xe9))"
     assert [m["role"] for m in chat.history] == ["user", "assistant"] and chat.history[0]["content"] == "hello"
+
+
+def test_chat_with_the_compiled_decode_answers_as_eager_with_one_cache_for_every_turn(run, monkeypatch, capsys):
+    """`chat --compile`: a static cache of the whole context, so the growing conversation keeps one cache shape
+    (one compiled step) and the greedy answers are eager's."""
+    import io
+
+    from scaletrain.infer.chat import Chat
+    from scaletrain.infer.cli import compiled_decoder
+    from scaletrain.model.generate import Sampling
+
+    cfg, model, tokenizer, _ = load_run(run)
+    decoder = compiled_decoder(model, str(run), capacity=cfg.data.seq_len)
+    answers = {}
+    for name, dec in (("eager", None), ("compiled", decoder)):
+        chat = Chat(model, tokenizer, cfg.data.seq_len, Sampling(temperature=0.0), 12, [], torch.Generator(),
+                    decoder=dec)
+        answers[name] = [chat.answer(text, io.StringIO()) for text in ("hello", "and you", "tell me more")]
+    assert answers["compiled"] == answers["eager"]
+    assert list(decoder._caches) == [(1, cfg.data.seq_len)]  # every turn reused the one cache shape
+    # the command line: `chat --compile` answers what plain `chat` answers
+    outputs = []
+    for flags in ([], ["--compile"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nand you\n"))
+        assert main(["chat", "--run", str(run), "--temperature", "0", "--max-tokens", "12", *flags]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].strip()

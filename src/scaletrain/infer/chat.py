@@ -24,6 +24,7 @@ from scaletrain.data.chat import uses_base_template
 from scaletrain.data.instructions import chat_prompt, end_text, render_prompt, stop_ids
 from scaletrain.data.tokenizer import DataError, Tokenizer
 from scaletrain.infer.text import StreamPrinter
+from scaletrain.model.decode import StaticDecoder
 from scaletrain.model.generate import Sampling, stop_at_strings, stream
 
 Render = Callable[[list[dict]], list[int]]
@@ -59,13 +60,14 @@ def conversation_format(run_dir: str | Path, tokenizer: Tokenizer, chat_template
 class Chat:
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, context: int, sampling: Sampling, max_tokens: int,
                  stops: list[str], generator: torch.Generator, system: str = "",
-                 conversation: ConversationFormat | None = None):
+                 conversation: ConversationFormat | None = None, decoder: StaticDecoder | None = None):
         self.model, self.tokenizer, self.context = model, tokenizer, context
         self.sampling, self.max_tokens, self.generator = sampling, max_tokens, generator
         fmt = conversation or plain_format(tokenizer)  # the run's own format (conversation_format), else plain
         self.render, self.stop_ids = fmt.render, fmt.stop_ids
         self.stops = list(stops) + fmt.stop_texts
         self.system = system
+        self.decoder = decoder  # ``--compile``: a StaticDecoder of the whole context (one compiled step a chat)
         self.history: list[dict] = []
 
     def messages(self) -> list[dict]:
@@ -112,7 +114,7 @@ class Chat:
         stop = stop_at_strings(self.tokenizer.decode, self.stops) if self.stops else None
         for step in stream(self.model, [ids], min(self.max_tokens, self.context - len(ids)), max_seq_len=self.context,
                            sampling=self.sampling, generator=self.generator, stop_id=self.stop_ids,
-                           vocab_limit=self.tokenizer.vocab_size, stop=stop):
+                           vocab_limit=self.tokenizer.vocab_size, stop=stop, decoder=self.decoder):
             for _, token in step:
                 printer.add(token)
         answer = printer.finish()

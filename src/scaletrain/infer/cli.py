@@ -138,12 +138,13 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def compiled_decoder(model: torch.nn.Module, run: str) -> StaticDecoder:
-    """``--compile``'s decoder, or a ConfigError saying why this run's model cannot have one."""
+def compiled_decoder(model: torch.nn.Module, run: str, capacity: int = 0) -> StaticDecoder:
+    """``--compile``'s decoder (``capacity``: fixed slots, chat's whole context), or a ConfigError saying why this
+    run's model cannot have one."""
     reason = supports(model)
     if reason:
         raise ConfigError(f"--compile: the compiled decode cannot run {run}'s model ({reason}); drop --compile")
-    return StaticDecoder(model)
+    return StaticDecoder(model, capacity=capacity)
 
 
 @contextmanager
@@ -235,6 +236,10 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p, temperature=0.7, top_k=50)
     p.set_defaults(max_tokens=128)
     p.add_argument("--system", default="", help="the system message to start with")
+    p.add_argument("--compile", action="store_true",
+                   help="answer with a static KV cache of the whole context and a torch.compile'd one-token step "
+                        "(CUDA graphs on a GPU): one compile (seconds to a minute) before the first answer, the same "
+                        "greedy tokens, faster answers after it (docs/inference.md)")
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -244,6 +249,7 @@ def run_chat(args: argparse.Namespace) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     chat = Chat(model, tokenizer, cfg.data.seq_len, sampling, args.max_tokens, args.stop,
                 torch.Generator().manual_seed(args.seed), system=args.system,
-                conversation=conversation_format(args.run, tokenizer, cfg.finetune.chat_template))
+                conversation=conversation_format(args.run, tokenizer, cfg.finetune.chat_template),
+                decoder=compiled_decoder(model, args.run, capacity=cfg.data.seq_len) if args.compile else None)
     chat.loop(sys.stdin, sys.stdout)
     return 0

@@ -118,7 +118,7 @@ class StaticDecoder:
     """Holds the compiled step and the static caches of one model (a cache a shape, reused: a CUDA graph replays
     on the same buffers). ``compile=False``: the same static cache, eager (for comparisons)."""
 
-    def __init__(self, model: nn.Module, compile: bool = True, mode: str | None = None):
+    def __init__(self, model: nn.Module, compile: bool = True, mode: str | None = None, capacity: int = 0):
         reason = supports(model)
         if reason:
             raise ValueError(f"the compiled decode cannot run this model: {reason}")
@@ -129,6 +129,15 @@ class StaticDecoder:
         self._step = (torch.compile(self._forward, fullgraph=True, dynamic=False, mode=self.mode) if compile
                       else self._forward)
         self._caches: dict[tuple[int, int], StaticKVCache] = {}
+        # ``capacity`` > 0: every generation gets these slots (chat: the whole context), so the growing prompts of
+        # a conversation share one compiled step instead of compiling one a 64-slot rounding (seconds each)
+        self.fixed_capacity = capacity
+
+    def capacity(self, prompt_width: int, max_new_tokens: int, max_seq_len: int) -> int:
+        """The slots of a generation's cache: the fixed capacity where it holds this one, else
+        ``static_capacity``'s rounding."""
+        needed = static_capacity(prompt_width, max_new_tokens, max_seq_len)
+        return self.fixed_capacity if self.fixed_capacity >= needed else needed
 
     def _forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         with StreamedLinear():

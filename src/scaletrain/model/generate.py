@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from scaletrain.model.cache import KVCache, StaticKVCache
-from scaletrain.model.decode import StaticDecoder, static_capacity
+from scaletrain.model.decode import StaticDecoder
 from scaletrain.options import ConfigError
 
 
@@ -104,7 +104,7 @@ def _next_logits(model: nn.Module, rows: list[list[int]], cache: KVCache | Stati
         return model(window, last_only=True)[:, -1], cache
     if cache is None and decoder is not None:  # the static cache's prefill (eager)
         tokens, padding = left_pad(rows, device)
-        cache = decoder.cache(len(rows), static_capacity(tokens.shape[1], max_new_tokens, max_seq_len))
+        cache = decoder.cache(len(rows), decoder.capacity(tokens.shape[1], max_new_tokens, max_seq_len))
         return decoder.prefill(tokens, padding, cache), cache
     if cache is None or cache.tokens >= max_seq_len:  # prefill (again, once the context is full)
         tokens, padding = left_pad([r[-max_seq_len:] for r in rows], device)
