@@ -78,28 +78,23 @@ def build(base: Path, variant: dict, args):
 
 
 def dequant_rates(reps: int = 7, n: int = 1024) -> dict:
-    """Seconds per element of one NF4 -> fp32 dequantization, torchao eager and compiled (process CPU time, best of
-    ``reps``: one thread's rate when torch runs one thread), and the compiled one's first call (its cold compile)."""
+    """Seconds per element of one NF4 -> fp32 dequantization, torchao eager and compiled (the planner's own probe,
+    ``plan.finetune.measure_nf4_dequant``: process CPU time, best of ``reps``), and the compiled one's first call
+    (its cold compile, on a shape no earlier call compiled)."""
     import torch
 
     from scaletrain.finetune.lora import compiled_dequantize_nf4, to_nf4
+    from scaletrain.plan.finetune import measure_nf4_dequant
 
     weight = to_nf4(torch.randn(n, n, generator=torch.Generator().manual_seed(0)), 64, 256)
     started = time.perf_counter()
     compiled_dequantize_nf4(weight, torch.float32)
-    cold = time.perf_counter() - started
-    out = {"cold_compile_seconds": cold}
-    for name, fn in (("eager", lambda: weight.get_original_weight()),
-                     ("compiled", lambda: compiled_dequantize_nf4(weight, torch.float32))):
-        fn()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.process_time()
-            fn()
-            best = min(best, time.process_time() - t0)
-        out[f"{name}_s_per_element"] = best / (n * n)
-        out[f"{name}_ns_per_element"] = 1e9 * best / (n * n)  # as the docs quote it
+    out = {"cold_compile_seconds": time.perf_counter() - started}
     assert torch.equal(weight.get_original_weight(), compiled_dequantize_nf4(weight, torch.float32))
+    for name, compiled in (("eager", False), ("compiled", True)):
+        seconds = measure_nf4_dequant(n, reps, compiled)
+        out[f"{name}_s_per_element"] = seconds
+        out[f"{name}_ns_per_element"] = 1e9 * seconds  # as the docs quote it
     return out
 
 
