@@ -518,15 +518,13 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
         adapted = cfg.n_layers * sum(shapes[t][0] * shapes[t][1] for t in targets)
         seconds += 2.0 * ft.lora_rank * adapted / rate \
             + adapted * 3 * rec.param / hw.memory_bandwidth
-    if ft.method == "qlora":  # the dequantization of every 4-bit weight (eager or compiled), twice a micro-batch
-        projections = cfg.n_layers * sum(i * o for i, o in shapes.values())
-        seconds += 2 * projections * nf4_dequant_rate(ft, hw.kind) / hw.memory_bandwidth
+    # QLoRA: the dequantization of every 4-bit weight (eager or compiled) at memory bandwidth
+    dequant = cfg.n_layers * sum(i * o for i, o in shapes.values()) * nf4_dequant_rate(ft, hw.kind) \
+        / hw.memory_bandwidth if ft.method == "qlora" else 0.0
+    seconds += 2 * dequant  # twice a micro-batch: the forward and the input gradient
     optimizer = trainable * 3 * 20 / hw.memory_bandwidth  # pretraining's ~3 passes of 20 bytes a parameter
     # the base's no-grad forward (DPO's reference through disabled adapters): its FLOPs at the same rate, and its
     # frozen weights read once more (QLoRA: dequantized once more)
     base_forward = max(tokens * (2.0 * n_matmul + attention_fwd) / rate,
                        cfg.n_layers * OPS_PER_BLOCK / 3 * GPU_LAUNCH_SECONDS)
-    if ft.method == "qlora":
-        base_forward += cfg.n_layers * sum(i * o for i, o in shapes.values()) * nf4_dequant_rate(ft, hw.kind) \
-            / hw.memory_bandwidth
-    return seconds, optimizer, base_forward
+    return seconds, optimizer, base_forward + dequant

@@ -29,7 +29,7 @@ from scaletrain.plan.deadline import Option, options
 from scaletrain.plan.report import duration
 from scaletrain.plan.spec import Workload
 from scaletrain.scaling.fit import ScalingFit, check_target, law_params
-from scaletrain.scaling.grid import MAX_EPOCHS
+from scaletrain.scaling.grid import BATCH, MAX_EPOCHS, SEQ_LEN
 
 SIZE_FACTORS = (0.5, 1.0, 2.0)  # sizes tried around the compute-optimal one
 SIZES_WITHIN = 7  # sizes tried for --budget / --deadline, log-spaced
@@ -215,8 +215,8 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
     # a GPU's usual ~0.5M-token step would reach the same tokens in a few hundred times fewer optimizer steps
     # (7.3M tokens were 14 such steps), far above the small grid's critical batch; the prediction would not hold.
     recipe = doc.get("recipe", {})
-    seq = args.seq_len or int(recipe.get("seq_len", 64))
-    batch = args.global_batch or int(recipe.get("batch", 16))
+    seq = args.seq_len or int(recipe.get("seq_len", SEQ_LEN))
+    batch = args.global_batch or int(recipe.get("batch", BATCH))
     scope = Scope.of(doc, read_manifest(args.data, verify=False)["splits"]["train"]["tokens"])
     common = (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes)
     if args.target_bpb is not None:
