@@ -4,6 +4,12 @@ the chunked loss (-1, the default now), on the Qwen2.5-0.5B shape (dim 896, 14/2
 (scaletrain.plan.finetune.finetune_memory, the tensor bytes it plans; target within 10% of the measured peak).
 
     python benchmarks/chunked_loss.py [--layers 2] [--out benchmarks/results/chunked_loss.json]
+    python benchmarks/chunked_loss.py --host --out benchmarks/results/chunked_loss_host.json
+
+``--host``: what one chunk costs the host, whatever its size (the Python loop and the operators it dispatches,
+each a kernel launch on a GPU): the loss's forward and backward on tiny tensors (d 16, vocabulary 32) by chunks
+of one position against one chunk, the difference per chunk (median of 7), and the operators a chunk dispatches
+(counted with a dispatch mode). Why the auto chunk is larger on an accelerator (``model.loss.chunk_bytes``).
 
 The measured peak is the exact peak of live tensor bytes (scaletrain.plan.measure.LiveTensorBytes, what
 benchmarks/finetune_plan.py checks the planner with) of the trainer's own step (build_parallel_training +
@@ -73,6 +79,48 @@ def measure(method: str, loss_rows: int, base: str, layers: int) -> dict:
             * 1024, "step_seconds_noisy": seconds}
 
 
+def host_cost(positions: int = 2048, repeats: int = 7) -> dict:
+    """Host seconds and dispatched operators a chunk of the chunked loss costs, forward and backward."""
+    import statistics
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from scaletrain.model.loss import chunked_cross_entropy
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    hidden = torch.randn(positions, 16, requires_grad=True)
+    weight = torch.randn(32, 16, requires_grad=True)
+    targets = torch.randint(0, 32, (positions,))
+
+    def step(rows: int) -> float:
+        start = time.perf_counter()
+        chunked_cross_entropy(hidden, weight, targets, rows=rows).backward()
+        return time.perf_counter() - start
+
+    def ops(rows: int) -> int:
+        Count.ops = 0
+        with Count():
+            chunked_cross_entropy(hidden, weight, targets, rows=rows).backward()
+        return Count.ops
+
+    step(1), step(positions)  # warm-up
+    one = statistics.median(step(1) for _ in range(repeats))
+    whole = statistics.median(step(positions) for _ in range(repeats))
+    per_chunk_ops = (ops(1) - ops(positions)) / (positions - 1)
+    return {"positions": positions, "dim": 16, "vocab": 32, "threads": torch.get_num_threads(),
+            "seconds_one_position_chunks": one, "seconds_one_chunk": whole,
+            "host_seconds_per_chunk": (one - whole) / (positions - 1), "operators_per_chunk": per_chunk_ops,
+            "torch": torch.__version__}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # child: METHOD LOSS_ROWS BASE LAYERS
@@ -80,7 +128,14 @@ def main() -> int:
     parser.add_argument("--methods", default="lora,full", help="comma-separated: lora, full")
     parser.add_argument("--out", default=default_out("chunked_loss.json"),
                         help=OUT_HELP.format(name="chunked_loss.json"))
+    parser.add_argument("--host", action="store_true", help="only the host's cost of one chunk (tiny tensors)")
     args = parser.parse_args()
+    if args.host:
+        result = host_cost()
+        print(f"{result['host_seconds_per_chunk'] * 1e3:.3f} ms and {result['operators_per_chunk']:.0f} operators "
+              f"a chunk (forward + backward) on the host")
+        write_result(args.out, result)
+        return 0
     if args.one:
         method, rows, base, layers = args.one
         print(json.dumps(measure(method, int(rows), base, int(layers))))

@@ -149,6 +149,25 @@ def test_the_step_chooses_the_chunked_loss_by_the_setting(tmp_path):
     assert loss_chunk_rows(pm, big) == 0
 
 
+def test_an_accelerators_auto_chunk_is_larger_and_the_planner_follows():
+    """On a GPU the auto chunk is 512 MiB of logits (a 32 MiB chunk is less device work than its host-side
+    launches): gpt2-124m's 64 x 1024 micro-batch in 26 chunks instead of 395; the planner holds the same rows."""
+    from scaletrain.model.loss import rows_at_once
+    from scaletrain.model.presets import PRESETS
+    from scaletrain.plan.memory import loss_rows
+    from scaletrain.plan.spec import Plan, Workload
+
+    positions, vocab = 64 * 1024, 50_304
+    assert rows_at_once(positions, vocab, -1, "cpu") == chunk_rows(vocab) == 166
+    assert rows_at_once(positions, vocab, -1, "cuda") == 2_668  # 2,668 x 50,304 x 4 B: 511.9 MiB
+    assert -(-positions // 2_668) == 25 and -(-positions // 166) == 395
+    assert rows_at_once(positions, vocab, 100, "cuda") == 100 and rows_at_once(positions, vocab, 0, "cuda") == positions
+    workload = Workload(model=ModelConfig(**PRESETS["gpt2-124m"]), seq_len=1024, global_batch=64, train_tokens=1e9)
+    plan = Plan(micro_batch=64)
+    assert loss_rows(workload, plan, positions, device_kind="gpu") == rows_at_once(positions, 50_304, -1, "cuda")
+    assert loss_rows(workload, plan, positions, device_kind="cpu") == 166
+
+
 @pytest.mark.distributed
 def test_ddp_and_fsdp2_with_the_chunked_loss_equal_one_process(tmp_path):
     """5 AdamW steps on 2 gloo ranks with the chunked loss (24 positions a chunk; FSDP2 gathers the head's weight

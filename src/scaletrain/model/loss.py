@@ -32,6 +32,21 @@ IGNORE_INDEX = -100
 # 55 positions of a 151,936-token vocabulary: a (55 x 896) @ (896 x 151,936) product, big enough to run at the
 # matrix unit's speed, small enough not to matter next to the model.
 CHUNK_BYTES = 32 * 2**20
+# On an accelerator the auto chunk is 16x larger. Each chunk costs the host a fixed time: the loop and the 40
+# operators its forward and backward dispatch (0.17 ms on a 2-core EPYC with tiny tensors, benchmarks/
+# chunked_loss.py --host), each a kernel launch on a GPU (~5 us more apiece), while a 32 MB chunk is about as
+# much of an H100's work (gpt2-124m: a 13 GFLOP product and its backward, a dozen passes over 32 MB at ~3 TB/s):
+# gpt2-124m's 64 x 1024 micro-batch would be 395 host-bound chunks a step. At 512 MB it is 25 chunks, each ~16x
+# the device work of its launches, and the logits held are still a small share of the card.
+ACCELERATOR_CHUNK_BYTES = 512 * 2**20
+
+
+ACCELERATORS = ("cuda", "gpu", "xpu", "hpu", "mps")  # torch's device types and the planner's hardware kind 'gpu'
+
+
+def chunk_bytes(device_type: str = "cpu") -> int:
+    """The auto chunk's most fp32-logit bytes on this kind of device (the CPU's on 'cpu' and 'meta')."""
+    return ACCELERATOR_CHUNK_BYTES if device_type in ACCELERATORS else CHUNK_BYTES
 
 
 def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -39,14 +54,14 @@ def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab_size))
 
 
-def rows_at_once(positions: int, vocab_size: int, setting: int = -1) -> int:
+def rows_at_once(positions: int, vocab_size: int, setting: int = -1, device_type: str = "cpu") -> int:
     """Positions whose logits the loss holds at once for a batch of ``positions`` under ``train.loss_chunk_rows``
-    = ``setting`` (-1 auto: ``chunk_rows``; 0 off; N): ``positions`` when the whole logits are computed (off, or
-    when they fit in one chunk anyway). The trainer (``parallel.parallelize.loss_chunk_rows``) and the planner
-    (``plan.memory``) both ask this."""
+    = ``setting`` (-1 auto: ``chunk_rows`` of ``chunk_bytes(device_type)``; 0 off; N): ``positions`` when the
+    whole logits are computed (off, or when they fit in one chunk anyway). The trainer
+    (``parallel.parallelize.loss_chunk_rows``) and the planner (``plan.memory``) both ask this."""
     if setting == 0:
         return positions
-    return min(positions, setting if setting > 0 else chunk_rows(vocab_size))
+    return min(positions, setting if setting > 0 else chunk_rows(vocab_size, chunk_bytes(device_type)))
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, multiplier: float, softcap: float,
@@ -119,15 +134,15 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           multiplier: float = 1.0, softcap: float = 0.0, vocab_limit: int | None = None,
                           rows: int | None = None) -> torch.Tensor:
     """The mean next-token loss of hidden (..., d) through a head of ``weight`` (V, d) against targets (...),
-    ignoring -100, holding the logits of ``rows`` positions at a time (default ``chunk_rows(V)``). The mean over
-    no counted target is NaN, as ``F.cross_entropy``'s."""
+    ignoring -100, holding the logits of ``rows`` positions at a time (default ``chunk_rows`` of the device's
+    ``chunk_bytes``). The mean over no counted target is NaN, as ``F.cross_entropy``'s."""
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     dtype = _compute_dtype(hidden)
     hidden, weight = hidden.to(dtype), weight.to(dtype)  # what autocast would do to the head's inputs
     limit = weight.shape[0] if vocab_limit is None else min(vocab_limit, weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):  # the casts are done; the backward runs outside it
         total = _ChunkedCrossEntropy.apply(hidden, weight, targets, float(multiplier), float(softcap), limit,
-                                           rows or chunk_rows(weight.shape[0]))
+                                           rows or chunk_rows(weight.shape[0], chunk_bytes(hidden.device.type)))
     return total / (targets != IGNORE_INDEX).sum()
 
 

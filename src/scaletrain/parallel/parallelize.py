@@ -247,7 +247,7 @@ def loss_chunk_rows(pm: ParallelModel, inputs: torch.Tensor) -> int:
     if (pm.loss_rows == 0 or pm.tp_enabled or pm.pipeline is not None or "loss_fn" in vars(pm)
             or not chunkable_head(getattr(model, "output", None))):
         return 0
-    rows = rows_at_once(inputs.numel(), model.output.weight.shape[0], pm.loss_rows)
+    rows = rows_at_once(inputs.numel(), model.output.weight.shape[0], pm.loss_rows, inputs.device.type)
     return rows if rows < inputs.numel() else 0
 
 

@@ -155,7 +155,7 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     optimizer_bytes = (trainable - own) * rec.optimizer + own * rec.optimizer * entry.state_share()
     at_rest = frozen + trainable * (rec.param + rec.master) + optimizer_bytes
     bt, vocab = plan.micro_batch * workload.seq_len, workload.model.vocab_size
-    held = loss_rows(workload, plan, bt)
+    held = loss_rows(workload, plan, bt, device_kind=device_kind)
     if held < bt:  # the chunked loss: a chunk's logits, the hidden states' gradient, a trained head's gradient
         transients, head_grad = chunked_loss_backward(held, bt, workload.model.dim, vocab, rec.autocast,
                                                       head_trains=ft.method == "full" and not ft.freeze_embeddings)

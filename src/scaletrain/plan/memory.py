@@ -252,13 +252,15 @@ def muon_step_transient_bytes(matrix_params: float, largest_matrix: float) -> fl
     return 4 * (3 * min(matrix_params, CHUNK_ELEMENTS) + 4 * largest_matrix)
 
 
-def loss_rows(workload: Workload, plan: Plan, positions: int, deepspeed: bool = False) -> int:
+def loss_rows(workload: Workload, plan: Plan, positions: int, deepspeed: bool = False, device_kind: str = "gpu"
+              ) -> int:
     """Positions whose fp32 logits the loss holds at once on a rank: the micro-batch's ``positions``, or a chunk
-    of them with the chunked loss (``model.loss.rows_at_once``, the trainer's own rule), which runs without tensor
-    or pipeline parallelism and outside DeepSpeed (``parallel.parallelize.loss_chunk_rows``)."""
+    of them with the chunked loss (``model.loss.rows_at_once``, the trainer's own rule: its auto chunk is larger
+    on an accelerator), which runs without tensor or pipeline parallelism and outside DeepSpeed
+    (``parallel.parallelize.loss_chunk_rows``)."""
     if plan.tp > 1 or plan.pp > 1 or deepspeed:
         return positions
-    return rows_at_once(positions, workload.model.vocab_size, workload.loss_chunk_rows)
+    return rows_at_once(positions, workload.model.vocab_size, workload.loss_chunk_rows, device_kind)
 
 
 def chunked_loss_backward(rows: int, positions: int, dim: int, vocab: int, autocast: bool,
@@ -324,7 +326,7 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     saved_blocks = sum(per_block) + others
     # Final norm (input, normalized, output) and log-softmax output; logits in fp32 for the loss.
     bt = b * t
-    held = loss_rows(workload, plan, bt, deepspeed)
+    held = loss_rows(workload, plan, bt, deepspeed, device_kind)
     chunked = held < bt  # the chunked loss (model/loss.py): a chunk's logits at a time, a log-sum-exp a row saved
     tail = 3 * bt * d * (4 if rec.autocast else a) + (bt * 4 if chunked else bt * v / tp * 4)
     logits = held * v / tp * 4

@@ -149,7 +149,7 @@ def loss_recompute_seconds(workload: Workload, plan: Plan, tokens: int, cluster:
     the reference CPU, one thread, vocab 32,768, d 256, 4 x 256 tokens: +184 ms on a 779 ms head + loss; this
     charges +202 on a planned 808. On a GPU: its FLOPs at the fitted utilisation."""
     cfg = workload.model
-    if loss_rows(workload, plan, tokens, plan.engine == "deepspeed") >= tokens:
+    if loss_rows(workload, plan, tokens, plan.engine == "deepspeed", cluster.hardware.kind) >= tokens:
         return 0.0
     if entry is not None:
         return head_gemm_seconds(tokens, cfg.vocab_size, cfg.dim, entry)
