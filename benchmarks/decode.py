@@ -8,7 +8,9 @@ The model: a Llama layout of ~64M parameters (768 wide, 8 layers, 12 query / 4 K
 head), a byte-level BPE vocabulary of 8,192 trained on tinyshakespeare, random weights (speed only: the same work
 a trained model of this shape does). Two precisions, each against its llama.cpp counterpart:
 
-- fp32: ours in float32 vs the GGUF export at ``f32``;
+- fp32: ours in float32 vs the GGUF export at ``f32``; ours compiled twice: the default step with the weights
+  frozen in (inductor's C++ GEMM template) and, as ``streamed``, the step before that (``freeze=False``:
+  StreamedLinear's loops), side by side;
 - int8: ours with ``compress --quantize int8-weight`` (torchao ``Int8WeightOnlyConfig`` on the blocks' Linears;
   the embedding and head stay fp32) vs the GGUF export at ``q8_0`` (every 2-D weight in 8 bits, blocks of 32, the
   head and embedding included).
@@ -176,6 +178,8 @@ def main() -> int:
         path.unlink(missing_ok=True)
         export_gguf(model if precision == "fp32" else fp32, cfg, tokenizer, path, gguf_dtype)
         decoders[precision] = StaticDecoder(model)
+        if precision == "fp32":  # the compiled step before its weights were frozen in: StreamedLinear's loops
+            decoders["fp32-streamed"] = StaticDecoder(model, freeze=False)
         for batch in BATCHES:
             engines[precision, batch] = LlamaCpp(path, batch)
             rows = prompts(batch, VOCAB)
@@ -186,6 +190,8 @@ def main() -> int:
             start = time.perf_counter()
             compiled = generate_batch(model, rows, NEW, decoder=decoders[precision], **kw)  # compiles the step
             compile_seconds[precision, batch] = round(time.perf_counter() - start - eager_s, 1)
+            if precision == "fp32":
+                assert generate_batch(model, rows, NEW, decoder=decoders["fp32-streamed"], **kw) == compiled
             llama, _, _ = engines[precision, batch].generate(rows, NEW)
             agreement[precision, batch] = {
                 "compiled_equals_eager": compiled == eager,
@@ -197,15 +203,19 @@ def main() -> int:
     for _ in range(args.repeats):
         for precision, (model, _) in models.items():
             for batch in BATCHES:
-                for engine, measure in (("eager", lambda: ours(model, batch, None)),
-                                        ("compiled", lambda: ours(model, batch, decoders[precision])),
-                                        ("llama.cpp", lambda: theirs(engines[precision, batch], batch))):
+                engines_here = [("eager", lambda: ours(model, batch, None)),
+                                ("compiled", lambda: ours(model, batch, decoders[precision])),
+                                ("llama.cpp", lambda: theirs(engines[precision, batch], batch))]
+                if precision == "fp32":
+                    engines_here.insert(2, ("streamed", lambda: ours(model, batch, decoders["fp32-streamed"])))
+                for engine, measure in engines_here:
                     rate = measure()["decode_tokens_per_second"]
                     print(f"  {precision} batch {batch} {engine}: {rate:.1f} tokens/s", flush=True)
                     runs.setdefault((precision, batch, engine), []).append(rate)
     rows = []
     for (precision, gguf_dtype), batch in [((p, d), b) for p, (_, d) in models.items() for b in BATCHES]:
-        median = {e: statistics.median(runs[precision, batch, e]) for e in ("eager", "compiled", "llama.cpp")}
+        median = {e: statistics.median(runs[precision, batch, e])
+                  for e in ("eager", "compiled", "streamed", "llama.cpp") if (precision, batch, e) in runs}
         rows.append({"precision": precision, "gguf": gguf_dtype, "batch": batch,
                      **{f"{e}_tokens_per_second": round(v, 1) for e, v in median.items()},
                      "compiled_over_eager": round(median["compiled"] / median["eager"], 2),

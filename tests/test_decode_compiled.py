@@ -117,3 +117,43 @@ def test_compiled_int8_decode_gives_the_eager_tokens():
     decoder = StaticDecoder(model)
     prompts = ragged_prompts()[:3]
     assert generate_batch(model, prompts, 30, decoder=decoder, **GREEDY) == generate_batch(model, prompts, 30, **GREEDY)
+
+
+def test_a_float_model_is_frozen_into_the_cpu_step_and_a_quantized_one_streams():
+    """On the CPU a float model's batched step compiles with its weights frozen in (inductor's C++ GEMM
+    template); a model with torchao's int8 weights keeps StreamedLinear (freezing would fold its int8 weights to
+    float). The slow test above checks both paths' tokens (batch 1 streams, batch 8 is frozen)."""
+    assert StaticDecoder(tiny_model()).frozen
+    assert not StaticDecoder(MODELS["int8"]()).frozen
+    assert not StaticDecoder(tiny_model(), compile=False).frozen
+
+
+@pytest.mark.slow  # ~30 s: two compiles of the frozen step
+def test_a_frozen_step_follows_weights_written_after_it_compiled():
+    """The frozen step holds the weights it compiled with: after an in-place write (an optimizer step, a load)
+    the next generation compiles it again, so it never decodes with stale weights."""
+    model = tiny_model()
+    decoder = StaticDecoder(model)
+    prompts = ragged_prompts()[:2]
+    assert generate_batch(model, prompts, 12, decoder=decoder, **GREEDY) == generate_batch(model, prompts, 12, **GREEDY)
+    with torch.no_grad():
+        model.output.weight.copy_(torch.roll(model.output.weight, 1, dims=0))  # another model's next tokens
+    expected = generate_batch(model, prompts, 12, **GREEDY)
+    assert generate_batch(model, prompts, 12, decoder=decoder, **GREEDY) == expected
+
+
+def test_int8_on_an_avx2_cpu_decodes_eagerly_with_one_line(monkeypatch, tmp_path, capsys):
+    """Where the compiled int8 step was measured slower than the eager decode (no AVX-512: inductor's int8
+    conversions run in scalar code), --compile says so in one line and decodes eagerly; float models and
+    AVX-512 CPUs compile."""
+    from scaletrain.infer.cli import compiled_decoder
+    from scaletrain.model.decode import slower_than_eager
+
+    int8, plain = MODELS["int8"](), tiny_model()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert "without AVX-512" in slower_than_eager(int8) and slower_than_eager(plain) == ""
+    assert compiled_decoder(int8, str(tmp_path)) is None
+    assert capsys.readouterr().err.count("\n") == 1
+    assert isinstance(compiled_decoder(plain, str(tmp_path)), StaticDecoder)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert slower_than_eager(int8) == "" and isinstance(compiled_decoder(int8, str(tmp_path)), StaticDecoder)

@@ -23,7 +23,7 @@ from scaletrain.data.tokenizer import DataError
 from scaletrain.files import guarded_write
 from scaletrain.infer.chat import Chat, Render, conversation_format
 from scaletrain.infer.text import StreamPrinter
-from scaletrain.model.decode import StaticDecoder, supports
+from scaletrain.model.decode import StaticDecoder, slower_than_eager, supports
 from scaletrain.model.generate import Sampling, cut_at_stop, generate_batch, stop_at_strings, stream
 from scaletrain.options import ConfigError
 
@@ -138,12 +138,16 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def compiled_decoder(model: torch.nn.Module, run: str, capacity: int = 0) -> StaticDecoder:
-    """``--compile``'s decoder (``capacity``: fixed slots, chat's whole context), or a ConfigError saying why this
-    run's model cannot have one."""
+def compiled_decoder(model: torch.nn.Module, run: str, capacity: int = 0) -> StaticDecoder | None:
+    """``--compile``'s decoder (``capacity``: fixed slots, chat's whole context), a ConfigError saying why this
+    run's model cannot have one, or None (the eager decode, said in one line) where it would be slower."""
     reason = supports(model)
     if reason:
         raise ConfigError(f"--compile: the compiled decode cannot run {run}'s model ({reason}); drop --compile")
+    slower = slower_than_eager(model)
+    if slower:
+        print(f"--compile: decoding eagerly: the compiled step is slower here for {slower}", file=sys.stderr)
+        return None
     return StaticDecoder(model, capacity=capacity)
 
 

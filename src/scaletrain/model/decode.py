@@ -6,8 +6,13 @@ would recompile at every position. Here every shape of a generation is fixed (``
 next slot a tensor), so the step is one graph for all positions: compiled once per (batch size, capacity, dtype)
 with ``fullgraph=True`` (no graph breaks) and ``dynamic=False``; on CUDA with ``mode="reduce-overhead"`` (the
 step captured in a CUDA graph and replayed: one launch instead of hundreds a token). The prefill (the prompt's
-forward, its length varying) stays eager. On the CPU the step's Linears run as fused weight-streaming loops
-(``StreamedLinear``), not ``aten::mm``. Greedy tokens equal today's (``tests/test_decode_compiled.py``).
+forward, its length varying) stays eager. On the CPU the step's matrix products are not ``aten::mm`` (which
+reads the weights at half the memory's speed at a few rows): a batch of a model of plain float weights is
+compiled with its weights frozen into the step, so inductor's C++ GEMM template runs them (register-blocked
+micro-kernels over prepacked weights, ``FROZEN_CPU``); one row, and a quantized model (torchao's int8
+weight-only tensors), run their Linears as fused weight-streaming loops (``StreamedLinear``; freezing would fold
+int8 weights back to float).
+Greedy tokens equal today's (``tests/test_decode_compiled.py``).
 
 ``stream(..., decoder=StaticDecoder(model))`` uses it (``scaletrain generate --compile``); a model it cannot run
 (prompt tuning's embedding puts positions in front of the tokens) keeps the eager decode (``supports``).
@@ -15,7 +20,10 @@ forward, its length varying) stays eager. On the CPU the step's Linears run as f
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -28,6 +36,17 @@ CAPACITY_MULTIPLE = 64  # slots: capacities rounded up to this, so prompts of ne
 # and int8, the tests) reaches that without any per-position recompile. The step's own limit is raised to this.
 STEP_RECOMPILE_LIMIT = 64
 
+
+# The CPU step of a float model: its weights frozen into the compiled graph as constants (prepacked once), every
+# matrix product through inductor's C++ GEMM template (only that backend: one choice, nothing benchmarked while
+# compiling). benchmarks/decode.py's 62.9M model on a 2-vCPU AVX2 EPYC: 484 tokens/s at batch 8 against 257 with
+# StreamedLinear's loops, 111 against 108 at batch 1. Set as inductor's config while the step runs (it compiles
+# on a call): torch.compile's options= did not freeze. The cost: the packed copy of the weights (the eager prefill
+# keeps the model's own), and the step holds the weights as they were when it compiled (``_weights_version``).
+FROZEN_CPU = dict(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
+# ... at batch 2 and more only: at one row StreamedLinear's split sums decode as fast (104 vs 105 tokens/s, the
+# same machine) and compile in a third of the time (a cold frozen compile took 28 s at batch 1, 86 s at batch 8).
+FROZEN_MIN_ROWS = 2
 
 STREAMED_ROWS = 8  # a Linear on at most this many rows is computed by ``StreamedLinear`` inside the compiled step
 # One row's reduction over K split in this many parts (two accumulators a weight row): 56 vs 9 GB/s of fp32 weights
@@ -97,6 +116,36 @@ def _int8_weight_only(weight: torch.Tensor, k: int) -> bool:
             and getattr(weight, "act_pre_scale", 0) is None)
 
 
+def plain_weights(model: nn.Module) -> bool:
+    """Whether every parameter is a plain float tensor (no quantized subclass): the frozen CPU step's models."""
+    return all(type(p) in (torch.Tensor, nn.Parameter) and p.dtype.is_floating_point for p in model.parameters())
+
+
+class _Step(nn.Module):
+    """The one-token step as a module: freezing finds the weights to fold through the compiled module's own."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        return self.model(tokens, cache=cache, last_only=True)[:, -1]  # (B, V)
+
+
+def slower_than_eager(model: nn.Module) -> str:
+    """Why the compiled step would decode ``model`` slower than the eager decode on this machine ('' when it
+    would not): quantized weights on a CPU without AVX-512. There inductor converts int8 to float in scalar code
+    (``at::vec`` falls back to element loops for the 8-lane int8 loads and the int-to-float casts), and the
+    streamed step ran 26 tokens/s against the eager decode's 56 at batch 1, 31 against 179 at batch 8
+    (benchmarks/decode.py, a 2-vCPU AVX2 EPYC; on an AVX-512 EPYC it ran 345 and 568, 8x and 2.7x the eager)."""
+    if next(model.parameters()).device.type != "cpu" or plain_weights(model):
+        return ""
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return ""
+    return ("its quantized weights on a CPU without AVX-512, where the compiled step converts int8 to float in "
+            "scalar code (measured 2-6x slower than the eager decode)")
+
+
 def supports(model: nn.Module) -> str:
     """Why ``model`` cannot decode with the static cache ('' when it can)."""
     if any(getattr(m, "takes_cache", False) for m in (getattr(model, "tok_embeddings", None),
@@ -118,7 +167,8 @@ class StaticDecoder:
     """Holds the compiled step and the static caches of one model (a cache a shape, reused: a CUDA graph replays
     on the same buffers). ``compile=False``: the same static cache, eager (for comparisons)."""
 
-    def __init__(self, model: nn.Module, compile: bool = True, mode: str | None = None, capacity: int = 0):
+    def __init__(self, model: nn.Module, compile: bool = True, mode: str | None = None, capacity: int = 0,
+                 freeze: bool | None = None):
         reason = supports(model)
         if reason:
             raise ValueError(f"the compiled decode cannot run this model: {reason}")
@@ -126,8 +176,13 @@ class StaticDecoder:
         self.device = next(model.parameters()).device
         self.cuda_graphs = compile and self.device.type == "cuda" and mode in (None, "reduce-overhead")
         self.mode = mode or ("reduce-overhead" if self.device.type == "cuda" else None)
-        self._step = (torch.compile(self._forward, fullgraph=True, dynamic=False, mode=self.mode) if compile
-                      else self._forward)
+        # On the CPU a float model's step at FROZEN_MIN_ROWS rows or more is compiled with its weights frozen in
+        # (FROZEN_CPU); at one row, a quantized model's, or any with ``freeze=False`` (no packed copy of the
+        # weights), through StreamedLinear
+        self.frozen = (compile and self.device.type == "cpu" and mode is None and plain_weights(model)
+                       and freeze is not False)
+        self._compile = compile
+        self._build_step()
         self._caches: dict[tuple[int, int], StaticKVCache] = {}
         # ``capacity`` > 0: every generation gets these slots (chat: the whole context), so the growing prompts of
         # a conversation share one compiled step instead of compiling one a 64-slot rounding (seconds each)
@@ -139,12 +194,28 @@ class StaticDecoder:
         needed = static_capacity(prompt_width, max_new_tokens, max_seq_len)
         return self.fixed_capacity if self.fixed_capacity >= needed else needed
 
+    def _build_step(self) -> None:
+        self._frozen_step = torch.compile(_Step(self.model), fullgraph=True, dynamic=False) if self.frozen else None
+        self._step = (torch.compile(self._forward, fullgraph=True, dynamic=False, mode=self.mode) if self._compile
+                      else self._forward)
+        self._version = self._weights_version()
+
+    def _weights_version(self) -> int:
+        """The sum of the parameters' in-place write counters: it moves when an optimizer step or a load writes
+        them, after which a frozen step (which holds the weights it compiled with) is compiled again."""
+        return sum(p._version for p in self.model.parameters()) if self.frozen else 0
+
     def _forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         with StreamedLinear():
             return self.model(tokens, cache=cache, last_only=True)[:, -1]  # (B, V)
 
     def cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         """An empty cache of this shape (the one made before for it, reset: same buffers, no recompile)."""
+        if self._weights_version() != self._version:  # the weights changed since the frozen step compiled:
+            # its guards check the parameters' identity, not their values, so only a reset of dynamo's caches
+            # (every compiled function of the process recompiles on its next call) drops the stale graph
+            torch.compiler.reset()
+            self._build_step()
         key = (batch_size, capacity)
         if key not in self._caches:  # kept: the compiled step is guarded on these very buffers (a new one recompiles)
             self._caches[key] = StaticKVCache(batch_size, capacity, self.device)
@@ -167,7 +238,9 @@ class StaticDecoder:
             raise ValueError(f"static KV cache full: {cache.tokens} of {cache.capacity} slots")
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are read: reuse its memory
-        with torch._dynamo.config.patch(recompile_limit=STEP_RECOMPILE_LIMIT):
-            logits = self._step(tokens, cache)
+        frozen = self._frozen_step is not None and tokens.shape[0] >= FROZEN_MIN_ROWS
+        config = inductor_config.patch(**FROZEN_CPU) if frozen else contextlib.nullcontext()
+        with torch._dynamo.config.patch(recompile_limit=STEP_RECOMPILE_LIMIT), config:
+            logits = (self._frozen_step if frozen else self._step)(tokens, cache)
         cache.tokens += 1
         return logits.clone() if self.cuda_graphs else logits  # the graph's output buffer is rewritten next replay
