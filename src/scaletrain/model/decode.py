@@ -136,7 +136,7 @@ def slower_than_eager(model: nn.Module) -> str:
     """Why the compiled step would decode ``model`` slower than the eager decode on this machine ('' when it
     would not): quantized weights on a CPU without AVX-512. There inductor converts int8 to float in scalar code
     (``at::vec`` falls back to element loops for the 8-lane int8 loads and the int-to-float casts), and the
-    streamed step ran 26 tokens/s against the eager decode's 56 at batch 1, 31 against 179 at batch 8
+    streamed step ran 26 tokens/s against the eager decode's 31-56 at batch 1, 31 against 131-179 at batch 8
     (benchmarks/decode.py, a 2-vCPU AVX2 EPYC; on an AVX-512 EPYC it ran 345 and 568, 8x and 2.7x the eager)."""
     if next(model.parameters()).device.type != "cpu" or plain_weights(model):
         return ""
