@@ -136,8 +136,9 @@ def slower_than_eager(model: nn.Module) -> str:
     """Why the compiled step would decode ``model`` slower than the eager decode on this machine ('' when it
     would not): quantized weights on a CPU without AVX-512. There inductor's kernel for an int8 weight runs 4-9x
     slower than the fp32 one at the same shape (8-lane partial loads of a 32-lane int8 vector before the
-    conversion; other formulations measured no better), and the streamed step ran 26 tokens/s against the eager decode's 31-56 at batch 1, 31 against 131-179 at batch 8
-    (benchmarks/decode.py, a 2-vCPU AVX2 EPYC; on an AVX-512 EPYC it ran 345 and 568, 8x and 2.7x the eager)."""
+    conversion; other formulations measured no better), and the streamed step ran 26 tokens/s against the eager
+    decode's 31-56 at batch 1, 31 against 131-179 at batch 8 (benchmarks/decode.py, a 2-vCPU AVX2 EPYC; on an
+    AVX-512 EPYC it ran 345 and 568, 8x and 2.7x the eager)."""
     if next(model.parameters()).device.type != "cpu" or plain_weights(model):
         return ""
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
