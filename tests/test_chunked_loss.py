@@ -151,7 +151,7 @@ def test_the_step_chooses_the_chunked_loss_by_the_setting(tmp_path):
 
 def test_an_accelerators_auto_chunk_is_larger_and_the_planner_follows():
     """On a GPU the auto chunk is 512 MiB of logits (a 32 MiB chunk is less device work than its host-side
-    launches): gpt2-124m's 64 x 1024 micro-batch in 26 chunks instead of 395; the planner holds the same rows."""
+    launches): gpt2-124m's 64 x 1024 micro-batch in 25 chunks instead of 395; the planner holds the same rows."""
     from scaletrain.model.loss import rows_at_once
     from scaletrain.model.presets import PRESETS
     from scaletrain.plan.memory import loss_rows

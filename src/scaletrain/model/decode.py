@@ -11,8 +11,7 @@ reads the weights at half the memory's speed at a few rows): a batch of a model 
 compiled with its weights frozen into the step, so inductor's C++ GEMM template runs them (register-blocked
 micro-kernels over prepacked weights, ``FROZEN_CPU``); one row, and a quantized model (torchao's int8
 weight-only tensors), run their Linears as fused weight-streaming loops (``StreamedLinear``; freezing would fold
-int8 weights back to float).
-Greedy tokens equal today's (``tests/test_decode_compiled.py``).
+int8 weights back to float). Greedy tokens equal today's (``tests/test_decode_compiled.py``).
 
 ``stream(..., decoder=StaticDecoder(model))`` uses it (``scaletrain generate --compile``); a model it cannot run
 (prompt tuning's embedding puts positions in front of the tokens) keeps the eager decode (``supports``).
@@ -39,13 +38,15 @@ STEP_RECOMPILE_LIMIT = 64
 
 # The CPU step of a float model: its weights frozen into the compiled graph as constants (prepacked once), every
 # matrix product through inductor's C++ GEMM template (only that backend: one choice, nothing benchmarked while
-# compiling). benchmarks/decode.py's 62.9M model on a 2-vCPU AVX2 EPYC: 484 tokens/s at batch 8 against 257 with
-# StreamedLinear's loops, 111 against 108 at batch 1. Set as inductor's config while the step runs (it compiles
-# on a call): torch.compile's options= did not freeze. The cost: the packed copy of the weights (the eager prefill
-# keeps the model's own), and the step holds the weights as they were when it compiled (``_weights_version``).
+# compiling). benchmarks/decode.py's 62.9M model on a 2-vCPU AVX2 EPYC: 456 tokens/s at batch 8 against 250 with
+# StreamedLinear's loops (benchmarks/results/decode_avx2.json). Set as inductor's config while the step runs (it
+# compiles on a call): torch.compile's options= did not freeze. The cost: the packed copy of the weights (the eager
+# prefill keeps the model's own), and the step holds the weights as they were when it compiled
+# (``_weights_version``).
 FROZEN_CPU = dict(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
-# ... at batch 2 and more only: at one row StreamedLinear's split sums decode as fast (104 vs 105 tokens/s, the
-# same machine) and compile in a third of the time (a cold frozen compile took 28 s at batch 1, 86 s at batch 8).
+# ... at batch 2 and more only: at one row StreamedLinear's split sums decode as fast (104.0 vs 104.7 tokens/s, the
+# benchmark's first invocation on that machine) and compile faster (cold, the same model at batch 1 with two
+# capacities: 17 s streamed, 36 s frozen).
 FROZEN_MIN_ROWS = 2
 
 STREAMED_ROWS = 8  # a Linear on at most this many rows is computed by ``StreamedLinear`` inside the compiled step
@@ -129,7 +130,8 @@ class _Step(nn.Module):
         self.model = model
 
     def forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        return self.model(tokens, cache=cache, last_only=True)[:, -1]  # (B, V)
+        """tokens (B, 1) -> the next logits (B, V), the cache written at its slot."""
+        return self.model(tokens, cache=cache, last_only=True)[:, -1]
 
 
 def slower_than_eager(model: nn.Module) -> str:
@@ -183,6 +185,7 @@ class StaticDecoder:
         self.frozen = (compile and self.device.type == "cpu" and mode is None and plain_weights(model)
                        and freeze is not False)
         self._compile = compile
+        self._module = _Step(model)
         self._build_step()
         self._caches: dict[tuple[int, int], StaticKVCache] = {}
         # ``capacity`` > 0: every generation gets these slots (chat: the whole context), so the growing prompts of
@@ -196,7 +199,7 @@ class StaticDecoder:
         return self.fixed_capacity if self.fixed_capacity >= needed else needed
 
     def _build_step(self) -> None:
-        self._frozen_step = torch.compile(_Step(self.model), fullgraph=True, dynamic=False) if self.frozen else None
+        self._frozen_step = torch.compile(self._module, fullgraph=True, dynamic=False) if self.frozen else None
         self._step = (torch.compile(self._forward, fullgraph=True, dynamic=False, mode=self.mode) if self._compile
                       else self._forward)
         self._version = self._weights_version()
@@ -208,7 +211,7 @@ class StaticDecoder:
 
     def _forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         with StreamedLinear():
-            return self.model(tokens, cache=cache, last_only=True)[:, -1]  # (B, V)
+            return self._module(tokens, cache)
 
     def cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         """An empty cache of this shape (the one made before for it, reset: same buffers, no recompile)."""

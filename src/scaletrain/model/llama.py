@@ -441,8 +441,8 @@ class Transformer(nn.Module):
         ``targets`` (B, T), -100 where no target: the mean next-token loss instead of the logits, computed by
         chunks of ``loss_rows`` positions (default ``model.loss.chunk_rows`` for the device) so the whole logits
         tensor never exists (``model/loss.py``); columns >= ``vocab_limit`` (a padded vocabulary) take no softmax
-        mass. Inside
-        the forward, so a sharded data-parallel wrapper (FSDP2) holds the head's weight gathered while it runs."""
+        mass. Inside the forward, so a sharded data-parallel wrapper (FSDP2) holds the head's weight gathered while
+        it runs."""
         if cache is not None:
             return self._forward_cached(tokens, cache, padding, last_only)
         h = self.embed(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d)

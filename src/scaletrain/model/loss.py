@@ -39,8 +39,6 @@ CHUNK_BYTES = 32 * 2**20
 # gpt2-124m's 64 x 1024 micro-batch would be 395 host-bound chunks a step. At 512 MB it is 25 chunks, each ~16x
 # the device work of its launches, and the logits held are still a small share of the card.
 ACCELERATOR_CHUNK_BYTES = 512 * 2**20
-
-
 ACCELERATORS = ("cuda", "gpu", "xpu", "hpu", "mps")  # torch's device types and the planner's hardware kind 'gpu'
 
 
