@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from scaletrain.cli import main
+from scaletrain.config import ConfigError
 from scaletrain.data.prepare import prepare_text
 from scaletrain.scaling import fit as fitmod
 from scaletrain.scaling import grid
@@ -214,3 +216,19 @@ def test_the_model_for_a_size_stays_within_the_fits_scope():
     inside = law_params(model_for_params(60_300_800, 1024, 64, 10_067, 60_300_800))
     assert inside <= 60_300_800 and abs(math.log(inside / 60_300_800)) < 0.5
     assert nearest > 60_300_800  # the case that was wrong: the nearest member is above the scope
+
+
+def test_a_budget_too_small_names_the_smallest_that_fits(tmp_path, data_dir, capsys, monkeypatch):
+    """On a slower machine the benchmark's 30 s char grid was refused with only "raise --budget": the line now
+    says by how much, and the budget it names does plan a grid."""
+    with pytest.raises(ConfigError, match="training split is too small for any grid"):  # one play, read 4 times at most
+        grid.plan_grid(data_dir, 1e9, "cpu")
+    monkeypatch.setattr(grid, "MAX_EPOCHS", 1000)  # the play read many times over: the budget decides
+    assert main(["scale", str(data_dir), "--out", str(tmp_path / "g"), "--budget", "1s", "--hardware", "cpu",
+                 "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "too small" in err
+    smallest = int(re.search(r"needs --budget (\d+)s", err).group(1))
+    assert grid.plan_grid(data_dir, smallest, "cpu")  # the named budget fits (one second above the bound at most)
+    with pytest.raises(ConfigError, match="too small"):
+        grid.plan_grid(data_dir, smallest - 2, "cpu")

@@ -44,6 +44,11 @@ STEP_RECOMPILE_LIMIT = 64
 # prefill keeps the model's own), and the step holds the weights as they were when it compiled
 # (``_weights_version``).
 FROZEN_CPU = dict(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
+# Every CPU step (frozen or streamed) with inductor's C++ wrapper: the compiled graph's host code (buffer
+# allocation, the kernels' calls) as C++ instead of Python. A step at one row of benchmarks/decode.py's model
+# takes ~8 ms, of which the Python wrapper was ~0.5 ms (a profile): 8.09 vs 8.32 ms a step, medians of 60
+# interleaved rounds of 16 steps in one process.
+CPU_STEP = dict(cpp_wrapper=True)
 # ... at batch 2 and more only: at one row StreamedLinear's split sums decode as fast (104.0 vs 104.7 tokens/s, the
 # benchmark's first invocation on that machine) and compile faster (cold, the same model at batch 1 with two
 # capacities: 17 s streamed, 36 s frozen).
@@ -243,7 +248,9 @@ class StaticDecoder:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are read: reuse its memory
         frozen = self._frozen_step is not None and tokens.shape[0] >= FROZEN_MIN_ROWS
-        config = inductor_config.patch(**FROZEN_CPU) if frozen else contextlib.nullcontext()
+        config = (inductor_config.patch(**FROZEN_CPU, **CPU_STEP) if frozen
+                  else inductor_config.patch(**CPU_STEP) if self.device.type == "cpu" and self._compile
+                  else contextlib.nullcontext())
         with torch._dynamo.config.patch(recompile_limit=STEP_RECOMPILE_LIMIT), config:
             logits = (self._frozen_step if frozen else self._step)(tokens, cache)
         cache.tokens += 1

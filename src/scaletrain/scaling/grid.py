@@ -89,6 +89,7 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
     run longer than ``MAX_EPOCHS`` epochs of the training split."""
     vocab, train_tokens = vocabulary(data_dir)
     per_step = BATCH * SEQ_LEN
+    smallest = math.inf  # the least budget any grid of the family fits in (said when the budget is too small)
     for start in range(len(FAMILY) - SIZES, -1, -1):
         shapes = FAMILY[start: start + SIZES]
         models = [model_config(d, L, vocab) for d, L in shapes]
@@ -98,11 +99,18 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
         per_step_s = [predicted_seconds(m, 1, hardware) - predicted_seconds(m, 0, hardware) for m in models]
         fixed = sum(predicted_seconds(m, 0, hardware) for m in models) * TOKEN_STEPS
         base_steps = (budget_seconds - fixed) / (sum(per_step_s) * sum(ladder))
-        base_steps = min(base_steps, MAX_EPOCHS * train_tokens / per_step / ladder[-1])
+        most_steps = MAX_EPOCHS * train_tokens / per_step / ladder[-1]
+        base_steps = min(base_steps, most_steps)
+        least_steps = max(MIN_STEPS, min_tokens_per_param * n_max / per_step)
         if base_steps >= MIN_STEPS and base_steps * per_step >= min_tokens_per_param * n_max:
             return [make_run(d, L, vocab, int(base_steps * r), hardware) for d, L in shapes for r in ladder]
+        if least_steps <= most_steps:
+            smallest = min(smallest, fixed + least_steps * sum(per_step_s) * sum(ladder))
+    need = (f"; the smallest grid needs --budget {math.ceil(smallest)}s on this machine (the planner's prediction)"
+            if math.isfinite(smallest) else
+            f"; the training split is too small for any grid at --min-tokens-per-param {min_tokens_per_param:g}")
     raise ConfigError(f"--budget {budget_seconds:g} s is too small for a grid of {SIZES} sizes x {TOKEN_STEPS} "
-                      f"token counts of at least {MIN_STEPS} steps each on this machine; raise --budget")
+                      f"token counts of at least {MIN_STEPS} steps each on this machine{need}")
 
 
 def make_run(dim: int, n_layers: int, vocab_size: int, steps: int, hardware: str = "auto") -> GridRun:
