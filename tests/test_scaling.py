@@ -228,7 +228,7 @@ def test_a_budget_too_small_names_the_smallest_that_fits(tmp_path, data_dir, cap
                  "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "too small" in err
-    smallest = int(re.search(r"needs --budget (\d+)s", err).group(1))
+    smallest = int(re.search(r"needs --budget (\d+)s on cpu", err).group(1))
     assert grid.plan_grid(data_dir, smallest, "cpu")  # the named budget fits (one second above the bound at most)
     with pytest.raises(ConfigError, match="too small"):
         grid.plan_grid(data_dir, smallest - 2, "cpu")

@@ -106,11 +106,12 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
             return [make_run(d, L, vocab, int(base_steps * r), hardware) for d, L in shapes for r in ladder]
         if least_steps <= most_steps:
             smallest = min(smallest, fixed + least_steps * sum(per_step_s) * sum(ladder))
-    need = (f"; the smallest grid needs --budget {math.ceil(smallest)}s on this machine (the planner's prediction)"
+    where = "this machine" if hardware == "auto" else hardware
+    need = (f"; the smallest grid needs --budget {math.ceil(smallest)}s on {where} (the planner's prediction)"
             if math.isfinite(smallest) else
             f"; the training split is too small for any grid at --min-tokens-per-param {min_tokens_per_param:g}")
     raise ConfigError(f"--budget {budget_seconds:g} s is too small for a grid of {SIZES} sizes x {TOKEN_STEPS} "
-                      f"token counts of at least {MIN_STEPS} steps each on this machine{need}")
+                      f"token counts of at least {MIN_STEPS} steps each on {where}{need}")
 
 
 def make_run(dim: int, n_layers: int, vocab_size: int, steps: int, hardware: str = "auto") -> GridRun:
