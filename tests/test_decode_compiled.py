@@ -111,10 +111,16 @@ def test_streamed_linear_computes_what_linear_and_torchaos_int8_linear_compute(r
     assert streamed_linear(torch.randn(STREAMED_ROWS + 1, 96), dense.weight) is None  # a prefill: mm as before
 
 
-@pytest.mark.slow  # ~20 s: one compile of a quantized model
-def test_compiled_int8_decode_gives_the_eager_tokens():
+@pytest.mark.slow  # ~20 s a compile of a quantized model
+@pytest.mark.parametrize("capability", ["AVX512", "AVX2"])
+def test_compiled_int8_decode_gives_the_eager_tokens(capability, monkeypatch):
+    """Both int8 steps: streamed int8 loops (an AVX-512 CPU) and the weights folded to float32 in a frozen step
+    (without AVX-512), which keeps torchao's order (x @ qdata.T * scale). Either runs on any x86 CPU: the
+    capability only chooses."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     model = MODELS["int8"]()
     decoder = StaticDecoder(model)
+    assert decoder.dequantized == (capability == "AVX2")
     prompts = ragged_prompts()[:3]
     assert generate_batch(model, prompts, 30, decoder=decoder, **GREEDY) == generate_batch(model, prompts, 30, **GREEDY)
 
@@ -124,7 +130,9 @@ def test_a_float_model_is_frozen_into_the_cpu_step_and_a_quantized_one_streams()
     template); a model with torchao's int8 weights keeps StreamedLinear (freezing would fold its int8 weights to
     float). The slow test above checks both paths' tokens (batch 1 streams, batch 8 is frozen)."""
     assert StaticDecoder(tiny_model()).frozen
-    assert not StaticDecoder(MODELS["int8"]()).frozen
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+        assert not StaticDecoder(MODELS["int8"]()).frozen
     assert not StaticDecoder(tiny_model(), compile=False).frozen
 
 
@@ -142,18 +150,31 @@ def test_a_frozen_step_follows_weights_written_after_it_compiled():
     assert generate_batch(model, prompts, 12, decoder=decoder, **GREEDY) == expected
 
 
-def test_int8_on_an_avx2_cpu_decodes_eagerly_with_one_line(monkeypatch, tmp_path, capsys):
-    """Where the compiled int8 step was measured slower than the eager decode (no AVX-512: inductor's int8
-    kernels ran 4-9x slower than its fp32 ones), --compile says so in one line and decodes eagerly; float models
-    and AVX-512 CPUs compile."""
+def test_int8_on_an_avx2_cpu_compiles_dequantized_and_other_quantized_weights_decode_eagerly(
+        monkeypatch, tmp_path, capsys):
+    """Where inductor's int8 kernels were measured slower than the eager decode (no AVX-512: 4-9x slower than
+    its fp32 ones), --compile holds int8 weight-only weights as float32 in the frozen step and says so in one
+    line (with the memory it costs); other quantized weights (int4 here) decode eagerly, said in one line; float
+    models and AVX-512 CPUs compile as before."""
+    from scaletrain.compress.quantize import quantize_model
     from scaletrain.infer.cli import compiled_decoder
-    from scaletrain.model.decode import slower_than_eager
+    from scaletrain.model.decode import dequantized_in_step, slower_than_eager
 
-    int8, plain = MODELS["int8"](), tiny_model()
+    int8, plain, int4 = MODELS["int8"](), tiny_model(), tiny_model()
+    quantize_model(int4, "int4-weight")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert "without AVX-512" in slower_than_eager(int8) and slower_than_eager(plain) == ""
-    assert compiled_decoder(int8, str(tmp_path)) is None
+    assert dequantized_in_step(int8) and not dequantized_in_step(plain) and not dequantized_in_step(int4)
+    assert slower_than_eager(int8) == "" and slower_than_eager(plain) == ""
+    assert "without AVX-512" in slower_than_eager(int4)
+    decoder = compiled_decoder(int8, str(tmp_path))
+    assert isinstance(decoder, StaticDecoder) and decoder.frozen and decoder.dequantized
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "float32 (+" in err and "MiB" in err
+    assert compiled_decoder(int4, str(tmp_path)) is None
     assert capsys.readouterr().err.count("\n") == 1
     assert isinstance(compiled_decoder(plain, str(tmp_path)), StaticDecoder)
+    assert not StaticDecoder(int8, freeze=False).frozen  # freeze=False: the int8 loops, whatever they cost
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert slower_than_eager(int8) == "" and isinstance(compiled_decoder(int8, str(tmp_path)), StaticDecoder)
+    assert slower_than_eager(int8) == "" and slower_than_eager(int4) == ""
+    decoder = compiled_decoder(int8, str(tmp_path))
+    assert isinstance(decoder, StaticDecoder) and not decoder.frozen and capsys.readouterr().err == ""

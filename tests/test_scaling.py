@@ -232,3 +232,21 @@ def test_a_budget_too_small_names_the_smallest_that_fits(tmp_path, data_dir, cap
     assert grid.plan_grid(data_dir, smallest, "cpu")  # the named budget fits (one second above the bound at most)
     with pytest.raises(ConfigError, match="too small"):
         grid.plan_grid(data_dir, smallest - 2, "cpu")
+
+
+def test_plan_repeats_the_fits_caveats_beside_its_prediction(data_dir, capsys):
+    """A grid whose size term is flat (Tiny Shakespeare's char grids: alpha 0.02 or 2.4) predicted held-out runs
+    3.8-6.3% pessimistic; `scale` printed the caveat, and now every `plan --data` prediction repeats it."""
+    from dataclasses import replace
+
+    n, d, loss = synthetic()
+    fit = fit_law(n, d, loss, bootstrap=0)
+    write_fit(data_dir, fit, [{"params": x} for x in (1e5, 3e6)], {})
+    plan = ["plan", "--data", str(data_dir), "--model", "nano", "--vocab-size", "256", "--tokens", "20M",
+            "--hardware", "cpu"]
+    assert main(plan) == 0
+    assert "caveat" not in capsys.readouterr().out
+    write_fit(data_dir, replace(fit, params=replace(fit.params, alpha=2.42)), [{"params": x} for x in (1e5, 3e6)], {})
+    assert main(plan) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "predicted val bpb" in out and "caveat (the fit): alpha = 2.42 is outside the usual 0.02-2" in out

@@ -148,7 +148,13 @@ def compiled_decoder(model: torch.nn.Module, run: str, capacity: int = 0) -> Sta
     if slower:
         print(f"--compile: decoding eagerly: the compiled step is slower here for {slower}", file=sys.stderr)
         return None
-    return StaticDecoder(model, capacity=capacity)
+    decoder = StaticDecoder(model, capacity=capacity)
+    if decoder.dequantized:
+        extra = 4 * sum(p.numel() for p in model.parameters() if type(p) not in (torch.Tensor, torch.nn.Parameter))
+        print(f"--compile: int8 weights on a CPU without AVX-512, where inductor's int8 kernels run slower than the "
+              f"eager decode: the compiled step holds them as float32 (+{extra / 2**20:,.0f} MiB while it decodes)",
+              file=sys.stderr)
+    return decoder
 
 
 @contextmanager

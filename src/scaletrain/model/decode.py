@@ -11,7 +11,9 @@ reads the weights at half the memory's speed at a few rows): a batch of a model 
 compiled with its weights frozen into the step, so inductor's C++ GEMM template runs them (register-blocked
 micro-kernels over prepacked weights, ``FROZEN_CPU``); one row, and a quantized model (torchao's int8
 weight-only tensors), run their Linears as fused weight-streaming loops (``StreamedLinear``; freezing would fold
-int8 weights back to float). Greedy tokens equal today's (``tests/test_decode_compiled.py``).
+int8 weights back to float) -- except int8 on a CPU without AVX-512, where inductor's int8 loops are slow: there
+the step is frozen at every batch, its int8 weights folded to float32 (``dequantized_in_step``). Greedy tokens
+equal today's (``tests/test_decode_compiled.py``).
 
 ``stream(..., decoder=StaticDecoder(model))`` uses it (``scaletrain generate --compile``); a model it cannot run
 (prompt tuning's embedding puts positions in front of the tokens) keeps the eager decode (``supports``).
@@ -139,16 +141,36 @@ class _Step(nn.Module):
         return self.model(tokens, cache=cache, last_only=True)[:, -1]
 
 
+def int8_weight_only(model: nn.Module) -> bool:
+    """Whether the model is quantized, every quantized weight torchao's per-row int8 weight-only tensor."""
+    quantized = [p for p in model.parameters() if type(p) not in (torch.Tensor, nn.Parameter)]
+    return bool(quantized) and all(_int8_weight_only(p, p.shape[-1]) for p in quantized)
+
+
+def avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def dequantized_in_step(model: nn.Module) -> bool:
+    """Whether the CPU step holds ``model``'s int8 weights dequantized to float32 (frozen in, as a float model's):
+    int8 weight-only on a CPU without AVX-512, where inductor's int8 kernels run slower than the eager decode
+    (``slower_than_eager``). Freezing folds ``qdata.to(float32)`` into a constant and keeps ``* scale`` in the
+    graph, torchao's own order (x @ qdata.T * scale), so the tokens are the eager int8 decode's; the cost is a
+    float32 copy of the weights while the decoder lives (4x their int8 bytes, packed)."""
+    return next(model.parameters()).device.type == "cpu" and int8_weight_only(model) and not avx512()
+
+
 def slower_than_eager(model: nn.Module) -> str:
     """Why the compiled step would decode ``model`` slower than the eager decode on this machine ('' when it
-    would not): quantized weights on a CPU without AVX-512. There inductor's kernel for an int8 weight runs 4-9x
+    would not): quantized weights on a CPU without AVX-512, other than int8 weight-only (which the step holds
+    dequantized there: ``dequantized_in_step``). There inductor's kernel for an int8 weight runs 4-9x
     slower than the fp32 one at the same shape (8-lane partial loads of a 32-lane int8 vector before the
     conversion; other formulations measured no better), and the streamed step ran 26 tokens/s against the eager
     decode's 31-56 at batch 1, 31 against 131-179 at batch 8 (benchmarks/decode.py, a 2-vCPU AVX2 EPYC; on an
     AVX-512 EPYC it ran 345 and 568, 8x and 2.7x the eager)."""
-    if next(model.parameters()).device.type != "cpu" or plain_weights(model):
+    if next(model.parameters()).device.type != "cpu" or plain_weights(model) or dequantized_in_step(model):
         return ""
-    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    if avx512():
         return ""
     return ("its quantized weights on a CPU without AVX-512, where inductor's int8 kernels run far below its fp32 "
             "ones (the compiled step measured 2-6x slower than the eager decode)")
@@ -187,8 +209,10 @@ class StaticDecoder:
         # On the CPU a float model's step at FROZEN_MIN_ROWS rows or more is compiled with its weights frozen in
         # (FROZEN_CPU); at one row, a quantized model's, or any with ``freeze=False`` (no packed copy of the
         # weights), through StreamedLinear
+        # int8 weight-only where inductor's int8 kernels are slow: frozen too, at every batch (dequantized_in_step)
+        self.dequantized = compile and mode is None and freeze is not False and dequantized_in_step(model)
         self.frozen = (compile and self.device.type == "cpu" and mode is None and plain_weights(model)
-                       and freeze is not False)
+                       and freeze is not False) or self.dequantized
         self._compile = compile
         self._module = _Step(model)
         self._build_step()
@@ -247,7 +271,7 @@ class StaticDecoder:
             raise ValueError(f"static KV cache full: {cache.tokens} of {cache.capacity} slots")
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are read: reuse its memory
-        frozen = self._frozen_step is not None and tokens.shape[0] >= FROZEN_MIN_ROWS
+        frozen = self._frozen_step is not None and (tokens.shape[0] >= FROZEN_MIN_ROWS or self.dequantized)
         config = (inductor_config.patch(**FROZEN_CPU, **CPU_STEP) if frozen
                   else inductor_config.patch(**CPU_STEP) if self.device.type == "cpu" and self._compile
                   else contextlib.nullcontext())

@@ -30,7 +30,13 @@ from scaletrain.files import guarded_write
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
-from scaletrain.plan.quality import add_quality_arguments, predicted_quality, quality_search, quality_text
+from scaletrain.plan.quality import (
+    add_quality_arguments,
+    predicted_quality,
+    print_fit_caveats,
+    quality_search,
+    quality_text,
+)
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
 from scaletrain.scaling.fit import law_params
@@ -295,6 +301,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if fit_doc is not None:  # what the run buys, beside what it costs
             console.print(quality_text(predicted_quality(fit_doc[0], law_params(workload.model),
                                                          workload.train_tokens)))
+            print_fit_caveats(fit_doc[0], console)
         if args.method:
             return _finetune_plan(args, workload, cluster, console)
         if args.deadline is not None or args.budget is not None:

@@ -228,10 +228,19 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
             ([f"${args.budget:,.0f}"] if args.budget else []) + ([f"{args.deadline:g} h"] if args.deadline else []))
     print_quality(console, result, title, cluster, as_of, seq, batch)
     console.print(f"searched within the fit's scope: {scope.describe()}")
+    print_fit_caveats(fit, console)
     drift = recipe_drift(recipe, seq, batch)
     if drift:
         console.print(drift)
     return {**result, "scope": {"n_low": scope.n_low, "n_high": scope.n_high, "max_tokens": scope.max_tokens}}
+
+
+def print_fit_caveats(fit: ScalingFit, console) -> None:
+    """The caveats ``scale`` printed with the fit, again beside every prediction made from it: a term the grid
+    barely constrained is where held-out runs missed (a Tiny Shakespeare char grid's flat size term: predictions
+    3.8-6.3% pessimistic at 4x-16x, docs/planning.md), so a plan read days later says so too."""
+    for note in fit.caveats():
+        console.print(f"caveat (the fit): {note}")
 
 
 def recipe_drift(recipe: dict, seq: int, batch: int) -> str:
