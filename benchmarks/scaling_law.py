@@ -57,7 +57,15 @@ def run_dataset(name: str, budget_scale: float, work: str, min_tpp: float = 0.0)
     import torch
 
     from scaletrain.cli import main
-    from scaletrain.scaling.grid import FAMILY, finished_records, make_run, train_run, vocabulary
+    from scaletrain.scaling.grid import (
+        FAMILY,
+        BudgetTooSmall,
+        finished_records,
+        make_run,
+        plan_grid,
+        train_run,
+        vocabulary,
+    )
     from scaletrain.scaling.store import load_fit
 
     torch.set_num_threads(1)
@@ -70,8 +78,17 @@ def run_dataset(name: str, budget_scale: float, work: str, min_tpp: float = 0.0)
     t0 = time.perf_counter()
     # a rerun with the same --work refits the finished grid (re-planning could pick another grid)
     again = ["--fit-only"] if len(finished_records(root / "grid")) >= 12 else []
-    if main(["scale", str(data), "--out", str(root / "grid"), "--budget", f"{spec['budget'] * budget_scale:.0f}s",
-             "--min-tokens-per-param", str(min_tpp or spec["min_tpp"]), *again]) != 0:
+    budget, corner = round(spec["budget"] * budget_scale), min_tpp or spec["min_tpp"]
+    try:  # the budget is the planner's prediction for this machine: a slower one may need more for any grid
+        plan_grid(data, budget, "auto", corner)
+    except BudgetTooSmall as exc:
+        if not math.isfinite(exc.smallest):
+            raise SystemExit(f"{name}: {exc}") from None
+        print(f"{name}: the {budget} s grid does not fit this machine; its smallest grid, {math.ceil(exc.smallest)} s, "
+              f"instead", flush=True)
+        budget = math.ceil(exc.smallest)
+    if main(["scale", str(data), "--out", str(root / "grid"), "--budget", f"{budget}s",
+             "--min-tokens-per-param", str(corner), *again]) != 0:
         raise SystemExit(f"{name}: scale failed")
     grid_seconds = time.perf_counter() - t0
     fit, doc = load_fit(data)
@@ -100,7 +117,8 @@ def run_dataset(name: str, budget_scale: float, work: str, min_tpp: float = 0.0)
                      "covered": lo <= record["val_bpb"] <= hi, "seconds": record["seconds"],
                      "predicted_seconds": run.predicted_seconds})
     flops = largest["flops"]
-    return {"dataset": name, "vocab_size": vocab, "train_tokens": train_tokens, "prepare_seconds": prepared,
+    return {"dataset": name, "grid_budget_seconds": budget, "vocab_size": vocab, "train_tokens": train_tokens,
+            "prepare_seconds": prepared,
             "grid_seconds": grid_seconds, "fit": {k: v for k, v in doc.items() if k != "bootstrap"},
             "tokens_per_param_at_largest": fit.tokens_per_param(flops), "heldout": rows}
 

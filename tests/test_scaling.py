@@ -230,8 +230,9 @@ def test_a_budget_too_small_names_the_smallest_that_fits(tmp_path, data_dir, cap
     assert len(err.splitlines()) == 1 and "too small" in err
     smallest = int(re.search(r"needs --budget (\d+)s on cpu", err).group(1))
     assert grid.plan_grid(data_dir, smallest, "cpu")  # the named budget fits (one second above the bound at most)
-    with pytest.raises(ConfigError, match="too small"):
+    with pytest.raises(grid.BudgetTooSmall, match="too small") as refused:  # what benchmarks/scaling_law.py reads
         grid.plan_grid(data_dir, smallest - 2, "cpu")
+    assert math.ceil(refused.value.smallest) == smallest
 
 
 def test_plan_repeats_the_fits_caveats_beside_its_prediction(data_dir, capsys):

@@ -82,6 +82,15 @@ def vocabulary(data_dir: str | Path) -> tuple[int, int]:
     return int(manifest["vocab_size"]), int(manifest["splits"]["train"]["tokens"])
 
 
+class BudgetTooSmall(ConfigError):
+    """No grid fits the budget; ``smallest`` is the least budget one fits in (seconds, the planner's prediction;
+    inf when the training split is too small for any grid at that corner ratio)."""
+
+    def __init__(self, message: str, smallest: float):
+        super().__init__(message)
+        self.smallest = smallest
+
+
 def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto",
               min_tokens_per_param: float = MIN_TOKENS_PER_PARAM) -> list[GridRun]:
     """The largest grid (SIZES consecutive family members x TOKEN_STEPS token counts) whose predicted total fits
@@ -110,8 +119,8 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
     need = (f"; the smallest grid needs --budget {math.ceil(smallest)}s on {where} (the planner's prediction)"
             if math.isfinite(smallest) else
             f"; the training split is too small for any grid at --min-tokens-per-param {min_tokens_per_param:g}")
-    raise ConfigError(f"--budget {budget_seconds:g} s is too small for a grid of {SIZES} sizes x {TOKEN_STEPS} "
-                      f"token counts of at least {MIN_STEPS} steps each on {where}{need}")
+    raise BudgetTooSmall(f"--budget {budget_seconds:g} s is too small for a grid of {SIZES} sizes x {TOKEN_STEPS} "
+                         f"token counts of at least {MIN_STEPS} steps each on {where}{need}", smallest)
 
 
 def make_run(dim: int, n_layers: int, vocab_size: int, steps: int, hardware: str = "auto") -> GridRun:
