@@ -80,7 +80,8 @@ def run_dataset(name: str, budget_scale: float, work: str, min_tpp: float = 0.0)
     again = ["--fit-only"] if len(finished_records(root / "grid")) >= 12 else []
     budget, corner = round(spec["budget"] * budget_scale), min_tpp or spec["min_tpp"]
     try:  # the budget is the planner's prediction for this machine: a slower one may need more for any grid
-        plan_grid(data, budget, "auto", corner)
+        if not again:
+            plan_grid(data, budget, "auto", corner)
     except BudgetTooSmall as exc:
         if not math.isfinite(exc.smallest):
             raise SystemExit(f"{name}: {exc}") from None
@@ -118,8 +119,8 @@ def run_dataset(name: str, budget_scale: float, work: str, min_tpp: float = 0.0)
                      "predicted_seconds": run.predicted_seconds})
     flops = largest["flops"]
     return {"dataset": name, "grid_budget_seconds": budget, "vocab_size": vocab, "train_tokens": train_tokens,
-            "prepare_seconds": prepared,
-            "grid_seconds": grid_seconds, "fit": {k: v for k, v in doc.items() if k != "bootstrap"},
+            "prepare_seconds": prepared, "grid_seconds": grid_seconds,
+            "fit": {k: v for k, v in doc.items() if k != "bootstrap"},
             "tokens_per_param_at_largest": fit.tokens_per_param(flops), "heldout": rows}
 
 

@@ -23,7 +23,7 @@ from scaletrain.data.tokenizer import DataError
 from scaletrain.files import guarded_write
 from scaletrain.infer.chat import Chat, Render, conversation_format
 from scaletrain.infer.text import StreamPrinter
-from scaletrain.model.decode import StaticDecoder, slower_than_eager, supports
+from scaletrain.model.decode import StaticDecoder, dequantized_bytes, slower_than_eager, supports
 from scaletrain.model.generate import Sampling, cut_at_stop, generate_batch, stop_at_strings, stream
 from scaletrain.options import ConfigError
 
@@ -150,10 +150,9 @@ def compiled_decoder(model: torch.nn.Module, run: str, capacity: int = 0) -> Sta
         return None
     decoder = StaticDecoder(model, capacity=capacity)
     if decoder.dequantized:
-        extra = 4 * sum(p.numel() for p in model.parameters() if type(p) not in (torch.Tensor, torch.nn.Parameter))
         print(f"--compile: int8 weights on a CPU without AVX-512, where inductor's int8 kernels run slower than the "
-              f"eager decode: the compiled step holds them as float32 (+{extra / 2**20:,.0f} MiB while it decodes)",
-              file=sys.stderr)
+              f"eager decode: the compiled step holds them as float32 (+{dequantized_bytes(model) / 2**20:,.0f} MiB "
+              f"while it decodes)", file=sys.stderr)
     return decoder
 
 

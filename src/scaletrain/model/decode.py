@@ -21,8 +21,6 @@ equal today's (``tests/test_decode_compiled.py``).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
@@ -141,10 +139,20 @@ class _Step(nn.Module):
         return self.model(tokens, cache=cache, last_only=True)[:, -1]
 
 
+def quantized_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters that are not plain tensors (torchao's quantized subclasses)."""
+    return [p for p in model.parameters() if type(p) not in (torch.Tensor, nn.Parameter)]
+
+
 def int8_weight_only(model: nn.Module) -> bool:
     """Whether the model is quantized, every quantized weight torchao's per-row int8 weight-only tensor."""
-    quantized = [p for p in model.parameters() if type(p) not in (torch.Tensor, nn.Parameter)]
+    quantized = quantized_weights(model)
     return bool(quantized) and all(_int8_weight_only(p, p.shape[-1]) for p in quantized)
+
+
+def dequantized_bytes(model: nn.Module) -> int:
+    """The float32 bytes of ``model``'s quantized weights: what a step that folds them to float32 holds."""
+    return 4 * sum(p.numel() for p in quantized_weights(model))
 
 
 def avx512() -> bool:
@@ -207,12 +215,12 @@ class StaticDecoder:
         self.cuda_graphs = compile and self.device.type == "cuda" and mode in (None, "reduce-overhead")
         self.mode = mode or ("reduce-overhead" if self.device.type == "cuda" else None)
         # On the CPU a float model's step at FROZEN_MIN_ROWS rows or more is compiled with its weights frozen in
-        # (FROZEN_CPU); at one row, a quantized model's, or any with ``freeze=False`` (no packed copy of the
-        # weights), through StreamedLinear
-        # int8 weight-only where inductor's int8 kernels are slow: frozen too, at every batch (dequantized_in_step)
-        self.dequantized = compile and mode is None and freeze is not False and dequantized_in_step(model)
-        self.frozen = (compile and self.device.type == "cpu" and mode is None and plain_weights(model)
-                       and freeze is not False) or self.dequantized
+        # (FROZEN_CPU), and an int8 weight-only model's at every batch where inductor's int8 kernels are slow
+        # (dequantized_in_step); at one row, other quantized models, or with ``freeze=False`` (no packed copy of
+        # the weights), through StreamedLinear
+        may_freeze = compile and self.device.type == "cpu" and mode is None and freeze is not False
+        self.dequantized = may_freeze and dequantized_in_step(model)
+        self.frozen = may_freeze and (plain_weights(model) or self.dequantized)
         self._compile = compile
         self._module = _Step(model)
         self._build_step()
@@ -272,10 +280,8 @@ class StaticDecoder:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are read: reuse its memory
         frozen = self._frozen_step is not None and (tokens.shape[0] >= FROZEN_MIN_ROWS or self.dequantized)
-        config = (inductor_config.patch(**FROZEN_CPU, **CPU_STEP) if frozen
-                  else inductor_config.patch(**CPU_STEP) if self.device.type == "cpu" and self._compile
-                  else contextlib.nullcontext())
-        with torch._dynamo.config.patch(recompile_limit=STEP_RECOMPILE_LIMIT), config:
+        config = {**(CPU_STEP if self.device.type == "cpu" and self._compile else {}), **(FROZEN_CPU if frozen else {})}
+        with torch._dynamo.config.patch(recompile_limit=STEP_RECOMPILE_LIMIT), inductor_config.patch(**config):
             logits = (self._frozen_step if frozen else self._step)(tokens, cache)
         cache.tokens += 1
         return logits.clone() if self.cuda_graphs else logits  # the graph's output buffer is rewritten next replay

@@ -110,8 +110,8 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
         base_steps = (budget_seconds - fixed) / (sum(per_step_s) * sum(ladder))
         most_steps = MAX_EPOCHS * train_tokens / per_step / ladder[-1]
         base_steps = min(base_steps, most_steps)
-        least_steps = max(MIN_STEPS, min_tokens_per_param * n_max / per_step)
-        if base_steps >= MIN_STEPS and base_steps * per_step >= min_tokens_per_param * n_max:
+        least_steps = max(MIN_STEPS, min_tokens_per_param * n_max / per_step)  # MIN_STEPS, and the corner's tokens
+        if base_steps >= least_steps:
             return [make_run(d, L, vocab, int(base_steps * r), hardware) for d, L in shapes for r in ladder]
         if least_steps <= most_steps:
             smallest = min(smallest, fixed + least_steps * sum(per_step_s) * sum(ladder))
