@@ -114,15 +114,41 @@ def test_streamed_linear_computes_what_linear_and_torchaos_int8_linear_compute(r
 @pytest.mark.slow  # ~20 s a compile of a quantized model
 @pytest.mark.parametrize("capability", ["AVX512", "AVX2"])
 def test_compiled_int8_decode_gives_the_eager_tokens(capability, monkeypatch):
-    """Both int8 steps: streamed int8 loops (an AVX-512 CPU) and the weights folded to float32 in a frozen step
-    (without AVX-512), which keeps torchao's order (x @ qdata.T * scale). Either runs on any x86 CPU: the
-    capability only chooses."""
+    """Every int8 step: streamed int8 loops (an AVX-512 CPU); without AVX-512 the integers streamed from a float16
+    copy at one row and folded to float32 in a frozen step at three, both in torchao's order
+    (x @ qdata.T * scale). Each runs on any x86 CPU: the capability only chooses."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     model = MODELS["int8"]()
     decoder = StaticDecoder(model)
-    assert decoder.dequantized == (capability == "AVX2")
-    prompts = ragged_prompts()[:3]
-    assert generate_batch(model, prompts, 30, decoder=decoder, **GREEDY) == generate_batch(model, prompts, 30, **GREEDY)
+    assert decoder.held == decoder.dequantized == (capability == "AVX2")
+    for prompts in (ragged_prompts()[:1], ragged_prompts()[:3]):
+        expected = generate_batch(model, prompts, 30, **GREEDY)
+        assert generate_batch(model, prompts, 30, decoder=decoder, **GREEDY) == expected
+    assert (decoder._held is not None) == (capability == "AVX2")  # made by the one-row generation
+
+
+def test_the_float16_copy_shares_every_tensor_but_the_int8_weights_and_computes_torchaos_product():
+    """half_held: a copy of the module tree, no parameter copied; each int8 weight-only Linear's integers as
+    float16, exactly; its product (eager, and streamed at one row) is torchao's int8 linear's."""
+    from scaletrain.model.decode import HalfHeldLinear, half_held
+
+    model = MODELS["int8"]()
+    held = half_held(model)
+    originals = {id(p) for p in model.parameters()}
+    assert all(id(p) in originals for p in held.parameters())
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and type(m.weight).__name__ == "Int8Tensor"]
+    assert linears
+    for name, linear in linears:
+        copy = held.get_submodule(name)
+        assert isinstance(copy, HalfHeldLinear) and copy.values.dtype == torch.float16
+        assert torch.equal(copy.values.to(torch.int8), linear.weight.qdata)
+        for rows in (1, 5):
+            x = torch.randn(rows, linear.in_features)
+            torch.testing.assert_close(copy(x), linear(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(torch.compile(copy, fullgraph=True)(x), linear(x), rtol=1e-5, atol=1e-5)
+        break  # one Linear's compile is enough (the slow test above decodes with all of them)
+    assert isinstance(model.get_submodule(linears[0][0]), torch.nn.Linear)  # the model itself unchanged
 
 
 def test_a_float_model_is_frozen_into_the_cpu_step_and_a_quantized_one_streams():
@@ -150,12 +176,27 @@ def test_a_frozen_step_follows_weights_written_after_it_compiled():
     assert generate_batch(model, prompts, 12, decoder=decoder, **GREEDY) == expected
 
 
+@pytest.mark.slow  # ~30 s: the frozen step compiled for two capacities
+def test_a_second_decoder_of_the_same_model_decodes_with_its_own_cache():
+    """Two decoders of one model share dynamo's compiled steps (same shapes, same weights): each call must read
+    and write the cache it is given. The frozen CPU step once folded the first decoder's cache into its graph
+    (a static address counts as a parameter), so the second decoder wrote the first one's slots: a 64-slot run,
+    then a 128-slot one, crashed on an index past the end."""
+    model = tiny_model()
+    prompts = ragged_prompts()[:2]
+    short, long = (generate_batch(model, prompts, n, **GREEDY) for n in (4, 40))  # 64 and 128 slots
+    for _ in range(2):
+        decoder = StaticDecoder(model)
+        assert generate_batch(model, prompts, 4, decoder=decoder, **GREEDY) == short
+        assert generate_batch(model, prompts, 40, decoder=decoder, **GREEDY) == long
+
+
 def test_int8_on_an_avx2_cpu_compiles_dequantized_and_other_quantized_weights_decode_eagerly(
         monkeypatch, tmp_path, capsys):
     """Where inductor's int8 kernels were measured slower than the eager decode (no AVX-512: 4-9x slower than
-    its fp32 ones), --compile holds int8 weight-only weights as float32 in the frozen step and says so in one
-    line (with the memory it costs); other quantized weights (int4 here) decode eagerly, said in one line; float
-    models and AVX-512 CPUs compile as before."""
+    its fp32 ones), --compile holds int8 weight-only weights as float16 at one row and as float32 in the frozen
+    step at more, and says so in one line (with the memory it costs); other quantized weights (int4 here)
+    decode eagerly, said in one line; float models and AVX-512 CPUs compile as before."""
     from scaletrain.compress.quantize import quantize_model
     from scaletrain.infer.cli import compiled_decoder
     from scaletrain.model.decode import dequantized_in_step, slower_than_eager
@@ -167,14 +208,16 @@ def test_int8_on_an_avx2_cpu_compiles_dequantized_and_other_quantized_weights_de
     assert slower_than_eager(int8) == "" and slower_than_eager(plain) == ""
     assert "without AVX-512" in slower_than_eager(int4)
     decoder = compiled_decoder(int8, str(tmp_path))
-    assert isinstance(decoder, StaticDecoder) and decoder.frozen and decoder.dequantized
+    assert isinstance(decoder, StaticDecoder) and decoder.frozen and decoder.dequantized and decoder.held
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "float32 (+" in err and "MiB" in err
+    assert err.count("\n") == 1 and "float16 at one row (+" in err and "float32 at more (+" in err
     assert compiled_decoder(int4, str(tmp_path)) is None
     assert capsys.readouterr().err.count("\n") == 1
     assert isinstance(compiled_decoder(plain, str(tmp_path)), StaticDecoder)
-    assert not StaticDecoder(int8, freeze=False).frozen  # freeze=False: the int8 loops, whatever they cost
+    unfrozen = StaticDecoder(int8, freeze=False)  # freeze=False: the float16 copy streamed at every batch
+    assert not unfrozen.frozen and unfrozen.held
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert slower_than_eager(int8) == "" and slower_than_eager(int4) == ""
     decoder = compiled_decoder(int8, str(tmp_path))
-    assert isinstance(decoder, StaticDecoder) and not decoder.frozen and capsys.readouterr().err == ""
+    assert isinstance(decoder, StaticDecoder) and not decoder.frozen and not decoder.held
+    assert capsys.readouterr().err == ""

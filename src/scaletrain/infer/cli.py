@@ -149,10 +149,11 @@ def compiled_decoder(model: torch.nn.Module, run: str, capacity: int = 0) -> Sta
         print(f"--compile: decoding eagerly: the compiled step is slower here for {slower}", file=sys.stderr)
         return None
     decoder = StaticDecoder(model, capacity=capacity)
-    if decoder.dequantized:
+    if decoder.held:
+        mib = dequantized_bytes(model, 2) / 2**20
         print(f"--compile: int8 weights on a CPU without AVX-512, where inductor's int8 kernels run slower than the "
-              f"eager decode: the compiled step holds them as float32 (+{dequantized_bytes(model) / 2**20:,.0f} MiB "
-              f"while it decodes)", file=sys.stderr)
+              f"eager decode: the compiled step holds them as float16 at one row (+{mib:,.0f} MiB) and as float32 "
+              f"at more (+{2 * mib:,.0f} MiB) while it decodes", file=sys.stderr)
     return decoder
 
 

@@ -116,6 +116,17 @@ class KVCache:
         self.length += seqlen
 
 
+def static_address(buffer: torch.Tensor) -> None:
+    """Mark a static cache's buffer for CUDA graphs (replayed on these very buffers: no copy in, no re-record).
+    Only on CUDA: a marked tensor counts as one of the graph's parameters, so the CPU's frozen step
+    (``model/decode.py``'s ``FROZEN_CPU``) folded the cache it compiled with into the graph as a constant, and
+    dynamo, which does not guard an unguarded static address, ran that graph for another decoder's cache of the
+    same shape: the first cache's slots written, an index past its end (a crash) or the wrong keys read
+    (``tests/test_decode_compiled.py``: two decoders of one model)."""
+    if buffer.device.type == "cuda":
+        torch._dynamo.mark_static_address(buffer)
+
+
 class StaticLayerCache(LayerCache):
     """One block's keys and values in a ``StaticKVCache``: (B, KV, capacity, hd) each, allocated at the first
     ``update`` (the prefill, eager) and written in place by slot index from then on; its ``mask`` is
@@ -128,8 +139,8 @@ class StaticLayerCache(LayerCache):
             shape = (k.shape[0], k.shape[1], self.owner.capacity, k.shape[3])
             self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
-            torch._dynamo.mark_static_address(self.k)  # CUDA graphs replay on these very buffers
-            torch._dynamo.mark_static_address(self.v)
+            static_address(self.k)
+            static_address(self.v)
         self.k.index_copy_(2, self.owner.query_slots, k)
         self.v.index_copy_(2, self.owner.query_slots, v)
         return self.k, self.v
@@ -159,7 +170,7 @@ class StaticKVCache:
         self.valid = torch.ones(batch_size, capacity, dtype=torch.bool, device=device)  # (B, C): not padding
         self.slot_positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # (B, C)
         for buffer in (self.slot, self.valid, self.slot_positions):
-            torch._dynamo.mark_static_address(buffer)
+            static_address(buffer)
         self.query_slots: torch.Tensor | None = None  # (T,): this forward's slots
         self.positions: torch.Tensor | None = None  # (B, T)
         self.mask: torch.Tensor | None = None  # (B, 1, T, C)

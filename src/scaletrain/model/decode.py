@@ -12,14 +12,18 @@ compiled with its weights frozen into the step, so inductor's C++ GEMM template 
 micro-kernels over prepacked weights, ``FROZEN_CPU``); one row, and a quantized model (torchao's int8
 weight-only tensors), run their Linears as fused weight-streaming loops (``StreamedLinear``; freezing would fold
 int8 weights back to float) -- except int8 on a CPU without AVX-512, where inductor's int8 loops are slow: there
-the step is frozen at every batch, its int8 weights folded to float32 (``dequantized_in_step``). Greedy tokens
-equal today's (``tests/test_decode_compiled.py``).
+the one-row step streams a float16 copy of the integers (``HalfHeldLinear``) and a batch's step is frozen, its
+int8 weights folded to float32 (``dequantized_in_step``). Greedy tokens equal today's
+(``tests/test_decode_compiled.py``).
 
 ``stream(..., decoder=StaticDecoder(model))`` uses it (``scaletrain generate --compile``); a model it cannot run
 (prompt tuning's embedding puts positions in front of the tokens) keeps the eager decode (``supports``).
 """
 
 from __future__ import annotations
+
+import copy
+import itertools
 
 import torch
 import torch._inductor.config as inductor_config
@@ -92,16 +96,22 @@ class StreamedLinear(TorchFunctionMode):
 def streamed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` as one weight-streaming reduction (``StreamedLinear``), or None where it
     does not apply. x (..., K), weight (N, K) -> (..., N)."""
-    n, k = weight.shape[0], weight.shape[-1]
+    if type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == x.dtype:
+        return streamed(x, weight, None, bias)
+    if _int8_weight_only(weight, weight.shape[-1]):
+        return streamed(x, weight.qdata, weight.scale, bias)  # (N, K) int8, (N, 1)
+    return None
+
+
+def streamed(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor | None,
+             bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ values.T (* scale) (+ bias)`` streaming ``values`` (N, K) once, each converted to x's dtype in
+    registers (float, or integers held as int8 or float16), ``scale`` (N, 1) after the sum as torchao orders it;
+    None where it does not apply (a GPU, more than ``STREAMED_ROWS`` rows, an odd K at one row)."""
+    n, k = values.shape[0], values.shape[-1]
     rows = x.numel() // max(k, 1)
     split = K_SPLIT if rows == 1 else 1
     if x.device.type != "cpu" or rows > STREAMED_ROWS or k % split or not x.dtype.is_floating_point:
-        return None
-    if type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == x.dtype:
-        values, scale = weight, None  # (N, K)
-    elif _int8_weight_only(weight, k):
-        values, scale = weight.qdata, weight.scale  # (N, K) int8, (N, 1)
-    else:
         return None
     # The input as its own buffer: inlined into the loop (the norm before a projection, SwiGLU's product) it would
     # be recomputed for every weight row, and inductor then tiles the loop differently (seen: 10-100x slower).
@@ -127,6 +137,42 @@ def plain_weights(model: nn.Module) -> bool:
     return all(type(p) in (torch.Tensor, nn.Parameter) and p.dtype.is_floating_point for p in model.parameters())
 
 
+class HalfHeldLinear(nn.Module):
+    """A Linear of torchao's per-row int8 weight-only tensor, its integers held as float16 (each of -128..127
+    exact, as the int8 value) for the one-row step on a CPU without AVX-512 (``half_held``): streamed
+    (``streamed``) as the int8 values would be, the same products in the same order, but through float16 loads
+    and AVX2's float16 conversion (one instruction), where inductor's int8 loads are 4-9x slower than its float
+    ones. Half the bytes of the float32 copy the frozen step folds, so half the memory read a token: on
+    benchmarks/decode.py's model, 166.5 tokens/s against 123.6 with the float32 fold and 152.0 holding them as
+    bfloat16 (medians of five interleaved rounds in one process, a 2-vCPU AVX2 EPYC; docs/inference.md)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        weight = linear.weight
+        self.register_buffer("values", weight.qdata.to(torch.float16), persistent=False)  # (N, K)
+        self.register_buffer("scale", weight.scale.reshape(-1, 1), persistent=False)  # (N, 1)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = streamed(x, self.values, self.scale, self.bias)
+        if out is None:  # more rows: the same product as one matrix (not the one-row step's case)
+            out = F.linear(x, self.values.to(x.dtype)) * self.scale.view(-1).to(x.dtype)
+            out = out if self.bias is None else out + self.bias
+        return out
+
+
+def half_held(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s modules sharing every parameter and buffer, its int8 weight-only Linears replaced by
+    ``HalfHeldLinear`` (the only new tensors: their float16 values and scales)."""
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    clone = copy.deepcopy(model, shared)
+    for module in list(clone.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and _int8_weight_only(child.weight, child.in_features):
+                setattr(module, name, HalfHeldLinear(child))
+    return clone
+
+
 class _Step(nn.Module):
     """The one-token step as a module: freezing finds the weights to fold through the compiled module's own."""
 
@@ -150,9 +196,10 @@ def int8_weight_only(model: nn.Module) -> bool:
     return bool(quantized) and all(_int8_weight_only(p, p.shape[-1]) for p in quantized)
 
 
-def dequantized_bytes(model: nn.Module) -> int:
-    """The float32 bytes of ``model``'s quantized weights: what a step that folds them to float32 holds."""
-    return 4 * sum(p.numel() for p in quantized_weights(model))
+def dequantized_bytes(model: nn.Module, itemsize: int = 4) -> int:
+    """The bytes of ``model``'s quantized weights held as floats of ``itemsize`` bytes: what a step that folds them
+    to float32 holds (4), or the one-row step's float16 copy (2, ``half_held``)."""
+    return itemsize * sum(p.numel() for p in quantized_weights(model))
 
 
 def avx512() -> bool:
@@ -160,11 +207,13 @@ def avx512() -> bool:
 
 
 def dequantized_in_step(model: nn.Module) -> bool:
-    """Whether the CPU step holds ``model``'s int8 weights dequantized to float32 (frozen in, as a float model's):
-    int8 weight-only on a CPU without AVX-512, where inductor's int8 kernels run slower than the eager decode
-    (``slower_than_eager``). Freezing folds ``qdata.to(float32)`` into a constant and keeps ``* scale`` in the
-    graph, torchao's own order (x @ qdata.T * scale), so the tokens are the eager int8 decode's; the cost is a
-    float32 copy of the weights while the decoder lives (4x their int8 bytes, packed)."""
+    """Whether the CPU step holds ``model``'s int8 weights as floats: int8 weight-only on a CPU without AVX-512,
+    where inductor's int8 kernels run slower than the eager decode (``slower_than_eager``). At one row the step
+    streams a float16 copy of the integers (``half_held``: exact); at ``FROZEN_MIN_ROWS`` rows and more it is
+    compiled frozen, as a float model's, and freezing folds ``qdata.to(float32)`` into a constant and keeps
+    ``* scale`` in the graph, torchao's own order. Either way the tokens are the eager int8 decode's; the cost is
+    the copy while the decoder lives (2x the int8 bytes at one row, 4x packed at more), each made at its first
+    step."""
     return next(model.parameters()).device.type == "cpu" and int8_weight_only(model) and not avx512()
 
 
@@ -215,11 +264,13 @@ class StaticDecoder:
         self.cuda_graphs = compile and self.device.type == "cuda" and mode in (None, "reduce-overhead")
         self.mode = mode or ("reduce-overhead" if self.device.type == "cuda" else None)
         # On the CPU a float model's step at FROZEN_MIN_ROWS rows or more is compiled with its weights frozen in
-        # (FROZEN_CPU), and an int8 weight-only model's at every batch where inductor's int8 kernels are slow
+        # (FROZEN_CPU), and so is an int8 weight-only model's where inductor's int8 kernels are slow
         # (dequantized_in_step); at one row, other quantized models, or with ``freeze=False`` (no packed copy of
-        # the weights), through StreamedLinear
-        may_freeze = compile and self.device.type == "cpu" and mode is None and freeze is not False
-        self.dequantized = may_freeze and dequantized_in_step(model)
+        # the weights), through StreamedLinear -- the int8 model then over its float16 copy (``held``)
+        cpu_step = compile and self.device.type == "cpu" and mode is None
+        may_freeze = cpu_step and freeze is not False
+        self.held = cpu_step and dequantized_in_step(model)
+        self.dequantized = may_freeze and self.held
         self.frozen = may_freeze and (plain_weights(model) or self.dequantized)
         self._compile = compile
         self._module = _Step(model)
@@ -239,16 +290,18 @@ class StaticDecoder:
         self._frozen_step = torch.compile(self._module, fullgraph=True, dynamic=False) if self.frozen else None
         self._step = (torch.compile(self._forward, fullgraph=True, dynamic=False, mode=self.mode) if self._compile
                       else self._forward)
+        self._held: _Step | None = None  # the half_held copy, made at the first step that streams it
         self._version = self._weights_version()
 
     def _weights_version(self) -> int:
         """The sum of the parameters' in-place write counters: it moves when an optimizer step or a load writes
-        them, after which a frozen step (which holds the weights it compiled with) is compiled again."""
-        return sum(p._version for p in self.model.parameters()) if self.frozen else 0
+        them, after which a frozen step (which holds the weights it compiled with) is compiled again and the
+        float16 copy made again."""
+        return sum(p._version for p in self.model.parameters()) if self.frozen or self.held else 0
 
     def _forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         with StreamedLinear():
-            return self._module(tokens, cache)
+            return (self._held if self.held else self._module)(tokens, cache)
 
     def cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         """An empty cache of this shape (the one made before for it, reset: same buffers, no recompile)."""
@@ -258,7 +311,7 @@ class StaticDecoder:
             torch.compiler.reset()
             self._build_step()
         key = (batch_size, capacity)
-        if key not in self._caches:  # kept: the compiled step is guarded on these very buffers (a new one recompiles)
+        if key not in self._caches:  # kept: a CUDA graph replays on these very buffers (a new one re-records)
             self._caches[key] = StaticKVCache(batch_size, capacity, self.device)
         cache = self._caches[key]
         cache.slot.zero_()
@@ -279,7 +332,9 @@ class StaticDecoder:
             raise ValueError(f"static KV cache full: {cache.tokens} of {cache.capacity} slots")
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are read: reuse its memory
-        frozen = self._frozen_step is not None and (tokens.shape[0] >= FROZEN_MIN_ROWS or self.dequantized)
+        frozen = self._frozen_step is not None and tokens.shape[0] >= FROZEN_MIN_ROWS
+        if self.held and not frozen and self._held is None:
+            self._held = _Step(half_held(self.model))
         config = {**(CPU_STEP if self.device.type == "cpu" and self._compile else {}), **(FROZEN_CPU if frozen else {})}
         with torch._dynamo.config.patch(recompile_limit=STEP_RECOMPILE_LIMIT), inductor_config.patch(**config):
             logits = (self._frozen_step if frozen else self._step)(tokens, cache)
