@@ -150,11 +150,16 @@ def compiled_decoder(model: torch.nn.Module, run: str, capacity: int = 0) -> Sta
         return None
     decoder = StaticDecoder(model, capacity=capacity)
     if decoder.held:
-        mib = dequantized_bytes(model, 2) / 2**20
+        half, full = (mib(dequantized_bytes(model, itemsize)) for itemsize in (2, 4))
         print(f"--compile: int8 weights on a CPU without AVX-512, where inductor's int8 kernels run slower than the "
-              f"eager decode: the compiled step holds them as float16 at one row (+{mib:,.0f} MiB) and as float32 "
-              f"at more (+{2 * mib:,.0f} MiB) while it decodes", file=sys.stderr)
+              f"eager decode: the compiled step holds them as float16 at one row (+{half} MiB) and as float32 "
+              f"at more (+{full} MiB) while it decodes", file=sys.stderr)
     return decoder
+
+
+def mib(n: int) -> str:
+    """Bytes as MiB, a decimal below 10 (so a small model's float16 and float32 sizes still read as 1:2)."""
+    return f"{n / 2**20:,.0f}" if n >= 10 * 2**20 else f"{n / 2**20:.1f}"
 
 
 @contextmanager
