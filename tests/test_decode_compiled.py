@@ -120,7 +120,7 @@ def test_compiled_int8_decode_gives_the_eager_tokens(capability, monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     model = MODELS["int8"]()
     decoder = StaticDecoder(model)
-    assert decoder.held == decoder.dequantized == (capability == "AVX2")
+    assert decoder.held == decoder.frozen == (capability == "AVX2")
     for prompts in (ragged_prompts()[:1], ragged_prompts()[:3]):
         expected = generate_batch(model, prompts, 30, **GREEDY)
         assert generate_batch(model, prompts, 30, decoder=decoder, **GREEDY) == expected
@@ -208,7 +208,7 @@ def test_int8_on_an_avx2_cpu_compiles_dequantized_and_other_quantized_weights_de
     assert slower_than_eager(int8) == "" and slower_than_eager(plain) == ""
     assert "without AVX-512" in slower_than_eager(int4)
     decoder = compiled_decoder(int8, str(tmp_path))
-    assert isinstance(decoder, StaticDecoder) and decoder.frozen and decoder.dequantized and decoder.held
+    assert isinstance(decoder, StaticDecoder) and decoder.frozen and decoder.held
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "float16 at one row (+" in err and "float32 at more (+" in err
     assert compiled_decoder(int4, str(tmp_path)) is None

@@ -20,7 +20,7 @@ from scaletrain.checkpoint.run import load_run
 from scaletrain.data.instructions import check_messages
 from scaletrain.data.sources import decode_text_file
 from scaletrain.data.tokenizer import DataError
-from scaletrain.files import guarded_write
+from scaletrain.files import guarded_write, human_bytes
 from scaletrain.infer.chat import Chat, Render, conversation_format
 from scaletrain.infer.text import StreamPrinter
 from scaletrain.model.decode import StaticDecoder, dequantized_bytes, slower_than_eager, supports
@@ -150,16 +150,11 @@ def compiled_decoder(model: torch.nn.Module, run: str, capacity: int = 0) -> Sta
         return None
     decoder = StaticDecoder(model, capacity=capacity)
     if decoder.held:
-        half, full = (mib(dequantized_bytes(model, itemsize)) for itemsize in (2, 4))
+        half, full = (human_bytes(dequantized_bytes(model, itemsize)) for itemsize in (2, 4))
         print(f"--compile: int8 weights on a CPU without AVX-512, where inductor's int8 kernels run slower than the "
-              f"eager decode: the compiled step holds them as float16 at one row (+{half} MiB) and as float32 "
-              f"at more (+{full} MiB) while it decodes", file=sys.stderr)
+              f"eager decode: the compiled step holds them as float16 at one row (+{half}) and as float32 "
+              f"at more (+{full}) while it decodes", file=sys.stderr)
     return decoder
-
-
-def mib(n: int) -> str:
-    """Bytes as MiB, a decimal below 10 (so a small model's float16 and float32 sizes still read as 1:2)."""
-    return f"{n / 2**20:,.0f}" if n >= 10 * 2**20 else f"{n / 2**20:.1f}"
 
 
 @contextmanager

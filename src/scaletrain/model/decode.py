@@ -270,8 +270,7 @@ class StaticDecoder:
         cpu_step = compile and self.device.type == "cpu" and mode is None
         may_freeze = cpu_step and freeze is not False
         self.held = cpu_step and dequantized_in_step(model)
-        self.dequantized = may_freeze and self.held
-        self.frozen = may_freeze and (plain_weights(model) or self.dequantized)
+        self.frozen = may_freeze and (plain_weights(model) or self.held)
         self._compile = compile
         self._module = _Step(model)
         self._build_step()
