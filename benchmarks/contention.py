@@ -13,7 +13,7 @@ median logged step once the load has been gone RETURN_ALLOWANCE s, the final val
 said with their time from launch. Target (issue 49): the loaded wall at most 1.1x the quiet one plus the load's
 own seconds. ``--rounds N`` alternates the order round by round and gives medians.
 
-    python benchmarks/contention.py --before 7347daa --out benchmarks/results/contention.json  # ~20 min, 2 cores
+    python benchmarks/contention.py --before 7347daa --out benchmarks/results/contention.json  # ~25 min, 2 cores
     python benchmarks/contention.py --steps 150 --load-start 10 --load-seconds 20              # a rehearsal
 
 Run the full measurement on a machine nothing else loads: another job's load makes the quiet run a loaded one.

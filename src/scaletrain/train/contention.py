@@ -7,8 +7,9 @@ a step against the 182 ms estimated; a books run 6.5 s/step with 2 threads, 1.4 
 The measurement is ``doctor``'s (``peak.CoreContention``: how long this process's threads waited for a core,
 and how much of the machine other processes used), taken at the start around a short matmul probe (~0.2 s,
 only when there are threads to give up), around one step when the steps run far beyond the estimate, and, while
-the run has given threads up, over back-to-back spans of about LOOK_SECONDS of steps (two /proc reads a span:
-no work added to the steps). The decisions are ``ThreadPolicy``'s, a pure object: readings in, counts out.
+the run has given threads up, over back-to-back spans of about LOOK_SECONDS of steps (/proc read at a span's
+ends, under 1 ms: no work added to the steps). The decisions are ``ThreadPolicy``'s, a pure object: readings
+in, counts out.
 
 Fewer threads are *chosen*, not only suggested, when ``train.threads`` is 0 (auto) and the process did not
 inherit an ``OMP_NUM_THREADS``: oversubscription costs several times the step (4.6x above). A load that passes
