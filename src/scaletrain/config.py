@@ -115,7 +115,8 @@ class TrainConfig:
                             choices=("default", "max-autotune-no-cudagraphs", "reduce-overhead"))
     threads: int = opt(0, "CPU threads for torch; 0 = torch's default (or OMP_NUM_THREADS), fewer when other "
                           "processes hold cores they need, checked at the start and when steps run far beyond "
-                          "the estimate (train/contention.py); N pins the count", ge=0)
+                          "the estimate, and back once those cores are free again (train/contention.py); N pins "
+                          "the count", ge=0)
     loss_chunk_rows: int = opt(-1, "the next-token loss by chunks of this many positions, so the whole logits tensor "
                                    "(tokens x vocabulary) never exists in forward or backward (model/loss.py, "
                                    "docs/training.md); -1 = auto: chunks of 32 MB of fp32 logits when a batch's "
