@@ -301,7 +301,7 @@ _ISSUE_OF_REASON = {"not UTF-8": "not_utf8_skipped"}  # else the reason with und
 
 def _removal_advice(stage: str, reason: str, count: int, cfg: PrepareConfig, report: Report) -> str:
     """One removal of the report as a clause that says what to change, e.g. "3 dropped by filter.min_chars
-    (shorter than 200 characters after cleaning): lower filter.min_chars (0 = off)"."""
+    (fewer than 200 characters after cleaning): lower filter.min_chars (0 = off)"."""
     if stage == "filter":
         if reason in ("min_chars", "min_words"):
             unit = "characters" if reason == "min_chars" else "words"

@@ -277,6 +277,16 @@ def _skip_file(path: Path, kind: str, message: str, n_bytes: int, report: Report
     report.remove("source", kind.replace("_", " "), n_bytes, str(path))
 
 
+def _skipped_as_not_text(head: bytes, path: Path, report: Report) -> bool:
+    """Whether a file is UTF-16 or binary by its first bytes (``not_text_reason``); then it is counted, named as
+    such, and skipped."""
+    reason = not_text_reason(head, path)
+    if reason:
+        kind = "utf16_file" if utf16_variant(head) else "binary_file"
+        _skip_file(path, kind, f"{reason}; skipped", len(head), report)
+    return reason is not None
+
+
 # -- readers ----------------------------------------------------------------------------------------
 
 def read_text(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
@@ -284,10 +294,7 @@ def read_text(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Documen
     limit = int(cfg.max_document_mb * 1e6)
     with open_binary(path) as fh:
         buf = fh.read(limit + 1)
-        reason = not_text_reason(buf, path)
-        if reason:
-            kind = "utf16_file" if utf16_variant(buf) else "binary_file"
-            _skip_file(path, kind, f"{reason}; skipped", len(buf), report)
+        if _skipped_as_not_text(buf, path, report):
             return
         part = 0
         while True:
@@ -351,11 +358,7 @@ def read_jsonl(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Docume
     """One document per line's ``text_field``; a bad line is counted and named (file:line), not fatal. A
     UTF-16 or binary file is skipped whole, named as such (its lines would each read as bad JSON)."""
     with open_binary(path) as fh:
-        head = fh.read(8192)
-        reason = not_text_reason(head, path)
-        if reason:
-            kind = "utf16_file" if utf16_variant(head) else "binary_file"
-            _skip_file(path, kind, f"{reason}; skipped", len(head), report)
+        if _skipped_as_not_text(fh.read(8192), path, report):
             return
     with open_binary(path) as fh:
         for lineno, raw in enumerate(fh, 1):
