@@ -147,7 +147,8 @@ def test_prompt_beside_a_prompts_file_is_refused(run, tmp_path, capsys):
 @pytest.mark.parametrize("content,message", [
     (b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)), "looks binary (NUL bytes or a binary signature)"),
     ('{"prompt": "A"}\n'.encode("utf-16"), "UTF-16 text, not UTF-8; convert it: iconv -f UTF-16 -t UTF-8"),
-    (b'{"prompt": "caf\xe9"}\n', "not UTF-8 at byte 15; a prompts file is UTF-8 JSONL"),
+    (b'{"prompt": "caf\xe9"}\n', "not UTF-8 at byte 15; it reads as Windows-1252 (Latin-1) text: convert it: "
+                                 "iconv -f CP1252 -t UTF-8"),
 ])
 def test_a_prompts_file_that_is_not_utf8_text_is_one_line(run, tmp_path, capsys, content, message):
     src = tmp_path / "prompts.jsonl"

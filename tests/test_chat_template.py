@@ -332,3 +332,86 @@ def test_chat_and_generate_render_in_the_runs_template(chatml_base, tmp_path, ti
     bad.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
     assert main(["generate", "--run", str(run), "--prompts-file", str(bad)]) == 2
     assert f"{bad}:1: message 1 must be {{'role': system|user|assistant, 'content': str}}" in capsys.readouterr().err
+
+
+# -- the Hub's layouts: Alpaca and ShareGPT (data/layouts.py) ------------------------------------------------
+LAYOUTS = Path(__file__).parent / "fixtures"
+
+
+def _same_examples(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("chat_template", ["auto", "plain"])
+def test_alpaca_lines_are_prompt_response_pairs_with_the_input_after_the_instruction(tmp_path, chat_template):
+    tokenizer = load_tokenizer(FIXTURE / "tokenizer.json")
+    lines = [json.loads(line) for line in (LAYOUTS / "alpaca.jsonl").read_text().splitlines()]
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text("".join(json.dumps({"prompt": f"{r['instruction']}\n\n{r['input']}" if r.get("input")
+                                        else r["instruction"], "response": r["output"]}) + "\n" for r in lines))
+    alpaca = read_instructions(LAYOUTS / "alpaca.jsonl", tokenizer, chat_template)
+    assert _same_examples(alpaca, read_instructions(ours, tokenizer, chat_template))
+    ids, target = alpaca[1]  # "input": "Romeo, Juliet, Hamlet, Tybalt"
+    text = tokenizer.transformers_tokenizer().decode(ids.tolist())
+    assert "Identify the odd one out.\n\nRomeo, Juliet, Hamlet, Tybalt" in text
+    assert tokenizer.transformers_tokenizer().decode(ids[target].tolist()).startswith("Hamlet: the other three")
+
+
+def test_sharegpt_lines_are_messages_with_human_and_gpt_as_user_and_assistant(tmp_path):
+    tokenizer = load_tokenizer(FIXTURE / "tokenizer.json")
+    role = {"human": "user", "gpt": "assistant", "system": "system"}
+    lines = [json.loads(line) for line in (LAYOUTS / "sharegpt.jsonl").read_text().splitlines()]
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text("".join(json.dumps({"messages": [{"role": role[t["from"]], "content": t["value"]}
+                                                     for t in r["conversations"]]}) + "\n" for r in lines))
+    sharegpt = read_instructions(LAYOUTS / "sharegpt.jsonl", tokenizer)
+    assert len(sharegpt) == 3 and _same_examples(sharegpt, read_instructions(ours, tokenizer))
+    ids, target = sharegpt[1]  # a system turn and two gpt answers
+    hf = tokenizer.transformers_tokenizer()
+    assert _target_runs(ids.tolist(), target.tolist(), hf) == ["To hear him speak.<|im_end|>",
+                                                               "Speak, speak.<|im_end|>"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "tool", "value": "x"}]},
+     ":2: conversation turn 2 must be {'from': system|human|gpt, 'value': str}"),
+    ({"conversations": [{"from": "human", "value": "Hi"}]}, ":2: 'conversations' has no gpt turn to learn from"),
+    ({"instruction": "Hi", "input": 3, "output": "Yes."}, ":2: Alpaca's 'input' must be a string (got int)"),
+    ({"question": "Hi", "answer": "Yes."}, ":2: needs string fields 'prompt' and 'response', a 'messages' list"),
+])
+def test_a_bad_hub_layout_line_is_one_line_naming_it(tmp_path, line, message):
+    bad = tmp_path / "bad.jsonl"
+    first = ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yes."}]}
+             if "conversations" in line else {"instruction": "Hi", "output": "Yes."})
+    bad.write_text(json.dumps(first) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(DataError) as err:
+        read_instructions(bad, load_tokenizer(FIXTURE / "tokenizer.json"))
+    assert str(err.value).startswith(f"{bad}{message}"), str(err.value)
+    if "question" in line:
+        assert "(fields: question, answer)" in str(err.value)
+
+
+def test_a_file_that_mixes_layouts_is_refused_naming_the_first_odd_line(tmp_path):
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text((LAYOUTS / "alpaca.jsonl").read_text() + (LAYOUTS / "sharegpt.jsonl").read_text())
+    with pytest.raises(DataError, match=rf"^{mixed}:5: a line in the ShareGPT layout, but the file's first example "
+                                        rf"\({mixed}:1\) is in the Alpaca layout; one file holds one layout"):
+        read_instructions(mixed, load_tokenizer(FIXTURE / "tokenizer.json"))
+
+
+def test_instruction_jsonl_with_a_bom_or_not_utf8_reads_as_prepare_reads_it(tmp_path):
+    tokenizer = load_tokenizer(FIXTURE / "tokenizer.json")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"prompt": "Caf\u00e9?", "response": "Oui."}, ensure_ascii=False) + "\n")
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())  # what Windows editors write
+    assert _same_examples(read_instructions(bom, tokenizer), read_instructions(plain, tokenizer))
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b"\n" + plain.read_text().encode("latin-1"))
+    with pytest.raises(DataError, match=rf"^{latin1}:2: not UTF-8 at byte 16 of the file; it reads as Windows-1252 "
+                                        r"\(Latin-1\) text: convert it: iconv -f CP1252 -t UTF-8"):
+        read_instructions(latin1, tokenizer)
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_bytes(plain.read_text().encode("utf-16"))
+    with pytest.raises(DataError, match=rf"^finetune.instructions: {utf16}: UTF-16 text, not UTF-8; convert it"):
+        read_instructions(utf16, tokenizer)

@@ -4,6 +4,7 @@ atomic writes, bad input that must stop the run, the CLI, parallel = sequential,
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -322,3 +323,73 @@ def test_a_hugging_face_tokenizer_folders_special_tokens_are_part_of_the_fingerp
     config.write_text(config.read_text(encoding="utf-8").replace('"eos_token"', '"eos_token_was"', 1), encoding="utf-8")
     after = fingerprints(cfg)
     assert before[0] == after[0] and before[1] != after[1]  # cleaning reused, tokens redone
+
+
+# one bad input each: what it becomes in ``prepare``'s one line (the stage or filter, what to change), and the
+# report that line names exists
+BAD_INPUTS = {
+    "empty.txt": (b"", r"1 document in; 1 empty file \(.*empty.txt: empty"),
+    "binary.txt": (b"\x00\x01\x02 binary \x00" * 20, r"1 binary file \(.*binary.txt: looks binary"),
+    "utf16.txt": ("Plain words saved as Unicode by a Windows editor.\n".encode("utf-16"),
+                  r"1 UTF-16 file \(.*utf16.txt: UTF-16 text, not UTF-8; convert it: iconv -f UTF-16 -t UTF-8"),
+    "one-line.txt": (b"one short line\n", r"1 dropped by filter.min_chars \(fewer than 200 characters after "
+                                          r"cleaning\): lower filter.min_chars \(0 = off\)"),
+    "latin1.txt": ("Caf\u00e9 cr\u00e8me, \u00e0 la fran\u00e7aise.\n".encode("latin-1"),
+                   r"filter.min_chars .*latin1.txt:1: not valid UTF-8 at byte 3; it reads as Windows-1252 \(Latin-1\) "
+                   r"text: convert it: iconv -f CP1252 -t UTF-8"),
+    "records.jsonl": (b'{"title": "a", "body": "b"}\n', r"1 without a 'text' field \(.*records.jsonl:1: no 'text' "
+                                                        r"field \(fields: title, body\).*set source.text_field"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_an_input_that_leaves_nothing_says_which_stage_dropped_it_and_the_report_exists(tmp_path, name, capsys):
+    raw, expected = BAD_INPUTS[name]
+    (tmp_path / name).write_bytes(raw)
+    out = tmp_path / "out"
+    assert cli_main([str(tmp_path / name), "--out", str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("DataError: no document left")
+    assert re.search(expected, err), err
+    assert err.endswith(f"see {out / 'report.json'}")
+    assert json.loads((out / "report.json").read_text())["documents_in"] == 1
+
+
+def test_a_vocabulary_smaller_than_asked_is_said_and_recorded(tmp_path, capsys):
+    corpus = _corpus(tmp_path)
+    assert cli_main([str(corpus / "shakespeare"), "--out", str(tmp_path / "a"), "--tokenizer", "bpe",
+                     "--vocab-size", "70001", "--val-fraction", "0.2", "--workers", "1"]) == 0
+    printed = capsys.readouterr().out
+    manifest = read_manifest(tmp_path / "a")
+    n = manifest["vocab_size"]
+    assert n < 70001 and manifest["tokenizer"]["vocab_size_asked"] == 70001
+    said = f"tokenizer.vocab_size = 70,001 asked, but the corpus supports only {n:,} tokens"
+    assert said in printed and f"(vocab {n:,} of 70,001 asked" in printed
+    assert said in json.loads((tmp_path / "a" / "report.json").read_text())["messages"]["vocab_smaller_than_asked"][0]
+
+
+def test_a_char_vocabulary_that_lacks_the_texts_characters_names_the_document(tmp_path):
+    from scaletrain.data.tokenizer import CharTokenizer
+
+    CharTokenizer(list("abc \n")).save(tmp_path / "abc.json")
+    (tmp_path / "ok.txt").write_text("abc cab\n")
+    (tmp_path / "xyz.txt").write_text("xyz zyx\n")
+    cfg = _config(tmp_path / "xyz.txt", tmp_path / "out", kind=str(tmp_path / "abc.json"))
+    cfg.source.paths = [str(tmp_path / "ok.txt"), str(tmp_path / "xyz.txt")]
+    cfg.filter.min_chars, cfg.split.by = 0, "tail"
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'xyz.txt'}: characters not in the char vocabulary .*'x' x2.*"
+                                        r"1 of 2 document\(s\)"):
+        prepare(cfg)
+
+
+def test_the_trainers_jsonl_without_a_text_field_names_its_fields_and_the_flags(tmp_path):
+    alpaca = FIXTURES / "alpaca.jsonl"
+    with pytest.raises(DataError) as info:
+        prepare_text(str(alpaca), tmp_path / "data")
+    message = str(info.value)
+    assert "4 without a 'text' field" in message and "fields: instruction, input, output" in message
+    assert f"finetune.instructions={alpaca}" in message and "set data.text_field" in message
+    report = tmp_path / "data" / "report.json"
+    assert message.endswith(f"see {report}") and report.is_file()
+    manifest = prepare_text(str(alpaca), tmp_path / "outputs", text_field="output", val_fraction=0.25)
+    assert manifest["splits"]["train"]["documents"] == 3  # data.text_field: one field of each line as its text

@@ -91,7 +91,9 @@ def test_binary_empty_and_non_utf8(tmp_path):
     docs, report = _read([tmp_path])
     assert [d.text for d in docs] == ["caf\ufffd ok\nna\ufffdve"]
     assert report.issues == {"binary_file": 1, "empty_file": 1, "not_utf8_replaced": 1}
-    assert f"{tmp_path / 'latin1.txt'}:1: not valid UTF-8 at byte 3" in report.messages["not_utf8_replaced"][0]
+    assert f"{tmp_path / 'latin1.txt'}:1: not valid UTF-8 at byte 3; it reads as Windows-1252 (Latin-1) text: " \
+           f"convert it: iconv -f CP1252 -t UTF-8 {tmp_path / 'latin1.txt'} > {tmp_path / 'latin1-utf8.txt'}" \
+           in report.messages["not_utf8_replaced"][0]
     docs, report = _read([tmp_path / "latin1.txt"], encoding_errors="skip")
     assert docs == [] and report.removed["source"]["not UTF-8"][0] == 1
     with pytest.raises(DataError, match="latin1.txt:1: not valid UTF-8"):
@@ -199,3 +201,18 @@ def test_a_utf16_file_is_named_utf16_with_the_command_that_converts_it(tmp_path,
         read_text_file(book)
     assert str(exc.value) == advice
     assert read_text_file(tmp_path / "ok.txt") == "plain UTF-8 text\n"
+
+
+def test_a_utf16_or_bom_jsonl_is_read_or_named_and_a_missing_field_names_the_fields(tmp_path):
+    lines = json.dumps({"text": "one"}) + "\n" + json.dumps({"instruction": "Hi", "output": "Yes."}) + "\n"
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    docs, report = _read([tmp_path / "bom.jsonl"])
+    assert [d.text for d in docs] == ["one"]
+    assert report.messages["missing_text_field"] == [
+        f"{tmp_path / 'bom.jsonl'}:2: no 'text' field (fields: instruction, output: instruction data in the Alpaca "
+        f"layout, which finetune.instructions={tmp_path / 'bom.jsonl'} reads); record skipped (to read another field "
+        f"as the text, set source.text_field)"]
+    (tmp_path / "utf16.jsonl").write_bytes(lines.encode("utf-16-le"))
+    docs, report = _read([tmp_path / "utf16.jsonl"])
+    assert docs == [] and report.issues == {"utf16_file": 1}  # not two lines of bad JSON
+    assert "UTF-16LE text, not UTF-8; convert it: iconv -f UTF-16LE" in report.messages["utf16_file"][0]

@@ -207,11 +207,15 @@ def test_stride_and_context_change_the_windows(bpe_run, tmp_path):
     ("latin1", "not UTF-8 at byte"),
     ("missing", "file not found"),
     ("folder", "file not found (a folder"),
+    ("out_of_vocabulary", "1 token(s) left to score, fewer than 2 (a context and a target): 3 characters not in "
+                          "the tokenizer's vocabulary (e.g. '日' x1, '本' x1, '語' x1) were skipped"),
 ])
 def test_bad_text_files_are_one_line(case, expect, char_run, tmp_path, capsys):
     path = tmp_path / f"{case}.txt"
     if case == "empty":
         path.write_text(" \n\n")
+    elif case == "out_of_vocabulary":  # a char vocabulary learnt from Shakespeare: only the newline is known
+        path.write_text("日本語\n")
     elif case == "utf16":
         path.write_bytes("Some text in UTF-16.\n".encode("utf-16"))
     elif case == "latin1":

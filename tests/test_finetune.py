@@ -346,6 +346,18 @@ def test_instruction_finetune_trains_and_bad_line_exits_2(hf_base, tmp_path, tin
     assert f"{bad}:2: needs string fields 'prompt' and 'response'" in capsys.readouterr().err
 
 
+def test_instruction_data_given_as_text_points_at_finetune_instructions(hf_base, tmp_path, tiny, capsys):
+    alpaca = FIXTURE.with_name("alpaca.jsonl")  # instruction/input/output: no 'text' field to read as text
+    capsys.readouterr()
+    assert main(_finetune_args(hf_base, tmp_path / "run", tiny, **{"data.path": str(alpaca)})) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "4 without a 'text' field" in err, err
+    assert f"fields: instruction, input, output: instruction data in the Alpaca layout, which " \
+           f"finetune.instructions={alpaca} reads" in err and "set data.text_field" in err
+    report = Path(err.rsplit("; see ", 1)[1])
+    assert report.name == "report.json" and report.is_file()  # the report the line names exists
+
+
 @pytest.mark.parametrize("method", ["full", "lora", "qlora", "prompt", "dora"])
 def test_planner_finetune_memory_matches_measured(hf_base, method):
     """The planner's fine-tuning memory vs the exact live tensor bytes of the trainer's step (10%)."""

@@ -56,6 +56,18 @@ def test_pairs_score_the_completions_only():
     assert ci.shape == ri.shape == (12, SEQ) and int((ct[0] != -100).sum()) == len("The king speaks first.\n\n")
 
 
+def test_a_preference_file_with_a_bom_reads_and_one_not_utf8_is_one_line(tmp_path):
+    tok = CharTokenizer(CHARS)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + FIXTURE.read_bytes())  # a Windows editor's UTF-8
+    assert len(read_preferences(bom, tok, SEQ)) == 12
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(json.dumps({"prompt": "Caf\u00e9?", "chosen": "Yes.", "rejected": "No."},
+                                  ensure_ascii=False).encode("latin-1") + b"\n")
+    with pytest.raises(DataError, match=rf"^{latin1}:1: not UTF-8 at byte 15 of the file; it reads as Windows-1252"):
+        read_preferences(latin1, tok, SEQ)
+
+
 @pytest.mark.parametrize("line, message", [
     ({"prompt": "Hi", "chosen": "Yes."}, ":2: missing field 'rejected'"),
     ({"prompt": "Hi", "chosen": " ", "rejected": "No."}, ":2: 'chosen' is empty"),

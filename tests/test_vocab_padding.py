@@ -55,6 +55,11 @@ def test_resolve_vocab_pads_only_a_data_derived_vocabulary():
         resolve_vocab(explicit, {"vocab_size": 70})
 
 
+def test_the_vocab_line_says_a_bpe_smaller_than_asked():
+    manifest = {"vocab_size": 65, "tokenizer": {"kind": "bpe", "vocab_size_asked": 70001}}  # prepare recorded it
+    assert resolve_vocab(JobConfig(), manifest)[1] == "65 (a BPE of 70001 was asked; the text supports only 65)"
+
+
 def test_masked_cross_entropy_equals_the_loss_on_sliced_logits():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, 70, generator=g)

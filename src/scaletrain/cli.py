@@ -237,7 +237,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         evaluate.check_window(context, stride, cfg.model.max_seq_len)
         max_tokens = context + (args.batches * cfg.train.batch_size - 1) * stride + 1 \
             if args.batches and args.batches > 0 else None  # 0 (or less): all of it, as for the val split
-        score, tokens = evaluate.score_text(model, tokenizer, text, context, stride, cfg.train.batch_size, max_tokens)
+        score, tokens = evaluate.score_text(model, tokenizer, text, context, stride, cfg.train.batch_size, max_tokens,
+                                            where=f"--text {path}")
         if score.skipped:
             from scaletrain.data.tokenizer import describe_skipped
 

@@ -44,6 +44,8 @@ class DataConfig:
                                   "the text) or a path to a tokenizer.json")
     vocab_size: int = opt(2048, "BPE vocabulary size when the tokenizer is trained here", ge=260)
     val_fraction: float = opt(0.1, "fraction of the text held out for validation", ge=0.0, lt=1.0)
+    text_field: str = opt("text", "when preparing a .jsonl/.json/.parquet file: the field holding the text "
+                                  "(instruction data is read with finetune.instructions instead)")
     seq_len: int = opt(DEFAULT_CONTEXT, "tokens per training sequence (context length)", ge=1)
     cache_dir: str = opt("", "where raw text is prepared; empty = <train.run_dir>/data")
     shuffle: bool = opt(True, "shuffle sequences each epoch (deterministic in train.seed and the epoch)")

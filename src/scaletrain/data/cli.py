@@ -71,7 +71,9 @@ def run_prepare(args: argparse.Namespace) -> int:
     if report.documents_in:  # zero when the output was already up to date
         print(report.table())
     splits = ", ".join(f"{s} {info['tokens']:,} tokens" for s, info in manifest["splits"].items())
-    print(f"wrote {cfg.output.dir} (vocab {manifest['vocab_size']:,}, {manifest['dtype']}; {splits})")
+    asked = manifest["tokenizer"].get("vocab_size_asked")
+    vocab = f"{manifest['vocab_size']:,}" + (f" of {asked:,} asked: the corpus supports no more" if asked else "")
+    print(f"wrote {cfg.output.dir} (vocab {vocab}, {manifest['dtype']}; {splits})")
     return 0
 
 

@@ -1,9 +1,16 @@
 """Instruction data for fine-tuning: JSONL of prompt/response pairs or chat messages, loss on the answers only.
 
-Accepted lines (one JSON object per line, blank lines skipped):
+Accepted lines (one JSON object per line, blank lines skipped; the layouts of data/layouts.py):
 
     {"prompt": "...", "response": "..."}
     {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+    {"instruction": "...", "input": "...", "output": "..."}                     Alpaca ("input" optional)
+    {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}  ShareGPT
+
+An Alpaca line is the prompt/response pair (instruction + "\\n\\n" + input, output): the input follows the
+instruction after a blank line, as in Alpaca's own template ("### Instruction:", then "### Input:"), and an empty
+input is left out. A ShareGPT line is the messages with human -> user, gpt -> assistant. prompt/response and
+messages lines may share a file; any other mix is refused, naming the first line of another layout.
 
 Two templates, chosen by ``finetune.chat_template`` (``uses_base_template``):
 
@@ -38,6 +45,7 @@ their targets in ``[`` ``]``.
 
 from __future__ import annotations
 
+import codecs
 import json
 import sys
 from bisect import bisect_left, insort
@@ -49,6 +57,8 @@ import numpy as np
 import torch
 
 from scaletrain.data.chat import encode_conversation, mask_preview, render, uses_base_template
+from scaletrain.data.layouts import FAMILY, fields_seen, instruction_layout
+from scaletrain.data.sources import legacy_encoding_note, not_text_reason
 from scaletrain.data.tokenizer import BPETokenizer, DataError, Tokenizer, load_tokenizer
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
@@ -74,19 +84,51 @@ def check_messages(messages: object, where: str) -> None:
                             f"{', '.join(ROLES)}")
 
 
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+
+
+def _alpaca_prompt(record: dict, where: str) -> str:
+    """Alpaca's instruction and its optional input as one prompt: the two joined by a blank line, as Alpaca's
+    template puts the "### Input:" section after the instruction (an empty or missing input: the instruction)."""
+    extra = record.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise DataError(f"{where}: Alpaca's 'input' must be a string (got {type(extra).__name__})")
+    return f"{record['instruction']}\n\n{extra}" if extra and extra.strip() else record["instruction"]
+
+
+def _sharegpt_messages(turns: list, where: str) -> list[dict]:
+    """ShareGPT's ``conversations`` (``{"from": system|human|gpt, "value": str}``) as messages."""
+    messages = []
+    for number, turn in enumerate(turns, 1):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str) or turn.get("from") not in \
+                SHAREGPT_ROLES:
+            raise DataError(f"{where}: conversation turn {number} must be {{'from': {'|'.join(SHAREGPT_ROLES)}, "
+                            f"'value': str}} (got {json.dumps(turn, ensure_ascii=False)[:80]})")
+        messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+    return messages
+
+
 def _conversation(record: object, where: str) -> tuple[list[dict], bool]:
-    """One JSONL record as (messages, whether it was a prompt/response pair)."""
-    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+    """One JSONL record in any layout (data/layouts.py) as (messages, whether it is one prompt and its answer,
+    which the plain template writes as an instruction and its response)."""
+    layout = instruction_layout(record)
+    if layout == "prompt/response":
         return [{"role": "user", "content": record["prompt"]},
                 {"role": "assistant", "content": record["response"]}], True
-    messages = record.get("messages") if isinstance(record, dict) else None
-    if isinstance(messages, list) and messages:
+    if layout == "Alpaca":
+        return [{"role": "user", "content": _alpaca_prompt(record, where)},
+                {"role": "assistant", "content": record["output"]}], True
+    if layout in ("messages", "ShareGPT"):
+        messages = record["messages"] if layout == "messages" else _sharegpt_messages(record["conversations"], where)
         check_messages(messages, where)
         if not any(m["role"] == "assistant" for m in messages):
-            raise DataError(f"{where}: 'messages' has no assistant turn to learn from")
+            raise DataError(f"{where}: {'messages' if layout == 'messages' else 'conversations'!r} has no "
+                            f"{'assistant' if layout == 'messages' else 'gpt'} turn to learn from")
         return messages, False
-    raise DataError(f"{where}: needs string fields 'prompt' and 'response', or a 'messages' list of "
-                    f"{{'role': system|user|assistant, 'content': str}}")
+    raise DataError(f"{where}: needs string fields 'prompt' and 'response', a 'messages' list of "
+                    f"{{'role': system|user|assistant, 'content': str}}, Alpaca's 'instruction' and 'output' "
+                    f"(and an optional 'input'), or ShareGPT's 'conversations' list of {{'from': human|gpt|system, "
+                    f"'value': str}} ({fields_seen(record)})")
 
 
 def _segments(messages: list[dict], is_pair: bool) -> list[tuple[str, bool]]:
@@ -158,16 +200,31 @@ def encode_record(record: object, where: str, tokenizer: Tokenizer, hf) -> tuple
 
 
 def jsonl_records(path: str | Path, setting: str) -> Iterator[tuple[str, object]]:
-    """(``file:line``, the parsed record) of every non-blank line of a JSONL file; a missing file names
-    ``setting`` (e.g. finetune.instructions), a line that is not JSON is a DataError naming it."""
+    """(``file:line``, the parsed record) of every non-blank line of a JSONL file, read as ``prepare``'s text
+    reader reads (data/sources.py): a UTF-8 byte order mark dropped, a UTF-16 or binary file named as such. A
+    missing file names ``setting`` (e.g. finetune.instructions); bytes that are not UTF-8 (named with their
+    offset in the file) and a line that is not JSON are a DataError naming the line."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{setting}: file not found: {path}")
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
+    with path.open("rb") as fh:
+        reason = not_text_reason(fh.read(8192), path)
+        if reason:
+            raise DataError(f"{setting}: {path}: {reason}")
+        fh.seek(0)
+        offset = 0  # of the line in the file, for the message naming a byte that is not UTF-8
+        for number, raw in enumerate(fh, 1):
+            start, offset = offset, offset + len(raw)
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):  # what Windows editors put first
+                raw, start = raw[len(codecs.BOM_UTF8):], start + len(codecs.BOM_UTF8)
+            if not raw.strip():
                 continue
             where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{where}: not UTF-8 at byte {start + exc.start:,} of the file"
+                                f"{legacy_encoding_note(raw, path)}") from None
             try:
                 yield where, json.loads(line)
             except ValueError:
@@ -179,8 +236,15 @@ def read_instructions(path: str | Path, tokenizer: Tokenizer,
     """Every example of a JSONL file as (ids, is_target) arrays, in the template ``chat_template`` chooses
     (module docstring); a bad line is a DataError naming it."""
     hf = tokenizer.transformers_tokenizer() if uses_base_template(tokenizer, chat_template) else None
-    examples = [encode_record(record, where, tokenizer, hf)
-                for where, record in jsonl_records(path, "finetune.instructions")]
+    examples, first = [], None  # first: (file:line, layout) of the first example, which the others must share
+    for where, record in jsonl_records(path, "finetune.instructions"):
+        layout = instruction_layout(record)
+        if first is None:
+            first = where, layout
+        elif layout is not None and FAMILY[layout] != FAMILY[first[1]]:
+            raise DataError(f"{where}: a line in the {layout} layout, but the file's first example ({first[0]}) is "
+                            f"in the {first[1]} layout; one file holds one layout: convert or split it")
+        examples.append(encode_record(record, where, tokenizer, hf))
     if not examples:
         raise DataError(f"{path}: no examples")
     return examples

@@ -21,9 +21,10 @@ import dataclasses
 import hashlib
 import io
 import json
+import re
 import struct
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -254,9 +255,14 @@ def write_shards(cfg: PrepareConfig, spill: Path, keys: np.ndarray, by: str, val
             yield batch
 
     t0 = time.perf_counter()
-    for arrays in encode_stream(batches(), tok, out / "tokenizer.json", dtype, cfg.tokenizer.encode_workers):
-        for split, ids in zip(labels.popleft(), arrays):
-            writers[split].add(ids)
+    try:
+        for arrays in encode_stream(batches(), tok, out / "tokenizer.json", dtype, cfg.tokenizer.encode_workers):
+            for split, ids in zip(labels.popleft(), arrays):
+                writers[split].add(ids)
+    except DataError:
+        if not isinstance(tok, CharTokenizer):
+            raise  # a BPE's messages name the tokenizer and the character already (encode.Encoder)
+        raise DataError(_unknown_characters(spill, tok, cfg.tokenizer.kind)) from None
     report.timings["encode_and_write"] = time.perf_counter() - t0
     splits = {}
     for split, writer in writers.items():  # val is listed even when empty, as the trainer expects
@@ -264,11 +270,67 @@ def write_shards(cfg: PrepareConfig, spill: Path, keys: np.ndarray, by: str, val
         splits[split] = {"tokens": writer.tokens, **stats[split], "shards": shards,
                          "doc_index": writer.write_doc_index()}
     if splits["train"]["tokens"] == 0:
-        raise DataError("the train split is empty after cleaning and filtering (see report.json)")
+        report.write(out / "report.json")
+        raise DataError(f"the train split is empty: {keys.size:,} document(s) left after cleaning and filtering "
+                        f"hold no train text with split.by = {by!r} and split.val_fraction = "
+                        f"{cfg.split.val_fraction} (add text, or lower split.val_fraction); see {out / 'report.json'}")
     return splits
 
 
+def _unknown_characters(spill: Path, tok: CharTokenizer, kind: str) -> str:
+    """Which documents a given char vocabulary cannot encode (the encoder stops at the first character it
+    lacks, without its document): the first one by name, how many there are, and the characters."""
+    unknown: Counter = Counter()
+    first, count, total = None, 0, 0
+    for source, text in read_cleaned(spill):
+        total += 1
+        missing = set(text) - tok.stoi.keys()
+        if missing:
+            first, count = first or source, count + 1
+            unknown.update(c for c in text if c in missing)
+    shown = ", ".join(f"{c!r} x{n:,}" for c, n in unknown.most_common(3))
+    return (f"{first}: characters not in the char vocabulary of tokenizer.kind = {kind} (e.g. {shown}); "
+            f"{count:,} of {total:,} document(s) hold such characters, so prepare stopped: use --tokenizer char (a "
+            f"vocabulary of this text) or bpe, or a tokenizer that covers it")
+
+
 # -- the whole run ---------------------------------------------------------------------------------------
+
+_ISSUE_OF_REASON = {"not UTF-8": "not_utf8_skipped"}  # else the reason with underscores (sources._skip_file)
+
+
+def _removal_advice(stage: str, reason: str, count: int, cfg: PrepareConfig, report: Report) -> str:
+    """One removal of the report as a clause that says what to change, e.g. "3 dropped by filter.min_chars
+    (fewer than 200 characters after cleaning): lower filter.min_chars (0 = off)"."""
+    if stage == "filter":
+        if reason in ("min_chars", "min_words"):
+            unit = "characters" if reason == "min_chars" else "words"
+            return (f"{count:,} dropped by filter.{reason} (fewer than {getattr(cfg.filter, reason):,} {unit} after "
+                    f"cleaning): lower filter.{reason} (0 = off)")
+        if reason.startswith("language"):
+            return f"{count:,} dropped by filter.language = {cfg.filter.language} (detected {reason[9:].strip('()')})"
+        setting = re.sub(r"_\dgram_", "_ngram_", reason)  # max_top_2gram_fraction -> max_top_ngram_fraction
+        off = "an empty list = off" if setting != reason else "1 = off"
+        return f"{count:,} dropped by filter.{reason}: raise filter.{setting} ({off})"
+    if stage == "source":
+        first = report.first_message(_ISSUE_OF_REASON.get(reason, reason.lower().replace(" ", "_")))
+        what = {"missing text field": f"without a {cfg.source.text_field!r} field", "utf16 file": "UTF-16 file",
+                "not UTF-8": "not UTF-8 (source.encoding_errors = 'skip')"}.get(reason, reason)
+        return f"{count:,} {what}" + (f" ({first})" if first else "")
+    return f"{count:,} dropped by {stage}: {reason}"
+
+
+def nothing_left(report: Report, cfg: PrepareConfig, report_path: Path) -> str:
+    """The one line that says why no document is left: how many came in, which stage or filter dropped how many
+    and what to change, then the input issues that dropped nothing (bytes replaced, a bad JSON array)."""
+    parts = [_removal_advice(stage, reason, count, cfg, report) for stage, reason, count in report.removals()]
+    covered = {_ISSUE_OF_REASON.get(reason, reason.lower().replace(" ", "_")) for stage, reason, _ in
+               report.removals() if stage == "source"}
+    parts += [report.first_message(kind) for kind in report.issues if kind not in covered][:2]
+    n = report.documents_in
+    return (f"no document left after cleaning, filtering and deduplication: {n:,} document{'s' if n != 1 else ''} "
+            f"in; {'; '.join(p for p in parts if p) or 'no input read'}; see {report_path}")
+
 
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -335,8 +397,8 @@ def _prepare(cfg: PrepareConfig, out: Path, report: Report, log: Callable[[str],
         marker.write_text(json.dumps({"fingerprint": fp_clean, "report": report.counters()}))
     report.timings["clean_filter_dedup"] = time.perf_counter() - t0
     if keys.size == 0:
-        raise DataError(f"no document left after cleaning, filtering and deduplication "
-                        f"({report.documents_in:,} in; see {out / 'report.json'})")
+        report.write(out / "report.json")  # written before the error that names it
+        raise DataError(nothing_left(report, cfg, out / "report.json"))
     kept_bytes = report.bytes_in - report.removed_total()[1]
 
     # pass 2
@@ -345,6 +407,12 @@ def _prepare(cfg: PrepareConfig, out: Path, report: Report, log: Callable[[str],
     (out / MANIFEST).unlink(missing_ok=True)  # from here on the folder is being rewritten
     tok = make_tokenizer(cfg, spill, keys, by, val, kept_bytes, out)
     report.timings["tokenizer"] = time.perf_counter() - t0
+    asked = cfg.tokenizer.vocab_size if cfg.tokenizer.kind == "bpe" and tok.vocab_size < cfg.tokenizer.vocab_size \
+        else None
+    if asked:  # the BPE trainer stops when no pair of tokens is left to merge: the run must not differ silently
+        report.issue("vocab_smaller_than_asked", f"tokenizer.vocab_size = {asked:,} asked, but the corpus supports "
+                                                 f"only {tok.vocab_size:,} tokens (every pair of tokens in it is "
+                                                 f"merged); the vocabulary is {tok.vocab_size:,}")
 
     # pass 3
     splits = write_shards(cfg, spill, keys, by, val, tok, out, report)
@@ -357,7 +425,8 @@ def _prepare(cfg: PrepareConfig, out: Path, report: Report, log: Callable[[str],
         "eos_id": tok.eos_id,
         "bos_id": getattr(tok, "bos_id", None),
         "tokenizer": {"file": "tokenizer.json", "sha256": file_sha256(out / "tokenizer.json"),
-                      "kind": "char" if isinstance(tok, CharTokenizer) else "bpe"},
+                      "kind": "char" if isinstance(tok, CharTokenizer) else "bpe"}
+                     | ({"vocab_size_asked": asked} if asked else {}),
         "source": {"path": cfg.source.paths[0] if len(cfg.source.paths) == 1 else cfg.source.paths,
                    "paths": cfg.source.paths, "fingerprint": fp_all},
         "fingerprint": fp_all,
@@ -383,18 +452,20 @@ def read_text_file(path: Path) -> str:
 
 
 def prepare_text(source: str, out_dir: str | Path, *, tokenizer: str = "char", vocab_size: int = 2048,
-                 val_fraction: float = 0.1, seed: int = 1337) -> dict:
+                 val_fraction: float = 0.1, seed: int = 1337, text_field: str = "text") -> dict:
     """Prepare ``source`` (a file, a folder of .txt, or builtin:NAME) as given - normalised, Gutenberg
-    boilerplate removed, no filters, no dedup - into ``out_dir``; returns the manifest."""
+    boilerplate removed, no filters, no dedup - into ``out_dir``; returns the manifest. Its messages name the
+    training config's settings (data.text_field), which are the ones a person running ``train`` can set."""
     cfg = minimal_config(source, str(out_dir), tokenizer=tokenizer, vocab_size=vocab_size,
-                         val_fraction=val_fraction, seed=seed)
-    return prepare(cfg)
+                         val_fraction=val_fraction, seed=seed, text_field=text_field)
+    return prepare(cfg, Report(text_field_setting="data.text_field"))
 
 
-def source_fingerprint(source: str, tokenizer: str, vocab_size: int, val_fraction: float, seed: int) -> str:
+def source_fingerprint(source: str, tokenizer: str, vocab_size: int, val_fraction: float, seed: int,
+                       text_field: str = "text") -> str:
     """Changes when the input files or the preparation settings change (so caches are not reused wrongly)."""
     return fingerprints(minimal_config(source, "", tokenizer=tokenizer, vocab_size=vocab_size,
-                                       val_fraction=val_fraction, seed=seed))[1]
+                                       val_fraction=val_fraction, seed=seed, text_field=text_field))[1]
 
 
 def ensure_prepared(source: str, cache_dir: str | Path, **kwargs) -> Path:

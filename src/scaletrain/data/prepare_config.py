@@ -153,11 +153,12 @@ def validate(cfg: PrepareConfig) -> None:
 
 
 def minimal_config(source: str, out_dir: str, *, tokenizer: str = "char", vocab_size: int = 2048,
-                   val_fraction: float = 0.1, seed: int = 1337) -> PrepareConfig:
+                   val_fraction: float = 0.1, seed: int = 1337, text_field: str = "text") -> PrepareConfig:
     """The trainer's on-the-fly preparation: text as given (normalised, Gutenberg boilerplate removed),
     no filters and no deduplication, so a small or synthetic training file is never dropped."""
     cfg = PrepareConfig(workers=1)
     cfg.source.paths = [source]
+    cfg.source.text_field = text_field
     cfg.source.include = ["*.txt"]
     cfg.source.encoding_errors = "fail"
     cfg.filter = FilterConfig(min_chars=0, max_non_alpha_ratio=1.0, max_dup_line_fraction=1.0,

@@ -35,6 +35,8 @@ class Report:
     timings: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     echo: bool = False  # print each issue as it happens (the CLI turns this on)
+    # the setting a message about the text field names: the trainer's on-the-fly preparation reads data.text_field
+    text_field_setting: str = "source.text_field"
 
     # -- recording ---------------------------------------------------------------------------------
     def document_in(self, n_bytes: int) -> None:
@@ -73,6 +75,16 @@ class Report:
         if self.echo and self.issues[kind] <= 5:
             print(f"warning: {message}"
                   + (" (further ones are counted, see report.json)" if self.issues[kind] == 5 else ""))
+
+    def first_message(self, kind: str) -> str | None:
+        """The first message counted under ``kind`` (it names the file and line), if any."""
+        messages = self.messages.get(kind)
+        return messages[0] if messages else None
+
+    def removals(self) -> list[tuple[str, str, int]]:
+        """(stage, reason, documents) of every removal, the largest first."""
+        rows = [(stage, reason, v[0]) for stage, reasons in self.removed.items() for reason, v in reasons.items()]
+        return sorted(rows, key=lambda row: -row[2])
 
     def removed_total(self) -> tuple[int, int]:
         docs = sum(v[0] for reasons in self.removed.values() for v in reasons.values())

@@ -33,7 +33,8 @@ def data_cache_dir(cfg: JobConfig, run_dir: str | Path | None = None) -> Path:
 def prepare_data(cfg: JobConfig) -> Path:
     """The prepared token folder for ``cfg.data`` (preparing raw text into the cache once)."""
     return ensure_prepared(cfg.data.path, str(data_cache_dir(cfg)), tokenizer=cfg.data.tokenizer,
-                           vocab_size=cfg.data.vocab_size, val_fraction=cfg.data.val_fraction, seed=cfg.train.seed)
+                           vocab_size=cfg.data.vocab_size, val_fraction=cfg.data.val_fraction, seed=cfg.train.seed,
+                           text_field=cfg.data.text_field)
 
 
 def resolve_vocab(cfg: JobConfig, manifest: dict, tp: int = 1) -> tuple[JobConfig, str]:
@@ -52,14 +53,16 @@ def resolve_vocab(cfg: JobConfig, manifest: dict, tp: int = 1) -> tuple[JobConfi
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's tokenizer "
                           f"vocabulary ({data_vocab}); set it to 0 to use the data's")
     vocab = cfg.model.vocab_size
+    asked = manifest.get("tokenizer", {}).get("vocab_size_asked")  # a BPE the corpus could not make that large
+    short = f" (a BPE of {asked} was asked; the text supports only {data_vocab})" if asked else ""
     if vocab == data_vocab:
-        return cfg, str(vocab)
+        return cfg, str(vocab) + short
     masked = "masked out of the loss and sampling"
     if explicit:
-        return cfg, f"{vocab} (model.vocab_size; tokenizer {data_vocab}, rows >= {data_vocab} {masked})"
+        return cfg, f"{vocab} (model.vocab_size; tokenizer {data_vocab}, rows >= {data_vocab} {masked}){short}"
     multiple = math.lcm(VOCAB_MULTIPLE, tp)
     why = f"to a multiple of {multiple}" if vocab % multiple == 0 else f"for parallel.tp={tp}"
-    return cfg, f"{data_vocab} -> {vocab} (padded {why}; padding rows {masked})"
+    return cfg, f"{data_vocab} -> {vocab} (padded {why}; padding rows {masked}){short}"
 
 
 def record_tokenizer(cfg: JobConfig, manifest: dict, data_dir: Path) -> JobConfig:

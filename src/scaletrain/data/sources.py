@@ -22,6 +22,7 @@ import io
 import json
 import lzma
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import urlparse
 
+from scaletrain.data.layouts import fields_seen, instruction_layout
 from scaletrain.data.prepare_config import SourceConfig
 from scaletrain.data.report import Report
 from scaletrain.data.tokenizer import DataError
@@ -199,17 +201,39 @@ def utf16_variant(head: bytes) -> str | None:
     return None
 
 
+def _convert_command(encoding: str, path: str | Path) -> str:
+    """The iconv command that writes a UTF-8 copy of ``path`` beside it."""
+    name = Path(path)
+    return f"iconv -f {encoding} -t UTF-8 {name} > {name.with_name(name.stem + '-utf8' + name.suffix)}"
+
+
 def not_text_reason(head: bytes, path: str | Path) -> str | None:
     """Why a file is not UTF-8 text, judged from its first bytes (one phrase for a message naming it): UTF-16,
     with the command that converts it, or binary; None when it may be text."""
     variant = utf16_variant(head)
     if variant:
-        name = Path(path)
-        return (f"{variant} text, not UTF-8; convert it: iconv -f {variant} -t UTF-8 {name} > "
-                f"{name.with_name(name.stem + '-utf8' + name.suffix)}")
+        return f"{variant} text, not UTF-8; convert it: {_convert_command(variant, path)}"
     if looks_binary(head):
         return "looks binary (NUL bytes or a binary signature), not text"
     return None
+
+
+_HIGH_BYTES = bytes(range(0x80, 0x100))
+
+
+def legacy_encoding_note(raw: bytes, path: str | Path | None = None) -> str:
+    """For bytes that are not UTF-8: "; it reads as Windows-1252 (Latin-1) text: convert it: iconv ..." when
+    they decode as Windows-1252 (a superset of Latin-1's letters: what Windows editors and old European text
+    save) with few bytes above 127, as text in a Latin alphabet has; else "". A guess, said as one."""
+    try:
+        raw.decode("cp1252")
+    except UnicodeDecodeError:  # bytes cp1252 leaves undefined (0x81, 0x8d, 0x8f, 0x90, 0x9d): not that either
+        return ""
+    high = len(raw) - len(raw.translate(None, _HIGH_BYTES))
+    if not raw or high > 0.3 * len(raw):
+        return ""
+    how = _convert_command("CP1252", path) if path is not None else "iconv -f CP1252 -t UTF-8"
+    return f"; it reads as Windows-1252 (Latin-1) text: convert it: {how}"
 
 
 def decode_text_file(raw: bytes, path: str | Path, hint: str) -> str:
@@ -221,7 +245,7 @@ def decode_text_file(raw: bytes, path: str | Path, hint: str) -> str:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 at byte {exc.start}; {hint}") from None
+        raise DataError(f"{path}: not UTF-8 at byte {exc.start}{legacy_encoding_note(raw, path)}; {hint}") from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -232,17 +256,17 @@ def decode(raw: bytes, where: str, policy: str, report: Report) -> str | None:
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         where_line = f"{where}:{line}" if ":" not in where.rsplit("/", 1)[-1] else where
+        file = re.sub(r"(#part\d+)?(:\d+)?$", "", where)  # the file, for the command that converts it
+        bad = f"{where_line}: not valid UTF-8 at byte {exc.start}{legacy_encoding_note(raw, file)}"
         if policy == "fail":
-            raise DataError(f"{where_line}: not valid UTF-8 at byte {exc.start}; fix the file or set "
-                            "source.encoding_errors = 'replace' or 'skip'") from None
+            raise DataError(f"{bad}; fix the file or set source.encoding_errors = 'replace' or 'skip'") from None
         if policy == "skip":
-            report.issue("not_utf8_skipped", f"{where_line}: not valid UTF-8 at byte {exc.start}; document skipped")
+            report.issue("not_utf8_skipped", f"{bad}; document skipped")
             report.remove("source", "not UTF-8", len(raw), where_line)
             return None
         text = raw.decode("utf-8", errors="replace")
         replaced = text.count("\ufffd") - raw.count("\ufffd".encode())
-        report.issue("not_utf8_replaced", f"{where_line}: not valid UTF-8 at byte {exc.start}; "
-                                          f"{replaced} invalid byte sequence(s) replaced with U+FFFD")
+        report.issue("not_utf8_replaced", f"{bad}; {replaced} invalid byte sequence(s) replaced with U+FFFD")
         report.modify("utf8_sequences_replaced", replaced)
         return text
 
@@ -253,6 +277,16 @@ def _skip_file(path: Path, kind: str, message: str, n_bytes: int, report: Report
     report.remove("source", kind.replace("_", " "), n_bytes, str(path))
 
 
+def _skipped_as_not_text(head: bytes, path: Path, report: Report) -> bool:
+    """Whether a file is UTF-16 or binary by its first bytes (``not_text_reason``); then it is counted, named as
+    such, and skipped."""
+    reason = not_text_reason(head, path)
+    if reason:
+        kind = "utf16_file" if utf16_variant(head) else "binary_file"
+        _skip_file(path, kind, f"{reason}; skipped", len(head), report)
+    return reason is not None
+
+
 # -- readers ----------------------------------------------------------------------------------------
 
 def read_text(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
@@ -260,10 +294,7 @@ def read_text(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Documen
     limit = int(cfg.max_document_mb * 1e6)
     with open_binary(path) as fh:
         buf = fh.read(limit + 1)
-        reason = not_text_reason(buf, path)
-        if reason:
-            kind = "utf16_file" if utf16_variant(buf) else "binary_file"
-            _skip_file(path, kind, f"{reason}; skipped", len(buf), report)
+        if _skipped_as_not_text(buf, path, report):
             return
         part = 0
         while True:
@@ -303,9 +334,16 @@ def _text_document(raw: bytes, name: str, cfg: SourceConfig, report: Report) -> 
         yield Document(text, name, len(raw))
 
 
-def _record_text(record: object, where: str, field: str, report: Report, n_bytes: int) -> str | None:
+def _record_text(record: object, where: str, field: str, report: Report, n_bytes: int,
+                 file: Path | None = None) -> str | None:
+    """The text of one record, or None (counted, with a message naming ``where``, the fields it has, and for an
+    instruction line of a ``file`` the flag that reads it as one)."""
     if not isinstance(record, dict) or field not in record:
-        report.issue("missing_text_field", f"{where}: no {field!r} field; record skipped (set source.text_field)")
+        layout = instruction_layout(record) if file is not None else None
+        seen = fields_seen(record) + (f": instruction data in the {layout} layout, which "
+                                      f"finetune.instructions={file} reads" if layout else "")
+        report.issue("missing_text_field", f"{where}: no {field!r} field ({seen}); record skipped (to read "
+                                           f"another field as the text, set {report.text_field_setting})")
         report.remove("source", "missing text field", n_bytes, where)
         return None
     value = record[field]
@@ -317,7 +355,11 @@ def _record_text(record: object, where: str, field: str, report: Report, n_bytes
 
 
 def read_jsonl(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Document]:
-    """One document per line's ``text_field``; a bad line is counted and named (file:line), not fatal."""
+    """One document per line's ``text_field``; a bad line is counted and named (file:line), not fatal. A
+    UTF-16 or binary file is skipped whole, named as such (its lines would each read as bad JSON)."""
+    with open_binary(path) as fh:
+        if _skipped_as_not_text(fh.read(8192), path, report):
+            return
     with open_binary(path) as fh:
         for lineno, raw in enumerate(fh, 1):
             if lineno == 1:
@@ -336,7 +378,7 @@ def read_jsonl(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Docume
                              f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); line skipped")
                 report.remove("source", "bad JSON line", len(raw), where)
                 continue
-            text = _record_text(record, where, cfg.text_field, report, len(raw))
+            text = _record_text(record, where, cfg.text_field, report, len(raw), path)
             if text is not None:
                 yield Document(text, where, len(text.encode("utf-8")))
 
@@ -457,7 +499,7 @@ def _iter_record_batches(batches, where: str, field: str, report: Report) -> Ite
     for batch in batches:
         if field not in batch.schema.names:
             report.issue("missing_text_field", f"{where}: no column {field!r} (have: {', '.join(batch.schema.names)}); "
-                                               "file skipped (set source.text_field)")
+                                               f"file skipped (set {report.text_field_setting})")
             return
         for value in batch.column(field).to_pylist():
             n = len(value.encode("utf-8")) if isinstance(value, str) else 0
@@ -493,7 +535,7 @@ def read_parquet(path: Path, cfg: SourceConfig, report: Report) -> Iterator[Docu
     if cfg.text_field not in pf.schema_arrow.names:
         _skip_file(path, "missing_text_field",
                    f"no column {cfg.text_field!r} (have: {', '.join(pf.schema_arrow.names)}); "
-                   "file skipped (set source.text_field)", path.stat().st_size, report)
+                   f"file skipped (set {report.text_field_setting})", path.stat().st_size, report)
         return
     yield from _iter_record_batches(pf.iter_batches(batch_size=1024, columns=[cfg.text_field]), str(path),
                                     cfg.text_field, report)

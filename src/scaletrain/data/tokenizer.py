@@ -275,16 +275,31 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def encode_known(tokenizer: Tokenizer, text: str) -> tuple[list[int], Counter]:
+def encode_known(tokenizer: Tokenizer, text: str, where: str = "the text",
+                 min_tokens: int = 0) -> tuple[list[int], Counter]:
     """Encode ``text``, leaving out the characters a char tokenizer does not know (e.g. a book's curly
     quotes scored by a model trained on Tiny Shakespeare). Returns (ids, count per skipped character); a
-    byte-level BPE encodes every text, so nothing is skipped there."""
-    if not isinstance(tokenizer, CharTokenizer):
-        return tokenizer.encode(text), Counter()
-    unknown = Counter(c for c in text if c not in tokenizer.stoi)
-    if unknown:
-        text = "".join(c for c in text if c in tokenizer.stoi)
-    return tokenizer.encode(text), unknown
+    byte-level BPE encodes every text, so nothing is skipped there. Fewer than ``min_tokens`` ids left (a text
+    all or nearly all out of the vocabulary) is a DataError naming ``where`` (its file) and what was skipped."""
+    unknown = Counter()
+    if isinstance(tokenizer, CharTokenizer):
+        unknown = Counter(c for c in text if c not in tokenizer.stoi)
+        if unknown:
+            text = "".join(c for c in text if c in tokenizer.stoi)
+    ids = tokenizer.encode(text)
+    if len(ids) < min_tokens:
+        skipped = f"{_skipped_characters(unknown)} were skipped" if unknown else "nothing was skipped"
+        raise DataError(f"{where}: {len(ids)} token(s) left to score, fewer than {min_tokens} (a context and a "
+                        f"target): {skipped}; score a longer text, or one in the model's alphabet")
+    return ids, unknown
+
+
+def _skipped_characters(unknown: Counter) -> str:
+    """ "27 characters not in the tokenizer's vocabulary (e.g. '’' x20, '‘' x5, '“' x2)"."""
+    shown = ", ".join(f"{c!r} x{n}" for c, n in unknown.most_common(3))
+    total = sum(unknown.values())
+    return (f"{total:,} character{'s' if total != 1 else ''} not in the tokenizer's vocabulary "
+            f"(e.g. {shown}{', ...' if len(unknown) > 3 else ''})")
 
 
 def describe_skipped(unknown: Counter) -> str:
@@ -292,10 +307,7 @@ def describe_skipped(unknown: Counter) -> str:
     (e.g. '’' x20, '‘' x5, '“' x2)"; empty when nothing was skipped."""
     if not unknown:
         return ""
-    shown = ", ".join(f"{c!r} x{n}" for c, n in unknown.most_common(3))
-    total = sum(unknown.values())
-    return (f"skipped {total:,} character{'s' if total != 1 else ''} not in the tokenizer's vocabulary "
-            f"(e.g. {shown}{', ...' if len(unknown) > 3 else ''}); the rest is scored")
+    return f"skipped {_skipped_characters(unknown)}; the rest is scored"
 
 
 def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:

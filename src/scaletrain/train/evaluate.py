@@ -259,11 +259,12 @@ def check_window(context: int, stride: int, max_context: int) -> None:
 
 
 def score_text(model: nn.Module, tokenizer: Tokenizer, text: str, context: int, stride: int, batch_size: int,
-               max_tokens: int | None = None) -> tuple[TextScore, torch.Tensor]:
+               max_tokens: int | None = None, where: str = "the text") -> tuple[TextScore, torch.Tensor]:
     """Token, word-level and bits-per-byte perplexity of ``text`` with ``sliding_window_nll``; ``max_tokens``
     scores only the text's first tokens (words and bytes are then those of the part scored). Returns the score
-    and the token ids scored (for an independent check of the same windows)."""
-    ids, skipped = encode_known(tokenizer, text)  # a char tokenizer skips what it lacks
+    and the token ids scored (for an independent check of the same windows). ``where`` (the file) names the text
+    when too little of it is in the vocabulary to score."""
+    ids, skipped = encode_known(tokenizer, text, where, min_tokens=2)  # a char tokenizer skips what it lacks
     tokens = torch.tensor(ids, dtype=torch.long)
     if max_tokens is not None and max_tokens < tokens.numel():
         tokens = tokens[:max_tokens]
