@@ -14,7 +14,8 @@ beside them (``train/trainer.py:Trainer.train``), which its ``done:`` line count
   at the GEMM rate, whichever is slower.
 - Checkpoints: every checkpoint.interval steps before the last and one at the end, each its size
   (``model.presets.checkpoint_size``) over the checkpoint write rate ``scaletrain doctor`` measured on
-  this machine (``calibration.measure_checkpoint_write``) plus its fixed cost, else the reference machine's.
+  this machine (``calibration.measure_checkpoint_write``) plus its fixed cost, else the reference machine's
+  (a catalog GPU node: a local NVMe SSD, ``checkpoint_seconds``).
 
 ``evaluation_note`` is the line ``plan``, ``train`` and ``finetune`` print when the evaluations would take more
 than a quarter of the predicted wall (issue 49: an 8-step LoRA of a 151,936-token base evaluated 269 s of 397).
@@ -30,7 +31,7 @@ from scaletrain.config import ConfigError, FinetuneConfig, JobConfig
 from scaletrain.model.presets import checkpoint_size, matmul_params, num_params
 from scaletrain.parallel import ParallelDims
 from scaletrain.plan.calibration import calibration_entry
-from scaletrain.plan.catalog import CATALOG, Cluster, Hardware, with_calibration
+from scaletrain.plan.catalog import CATALOG, LINKS, Cluster, Hardware, with_calibration
 from scaletrain.plan.finetune import finetune_step_time, preference_step_time, trainable_parameters
 from scaletrain.plan.hardware_spec import catalog_key_for_gpu
 from scaletrain.plan.spec import Plan, Workload
@@ -141,10 +142,19 @@ def sample_token_seconds(workload: Workload, cluster: Cluster) -> float:
     return max(compute * cpu_rank_share(cluster), host)
 
 
-def checkpoint_seconds(size_bytes: float, calibration: dict) -> float:
-    """Seconds of one checkpoint of ``size_bytes``: the measured write rate and fixed cost of a save."""
+def checkpoint_seconds(size_bytes: float, cluster: Cluster) -> float:
+    """Seconds of one checkpoint of ``size_bytes``: the write rate and fixed cost of a save doctor measured on
+    this machine; else, on a CPU, the reference machine's; on a catalog GPU node, which the reference's disk
+    says nothing about, a local NVMe SSD a node (the catalog's ``nvme-gen4``: each node's ranks write their
+    shards to it)."""
+    calibration = cluster.hardware.calibration
     latency = float(calibration.get("checkpoint_latency_s", REFERENCE_CHECKPOINT_LATENCY_S))
-    rate = float(calibration.get("checkpoint_bytes_per_s", REFERENCE_CHECKPOINT_BYTES_PER_S))
+    if "checkpoint_bytes_per_s" in calibration:
+        rate = float(calibration["checkpoint_bytes_per_s"])
+    elif cluster.hardware.kind == "gpu":
+        rate = LINKS["nvme-gen4"].bandwidth * LINKS["nvme-gen4"].efficiency * cluster.nodes
+    else:
+        rate = REFERENCE_CHECKPOINT_BYTES_PER_S
     return latency + size_bytes / rate
 
 
@@ -162,7 +172,7 @@ def predicted_wall(workload: Workload, plan: Plan, cluster: Cluster, step_second
     count = loop.checkpoints()
     batches = max(loop.eval_batches, 0)
     return Wall(loop.steps * step_seconds, evaluations * batches * batch, samples,
-                count * checkpoint_seconds(size, cluster.hardware.calibration), evaluations, batches, batch, count,
+                count * checkpoint_seconds(size, cluster), evaluations, batches, batch, count,
                 size)
 
 
