@@ -97,6 +97,18 @@ def test_evaluation_that_dominates_is_said_by_train_and_plan_in_one_line(tmp_pat
         assert "train.eval_batches" in out if said else True
 
 
+def test_a_finetune_whose_evaluation_dominates_says_so(tmp_path, tiny, capsys):
+    """`finetune` is `train` with a base: the same one line before the first step (a LoRA of a tiny base)."""
+    from helpers.tiny import tiny_hf_base
+
+    base = tiny_hf_base(tmp_path / "base")
+    over = {k: v for k, v in tiny(tmp_path / "run", **EVAL_HEAVY).items() if not k.startswith("model.")}
+    assert main(["finetune", "--from", str(base)] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("note: evaluation is predicted")]
+    assert len(notes) == 1 and "train.eval_batches = 40" in notes[0], out
+
+
 def test_the_evaluation_of_an_eight_step_lora_of_a_big_head_is_said():
     """Issue 49's case, planned: an 8-step LoRA of a 0.5B family base (151,936-token head), sequence 512, batch 1,
     the default evaluation (at step 0 and the end, 20 batches): most of the wall; with 2 batches it is not."""
