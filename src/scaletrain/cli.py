@@ -132,6 +132,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     say(f"model: {counts['parameters'] / 1e6:.2f}M parameters{trainable} ({n.model.n_layers} layers x {n.model.dim}), "
         f"vocab {trainer.vocab_note}; data {data}; {trainer.tokens_per_step:,} tokens/step; device {trainer.device}, "
         f"{precision}; run folder {trainer.run_dir}" + (f"; {trainer.disk_note}" if trainer.disk_note else ""))
+    if trainer.is_main and step == 0:  # evaluation that would take over a quarter of the wall: said before it runs
+        from scaletrain.plan.wall import job_evaluation_note
+
+        if note := job_evaluation_note(n, trainer.precision, trainer.device.type, trainer.dims):
+            say(note)
     summary = trainer.train()
     if summary["preempted"]:
         from scaletrain.train.preemption import INTERRUPTED, INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE

@@ -67,11 +67,7 @@ def cpu_features(cpuinfo: str | None = None) -> dict:
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             break
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return {"model": cpu_name(), "cores": cores, "logical_cpus": os.cpu_count(),
+    return {"model": cpu_name(), "cores": host_cores(), "logical_cpus": os.cpu_count(),
             "flags": {flag: flag in flags for flag in SPEED_FLAGS} if flags else {}}
 
 
@@ -184,11 +180,27 @@ def peak_flops(device: torch.device | str = "cpu", dtype: str = "fp32", remeasur
     return float(entry[name])
 
 
-def devices_in_job(device_type: str, world_size: int, threads: int) -> int:
+def devices_in_job(device_type: str, world_size: int, threads: int, ranks_per_host: int = 0,
+                   cores_per_host: int = 0) -> int:
     """How many of ``peak_flops``'s devices a job runs on: one GPU a rank, or on a CPU one core per torch
     thread of every rank (a launcher's OMP_NUM_THREADS=1 per rank and one process with as many threads count
-    the same cores)."""
-    return world_size * (max(1, threads) if device_type == "cpu" else 1)
+    the same cores), but no more than the ``cores_per_host`` of each host its ``ranks_per_host`` share (threads
+    beyond the cores add no peak). The one count MFU's denominator takes, in the trainer and the planner."""
+    if device_type != "cpu":
+        return world_size
+    threads = max(1, threads)
+    if cores_per_host <= 0:
+        return world_size * threads
+    per_host = max(1, min(ranks_per_host or world_size, world_size))
+    return -(-world_size // per_host) * min(per_host * threads, cores_per_host)
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the CPU count where the system has none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def cpu_bf16_speedup(log: Callable[[str], None] | None = None) -> float:

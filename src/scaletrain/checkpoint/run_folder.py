@@ -36,6 +36,7 @@ from torch import nn
 from scaletrain.checkpoint.manager import CheckpointManager
 from scaletrain.config import CheckpointConfig
 from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes
+from scaletrain.model.presets import checkpoint_size
 from scaletrain.options import ConfigError, UserError
 
 LOCK_FILE = ".lock"
@@ -309,8 +310,7 @@ def checkpoint_bytes(total_params: int, modules: Iterable[nn.Module], trainable_
     holds only the trainable tensors (the base is referenced, not copied)."""
     local = [p for m in modules for p in m.parameters()]
     trainable = total_params * sum(p.numel() for p in local if p.requires_grad) / (sum(p.numel() for p in local) or 1)
-    saved_weights = trainable if trainable_weights_only else total_params
-    return int(4 * (saved_weights + 2 * trainable))
+    return checkpoint_size(total_params, trainable, trainable_weights_only)
 
 
 def disk_verdict(run_dir: str | Path, store: CheckpointManager, cfg: CheckpointConfig, bytes_per_checkpoint: int,

@@ -80,6 +80,14 @@ def num_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
     return total
 
 
+def checkpoint_size(total_params: float, trainable_params: float, trainable_weights_only: bool) -> int:
+    """Estimated bytes of one training checkpoint (``checkpoint/run_folder.py:checkpoint_bytes``, and the
+    planner's, which has counts, not modules): fp32 weights (a fine-tune's trainable ones only: the base is
+    referenced, not copied) + AdamW's two fp32 moments of the trainable ones."""
+    saved_weights = trainable_params if trainable_weights_only else total_params
+    return int(4 * (saved_weights + 2 * trainable_params))
+
+
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: every Linear in the blocks plus the output head."""
     d, v = cfg.dim, cfg.vocab_size
@@ -88,14 +96,26 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * per_block + v * d
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward).
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear projection of a block (LoRA's targets by name; together a block's matrices)."""
+    d, h = cfg.dim, ffn_hidden_dim(cfg)
+    q, kv = cfg.n_heads * head_width(cfg), kv_heads(cfg) * head_width(cfg)
+    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, h), "up": (d, h), "down": (h, d)}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, frozen_matmul_params: float = 0.0,
+                    adapter_params: float = 0.0) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): MFU's numerator, in ``train``, ``report``
+    and ``plan`` alike (``train/metrics.py:mfu``).
 
     ``6 * N_matmul + 12 * n_layers * seq_len * dim`` where N_matmul counts the weights of every matmul
     (blocks + output head, not the embedding lookup or norms) and the second term is attention's
     QK^T and AV (2 matmuls x 2 FLOPs x seq_len x n_heads * head_dim per layer, times 3 for fwd+bwd). Following the
     PaLM / nanoGPT / torchtitan convention we do *not* halve the attention term for the causal mask,
     so our MFU is comparable with theirs. Activation recomputation is not counted (it is overhead,
-    not useful work).
+    not useful work). A fine-tune's frozen weights (``frozen_matmul_params`` of N_matmul) compute no weight
+    gradient, so they count 4 FLOPs a token (forward, input gradient), not 6; its adapters (LoRA's A and B,
+    ``adapter_params``) are matmuls that train: 6 each (``finetune/flops.py``).
     """
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * head_width(cfg)
+    return (6.0 * (matmul_params(cfg) + adapter_params) - 2.0 * frozen_matmul_params
+            + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * head_width(cfg))

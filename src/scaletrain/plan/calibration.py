@@ -221,6 +221,50 @@ def measure_op_overhead() -> float:
     return _best_time(lambda: [torch.add(x, x) for _ in range(100)], 21) / 100
 
 
+def measure_decode_op_seconds(new_tokens: int = 64) -> float:
+    """Seconds per aten op of an eager cached decode step (``timing.decode_ops``): a tiny two-block model's sample
+    per token, over the ops it dispatches. A decode step's ops cost far more than ``measure_op_overhead``'s bare
+    add (each passes through the modules' Python and the cache's bookkeeping): 16-17 us an op of process CPU
+    time on a 2-vCPU EPYC shared with other jobs, for 2 and 4 blocks alike."""
+    from scaletrain.model.generate import generate
+    from scaletrain.model.llama import Transformer
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, vocab_size=256, max_seq_len=new_tokens + 1)
+    model = Transformer(cfg).eval()
+
+    def sample(tokens: int):
+        return lambda: generate(model, [0], tokens, max_seq_len=cfg.max_seq_len, temperature=0.8, top_k=200,
+                                generator=torch.Generator().manual_seed(0), vocab_limit=cfg.vocab_size, slide=False)
+
+    with torch.no_grad():
+        seconds = _best_time(sample(new_tokens), 5) - _best_time(sample(1), 5)
+    return max(seconds, 0.0) / (new_tokens - 1) / timing.decode_ops(cfg)
+
+
+def measure_checkpoint_write(folder: Path | None = None) -> dict:
+    """The fixed cost (s) and write rate (bytes/s) of a checkpoint on the disk of ``folder`` (default: the cache
+    folder): ``CheckpointManager.save`` of 1 MiB and 64 MiB of fp32 tensors, best of 3 each."""
+    import tempfile
+
+    from scaletrain.checkpoint.manager import CheckpointManager
+
+    root = folder or calibration_path().parent
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix="checkpoint-write-") as tmp:
+        store = CheckpointManager(tmp, keep_last=1)
+        times = {}
+        for mib in (1, 64):
+            tensors = {"weight": torch.randn(mib * 2**18)}
+            best = float("inf")
+            for step in range(3):
+                t0 = time.perf_counter()
+                store.save(mib * 10 + step, tensors, {}, {})
+                best = min(best, time.perf_counter() - t0)
+            times[mib] = best
+    rate = 63 * 2**20 / max(times[64] - times[1], 1e-9)
+    return {"checkpoint_bytes_per_s": rate, "checkpoint_latency_s": max(0.0, times[1] - 2**20 / rate)}
+
+
 def measure_memory_bandwidth(n_bytes: int = 1 << 28) -> float:
     """Bytes/s of a large in-place copy (read + write), the STREAM 'copy' kernel."""
     a = torch.empty(n_bytes // 4)
@@ -403,6 +447,12 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
         entry["threads"] = torch.get_num_threads()
         entry["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         entry["memory_bytes"] = total_ram_bytes()
+        entry["decode_op_s"] = measure_decode_op_seconds()  # the samples a run draws (plan/wall.py)
+        log(f"eager decode: {entry['decode_op_s'] * 1e6:.1f} us an op")
+    # what a checkpoint costs on this machine's disk, the whole wall's last part (plan/wall.py)
+    entry.update(measure_checkpoint_write())
+    log(f"checkpoint write: {entry['checkpoint_bytes_per_s'] / 1e6:,.0f} MB/s, {entry['checkpoint_latency_s']:.3f} s a "
+        f"save (the cache folder's disk)")
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     entry["rounds"] = rounds
     entry["clock"] = clock

@@ -39,6 +39,7 @@ from scaletrain.plan.quality import (
 )
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
+from scaletrain.plan.wall import LoopSettings, evaluation_note, predicted_wall
 from scaletrain.scaling.fit import law_params
 from scaletrain.train.optimizer import OPTIMIZERS, optimizer_entry
 
@@ -311,9 +312,14 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     hosts = cluster.nodes if cluster.hardware.kind == "cpu" else None
-    costs = [training_cost(cluster.hardware.name, cluster.world_size, c.time.step * workload.steps, prices, as_of,
-                           hosts) for c in result.ranked[: args.top]]
-    print_report(console, workload, cluster, result, costs, chinchilla, args.top)
+    # the whole wall, as the trainer's done line counts it: the steps, evaluations, samples and checkpoints
+    walls = [predicted_wall(workload, c.plan, cluster, c.time.step, loop_settings(args, workload, c.plan))
+             for c in result.ranked[: args.top]]
+    costs = [training_cost(cluster.hardware.name, cluster.world_size, wall.total, prices, as_of, hosts)
+             for wall in walls]
+    print_report(console, workload, cluster, result, costs, chinchilla, args.top, walls)
+    if walls and (note := evaluation_note(walls[0], loop_settings(args, workload, result.ranked[0].plan))):
+        console.print(note)
     doc = {"workload": workload_dict(workload, chinchilla),
            "hardware": {"name": cluster.hardware.name, "devices_per_node": cluster.devices_per_node,
                         "nodes": cluster.nodes, "peak_flops": cluster.hardware.peak_flops,
@@ -322,7 +328,8 @@ def run_plan(args: argparse.Namespace) -> int:
                         "attention_utilisation": cluster.hardware.attention_utilisation,
                         "utilisation_for_this_model": workload_utilisation(workload, cluster.hardware),
                         "utilisation_source": cluster.hardware.utilisation_source, "source": cluster.hardware.source},
-           "plans": [plan_dict(c, workload, cost) for c, cost in zip(result.ranked[: args.top], costs)],
+           "plans": [plan_dict(c, workload, cost, wall) for c, cost, wall in zip(result.ranked[: args.top], costs,
+                                                                                  walls)],
            "rejected": [c.as_dict() for c in result.rejected[: args.top]], "considered": result.considered}
     status = 0
     if not result.ranked:
@@ -348,6 +355,16 @@ def run_plan(args: argparse.Namespace) -> int:
                                    f"predicted {best.time.tokens_per_second:,.0f} tokens/s", prediction=predicted)
         console.print(f"wrote {path}")
     return status
+
+
+def loop_settings(args: argparse.Namespace, workload: Workload, plan: Plan, rows_per_example: int = 1
+                  ) -> LoopSettings:
+    """What the planned run does beside its steps: a ``--config``'s [train] evaluation and sample settings and
+    [checkpoint] interval (else the defaults ``plan --emit`` writes), over the workload's steps, an evaluation
+    batch being the plan's micro-batch (train.batch_size; a preference pair is two rows)."""
+    job = load_config(args.config) if args.config else JobConfig()
+    rows = plan.micro_batch * (plan.microbatches if plan.pp > 1 else 1) * rows_per_example
+    return LoopSettings.of_job(job, workload.steps, rows)
 
 
 def _fit_of(args: argparse.Namespace):
@@ -391,7 +408,7 @@ def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as
 def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     """``scaletrain plan --method``: the memory per device and step time of fine-tuning, and whether it fits."""
     from scaletrain.plan.finetune import finetune_answer, finetune_step_time, preference_step_time
-    from scaletrain.plan.report import gib, human, optimizer_text
+    from scaletrain.plan.report import gib, human, mfu_text, optimizer_text, wall_text
     from scaletrain.train.validate import check_optimizer
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
@@ -423,7 +440,12 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
     timing = (finetune_step_time(workload, plan, cluster, ft) if args.objective == "sft"
               else preference_step_time(workload, plan, cluster, ft))  # --global-batch counts pairs
     console.print(f"step time on {cluster.describe()}: {timing['step_seconds']:.3g} s "
-                  f"({timing['tokens_per_second']:,.0f} tokens/s)")
+                  f"({timing['tokens_per_second']:,.0f} tokens/s, MFU {mfu_text(timing['mfu'])})")
+    loop = loop_settings(args, workload, plan, 1 if args.objective == "sft" else 2)
+    wall = predicted_wall(workload, plan, cluster, timing["step_seconds"], loop, ft)
+    console.print(wall_text(wall))
+    if note := evaluation_note(wall, loop):
+        console.print(note)
     if timing.get("reference_seconds"):
         console.print(f"  of which the reference's no-grad forward (adapters off): {timing['reference_seconds']:.3g} s")
     if timing.get("reference_pass_seconds"):
@@ -431,7 +453,8 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
                       f"{timing['reference_pass_seconds']:.3g} s a micro-batch of pairs over the data")
     if args.json:
         write_json({"finetune": {**answer, **timing, "optimizer": workload.optimizer,
-                                 "muon_adapters": workload.muon_adapters}, "hardware": cluster.hardware.name},
+                                 "muon_adapters": workload.muon_adapters, "wall": wall.as_dict()},
+                    "hardware": cluster.hardware.name},
                    args.json)
     return 0 if answer["fits"] else 2
 

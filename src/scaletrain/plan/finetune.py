@@ -32,6 +32,7 @@ import dataclasses
 import time
 
 from scaletrain.config import ConfigError, FinetuneConfig, ModelConfig
+from scaletrain.finetune.flops import trained_flops_per_token
 from scaletrain.model.config import head_width
 from scaletrain.model.loss import CHUNK_BYTES
 from scaletrain.model.presets import ffn_hidden_dim, matmul_params, num_params
@@ -69,6 +70,7 @@ from scaletrain.plan.timing import (
     loss_recompute_seconds,
     masked_attention_factor,
     newton_schulz_seconds,
+    planned_mfu,
     precision_rates,
 )
 
@@ -249,9 +251,12 @@ def preference_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: F
         reference = "none" if ft.objective != "dpo" else "precomputed" if ft.method == "full" else "adapters"
     per_step = est["base_forward_seconds"] * est["micro_steps"] if reference in ("adapters", "copy") else 0.0
     step = est["step_seconds"] + per_step
+    tokens_per_second = 2 * workload.global_batch * workload.seq_len / step
     return {**est, "objective": ft.objective, "reference": reference, "reference_seconds": per_step,
             "reference_pass_seconds": est["base_forward_seconds"] if reference == "precomputed" else 0.0,
-            "step_seconds": step, "tokens_per_second": 2 * workload.global_batch * workload.seq_len / step}
+            "step_seconds": step, "tokens_per_second": tokens_per_second,
+            "mfu": planned_mfu(trained_flops_per_token(workload.model, workload.seq_len, ft), tokens_per_second,
+                               workload.precision, cluster)}
 
 
 def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, ft: FinetuneConfig,
@@ -392,9 +397,12 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
         if hw.kind == "gpu":  # overlapped with the backward, as for pretraining
             comm = max(0.0, comm - per_micro * micro_steps * 2 / 3)
     step = per_micro * micro_steps + optimizer + comm
+    tokens_per_second = workload.global_batch * workload.seq_len / step
     return {"step_seconds": step, "compute_seconds": per_micro * micro_steps, "optimizer_seconds": optimizer,
             "newton_schulz_seconds": newton_schulz, "base_forward_seconds": base_forward, "micro_steps": micro_steps,
-            "comm_exposed_seconds": comm, "tokens_per_second": workload.global_batch * workload.seq_len / step}
+            "comm_exposed_seconds": comm, "tokens_per_second": tokens_per_second,
+            "mfu": planned_mfu(trained_flops_per_token(cfg, workload.seq_len, ft), tokens_per_second,
+                               workload.precision, cluster)}
 
 
 def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, b: int, seq: int,

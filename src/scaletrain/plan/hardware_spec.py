@@ -14,6 +14,7 @@ import torch
 
 from scaletrain import allocator
 from scaletrain.options import ConfigError
+from scaletrain.peak import device_fingerprint, load_calibration
 from scaletrain.plan.calibration import calibration_entry
 from scaletrain.plan.catalog import CATALOG, Cluster, Hardware, catalog_listing, with_calibration
 from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
@@ -38,7 +39,11 @@ def hardware_from_calibration() -> Hardware:
         match = CATALOG[key]
         return with_calibration(match, calibration_entry("cuda"), name=f"auto ({match.name})")
     hw = with_calibration(CATALOG["cpu"], calibration_entry("cpu"), name="auto (this cpu)")
-    return replace(hw, allocator=allocator.chosen_name())  # what `scaletrain train` runs on here
+    # one core's peaks (peak.peak_flops, cached by doctor beside the calibration): MFU's unit, as the trainer's
+    one_core = load_calibration().get(device_fingerprint("cpu", threads=1), {})
+    cores = {f"core_{key}": float(value) for key, value in one_core.items() if key.startswith("matmul_flops_")}
+    return replace(hw, allocator=allocator.chosen_name(),  # what `scaletrain train` runs on here
+                   calibration={**hw.calibration, **cores})
 
 
 # What ``torchrun --nproc-per-node 2 -m scaletrain.cli doctor`` adds to this machine's calibration: gloo's

@@ -17,7 +17,14 @@ from dataclasses import asdict, dataclass
 from scaletrain.config import ModelConfig
 from scaletrain.model.config import head_width, is_sliding
 from scaletrain.model.loss import rows_at_once
-from scaletrain.model.presets import block_params, block_vector_params, ffn_hidden_dim, kv_heads, num_params
+from scaletrain.model.presets import (  # projection_shapes: re-exported, the planner's modules read it here
+    block_params,
+    block_vector_params,
+    ffn_hidden_dim,
+    kv_heads,
+    num_params,
+    projection_shapes,
+)
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.train.muon import CHUNK_ELEMENTS
 from scaletrain.train.optimizer import OPTIMIZERS
@@ -225,13 +232,6 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each linear projection of a block (LoRA's targets by name; together a block's matrices)."""
-    d, h = cfg.dim, ffn_hidden_dim(cfg)
-    q, kv = cfg.n_heads * head_width(cfg), kv_heads(cfg) * head_width(cfg)
-    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, h), "up": (d, h), "down": (h, d)}
 
 
 def muon_matrix_params(cfg: ModelConfig, layers: int, tp: int = 1) -> float:

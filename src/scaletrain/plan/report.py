@@ -8,11 +8,13 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletrain.allocator import launch_note
+from scaletrain.files import human_bytes
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.cost import Cost
 from scaletrain.plan.search import Candidate, SearchResult
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 from scaletrain.plan.timing import DTYPE_OF_PRECISION, workload_utilisation
+from scaletrain.plan.wall import Wall
 from scaletrain.train.optimizer import OPTIMIZERS
 
 FLOPS_FORMULA = ("6 * N_matmul + 12 * n_layers * seq_len * dim per token (forward + backward = 3x forward; "
@@ -71,18 +73,33 @@ def optimizer_text(w: Workload) -> str:
     return f"{w.optimizer} ({w.optimizer_entry.summary.format(adapters=adapters)})"
 
 
-def plan_dict(c: Candidate, w: Workload, cost: Cost | None) -> dict:
+def plan_dict(c: Candidate, w: Workload, cost: Cost | None, wall: Wall | None = None) -> dict:
+    """A ranked plan as JSON: ``total_seconds`` is the whole wall (``wall``: steps, evaluation, samples and
+    checkpoints, as the trainer's done line counts them), else the steps alone."""
     out = c.as_dict()
     if c.time:
-        out["total_seconds"] = c.time.step * w.steps
+        out["total_seconds"] = wall.total if wall is not None else c.time.step * w.steps
+    if wall is not None:
+        out["wall"] = wall.as_dict()
     if cost:
         out["cost"] = cost.as_dict()
     return out
 
 
+def wall_text(wall: Wall) -> str:
+    """'wall 4.2 min = steps 4.0 min + evaluation 6.9 s (7 x 20 batches of 49.3 ms) + samples 561.1 ms +
+    checkpoints 676.0 ms (3 x 9.7 MB)': the parts the trainer's ``done:`` line counts."""
+    return (f"wall {duration(wall.total)} = steps {duration(wall.steps)} + evaluation {duration(wall.evaluation)} "
+            f"({wall.evaluations} x {wall.eval_batches} batches of {duration(wall.eval_batch_seconds)}) + samples "
+            f"{duration(wall.samples)} + checkpoints {duration(wall.checkpoints)} ({wall.checkpoint_count} x "
+            f"{human_bytes(wall.checkpoint_bytes)}): eval/sample/checkpoint {wall.stall_share:.1%} of it, as "
+            f"`train`'s done line counts them")
+
+
 def print_report(console: Console, w: Workload, cluster: Cluster, result: SearchResult, costs: list[Cost],
-                 chinchilla: bool, top: int) -> None:
-    """Summary, ranked plans, the winner's memory and time breakdown, and a few rejected plans with why."""
+                 chinchilla: bool, top: int, walls: list[Wall] | None = None) -> None:
+    """Summary, ranked plans (``walls``: each one's whole wall), the winner's memory and time breakdown and its
+    wall, and a few rejected plans with why."""
     hw = cluster.hardware
     summary = Table(title=f"Workload on {cluster.describe()}", show_header=False)
     summary.add_row("parameters", f"{human(w.params)} total, {human(w.params_non_embedding)} non-embedding")
@@ -109,7 +126,8 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
         table.add_column(col, no_wrap=col == "plan")
     for i, (c, cost) in enumerate(zip(result.ranked[:top], costs)):
         table.add_row(str(i + 1), c.plan.label(), gib(c.memory.total), human(c.time.tokens_per_second),
-                      duration(c.time.step), mfu_text(c.time.mfu), duration(c.time.step * w.steps),
+                      duration(c.time.step), mfu_text(c.time.mfu),
+                      duration(walls[i].total if walls else c.time.step * w.steps),
                       f"{cost.device_hours:,.1f}", _money(cost.on_demand_usd), _money(cost.spot_usd))
     console.print(table)
     for i, c in enumerate(result.ranked[:top]):
@@ -117,6 +135,8 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
     if result.ranked:
         best = result.ranked[0]
         console.print(breakdown_table(best, w.optimizer))
+        if walls:
+            console.print(f"plan #1 {wall_text(walls[0])}")
         if costs:
             console.print(f"prices: {costs[0].price_on_demand:.2f} $/h on-demand, {costs[0].price_spot:.2f} $/h spot "
                           f"(table of {costs[0].prices_as_of}: {costs[0].price_source})")

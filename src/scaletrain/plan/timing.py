@@ -38,6 +38,7 @@ from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.model.config import head_width
 from scaletrain.model.llama import TransformerBlock, rope_tables
 from scaletrain.model.presets import block_params, ffn_hidden_dim, flops_per_token, kv_heads
+from scaletrain.peak import devices_in_job
 from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.catalog import LINKS, Cluster, Hardware
 from scaletrain.plan.memory import (
@@ -50,6 +51,7 @@ from scaletrain.plan.memory import (
     stage_params,
 )
 from scaletrain.plan.spec import Plan, Workload
+from scaletrain.train.metrics import mfu
 from scaletrain.train.muon import CHUNK_ELEMENTS
 
 # aten ops one scaletrain block dispatches in forward + backward (aten_ops.count_aten_ops; 206 on
@@ -57,6 +59,14 @@ from scaletrain.train.muon import CHUNK_ELEMENTS
 # C++ Best Practices Guide; 5 us is typical of eager PyTorch).
 OPS_PER_BLOCK = 206
 GPU_LAUNCH_SECONDS = 5e-6
+
+# aten ops of one cached decode step (timing.decode_ops), counted with aten_ops.count_aten_ops on torch 2.13
+# (tests/test_plan_wall.py counts them again): a Llama block's one-token forward with a KVCache, and the rest of
+# the step: the embedding, final norm and last position's head (34), and the sample's draw (11: temperature,
+# top-k, softmax, multinomial, the next input). Counted, not imported here: counting loads DTensor, which
+# `scaletrain plan` must not pay for.
+DECODE_OPS_PER_BLOCK = 74
+DECODE_OPS_OTHER = 45
 
 # Parameter tensors of one block (wq, wk, wv, wo, w1, w2, w3, two norms), and the foreach ops of one
 # AdamW step plus clip_grad_norm_ (step count, weight decay, lerp, mul, addcmul, sqrt, div, add, addcdiv;
@@ -204,6 +214,14 @@ def _family_block_ops(options: tuple, group: int) -> int:
     return max(0, ops(dataclasses.replace(tiny, **dict(options))) - ops(tiny))
 
 
+def decode_ops(cfg: ModelConfig) -> float:
+    """aten ops one cached decode step of the trainer's sample dispatches (``model.generate.generate`` with
+    top-k, as ``train/run_evaluation.py`` samples): ``DECODE_OPS_PER_BLOCK`` a block (plus a third of what the
+    family's options add to a block's forward and backward, ``family_block_ops``) and ``DECODE_OPS_OTHER``.
+    Eager decoding pays them one by one: on a CPU they, not the FLOPs, are a small model's sample."""
+    return DECODE_OPS_OTHER + cfg.n_layers * (DECODE_OPS_PER_BLOCK + family_block_ops(cfg) / 3)
+
+
 def _block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int, int]]:
     d, hd, h = cfg.dim, head_width(cfg), ffn_hidden_dim(cfg)
     q, kv = cfg.n_heads * hd // tp, kv_heads(cfg) * hd // tp
@@ -273,7 +291,7 @@ class TimeBreakdown:
     comm_exposed: float  # the part that adds to the step
     step: float
     tokens_per_second: float  # whole job
-    mfu: float  # model FLOPs (flops_per_token convention) / (devices x peak of the dtype)
+    mfu: float  # model FLOPs (flops_per_token convention) / the job's peak (``job_peak_flops``)
     comm_detail: dict
     newton_schulz: float = 0.0  # of ``optimizer``: Muon's orthogonalization (optim.name = muon)
 
@@ -303,10 +321,28 @@ def step_time(workload: Workload, plan: Plan, cluster: Cluster) -> TimeBreakdown
     comm, exposed = communication(workload, plan, cluster, compute)
     step = compute + optimizer + bubble + exposed
     tokens_per_second = workload.tokens_per_step / step
-    dtype = DTYPE_OF_PRECISION[workload.precision]
-    mfu = tokens_per_second * workload.flops_per_token / (cluster.world_size * hw.flops(dtype))
-    return TimeBreakdown(compute, optimizer, bubble, sum(comm.values()), exposed, step, tokens_per_second, mfu,
+    utilisation = planned_mfu(workload.flops_per_token, tokens_per_second, workload.precision, cluster)
+    return TimeBreakdown(compute, optimizer, bubble, sum(comm.values()), exposed, step, tokens_per_second, utilisation,
                          comm, newton_schulz)
+
+
+def job_peak_flops(cluster: Cluster, precision: str) -> float:
+    """MFU's denominator for a plan, counted as the trainer counts its own (``Throughput.job_peak_flops``): one
+    device's peak matmul rate times ``peak.devices_in_job``: a GPU a rank, or on a CPU one core per thread of
+    every rank (each rank runs the calibration's ``threads``, as the CPU time model assumes), no more than each
+    host's cores. A CPU core's peak is the one-thread rate the trainer divides by (``core_matmul_flops_*``,
+    ``hardware_spec.hardware_from_calibration``); a calibration without it: its rate over its threads."""
+    hw, dtype = cluster.hardware, DTYPE_OF_PRECISION[precision]
+    if hw.kind != "cpu":
+        return hw.flops(dtype) * devices_in_job(hw.kind, cluster.world_size, 1)
+    threads = int(hw.calibration.get("threads", 1))
+    core = float(hw.calibration.get(f"core_matmul_flops_{dtype}", hw.flops(dtype) / threads))
+    return core * devices_in_job("cpu", cluster.world_size, threads, cluster.devices_per_node, hw.cores)
+
+
+def planned_mfu(flops_per_token: float, tokens_per_second: float, precision: str, cluster: Cluster) -> float:
+    """The MFU ``plan`` prints for a job at ``tokens_per_second``: the trainer's ``mfu`` over ``job_peak_flops``."""
+    return mfu(flops_per_token, tokens_per_second, job_peak_flops(cluster, precision))
 
 
 def cpu_rank_share(cluster: Cluster) -> float:

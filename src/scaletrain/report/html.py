@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import html
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -320,6 +321,17 @@ def last_val_bpb(run: RunData) -> str:
     return f"{bpb:.4f}" if isinstance(bpb, (int, float)) else "-"
 
 
+def run_mfu(run: RunData) -> str:
+    """The run's MFU as its ``done:`` line printed it (the summary's: ``train/metrics.py:mfu``, the one definition
+    ``train`` and ``plan`` share), else the median of the logged windows' ('-' before any)."""
+    summary = run.segments[-1].get("summary", {}) if run.segments else {}
+    value = summary.get("mfu")
+    if not isinstance(value, (int, float)) or value != value:  # NaN: no step finished
+        logged = [r["mfu"] for r in run.train if isinstance(r.get("mfu"), (int, float))]
+        value = statistics.median(logged) if logged else None
+    return f"{100 * value:.1f}%" if value is not None else "-"
+
+
 def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
     segs = run.segments
     last = segs[-1] if segs else {}
@@ -349,8 +361,8 @@ def header_rows(run: RunData, price: float) -> list[tuple[str, str]]:
             (val_label, val_text),
             ("val bits per byte", bpb),
             *([frontier] if frontier else []),
-            ("median step / tokens/s", f"{_duration(run.median_step_seconds())} / "
-                                       f"{run.median_tokens_per_second() or 0:,.0f}"),
+            ("median step / tokens/s / MFU", f"{_duration(run.median_step_seconds())} / "
+                                             f"{run.median_tokens_per_second() or 0:,.0f} / {run_mfu(run)}"),
             ("cost", cost)]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import resource
 import statistics
 import sys
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from scaletrain.config import LoggingConfig
 from scaletrain.parallel.distributed import any_rank, rank_zero_value
-from scaletrain.peak import devices_in_job, peak_flops
+from scaletrain.peak import devices_in_job, host_cores, peak_flops
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -38,9 +39,11 @@ def per_rank_peak_memory_mb(device: torch.device, world_size: int) -> list[float
 
 
 def mfu(flops_per_token: float, tokens_per_second: float, job_peak_flops: float) -> float:
-    """Model FLOPs utilisation: the model's training FLOPs per token (``model.flops_per_token``) times the
-    job's tokens/s, over the job's peak FLOP/s (``Throughput.job_peak_flops``: one device's measured peak times
-    the devices the job runs on). Nothing of how the job was launched enters it."""
+    """Model FLOPs utilisation, the one definition the trainer's progress and ``done:`` lines, the report and
+    ``plan`` print: the model's training FLOPs per token (``finetune/flops.py:trained_flops_per_token``: a
+    fine-tune's frozen weights without their weight gradient) times the job's tokens/s, over the job's peak
+    FLOP/s (``Throughput.job_peak_flops``, the planner's ``timing.job_peak_flops``: one device's measured peak
+    times ``devices_in_job``). Nothing of how the job was launched enters it."""
     return flops_per_token * tokens_per_second / job_peak_flops
 
 
@@ -110,7 +113,9 @@ class Throughput:
         (``peak.peak_flops``, a GPU or one CPU core; rank 0's number on every rank) times the devices the
         job runs on (``devices_in_job``). Collective under torchrun: every rank calls it."""
         per_device = peak_flops(self.device, self._peak_dtype, remeasure, log=self.log) if self.rank == 0 else 0.0
-        devices = devices_in_job(self.device.type, self.world_size, torch.get_num_threads())
+        # torchrun's LOCAL_WORLD_SIZE ranks share this host's cores; one process has them to itself
+        devices = devices_in_job(self.device.type, self.world_size, torch.get_num_threads(),
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)), host_cores())
         return rank_zero_value(per_device, self.device) * devices
 
     @property

@@ -19,9 +19,10 @@ from scaletrain.config import JobConfig, to_toml
 from scaletrain.data.loader import block_causal_mask
 from scaletrain.data.run_data import training_data
 from scaletrain.finetune import parameter_counts, resolve_finetune
+from scaletrain.finetune.flops import trained_flops_per_token
 from scaletrain.finetune.preference import preference_metrics
 from scaletrain.finetune.preference_rules import rows_per_example
-from scaletrain.model import flops_per_token, num_params
+from scaletrain.model import num_params
 from scaletrain.options import UserError
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.compile import compile_enabled, resolve_compile
@@ -144,7 +145,9 @@ class Trainer:
                                                  self.state, cfg, self._message)
         # Tokens per optimizer step over all data-parallel ranks (a preference pair is two rows: rows_per_example).
         self.tokens_per_step = global_batch(cfg, dims.dp_size) * cfg.data.seq_len * rows_per_example(cfg.finetune)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        # MFU's numerator: a fine-tune's frozen weights without their weight gradient (finetune/flops.py)
+        self.flops_per_token = trained_flops_per_token(cfg.model, cfg.data.seq_len,
+                                                       cfg.finetune if cfg.finetune.source else None)
         self.throughput = Throughput(self.tokens_per_step, self.flops_per_token, self.device, self.precision,
                                      self.env.world_size, self.env.rank, self._message)
         self.monitor: ResourceMonitor | None = None
