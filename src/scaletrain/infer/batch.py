@@ -240,9 +240,13 @@ class Batcher:
                     return
                 request = self.pending.popleft()
             row = self.rows.index(None)
-            prefill = KVCache(1, len(request.prompt))
-            tokens = torch.tensor([request.prompt], dtype=torch.long, device=self.device)
-            logits = self.session.model(tokens, cache=prefill, last_only=True)[:, -1]  # (1, V)
+            try:
+                prefill = KVCache(1, len(request.prompt))
+                tokens = torch.tensor([request.prompt], dtype=torch.long, device=self.device)
+                logits = self.session.model(tokens, cache=prefill, last_only=True)[:, -1]  # (1, V)
+            except Exception as exc:  # noqa: BLE001  (this request fails, not the ones decoding)
+                request.emit(Event("", 0, "error", f"generation failed: {type(exc).__name__}: {exc}"))
+                continue
             self.cache.load(row, prefill)
             self.rows[row] = request
             self._advance(row, self._choose(logits, [row])[0])

@@ -33,6 +33,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="the port (0: any free one, printed)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on the API (default: ${API_KEY_ENV})")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
     p.add_argument("--model-name", default=None, help="the model's id in the API (default: the run folder's name)")
     p.add_argument("--slots", type=int, default=8, help="requests decoded together (the batch)")
     p.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot; past it: 503")
@@ -68,6 +69,12 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise ConfigError("--queue and --max-tokens-limit must be >= 0")
     if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isprintable()):
         raise ConfigError("--api-key must be printable text, not empty")
+    if args.device != "cpu":
+        import torch
+
+        if not args.device.startswith("cuda") or not torch.cuda.is_available():
+            what = "no CUDA GPU" if args.device.startswith("cuda") else "no such device (cpu, cuda, cuda:N)"
+            raise ConfigError(f"--device {args.device}: {what} here; pass --device cpu")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -96,7 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"scaletrain serve needs the serve extra ({exc.name} is missing): "
                           f"pip install 'scaletrain[serve]'") from None
     sock = bind(args.host, args.port)
-    session = Session.from_run(args.run)
+    session = Session.from_run(args.run, device=args.device)
     batcher = Batcher(session, slots=args.slots, queue_size=args.queue).start()
     limits = Limits(max_tokens=min(args.max_tokens_limit or session.context, session.context),
                     max_messages=args.max_messages, max_body_bytes=args.max_body_bytes)
