@@ -3,7 +3,7 @@
 Layers, lowest first (a module may import from its own layer or a lower one)::
 
     base (options, files, quiet, invocation)  <  model  <  config, peak  <  data, parallel  <  checkpoint
-    <  train, infer, harness  <  plan, report, tune  <  cli
+    <  train, infer, harness  <  plan, report, tune, serve  <  cli
 
 Every import counts, including the ones inside functions: a late import hides a circle from Python,
 not from the design. Run ``python scripts/check_layers.py``; exit status 1 lists each violation.
@@ -26,12 +26,13 @@ LAYERS: dict[str, int] = {
     "data": 3, "parallel": 3,
     "checkpoint": 4, "finetune": 4, "compress": 4,
     "train": 5, "infer": 5, "harness": 5,
-    "plan": 6, "report": 6, "tune": 6, "scaling": 6,
+    "plan": 6, "report": 6, "tune": 6, "scaling": 6, "serve": 6,
     "cli": 7, "__main__": 7,
 }
 # Modules whose job is a command line: they sit on top of their package (data/cli.py is `scaletrain prepare`).
 CLI_MODULES = {"scaletrain.data.cli", "scaletrain.plan.cli", "scaletrain.report.cli", "scaletrain.tune.cli",
-               "scaletrain.compress.cli", "scaletrain.infer.cli", "scaletrain.scaling.cli"}
+               "scaletrain.compress.cli", "scaletrain.infer.cli", "scaletrain.scaling.cli",
+               "scaletrain.serve.cli"}
 
 
 def module_name(path: Path, src: Path = SRC) -> str:

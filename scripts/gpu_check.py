@@ -876,6 +876,27 @@ def check_monitor_profile(ctx: Ctx) -> dict:
     return out
 
 
+def check_serve(ctx: Ctx) -> dict:
+    """``scaletrain serve --device cuda`` under benchmarks/serve.py's load: 1, 8, 32 and 64 concurrent streaming
+    ``openai`` clients (continuous batching, 64 slots), their time to first token, inter-token latency and total
+    tokens/s, and no errors (issue 53)."""
+    out_json = ctx.folder / "serve.json"
+    ctx.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--device", ctx.device, "--work", str(ctx.folder),
+             "--seconds", "3" if ctx.dry else "15", "--soak-minutes", "0", "--concurrency",
+             "1,8" if ctx.dry else "1,8,32,64", "--label", "gpu_check", "--out", str(out_json)], "serve", timeout=240)
+    result = json.loads(out_json.read_text())
+    out = {"throughput_8_over_1": result["throughput_8_over_1"]}
+    for row in result["rows"]:  # clients8.tokens_per_second, ... (the table reads dotted keys as nested ones)
+        out[f"clients{row['clients']}"] = {key: row[key] for key in ("tokens_per_second", "ttft_ms_p50",
+                                                                     "inter_token_ms_p50", "errors")}
+    errors = sum(row["errors"] for row in result["rows"])
+    if errors:
+        raise Failed(f"{errors} requests failed: {result['rows'][0]['error_examples'] or result['rows']}")
+    if ctx.dry:
+        out["note"] = "dry run: 1 and 8 clients for 3 s on the CPU"
+    return out
+
+
 # -- the driver ----------------------------------------------------------------------------------------------
 @dataclass
 class Check:
@@ -925,6 +946,11 @@ CHECKS = [
           expected_s=10),
     Check("monitor-profile", 60, check_monitor_profile, ("monitor_samples", "nvml_samples", "trace_kernels",
                                                          "snapshot_segments"), expected_s=15),
+    # A trained run, a server and four minute-long load levels (an estimate: not yet run on a GPU): its own call,
+    # `--only serve`.
+    Check("serve", 150, check_serve, ("clients1.tokens_per_second", "clients8.tokens_per_second",
+                                      "clients64.tokens_per_second", "throughput_8_over_1", "clients8.ttft_ms_p50"),
+          expected_s=110, full_run=False),
 ]
 
 

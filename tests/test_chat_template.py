@@ -151,10 +151,15 @@ def test_special_tokens_are_the_folders_own(family):
 
 
 @needs_shared
-@pytest.mark.parametrize("family, end", [("qwen3", "<|im_end|>"), ("llama3_1", "<|eot_id|>")])
-def test_generation_stops_at_the_templates_end_of_turn(family, end):
+@pytest.mark.parametrize("family, ends", [("qwen3", ["<|im_end|>", "<|endoftext|>"]),
+                                          ("llama3_1", ["<|eot_id|>", "<|end_of_text|>"])])
+def test_generation_stops_at_every_end_of_turn_of_the_family(family, ends):
+    """The template's end of turn first (also each folder's eos_token), then the family's other ends: Llama 3's
+    <|end_of_text|> (this vocabulary has no <|eom_id|>), Qwen's <|endoftext|> (issue 49: generation stopped at
+    the first only)."""
     hf = _tokenizer(SHARED / family).transformers_tokenizer()
-    assert stop_ids(SHARED / family) == [hf.convert_tokens_to_ids(end)]  # also each folder's eos_token
+    assert stop_ids(SHARED / family) == hf.convert_tokens_to_ids(ends)
+    assert stop_ids(SHARED / family, chat_template="plain") == hf.convert_tokens_to_ids(ends)
 
 
 @needs_shared
@@ -238,7 +243,7 @@ def test_stop_ids_follow_the_template(tmp_path):
     hf = load_tokenizer(folder / "tokenizer.json").transformers_tokenizer()
     end, eos = hf.convert_tokens_to_ids("<|im_end|>"), hf.convert_tokens_to_ids("<|endoftext|>")
     assert stop_ids(folder) == [end, eos]
-    assert stop_ids(folder, chat_template="plain") == [eos]
+    assert stop_ids(folder, chat_template="plain") == [eos, end]  # the vocabulary's other end too
 
 
 def test_preview_brackets_the_targets(tmp_path):

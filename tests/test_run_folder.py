@@ -63,7 +63,7 @@ def _record_context(model, lengths: list[int]) -> None:
 def test_generation_crops_at_the_trained_context_not_the_rotary_length(tmp_path, tiny, capsys, monkeypatch):
     """data.seq_len 16 < model.max_seq_len 32: neither `generate` nor the trainer's samples ever show the
     model more than the 16 positions it was trained on."""
-    import scaletrain.infer.cli as run_module  # generate's load_run (checkpoint.run's)
+    import scaletrain.infer.session as run_module  # generate's load_run (checkpoint.run's, via Session.from_run)
 
     run = tmp_path / "run"
     overrides = tiny(run, **{"train.steps": 2, "data.seq_len": 16, "model.max_seq_len": 32})

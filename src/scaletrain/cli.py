@@ -427,6 +427,8 @@ PLUGINS = [
      "continue a prompt (or a JSONL file of prompts, batched) with a run's model; --stream"),
     ("chat", "scaletrain.infer.cli", "add_chat_arguments", "run_chat",
      "talk to a run's model in the terminal (its instruction template; /reset, /system TEXT, /exit)"),
+    ("serve", "scaletrain.serve.cli", "add_serve_arguments", "run_serve",
+     "serve a run's model over the OpenAI API (batched streaming) with a chat page; needs scaletrain[serve]"),
     ("prepare", "scaletrain.data.cli", "add_prepare_arguments", "run_prepare",
      "clean, deduplicate and tokenize raw text into sharded token files"),
     ("plan", "scaletrain.plan.cli", "add_plan_arguments", "run_plan",

@@ -427,13 +427,31 @@ def render_prompt(messages: list[dict], tokenizer_folder: str | Path, add_genera
     return encode_example(segments, tokenizer)[0]
 
 
+# The texts of the tokens that end a generation in the families' vocabularies, as llama.cpp's vocabulary reader
+# lists them (its "end of generation" tokens): a family ends a turn with one and a text with another (Llama 3:
+# <|eot_id|> closes a turn, <|end_of_text|> a text, <|eom_id|> a tool call's message; Qwen: <|im_end|> and
+# <|endoftext|>), and a model fine-tuned briefly may still produce the one its template does not close with.
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
+                     "<end_of_turn>", "<|end▁of▁sentence|>", "<|return|>", "<|call|>", "<EOT>")
+
+
+def end_of_generation_ids(tokenizer: Tokenizer) -> list[int]:
+    """The EOS and every token of ``END_OF_GENERATION`` in ``tokenizer``'s vocabulary (a character or plain BPE
+    vocabulary has none of them; its EOS, when it has one, is ours)."""
+    ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    if isinstance(tokenizer, BPETokenizer):
+        ids += [i for i in map(tokenizer.tok.token_to_id, END_OF_GENERATION) if i is not None]
+    return list(dict.fromkeys(ids))
+
+
 def stop_ids(tokenizer_folder: str | Path, chat_template: str = "auto") -> list[int]:
     """The ids that end an answer in the template training used, for generation to stop at: with the base's
-    template, the token that closes an assistant turn (the last target of a one-turn conversation:
-    ``<|im_end|>``, ``<|eot_id|>``, Gemma's ``<end_of_turn>``, which is not always the EOS) and the EOS; with
-    the plain template, the EOS (none when the tokenizer has none: "\\n\\n" text ends it, ``end_text``)."""
+    template, the token that closes an assistant turn first (the last target of a one-turn conversation:
+    ``<|im_end|>``, ``<|eot_id|>``, Gemma's ``<end_of_turn>``, which is not always the EOS), then the EOS and
+    the vocabulary's other end-of-generation tokens (``end_of_generation_ids``); with the plain template, the
+    latter (none when the tokenizer has none: "\\n\\n" text ends it, ``end_text``)."""
     tokenizer = folder_tokenizer(tokenizer_folder)
-    ids = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    ids = end_of_generation_ids(tokenizer)
     if uses_base_template(tokenizer, chat_template):
         probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
         tokens, target = encode_conversation(probe, tokenizer.transformers_tokenizer())

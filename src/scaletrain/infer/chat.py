@@ -12,63 +12,39 @@ the conversation kept.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TextIO
 
 import torch
 from torch import nn
 
-from scaletrain.data.chat import uses_base_template
-from scaletrain.data.instructions import chat_prompt, end_text, render_prompt, stop_ids
 from scaletrain.data.tokenizer import DataError, Tokenizer
-from scaletrain.infer.text import StreamPrinter
+from scaletrain.infer.session import ConversationFormat, Render, Session, conversation_format, plain_format
 from scaletrain.model.decode import StaticDecoder
-from scaletrain.model.generate import Sampling, stop_at_strings, stream
+from scaletrain.model.generate import Sampling
 
-Render = Callable[[list[dict]], list[int]]
-
-
-@dataclass
-class ConversationFormat:
-    """How a run reads a conversation: ``render`` (messages -> the prompt ids that end where its answer starts)
-    and what ends an answer: token ids (the template's end of turn, the EOS) and texts (the plain template's
-    "\\n\\n" for a tokenizer without an EOS)."""
-
-    render: Render
-    stop_ids: list[int]
-    stop_texts: list[str]
-
-
-def plain_format(tokenizer: Tokenizer) -> ConversationFormat:
-    """scaletrain's plain template (data/instructions.py: ``chat_prompt``, ``end_text``)."""
-    end = end_text(tokenizer)
-    return ConversationFormat(lambda messages: chat_prompt(messages, tokenizer),
-                              [] if tokenizer.eos_id is None else [tokenizer.eos_id], [end] if end else [])
-
-
-def conversation_format(run_dir: str | Path, tokenizer: Tokenizer, chat_template: str) -> ConversationFormat:
-    """The format a run was fine-tuned in. ``chat_template``: the run's ``finetune.chat_template``; with the base's
-    template the run folder holds the base's tokenizer files (tokenizer_config.json with its chat_template)."""
-    if uses_base_template(tokenizer, chat_template):
-        return ConversationFormat(lambda messages: render_prompt(messages, run_dir, True, chat_template),
-                                  stop_ids(run_dir, chat_template), [])
-    return plain_format(tokenizer)
+__all__ = ["Chat", "ConversationFormat", "Render", "conversation_format", "plain_format"]
 
 
 class Chat:
+    """A terminal conversation over a ``Session`` (``over``), or over a model and its parts (the session made here)."""
+
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, context: int, sampling: Sampling, max_tokens: int,
                  stops: list[str], generator: torch.Generator, system: str = "",
                  conversation: ConversationFormat | None = None, decoder: StaticDecoder | None = None):
-        self.model, self.tokenizer, self.context = model, tokenizer, context
-        self.sampling, self.max_tokens, self.generator = sampling, max_tokens, generator
         fmt = conversation or plain_format(tokenizer)  # the run's own format (conversation_format), else plain
-        self.render, self.stop_ids = fmt.render, fmt.stop_ids
+        self.session = Session(model, tokenizer, context, fmt, decoder)
+        self.tokenizer, self.context = tokenizer, context
+        self.sampling, self.max_tokens, self.generator = sampling, max_tokens, generator
+        self.render = fmt.render
         self.stops = list(stops) + fmt.stop_texts
         self.system = system
-        self.decoder = decoder  # ``--compile``: a StaticDecoder of the whole context (one compiled step a chat)
         self.history: list[dict] = []
+
+    @classmethod
+    def over(cls, session: Session, sampling: Sampling, max_tokens: int, stops: list[str],
+             generator: torch.Generator, system: str = "") -> Chat:
+        return cls(session.model, session.tokenizer, session.context, sampling, max_tokens, stops, generator,
+                   system, session.conversation, session.decoder)
 
     def messages(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
@@ -110,14 +86,12 @@ class Chat:
             return None
         if ids is None:
             return None
-        printer = StreamPrinter(self.tokenizer.decode, self.stops, out)
-        stop = stop_at_strings(self.tokenizer.decode, self.stops) if self.stops else None
-        for step in stream(self.model, [ids], min(self.max_tokens, self.context - len(ids)), max_seq_len=self.context,
-                           sampling=self.sampling, generator=self.generator, stop_id=self.stop_ids,
-                           vocab_limit=self.tokenizer.vocab_size, stop=stop, decoder=self.decoder):
-            for _, token in step:
-                printer.add(token)
-        answer = printer.finish()
+        answer = ""
+        for piece in self.session.text_stream(ids, min(self.max_tokens, self.context - len(ids)), self.sampling,
+                                              self.generator, self.stops):
+            out.write(piece)
+            out.flush()
+            answer += piece
         out.write("\n")
         self.history.append({"role": "assistant", "content": answer})
         return answer

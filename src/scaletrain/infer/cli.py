@@ -1,8 +1,8 @@
 """``scaletrain generate`` (one prompt, or a JSONL file of them in batches) and ``scaletrain chat``.
 
-Both read any run folder through ``checkpoint.run.load_run`` (trained, fine-tuned with adapters, pruned,
-quantized) and generate with the KV cache (``model/generate.py``) within the context the run was trained on
-(``data.seq_len``).
+Both read any run folder as a ``Session`` (``infer/session.py``, over ``checkpoint.run.load_run``: trained,
+fine-tuned with adapters, pruned, quantized) and generate with the KV cache (``model/generate.py``) within the
+context the run was trained on (``data.seq_len``).
 """
 
 from __future__ import annotations
@@ -16,25 +16,29 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint.run import load_run
 from scaletrain.data.instructions import check_messages
 from scaletrain.data.sources import decode_text_file
 from scaletrain.data.tokenizer import DataError
-from scaletrain.files import guarded_write, human_bytes
-from scaletrain.infer.chat import Chat, Render, conversation_format
+from scaletrain.files import guarded_write
+from scaletrain.infer.chat import Chat
+from scaletrain.infer.session import SAMPLING_DEFAULTS, Session, compiled_decoder
 from scaletrain.infer.text import StreamPrinter
-from scaletrain.model.decode import StaticDecoder, dequantized_bytes, slower_than_eager, supports
-from scaletrain.model.generate import Sampling, cut_at_stop, generate_batch, stop_at_strings, stream
+from scaletrain.model.generate import Sampling, cut_at_stop
 from scaletrain.options import ConfigError
 
+__all__ = ["compiled_decoder"]  # (kept importable here: tests and scripts reach it as infer.cli's)
 
-def add_sampling_arguments(p: argparse.ArgumentParser, temperature: float, top_k: int) -> None:
+
+def add_sampling_arguments(p: argparse.ArgumentParser, command: str) -> None:
+    """The sampling flags, their defaults ``SAMPLING_DEFAULTS[command]`` (one place for every command's)."""
+    defaults = SAMPLING_DEFAULTS[command]
     p.add_argument("--run", required=True, help="the run folder (train.run_dir)")
     p.add_argument("--max-tokens", type=int, default=200, help="tokens to generate (an answer, in chat)")
-    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=top_k, help="sample among the k most likely tokens; 0 = all")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    p.add_argument("--temperature", type=float, default=defaults.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=defaults.top_k,
+                   help="sample among the k most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=defaults.top_p, help="nucleus sampling mass; 1 = off")
+    p.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty,
                    help="divide the (positive) logits of tokens already in the text by this; 1 = off")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end the text at this string (not included); repeat for several")
@@ -74,7 +78,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                      "(data.seq_len; --slide goes on past it, a sliding window). --prompts-file: a JSONL file of "
                      "{\"prompt\": ...} lines, generated in batches (left-padded) into --out, each line with its "
                      "\"completion\" added.")
-    add_sampling_arguments(p, temperature=0.8, top_k=200)
+    add_sampling_arguments(p, "generate")
     p.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
     p.add_argument("--slide", action="store_true",
                    help="go on past the model's context: each new token then re-reads the last data.seq_len tokens "
@@ -103,25 +107,21 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.compile and args.no_cache:
         raise ConfigError("--compile decodes with a (static) KV cache; --no-cache has none: give one of them")
     records = read_prompts(args.prompts_file) if args.prompts_file else None  # before the model loads
-    cfg, model, tokenizer, _ = load_run(args.run)
-    check_max_tokens(args.max_tokens, cfg.data.seq_len)
-    kw = dict(max_seq_len=cfg.data.seq_len, sampling=sampling, stop_id=tokenizer.eos_id,
-              vocab_limit=tokenizer.vocab_size, use_cache=not args.no_cache, slide=args.slide,
-              stop=stop_at_strings(tokenizer.decode, args.stop) if args.stop else None,
-              decoder=compiled_decoder(model, args.run) if args.compile else None)
+    session = Session.from_run(args.run, compile=args.compile)
+    check_max_tokens(args.max_tokens, session.context)
+    kw = dict(sampling=sampling, stops=args.stop, use_cache=not args.no_cache, slide=args.slide)
     if records is not None:
-        fmt = conversation_format(args.run, tokenizer, cfg.finetune.chat_template)
-        return _generate_file(args, records, model, tokenizer, {**kw, "stop_id": fmt.stop_ids}, fmt.render)
+        return _generate_file(args, records, session, kw)
     text = "\n" if args.prompt is None else args.prompt
-    prompt = tokenizer.encode(text)
+    prompt = session.tokenizer.encode(text)
     if not prompt:
         raise ConfigError("--prompt must not be empty")
     generator = torch.Generator().manual_seed(args.seed)
-    steps = stream(model, [prompt], args.max_tokens, generator=generator, **kw)
+    steps = session.stream([prompt], args.max_tokens, generator=generator, **kw)
     new: list[int] = []
     if args.stream:
         sys.stdout.write(text)
-        printer = StreamPrinter(tokenizer.decode, args.stop, sys.stdout)
+        printer = StreamPrinter(session.tokenizer.decode, args.stop, sys.stdout)
         for step in steps:
             for _, token in step:
                 new.append(token)
@@ -133,28 +133,9 @@ def run_generate(args: argparse.Namespace) -> int:
             for step in steps:
                 new += [token for _, token in step]
                 advance()
-        print(text + cut_at_stop(tokenizer.decode(new), args.stop))
-    context_note(len(prompt), len(new), args, cfg.data.seq_len)
+        print(text + cut_at_stop(session.tokenizer.decode(new), args.stop))
+    context_note(len(prompt), len(new), args, session.context)
     return 0
-
-
-def compiled_decoder(model: torch.nn.Module, run: str, capacity: int = 0) -> StaticDecoder | None:
-    """``--compile``'s decoder (``capacity``: fixed slots, chat's whole context), a ConfigError saying why this
-    run's model cannot have one, or None (the eager decode, said in one line) where it would be slower."""
-    reason = supports(model)
-    if reason:
-        raise ConfigError(f"--compile: the compiled decode cannot run {run}'s model ({reason}); drop --compile")
-    slower = slower_than_eager(model)
-    if slower:
-        print(f"--compile: decoding eagerly: the compiled step is slower here for {slower}", file=sys.stderr)
-        return None
-    decoder = StaticDecoder(model, capacity=capacity)
-    if decoder.held:
-        half, full = (human_bytes(dequantized_bytes(model, itemsize)) for itemsize in (2, 4))
-        print(f"--compile: int8 weights on a CPU without AVX-512, where inductor's int8 kernels run slower than the "
-              f"eager decode: the compiled step holds them as float16 at one row (+{half}) and as float32 "
-              f"at more (+{full}) while it decodes", file=sys.stderr)
-    return decoder
 
 
 @contextmanager
@@ -208,23 +189,24 @@ def read_prompts(path: str) -> list[dict]:
     return records
 
 
-def _generate_file(args, records: list[dict], model, tokenizer, kw, render: Render) -> int:
+def _generate_file(args, records: list[dict], session: Session, kw: dict) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    prompts = [tokenizer.encode(r["prompt"]) if "prompt" in r else render(r["messages"]) for r in records]
+    prompts = [session.tokenizer.encode(r["prompt"]) if "prompt" in r else session.render(r["messages"])
+               for r in records]
     for number, ids in enumerate(prompts, 1):  # named by their place in the file, before any is generated
-        if not ids or len(ids) > kw["max_seq_len"]:
+        if not ids or len(ids) > session.context:
             raise ConfigError(f"{args.prompts_file}: prompt {number} is {len(ids)} tokens; it must be 1 to "
-                              f"{kw['max_seq_len']} (the model's context, data.seq_len)")
+                              f"{session.context} (the model's context, data.seq_len)")
     generator = torch.Generator().manual_seed(args.seed)
     columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True)) as bar:
         task = bar.add_task("prompts", total=len(records))
         for start in range(0, len(records), args.batch_size):
             batch = prompts[start:start + args.batch_size]
-            for offset, new in enumerate(generate_batch(model, batch, args.max_tokens, generator=generator, **kw)):
-                records[start + offset]["completion"] = cut_at_stop(tokenizer.decode(new), args.stop)
+            for offset, new in enumerate(session.generate(batch, args.max_tokens, generator=generator, **kw)):
+                records[start + offset]["completion"] = cut_at_stop(session.tokenizer.decode(new), args.stop)
             bar.advance(task, len(batch))
     lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     if not args.out:
@@ -243,7 +225,7 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
                      "(data/instructions.py). Commands: /reset (forget the conversation), /system TEXT (set the "
                      "system message), /exit (or end of input). The oldest turns are dropped, with a note, to keep "
                      "the conversation within the trained context (data.seq_len).")
-    add_sampling_arguments(p, temperature=0.7, top_k=50)
+    add_sampling_arguments(p, "chat")
     p.set_defaults(max_tokens=128)
     p.add_argument("--system", default="", help="the system message to start with")
     p.add_argument("--compile", action="store_true",
@@ -254,12 +236,12 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     sampling = sampling_of(args)
-    cfg, model, tokenizer, _ = load_run(args.run)
+    session = Session.from_run(args.run)
+    if args.compile:  # after the model is read: the decoder's capacity is the run's whole context
+        session.decoder = compiled_decoder(session.model, args.run, capacity=session.context)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach Chat as surrogates, refused there
         sys.stdin.reconfigure(errors="surrogateescape")
-    chat = Chat(model, tokenizer, cfg.data.seq_len, sampling, args.max_tokens, args.stop,
-                torch.Generator().manual_seed(args.seed), system=args.system,
-                conversation=conversation_format(args.run, tokenizer, cfg.finetune.chat_template),
-                decoder=compiled_decoder(model, args.run, capacity=cfg.data.seq_len) if args.compile else None)
+    chat = Chat.over(session, sampling, args.max_tokens, args.stop, torch.Generator().manual_seed(args.seed),
+                     system=args.system)
     chat.loop(sys.stdin, sys.stdout)
     return 0
