@@ -217,12 +217,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
     from scaletrain.train import evaluate
 
-    if not args.text:
+    if not args.text:  # `--context 0` is given too: it would be ignored, not what ran
         given = [flag for flag, value in (("--context", args.context), ("--stride", args.stride),
-                                          ("--check-transformers", args.check_transformers)) if value]
+                                          ("--check-transformers", args.check_transformers))
+                 if value is not None and value is not False]
         if given:
             raise ConfigError(f"{given[0]} applies to --text (the sliding-window score of a text); the validation "
                               f"split is scored on training's windows")
+    if args.batches is not None and args.batches < 0:  # it read as "every window", not what was asked
+        raise ConfigError(f"--batches {args.batches}: must be >= 0 (0 scores every window; leave it out for "
+                          f"train.eval_batches)")
     path, text = evaluate.read_eval_text(args.text) if args.text else (None, "")  # a bad file: before loading
     cfg, model, tokenizer, ckpt = load_run(args.run)
     settings = {"run": str(args.run), "checkpoint": ckpt.name, "batch_size": cfg.train.batch_size}
@@ -232,11 +236,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         record = {"source": "val split", **evaluate.validation_record(run_score, cfg),
                   "settings": {**settings, "batches": run_score.batches, "precision": run_score.precision}}
     else:
-        context = args.context or cfg.data.seq_len
+        context = args.context if args.context is not None else cfg.data.seq_len  # 0 is refused, not defaulted
         stride = args.stride if args.stride is not None else max(1, context // 2)
         evaluate.check_window(context, stride, cfg.model.max_seq_len)
         max_tokens = context + (args.batches * cfg.train.batch_size - 1) * stride + 1 \
-            if args.batches and args.batches > 0 else None  # 0 (or less): all of it, as for the val split
+            if args.batches else None  # 0: all of it, as for the val split
         score, tokens = evaluate.score_text(model, tokenizer, text, context, stride, cfg.train.batch_size, max_tokens)
         if score.skipped:
             from scaletrain.data.tokenizer import describe_skipped
