@@ -187,13 +187,15 @@ def test_an_existing_gguf_is_kept_without_overwrite_and_a_folder_is_named(tmp_pa
     assert err == f"ConfigError: --out {out} exists; pass --overwrite to replace it, or choose a new file\n"
     assert out.read_bytes() == f16
     assert main(export + [str(out), "--overwrite"]) == 0 and out.read_bytes() != f16
+    # the one-writer lock beside the output goes with the export, and a refused export made none
+    assert not list(tmp_path.glob(".*.lock"))
     folder = tmp_path / "folder"
     folder.mkdir()
     capsys.readouterr()
     assert main(export + [str(folder), "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert f"--out {folder} is a folder" in err and f"--out {folder / 'model.gguf'}" in err and ".tmp" not in err
-    assert not list(folder.iterdir()) and not list(tmp_path.glob(".*.tmp"))
+    assert not list(folder.iterdir()) and not list(tmp_path.glob(".*.tmp")) and not list(tmp_path.glob(".*.lock"))
 
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"

@@ -309,10 +309,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     args.dtype = args.dtype or "f32"
 
     # One writer per target (train's run-folder lock): a second export into the same --out is refused naming the
-    # first. The lock file sits beside the target, which the export replaces as a whole.
+    # first. The lock file sits beside the target, which the export replaces as a whole, and goes with the lock; a
+    # target refused outright is refused before it is made, and checked again under the lock (a concurrent export).
     target = Path(args.out or Path(args.run) / ("model.gguf" if args.format == "gguf" else "export-hf"))
-    with one_writer(target.parent, f"--out {target}", "choose another --out", name=f".{target.name}.lock"):
+    _check_export_target(args, target)
+    with one_writer(target.parent, f"--out {target}", "choose another --out", name=f".{target.name}.lock",
+                    remove=True):
+        _check_export_target(args, target)
         return _export(args)
+
+
+def _check_export_target(args: argparse.Namespace, out: Path) -> None:
+    """Refuse, before the run is loaded, an --out that would lose a file or folder (without --overwrite)."""
+    if args.format == "gguf":  # one file
+        from scaletrain.checkpoint.gguf import gguf_target
+
+        gguf_target(out, args.overwrite)
+    # a folder of other files: export_hf refuses it
+    if args.format == "hf" and (out / "config.json").is_file() and not args.overwrite:
+        held = "an earlier export" + (" and its adapter/" if (out / "adapter").is_dir() else "")
+        raise ConfigError(f"--out {out} holds {held}; pass --overwrite to replace it, or choose a new folder")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -321,15 +337,6 @@ def _export(args: argparse.Namespace) -> int:
     from scaletrain.finetune.export import base_model, is_plain, merge_adapters, save_peft_adapter
     from scaletrain.model.family import family
 
-    if args.format == "gguf":  # one file: refused before the run is loaded, as the folder below
-        from scaletrain.checkpoint.gguf import gguf_target
-
-        gguf_target(args.out or Path(args.run) / "model.gguf", args.overwrite)
-    out = Path(args.out or Path(args.run) / "export-hf")
-    # a folder of other files: export_hf refuses it
-    if args.format == "hf" and (out / "config.json").is_file() and not args.overwrite:
-        held = "an earlier export" + (" and its adapter/" if (out / "adapter").is_dir() else "")
-        raise ConfigError(f"--out {out} holds {held}; pass --overwrite to replace it, or choose a new folder")
     cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
     if cfg.finetune.method == "qlora":  # the two exports are not the same model: say which one this is
         print("QLoRA: " + ("--merge writes the NF4-rounded base + adapter, what the run trained (without --merge: "
