@@ -346,10 +346,11 @@ def _export(args: argparse.Namespace) -> int:
     if args.merge:
         model = merge_adapters(model, cfg)
     if args.format == "gguf":
-        from scaletrain.checkpoint.gguf import export_gguf
+        from scaletrain.checkpoint.gguf import export_gguf, trained_context
 
         out = export_gguf(model, cfg.model, tokenizer, args.out or Path(args.run) / "model.gguf", args.dtype,
-                          name=Path(args.run).resolve().name, template=cfg.finetune.chat_template)
+                          name=Path(args.run).resolve().name, template=cfg.finetune.chat_template,
+                          context=trained_context(cfg, hf_base_folder(args.run, cfg) is not None))
         print(f"exported {ckpt.name} to {out} ({args.dtype}, {out.stat().st_size / 1e6:.2f} MB; run it with "
               f"llama.cpp: llama-cli -m {out}, or Ollama: see docs/inference.md)")
         return 0
