@@ -202,6 +202,10 @@ def _eval_parser(sub) -> None:
     p.add_argument("--apply-chat-template", action="store_true",
                    help="--tasks: render each prompt in the chat template of the run's Hugging Face base")
     p.add_argument("--batch-size", type=int, default=8, help="--tasks: requests scored a forward pass")
+    p.add_argument("--log-samples", nargs="?", const="", default=None, metavar="FILE",
+                   help="--tasks: also write every sample (doc, target, requests, log-likelihoods or generation, "
+                        "metrics; lm-eval's --log_samples) as JSON lines to FILE (default: beside --json, "
+                        "NAME.samples.jsonl)")
     p.add_argument("--json", help="write the numbers (loss, perplexity, bpb, tokens, bytes; with --tasks the scores) "
                                   "with the windows and settings to this JSON file")
     p.set_defaults(func=cmd_eval)
