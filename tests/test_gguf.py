@@ -379,3 +379,28 @@ def test_llama_cpp_greedy_tokens_equal_ours(tmp_path, name):
         else:
             assert near_tie_at_first_difference(model, prompt, ours, theirs, len(CHARS), tie=0.05), (name, dtype)
         assert llm.token_eos() == len(CHARS)  # the end-of-text token, not a character
+
+
+@pytest.mark.slow  # writes Qwen3's 152k tokens, then loads the file in llama.cpp
+@pytest.mark.skipif(not (TOKENIZERS / "qwen3" / "tokenizer.json").is_file(),
+                    reason="../shared/data/tokenizers not present (fresh clone)")
+def test_llama_cpp_reads_qwen3s_added_tokens_whole(tmp_path):
+    """In llama.cpp, Qwen3's <think>, </think> and <tool_call> are one token each (USER_DEFINED; written NORMAL,
+    llama.cpp split <think> into six pieces), a chat in its template encodes to our ids with special tokens parsed,
+    and <|im_end|> ends generation."""
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    llama_cpp = _llama_cpp()
+    tok = load_tokenizer(TOKENIZERS / "qwen3" / "tokenizer.json")
+    model, cfg = model_and_cfg(dim=16, n_heads=2, n_kv_heads=1, ffn_hidden_dim=32, vocab_size=tok.vocab_size)
+    llm = llama_cpp.Llama(model_path=str(export_gguf(model, cfg, tok, tmp_path / "m.gguf", context=64)), n_ctx=64,
+                          n_threads=1, verbose=False)
+    for text in ("<think>", "</think>", "<tool_call>"):
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == [tok.tok.token_to_id(text)], text
+    chat = tok.transformers_tokenizer().apply_chat_template([{"role": "user", "content": "Who is there?"}],
+                                                            tokenize=False, add_generation_prompt=True)
+    assert llm.tokenize(chat.encode(), add_bos=False, special=True) == tok.tok.encode(
+        chat, add_special_tokens=False).ids
+    im_end = tok.tok.token_to_id("<|im_end|>")
+    assert llm._model.token_eot() == im_end and llama_cpp.llama_vocab_is_eog(llm._model.vocab, im_end)
+    assert llm._model.n_ctx_train() == 64
