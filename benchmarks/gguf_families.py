@@ -15,6 +15,14 @@ to our ids, and whether the file's chat template is the one the run was trained 
 it (``chat_format``: ``chat_template.default``, or its own handler for a template it recognizes, ``llama-3``).
 A q8_0 row whose tokens differ reports our top-two logit gap where they first do (a near-tie there is rounding,
 not a different computation).
+
+What the plain prompt with special tokens off cannot show is checked too, on the f32 file: a two-turn chat rendered
+in the file's template (transformers' ``apply_chat_template``) encodes in llama.cpp, special tokens parsed, to
+our tokenizer's ids (``chat_tokens_match``); Qwen3's added ``<think>`` / ``</think>`` / ``<tool_call>`` are one
+token each in llama.cpp (``added_tokens_whole``: written NORMAL they were split into pieces); every id our
+generation stops at (``data.instructions.stop_ids``: the template's end of turn and the EOS) is an
+end-of-generation token for llama.cpp and its eot is the template's (``end_of_turn``); and llama.cpp's n_ctx_train
+is the context the model was built for (``context_length``).
 """
 
 from __future__ import annotations
@@ -102,6 +110,38 @@ def llama_cpp_row(path: Path, prompt: list[int], text: str, ours_logits, templat
             "chat_format": llm.chat_format}
 
 
+ADDED = ("<think>", "</think>", "<tool_call>")
+CHAT = [{"role": "user", "content": "Who is there?"}, {"role": "assistant", "content": "Nay, answer me."},
+        {"role": "user", "content": "Long live the king!"}]
+
+
+def special_checks(path: Path, tok) -> dict:
+    """The f32 file's special tokens and chat text in llama.cpp against ours (module docstring)."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    from scaletrain.data.instructions import stop_ids
+    from scaletrain.data.tokenizer import HFTokenizer
+
+    llm = Llama(model_path=str(path), n_ctx=CONTEXT, n_threads=1, verbose=False)
+    vocab = llm._model.vocab  # llama.cpp's vocabulary handle (llama_vocab_is_eog takes it)
+    out = {"context_length": llm._model.n_ctx_train() == CONTEXT}
+    if not isinstance(tok, HFTokenizer):  # a character vocabulary: no special token but the end of text
+        out["end_of_turn"] = bool(llama_cpp.llama_vocab_is_eog(vocab, llm.token_eos()))
+        return out
+    text = tok.transformers_tokenizer().apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    ours = tok.tok.encode(text, add_special_tokens=False).ids
+    out["chat_tokens_match"] = llm.tokenize(text.encode(), add_bos=False, special=True) == ours
+    added = [t for t in ADDED if tok.tok.token_to_id(t) is not None]
+    if added:
+        out["added_tokens_whole"] = all(llm.tokenize(t.encode(), add_bos=False, special=False) ==
+                                        [tok.tok.token_to_id(t)] for t in added)
+    stops = stop_ids(tok.folder)
+    out["end_of_turn"] = llm._model.token_eot() == stops[0] and all(
+        bool(llama_cpp.llama_vocab_is_eog(vocab, i)) for i in stops)
+    return out
+
+
 def margin_at(model, prompt: list[int], ours: list[int], index: int | None, vocab: int) -> float | None:
     """Our top-two logit gap where llama.cpp's greedy tokens first differ (a near-tie: q8_0 may pick either)."""
     import torch
@@ -131,7 +171,7 @@ def run_row(row: str) -> dict:
     for dtype in DTYPES:
         path = WORK / f"{row}-{dtype}.gguf"
         path.unlink(missing_ok=True)
-        export_gguf(model, cfg, tok, path, dtype)
+        export_gguf(model, cfg, tok, path, dtype, context=CONTEXT)
         got = llama_cpp_row(path, prompt, PROMPT, ours_logits, template)
         first = next((i for i, (a, b) in enumerate(zip(ours, got["tokens"])) if a != b), None)
         out[dtype] = {"tokens_equal": first is None and len(got["tokens"]) == NEW,
@@ -142,9 +182,12 @@ def run_row(row: str) -> dict:
                       # (llama-3), else the template itself (chat_template.default)
                       "chat_template_used": got["chat_template_in_file"] and got["chat_format"] is not None,
                       "chat_format": got["chat_format"], "bytes": path.stat().st_size}
+        if dtype == "f32":
+            out[dtype]["special"] = special_checks(path, tok)
         path.unlink()
         print(f"{row:<12} {dtype:<5} tokens equal {out[dtype]['tokens_equal']!s:<5} max |logit diff| "
-              f"{out[dtype]['max_logit_diff']:.4f} chat template used {out[dtype]['chat_template_used']}", flush=True)
+              f"{out[dtype]['max_logit_diff']:.4f} chat template used {out[dtype]['chat_template_used']}"
+              + "".join(f" {k} {v}" for k, v in out[dtype].get("special", {}).items()), flush=True)
     return {"family": cfg.family, "tokenizer": ROWS[row], "vocab": tok.vocab_size, "dtypes": out}
 
 
@@ -170,7 +213,8 @@ def main() -> int:
     write_result(args.out, {"llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__,
                             "new_tokens": NEW, "prompt": PROMPT, "rows": rows}, indent=2)
     print(f"wrote {args.out}")
-    return 0 if all(d["tokens_equal"] for r in rows.values() for d in r["dtypes"].values()) else 1
+    special = [v for r in rows.values() for v in r["dtypes"]["f32"].get("special", {}).values()]
+    return 0 if all(d["tokens_equal"] for r in rows.values() for d in r["dtypes"].values()) and all(special) else 1
 
 
 if __name__ == "__main__":

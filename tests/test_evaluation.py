@@ -233,14 +233,23 @@ def test_bad_text_files_are_one_line(case, expect, char_run, tmp_path, capsys):
     (["--stride", "33"], "--stride 33: must be between 1 and the context (32 tokens)"),
     (["--stride", "-4"], "--stride -4"),
     (["--context", "33"], "--context 33: must be between 1 and the model's model.max_seq_len (32)"),
+    (["--context", "0"], "--context 0: must be between 1 and the model's model.max_seq_len (32)"),
+    (["--batches", "-3"], "--batches -3: must be >= 0 (0 scores every window"),
 ])
 def test_bad_windows_are_one_line(flags, expect, char_run, capsys):
+    """Each refused in one line, never scored with other settings (`--context 0` read as the default before)."""
     capsys.readouterr()
     assert main(["eval", "--run", str(char_run), "--text", "builtin:wikitext-2", *flags]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and expect in err, err
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and expect in err and "bpb" not in out, err
 
 
-def test_window_flags_without_text_are_refused(char_run, capsys):
-    assert main(["eval", "--run", str(char_run), "--stride", "8"]) == 2
-    assert "--stride applies to --text" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, expect", [(["--stride", "8"], "--stride applies to --text"),
+                                           (["--context", "0"], "--context applies to --text"),
+                                           (["--batches", "-3"], "--batches -3: must be >= 0")])
+def test_window_flags_without_text_are_refused(flags, expect, char_run, capsys):
+    """The val split: a flag it would ignore, or a negative count it read as every window, is refused."""
+    capsys.readouterr()
+    assert main(["eval", "--run", str(char_run), *flags]) == 2
+    out, err = capsys.readouterr()
+    assert expect in err and err.count("\n") == 1 and "loss" not in out

@@ -57,6 +57,8 @@ def test_tensors_and_metadata_round_trip(tmp_path, dtype, tolerance):
     assert fields["tokenizer.ggml.tokens"][-1] == "<|endoftext|>" == fields["tokenizer.ggml.tokens"][
         fields["tokenizer.ggml.eos_token_id"]]
     assert fields["tokenizer.ggml.token_type"][-1] == gguf.TokenType.CONTROL
+    # it pads too (llama.cpp's batches); no token ends a turn of the plain template ("\n\n" text does)
+    assert fields["tokenizer.ggml.padding_token_id"] == len(CHARS) and "tokenizer.ggml.eot_token_id" not in fields
     assert "Assistant:" in fields["tokenizer.chat_template"]
     expected = gguf_state(model, cfg, len(CHARS) + 1, len(CHARS))
     assert set(tensors) == set(expected) and "blk.1.attn_k.weight" in tensors and "output.weight" in tensors
@@ -82,6 +84,43 @@ def test_tied_head_and_bpe_tokenizer(tmp_path):
     assert fields["tokenizer.ggml.merges"] and fields["tokenizer.ggml.eos_token_id"] == tok.eos_id
     assert fields["tokenizer.ggml.token_type"][tok.eos_id] == gguf.TokenType.CONTROL
     assert "eos_token" in fields["tokenizer.chat_template"]
+    # our <|pad|> pads, and the EOS ends the plain template's assistant turn
+    assert fields["tokenizer.ggml.padding_token_id"] == tok.tok.token_to_id("<|pad|>")
+    assert fields["tokenizer.ggml.eot_token_id"] == tok.eos_id
+
+
+def test_added_tokens_types_and_special_ids_are_the_converters(tmp_path, monkeypatch):
+    """A base's tokenizer folder (the ChatML fixture, with Qwen3's kinds of added tokens): special added tokens
+    and those that look special (``<|fim_prefix|>``) CONTROL, the other added ones USER_DEFINED (``<think>``, which
+    llama.cpp splits into pieces when it is NORMAL), as convert_hf_to_gguf.py writes them; the pad id its
+    tokenizer_config.json names, the EOS, and the template's end of turn as eot."""
+    import shutil
+
+    from tokenizers import AddedToken
+
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    folder = tmp_path / "base"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "chatml_tokenizer", folder)
+    hf = __import__("tokenizers").Tokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>", "<|fim_prefix|>")])
+    hf.save(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(folder / "tokenizer.json")
+    think, end_think, fim = (tok.tok.token_to_id(t) for t in ("<think>", "</think>", "<|fim_prefix|>"))
+    model, cfg = model_and_cfg(vocab_size=tok.vocab_size)
+    # the fixture's 384-token vocabulary is no published one: its check-text hash has no llama.cpp name
+    monkeypatch.setattr("scaletrain.checkpoint.gguf.pre_tokenizer_name", lambda tokenizer: "gpt-2")
+    fields, _ = read(export_gguf(model, cfg, tok, tmp_path / "m.gguf", context=48))
+    types = fields["tokenizer.ggml.token_type"]
+    assert [types[i] for i in (think, end_think, fim)] == [gguf.TokenType.USER_DEFINED] * 2 + [gguf.TokenType.CONTROL]
+    assert [types[tok.tok.token_to_id(t)] for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == \
+        [gguf.TokenType.CONTROL] * 3
+    assert types[tok.encode("a")[0]] == gguf.TokenType.NORMAL
+    im_end = tok.tok.token_to_id("<|im_end|>")
+    assert (fields["tokenizer.ggml.padding_token_id"], fields["tokenizer.ggml.eos_token_id"],
+            fields["tokenizer.ggml.eot_token_id"]) == (tok.tok.token_to_id("<|endoftext|>"), im_end, im_end)
+    assert "tokenizer.ggml.bos_token_id" not in fields  # bos_token: null
+    assert fields["llama.context_length"] == 48
 
 
 TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers"
@@ -104,8 +143,23 @@ def test_a_base_tokenizer_keeps_its_pre_tokenizer_bos_and_chat_template(tmp_path
     reader = gguf.GGUFReader(str(export_gguf(model, cfg, tok, tmp_path / "m.gguf", template=template)))
     fields = {name: reader.fields[name].contents() for name in  # not the 128k tokens and 280k merges: slow to read
               ("tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template")}
-    fields["tokenizer.ggml.bos_token_id"] = reader.fields["tokenizer.ggml.bos_token_id"].contents() \
-        if "tokenizer.ggml.bos_token_id" in reader.fields else None
+    for kind in ("bos", "eos", "eot", "padding"):
+        key = f"tokenizer.ggml.{kind}_token_id"
+        fields[key] = reader.fields[key].contents() if key in reader.fields else None
+    types = reader.fields["tokenizer.ggml.token_type"]
+    added = {t: int(types.parts[types.data[tok.tok.token_to_id(t)]][0])
+             for t in ("<think>", "</think>", "<tool_call>", "<|fim_prefix|>", "<|im_end|>", "<|eot_id|>")
+             if tok.tok.token_to_id(t) is not None}
+    if family == "qwen3":  # added, not special: USER_DEFINED (llama.cpp matches them whole); <|...|>: CONTROL
+        user, control = gguf.TokenType.USER_DEFINED, gguf.TokenType.CONTROL
+        assert added == {"<think>": user, "</think>": user, "<tool_call>": user, "<|fim_prefix|>": control,
+                         "<|im_end|>": control}
+        assert (fields["tokenizer.ggml.padding_token_id"], fields["tokenizer.ggml.eos_token_id"]) == \
+            (tok.tok.token_to_id("<|endoftext|>"), tok.tok.token_to_id("<|im_end|>"))  # its tokenizer_config's
+    else:  # Llama 3.1 names no pad (llama.cpp's converter writes none either)
+        assert added == {"<|eot_id|>": gguf.TokenType.CONTROL} and fields["tokenizer.ggml.padding_token_id"] is None
+    end = "<|eot_id|>" if family == "llama3_1" else "<|im_end|>"
+    assert fields["tokenizer.ggml.eot_token_id"] == (tok.tok.token_to_id(end) if template == "auto" else tok.eos_id)
     assert fields["tokenizer.ggml.pre"] == pre
     assert fields["tokenizer.ggml.add_bos_token"] is add_bos
     assert (fields.get("tokenizer.ggml.bos_token_id") == tok.bos_id) if add_bos else tok.bos_id is None
@@ -175,25 +229,29 @@ def test_an_existing_gguf_is_kept_without_overwrite_and_a_folder_is_named(tmp_pa
     """--out EXISTING.gguf: refused (an f32 silently replaced an f16 before); --overwrite replaces it; --out a
     folder: the user's path is named, not a hidden .tmp beside it."""
     run = tmp_path / "run"
-    overrides = tiny_overrides(run, **{"train.steps": 1})
+    overrides = tiny_overrides(run, **{"train.steps": 1, "model.max_seq_len": 64})
     assert main(["train"] + [f"--{k}={v}" for k, v in overrides.items()]) == 0
     out = tmp_path / "m.gguf"
     export = ["export", "--run", str(run), "--format", "gguf", "--out"]
     assert main(export + [str(out), "--dtype", "f16"]) == 0
     f16 = out.read_bytes()
+    # the context it trained on (data.seq_len 32), not the rotary tables' reach (model.max_seq_len 64)
+    assert read(out)[0]["llama.context_length"] == 32
     capsys.readouterr()
     assert main(export + [str(out)]) == 2
     err = capsys.readouterr().err
     assert err == f"ConfigError: --out {out} exists; pass --overwrite to replace it, or choose a new file\n"
     assert out.read_bytes() == f16
     assert main(export + [str(out), "--overwrite"]) == 0 and out.read_bytes() != f16
+    # the one-writer lock beside the output goes with the export, and a refused export made none
+    assert not list(tmp_path.glob(".*.lock"))
     folder = tmp_path / "folder"
     folder.mkdir()
     capsys.readouterr()
     assert main(export + [str(folder), "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert f"--out {folder} is a folder" in err and f"--out {folder / 'model.gguf'}" in err and ".tmp" not in err
-    assert not list(folder.iterdir()) and not list(tmp_path.glob(".*.tmp"))
+    assert not list(folder.iterdir()) and not list(tmp_path.glob(".*.tmp")) and not list(tmp_path.glob(".*.lock"))
 
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
@@ -321,3 +379,28 @@ def test_llama_cpp_greedy_tokens_equal_ours(tmp_path, name):
         else:
             assert near_tie_at_first_difference(model, prompt, ours, theirs, len(CHARS), tie=0.05), (name, dtype)
         assert llm.token_eos() == len(CHARS)  # the end-of-text token, not a character
+
+
+@pytest.mark.slow  # writes Qwen3's 152k tokens, then loads the file in llama.cpp
+@pytest.mark.skipif(not (TOKENIZERS / "qwen3" / "tokenizer.json").is_file(),
+                    reason="../shared/data/tokenizers not present (fresh clone)")
+def test_llama_cpp_reads_qwen3s_added_tokens_whole(tmp_path):
+    """In llama.cpp, Qwen3's <think>, </think> and <tool_call> are one token each (USER_DEFINED; written NORMAL,
+    llama.cpp split <think> into six pieces), a chat in its template encodes to our ids with special tokens parsed,
+    and <|im_end|> ends generation."""
+    from scaletrain.data.tokenizer import load_tokenizer
+
+    llama_cpp = _llama_cpp()
+    tok = load_tokenizer(TOKENIZERS / "qwen3" / "tokenizer.json")
+    model, cfg = model_and_cfg(dim=16, n_heads=2, n_kv_heads=1, ffn_hidden_dim=32, vocab_size=tok.vocab_size)
+    llm = llama_cpp.Llama(model_path=str(export_gguf(model, cfg, tok, tmp_path / "m.gguf", context=64)), n_ctx=64,
+                          n_threads=1, verbose=False)
+    for text in ("<think>", "</think>", "<tool_call>"):
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == [tok.tok.token_to_id(text)], text
+    chat = tok.transformers_tokenizer().apply_chat_template([{"role": "user", "content": "Who is there?"}],
+                                                            tokenize=False, add_generation_prompt=True)
+    assert llm.tokenize(chat.encode(), add_bos=False, special=True) == tok.tok.encode(
+        chat, add_special_tokens=False).ids
+    im_end = tok.tok.token_to_id("<|im_end|>")
+    assert llm._model.token_eot() == im_end and llama_cpp.llama_vocab_is_eog(llm._model.vocab, im_end)
+    assert llm._model.n_ctx_train() == 64

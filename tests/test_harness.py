@@ -202,8 +202,18 @@ def test_quantized_run_scores_its_own_quantized_model(bpe_run, tmp_path, in_fixt
 def test_eval_tasks_prints_scores_with_their_settings(bpe_run, tmp_path, in_fixtures, capsys):
     out = tmp_path / "scores.json"
     assert main(["eval", "--run", str(bpe_run), "--tasks", "tiny-choices,tiny-answers", "--include-path",
-                 str(FIXTURES), "--limit", "3", "--num-fewshot", "1", "--json", str(out)]) == 0
+                 str(FIXTURES), "--limit", "3", "--num-fewshot", "1", "--json", str(out), "--log-samples"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
+    # --log-samples (lm-eval's --log_samples): each sample's requests and responses, beside --json
+    samples = [json.loads(line) for line in (tmp_path / "scores.samples.jsonl").read_text().splitlines()]
+    assert f"wrote 6 samples' requests and responses to {tmp_path / 'scores.samples.jsonl'}" in lines
+    by_task = {task: [s for s in samples if s["task"] == task] for task in ("tiny-choices", "tiny-answers")}
+    assert [s["doc_id"] for s in by_task["tiny-choices"]] == [0, 1, 2] and len(by_task["tiny-answers"]) == 3
+    for sample in by_task["tiny-choices"]:  # (log-likelihood, greedy) for each of the four choices
+        (loglikelihoods, _greedy) = zip(*(response[0] for response in sample["resps"]))
+        assert len(loglikelihoods) == 4 and all(ll < 0 for ll in loglikelihoods)
+        assert sample["acc"] == float(loglikelihoods.index(max(loglikelihoods)) == sample["target"])
+    assert all(isinstance(s["resps"][0][0], str) and "exact_match" in s for s in by_task["tiny-answers"])
     choices = next(line for line in lines if line.startswith("tiny-choices: "))
     assert "acc " in choices and "acc_norm (per character) " in choices
     assert "(1-shot, limit 3: 3 of 8 samples)" in choices
@@ -213,7 +223,9 @@ def test_eval_tasks_prints_scores_with_their_settings(bpe_run, tmp_path, in_fixt
     task = report["tasks"]["tiny-choices"]
     assert task["num_fewshot"] == 1 and task["limit"] == 3 and task["samples"] == 3
     assert 0 <= task["metrics"]["acc"] <= 1 and "acc_norm" in task["metrics"]
+    assert task["metrics"]["acc"] == pytest.approx(sum(s["acc"] for s in by_task["tiny-choices"]) / 3)
     assert report["checkpoint"] and report["lm_eval_version"]
+    assert report["samples_file"] == str(tmp_path / "scores.samples.jsonl")
 
 
 def _refused(capsys, *argv: str) -> str:
@@ -232,6 +244,8 @@ def test_bad_task_arguments_are_one_line(bpe_run, tmp_path, tiny, in_fixtures, c
     assert "--num-fewshot must be >= 0" in _refused(capsys, *run, "--tasks", "tiny-choices", "--num-fewshot", "-1")
     assert "only with --tasks" in _refused(capsys, "--run", str(bpe_run), "--limit", "3")  # else silently ignored
     assert "give one or the other" in _refused(capsys, *run, "--tasks", "tiny-choices", "--text", "x.txt")
+    assert "--log-samples: give it a file" in _refused(capsys, *run, "--tasks", "tiny-choices", "--log-samples")
+    assert "only with --tasks" in _refused(capsys, "--run", str(bpe_run), "--log-samples", "s.jsonl")
     char = _train(tmp_path / "char", tiny, **{"train.steps": 2})
     err = _refused(capsys, "--run", str(char), "--include-path", str(FIXTURES), "--tasks", "tiny-answers")
     assert "no end-of-text token" in err and "generate_until" in err
@@ -307,3 +321,53 @@ def test_gutenberg_cloze_runs_through_lm_eval(tmp_path, tiny, capsys):
     assert len(items) > 100 and all(len(item["choices"]) == CHOICES for item in items)
     assert main(argv) == 0
     assert "built" not in capsys.readouterr().out  # cached
+
+
+# -- a local task YAML that is wrong: one line naming the YAML or the data file, exit 2 ---------------------------
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory):
+    from helpers.tiny import tiny_overrides
+
+    return _train(tmp_path_factory.mktemp("char") / "run", tiny_overrides, **{"train.steps": 2})
+
+
+CHOICES_YAML = (FIXTURES / "tiny-choices.yaml").read_text()
+CHOICES_DATA = (FIXTURES / "choices.jsonl").read_text()
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("missing data", "data file {folder}/absent.jsonl not found (dataset_kwargs.data_files"),
+    ("undefined field", "a template (doc_to_text / doc_to_target / doc_to_choice) fails: 'contxt' is undefined (its "
+                        "rows have: context, choices, label)"),
+    ("bad row", "{folder}/data.jsonl:9: not JSON"),
+    ("label out of range", "--tasks tiny-choices: sample 1 (row 2 of its data): label 7 is not one of its 4 choices"),
+    ("too many shots", "--num-fewshot 8: tiny-choices has 7 few-shot example(s) (its own samples, less the one "
+                       "scored); give at most 7"),
+    ("broken yaml", "--include-path: {folder}/tiny-choices.yaml is not valid YAML at line 3, column 1"),
+    ("latin-1 yaml", "--include-path: {folder}/tiny-choices.yaml is not UTF-8 (byte "),
+])
+def test_a_bad_local_task_is_one_line(char_run, tmp_path, capsys, case, expect):
+    """Before: FileNotFoundError, jinja's UndefinedError, DatasetGenerationError, IndexError and ValueError
+    tracebacks, and a YAML lm-eval could not read reported as an unknown task."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    data, yaml_text, flags = CHOICES_DATA, CHOICES_YAML, []
+    if case == "undefined field":
+        yaml_text = yaml_text.replace("{{context}}", "{{contxt}}")
+    elif case == "bad row":
+        data += "{bad\n"
+    elif case == "label out of range":
+        lines = data.splitlines(keepends=True)
+        data = lines[0] + lines[1].replace('"label": 0', '"label": 7') + "".join(lines[2:])
+    elif case == "too many shots":
+        flags = ["--num-fewshot", "8"]  # 8 samples: each has the 7 others
+    elif case == "broken yaml":
+        yaml_text = "task: [unclosed\n" + yaml_text
+    name = "absent.jsonl" if case == "missing data" else "data.jsonl"
+    yaml_text = yaml_text.replace("tests/fixtures/harness/choices.jsonl", str(folder / name))
+    (folder / "data.jsonl").write_text(data)
+    raw = yaml_text.replace("# A multiple", "# caf\xe9: a multiple")
+    (folder / "tiny-choices.yaml").write_bytes(raw.encode("latin-1" if case == "latin-1 yaml" else "utf-8"))
+    err = _refused(capsys, "--run", str(char_run), "--tasks", "tiny-choices", "--include-path", str(folder), *flags)
+    assert expect.format(folder=folder) in err, err

@@ -5,7 +5,9 @@ fault_train.py PAUSE_IN) while the second starts."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 
 from helpers.faults import finish, launch, output, run_ok, wait_for
 from helpers.tiny import tiny_overrides
@@ -56,3 +58,25 @@ def test_two_exports_to_one_folder(tmp_path):
     assert f"to {out}" in output(first) and (out / "config.json").is_file()
     # free again once the first ended: a third export is told about the earlier export, not a lock
     assert "pass --overwrite" in _refusal(run_ok(["export", "--run", str(run), "--out", str(out)], expect=2))
+
+
+def test_a_lock_beside_an_output_goes_with_it(tmp_path):
+    """``one_writer(remove=True)`` (export, compress: ``.NAME.lock`` beside --out) leaves no lock file; a writer
+    that opened the file before it went gets its flock but sees it is no longer the lock, and takes a new one."""
+    from scaletrain.checkpoint.run_folder import RunLock, _still_named, one_writer
+
+    lock_file = tmp_path / ".m.gguf.lock"
+    with one_writer(tmp_path, "--out m.gguf", "choose another --out", name=lock_file.name, remove=True):
+        assert lock_file.is_file()
+        stale = os.open(lock_file, os.O_RDWR)  # a second export that opened it before the first ended
+    assert not lock_file.exists()
+    try:
+        fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the removed file's lock is free ...
+        assert not _still_named(stale, lock_file)  # ... and not the lock any more: acquire opens the path again
+    finally:
+        os.close(stale)
+    lock = RunLock(tmp_path, lock_file.name)
+    lock.acquire()
+    assert _still_named(lock._fd, lock_file)
+    lock.release(remove=True)
+    assert not list(tmp_path.iterdir())

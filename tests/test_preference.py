@@ -173,7 +173,31 @@ def test_dpo_equals_trl(batch, loss_type, label_smoothing, trl_type):
     assert abs(float(ours.rejected_rewards.mean()) - metrics["rewards/rejected"]) < 1e-5
     margin = ours.chosen_rewards - ours.rejected_rewards
     assert abs(float(margin.mean()) - metrics["rewards/margins"]) < 1e-5
-    assert float((margin > 0).float().mean()) == metrics["rewards/accuracies"]
+    assert not ours.ties().any() and float(ours.wins().float().mean()) == metrics["rewards/accuracies"]
+
+
+def test_rounding_level_rewards_are_ties_not_wins(batch):
+    """DPO's first step, where the policy is the reference: TRL (the reference exactly the policy) logs accuracy 0;
+    ours, whose stored fp32 reference differs from the policy's forward by rounding (a full fine-tune), counted
+    the signs of ~1e-7 rewards as wins (0.125 logged). Within TIE_TOLERANCE of the rewards' scale a pair is a tie:
+    accuracy 0 as TRL's, every pair a tie; a margin one step of training gives (1e-3) is a win again."""
+    from scaletrain.finetune.preference import TIE_TOLERANCE
+
+    beta = 0.1
+    logps, tokens = sequence_logps(batch.logits, batch.targets)
+    generator = torch.Generator().manual_seed(0)  # one float32 step up or down: the rounding of another batching
+    towards = torch.where(torch.rand(logps.shape, generator=generator) < 0.5, 0.0, -1e9)
+    rounded = torch.nextafter(logps, towards)
+    ours = dpo_loss(*logps.chunk(2), *rounded.chunk(2), beta)
+    margin = ours.chosen_rewards - ours.rejected_rewards
+    assert (margin != 0).any() and float((margin > 0).float().mean()) > 0  # what was counted before
+    _, metrics = _trl_dpo(SimpleNamespace(**{**vars(batch), "ref_logits": batch.logits}), "sigmoid", beta, 0.0)
+    assert metrics["rewards/accuracies"] == 0.0 == float(ours.wins().float().mean())
+    assert ours.ties().all()
+    assert float((margin.abs() / ours.reward_scale).max()) < TIE_TOLERANCE
+    chosen, rejected = logps.chunk(2)
+    moved = dpo_loss(chosen + 1e-2, rejected, *rounded.chunk(2), beta)  # a margin of beta x 1e-2
+    assert moved.wins().all() and not moved.ties().any()
 
 
 def _cpo(loss_type, beta, label_smoothing=0.0, gamma=0.5):
@@ -311,6 +335,8 @@ def test_full_dpo_stores_the_reference_and_resumes_bitwise(hf_base, tmp_path, ca
     b = [r for r in _records(resumed) if "reward_margin" in r]
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["reward_margin"] for r in a] == \
         [r["reward_margin"] for r in b]
+    # step 1: the policy is the base; the stored reference equals it up to rounding: ties, not wins
+    assert (a[0]["reward_accuracy"], a[0]["reward_ties"]) == (0.0, 1.0), a[0]
     _, x, _, _ = load_run(straight)
     _, y, _, _ = load_run(resumed)
     for (name, p), (_, q) in zip(x.named_parameters(), y.named_parameters()):

@@ -207,6 +207,10 @@ def _eval_parser(sub) -> None:
     p.add_argument("--apply-chat-template", action="store_true",
                    help="--tasks: render each prompt in the chat template of the run's Hugging Face base")
     p.add_argument("--batch-size", type=int, default=8, help="--tasks: requests scored a forward pass")
+    p.add_argument("--log-samples", nargs="?", const="", default=None, metavar="FILE",
+                   help="--tasks: also write every sample (doc, target, requests, log-likelihoods or generation, "
+                        "metrics; lm-eval's --log_samples) as JSON lines to FILE (default: beside --json, "
+                        "NAME.samples.jsonl)")
     p.add_argument("--json", help="write the numbers (loss, perplexity, bpb, tokens, bytes; with --tasks the scores) "
                                   "with the windows and settings to this JSON file")
     p.set_defaults(func=cmd_eval)
@@ -222,12 +226,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
     from scaletrain.train import evaluate
 
-    if not args.text:
+    if not args.text:  # `--context 0` is given too: it would be ignored, not what ran
         given = [flag for flag, value in (("--context", args.context), ("--stride", args.stride),
-                                          ("--check-transformers", args.check_transformers)) if value]
+                                          ("--check-transformers", args.check_transformers))
+                 if value is not None and value is not False]
         if given:
             raise ConfigError(f"{given[0]} applies to --text (the sliding-window score of a text); the validation "
                               f"split is scored on training's windows")
+    if args.batches is not None and args.batches < 0:  # it read as "every window", not what was asked
+        raise ConfigError(f"--batches {args.batches}: must be >= 0 (0 scores every window; leave it out for "
+                          f"train.eval_batches)")
     path, text = evaluate.read_eval_text(args.text) if args.text else (None, "")  # a bad file: before loading
     cfg, model, tokenizer, ckpt = load_run(args.run)
     settings = {"run": str(args.run), "checkpoint": ckpt.name, "batch_size": cfg.train.batch_size}
@@ -237,11 +245,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         record = {"source": "val split", **evaluate.validation_record(run_score, cfg),
                   "settings": {**settings, "batches": run_score.batches, "precision": run_score.precision}}
     else:
-        context = args.context or cfg.data.seq_len
+        context = args.context if args.context is not None else cfg.data.seq_len  # 0 is refused, not defaulted
         stride = args.stride if args.stride is not None else max(1, context // 2)
         evaluate.check_window(context, stride, cfg.model.max_seq_len)
         max_tokens = context + (args.batches * cfg.train.batch_size - 1) * stride + 1 \
-            if args.batches and args.batches > 0 else None  # 0 (or less): all of it, as for the val split
+            if args.batches else None  # 0: all of it, as for the val split (a negative count is refused above)
         score, tokens = evaluate.score_text(model, tokenizer, text, context, stride, cfg.train.batch_size, max_tokens,
                                             where=f"--text {path}")
         if score.skipped:
@@ -311,10 +319,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     args.dtype = args.dtype or "f32"
 
     # One writer per target (train's run-folder lock): a second export into the same --out is refused naming the
-    # first. The lock file sits beside the target, which the export replaces as a whole.
+    # first. The lock file sits beside the target, which the export replaces as a whole, and goes with the lock; a
+    # target refused outright is refused before it is made, and checked again under the lock (a concurrent export).
     target = Path(args.out or Path(args.run) / ("model.gguf" if args.format == "gguf" else "export-hf"))
-    with one_writer(target.parent, f"--out {target}", "choose another --out", name=f".{target.name}.lock"):
+    _check_export_target(args, target)
+    with one_writer(target.parent, f"--out {target}", "choose another --out", name=f".{target.name}.lock",
+                    remove=True):
+        _check_export_target(args, target)
         return _export(args)
+
+
+def _check_export_target(args: argparse.Namespace, out: Path) -> None:
+    """Refuse, before the run is loaded, an --out that would lose a file or folder (without --overwrite)."""
+    if args.format == "gguf":  # one file
+        from scaletrain.checkpoint.gguf import gguf_target
+
+        gguf_target(out, args.overwrite)
+    # a folder of other files: export_hf refuses it
+    if args.format == "hf" and (out / "config.json").is_file() and not args.overwrite:
+        held = "an earlier export" + (" and its adapter/" if (out / "adapter").is_dir() else "")
+        raise ConfigError(f"--out {out} holds {held}; pass --overwrite to replace it, or choose a new folder")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -323,15 +347,6 @@ def _export(args: argparse.Namespace) -> int:
     from scaletrain.finetune.export import base_model, is_plain, merge_adapters, save_peft_adapter
     from scaletrain.model.family import family
 
-    if args.format == "gguf":  # one file: refused before the run is loaded, as the folder below
-        from scaletrain.checkpoint.gguf import gguf_target
-
-        gguf_target(args.out or Path(args.run) / "model.gguf", args.overwrite)
-    out = Path(args.out or Path(args.run) / "export-hf")
-    # a folder of other files: export_hf refuses it
-    if args.format == "hf" and (out / "config.json").is_file() and not args.overwrite:
-        held = "an earlier export" + (" and its adapter/" if (out / "adapter").is_dir() else "")
-        raise ConfigError(f"--out {out} holds {held}; pass --overwrite to replace it, or choose a new folder")
     cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
     if cfg.finetune.method == "qlora":  # the two exports are not the same model: say which one this is
         print("QLoRA: " + ("--merge writes the NF4-rounded base + adapter, what the run trained (without --merge: "
@@ -341,10 +356,11 @@ def _export(args: argparse.Namespace) -> int:
     if args.merge:
         model = merge_adapters(model, cfg)
     if args.format == "gguf":
-        from scaletrain.checkpoint.gguf import export_gguf
+        from scaletrain.checkpoint.gguf import export_gguf, trained_context
 
         out = export_gguf(model, cfg.model, tokenizer, args.out or Path(args.run) / "model.gguf", args.dtype,
-                          name=Path(args.run).resolve().name, template=cfg.finetune.chat_template)
+                          name=Path(args.run).resolve().name, template=cfg.finetune.chat_template,
+                          context=trained_context(cfg, hf_base_folder(args.run, cfg) is not None))
         print(f"exported {ckpt.name} to {out} ({args.dtype}, {out.stat().st_size / 1e6:.2f} MB; run it with "
               f"llama.cpp: llama-cli -m {out}, or Ollama: see docs/inference.md)")
         return 0

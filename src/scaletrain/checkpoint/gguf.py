@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from scaletrain.config import ConfigError, ModelConfig
+from scaletrain.config import ConfigError, JobConfig, ModelConfig
 from scaletrain.data.chat import uses_base_template
 from scaletrain.data.instructions import jinja_chat_template
 from scaletrain.data.tokenizer import BPETokenizer, HFTokenizer, Tokenizer
@@ -158,8 +158,10 @@ def _vocabulary(tokenizer: Tokenizer, rows: int) -> tuple[list[str], list[int], 
 
         data = json.loads(tokenizer.tok.to_str())
         tokens = [tokenizer.tok.id_to_token(i) for i in range(tokenizer.vocab_size)]
-        special = {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
-        types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))]
+        added = {t["id"]: t for t in data.get("added_tokens", [])}
+        types = [_token_type(added.get(i), token) for i, token in enumerate(tokens)]
+        tokens = [token.replace("\u2581", " ") if kind == gguf.TokenType.USER_DEFINED else token
+                  for token, kind in zip(tokens, types)]  # the converter's pre-normalized user-defined spaces
         merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"].get("merges", [])]
     else:
         byte_char = _byte_to_unicode()
@@ -170,6 +172,49 @@ def _vocabulary(tokenizer: Tokenizer, rows: int) -> tuple[list[str], list[int], 
         merges = [f"{NO_MERGE} {NO_MERGE}"]
         tokens, types = tokens[:rows - 1] + [END_OF_TEXT], types[:rows - 1] + [gguf.TokenType.CONTROL]
     return tokens[:rows], [int(t) for t in types[:rows]], merges
+
+
+def _token_type(added: dict | None, token: str) -> int:
+    """llama.cpp's type of a byte-level BPE token, as ``convert_hf_to_gguf.py``'s ``get_vocab_base`` gives it: an
+    added token is CONTROL when special or when it looks special (``does_token_look_special``: ``<|...|>``, Qwen's
+    ``<|fim_prefix|>``), else USER_DEFINED (Qwen3's ``<think>``, ``<tool_call>``: llama.cpp then matches it whole
+    in text, as transformers does, where a NORMAL token would be split into pieces); any other token NORMAL."""
+    import gguf
+
+    if added is None:
+        return gguf.TokenType.NORMAL
+    looks_special = token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or any(
+        token.startswith(start) and token.endswith(end) for start, end in (("<|", "|>"), ("<\uff5c", "\uff5c>"),
+                                                                           ("<unused", ">")))
+    return gguf.TokenType.CONTROL if added.get("special") or looks_special else gguf.TokenType.USER_DEFINED
+
+
+def special_token_ids(tokenizer: Tokenizer, rows: int, template: str) -> dict[str, int]:
+    """The ids the GGUF names (``tokenizer.ggml.<kind>_token_id``), as llama.cpp's converter finds them in the
+    tokenizer files (``gguf.SpecialVocab``): bos, eos and, for a base's folder, what else its tokenizer_config.json
+    names (Qwen3's pad ``<|endoftext|>``); for our byte-level BPE, pad its ``<|pad|>``; for a character vocabulary,
+    eos and pad the end-of-text token the GGUF adds (``END_OF_TEXT``). And eot: the token that ends an assistant
+    turn in the template the run was trained in (``data.instructions.stop_ids``: Llama 3's ``<|eot_id|>``, Qwen's
+    ``<|im_end|>``; our plain template: the EOS; a character vocabulary: none, "\\n\\n" text ends a turn)."""
+    from scaletrain.data.tokenizer import PAD
+
+    if _adds_end_of_text(tokenizer):
+        return {"eos": rows - 1, "pad": rows - 1}
+    ids = {kind: i for kind, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)) if i is not None}
+    if isinstance(tokenizer, HFTokenizer):
+        import gguf
+
+        found = gguf.SpecialVocab(tokenizer.folder, n_vocab=rows).special_token_ids
+        ids.update({kind: i for kind, i in found.items() if kind not in ids})
+    elif isinstance(tokenizer, BPETokenizer) and tokenizer.tok.token_to_id(PAD) is not None:
+        ids["pad"] = tokenizer.tok.token_to_id(PAD)
+    if uses_base_template(tokenizer, template):
+        from scaletrain.data.instructions import stop_ids
+
+        ids["eot"] = stop_ids(tokenizer.folder, template)[0]
+    elif tokenizer.eos_id is not None:
+        ids["eot"] = tokenizer.eos_id
+    return {kind: i for kind, i in ids.items() if 0 <= i < rows}
 
 
 def _adds_end_of_text(tokenizer: Tokenizer) -> bool:
@@ -241,10 +286,20 @@ def gguf_target(out: str | Path, overwrite: bool) -> Path:
     return out
 
 
+def trained_context(cfg: JobConfig, family_base: bool) -> int:
+    """The context length a GGUF names (``<arch>.context_length``, llama.cpp's n_ctx_train: its default context
+    and the bound it warns past): for a fine-tune of a family base (``family_base``: a Hugging Face folder), the
+    base's own (model.max_seq_len: its max_position_embeddings, as llama.cpp's converter writes it); for a run of
+    ours, the sequence it trained on (data.seq_len), not model.max_seq_len (the rotary tables' reach, 4,096 by
+    default), which the model never saw."""
+    return cfg.model.max_seq_len if family_base else min(cfg.data.seq_len, cfg.model.max_seq_len)
+
+
 def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: str | Path, dtype: str = "f32",
-                name: str = "scaletrain", template: str = "auto") -> Path:
+                name: str = "scaletrain", template: str = "auto", context: int | None = None) -> Path:
     """Write ``model`` as one GGUF file ``out`` (written beside it and renamed into place); ``template``: the
-    run's finetune.chat_template (which chat template it was trained in)."""
+    run's finetune.chat_template (which chat template it was trained in); ``context``: the context length written
+    (``trained_context``; default model.max_seq_len)."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     try:
@@ -261,7 +316,7 @@ def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: s
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_quietly(tmp)
         writer = gguf.GGUFWriter(str(tmp), _layout(cfg).arch)
-        _write_metadata(writer, cfg, tokenizer, rows, dtype, name, template)
+        _write_metadata(writer, cfg, tokenizer, rows, dtype, name, template, context or cfg.max_seq_len)
         for tensor_name, array in gguf_state(model, cfg, rows, token_rows).items():
             data, raw = _tensor(array, dtype)
             writer.add_tensor(tensor_name, data, raw_dtype=raw)
@@ -274,12 +329,12 @@ def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: s
 
 
 def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, dtype: str, name: str,
-                    template: str) -> None:
+                    template: str, context: int) -> None:
     import gguf
 
     head_dim = head_width(cfg)
     writer.add_name(name)
-    writer.add_context_length(cfg.max_seq_len)
+    writer.add_context_length(context)
     writer.add_embedding_length(cfg.dim)
     writer.add_block_count(cfg.n_layers)
     writer.add_feed_forward_length(ffn_hidden_dim(cfg))
@@ -303,12 +358,8 @@ def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, d
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    if tokenizer.bos_id is not None:
-        writer.add_bos_token_id(tokenizer.bos_id)
-    if tokenizer.eos_id is not None:
-        writer.add_eos_token_id(tokenizer.eos_id)
-    elif _adds_end_of_text(tokenizer):
-        writer.add_eos_token_id(rows - 1)
+    for kind, token_id in special_token_ids(tokenizer, rows, template).items():
+        getattr(writer, f"add_{kind}_token_id")(token_id)
     # a BOS in front exactly when the tokenizer put one there in training (Llama 3's <|begin_of_text|>; ours, Qwen: no)
     prefix = tokenizer.prefix_ids() if isinstance(tokenizer, BPETokenizer) else []
     writer.add_add_bos_token(tokenizer.bos_id is not None and prefix[:1] == [tokenizer.bos_id])

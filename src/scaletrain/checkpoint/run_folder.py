@@ -112,6 +112,9 @@ class RunLock:
             if record and _alive(record) and record.get("pid") != os.getpid():
                 os.close(fd)
                 raise ConfigError(self._refusal(_describe(record))) from None
+        if not _still_named(fd, self.path):  # its holder removed it as it released it (one_writer's remove)
+            os.close(fd)
+            return self.acquire()
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "command": _command(),
                                   "started": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode(), 0)
@@ -127,19 +130,32 @@ class RunLock:
         except (ValueError, OSError):
             return {}
 
-    def release(self) -> None:
-        """Free the lock (the record stays: it only names the last holder)."""
+    def release(self, remove: bool = False) -> None:
+        """Free the lock (the record stays: it only names the last holder; ``remove``: the file goes too,
+        unlinked while still held, so that a process waiting on it finds it gone and opens a new one)."""
         if self._fd is not None:
+            if remove:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
             with contextlib.suppress(OSError):
                 os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
         _HELD.pop(str(self.path.resolve()), None)
 
 
+def _still_named(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the open file ``fd`` (not unlinked, nor replaced by a newer lock file)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
-def one_writer(folder: str | Path, what: str, elsewhere: str, name: str = LOCK_FILE):
+def one_writer(folder: str | Path, what: str, elsewhere: str, name: str = LOCK_FILE, remove: bool = False):
     """Hold ``RunLock`` of ``folder`` (lock file ``name`` in it) while the block writes: a second process
-    writing the same thing is refused in one line naming ``what``, the holder and ``elsewhere``."""
+    writing the same thing is refused in one line naming ``what``, the holder and ``elsewhere``. ``remove``: the
+    lock file goes when the block ends (one beside a user's output, ``.model.gguf.lock``, is no file of theirs)."""
     folder = Path(folder)
     made = folder  # the outermost folder the lock file makes (None: the folder exists)
     while not made.parent.exists() and made.parent != made.parent.parent:
@@ -155,7 +171,7 @@ def one_writer(folder: str | Path, what: str, elsewhere: str, name: str = LOCK_F
             _remove_made(lock.path, made)
         raise
     finally:
-        lock.release()
+        lock.release(remove=remove)
 
 
 def _remove_made(lock_file: Path, made: Path) -> None:

@@ -144,7 +144,7 @@ def run_compress(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.run_folder import one_writer  # train's one-writer lock, beside --out
 
     out = Path(args.out)
-    with one_writer(out.parent, f"--out {out}", "choose another --out", name=f".{out.name}.lock"):
+    with one_writer(out.parent, f"--out {out}", "choose another --out", name=f".{out.name}.lock", remove=True):
         return _compress(args, structural)
 
 

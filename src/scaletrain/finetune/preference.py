@@ -67,13 +67,33 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor,
     return per_token.sum(-1), (targets != IGNORE).sum(-1)
 
 
+# A pair whose two rewards differ by no more than this share of the log-probabilities they are computed from is a
+# tie (``PairScores.ties``): at DPO's first step the policy is the reference, and a full fine-tune's stored fp32
+# reference, scored in other batches, differs from the policy's own forward by rounding (rewards ~1e-7 on
+# log-probabilities ~-50); 1e-5 is ~100 fp32 roundings (eps 1.2e-7) of those sums, far below what one step moves.
+TIE_TOLERANCE = 1e-5
+
+
 @dataclass
 class PairScores:
-    """One micro-batch's pairs: the loss to minimise and, per pair, the rewards that are logged."""
+    """One micro-batch's pairs: the loss to minimise and, per pair, the rewards that are logged, with the scale
+    of what each pair's two rewards were computed from (beta x the |log-probabilities| entering them)."""
 
     loss: torch.Tensor  # scalar
     chosen_rewards: torch.Tensor  # (B,)
     rejected_rewards: torch.Tensor  # (B,)
+    reward_scale: torch.Tensor  # (B,)
+
+    def ties(self) -> torch.Tensor:
+        """(B,) bool: the pairs whose reward margin is within rounding of their scale (``TIE_TOLERANCE``): neither
+        won nor lost, where the sign of a 1e-7 margin would count half of them as won."""
+        margin = (self.chosen_rewards - self.rejected_rewards).double().abs()
+        return margin <= TIE_TOLERANCE * self.reward_scale.double()
+
+    def wins(self) -> torch.Tensor:
+        """(B,) bool: the pairs whose chosen reward is higher, ties aside (TRL's ``rewards/accuracies`` counts
+        ``chosen > rejected``: an exact tie is no win there either)."""
+        return (self.chosen_rewards > self.rejected_rewards) & ~self.ties()
 
 
 def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
@@ -93,7 +113,8 @@ def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Ten
         losses = (average - 1 / (2 * beta)) ** 2
     else:
         raise ConfigError(f"finetune.dpo_loss must be one of {', '.join(DPO_LOSSES)} (got {loss_type!r})")
-    return PairScores(losses.mean(), beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+    scale = beta * (chosen.abs() + ref_chosen.abs() + rejected.abs() + ref_rejected.abs()).detach()
+    return PairScores(losses.mean(), beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), scale)
 
 
 def simpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torch.Tensor,
@@ -103,7 +124,14 @@ def simpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torc
     logits = chosen_avg - rejected_avg - gamma / beta
     e = label_smoothing
     losses = -F.logsigmoid(beta * logits) * (1 - e) - F.logsigmoid(-beta * logits) * e
-    return PairScores(losses.mean(), beta * chosen_avg.detach(), beta * rejected_avg.detach())
+    return _average_rewards(losses.mean(), chosen_avg, rejected_avg, beta)
+
+
+def _average_rewards(loss: torch.Tensor, chosen_avg: torch.Tensor, rejected_avg: torch.Tensor,
+                     beta: float) -> PairScores:
+    """SimPO's and ORPO's scores: rewards beta x the mean token log-probabilities (B,)."""
+    chosen, rejected = beta * chosen_avg.detach(), beta * rejected_avg.detach()
+    return PairScores(loss, chosen, rejected, chosen.abs() + rejected.abs())
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +146,7 @@ def orpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, chosen_tokens: torch
     log_odds = (chosen_avg - rejected_avg) - (log1mexp(chosen_avg) - log1mexp(rejected_avg))
     nll = -chosen.sum() / chosen_tokens.sum().clamp(min=1)
     loss = nll - beta * F.logsigmoid(log_odds).mean()
-    return PairScores(loss, beta * chosen_avg.detach(), beta * rejected_avg.detach())
+    return _average_rewards(loss, chosen_avg, rejected_avg, beta)
 
 
 def reference_rows(vocab: int, seq_len: int, rows: int) -> int:
@@ -206,8 +234,8 @@ class PreferenceObjective:
         self.vocab_limit = pm.vocab_limit
         self.whole = held_whole(pm)
         self.inputs: tuple | None = None
-        # [sum of chosen rewards, rejected rewards, accuracy, chosen log-probs, rejected log-probs, pairs]
-        self.sums = {"train": torch.zeros(6, dtype=torch.float64), "eval": torch.zeros(6, dtype=torch.float64)}
+        # [sum of chosen rewards, rejected rewards, wins, chosen log-probs, rejected log-probs, pairs, ties]
+        self.sums = {"train": torch.zeros(7, dtype=torch.float64), "eval": torch.zeros(7, dtype=torch.float64)}
         pm.parts[0].register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
         pm.loss_fn = self.loss
         pm.preference = self
@@ -242,15 +270,16 @@ class PreferenceObjective:
         scored = self.scores(logps, tokens, targets)
         c, r = scored.chosen_rewards.double(), scored.rejected_rewards.double()
         chosen, rejected = logps.detach().double().chunk(2)
-        row = torch.stack([c.sum(), r.sum(), (c > r).double().sum(), chosen.sum(), rejected.sum(),
-                           torch.tensor(float(len(c)), dtype=torch.float64, device=c.device)])
+        row = torch.stack([c.sum(), r.sum(), scored.wins().double().sum(), chosen.sum(), rejected.sum(),
+                           torch.tensor(float(len(c)), dtype=torch.float64, device=c.device),
+                           scored.ties().double().sum()])
         self.sums["train" if self.model.training else "eval"] += row.cpu()
         return scored.loss
 
     def pop_metrics(self, mode: str) -> dict:
         """The means over the pairs scored in ``mode`` since the last call (over every data-parallel rank), then
         reset; {} when none were."""
-        sums, self.sums[mode] = self.sums[mode], torch.zeros(6, dtype=torch.float64)
+        sums, self.sums[mode] = self.sums[mode], torch.zeros(7, dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             device = next(self.model.parameters()).device
             sums = sums.to(device)
@@ -258,11 +287,11 @@ class PreferenceObjective:
             sums = sums.cpu()
         if sums[5] == 0:
             return {}
-        c, r, acc, lc, lr, n = (float(v) for v in sums)
+        c, r, acc, lc, lr, n, ties = (float(v) for v in sums)
         prefix = "" if mode == "train" else "val_"
         return {f"{prefix}reward_chosen": c / n, f"{prefix}reward_rejected": r / n,
                 f"{prefix}reward_margin": (c - r) / n, f"{prefix}reward_accuracy": acc / n,
-                f"{prefix}logps_chosen": lc / n, f"{prefix}logps_rejected": lr / n}
+                f"{prefix}reward_ties": ties / n, f"{prefix}logps_chosen": lc / n, f"{prefix}logps_rejected": lr / n}
 
 
 def held_whole(pm) -> bool:

@@ -5,7 +5,9 @@ ours: ``harness/model.py``).
 Before anything is scored, every refusal is one line (exit 2): an unknown task (with the close names), a task
 whose data must be downloaded on a machine without network (with the local route, ``--include-path``), a
 generate_until task for a tokenizer without an end-of-text token, a rolling log-likelihood task for one without
-a BOS or EOS, ``--limit`` < 1, ``--num-fewshot`` < 0.
+a BOS or EOS, ``--limit`` < 1, ``--num-fewshot`` < 0 or above the task's few-shot examples; and a local task's
+YAML that is not UTF-8 or not YAML, a data file that is not there, a JSONL line that is not an object, a template
+naming a field the rows lack, a label outside its choices (each naming the YAML or the data file and row).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class TaskRequest:
     apply_chat_template: bool = False
     batch_size: int = 8
     device: str = "auto"  # the GPU when there is one
+    log_samples: str | None = None  # the JSONL of every sample's requests and responses (``samples_path``)
 
     def check(self) -> None:
         """The arguments alone (before the run or lm-eval is loaded)."""
@@ -64,7 +67,8 @@ def task_request(args) -> TaskRequest | None:
     if not args.tasks:
         alone = [flag for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot),
                                           ("--include-path", args.include_path),
-                                          ("--apply-chat-template", args.apply_chat_template or None))
+                                          ("--apply-chat-template", args.apply_chat_template or None),
+                                          ("--log-samples", args.log_samples))
                  if value is not None]
         if alone:
             raise ConfigError(f"{', '.join(alone)}: only with --tasks (lm-evaluation-harness tasks)")
@@ -73,7 +77,22 @@ def task_request(args) -> TaskRequest | None:
         raise ConfigError("--text and --batches score a text or the val split, --tasks benchmark tasks: give one "
                           "or the other")
     return TaskRequest(args.run, [name.strip() for name in args.tasks.split(",")], args.limit, args.num_fewshot,
-                       args.include_path, args.json, args.apply_chat_template, args.batch_size)
+                       args.include_path, args.json, args.apply_chat_template, args.batch_size,
+                       log_samples=samples_path(args.log_samples, args.json))
+
+
+def samples_path(given: str | None, json_path: str | None) -> str | None:
+    """Where ``--log-samples`` writes: its own path, else beside ``--json`` (``scores.json`` ->
+    ``scores.samples.jsonl``); None when not asked. Refused in one line with neither."""
+    if given is None:
+        return None
+    if given:
+        return given
+    if not json_path:
+        raise ConfigError("--log-samples: give it a file (--log-samples samples.jsonl) or give --json FILE, beside "
+                          "which it writes FILE.samples.jsonl")
+    path = Path(json_path)
+    return str(path.with_name(path.stem + ".samples.jsonl"))
 
 
 def import_lm_eval():
@@ -103,15 +122,128 @@ def is_network_failure(exc: BaseException) -> bool:
 
 
 def load_tasks(task_manager, names: list[str], online: bool) -> dict:
-    """lm-eval's loaded tasks (datasets read) for ``names``; a download that cannot happen is one line."""
+    """lm-eval's loaded tasks (datasets read) for ``names``; a download that cannot happen, and a local task whose
+    data or templates are wrong (``task_problem``), are one line."""
     try:
         return task_manager.load(names)
     except Exception as exc:  # datasets / huggingface_hub raise many types for a missing network
-        if online or not is_network_failure(exc):
+        if not online and is_network_failure(exc):
+            raise ConfigError(f"--tasks {','.join(names)}: a task's data is not on this machine and it has no "
+                              f"network to download it ({str(exc).splitlines()[0][:120]}); run it where the Hugging "
+                              f"Face Hub is reachable, or {LOCAL_ROUTE}") from None
+        problem = task_problem(task_manager, names, exc)
+        if problem is None:
             raise
-        raise ConfigError(f"--tasks {','.join(names)}: a task's data is not on this machine and it has no network "
-                          f"to download it ({str(exc).splitlines()[0][:120]}); run it where the Hugging Face Hub "
-                          f"is reachable, or {LOCAL_ROUTE}") from None
+        raise ConfigError(problem) from None
+
+
+def task_problem(task_manager, names: list[str], exc: BaseException) -> str | None:
+    """The one line for a task that failed to load for a reason in its YAML or its local data (None for any
+    other failure): a data file that is not there, a JSONL line that is not a JSON object, a template naming a
+    field the rows do not have."""
+    import jinja2
+
+    name = _failing_task(task_manager, names)
+    entry = task_manager.task_index.get(name)
+    yaml_path = getattr(entry, "yaml_path", None)
+    where = f"--tasks {name} ({yaml_path})" if yaml_path else f"--tasks {name}"
+    files = _data_files(yaml_path)
+    if isinstance(exc, FileNotFoundError):
+        missing = [f for f in files if not Path(f).is_file()] or [str(exc)]
+        return (f"{where}: data file {missing[0]} not found (dataset_kwargs.data_files; a relative path is read "
+                f"from the folder you run in, {Path.cwd()})")
+    if isinstance(exc, jinja2.TemplateError):
+        fields = _first_row_fields(files)
+        seen = f" (its rows have: {', '.join(fields)})" if fields else ""
+        return f"{where}: a template (doc_to_text / doc_to_target / doc_to_choice) fails: {exc}{seen}"
+    if type(exc).__name__ == "DatasetGenerationError":
+        for file in files:
+            bad = _bad_jsonl_line(file)
+            if bad is not None:
+                return f"{where}: {file}:{bad[0]}: {bad[1]}; each line must be one JSON object"
+        cause = exc.__cause__ or exc.__context__
+        return f"{where}: its data could not be read ({cause or exc})"
+    return None
+
+
+def _failing_task(task_manager, names: list[str]) -> str:
+    """Which of ``names`` fails to load (each loaded alone: the error does not say)."""
+    for name in names[:-1]:
+        try:
+            task_manager.load([name])
+        except Exception:
+            return name
+    return names[-1]
+
+
+def _data_files(yaml_path) -> list[str]:
+    """The local files a task YAML names in ``dataset_kwargs.data_files`` (a path, a list, or split -> paths)."""
+    config = read_task_yaml(Path(yaml_path)) if yaml_path else {}
+    files = ((config or {}).get("dataset_kwargs") or {}).get("data_files") or []
+    values = files.values() if isinstance(files, dict) else [files]
+    return [str(f) for value in values for f in (value if isinstance(value, list) else [value])]
+
+
+def _first_row_fields(files: list[str]) -> list[str]:
+    for file in files:
+        try:
+            with open(file, encoding="utf-8") as fh:
+                row = json.loads(fh.readline())
+        except (OSError, ValueError):
+            continue
+        if isinstance(row, dict):
+            return list(row)
+    return []
+
+
+def _bad_jsonl_line(file: str) -> tuple[int, str] | None:
+    """(line number, what is wrong) of the first line of a JSONL file that is not a JSON object."""
+    from scaletrain.data.prepare import read_text_file
+
+    try:
+        text = read_text_file(Path(file))
+    except Exception as exc:  # not UTF-8, unreadable: said as prepare says it
+        return 1, str(exc)
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            return number, f"not JSON ({exc})"
+        if not isinstance(row, dict):
+            return number, f"not a JSON object (a {type(row).__name__})"
+    return None
+
+
+def read_task_yaml(path: Path) -> dict | None:
+    """A task YAML as lm-eval would read it (``!function`` tags left unresolved); a file that is not UTF-8 or
+    not YAML raises one ConfigError naming it (lm-eval skips such a file, so its task read as unknown)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--include-path: {path} is not UTF-8 (byte {exc.start}); save it as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"--include-path: {path} is not valid YAML{at} ({problem})") from None
+
+
+def check_task_files(include_path: str | None) -> None:
+    """Read every task YAML under ``include_path`` (``read_task_yaml``): called when a task is unknown, since
+    a broken file is the likely reason."""
+    for path in sorted(Path(include_path).rglob("*.y*ml")) if include_path else []:
+        read_task_yaml(path)
 
 
 def check_servable(tasks: dict, lm, limit: int | None) -> None:
@@ -136,6 +268,37 @@ def check_servable(tasks: dict, lm, limit: int | None) -> None:
                 raise ConfigError(f"--tasks {name}: an answer of {longest} tokens is longer than the model's context "
                                   f"of {lm.max_length} (model.max_seq_len), so it cannot be scored in one window; "
                                   f"use a model with a longer context")
+
+
+def check_docs(tasks: dict, request: TaskRequest) -> None:
+    """Refuse, before scoring, what lm-eval would fail on mid-run with a traceback: a template that fails on a
+    row, a multiple-choice label outside its choices, more few-shot examples than the task has (the first
+    ``limit`` samples)."""
+    import jinja2
+
+    for name, task in tasks.items():
+        docs = task.eval_docs
+        multiple_choice = task.get_config("output_type") == "multiple_choice"
+        for i, doc in zip(range(request.limit or len(docs)), docs):
+            try:
+                target = task.doc_to_target(doc)
+                choices = task.doc_to_choice(doc) if multiple_choice else None
+                task.doc_to_text(doc)
+            except jinja2.TemplateError as exc:
+                raise ConfigError(f"--tasks {name}: sample {i} (row {i + 1} of its data): a template fails: {exc} "
+                                  f"(its fields: {', '.join(doc)})") from None
+            if multiple_choice and isinstance(target, int) and not 0 <= target < len(choices):
+                raise ConfigError(f"--tasks {name}: sample {i} (row {i + 1} of its data): label {target} is not one "
+                                  f"of its {len(choices)} choices (0 to {len(choices) - 1})")
+        shots = request.num_fewshot if request.num_fewshot is not None else task.get_config("num_fewshot") or 0
+        sampler = getattr(task, "sampler", None)
+        if shots and sampler is not None:
+            pool = sampler.fewshot_docs()
+            usable = len(pool) - (1 if len(docs) and docs[0] in pool else 0)  # a sample is never its own example
+            if shots > usable:
+                source = "its own samples, less the one scored" if usable < len(pool) else "its few-shot split"
+                raise ConfigError(f"--num-fewshot {shots}: {name} has {usable} few-shot example(s) ({source}); "
+                                  f"give at most {usable}")
 
 
 class _LoadedOnce:
@@ -177,14 +340,20 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
     manager = TaskManager(include_path=paths or None)
     for name in request.tasks:
         if name not in manager.all_tasks:
+            check_task_files(request.include_path)  # a YAML lm-eval skipped: named, not "unknown task"
             raise ConfigError(unknown_task(name, manager.all_tasks))
     loaded = load_tasks(manager, request.tasks, online)
+    check_docs(loaded["tasks"], request)
     check_servable(loaded["tasks"], lm, request.limit)
     results = evaluator.simple_evaluate(
         model=lm, tasks=request.tasks, task_manager=_LoadedOnce(manager, loaded), num_fewshot=request.num_fewshot,
-        limit=request.limit, apply_chat_template=request.apply_chat_template, log_samples=False,
-        bootstrap_iters=1000, verbosity="ERROR")
+        limit=request.limit, apply_chat_template=request.apply_chat_template,
+        log_samples=request.log_samples is not None, bootstrap_iters=1000, verbosity="ERROR")
     report = summarize(results, request, ckpt)
+    if request.log_samples is not None:
+        count = write_samples(results["samples"], request.log_samples)
+        report["samples_file"] = request.log_samples
+        say(f"wrote {count} samples' requests and responses to {request.log_samples}")
     if lm.skipped:  # a char tokenizer: what it could not encode was left out of the texts
         report["skipped_characters"] = sorted(lm.skipped)
         shown = ", ".join(repr(c) for c in sorted(lm.skipped)[:8]) + (", ..." if len(lm.skipped) > 8 else "")
@@ -196,6 +365,20 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
         with guarded_write(f"the JSON {request.json_path}", Path(request.json_path).parent):
             Path(request.json_path).write_text(json.dumps(report, indent=2))
     return report
+
+
+def write_samples(samples: dict[str, list[dict]], path: str) -> int:
+    """lm-eval's per-sample records (what its ``--log_samples`` writes: the doc, the target, the requests'
+    arguments, the responses: (log-likelihood, is greedy) per choice, a rolling log-likelihood or a generation,
+    the filtered responses and the sample's metrics), one JSON line each with its ``task``; returns the count."""
+    from lm_eval.utils import handle_non_serializable
+
+    lines = [json.dumps({"task": task, **sample}, default=handle_non_serializable, ensure_ascii=False)
+             for task, records in samples.items() for sample in records]
+    with guarded_write(f"the samples {path}", Path(path).parent):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return len(lines)
 
 
 def cloze_folder(cfg, say: Callable[[str], None]) -> Path:
