@@ -70,7 +70,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default="", help=f"preset name ({', '.join(PRESETS)}); or use --config")
     src.add_argument("--config", default="", help="a job TOML: its [model], data.seq_len, train batch and "
                                                   "precision are the defaults of this plan")
-    src.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (needed when the preset has none)")
+    src.add_argument("--vocab-size", type=int, default=None,
+                     help="vocabulary size (needed when the preset has none and no --config or --data gives it)")
     src.add_argument("--tokens", default="chinchilla",
                      help=f"tokens to train: a number (300B, 1.5e9) or 'chinchilla' = {CHINCHILLA_TOKENS_PER_PARAM} "
                           "per parameter (a convention)")
