@@ -149,3 +149,17 @@ def test_a_small_calibration_measures_bf16_under_autocast_and_says_who_measured_
         assert all(f"{key}_bf16" in entry for key in BF16_KEYS)
     assert entry["measured_by"] == "the test" and "core_wait" in entry and entry["clock"] == "cpu"
     assert "by the test" in with_calibration(CATALOG["cpu"], entry).utilisation_source
+
+
+def test_a_missing_calibration_says_which_thread_count_doctor_measured(cache):
+    """`plan --hardware auto` after `doctor --clock cpu` said "no calibration for this machine yet" without
+    saying that doctor's one-thread calibration is planned with under OMP_NUM_THREADS=1."""
+    threads = torch.get_num_threads()
+    entry = {"elementwise_s_per_element": 1e-9}
+    try:
+        torch.set_num_threads(2)
+        line = calibration.missing_calibration_line({device_fingerprint("cpu", threads=1): entry})
+        assert "at 2 threads" in line and "OMP_NUM_THREADS=1 scaletrain plan" in line
+        assert "OMP_NUM_THREADS" not in calibration.missing_calibration_line({})
+    finally:
+        torch.set_num_threads(threads)

@@ -155,7 +155,7 @@ def test_plan_keeps_the_fits_tokens_a_step_and_warns_when_told_otherwise(data_di
     assert main(["plan", "--data", str(data_dir), "--target-bpb", "7.0", "--hardware", "h100-sxm:8",
                  "--max-nodes", "1"]) == 0
     out = capsys.readouterr().out
-    assert "seq 32, 4 sequences a step" in " ".join(out.split()) and "caveat" not in out
+    assert "seq 32, 4 sequences a step" in " ".join(out.split()) and "tokens a step, the fit's runs took" not in out
     assert main(["plan", "--data", str(data_dir), "--target-bpb", "7.0", "--hardware", "h100-sxm:8",
                  "--max-nodes", "1", "--seq-len", "64", "--global-batch", "64"]) == 0
     out = " ".join(capsys.readouterr().out.split())
@@ -241,13 +241,188 @@ def test_plan_repeats_the_fits_caveats_beside_its_prediction(data_dir, capsys):
     from dataclasses import replace
 
     n, d, loss = synthetic()
-    fit = fit_law(n, d, loss, bootstrap=0)
+    fit = fit_law(n, d, loss, bootstrap=3)
     write_fit(data_dir, fit, [{"params": x} for x in (1e5, 3e6)], {})
-    plan = ["plan", "--data", str(data_dir), "--model", "nano", "--vocab-size", "256", "--tokens", "20M",
-            "--hardware", "cpu"]
+    plan = ["plan", "--data", str(data_dir), "--model", "nano", "--vocab-size", "256", "--tokens", "60k",
+            "--hardware", "cpu"]  # within the fit's scope (4 epochs of the play): no caveat of the scope either
     assert main(plan) == 0
     assert "caveat" not in capsys.readouterr().out
     write_fit(data_dir, replace(fit, params=replace(fit.params, alpha=2.42)), [{"params": x} for x in (1e5, 3e6)], {})
     assert main(plan) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "predicted val bpb" in out and "caveat (the fit): alpha = 2.42 is outside the usual 0.02-2" in out
+
+
+# -- issue 49: bad grid records, edited fits, fits that mean nothing, and plan's bad numbers -------------------
+def _grid_of_records(out: Path, data: Path, fingerprint: str | None = "auto") -> list[Path]:
+    """Six finished-looking runs (2 sizes x 3 token counts, losses from TRUE) as `train_run` records them;
+    ``fingerprint``: "auto" = ``data``'s, None = no field (a record from before runs recorded their data)."""
+    paths = []
+    for dim, layers in grid.FAMILY[:2]:
+        for tokens in (20_480, 51_200, 128_000):
+            run = grid.make_run(dim, layers, 256, tokens // (grid.BATCH * grid.SEQ_LEN), "cpu")
+            record = {**grid.asdict(run), "flops": run.flops, "val_bpb": float(TRUE.loss(run.params, run.tokens)),
+                      "val_loss": 1.0, "seconds": 1.0}
+            if fingerprint is not None:
+                record["data_fingerprint"] = data_fingerprint(data) if fingerprint == "auto" else fingerprint
+            (out / run.name).mkdir(parents=True)
+            (out / run.name / grid.RESULT).write_text(json.dumps(record))
+            paths.append(out / run.name / grid.RESULT)
+    return paths
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_fit_only_refuses_a_grid_trained_on_other_data(tmp_path, data_dir, capsys):
+    """`scale OTHER --out GRID --fit-only` fitted GRID's runs (trained on DATA) and stamped the fit with OTHER's
+    fingerprint, which `plan --data OTHER` then trusted: the runs name their data and are compared."""
+    other = tmp_path / "other"
+    prepare_text(str(FIXTURES / "macbeth_gut.txt"), other, tokenizer="char", val_fraction=0.1)
+    _grid_of_records(tmp_path / "grid", data_dir)
+    fit_only = ["scale", str(other), "--out", str(tmp_path / "grid"), "--fit-only", "--bootstrap", "0"]
+    assert main(fit_only) == 2
+    assert "was trained on other data" in _one_line(capsys) and not (other / FIT_FILE).exists()
+    # a record from before runs named their data: its config.toml's data.path tells
+    paths = _grid_of_records(tmp_path / "old", data_dir, fingerprint=None)
+    for p in paths:
+        (p.parent / "config.toml").write_text(f'[data]\npath = "{data_dir}"\n')
+    assert main(["scale", str(other), "--out", str(tmp_path / "old"), "--fit-only", "--bootstrap", "0"]) == 2
+    assert "was trained on other data" in _one_line(capsys)
+    (paths[0].parent / "config.toml").unlink()  # nothing says: refused, not assumed
+    assert main(["scale", str(data_dir), "--out", str(tmp_path / "old"), "--fit-only", "--bootstrap", "0"]) == 2
+    assert "does not say which data" in _one_line(capsys)
+    # its own data: fitted and written
+    assert main(["scale", str(data_dir), "--out", str(tmp_path / "grid"), "--fit-only", "--bootstrap", "0"]) == 0
+    assert json.loads((data_dir / FIT_FILE).read_text())["data_fingerprint"] == data_fingerprint(data_dir)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "abc", "nan", "negative", "missing"])
+def test_a_damaged_run_record_is_one_line_naming_it(tmp_path, data_dir, capsys, damage):
+    """A truncated scale_run.json was dropped without a word (the fit used 5 of 6 runs); val_bpb "abc" was a
+    ValueError traceback in fit.py; NaN or a negative one was refused without naming the run."""
+    paths = _grid_of_records(tmp_path / "grid", data_dir)
+    bad = paths[2]
+    record = json.loads(bad.read_text())
+    if damage == "truncated":
+        bad.write_text(bad.read_text()[:40])
+    else:
+        value = {"abc": "abc", "nan": float("nan"), "negative": -2.0}.get(damage)
+        record = {k: v for k, v in record.items() if k != "val_bpb"} if damage == "missing" else \
+            {**record, "val_bpb": value}
+        bad.write_text(json.dumps(record))
+    assert main(["scale", str(data_dir), "--out", str(tmp_path / "grid"), "--fit-only", "--bootstrap", "0"]) == 2
+    err = _one_line(capsys)
+    assert str(bad) in err and not (data_dir / FIT_FILE).exists()
+    assert ("not a readable run record" in err) if damage == "truncated" else ("val_bpb must be" in err)
+
+
+def _fit_doc(data_dir: Path, params: LawParams, runs: list[dict] | None = None, bootstrap: int = 0) -> Path:
+    from scaletrain.scaling.fit import ScalingFit
+
+    fit = ScalingFit(params, [params] * bootstrap, residual_std=0.01)
+    return write_fit(data_dir, fit, runs if runs is not None else [{"params": x} for x in (1e5, 3e6)], {})
+
+
+@pytest.mark.parametrize("field,value", [("E", -5.0), ("A", 0.0), ("beta", None), ("alpha", "x")])
+def test_an_edited_fit_is_refused_on_load_naming_the_field(data_dir, capsys, field, value):
+    """`scaling_fit.json` edited to E = -5 with an empty bootstrap was planned with: exit 0, a zero-width interval."""
+    path = _fit_doc(data_dir, TRUE)
+    doc = json.loads(path.read_text())
+    doc["params"][field] = value
+    doc["bootstrap"] = []
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ScalingFitError, match=rf"{FIT_FILE}: params\.{field} must be a finite number"):
+        load_fit(data_dir)
+    assert main(["plan", "--data", str(data_dir), "--model", "nano", "--tokens", "60k", "--hardware", "cpu"]) == 2
+    assert f"params.{field}" in _one_line(capsys)
+
+
+def test_a_fit_without_replicates_keeps_the_runs_scatter_and_says_so(data_dir):
+    from scaletrain.scaling.fit import ScalingFit
+
+    fit = ScalingFit(TRUE, [], residual_std=0.02)
+    mid, lo, hi = fit.predict(1e6, 1e7)
+    assert lo < mid < hi and math.log(hi / mid) == pytest.approx(1.645 * 0.02)
+    assert any("no bootstrap replicates" in c for c in fit.caveats())
+
+
+def test_a_fit_whose_parameters_mean_nothing_says_so_and_the_searches_refuse(data_dir, capsys):
+    """118 Gutenberg books: E = 0.0038 bpb and "compute-optimal tokens per parameter 535,190.8" were printed as
+    an answer, with a caveat on alpha only, and `plan --target-bpb` / `--budget` searched with them."""
+    from scaletrain.scaling.fit import E_FLOOR, TOKENS_PER_PARAM_RANGE, ScalingFit
+
+    runs = [{"params": 1e5, "flops": 6e11}, {"params": 3e6, "flops": 1.2e15}]
+    low_e = LawParams(E=0.0038, A=TRUE.A, alpha=TRUE.alpha, B=TRUE.B, beta=TRUE.beta)
+    assert ScalingFit(low_e).implausible() and not ScalingFit(TRUE).implausible()
+    # alpha well above beta: D/N grows with the compute; here ~1e4 tokens per parameter at the grid's largest
+    skewed = LawParams(E=1.1, A=4e4, alpha=1.2, B=3.0, beta=0.1)
+    assert ScalingFit(skewed).tokens_per_param(1.2e15) > TOKENS_PER_PARAM_RANGE[1]
+    for params, said in ((low_e, f"below the plausible {E_FLOOR:g}"), (skewed, "outside the plausible 1-1000")):
+        _fit_doc(data_dir, params, runs, bootstrap=3)
+        for search in (["--target-bpb", "7.0"], ["--budget", "50"]):
+            assert main(["plan", "--data", str(data_dir), *search, "--hardware", "h100-sxm:8", "--max-nodes", "1",
+                         "--global-batch", "8", "--seq-len", "64"]) == 2
+            err = _one_line(capsys)
+            assert "the fit cannot choose a model size" in err and said in err
+        # one run is still predicted, with the caveat beside it
+        assert main(["plan", "--data", str(data_dir), "--model", "nano", "--tokens", "60k", "--hardware", "cpu"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "predicted val bpb" in out and "caveat (the fit): " in out and said in out
+    # `scale` prints it with the fit, and stores it
+    assert any("outside the plausible" in c for c in json.loads((data_dir / FIT_FILE).read_text())["caveats"])
+    from scaletrain.scaling.cli import print_fit
+
+    print_fit(ScalingFit(skewed, [skewed]), 1.2e15)
+    assert "caveat: compute-optimal tokens per parameter" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", ["inf", "nan", "-1", "0"])
+def test_plan_refuses_a_target_that_is_no_number_of_bits(data_dir, capsys, target):
+    """`plan --target-bpb inf` (and nan) printed "the cheapest way to reach inf bpb", exit 0."""
+    _fit_doc(data_dir, TRUE)
+    assert main(["plan", "--data", str(data_dir), "--target-bpb", target, "--hardware", "h100-sxm:8"]) == 2
+    assert "--target-bpb must be a finite number of bits per byte > 0" in _one_line(capsys)
+
+
+def test_plan_refuses_tokens_past_float_range(capsys):
+    """`plan --tokens 1e400` was an OverflowError traceback."""
+    assert main(["plan", "--model", "nano", "--vocab-size", "256", "--tokens", "1e400", "--hardware", "cpu"]) == 2
+    assert "--tokens must be a finite number > 0" in _one_line(capsys)
+
+
+def test_plan_says_when_a_prediction_is_outside_the_fits_scope(data_dir, capsys):
+    """20M tokens of a 1.1M-token folder (18 epochs) was predicted with an interval and no word that the fit's
+    scope ends at 4 epochs; here 20M of the play's ~27k training characters. The vocabulary comes from --data's
+    manifest (docs/planning.md's command was refused "pass --vocab-size")."""
+    _fit_doc(data_dir, TRUE, bootstrap=3)
+    plan = ["plan", "--data", str(data_dir), "--model", "nano", "--hardware", "cpu", "--tokens"]
+    assert main([*plan, "20M"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "predicted val bpb" in out and re.search(r"caveat: 20,000,000 tokens are [\d,.]+ epochs of this data's "
+                                                    r"training split, and the fit's scope ends at 4", out)
+    assert main([*plan, "60k"]) == 0  # within 4 epochs: no scope caveat
+    assert "epochs" not in capsys.readouterr().out
+
+
+def test_scale_says_when_the_data_caps_the_grid(tmp_path, data_dir, monkeypatch, capsys):
+    """`scale --budget 99999h` on a small folder planned a 31.7-minute grid without saying the data (4 epochs)
+    was the limit."""
+    _micro_grid(monkeypatch)
+    monkeypatch.setattr(grid, "MAX_EPOCHS", 4)
+    args = ["scale", str(data_dir), "--out", str(tmp_path / "g"), "--hardware", "cpu", "--min-tokens-per-param",
+            "0.01", "--dry-run", "--budget"]
+    assert main([*args, "99999h"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the data caps this grid, not the budget" in out and "no run reads it more than 4 times" in out
+    largest = max(int(m) for m in re.findall(r"-t(\d+)", out))  # the grid's longest run: 4 epochs at most
+    assert largest <= 4 * grid.vocabulary(data_dir)[1]
+    monkeypatch.setattr(grid, "MAX_EPOCHS", 1000)  # the play read many times over: the budget binds, nothing said
+    with pytest.raises(grid.BudgetTooSmall) as refused:
+        grid.plan_grid(data_dir, 1e-3, "cpu")
+    lines = []
+    assert grid.plan_grid(data_dir, math.ceil(refused.value.smallest) + 1, "cpu", say=lines.append)
+    assert lines == []

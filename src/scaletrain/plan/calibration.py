@@ -567,12 +567,24 @@ def total_ram_bytes() -> float:
     return 0.0
 
 
+def missing_calibration_line(cache: dict, device: torch.device | str = "cpu") -> str:
+    """What is measured when this thread count has no calibration, and, when ``doctor --clock cpu`` calibrated
+    one thread (a key of its own: rates depend on the thread count), the command that plans with that one."""
+    threads = torch.get_num_threads()
+    single = cache.get(device_fingerprint(device, threads=1), {})
+    if threads != 1 and "elementwise_s_per_element" in single:
+        return (f"no calibration of this machine at {threads} threads (torch's count here) yet: the cached one, "
+                f"from `doctor --clock cpu`, is for 1 thread, which `OMP_NUM_THREADS=1 scaletrain plan ...` plans "
+                f"with; measuring {threads} threads now (about a minute; `scaletrain doctor` does this too)")
+    return "no calibration for this machine yet: measuring (about a minute; `scaletrain doctor` does this too)"
+
+
 def calibration_entry(device: torch.device | str = "cpu", measure_if_missing: bool = True, log=print) -> dict:
     """This machine's full calibration, measuring it (~30 s) when the cache lacks it."""
     data = load_calibration()
     entry = data.get(device_fingerprint(device), {})
     if "elementwise_s_per_element" not in entry and torch.device(device).type == "cpu" and measure_if_missing:
-        log("no calibration for this machine yet: measuring (about a minute; `scaletrain doctor` does this too)")
+        log(missing_calibration_line(data, device))
         entry = calibrate(device, log=log, rounds=2, by="`scaletrain plan --hardware auto` (no doctor calibration "
                                                             "was cached)")
         data = load_calibration()  # with the one-core peaks calibrate measured

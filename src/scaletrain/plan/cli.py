@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -30,13 +31,7 @@ from scaletrain.files import guarded_write
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
-from scaletrain.plan.quality import (
-    add_quality_arguments,
-    predicted_quality,
-    print_fit_caveats,
-    quality_search,
-    quality_text,
-)
+from scaletrain.plan.quality import add_quality_arguments, print_prediction, quality_search
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
 from scaletrain.plan.wall import LoopSettings, evaluation_note, predicted_wall
@@ -65,8 +60,8 @@ def parse_count(text: str, what: str) -> float:
         value = float(m.group(1).replace("_", "")) * _SUFFIX.get(m.group(2), 1)
     except ValueError:
         raise ConfigError(f"{what} must be a number like 300B, 1.5e9 or 20M (got {text!r})") from None
-    if value <= 0:
-        raise ConfigError(f"{what} must be > 0 (got {text!r})")
+    if value <= 0 or not math.isfinite(value):  # 1e400 reads as inf, and overflowed as an int later
+        raise ConfigError(f"{what} must be a finite number > 0 (got {text!r})")
     return value
 
 
@@ -76,7 +71,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", default="", help=f"preset name ({', '.join(PRESETS)}); or use --config")
     src.add_argument("--config", default="", help="a job TOML: its [model], data.seq_len, train batch and "
                                                   "precision are the defaults of this plan")
-    src.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (needed when the preset has none)")
+    src.add_argument("--vocab-size", type=int, default=None,
+                     help="vocabulary size (needed when the preset has none and no --config or --data gives it)")
     src.add_argument("--tokens", default="chinchilla",
                      help=f"tokens to train: a number (300B, 1.5e9) or 'chinchilla' = {CHINCHILLA_TOKENS_PER_PARAM} "
                           "per parameter (a convention)")
@@ -148,6 +144,9 @@ def check_numbers(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"--{_flag(name)} must be a positive integer (got {value})")
     check_limits(args.deadline, args.budget, args.max_nodes)  # --deadline, --budget, --max-nodes
+    target = getattr(args, "target_bpb", None)  # inf and nan were searched for ("the cheapest way to reach inf")
+    if target is not None and not (math.isfinite(target) and target > 0):
+        raise ConfigError(f"--target-bpb must be a finite number of bits per byte > 0 (got {target:g})")
     stage = getattr(args, "pin_zero_stage", None)
     if stage is not None and stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3 (got {stage})")
@@ -173,6 +172,8 @@ def workload_from_args(args: argparse.Namespace, hardware: Hardware, this_machin
         model = dataclasses.replace(model, vocab_size=args.vocab_size)
     elif model.vocab_size <= 0 and job is not None:
         model = dataclasses.replace(model, vocab_size=data_vocabulary(job.data))
+    elif model.vocab_size <= 0 and getattr(args, "data", ""):  # `plan --data DATA --model nano`: DATA's manifest
+        model = dataclasses.replace(model, vocab_size=data_vocabulary(DataConfig(path=args.data)))
     if model.vocab_size <= 0:
         where = "; data.tokenizer = 'char' over raw text has a vocabulary only once prepared" if job else ""
         raise ConfigError(f"the model has no vocab_size (preset {model.preset or '-'!r} takes it from the data"
@@ -300,9 +301,7 @@ def run_plan(args: argparse.Namespace) -> int:
             return 0
         workload, chinchilla = workload_from_args(args, cluster.hardware, _is_auto(args.hardware))
         if fit_doc is not None:  # what the run buys, beside what it costs
-            console.print(quality_text(predicted_quality(fit_doc[0], law_params(workload.model),
-                                                         workload.train_tokens)))
-            print_fit_caveats(fit_doc[0], console)
+            print_prediction(fit_doc, args.data, law_params(workload.model), workload.train_tokens, console)
         if args.method:
             return _finetune_plan(args, workload, cluster, console)
         if args.deadline is not None or args.budget is not None:

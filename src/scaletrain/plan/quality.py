@@ -28,8 +28,9 @@ from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.deadline import Option, options
 from scaletrain.plan.report import duration
 from scaletrain.plan.spec import Workload
-from scaletrain.scaling.fit import ScalingFit, check_target, law_params
+from scaletrain.scaling.fit import ScalingFit, check_searchable, check_target, law_params
 from scaletrain.scaling.grid import BATCH, MAX_EPOCHS, SEQ_LEN
+from scaletrain.scaling.store import fitted_flops
 
 SIZE_FACTORS = (0.5, 1.0, 2.0)  # sizes tried around the compute-optimal one
 SIZES_WITHIN = 7  # sizes tried for --budget / --deadline, log-spaced
@@ -109,6 +110,21 @@ class Scope:
     def describe(self) -> str:
         return (f"{self.n_low:,.0f} to {self.n_high:,.0f} non-embedding parameters and at most "
                 f"{self.max_tokens:,.0f} tokens ({MAX_EPOCHS} epochs of this data)")
+
+    def outside(self, params: float, tokens: float) -> list[str]:
+        """Why one run of ``params`` non-embedding parameters on ``tokens`` lies outside the scope (empty: it
+        does not); ``plan --data --model`` prints these beside its prediction, which it still makes."""
+        notes = []
+        if tokens > self.max_tokens:
+            epochs = tokens / (self.max_tokens / MAX_EPOCHS)
+            notes.append(f"{tokens:,.0f} tokens are {epochs:,.1f} epochs of this data's training split, and the "
+                         f"fit's scope ends at {MAX_EPOCHS} (more repeats change the law: Muennighoff et al. "
+                         f"2023): the prediction is an extrapolation the fit cannot make; prepare more data")
+        if not self.n_low <= params <= self.n_high:
+            notes.append(f"{params:,.0f} non-embedding parameters are outside the fit's sizes ({self.n_low:,.0f} "
+                         f"to {self.n_high:,.0f}: 0.1x its smallest to 100x its largest model): the prediction is "
+                         f"an extrapolation the fit cannot make")
+        return notes
 
 
 def cheapest_for_target(fit: ScalingFit, target: float, scope: Scope, vocab_size: int, cluster: Cluster,
@@ -211,13 +227,14 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
     if fit_doc is None or not wants_search:
         return None
     fit, doc = fit_doc
+    check_searchable(fit, fitted_flops(doc.get("runs", [])))
     # The fit's own sequence and batch on every hardware: the law was measured at that many tokens a step, and
     # a GPU's usual ~0.5M-token step would reach the same tokens in a few hundred times fewer optimizer steps
     # (7.3M tokens were 14 such steps), far above the small grid's critical batch; the prediction would not hold.
     recipe = doc.get("recipe", {})
     seq = args.seq_len or int(recipe.get("seq_len", SEQ_LEN))
     batch = args.global_batch or int(recipe.get("batch", BATCH))
-    scope = Scope.of(doc, read_manifest(args.data, verify=False)["splits"]["train"]["tokens"])
+    scope = Scope.of(doc, train_tokens(args.data))
     common = (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes)
     if args.target_bpb is not None:
         result = cheapest_for_target(fit, args.target_bpb, scope, *common)
@@ -228,18 +245,34 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
             ([f"${args.budget:,.0f}"] if args.budget else []) + ([f"{args.deadline:g} h"] if args.deadline else []))
     print_quality(console, result, title, cluster, as_of, seq, batch)
     console.print(f"searched within the fit's scope: {scope.describe()}")
-    print_fit_caveats(fit, console)
+    print_fit_caveats(fit_doc, console)
     drift = recipe_drift(recipe, seq, batch)
     if drift:
         console.print(drift)
     return {**result, "scope": {"n_low": scope.n_low, "n_high": scope.n_high, "max_tokens": scope.max_tokens}}
 
 
-def print_fit_caveats(fit: ScalingFit, console) -> None:
+def train_tokens(data_dir: str) -> int:
+    """The training split's tokens of a prepared data folder (a fit's scope is counted in its epochs)."""
+    return int(read_manifest(data_dir, verify=False)["splits"]["train"]["tokens"])
+
+
+def print_prediction(fit_doc: tuple[ScalingFit, dict], data_dir: str, params: float, tokens: float,
+                     console) -> None:
+    """``plan --data`` beside a planned run: its predicted bpb, what of it lies outside the fit's scope (more
+    epochs of the data than the grid's, a size far from its models) and the fit's own caveats."""
+    console.print(quality_text(predicted_quality(fit_doc[0], params, tokens)))
+    for note in Scope.of(fit_doc[1], train_tokens(data_dir)).outside(params, tokens):
+        console.print(f"caveat: {note}")
+    print_fit_caveats(fit_doc, console)
+
+
+def print_fit_caveats(fit_doc: tuple[ScalingFit, dict], console) -> None:
     """The caveats ``scale`` printed with the fit, again beside every prediction made from it: a term the grid
     barely constrained is where held-out runs missed (a Tiny Shakespeare char grid's flat size term: predictions
     3.8-6.3% pessimistic at 4x-16x, docs/planning.md), so a plan read days later says so too."""
-    for note in fit.caveats():
+    fit, doc = fit_doc
+    for note in fit.caveats(fitted_flops(doc.get("runs", []))):
         console.print(f"caveat (the fit): {note}")
 
 

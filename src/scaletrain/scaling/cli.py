@@ -70,9 +70,9 @@ def _scale(args: argparse.Namespace) -> int:
     data_fingerprint(data)  # a folder that is not prepared data: DataError naming its manifest, before any run
     torch.set_num_threads(args.threads)  # the planner below predicts for this thread count
     if args.fit_only:
-        records = finished_records(out)
+        records = finished_records(out, data)  # every run trained on this data, or one line naming the one not
     else:
-        runs = plan_grid(data, parse_duration(args.budget), args.hardware, args.min_tokens_per_param)
+        runs = plan_grid(data, parse_duration(args.budget), args.hardware, args.min_tokens_per_param, say=print)
         print_grid(runs, args.budget)
         if args.dry_run:
             return 0
@@ -126,5 +126,5 @@ def print_fit(fit, flops: float) -> None:
                                                  ("beta", ".3f"))))
     print(f"  residual scatter {fit.residual_std:.4f} in log bpb; compute-optimal tokens per parameter at "
           f"{flops:.3g} FLOPs: {fit.tokens_per_param(flops):.1f} (Chinchilla's 20 is a convention)")
-    for note in fit.caveats():
+    for note in fit.caveats(flops):
         print(f"  caveat: {note}")

@@ -42,6 +42,14 @@ _STARTS = 8  # grid points optimised from
 _GRAD_TOL = 1e-4
 _STALL = 1e-5  # 100 L-BFGS iterations that lower the objective by less than this (relative) have converged
 _SAME_OPTIMUM = 1e-3  # objectives within 0.1% of the lowest count as the same optimum
+# Where a fit's parameters still mean something. E: the largest models measured on English text reach about
+# 0.5-0.7 bits per byte and Shannon's estimate of English is 0.6-1.3 bits per character, so an irreducible loss
+# below 0.1 bits per byte is no property of text: it is an E the runs did not identify (they never level off).
+E_FLOOR = 0.1
+# Compute-optimal tokens per parameter: published fits put it at about 20 (Chinchilla and its replication) to
+# ~100 (Chinchilla's own approach-3 fit at its largest compute), Kaplan et al.'s at a few: outside 1-1000, 50x
+# either side of 20, the N/D trade-off is not one the runs measured.
+TOKENS_PER_PARAM_RANGE = (1.0, 1000.0)
 
 
 def law_params(cfg: ModelConfig) -> int:
@@ -89,27 +97,48 @@ class ScalingFit:
     huber: float = 0.0  # the objective at the optimum
 
     def predict(self, n: float, d: float) -> tuple[float, float, float]:
-        """(predicted bpb, low, high): the 90% interval of a new run of N non-embedding params on D tokens."""
+        """(predicted bpb, low, high): the 90% interval of a new run of N non-embedding params on D tokens (the
+        runs' scatter alone when the fit has no bootstrap replicates: ``scale --bootstrap 0``)."""
         mid = float(self.params.loss(n, d))
-        if not self.bootstrap:
-            return mid, mid, mid
-        logs = np.log([float(p.loss(n, d)) for p in self.bootstrap])
-        lo, hi = np.percentile(logs, INTERVAL)
+        lo = hi = math.log(mid)
+        if self.bootstrap:
+            logs = np.log([float(p.loss(n, d)) for p in self.bootstrap])
+            lo, hi = np.percentile(logs, INTERVAL)
         z = 1.645  # the 90% normal quantile, for the residual scatter
         lo = math.log(mid) - math.hypot(math.log(mid) - lo, z * self.residual_std)
         hi = math.log(mid) + math.hypot(hi - math.log(mid), z * self.residual_std)
         return mid, math.exp(lo), math.exp(hi)
 
-    def caveats(self) -> list[str]:
-        """What the fit cannot tell from its runs (printed with it, stored with it)."""
+    def implausible(self, flops: float | None = None) -> list[str]:
+        """Where the fit leaves the range in which its parameters mean something (``E_FLOOR``, and at ``flops``,
+        the compute of its largest run, ``TOKENS_PER_PARAM_RANGE``): the searches refuse such a fit."""
         notes = []
-        if self.params.E < 1e-3:
-            notes.append("E went to 0: the runs do not show the loss levelling off (too short or too small), so the "
-                         "irreducible loss is not identified and predictions far beyond the grid lean optimistic")
+        if self.params.E < E_FLOOR:
+            notes.append(f"E = {self.params.E:.4g} bits per byte is below the plausible {E_FLOOR:g} (text's entropy "
+                         f"is far above it): the runs do not show the loss levelling off (too short or too small), "
+                         f"so the irreducible loss is not identified and predictions far beyond the grid lean "
+                         f"optimistic")
+        low, high = TOKENS_PER_PARAM_RANGE
+        if flops:
+            p = self.params  # a negative exponent has no compute-optimal split (a complex power)
+            ratio = self.tokens_per_param(flops) if p.alpha > 0 and p.beta > 0 else math.nan
+            if not low <= ratio <= high:  # NaN too
+                notes.append(f"compute-optimal tokens per parameter {ratio:,.1f} at the grid's largest compute "
+                             f"({flops:.3g} FLOPs) is outside the plausible {low:g}-{high:g} (published fits: "
+                             f"about 20-100): the N/D trade-off is not identified by these runs")
+        return notes
+
+    def caveats(self, flops: float | None = None) -> list[str]:
+        """What the fit cannot tell from its runs (printed with it, stored with it); ``flops``: the compute of
+        the grid's largest run, where the compute-optimal ratio is judged."""
+        notes = self.implausible(flops)
         for k in ("alpha", "beta"):
             if not 0.02 <= getattr(self.params, k) <= 2.0:
                 notes.append(f"{k} = {getattr(self.params, k):.3g} is outside the usual 0.02-2: that term is "
                              f"barely constrained by these runs")
+        if not self.bootstrap:
+            notes.append("no bootstrap replicates (`scale --bootstrap 0`): an interval covers the runs' scatter "
+                         "only, not the parameters' uncertainty")
         return notes
 
     def param_intervals(self) -> dict[str, list[float]]:
@@ -124,8 +153,8 @@ class ScalingFit:
         n, d = self.params.compute_optimal(flops)
         return d / n
 
-    def as_dict(self) -> dict:
-        return {"params": self.params.as_dict(), "intervals": self.param_intervals(), "caveats": self.caveats(),
+    def as_dict(self, flops: float | None = None) -> dict:
+        return {"params": self.params.as_dict(), "intervals": self.param_intervals(), "caveats": self.caveats(flops),
                 "residual_std_log": self.residual_std, "huber": self.huber,
                 "bootstrap": [p.as_dict() for p in self.bootstrap]}
 
@@ -251,6 +280,17 @@ def check_runs(n: np.ndarray, d: np.ndarray, loss: np.ndarray) -> None:
     if np.unique(n).size < 2 or np.unique(d).size < 2:
         raise ScalingFitError("the runs need at least two model sizes and two token counts to separate the N and "
                               "D terms")
+
+
+def check_searchable(fit: ScalingFit, flops: float | None) -> None:
+    """ScalingFitError when the fit is ``implausible``: the searches pick a model size from its N/D trade-off and
+    its E, the very numbers such a fit did not measure, and every bootstrap replicate shares the degenerate
+    optimum, so no interval widened from them would be honest either."""
+    notes = fit.implausible(flops)
+    if notes:
+        raise ScalingFitError("the fit cannot choose a model size: " + "; ".join(notes) + ". Fit a grid of longer "
+                              "runs (a larger `scale --budget`), or ask for one run (`plan --data DATA --model M "
+                              "--tokens T`), which is predicted with this caveat")
 
 
 def check_target(fit: ScalingFit, target_bpb: float) -> None:

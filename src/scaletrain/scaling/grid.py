@@ -9,8 +9,10 @@ parametrization): one lr for every size instead of a per-size sweep the budget c
 its own cosine schedule ending at its own last step (Hoffmann et al.: a schedule longer than the run
 overestimates its loss), warmup 5% of its steps.
 
-A run's folder holds ``scale_run.json`` once it finished (its N, D, val_bpb, wall time and predicted time); a
-grid started again skips those runs and restarts the unfinished one from scratch (they are minutes long).
+A run's folder holds ``scale_run.json`` once it finished (its N, D, val_bpb, wall time, predicted time and the
+fingerprint of the data it trained on); a grid started again skips those runs and restarts the unfinished one
+from scratch (they are minutes long). A record that cannot be read, holds a value no run has, or was trained on
+other data is refused in one line naming its file: it is never dropped or fitted without a word.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from scaletrain.config import ConfigError, ModelConfig, load_config
+from scaletrain.config import ConfigError, ModelConfig, load_config, read_toml
 from scaletrain.data.shards import read_manifest
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
 from scaletrain.scaling.fit import law_params
+from scaletrain.scaling.store import data_fingerprint
 
 # (dim, n_layers) of the family, smallest first; heads = dim / HEAD_DIM
 FAMILY = ((32, 2), (48, 2), (64, 2), (80, 3), (96, 3), (128, 3), (160, 4), (192, 4), (256, 5), (320, 6))
@@ -92,13 +95,16 @@ class BudgetTooSmall(ConfigError):
 
 
 def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto",
-              min_tokens_per_param: float = MIN_TOKENS_PER_PARAM) -> list[GridRun]:
+              min_tokens_per_param: float = MIN_TOKENS_PER_PARAM,
+              say: Callable[[str], None] | None = None) -> list[GridRun]:
     """The largest grid (SIZES consecutive family members x TOKEN_STEPS token counts) whose predicted total fits
     the budget, with at least ``min_tokens_per_param`` for the largest model at the smallest token count and no
-    run longer than ``MAX_EPOCHS`` epochs of the training split."""
+    run longer than ``MAX_EPOCHS`` epochs of the training split. ``say`` is told, in one line, when the data and
+    not the budget is what limits the grid (a budget that would buy longer runs or larger models)."""
     vocab, train_tokens = vocabulary(data_dir)
     per_step = BATCH * SEQ_LEN
     smallest = math.inf  # the least budget any grid of the family fits in (said when the budget is too small)
+    data_capped = False  # a grid the budget affords was cut (fewer tokens, or smaller sizes) by MAX_EPOCHS
     for start in range(len(FAMILY) - SIZES, -1, -1):
         shapes = FAMILY[start: start + SIZES]
         models = [model_config(d, L, vocab) for d, L in shapes]
@@ -107,12 +113,17 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
         # seconds per step of each size (planner), so the budget fixes the smallest token count directly
         per_step_s = [predicted_seconds(m, 1, hardware) - predicted_seconds(m, 0, hardware) for m in models]
         fixed = sum(predicted_seconds(m, 0, hardware) for m in models) * TOKEN_STEPS
-        base_steps = (budget_seconds - fixed) / (sum(per_step_s) * sum(ladder))
+        budget_steps = (budget_seconds - fixed) / (sum(per_step_s) * sum(ladder))
         most_steps = MAX_EPOCHS * train_tokens / per_step / ladder[-1]
-        base_steps = min(base_steps, most_steps)
+        base_steps = min(budget_steps, most_steps)
         least_steps = max(MIN_STEPS, min_tokens_per_param * n_max / per_step)  # MIN_STEPS, and the corner's tokens
+        # the budget affords this grid but the epochs cut it: to fewer tokens (chosen below) or away (too small)
+        data_capped = data_capped or least_steps <= budget_steps and most_steps < budget_steps
         if base_steps >= least_steps:
-            return [make_run(d, L, vocab, int(base_steps * r), hardware) for d, L in shapes for r in ladder]
+            runs = [make_run(d, L, vocab, int(base_steps * r), hardware) for d, L in shapes for r in ladder]
+            if data_capped and say is not None:
+                say(data_cap_line(data_dir, train_tokens, runs, budget_seconds))
+            return runs
         if least_steps <= most_steps:
             smallest = min(smallest, fixed + least_steps * sum(per_step_s) * sum(ladder))
     where = "this machine" if hardware == "auto" else hardware
@@ -121,6 +132,15 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
             f"; the training split is too small for any grid at --min-tokens-per-param {min_tokens_per_param:g}")
     raise BudgetTooSmall(f"--budget {budget_seconds:g} s is too small for a grid of {SIZES} sizes x {TOKEN_STEPS} "
                          f"token counts of at least {MIN_STEPS} steps each on {where}{need}", smallest)
+
+
+def data_cap_line(data_dir: str | Path, train_tokens: int, runs: list[GridRun], budget_seconds: float) -> str:
+    """The line that says the data, not the budget, sized this grid (and what would lift it)."""
+    total = sum(r.predicted_seconds for r in runs)
+    return (f"the data caps this grid, not the budget: {data_dir}'s training split has {train_tokens:,} tokens and "
+            f"no run reads it more than {MAX_EPOCHS} times (more repeats change the law), so the grid is predicted "
+            f"{total / 60:.1f} min of the {budget_seconds / 60:,.0f} min budget; prepare more text for longer runs "
+            f"or larger models")
 
 
 def make_run(dim: int, n_layers: int, vocab_size: int, steps: int, hardware: str = "auto") -> GridRun:
@@ -147,11 +167,71 @@ def run_overrides(run: GridRun, data_dir: str | Path, run_dir: Path, threads: in
     return {k: str(v) for k, v in over.items()}
 
 
-def finished(run_dir: Path) -> dict | None:
-    """The recorded result of a finished run, or None."""
+def finished(run_dir: Path, data_dir: str | Path | None = None) -> dict | None:
+    """The recorded result of a finished run, or None when it has not finished (no ``scale_run.json``).
+
+    ConfigError, one line naming the file, when the record cannot be read (a truncated write), lacks a field the
+    fit reads or holds a value no run has (``check_record``), or, given ``data_dir``, was trained on other data
+    (``check_record_data``): a fit silently made of fewer runs, or of another folder's, is a fit changed without
+    a word."""
+    path = run_dir / RESULT
+    if not path.exists():
+        return None
     try:
-        return json.loads((run_dir / RESULT).read_text())
-    except (OSError, ValueError):
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable run record ({exc}); delete {run_dir} to train that run "
+                          f"again, or restore the file") from None
+    check_record(record, path)
+    if data_dir is not None:
+        check_record_data(record, path, data_dir)
+    return record
+
+
+_POSITIVE = ("dim", "n_layers", "tokens", "val_bpb")  # what the fit reads (N from dim x n_layers, D, L)
+_NON_NEGATIVE = ("seconds", "predicted_seconds")  # stored with the fit
+
+
+def check_record(record: object, path: Path) -> None:
+    """ConfigError naming ``path`` and the field when a run record is not one ``train_run`` could have written."""
+    again = f"delete {path.parent} to train that run again"
+    if not isinstance(record, dict):
+        raise ConfigError(f"{path}: not a run record (a JSON object expected, got {type(record).__name__}); {again}")
+    if not isinstance(record.get("name"), str):
+        raise ConfigError(f"{path}: name must be a string (got {record.get('name')!r}); {again}")
+    for key in (*_POSITIVE, *_NON_NEGATIVE):
+        value = record.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        whole = key in ("dim", "n_layers")
+        if not number or (whole and not isinstance(value, int)) or not (value > 0 if key in _POSITIVE else
+                                                                         value >= 0):
+            rule = "a positive integer" if whole else "a finite number " + ("> 0" if key in _POSITIVE else ">= 0")
+            raise ConfigError(f"{path}: {key} must be {rule} (got {value!r}); {again}")
+
+
+def check_record_data(record: dict, path: Path, data_dir: str | Path) -> None:
+    """ConfigError when the run was trained on other data than ``data_dir`` (by content fingerprint: the one
+    ``scaling_fit.json`` is stamped with), or when nothing says what it was trained on. A record without its
+    own fingerprint (written before runs recorded one) is judged by its folder's config.toml ``data.path``."""
+    want = data_fingerprint(data_dir)
+    have = record.get("data_fingerprint")
+    if have is None:
+        have = _config_data_fingerprint(path.parent)
+    if have is None:
+        raise ConfigError(f"{path} does not say which data it was trained on (no data_fingerprint, and no prepared "
+                          f"folder at its config.toml's data.path): delete {path.parent} to train that run again "
+                          f"on {data_dir}")
+    if have != want:
+        raise ConfigError(f"{path} was trained on other data (fingerprint {have}; {data_dir}'s is {want}): a fit "
+                          f"does not transfer across data or tokenizers; give the data folder that grid was "
+                          f"trained on, or another --out to train a grid on {data_dir}")
+
+
+def _config_data_fingerprint(run_dir: Path) -> str | None:
+    """The fingerprint of the folder a run's config.toml names as data.path; None when that is not known."""
+    try:
+        return data_fingerprint(read_toml(run_dir / "config.toml")["data"]["path"])
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None
 
 
@@ -164,10 +244,12 @@ def train_run(run: GridRun, data_dir: str | Path, out: Path, threads: int = 0) -
     summary = Trainer(load_config(None, run_overrides(run, data_dir, run_dir, threads)), log=True).train()
     bpb = summary.get("final_val_bpb")
     record = {**asdict(run), "flops": run.flops, "val_bpb": bpb, "val_loss": summary.get("final_val_loss"),
-              "seconds": time.perf_counter() - t0}
+              "seconds": time.perf_counter() - t0, "data_fingerprint": data_fingerprint(data_dir)}
     if bpb is None or not math.isfinite(bpb):
         raise ConfigError(f"{run_dir}: the run ended without a finite val_bpb (got {bpb}); see its metrics.jsonl")
-    (run_dir / RESULT).write_text(json.dumps(record, indent=1))
+    tmp = run_dir / f"{RESULT}.tmp"  # renamed into place: an interrupted write leaves no half a record
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(run_dir / RESULT)
     return record
 
 
@@ -176,7 +258,7 @@ def run_grid(runs: list[GridRun], data_dir: str | Path, out: Path, say: Callable
     """Train every run not finished yet; returns the records of all finished runs (in grid order)."""
     records = []
     for i, run in enumerate(runs, 1):
-        done = finished(out / run.name)
+        done = finished(out / run.name, data_dir)
         if done is not None:
             say(f"[{i}/{len(runs)}] {run.name}: finished before (val bpb {done['val_bpb']:.4f}), skipped")
         else:
@@ -188,7 +270,8 @@ def run_grid(runs: list[GridRun], data_dir: str | Path, out: Path, say: Callable
     return records
 
 
-def finished_records(out: Path) -> list[dict]:
-    """Every finished run under ``out`` (a grid folder), whatever grid it came from."""
-    return [r for r in (finished(p) for p in sorted(out.iterdir()) if p.is_dir()) if r is not None] \
+def finished_records(out: Path, data_dir: str | Path | None = None) -> list[dict]:
+    """Every finished run under ``out`` (a grid folder), whatever grid it came from; given ``data_dir``, every one
+    must have been trained on that data (``finished``)."""
+    return [r for r in (finished(p, data_dir) for p in sorted(out.iterdir()) if p.is_dir()) if r is not None] \
         if out.is_dir() else []

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 
 from scaletrain.data.shards import read_manifest
 from scaletrain.files import guarded_write
-from scaletrain.scaling.fit import ScalingFit, ScalingFitError
+from scaletrain.scaling.fit import PARAMS, ScalingFit, ScalingFitError
 
 FIT_FILE = "scaling_fit.json"
 FORMAT = "scaletrain.scaling_fit"
@@ -39,7 +40,8 @@ def write_fit(data_dir: str | Path, fit: ScalingFit, runs: list[dict], recipe: d
     path = fit_path(data_dir)
     doc = {"format": FORMAT, "data_fingerprint": data_fingerprint(data_dir), "created": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "N": "non-embedding parameters", "D": "training tokens",
-        "loss": "val_bpb (bits per byte, held-out split)", **fit.as_dict(), "runs": runs, "recipe": recipe}
+        "loss": "val_bpb (bits per byte, held-out split)", **fit.as_dict(fitted_flops(runs)), "runs": runs,
+        "recipe": recipe}
     with guarded_write(f"the scaling fit {path}", path.parent, cleanup=lambda: [path.with_suffix(".json.tmp")]):
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(doc, indent=1))
@@ -48,20 +50,75 @@ def write_fit(data_dir: str | Path, fit: ScalingFit, runs: list[dict], recipe: d
 
 
 def load_fit(data_dir: str | Path) -> tuple[ScalingFit, dict]:
-    """(fit, the whole document) of a data folder; ScalingFitError when there is none, it is unreadable, or it
-    was fitted on other data (its fingerprint differs from the folder's)."""
+    """(fit, the whole document) of a data folder; ScalingFitError when there is none, it is unreadable, it holds
+    a value no fit has (``check_fit_doc``), or it was fitted on other data (its fingerprint differs from the
+    folder's)."""
     path = fit_path(data_dir)
     if not path.is_file():
         raise ScalingFitError(f"{path}: no scaling fit for this data; run `scaletrain scale {data_dir} --out DIR "
                               f"--budget 30min` first")
     try:
         doc = json.loads(path.read_text())
-        fit = ScalingFit.from_dict(doc)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         raise ScalingFitError(f"{path}: not a readable scaling fit ({exc}); run `scaletrain scale` again") from None
+    check_fit_doc(doc, path, data_dir)
+    fit = ScalingFit.from_dict(doc)
     have = data_fingerprint(data_dir)
     if doc.get("data_fingerprint") != have:
         raise ScalingFitError(f"{path} was fitted on other data (fingerprint {doc.get('data_fingerprint')}, this "
                               f"folder's is {have}): a fit does not transfer across data or tokenizers; run "
                               f"`scaletrain scale {data_dir}` again")
     return fit, doc
+
+
+def fitted_flops(runs: list[dict]) -> float | None:
+    """The compute (6 N D) of a fit's largest run, where its compute-optimal split is judged; None when the runs
+    do not record it."""
+    flops = [r["flops"] for r in runs if isinstance(r, dict) and isinstance(r.get("flops"), (int, float))]
+    return max(flops) if flops else None
+
+
+def check_fit_doc(doc: object, path: Path, data_dir: str | Path) -> None:
+    """ScalingFitError naming the file and the field when ``scaling_fit.json`` holds what no fit can (an edited or
+    damaged file): E, A, B >= 0 (A, B > 0) and finite exponents, in the fit and in every bootstrap replicate; a
+    non-negative scatter; runs with positive sizes; a recipe of positive integers. A fit is only ever
+    predicted from after this (a negative E with no replicates printed a zero-width, certain-looking interval)."""
+    again = f"run `scaletrain scale {data_dir} --out GRID --fit-only` to write it again"
+
+    def number(value: object, where: str, rule: str) -> None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+            rule == "finite" or (value >= 0 if rule == ">= 0" else value > 0))
+        if not ok:
+            raise ScalingFitError(f"{path}: {where} must be a finite number{'' if rule == 'finite' else ' ' + rule}"
+                                  f" (got {value!r}); {again}")
+
+    def law(params: object, where: str) -> None:
+        if not isinstance(params, dict) or set(params) != set(PARAMS):
+            raise ScalingFitError(f"{path}: {where} must hold exactly {', '.join(PARAMS)} (got {params!r}); {again}")
+        for key, rule in (("E", ">= 0"), ("A", "> 0"), ("alpha", "finite"), ("B", "> 0"), ("beta", "finite")):
+            number(params[key], f"{where}.{key}", rule)
+
+    if not isinstance(doc, dict):
+        raise ScalingFitError(f"{path}: not a scaling fit (a JSON object expected); {again}")
+    law(doc.get("params"), "params")
+    bootstrap = doc.get("bootstrap", [])
+    if not isinstance(bootstrap, list):
+        raise ScalingFitError(f"{path}: bootstrap must be a list of fits (got {bootstrap!r}); {again}")
+    for i, replica in enumerate(bootstrap):
+        law(replica, f"bootstrap[{i}]")
+    for key in ("residual_std_log", "huber"):
+        if key in doc:
+            number(doc[key], key, ">= 0")
+    runs = doc.get("runs", [])
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        raise ScalingFitError(f"{path}: runs must be a list of run records; {again}")
+    for i, run in enumerate(runs):
+        number(run.get("params"), f"runs[{i}].params", "> 0")
+        if "flops" in run:
+            number(run["flops"], f"runs[{i}].flops", "> 0")
+    recipe = doc.get("recipe", {})
+    if not isinstance(recipe, dict):
+        raise ScalingFitError(f"{path}: recipe must be a table (got {recipe!r}); {again}")
+    for key in ("seq_len", "batch"):
+        if key in recipe and (not isinstance(recipe[key], int) or isinstance(recipe[key], bool) or recipe[key] < 1):
+            raise ScalingFitError(f"{path}: recipe.{key} must be a positive integer (got {recipe[key]!r}); {again}")
