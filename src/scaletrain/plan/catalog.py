@@ -28,6 +28,9 @@ class Link:
     bandwidth: float  # bytes/s per device, one direction
     efficiency: float  # achievable bus-bandwidth fraction for large collectives
     source: str
+    # One port a node that its devices share (an Ethernet NIC), rather than one a device (InfiniBand rails): a
+    # collective across nodes then gets one port's bandwidth, not one per device of the node in the group
+    per_node: bool = False
 
 
 LINKS: dict[str, Link] = {
@@ -46,8 +49,10 @@ LINKS: dict[str, Link] = {
                    "NVIDIA ConnectX-7 / DGX H100: 8x 400 Gb/s ports per 8-GPU node = 50 GB/s per GPU; 0.90 assumed"),
     "ib-hdr": Link("InfiniBand HDR 200 Gb/s, one port per GPU", 25 * GB, 0.90,
                    "NVIDIA DGX A100: 8x 200 Gb/s HDR ports per node = 25 GB/s per GPU; 0.90 assumed"),
-    "eth-100g": Link("Ethernet 100 Gb/s per node", 12.5 * GB, 0.80, "100 Gb/s line rate; 0.80 assumed for TCP/RoCE"),
-    "eth-10g": Link("Ethernet 10 Gb/s per node", 1.25 * GB, 0.80, "10 Gb/s line rate; 0.80 assumed for TCP (gloo)"),
+    "eth-100g": Link("Ethernet 100 Gb/s per node", 12.5 * GB, 0.80, "100 Gb/s line rate; 0.80 assumed for TCP/RoCE",
+                     per_node=True),
+    "eth-10g": Link("Ethernet 10 Gb/s per node", 1.25 * GB, 0.80, "10 Gb/s line rate; 0.80 assumed for TCP (gloo)",
+                    per_node=True),
     "nvme-gen4": Link("NVMe SSD, PCIe Gen4 x4 (DeepSpeed ZeRO-Infinity swap)", 7 * GB, 0.50,
                       "Samsung 990 PRO / WD SN850X datasheets: ~7 GB/s sequential read, ~6.5-6.9 GB/s write; 0.50 "
                       "assumed for DeepSpeed's async I/O of sub-group-sized blocks"),
@@ -104,8 +109,8 @@ _FIT = ("fitted by benchmarks/gpu_utilisation.py to the one-node runs without ac
         "llm-foundry's MPT benchmark tables (scripts/train/benchmarking/README.md, {table}: MPT {sizes}, "
         "sequence 512-65536); checked on runs not fitted (multi-node, activation checkpointing, A100 40GB, "
         "torchtitan Llama 3): {fit}")
-_HOPPER_FIT = (0.533, 463.0, 0.559)  # ceiling, half width, attention fraction
-_AMPERE_FIT = (0.749, 580.0, 0.717)
+_HOPPER_FIT = (0.534, 396.0, 0.560)  # ceiling, half width, attention fraction
+_AMPERE_FIT = (0.729, 437.0, 0.736)
 _H100_MFU = _FIT.format(table="'H100 80GB BF16'", sizes="760M-13B",
                         fit=f"GEMMs {_HOPPER_FIT[0]} x dim / (dim + {_HOPPER_FIT[1]:.0f}), "
                         f"attention {_HOPPER_FIT[0]} x {_HOPPER_FIT[2]}; H100 PCIe and H200 share it")

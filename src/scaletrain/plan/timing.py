@@ -9,7 +9,8 @@ CPU: every term is a measured rate from ``scaletrain doctor`` (calibration.py), 
 scaletrain's Llama block: GEMMs at the throughput measured for their width, causal SDPA at the rate
 measured for its head_dim and length, elementwise work at the measured cost per saved activation element,
 aten dispatch at the measured per-op overhead, cross-entropy per logit and AdamW per parameter.
-Recomputation (activation checkpointing) pays the forward again. Nothing is fitted to the checked rows.
+Recomputation (activation checkpointing) pays what torch.utils.checkpoint recomputes: a checkpointed block's
+forward but its last GEMM (``RECOMPUTED_GEMMS``). Nothing is fitted to the checked rows.
 
 Muon (``Workload.optimizer``): its Newton-Schulz FLOPs over every whole matrix, at the measured fp32 GEMM rates
 (CPU) or the bf16 peak x the GEMM utilisation (GPU), added to the optimizer step (``newton_schulz_seconds``),
@@ -30,6 +31,7 @@ import functools
 import inspect
 import math
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -229,15 +231,32 @@ def _block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int,
             (tokens, h // tp, d), (tokens, h // tp, d), (tokens, d, h // tp)]
 
 
+# torch.utils.checkpoint (non-reentrant, as parallel/activation_checkpoint.py calls it) stops recomputing once
+# every tensor the backward saved is back (its early stop, on by default): a block's last operators, the
+# feed-forward's down projection w2 and the residual add, produce no saved tensor, so they are not run again.
+# The GEMMs a checkpointed block recomputes are therefore its forward's but the last (counted with a dispatch
+# mode on scaletrain's block: tests/test_plan_search.py::test_recompute_charges_what_checkpoint_recomputes).
+RECOMPUTED_GEMMS = slice(0, -1)
+
+
 def block_gemm_attention_seconds(cfg: ModelConfig, batch: int, seq: int, entry: dict, recompute: bool,
                                  tp: int = 1) -> float:
-    """CPU seconds of one block's GEMMs (forward, backward, and the forward again if recomputed) and its
-    attention."""
+    """CPU seconds of one block's GEMMs (forward, backward, and if checkpointed the forward's GEMMs it recomputes,
+    ``RECOMPUTED_GEMMS``) and its attention (recomputed too)."""
     shapes = _block_gemms(cfg, batch * seq, tp)
     fwd = sum(gemm_seconds(m, n, k, entry) for m, n, k in shapes)
     bwd = sum(gemm_seconds(m, n, k, entry, backward=True) for m, n, k in shapes)
+    again = sum(gemm_seconds(m, n, k, entry) for m, n, k in shapes[RECOMPUTED_GEMMS]) if recompute else 0.0
     att_f, att_b = attention_seconds(batch * cfg.n_heads // tp, seq, head_width(cfg), entry)
-    return (1 + recompute) * (fwd + att_f) + bwd + att_b
+    return fwd + again + (1 + recompute) * att_f + bwd + att_b
+
+
+def recomputed_share(cfg: ModelConfig, seq: int) -> float:
+    """FLOPs a checkpointed block recomputes over its forward's: its GEMMs but the last (``RECOMPUTED_GEMMS``)
+    and its attention (QK^T, AV: 4 T H hd a token)."""
+    gemms = [2.0 * n * k for _, n, k in _block_gemms(cfg, 1, 1)]
+    attention = 4.0 * seq * cfg.n_heads * head_width(cfg)
+    return (sum(gemms[RECOMPUTED_GEMMS]) + attention) / (sum(gemms) + attention)
 
 
 # Newton-Schulz iterations of a Muon step: torch.optim.Muon's default, which train/muon.py's Muon keeps.
@@ -442,10 +461,11 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     layers = -(-cfg.n_layers // plan.pp)
     n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
     tokens = plan.micro_batch * workload.seq_len
-    # Model FLOPs of this device's share; recomputed blocks pay their forward (a third) again.
+    # Model FLOPs of this device's share; a checkpointed block pays again the part of its forward (a third of its
+    # FLOPs) that checkpoint recomputes (recomputed_share: all but the last GEMM).
     model_flops = workload.flops_per_token * tokens / (plan.tp * plan.pp * plan.cp)
     block_share = 1.0 - 6.0 * cfg.vocab_size * cfg.dim / workload.flops_per_token  # all but the head
-    executed = model_flops * (1 + block_share * (n_ckpt / layers) / 3)
+    executed = model_flops * (1 + block_share * (n_ckpt / layers) / 3 * recomputed_share(cfg, workload.seq_len))
     # A sliding-window layer runs SDPA with an explicit mask: the memory-efficient kernel over the whole square,
     # twice the causal kernel's work (the window saves nothing there); counted once more at the same rate.
     masked = masked_attention_layers(cfg, workload.seq_len, range(layers))
@@ -490,13 +510,23 @@ def offload_transfer_seconds(workload: Workload, plan: Plan, hw) -> float:
 
 
 def group_link(cluster: Cluster, degree: int, inner: int) -> tuple[float, str]:
-    """Bus bandwidth (bytes/s) of a process group of ``degree`` ranks whose stride is ``inner``."""
+    """Bus bandwidth (bytes/s) of a process group of ``degree`` ranks whose stride is ``inner``.
+
+    Across nodes, NCCL builds one ring (channel) a NIC, so a group with ``k`` ranks on each node moves its
+    inter-node share over ``k`` ports at once (rail-optimized InfiniBand: one port a GPU), no faster than the
+    node's own link; a node's shared Ethernet port (``Link.per_node``) counts once. A group with one rank a node
+    (HSDP's replicas, stride = the node) gets one port."""
     hw = cluster.hardware
     spans_nodes = degree * inner > cluster.devices_per_node
     if hw.kind == "cpu" and not spans_nodes and "allreduce_busbw" in hw.calibration:
         return float(hw.calibration["allreduce_busbw"]), "measured gloo all-reduce"
-    link = LINKS[hw.inter_node if spans_nodes else hw.intra_node]
-    return link.bandwidth * link.efficiency, link.name
+    if not spans_nodes:
+        link = LINKS[hw.intra_node]
+        return link.bandwidth * link.efficiency, link.name
+    link, intra = LINKS[hw.inter_node], LINKS[hw.intra_node]
+    ports = 1 if link.per_node else max(1, min(degree, cluster.devices_per_node // inner))
+    bandwidth = min(ports * link.bandwidth * link.efficiency, intra.bandwidth * intra.efficiency)
+    return bandwidth, link.name if ports == 1 else f"{ports} x {link.name}"
 
 
 def tp_bandwidth_seconds(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, bus_bandwidth: float,
@@ -518,6 +548,109 @@ def fresh_mapped_params(cfg: ModelConfig, plan: Plan) -> float:
     block = block_params(cfg) / plan.tp
     root = stage_params(cfg, plan.pp, plan.tp) - layers * block
     return sum(n * count for n, count in ((block, layers), (root, 1)) if n * 4 > GLIBC_MMAP_THRESHOLD_MAX)
+
+
+class Unit(NamedTuple):
+    """One FSDP2 unit (a block, or the root's embedding / head) in one pass, as the overlap model sees it (a named
+    tuple: the search builds hundreds for every candidate plan)."""
+
+    gather: float  # seconds of the all-gather its compute waits for (prefetched while the previous unit computes)
+    compute: float  # seconds of its compute in this pass
+    reduce: float = 0.0  # seconds of the gradient collective issued when its compute ends (reduce-scatter, DDP)
+    replicate: float = 0.0  # HSDP: the all-reduce across replicas that follows ``reduce``, on the replicas' link
+
+
+def overlap_exposed(units: list[Unit]) -> float:
+    """Seconds the collectives of ``units`` (run in this order) add to their compute on a GPU.
+
+    Two streams, as FSDP2 and DDP run them: compute, and one link a process group (the shard group's all-gathers
+    and reduce-scatters share it, in the order they are issued; HSDP's all-reduce across replicas has its own).
+    A unit's all-gather is issued when the previous unit's compute starts (FSDP2's prefetch of the next unit), its
+    compute starts when that gather and the previous compute are done, its reduce is issued when its compute
+    ends. What stays exposed: the first gather (nothing computes before it), a unit whose gather takes longer than
+    the previous unit's compute (the difference), and the reduces still running when the last compute ends."""
+    if not units:
+        return 0.0
+    link = ready = units[0].gather  # when the shard group's link is free; when the next unit's gather is done
+    clock = replicas = busy = 0.0  # when the compute stream is free; the replicas' link; compute so far
+    nexts = [unit.gather for unit in units[1:]] + [None]
+    for (_, compute, reduce, replicate), next_gather in zip(units, nexts):
+        start = clock if clock > ready else ready
+        if next_gather is not None:  # prefetch: the next unit's gather is issued as this unit's compute starts
+            link = ready = (link if link > start else start) + next_gather
+        clock = start + compute
+        busy += compute
+        if reduce or replicate:
+            link = (link if link > clock else clock) + reduce
+            replicas = (replicas if replicas > link else link) + replicate
+    return max(clock, link, replicas) - busy
+
+
+def _pass_weights(workload: Workload, plan: Plan) -> tuple[float, float, list[tuple[float, float]]]:
+    """A micro-batch's compute split over FSDP2's units, as fractions of it: (head forward, head backward,
+    [(forward, backward) of each block]). By FLOPs: the head's 6 V d a token, the blocks' the rest; backward twice
+    the forward, and a checkpointed block's backward first recomputes its forward (``recomputed_share``)."""
+    cfg = workload.model
+    layers = -(-cfg.n_layers // plan.pp)
+    ckpt = checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every)
+    head = 6.0 * cfg.vocab_size * cfg.dim / workload.flops_per_token
+    block, again = (1.0 - head) / layers, recomputed_share(cfg, workload.seq_len)
+    blocks = [(block / 3, block * (2 + again * (i in ckpt)) / 3) for i in range(layers)]
+    total = head + sum(f + b for f, b in blocks)
+    return head / 3 / total, 2 * head / 3 / total, [(f / total, b / total) for f, b in blocks]
+
+
+def data_parallel_units(workload: Workload, plan: Plan, per_micro: float, gather: float, reduce: float,
+                        replicate: float, last: bool) -> list[Unit]:
+    """One micro-batch's forward and backward as FSDP2 / DDP units, in the order they run: the root's gather
+    (embedding, final norm, head: FSDP2 keeps it gathered until the backward ends), the blocks, the head; then the
+    head's backward, the blocks' in reverse, the embedding's. ``gather`` / ``reduce`` / ``replicate`` are the
+    seconds per parameter of the shard group's all-gather, its gradient collective and HSDP's all-reduce across
+    replicas (0 where the plan has none); ZeRO-3 gathers each block again for its backward; ``last``: the
+    step's last micro-batch (DDP all-reduces only there, in 25 MB buckets as the gradients of a bucket are
+    ready; FSDP2 reduces every micro-batch, each unit's gradients as its backward ends)."""
+    cfg = workload.model
+    layers = -(-cfg.n_layers // plan.pp)
+    block = block_params(cfg) / plan.tp
+    root = stage_params(cfg, plan.pp, plan.tp) - layers * block
+    head_f, head_b, blocks = _pass_weights(workload, plan)
+    again = gather if plan.zero_stage == 3 else 0.0
+    forward = [Unit(root * gather, 0.0)] + [Unit(block * gather, f * per_micro) for f, _ in blocks] + [
+        Unit(0.0, head_f * per_micro)]
+    if plan.zero_stage >= 2:  # FSDP2 / HSDP: each unit reduce-scatters (and all-reduces across replicas)
+        backward = [Unit(0.0, head_b * per_micro)] + [
+            Unit(block * again, b * per_micro, block * reduce, block * replicate) for _, b in reversed(blocks)] + [
+            Unit(0.0, 0.0, root * reduce, root * replicate)]
+        return forward + backward
+    # DDP: the gradients of the blocks fill 25 MB buckets in the backward's order; the root's close the last one
+    sizes = [0.0] + [block] * layers + [root]
+    computes = [head_b * per_micro] + [b * per_micro for _, b in reversed(blocks)] + [0.0]
+    backward, pending = [], 0.0
+    for i, (params, compute) in enumerate(zip(sizes, computes)):
+        pending += params
+        full = pending * RECIPES[workload.precision].grad >= DDP_BUCKET_BYTES or i == len(sizes) - 1
+        backward.append(Unit(0.0, compute, pending * replicate if last and full else 0.0))
+        pending = 0.0 if full else pending
+    return forward + backward
+
+
+# DDP's default bucket_cap_mb (25 MiB, torch.nn.parallel.DistributedDataParallel): one all-reduce a bucket.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def data_parallel_exposed(workload: Workload, plan: Plan, per_micro: float, micro: int, gather: float,
+                          reduce: float, replicate: float) -> float:
+    """GPU seconds the data-parallel collectives of a step expose over its ``micro`` micro-batches of
+    ``per_micro`` seconds each (``overlap_exposed`` over ``data_parallel_units``). Micro-batches after the second
+    repeat the second's exposure (the link carries over the same way), so two are simulated."""
+    args = (workload, plan, per_micro, gather, reduce, replicate)
+    last = data_parallel_units(*args, last=True)
+    if micro == 1:
+        return overlap_exposed(last)
+    two = overlap_exposed(data_parallel_units(*args, last=False) + last)
+    if micro == 2:
+        return two
+    return two + (micro - 2) * (two - overlap_exposed(last))
 
 
 def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: float) -> tuple[dict, float]:
@@ -564,6 +697,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         out["cp"] = micro * cfg.n_layers / plan.pp * 3 * (plan.cp - 1) * kv / bw
         exposed += max(0.0, out["cp"] - 0.5 * compute) if gpu else out["cp"]
     shard = plan.dp_shard * plan.cp
+    gather = reduce = replicate = 0.0  # GPU: seconds per parameter of each data-parallel collective
     if plan.zero_stage >= 2 and shard > 1:
         bw, _ = group_link(cluster, plan.dp_shard, inner_cp)
         gathers = 2 if plan.zero_stage == 3 else 1  # stage 3 gathers again for backward
@@ -579,7 +713,10 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
             # fresh pages per parameter (``fresh_mapped_params``; older calibrations have no ``per_param_s``).
             out["fsdp"] += micro * (layers * measured["per_block_s"] + measured["per_model_s"]
                                     + fresh_mapped_params(cfg, plan) * measured.get("per_param_s", 0.0))
-        exposed += max(0.0, out["fsdp"] - compute) if gpu else out["fsdp"]
+        if gpu:  # exposed with the replicas' all-reduce below, per unit (data_parallel_exposed)
+            gather, reduce = rec.param * frac / bw, max(rec.grad, 4) * frac / bw
+        else:
+            exposed += out["fsdp"]
     if workload.optimizer_entry.orthogonalizes and plan.zero_stage >= 2 and shard > 1:
         # Muon under FSDP2: the optimizer step all-gathers each matrix's fp32 update (one collective a matrix),
         # once per step, after the backward: nothing to overlap it with
@@ -590,13 +727,21 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
     if plan.dp_replicate > 1:
         bw, _ = group_link(cluster, plan.dp_replicate, plan.dp_shard * inner_cp)
         n = plan.dp_replicate
-        grads = psi / (shard if plan.zero_stage >= 2 else 1) * max(rec.grad, 4 if plan.zero_stage >= 2 else 0)
-        buckets = max(1.0, grads / 25e6)  # DDP's default 25 MB buckets, one all-reduce each
-        out["dp"] = 2 * (n - 1) / n * grads / bw + buckets * latency
+        grad_bytes = max(rec.grad, 4) / shard if plan.zero_stage >= 2 else rec.grad
+        grads = psi * grad_bytes
+        buckets = max(1.0, grads / DDP_BUCKET_BYTES)  # DDP's buckets, one all-reduce each
+        # FSDP2 (HSDP) all-reduces each unit's reduce-scattered gradients every micro-batch; DDP once a step
+        out["dp"] = (micro if plan.zero_stage >= 2 else 1) * (2 * (n - 1) / n * grads / bw + buckets * latency)
+        replicate = 2 * (n - 1) / n * grad_bytes / bw
+        broadcast = 0.0
         if plan.zero_stage == 1:  # ZeroRedundancyOptimizer broadcasts the updated shards, one broadcast per
             tensors = layers * PARAM_TENSORS_PER_BLOCK + (2 if cfg.tie_embeddings else 3)  # parameter tensor
-            out["dp"] += (n - 1) / n * psi * rec.param / bw + tensors * latency
-        exposed += max(0.0, out["dp"] - compute * 2 / 3) if gpu else out["dp"]
+            broadcast = (n - 1) / n * psi * rec.param / bw + tensors * latency
+            out["dp"] += broadcast
+        # GPU: the broadcast follows the optimizer step, nothing to overlap it with
+        exposed += broadcast if gpu else out["dp"]
+    if gpu and (gather or reduce or replicate):
+        exposed += data_parallel_exposed(workload, plan, compute / micro, micro, gather, reduce, replicate)
     if plan.pp > 1:
         bw, _ = group_link(cluster, plan.pp, plan.dp * inner_cp)
         out["pp"] = micro * 2 * act / bw
