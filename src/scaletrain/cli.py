@@ -208,7 +208,11 @@ def _eval_parser(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from scaletrain.files import check_output_path
     from scaletrain.harness.tasks import evaluate_tasks, task_request  # lm-eval itself only with --tasks
+
+    if args.json:  # before the scoring (minutes), not after it
+        check_output_path(args.json, f"--json {args.json}")
 
     request = task_request(args)  # --tasks: lm-evaluation-harness benchmarks instead of the loss below
     if request is not None:
@@ -262,14 +266,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _write_json(path: str, record: dict) -> None:
-    """``record`` as indented JSON at ``path`` (a user's path: written through ``guarded_write``)."""
+    """``record`` as indented JSON at ``path`` (a user's path: written whole or not at all, ``write_file``)."""
     import json
 
-    from scaletrain.files import guarded_write
+    from scaletrain.files import write_file
 
-    with guarded_write(f"the JSON {path}", path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_file(path, json.dumps(record, indent=2) + "\n", f"the JSON {path}")
 
 
 def _export_parser(sub) -> None:

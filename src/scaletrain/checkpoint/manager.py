@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from scaletrain.files import StorageError, file_sha256, guarded_write, remove_quietly
+from scaletrain.files import StorageError, file_sha256, fsync_dir, guarded_write, remove_quietly
 from scaletrain.options import UserError
 
 META = "meta.json"
@@ -237,11 +237,11 @@ class CheckpointManager:
         meta = {**meta, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
         marker = tmp / META
         marker.write_text(json.dumps(meta, indent=2))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # re-saving the same step (after a rollback) replaces it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         self._retain()
 
     def _guard(self, what: str, tmp: Path):
@@ -511,17 +511,3 @@ def _other_settings(path: Path) -> str:
     run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     return (f"the settings differ from those run folder {run} was trained with; use those (drop the changed "
             f"--config / model.* / data.* settings) or train into a new train.run_dir")
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (a power cut after it must not bring the old name back)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

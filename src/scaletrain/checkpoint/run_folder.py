@@ -35,7 +35,7 @@ from torch import nn
 
 from scaletrain.checkpoint.manager import CheckpointManager
 from scaletrain.config import CheckpointConfig
-from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes
+from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes, write_file
 from scaletrain.options import ConfigError, UserError
 
 LOCK_FILE = ".lock"
@@ -243,8 +243,8 @@ def claim_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume
         say(f"note: {run_dir} held files of an earlier run without a checkpoint; moved them to {moved}")
     checkpoints.remove_partial()
     run_id = new_run_id()
-    (run_dir / RUN_FILE).write_text(json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                                "host": socket.gethostname()}, indent=2) + "\n")
+    write_file(run_dir / RUN_FILE, json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                               "host": socket.gethostname()}, indent=2) + "\n")
     return run_id
 
 

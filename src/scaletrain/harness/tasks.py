@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.data.sources import hub_reachable
-from scaletrain.files import guarded_write
+from scaletrain.files import write_file
 from scaletrain.options import ConfigError
 
 LOCAL_ROUTE = ("give a local copy as a task YAML with dataset_path: json and dataset_kwargs: {data_files: ...} in a "
@@ -193,8 +193,7 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
     for line in report_lines(report):
         say(line)
     if request.json_path:
-        with guarded_write(f"the JSON {request.json_path}", Path(request.json_path).parent):
-            Path(request.json_path).write_text(json.dumps(report, indent=2))
+        write_file(request.json_path, json.dumps(report, indent=2), f"the JSON {request.json_path}")
     return report
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from scaletrain.config import ConfigError, ModelConfig, load_config
 from scaletrain.data.shards import read_manifest
+from scaletrain.files import write_file
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
@@ -167,7 +168,7 @@ def train_run(run: GridRun, data_dir: str | Path, out: Path, threads: int = 0) -
               "seconds": time.perf_counter() - t0}
     if bpb is None or not math.isfinite(bpb):
         raise ConfigError(f"{run_dir}: the run ended without a finite val_bpb (got {bpb}); see its metrics.jsonl")
-    (run_dir / RESULT).write_text(json.dumps(record, indent=1))
+    write_file(run_dir / RESULT, json.dumps(record, indent=1))
     return record
 
 
