@@ -63,6 +63,8 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
     resume = flag.lower() in ("true", "1", "yes", "on") if flag is not None else bool(recipe and recipe.train.resume)
     run_dir = overrides.get("train.run_dir") or (recipe or JobConfig()).train.run_dir
     saved = Path(run_dir) / "config.toml"
+    if resume and not saved.is_file():
+        saved = _restore_saved_config(Path(run_dir), args.config) or saved
     if not resume or not saved.is_file():
         cfg = load_config(args.config, overrides)
         given = "data.path" in overrides or (args.config and "path" in read_toml(args.config).get("data", {}))
@@ -95,6 +97,28 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
         if recipe.train.stop_at_step and "train.stop_at_step" not in overrides:
             overrides["train.stop_at_step"] = str(recipe.train.stop_at_step)  # this invocation's control
     return load_config(saved, overrides)
+
+
+def _restore_saved_config(run_dir: Path, recipe: str | None) -> Path | None:
+    """A resume whose run folder lost its config.toml: restored from the config saved with its newest checkpoint
+    (said in one line), so the run goes on as it was trained, not under the defaults. None when the folder holds
+    no checkpoint (a start from scratch) or only ones without a config while ``recipe`` (--config) says what the
+    run was; a ConfigError when nothing does."""
+    from scaletrain.checkpoint.run_folder import checkpoint_config
+    from scaletrain.files import write_file
+    from scaletrain.parallel.distributed import say
+
+    found = checkpoint_config(run_dir)
+    if found is None:
+        if recipe is None and any((run_dir / "checkpoints").glob("step-*")):
+            raise ConfigError(f"--resume: {run_dir / 'config.toml'} is missing and no checkpoint in {run_dir} holds "
+                              f"the config it was trained with (they predate that); restore config.toml, or pass "
+                              f"the run's recipe with --config")
+        return None
+    text, checkpoint = found
+    saved = write_file(run_dir / "config.toml", text)
+    say(f"note: {saved} was missing; restored it from the config saved with checkpoint {checkpoint}")
+    return saved
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -222,8 +222,9 @@ def claim_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume
                           f"{run_dir}, --overwrite replaces it; choose one")
     complete = checkpoints.list_complete()
     if resume and complete:
-        meta = CheckpointManager.read_meta(complete[-1])
-        return meta.get("run_id") or _read_run_id(run_dir) or new_run_id()
+        # The run folder's own id (run.json, written when the run started): a checkpoint copied in from another
+        # run carries that run's id, and ``latest()`` skips it. Without run.json, the newest readable marker's.
+        return _read_run_id(run_dir) or (checkpoints.newest_meta() or {}).get("run_id") or new_run_id()
     unmarked = [p for p in sorted(checkpoints.folder.glob("step-*")) if p not in complete]  # damaged (no meta.json)
     if resume and unmarked:  # nothing moved aside: the resume names them and refuses (checkpoint_to_resume)
         return _read_run_id(run_dir) or new_run_id()
@@ -261,6 +262,19 @@ def take_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume:
         return lock, claim_run_folder(run_dir, checkpoints, resume, overwrite, say=say), None
     except (ConfigError, StorageError) as exc:
         return lock, None, exc
+
+
+def checkpoint_config(run_dir: str | Path) -> tuple[str, str] | None:
+    """(the config TOML saved with the newest checkpoint of ``run_dir``'s run whose marker reads, that checkpoint's
+    folder name), or None when no such checkpoint holds one (none at all, or all written before checkpoints kept
+    their config). Reads files only: usable before the job's process group or lock exist."""
+    run_dir = Path(run_dir)
+    own = _read_run_id(run_dir)
+    for path in sorted((run_dir / "checkpoints").glob("step-*"), reverse=True):
+        meta = CheckpointManager.readable_meta(path)
+        if meta is not None and meta.get("run_id", own) == own and isinstance(meta.get("config"), str):
+            return meta["config"], path.name
+    return None
 
 
 def _read_run_id(run_dir: Path) -> str | None:
