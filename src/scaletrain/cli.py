@@ -496,6 +496,8 @@ INTERRUPTED_NOTES = {
               "last); an earlier export there is as it was",
     "compress": "interrupted (Ctrl-C): nothing written to --out (the compressed run is written beside it and renamed "
                 "into place last); run the same command again",
+    "scale": "interrupted (Ctrl-C): the grid's finished runs are kept (each holds its scale_run.json); run the same "
+             "command again to go on from the unfinished one",
 }
 
 
