@@ -286,6 +286,10 @@ def test_write_file_replaces_whole_and_keeps_the_mode(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
     with pytest.raises(StorageError, match="is a folder where a file was to be written"):
         write_file(tmp_path, "x")
+    with pytest.raises(StorageError, match=f"{target} is a file, not a folder"):
+        write_file(target / "a" / "y.json", "x")
+    write_file(tmp_path / "new" / "y.json", "one level is made")
+    assert (tmp_path / "new" / "y.json").read_text() == "one level is made"
 
 
 def test_eval_json_into_a_missing_folder_is_refused_before_scoring(straight, tmp_path, capsys, monkeypatch):

@@ -169,23 +169,24 @@ def check_output_path(path: str | Path, what: str = "") -> Path:
     not exist. One missing folder level is made at write time (as ``mkdir`` would); a deeper missing path is
     taken for a typo rather than created. Returns ``path``."""
     path = Path(path)
-    what = what or str(path)
-    folder = path.parent
+    folder, way_out = path.parent, "choose another path"
     if path.is_dir():
         problem = f"{path} is a folder where a file was to be written"
     elif not folder.exists() and not folder.parent.is_dir():
         missing = folder
         while not missing.parent.exists() and missing.parent != missing.parent.parent:
             missing = missing.parent
-        blocked = missing.parent.exists() and not missing.parent.is_dir()
-        problem = f"{missing.parent} is a file, not a folder" if blocked else \
-            f"the folder {folder} does not exist (nor does {missing}); create it first"
+        if not missing.parent.is_dir():  # a file part-way along the path
+            problem = f"{missing.parent} is a file, not a folder"
+        else:
+            problem, way_out = f"the folder {folder} does not exist (nor does {missing})", \
+                "create it, or choose another path"
     else:
         existing = folder if folder.exists() else folder.parent
         problem = f"{existing} is a file, not a folder" if not existing.is_dir() else \
             "" if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable (permission denied)"
     if problem:
-        raise StorageError(f"cannot write {what}: {problem}; choose another path")
+        raise StorageError(f"cannot write {what or path}: {problem}; {way_out}")
     return path
 
 
