@@ -33,7 +33,7 @@ from pathlib import Path
 
 from torch import nn
 
-from scaletrain.checkpoint.manager import CheckpointManager
+from scaletrain.checkpoint.manager import CheckpointManager, step_dir_name
 from scaletrain.config import CheckpointConfig
 from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes, write_file
 from scaletrain.options import ConfigError, UserError
@@ -266,15 +266,13 @@ def take_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume:
 
 def checkpoint_config(run_dir: str | Path) -> tuple[str, str] | None:
     """(the config TOML saved with the newest checkpoint of ``run_dir``'s run whose marker reads, that checkpoint's
-    folder name), or None when no such checkpoint holds one (none at all, or all written before checkpoints kept
-    their config). Reads files only: usable before the job's process group or lock exist."""
+    folder name), or None when it holds none (no checkpoint at all, or one written before checkpoints kept their
+    config). Reads files only: called before the job's process group or lock exist."""
     run_dir = Path(run_dir)
-    own = _read_run_id(run_dir)
-    for path in sorted((run_dir / "checkpoints").glob("step-*"), reverse=True):
-        meta = CheckpointManager.readable_meta(path)
-        if meta is not None and meta.get("run_id", own) == own and isinstance(meta.get("config"), str):
-            return meta["config"], path.name
-    return None
+    meta = CheckpointManager(run_dir / "checkpoints", run_id=_read_run_id(run_dir)).newest_meta() or {}
+    if not isinstance(meta.get("config"), str):
+        return None
+    return meta["config"], step_dir_name(int(meta["step"]))
 
 
 def _read_run_id(run_dir: Path) -> str | None:
