@@ -254,6 +254,20 @@ def test_cli_bad_input_exits_2(hf_base, tmp_path, tiny, capsys):
     assert "finetune.lora_plus_ratio=16 scales the LoRA B matrices' learning rate" in capsys.readouterr().err
 
 
+def test_a_truncated_safetensors_base_is_one_line_naming_it(hf_base, tmp_path, tiny, capsys):
+    """Before: safetensors' SafetensorError traceback (an interrupted download of model.safetensors)."""
+    import shutil
+
+    folder = tmp_path / "cut"
+    shutil.copytree(hf_base, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(_finetune_args(folder, tmp_path / "run", tiny)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"ConfigError: {weights}: not a readable safetensors file") and "truncated" in err, err
+    assert len(err.splitlines()) == 1
+
+
 def test_lora_plus_trains_b_at_ratio_times_the_rate(hf_base, tmp_path, tiny):
     """LoRA+: every B matrix sits in a group at 16x the schedule's rate (the trainer sets lr x lr_scale each
     step), every A matrix at 1x."""

@@ -22,7 +22,7 @@ def base_run(tmp_path_factory):
 
 def _held_compress(base_run, out, go):
     first = launch(["compress", "--run", str(base_run), "--out", str(out), "--prune", "magnitude"],
-                   PAUSE_IN="scaletrain.checkpoint.manager:_fsync_dir", PAUSE_GO=str(go))
+                   PAUSE_IN="scaletrain.checkpoint.manager:fsync_dir", PAUSE_GO=str(go))
     wait_for(lambda: go.with_name(go.name + ".ready").exists(), first, what="the compressed run's fsync")
     return first
 

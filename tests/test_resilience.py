@@ -4,6 +4,7 @@ bitwise identical to an uninterrupted one."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import signal
@@ -116,6 +117,8 @@ def _damage(path, how: str) -> None:
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     elif how == "deleted marker":
         (path / "meta.json").unlink()
+    elif how == "damaged marker":  # before: a JSONDecodeError traceback from the run folder's claim
+        (path / "meta.json").write_text("{bad")
     elif how == "deleted rank file":
         (path / "rank-00000.pt").unlink()
     elif how == "flipped byte":
@@ -127,6 +130,7 @@ def _damage(path, how: str) -> None:
 
 @pytest.mark.parametrize("how,message", [("truncated shard", "checksum mismatch"),
                                          ("deleted marker", "incomplete (no meta.json)"),
+                                         ("damaged marker", "meta.json: unreadable marker"),
                                          ("deleted rank file", "rank-00000.pt: missing"),
                                          ("flipped byte", "checksum mismatch")])
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, tiny, capsys, how, message):
@@ -145,6 +149,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, tiny, ca
 
 @pytest.mark.parametrize("how,message", [("truncated shard", "__0_0.distcp: checksum mismatch"),
                                          ("deleted marker", "step-00000005: incomplete (no meta.json)"),
+                                         ("damaged marker", "step-00000005/meta.json: unreadable marker"),
                                          ("deleted rank file", "rank-00000.pt: missing")])
 def test_resume_with_only_a_damaged_checkpoint_is_refused(tmp_path, tiny, capsys, how, message):
     """Not "no checkpoint, starting from scratch" (a run silently thrown away): exit 2 naming the damage and
@@ -168,6 +173,60 @@ def test_resume_with_only_a_damaged_checkpoint_is_refused(tmp_path, tiny, capsys
     fresh = tiny(run, **{"checkpoint.interval": 3, "train.steps": 3})
     assert main(["train", "--overwrite"] + [f"--{k}={v}" for k, v in fresh.items()]) == 0
     assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000003"]
+
+
+def test_a_checkpoint_copied_from_another_run_is_skipped_or_refused(tmp_path, tiny, capsys):
+    """Before: loaded, then "cannot resume the data stream: seed was 7, now 1337". Now the run id (run.json, in
+    each checkpoint's meta.json) tells the copy apart: the run goes on from its own older checkpoint, and a run
+    with none of its own is refused in one line naming the copy."""
+    import shutil
+
+    from scaletrain.cli import main
+
+    other, mine, empty = tmp_path / "other", tmp_path / "mine", tmp_path / "empty"
+    for run, extra in ((other, {"train.seed": 7, "train.steps": 10}), (mine, {"train.steps": 5}),
+                       (empty, {"train.steps": 2, "checkpoint.enabled": "false"})):
+        over = tiny(run, **{"checkpoint.interval": 5, **extra})
+        assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    for run in (mine, empty):
+        (run / "checkpoints").mkdir(exist_ok=True)
+        shutil.copytree(other / "checkpoints" / "step-00000010", run / "checkpoints" / "step-00000010")
+    capsys.readouterr()
+    assert main(["train", "--resume", f"--train.run_dir={mine}", "--train.steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000010: belongs to another run" in out and "seed" not in out, out
+    assert f"resumed from {mine / 'checkpoints' / 'step-00000005'} (step 5), the newest valid checkpoint " \
+           f"(step-00000010 is another run's" in out, out
+    assert main(["train", "--resume", f"--train.run_dir={empty}", "--train.steps=7"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("CheckpointError: no valid checkpoint to resume from") and len(err.strip().splitlines()) == 1
+    assert "step-00000010: belongs to another run" in err and "seed" not in err, err
+
+
+def test_a_resume_without_config_toml_goes_on_with_the_checkpoints_config(tmp_path, tiny, capsys):
+    """Before: the run folder's config.toml deleted, --resume went on under the default config (1,500 steps, another
+    model) without a word. Now the config saved with the checkpoint is restored (said in one line); a checkpoint
+    that holds none, with no --config to say what the run was, is refused in one line."""
+    from scaletrain.cli import main
+
+    run = tmp_path / "run"
+    over = tiny(run, **{"checkpoint.interval": 5, "train.steps": 8, "train.stop_at_step": 5})
+    assert main(["train"] + [f"--{k}={v}" for k, v in over.items()]) == 0
+    (run / "config.toml").unlink()
+    capsys.readouterr()
+    assert main(["train", "--resume", f"--train.run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert "config.toml was missing; restored it from the config saved with checkpoint step-00000005" in out, out
+    assert "done: 8 steps" in out and load_config(run / "config.toml").model.dim == 32, out
+    (run / "config.toml").unlink()
+    for path in (run / "checkpoints").glob("step-*"):  # as a checkpoint written before configs were kept
+        meta = json.loads((path / "meta.json").read_text())
+        del meta["config"]
+        (path / "meta.json").write_text(json.dumps(meta))
+    assert main(["train", "--resume", f"--train.run_dir={run}", "--train.steps=10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ConfigError: --resume:") and "config.toml is missing" in err and "--config" in err
+    assert len(err.strip().splitlines()) == 1 and not (run / "config.toml").exists()
 
 
 def test_retention_keeps_last_and_every(tmp_path, tiny):

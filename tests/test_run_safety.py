@@ -234,6 +234,81 @@ def test_guarded_write_removes_the_temporary_and_passes_bugs_through(tmp_path):
     assert is_storage_error(RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64"))
 
 
+SEVERAL_LIMITED = textwrap.dedent("""
+    import contextlib, io, json, resource, signal, sys
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    from scaletrain.cli import main
+    for limit, argv in json.loads(sys.argv[1]):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+        print(json.dumps([code, err.getvalue()]))
+""")
+
+
+@pytest.mark.slow  # one process scoring, drawing and planning: ~60 s on 2 loaded cores
+def test_an_output_that_does_not_fit_leaves_the_previous_file_and_no_partial_one(straight, tmp_path):
+    """report --out, plan --json and eval --json on a disk that refuses the bytes (a real EFBIG from the kernel, in
+    one process): one line naming the path, the earlier file there unchanged (before: truncated to the limit's
+    4,096 bytes), and a new path left absent (before: a 0-byte or truncated file)."""
+    _, run = straight
+    folder = tmp_path / "out"
+    folder.mkdir()
+    earlier = folder / "earlier.out"
+    earlier.write_text("the user's earlier result\n")
+    commands = [(4096, ["report", str(run), "--out"]), (4096, ["plan", "--model", "gpt2-124m", "--hardware",
+                                                               "h100-sxm:8", "--json"]),
+                (256, ["eval", "--run", str(run), "--json"])]  # each limit below what it writes (eval: ~1 KB)
+    calls = [(limit, [*argv, str(target)]) for limit, argv in commands for target in (earlier, folder / "new.out")]
+    proc = subprocess.run([sys.executable, "-c", SEVERAL_LIMITED, json.dumps(calls)], capture_output=True,
+                          text=True, env=env(), timeout=CEILING_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert len(results) == len(calls), proc.stdout[-3000:]
+    for (_, argv), (code, err) in zip(calls, results):
+        assert code == 2, (argv, err)
+        (line,) = [line for line in err.splitlines() if line.startswith("StorageError:")]
+        assert argv[-1] in line and "File too large" in line and "Traceback" not in err, (argv, err)
+        assert ("the previous" in line) == (argv[-1] == str(earlier)), line
+    assert sorted(p.name for p in folder.iterdir()) == ["earlier.out"]  # no new file, no temporary
+    assert earlier.read_text() == "the user's earlier result\n"
+
+
+def test_write_file_replaces_whole_and_keeps_the_mode(tmp_path):
+    from scaletrain.files import write_file
+
+    target = tmp_path / "x.json"
+    target.write_text("old")
+    target.chmod(0o600)
+    write_file(target, "new")
+    assert target.read_text() == "new" and target.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+    with pytest.raises(StorageError, match="is a folder where a file was to be written"):
+        write_file(tmp_path, "x")
+    with pytest.raises(StorageError, match=f"{target} is a file, not a folder"):
+        write_file(target / "a" / "y.json", "x")
+    write_file(tmp_path / "new" / "y.json", "one level is made")
+    assert (tmp_path / "new" / "y.json").read_text() == "one level is made"
+
+
+def test_eval_json_into_a_missing_folder_is_refused_before_scoring(straight, tmp_path, capsys, monkeypatch):
+    """Before: scored first (minutes on a real run), then "0 B free on the disk of ..."; now refused at once with
+    the reason (the folder does not exist), the run never loaded."""
+    import scaletrain.checkpoint.run as run_module
+    from scaletrain.cli import main
+
+    _, run = straight
+    monkeypatch.setattr(run_module, "load_run", lambda *a, **k: pytest.fail("the run was loaded and scored"))
+    target = tmp_path / "missing" / "dir" / "x.json"
+    assert main(["eval", "--run", str(run), "--json", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"the folder {target.parent} does not exist" in err and "free on the disk" not in err, err
+    assert not (tmp_path / "missing").exists()
+    assert main(["eval", "--run", str(run), "--tasks", "gutenberg-cloze", "--json", str(target)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
 # -- accident 3: Ctrl-C ---------------------------------------------------------------------------------------
 def test_ctrl_c_finishes_the_step_saves_and_exits_130(straight, tmp_path):
     config, reference = straight

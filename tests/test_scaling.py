@@ -196,6 +196,66 @@ def test_scale_trains_a_grid_fits_it_and_resumes(tmp_path, data_dir, monkeypatch
     assert capsys.readouterr().out.count("skipped") == 6
 
 
+def test_ctrl_c_during_scale_exits_130_and_frees_the_run_folder(tmp_path, data_dir, monkeypatch, capsys):
+    """Before: "the run ended without a finite val_bpb (got None)", exit 2, the run folder's lock still held. Now a
+    Ctrl-C (SIGINT, to the trainer's handler, at step 2 of the first run) is the interrupt every command has."""
+    import os
+    import signal
+
+    from scaletrain.checkpoint.run_folder import RunLock
+    from scaletrain.train.trainer import Trainer
+
+    _micro_grid(monkeypatch)
+    timed = Trainer._timed_step
+
+    def ctrl_c_at_step_2(self, profiler):
+        record = timed(self, profiler)
+        if self.state.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return record
+
+    monkeypatch.setattr(Trainer, "_timed_step", ctrl_c_at_step_2)
+    grid_dir = tmp_path / "grid"
+    assert main(["scale", str(data_dir), "--out", str(grid_dir), "--budget", "1s", "--hardware", "cpu",
+                 "--min-tokens-per-param", "0.01"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C): the grid's finished runs are kept" in err and "val_bpb" not in err, err
+    (run,) = [p for p in grid_dir.iterdir() if p.is_dir()]
+    assert not (run / grid.RESULT).exists()
+    lock = RunLock(run)
+    lock.acquire()  # a lock still held by this process would refuse (flock: one holder per open file)
+    lock.release()
+
+
+def test_scale_on_a_full_disk_is_one_line(tmp_path, data_dir, monkeypatch, capsys):
+    """Before: an OSError traceback from claim_run_folder writing run.json; now train's one StorageError line. The
+    disk refuses run.json however it is written (a plain write, or the flush of a temporary beside it)."""
+    import errno
+    import os
+
+    _micro_grid(monkeypatch)
+    write_text, fsync = Path.write_text, os.fsync
+
+    def refused(name: str) -> None:
+        if name.endswith("run.json") or name.endswith(".tmp") and "run.json" in name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_write_text(self, *args, **kwargs):
+        refused(self.name)
+        return write_text(self, *args, **kwargs)
+
+    def full_fsync(fd):
+        refused(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(Path, "write_text", full_write_text)
+    monkeypatch.setattr(os, "fsync", full_fsync)
+    assert main(["scale", str(data_dir), "--out", str(tmp_path / "grid"), "--budget", "1s", "--hardware", "cpu",
+                 "--min-tokens-per-param", "0.01"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "run.json failed: No space left on device" in err, err
+
+
 def test_scale_with_too_few_finished_runs_is_one_line(tmp_path, data_dir, capsys):
     assert main(["scale", str(data_dir), "--out", str(tmp_path / "empty"), "--fit-only"]) == 2
     err = capsys.readouterr().err.strip()

@@ -63,6 +63,8 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
     resume = flag.lower() in ("true", "1", "yes", "on") if flag is not None else bool(recipe and recipe.train.resume)
     run_dir = overrides.get("train.run_dir") or (recipe or JobConfig()).train.run_dir
     saved = Path(run_dir) / "config.toml"
+    if resume and not saved.is_file():
+        saved = _restore_saved_config(Path(run_dir), args.config) or saved
     if not resume or not saved.is_file():
         cfg = load_config(args.config, overrides)
         given = "data.path" in overrides or (args.config and "path" in read_toml(args.config).get("data", {}))
@@ -95,6 +97,28 @@ def resolve_job_config(args: argparse.Namespace) -> JobConfig:
         if recipe.train.stop_at_step and "train.stop_at_step" not in overrides:
             overrides["train.stop_at_step"] = str(recipe.train.stop_at_step)  # this invocation's control
     return load_config(saved, overrides)
+
+
+def _restore_saved_config(run_dir: Path, recipe: str | None) -> Path | None:
+    """A resume whose run folder lost its config.toml: restored from the config saved with its newest checkpoint
+    (said in one line), so the run goes on as it was trained, not under the defaults. None when the folder holds
+    no checkpoint (a start from scratch) or only ones without a config while ``recipe`` (--config) says what the
+    run was; a ConfigError when nothing does."""
+    from scaletrain.checkpoint.run_folder import checkpoint_config
+    from scaletrain.files import write_file
+    from scaletrain.parallel.distributed import say
+
+    found = checkpoint_config(run_dir)
+    if found is None:
+        if recipe is None and any((run_dir / "checkpoints").glob("step-*")):
+            raise ConfigError(f"--resume: {run_dir / 'config.toml'} is missing and no checkpoint in {run_dir} holds "
+                              f"the config it was trained with (they predate that); restore config.toml, or pass "
+                              f"the run's recipe with --config")
+        return None
+    text, checkpoint = found
+    saved = write_file(run_dir / "config.toml", text)
+    say(f"note: {saved} was missing; restored it from the config saved with checkpoint {checkpoint}")
+    return saved
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -217,10 +241,16 @@ def _eval_parser(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from scaletrain.files import check_output_path
     from scaletrain.harness.tasks import evaluate_tasks, task_request  # lm-eval itself only with --tasks
+
+    if args.json:  # before the scoring (minutes), not after it
+        check_output_path(args.json, f"--json {args.json}")
 
     request = task_request(args)  # --tasks: lm-evaluation-harness benchmarks instead of the loss below
     if request is not None:
+        if request.log_samples:  # as --json: before the scoring
+            check_output_path(request.log_samples, f"--log-samples {request.log_samples}")
         evaluate_tasks(request)
         return 0
     from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
@@ -276,14 +306,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _write_json(path: str, record: dict) -> None:
-    """``record`` as indented JSON at ``path`` (a user's path: written through ``guarded_write``)."""
+    """``record`` as indented JSON at ``path`` (a user's path: written whole or not at all, ``write_file``)."""
     import json
 
-    from scaletrain.files import guarded_write
+    from scaletrain.files import write_file
 
-    with guarded_write(f"the JSON {path}", path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    write_file(path, json.dumps(record, indent=2) + "\n", f"the JSON {path}")
 
 
 def _export_parser(sub) -> None:
@@ -494,6 +522,8 @@ INTERRUPTED_NOTES = {
               "last); an earlier export there is as it was",
     "compress": "interrupted (Ctrl-C): nothing written to --out (the compressed run is written beside it and renamed "
                 "into place last); run the same command again",
+    "scale": "interrupted (Ctrl-C): the grid's finished runs are kept (each holds its scale_run.json); run the same "
+             "command again to go on from the unfinished one",
 }
 
 

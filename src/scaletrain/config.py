@@ -586,6 +586,11 @@ def validate_job(cfg: JobConfig) -> None:
     # (finetune/base.resolve_finetune): the default max_seq_len here says nothing about it.
     if cfg.data.seq_len > m.max_seq_len and not cfg.finetune.source:
         raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be <= model.max_seq_len ({m.max_seq_len})")
+    if cfg.schedule.name != "constant" and cfg.schedule.min_lr > cfg.optim.lr:
+        # The decay would climb from optim.lr up to min_lr: never what a schedule is for.
+        raise ConfigError(f"schedule.min_lr ({cfg.schedule.min_lr:g}) is above optim.lr ({cfg.optim.lr:g}): the "
+                          f"{cfg.schedule.name} schedule would raise the learning rate as it decays; set "
+                          f"--schedule.min_lr to at most optim.lr (e.g. {cfg.optim.lr / 10:g})")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -1,12 +1,13 @@
 """Small file helpers shared by data, checkpoints and export (the bottom layer, beside options.py: imports
-nothing else of scaletrain): checksums, and the one path every write that can fill a disk goes through
-(``guarded_write``)."""
+nothing else of scaletrain): checksums, the one path every write that can fill a disk goes through
+(``guarded_write``), and the one way a user's output file is written (``write_file``: whole or not at all)."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import hashlib
+import os
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -159,3 +160,77 @@ def remove_quietly(path: str | Path) -> None:
     else:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def check_output_path(path: str | Path, what: str = "") -> Path:
+    """Before the work that produces it: whether the output file ``path`` can be written, else one
+    ``StorageError`` line naming it (``what``, e.g. "--json x.json", defaults to the path) and the reason: a
+    folder where the file is to go, a path under a file, a folder that is not writable, or a folder that does
+    not exist. One missing folder level is made at write time (as ``mkdir`` would); a deeper missing path is
+    taken for a typo rather than created. Returns ``path``."""
+    path = Path(path)
+    folder, way_out = path.parent, "choose another path"
+    if path.is_dir():
+        problem = f"{path} is a folder where a file was to be written"
+    elif not folder.exists() and not folder.parent.is_dir():
+        missing = folder
+        while not missing.parent.exists() and missing.parent != missing.parent.parent:
+            missing = missing.parent
+        if not missing.parent.is_dir():  # a file part-way along the path
+            problem = f"{missing.parent} is a file, not a folder"
+        else:
+            problem, way_out = f"the folder {folder} does not exist (nor does {missing})", \
+                "create it, or choose another path"
+    else:
+        existing = folder if folder.exists() else folder.parent
+        problem = f"{existing} is a file, not a folder" if not existing.is_dir() else \
+            "" if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable (permission denied)"
+    if problem:
+        raise StorageError(f"cannot write {what or path}: {problem}; {way_out}")
+    return path
+
+
+def write_file(path: str | Path, data: str | bytes, what: str = "") -> Path:
+    """Write a user's output file whole or not at all: into a temporary file beside it (the same folder, so the
+    rename stays on one file system), flushed to the disk (fsync), then renamed over ``path``. A failure (a full
+    disk, a folder that cannot be written, Ctrl-C) removes the temporary and leaves the previous file at
+    ``path``, if any, as it was; a storage failure is one ``StorageError`` line naming ``what`` (default: the
+    path). Text is written as UTF-8; a symlink at ``path`` keeps pointing at the file it names. Returns ``path``."""
+    path = Path(path)
+    what = what or str(path)
+    target = path.resolve() if path.is_symlink() else path
+    check_output_path(target, what)
+    data = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    previous = target.is_file()
+    intact = f"the previous {path} is unchanged" if previous else "nothing was written"
+    try:
+        with guarded_write(what, target.parent, needed=len(data), intact=intact):
+            target.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            if previous:  # the replacement keeps the file's permissions
+                with contextlib.suppress(OSError):
+                    os.chmod(tmp, target.stat().st_mode & 0o7777)
+            os.replace(tmp, target)
+    except BaseException:  # a full disk, a bug or Ctrl-C: no partial file is left beside the output
+        remove_quietly(tmp)
+        raise
+    fsync_dir(target.parent)
+    return path
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename in folder ``path`` durable (a power cut after it must not bring the old name back)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from scaletrain.files import StorageError, file_sha256, guarded_write, remove_quietly
+from scaletrain.files import StorageError, file_sha256, fsync_dir, guarded_write, remove_quietly
 from scaletrain.options import UserError
 
 META = "meta.json"
@@ -111,6 +111,7 @@ class CheckpointManager:
         self._staging: concurrent.futures.Future | None = None
         self.last_save_seconds = {"blocked": 0.0}
         self.damaged: list[tuple[str, str]] = []  # (folder name, problem) of those the last latest() skipped
+        # (damaged, or another run's: ``run_id`` differs)
 
     # -- saving ----------------------------------------------------------------------------------------
     def save(self, step: int, tensors: dict[str, Any], local: dict[str, Stateful], meta: dict,
@@ -237,11 +238,11 @@ class CheckpointManager:
         meta = {**meta, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
         marker = tmp / META
         marker.write_text(json.dumps(meta, indent=2))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # re-saving the same step (after a rollback) replaces it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         self._retain()
 
     def _guard(self, what: str, tmp: Path):
@@ -310,12 +311,11 @@ class CheckpointManager:
     def belongs_to_run(self, path: Path) -> bool:
         """Whether checkpoint ``path`` is this run's (by the run id in its marker; a checkpoint written before
         run ids existed counts as this run's)."""
-        if self.run_id is None:
-            return True
-        try:
-            return self.read_meta(path).get("run_id", self.run_id) == self.run_id
-        except (OSError, ValueError):
-            return False
+        meta = self.readable_meta(path)
+        return meta is not None and self._same_run(meta)
+
+    def _same_run(self, meta: dict) -> bool:
+        return self.run_id is None or meta.get("run_id", self.run_id) == self.run_id
 
     # -- finding and verifying -------------------------------------------------------------------------
     def list_complete(self) -> list[Path]:
@@ -336,11 +336,11 @@ class CheckpointManager:
         marker = path / META
         if not marker.is_file():
             raise CheckpointError(f"{path}: incomplete (no {META})")
-        try:
-            meta = json.loads(marker.read_text())
-            files = meta["files"]
-        except (ValueError, KeyError):
-            raise CheckpointError(f"{marker}: unreadable marker") from None
+        meta = CheckpointManager.readable_meta(path)
+        files = meta.get("files") if meta is not None else None
+        if not isinstance(files, dict):
+            raise CheckpointError(f"{marker}: unreadable marker (not the JSON record a save writes: damaged or "
+                                  f"truncated)")
         for name, digest in files.items():
             f = path / name
             if not f.is_file():
@@ -359,7 +359,10 @@ class CheckpointManager:
             # every step folder, not only marked ones: a folder whose marker was deleted is reported too
             for path in sorted(self.folder.glob("step-*"), reverse=True):
                 try:
-                    self.verify(path)
+                    meta = self.verify(path)
+                    if not self._same_run(meta):  # copied in from another run folder: not this run's to go on from
+                        raise CheckpointError(f"{path}: belongs to another run (run id {meta.get('run_id')}; this "
+                                              f"run folder's is {self.run_id}): copied from another run folder?")
                     choice = str(path)
                     break
                 except CheckpointError as exc:
@@ -375,6 +378,24 @@ class CheckpointManager:
     @staticmethod
     def read_meta(path: Path) -> dict:
         return json.loads((path / META).read_text())
+
+    @staticmethod
+    def readable_meta(path: Path) -> dict | None:
+        """``read_meta``, or None when the marker is missing or damaged (``verify`` names the problem)."""
+        try:
+            meta = json.loads((path / META).read_text())
+        except (OSError, ValueError):
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def newest_meta(self) -> dict | None:
+        """The marker of the newest complete checkpoint of this run whose marker reads, or None: what a resume
+        checks before loading (damaged or foreign newer ones are ``latest()``'s to name and skip)."""
+        for path in reversed(self.list_complete()):
+            meta = self.readable_meta(path)
+            if meta is not None and self._same_run(meta):
+                return meta
+        return None
 
     # -- loading ---------------------------------------------------------------------------------------
     def load(self, path: Path, tensors: dict[str, Any]) -> None:
@@ -511,17 +532,3 @@ def _other_settings(path: Path) -> str:
     run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     return (f"the settings differ from those run folder {run} was trained with; use those (drop the changed "
             f"--config / model.* / data.* settings) or train into a new train.run_dir")
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (a power cut after it must not bring the old name back)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

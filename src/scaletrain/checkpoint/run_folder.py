@@ -33,9 +33,9 @@ from pathlib import Path
 
 from torch import nn
 
-from scaletrain.checkpoint.manager import CheckpointManager
+from scaletrain.checkpoint.manager import CheckpointManager, step_dir_name
 from scaletrain.config import CheckpointConfig
-from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes
+from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes, write_file
 from scaletrain.model.presets import checkpoint_size
 from scaletrain.options import ConfigError, UserError
 
@@ -239,8 +239,9 @@ def claim_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume
                           f"{run_dir}, --overwrite replaces it; choose one")
     complete = checkpoints.list_complete()
     if resume and complete:
-        meta = CheckpointManager.read_meta(complete[-1])
-        return meta.get("run_id") or _read_run_id(run_dir) or new_run_id()
+        # The run folder's own id (run.json, written when the run started): a checkpoint copied in from another
+        # run carries that run's id, and ``latest()`` skips it. Without run.json, the newest readable marker's.
+        return _read_run_id(run_dir) or (checkpoints.newest_meta() or {}).get("run_id") or new_run_id()
     unmarked = [p for p in sorted(checkpoints.folder.glob("step-*")) if p not in complete]  # damaged (no meta.json)
     if resume and unmarked:  # nothing moved aside: the resume names them and refuses (checkpoint_to_resume)
         return _read_run_id(run_dir) or new_run_id()
@@ -260,8 +261,8 @@ def claim_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume
         say(f"note: {run_dir} held files of an earlier run without a checkpoint; moved them to {moved}")
     checkpoints.remove_partial()
     run_id = new_run_id()
-    (run_dir / RUN_FILE).write_text(json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                                "host": socket.gethostname()}, indent=2) + "\n")
+    write_file(run_dir / RUN_FILE, json.dumps({"run_id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                               "host": socket.gethostname()}, indent=2) + "\n")
     return run_id
 
 
@@ -278,6 +279,17 @@ def take_run_folder(run_dir: str | Path, checkpoints: CheckpointManager, resume:
         return lock, claim_run_folder(run_dir, checkpoints, resume, overwrite, say=say), None
     except (ConfigError, StorageError) as exc:
         return lock, None, exc
+
+
+def checkpoint_config(run_dir: str | Path) -> tuple[str, str] | None:
+    """(the config TOML saved with the newest checkpoint of ``run_dir``'s run whose marker reads, that checkpoint's
+    folder name), or None when it holds none (no checkpoint at all, or one written before checkpoints kept their
+    config). Reads files only: called before the job's process group or lock exist."""
+    run_dir = Path(run_dir)
+    meta = CheckpointManager(run_dir / "checkpoints", run_id=_read_run_id(run_dir)).newest_meta() or {}
+    if not isinstance(meta.get("config"), str):
+        return None
+    return meta["config"], step_dir_name(int(meta["step"]))
 
 
 def _read_run_id(run_dir: Path) -> str | None:

@@ -80,11 +80,14 @@ def global_batch(cfg: JobConfig, dp_size: int) -> int:
 def checkpoint_meta(cfg: JobConfig, state: TrainState, dp_size: int, plan: dict, optimizer_state: bool,
                     **extra) -> dict:
     """What a resume needs to know before loading, whatever the engine: counters, layout (``plan``), the global
-    batch, whether optimizer states exist, the config's hash; ``extra`` what the engine adds (its name, a base)."""
+    batch, whether optimizer states exist, the config (TOML) and its hash; ``extra`` what the engine adds (its
+    name, a base). The config travels with the checkpoint so a run folder that lost its config.toml still
+    resumes as it was trained (``run_folder.checkpoint_config``), never under the defaults."""
+    config = to_toml(saved_config(cfg), comments=False)
     return {**extra, "tokens_seen": state.tokens_seen, "dp_size": dp_size, "plan": plan,
             "global_batch": {"sequences": global_batch(cfg, dp_size), "seq_len": cfg.data.seq_len},
-            "optimizer_state": optimizer_state,
-            "config_sha256": hashlib.sha256(to_toml(saved_config(cfg), comments=False).encode()).hexdigest()}
+            "optimizer_state": optimizer_state, "config": config,
+            "config_sha256": hashlib.sha256(config.encode()).hexdigest()}
 
 
 def restore_local(manager: CheckpointManager, path: Path, local: dict[str, Stateful], names: tuple[str, ...],
@@ -126,8 +129,7 @@ def match_global_batch(cfg: JobConfig, store: CheckpointManager, dp_size: int,
     """Resuming (train.resume) on another number of data-parallel ranks: keep the global batch (sequences per
     optimizer step) of the newest complete checkpoint in ``store`` by changing gradient accumulation, so the
     run goes on with the same optimisation; ``say`` tells of the change."""
-    complete = store.list_complete() if cfg.train.resume else []
-    saved = CheckpointManager.read_meta(complete[-1]).get("global_batch") if complete else None
+    saved = (store.newest_meta() or {}).get("global_batch") if cfg.train.resume else None
     if not saved:
         return cfg
     target = saved["sequences"]
@@ -236,7 +238,9 @@ def fallback_note(manager: CheckpointManager) -> str:
         return ""
     names = ", ".join(name for name, _ in manager.damaged)
     verb = "is" if len(manager.damaged) == 1 else "are"
-    return f", the newest valid checkpoint ({names} {verb} damaged, see above)"
+    why = "another run's" if all("belongs to another run" in problem for _, problem in manager.damaged) \
+        else "damaged"
+    return f", the newest valid checkpoint ({names} {verb} {why}, see above)"
 
 
 def roll_back_to_latest(checkpoint) -> Path | None:

@@ -24,7 +24,7 @@ from scaletrain.compress.quantize import (
 )
 from scaletrain.compress.run import check_output, state_bytes, write_run
 from scaletrain.config import ConfigError
-from scaletrain.files import guarded_write
+from scaletrain.files import check_output_path, write_file
 from scaletrain.model.generate import decode_report, generate
 
 DEFAULT_SPARSITY = 0.5
@@ -249,6 +249,8 @@ def measure(run: str, batches: int | None) -> tuple[dict, tuple]:
 def report(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ConfigError(f"--rounds {args.rounds}: must be >= 1")
+    if args.json:  # before the measurements, not after them
+        check_output_path(args.json, f"--json {args.json}")
     measured = [measure(run, args.batches) for run in args.report]
     rows = [row for row, _ in measured]
     busy = ""
@@ -287,6 +289,5 @@ def report(args: argparse.Namespace) -> int:
     for scored in dict.fromkeys(r.pop("scored") for r in rows):  # said once when every run had the same windows
         print(f"val ppl: {scored}")
     if args.json:
-        with guarded_write(f"the table {args.json}", args.json):
-            Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_file(args.json, json.dumps(rows, indent=2), f"the table {args.json}")
     return 0

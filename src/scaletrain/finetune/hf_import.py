@@ -9,11 +9,12 @@ problem is one line naming the file and the field.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.model.families import check_fused_rows, hf_places, model_config_from_hf
@@ -27,6 +28,18 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: cannot read as JSON ({exc})") from None
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path):
+    """``safe_open`` of ``file``; a truncated or damaged file (its header does not match its size) is a
+    ConfigError naming it, not safetensors' own traceback."""
+    try:
+        with safe_open(str(file), framework="pt") as fh:
+            yield fh
+    except SafetensorError as exc:
+        raise ConfigError(f"{file}: not a readable safetensors file ({exc}); it is truncated or damaged (an "
+                          f"interrupted download?): download or export it again") from None
 
 
 def hf_model_config(folder: str | Path) -> ModelConfig:
@@ -74,7 +87,7 @@ def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, HFPlace]:
     shapes = expected_shapes(cfg)
     index: dict[str, HFPlace] = {}
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt") as fh:
+        with _open_safetensors(file) as fh:
             for hf_name in fh.keys():
                 places = hf_places(hf_name, cfg)  # the one name table (model/hf_names.py), per family
                 # A name the table maps but this model lacks (a bias, a block beyond n_layers) is refused too; a
@@ -105,5 +118,5 @@ def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, HFPlace]:
 def read_hf_tensor(where: HFPlace) -> torch.Tensor:
     """One tensor of ``hf_index`` (as stored: dtype kept); a part of a fused tensor reads only its rows."""
     file, hf_name, rows = where
-    with safe_open(str(file), framework="pt") as fh:
+    with _open_safetensors(file) as fh:
         return fh.get_tensor(hf_name) if rows is None else fh.get_slice(hf_name)[rows.start:rows.stop]

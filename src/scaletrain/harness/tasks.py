@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.data.sources import hub_reachable
-from scaletrain.files import guarded_write
+from scaletrain.files import write_file
 from scaletrain.options import ConfigError
 
 LOCAL_ROUTE = ("give a local copy as a task YAML with dataset_path: json and dataset_kwargs: {data_files: ...} in a "
@@ -362,8 +362,7 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
     for line in report_lines(report):
         say(line)
     if request.json_path:
-        with guarded_write(f"the JSON {request.json_path}", Path(request.json_path).parent):
-            Path(request.json_path).write_text(json.dumps(report, indent=2))
+        write_file(request.json_path, json.dumps(report, indent=2), f"the JSON {request.json_path}")
     return report
 
 
@@ -375,9 +374,7 @@ def write_samples(samples: dict[str, list[dict]], path: str) -> int:
 
     lines = [json.dumps({"task": task, **sample}, default=handle_non_serializable, ensure_ascii=False)
              for task, records in samples.items() for sample in records]
-    with guarded_write(f"the samples {path}", Path(path).parent):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    write_file(path, "".join(line + "\n" for line in lines), f"the samples {path}")
     return len(lines)
 
 

@@ -19,7 +19,7 @@ import torch
 from scaletrain.data.instructions import check_messages
 from scaletrain.data.sources import decode_text_file
 from scaletrain.data.tokenizer import DataError
-from scaletrain.files import guarded_write
+from scaletrain.files import check_output_path, write_file
 from scaletrain.infer.chat import Chat
 from scaletrain.infer.session import SAMPLING_DEFAULTS, Session, compiled_decoder
 from scaletrain.infer.text import StreamPrinter
@@ -101,6 +101,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--batch-size must be >= 1")
     if args.out and not args.prompts_file:
         raise ConfigError("--out goes with --prompts-file")
+    if args.out:  # before the model loads and generates
+        check_output_path(args.out, f"--out {args.out}")
     if args.prompt is not None and args.prompts_file:
         raise ConfigError("--prompt and --prompts-file are two sources of prompts: give one (put the prompt in the "
                           "file as a {\"prompt\": ...} line)")
@@ -213,9 +215,7 @@ def _generate_file(args, records: list[dict], session: Session, kw: dict) -> int
         sys.stdout.write(lines)
         return 0
     out = Path(args.out)
-    with guarded_write(f"the completions ({out})", out, cleanup=(out,)):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(lines, encoding="utf-8")
+    write_file(out, lines, f"the completions ({out})")
     print(f"wrote {len(records)} completions to {out}")
     return 0
 

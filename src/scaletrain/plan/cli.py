@@ -27,7 +27,7 @@ from scaletrain.config import (
     build,
     load_config,
 )
-from scaletrain.files import guarded_write
+from scaletrain.files import check_output_path, write_file
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
@@ -48,8 +48,7 @@ def write_json(doc: dict, target: str) -> None:
     if target == "-":
         print(text)
     else:
-        with guarded_write(f"the JSON {target}", Path(target).parent):
-            Path(target).write_text(text)
+        write_file(target, text, f"the JSON {target}")
 
 def parse_count(text: str, what: str) -> float:
     """'300B', '1.5e9', '2_000_000', '10M' -> a number; ConfigError otherwise."""
@@ -287,6 +286,9 @@ def run_plan(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json == "-", width=max(120, Console().width))
     try:
         check_numbers(args)
+        for flag, target in (("--json", args.json), ("--emit", args.emit)):  # before the search, not after it
+            if target and target != "-":
+                check_output_path(target, f"{flag} {target}")
         cluster = parse_hardware(args.hardware, args.count, args.nodes)
         prices, as_of = load_prices(args.prices)
         fit_doc = _fit_of(args)
@@ -476,6 +478,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     from scaletrain.plan.doctor import measure_machine
 
     console = Console(stderr=args.json == "-")
+    if args.json and args.json != "-":  # before the measurements, not after them
+        check_output_path(args.json, f"--json {args.json}")
     if args.rounds < 1:
         print(f"error: --rounds must be >= 1 (got {args.rounds})", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from scaletrain.config import PredictionConfig, to_toml
-from scaletrain.files import guarded_write
+from scaletrain.files import write_file
 from scaletrain.plan.spec import Plan, Workload, job_config
 
 
@@ -21,8 +21,4 @@ def write_config(path: str | Path, workload: Workload, plan: Plan, device_kind: 
     text = to_toml(cfg)
     if header:
         text = "".join(f"# {line}\n" for line in header.splitlines()) + "\n" + text
-    out = Path(path)
-    with guarded_write(f"the plan's job config {out}", out.parent):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-    return out
+    return write_file(path, text, f"the plan's job config {path}")

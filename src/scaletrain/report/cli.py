@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from scaletrain.files import guarded_write
+from scaletrain.files import check_output_path, write_file
 from scaletrain.options import ConfigError
 
 
@@ -40,11 +40,9 @@ def plan_prediction(path: str) -> dict:
 
 
 def write_page(out: Path, html: str) -> Path:
-    """Write the page (and its folder) through ``guarded_write``: a path that cannot be written is one line."""
-    with guarded_write(f"the report {out}", out.parent):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(html)
-    return out
+    """Write the page whole or not at all (``write_file``): a path that cannot be written is one line, and a
+    failure leaves an earlier page there as it was."""
+    return write_file(out, html, f"the report {out}")
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -52,6 +50,7 @@ def run_report(args: argparse.Namespace) -> int:
 
     if not math.isfinite(args.price) or args.price < 0:  # NaN passed every comparison and printed "$nan"
         raise ConfigError(f"--price must be a finite number >= 0, USD per device-hour (got {args.price})")
+    check_output_path(args.out, f"--out {args.out}")  # before the runs are read and drawn
     try:
         import plotly  # noqa: F401
     except ImportError:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from scaletrain.config import ConfigError, ModelConfig, load_config, read_toml
 from scaletrain.data.shards import read_manifest
+from scaletrain.files import write_file
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
@@ -236,20 +237,30 @@ def _config_data_fingerprint(run_dir: Path) -> str | None:
 
 
 def train_run(run: GridRun, data_dir: str | Path, out: Path, threads: int = 0) -> dict:
-    """Train one grid run through the ``Trainer`` (the normal training entry point) and record its result."""
-    from scaletrain.train.trainer import Trainer
+    """Train one grid run through the ``Trainer`` (the normal training entry point) and record its result. A
+    Ctrl-C (the trainer's graceful stop) is a KeyboardInterrupt here, as in every command (exit 130), not a run
+    that failed; the run folder's lock is freed however the run ends."""
+    from scaletrain.train.preemption import INTERRUPTED
+    from scaletrain.train.trainer import Trainer, TrainingError
 
     run_dir = out / run.name
     t0 = time.perf_counter()
-    summary = Trainer(load_config(None, run_overrides(run, data_dir, run_dir, threads)), log=True).train()
+    trainer = Trainer(load_config(None, run_overrides(run, data_dir, run_dir, threads)), log=True)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()  # train() frees it only on success: a second Ctrl-C or an error would keep it held
+    if summary["preempted"] == INTERRUPTED:
+        raise KeyboardInterrupt
+    if summary["preempted"]:
+        raise TrainingError(f"{run_dir}: stopped ({summary['preempted']}) before its end; run the same command "
+                            f"again to train it from the start")
     bpb = summary.get("final_val_bpb")
     record = {**asdict(run), "flops": run.flops, "val_bpb": bpb, "val_loss": summary.get("final_val_loss"),
               "seconds": time.perf_counter() - t0, "data_fingerprint": data_fingerprint(data_dir)}
     if bpb is None or not math.isfinite(bpb):
         raise ConfigError(f"{run_dir}: the run ended without a finite val_bpb (got {bpb}); see its metrics.jsonl")
-    tmp = run_dir / f"{RESULT}.tmp"  # renamed into place: an interrupted write leaves no half a record
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(run_dir / RESULT)
+    write_file(run_dir / RESULT, json.dumps(record, indent=1))  # renamed into place: no half a record
     return record
 
 

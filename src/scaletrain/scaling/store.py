@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from scaletrain.data.shards import read_manifest
-from scaletrain.files import guarded_write
+from scaletrain.files import write_file
 from scaletrain.scaling.fit import PARAMS, ScalingFit, ScalingFitError
 
 FIT_FILE = "scaling_fit.json"
@@ -42,11 +42,7 @@ def write_fit(data_dir: str | Path, fit: ScalingFit, runs: list[dict], recipe: d
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "N": "non-embedding parameters", "D": "training tokens",
         "loss": "val_bpb (bits per byte, held-out split)", **fit.as_dict(fitted_flops(runs)), "runs": runs,
         "recipe": recipe}
-    with guarded_write(f"the scaling fit {path}", path.parent, cleanup=lambda: [path.with_suffix(".json.tmp")]):
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(path)
-    return path
+    return write_file(path, json.dumps(doc, indent=1), f"the scaling fit {path}")
 
 
 def load_fit(data_dir: str | Path) -> tuple[ScalingFit, dict]:

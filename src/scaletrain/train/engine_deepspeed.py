@@ -177,9 +177,8 @@ class DeepSpeedEngine:
     def build(self, cfg: JobConfig, dims: ParallelDims, device: torch.device,
               vocab_limit: int | None) -> tuple[ParallelModel, torch.optim.Optimizer]:
         """A resume on another world size builds the engine to load DeepSpeed's universal checkpoint."""
-        complete = self.store.list_complete() if cfg.train.resume else []
-        other_world = bool(complete) and CheckpointManager.read_meta(complete[-1]).get("world_size") != \
-            self.store.world_size
+        newest = self.store.newest_meta() if cfg.train.resume else None
+        other_world = newest is not None and newest.get("world_size") != self.store.world_size
         pm, optimizer, self.ds_config = build_deepspeed_training(cfg, dims, device, self.precision,
                                                                  vocab_limit=vocab_limit, load_universal=other_world)
         return pm, optimizer

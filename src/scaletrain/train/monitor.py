@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from scaletrain.allocator import in_use as allocator_in_use
 from scaletrain.config import MonitorConfig
+from scaletrain.files import write_file
 from scaletrain.invocation import invocation
 
 # The keys a window reduces by their mean (utilisations, power, temperature); the others by their maximum.
@@ -252,7 +253,7 @@ def write_run_info(run_dir: str | Path, device: torch.device, world_size: int, *
                      "git_commit": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
                      "allocator": allocator_in_use(),  # memory numbers depend on it (allocator.py)
                      "hardware": hardware_info(device, world_size), **extra})
-    path.write_text(json.dumps({"segments": segments}, indent=1))
+    write_file(path, json.dumps({"segments": segments}, indent=1))
     return path
 
 
@@ -268,4 +269,4 @@ def finish_run_info(run_dir: str | Path, summary: dict[str, Any]) -> None:
         doc["segments"][-1].update({"finished": round(time.time(), 3), "summary": keep})
         if hasattr(os, "getloadavg"):
             doc["segments"][-1]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-        path.write_text(json.dumps(doc, indent=1))
+        write_file(path, json.dumps(doc, indent=1))

@@ -18,6 +18,7 @@ from scaletrain.checkpoint.training import RNGState, TrainState, global_batch, s
 from scaletrain.config import JobConfig, to_toml
 from scaletrain.data.loader import block_causal_mask
 from scaletrain.data.run_data import training_data
+from scaletrain.files import write_file
 from scaletrain.finetune import parameter_counts, resolve_finetune
 from scaletrain.finetune.flops import trained_flops_per_token
 from scaletrain.finetune.preference import preference_metrics
@@ -252,7 +253,7 @@ class Trainer:
         self._run_files_pending = False
         if self.is_main:
             self.tokenizer.save(self.run_dir / "tokenizer.json")
-            (self.run_dir / "config.toml").write_text(to_toml(self._run_config))
+            write_file(self.run_dir / "config.toml", to_toml(self._run_config))
 
     def _rollback(self) -> None:
         """Back to the last good checkpoint; the batches that produced the non-finite steps are skipped."""

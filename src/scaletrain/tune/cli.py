@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from scaletrain.config import JobConfig, add_config_arguments, load_config, overrides_from_args, to_toml
-from scaletrain.files import guarded_write
+from scaletrain.files import guarded_write, write_file
 from scaletrain.options import ConfigError
 
 
@@ -62,8 +62,8 @@ def run_tune(args: argparse.Namespace) -> int:
     st.same_setup(folder, job_text, space_text)
     with guarded_write(f"the tune folder {folder}", folder):
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "job.toml").write_text(job_text)
-        (folder / "space.toml").write_text(space_text)
+    write_file(folder / "job.toml", job_text)
+    write_file(folder / "space.toml", space_text)
     device_kind = "gpu" if resolve_device(cfg.train.device).type == "cuda" else "cpu"
     # Workers on one CPU share its cores: one thread each unless the job says otherwise.
     threads = cfg.train.threads or (max(1, (os.cpu_count() or 1) // args.parallel)

@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 
 from scaletrain.config import JobConfig
-from scaletrain.files import guarded_write
+from scaletrain.files import write_file
 
 
 @dataclasses.dataclass
@@ -141,7 +141,4 @@ def curve_table(result: LRFindResult, rows: int = 12) -> str:
 
 def save(result: LRFindResult, out: Path, cfg_path: str) -> Path:
     path = out / "lr_find.json"
-    with guarded_write(f"the curve {path}", out):
-        out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"config": cfg_path, **result.as_dict()}, indent=1))
-    return path
+    return write_file(path, json.dumps({"config": cfg_path, **result.as_dict()}, indent=1), f"the curve {path}")

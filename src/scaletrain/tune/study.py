@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scaletrain.config import JobConfig, load_config, to_toml
+from scaletrain.files import write_file
 from scaletrain.options import ConfigError
 from scaletrain.tune.space import Param, load_space
 
@@ -320,8 +321,7 @@ def write_best(study: Any, folder: Path) -> Path | None:
               f"# {', '.join(f'{k} = {format_value(v)}' for k, v in best.params.items())}\n"
               f"#   scaletrain train --config {folder / 'best.toml'}\n")
     path = folder / "best.toml"
-    path.write_text(header + to_toml(cfg))
-    return path
+    return write_file(path, header + to_toml(cfg))
 
 
 def baseline_values(cfg: JobConfig, params: list[Param]) -> dict[str, Any] | None:
