@@ -143,6 +143,7 @@ def test_unknown_zero_optimization_field_is_one_line(tmp_path):
 
 @needs_deepspeed
 @pytest.mark.distributed
+@pytest.mark.slow  # ~2 min on the AVX2-only CI machine: seven strategies, each a DeepSpeed engine on 2 ranks
 def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
     """2 gloo ranks, 2 accumulated micro-batches, clipping on: DeepSpeed ZeRO-1/2/3 (and ZeRO-2 with the optimizer
     state offloaded to the CPU, DeepSpeedCPUAdam; ZeRO-3 with optimizer state and parameters on "NVMe", a folder, where

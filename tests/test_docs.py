@@ -55,6 +55,7 @@ import json
 import math
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -289,8 +290,15 @@ def make_workdir(tmp: Path) -> Path:
     return work
 
 
-def shell(command: str, cwd: Path, timeout: int) -> tuple[int, str, float]:
-    """Run one command (or script) through bash with the wrappers; (exit status, output, seconds)."""
+def children_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process's ended children, theirs included: what a command cost,
+    whatever else loads the machine (its wall time is not)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def shell(command: str, cwd: Path, timeout: int) -> tuple[int, str, float, float]:
+    """Run one command (or script) through bash with the wrappers; (exit status, output, seconds, CPU seconds)."""
     command = command.replace(".venv/bin/", "")
     env = {**os.environ, "DOCS_TEST_PYTHON": sys.executable, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     # The environment's other console scripts (accelerate, ...) as a person who activated it has them: CI runs
@@ -298,7 +306,7 @@ def shell(command: str, cwd: Path, timeout: int) -> tuple[int, str, float]:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.pop("WORLD_SIZE", None)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), children_cpu_seconds()
     proc = subprocess.Popen(["bash", "-c", PRELUDE + command], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -308,7 +316,7 @@ def shell(command: str, cwd: Path, timeout: int) -> tuple[int, str, float]:
         os.killpg(proc.pid, 9)  # the whole process group this command started (torchrun and its ranks)
         out, _ = proc.communicate()
         status, out = 124, out + f"\n[docs-test: killed after {timeout} s]"
-    return status, out, time.perf_counter() - t0
+    return status, out, time.perf_counter() - t0, children_cpu_seconds() - cpu0
 
 
 def run_page(page: Path, tmp: Path) -> tuple[list[str], list[str], list[str]]:
@@ -336,9 +344,9 @@ def run_page(page: Path, tmp: Path) -> tuple[list[str], list[str], list[str]]:
                 skips.append(f"{block.where(k)}: {command}  [skipped: {plan.skip[k]}]")
                 continue
             where = block.where(k if isinstance(k, int) else None) + ("" if isinstance(k, int) else f" ({k})")
-            status, out, seconds = shell(command, work, plan.timeout)
+            status, out, seconds, cpu = shell(command, work, plan.timeout)
             output += out
-            log.append(f"{seconds:6.1f} s  exit {status}  {where}: {command}")
+            log.append(f"{seconds:6.1f} s  {cpu:6.1f} s CPU  exit {status}  {where}: {command}")
             if status != 0:
                 failures.append(f"{where}: exit status {status}\n$ {command}\n{out[-TAIL:]}")
         for text in plan.expect:
@@ -347,25 +355,29 @@ def run_page(page: Path, tmp: Path) -> tuple[list[str], list[str], list[str]]:
     return failures, log, skips
 
 
-@pytest.fixture(scope="module")
-def page_results(request, tmp_path_factory) -> dict[Path, tuple[list[str], list[str], list[str]]]:
-    """Run the selected pages, ``DOCS_TEST_WORKERS`` (default 2) at a time: one command at a time per page (the
-    commands of a page depend on each other), pages side by side (most commands are a single thread)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    selected = [item.callspec.params["page"] for item in request.session.items
-                if getattr(item, "originalname", "") == "test_documented_commands_run"]
-    selected.sort(key=lambda page: -sum(len(b.commands) for b in parse_page(page)[0]))  # the longest first
-    workers = int(os.environ.get("DOCS_TEST_WORKERS", min(2, os.cpu_count() or 1)))
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = {page: pool.submit(run_page, page, tmp_path_factory.mktemp(page.stem)) for page in selected}
-        return {page: future.result() for page, future in futures.items()}
+def commands_to_run(page: Path) -> int:
+    """How many commands of the page the test runs (a marker that does not fit counts none: the test fails it)."""
+    count = 0
+    for block in parse_page(page)[0]:
+        try:
+            plan = plan_block(block)
+        except ValueError:
+            continue
+        count += 0 if plan.skip_block else len(plan.setup) + len(plan.commands) - len(plan.skip)
+    return count
 
 
+def longest_first(pages: list[Path]) -> list[Path]:
+    """The pages with the most commands to run first: the workers take them in this order (below)."""
+    return sorted(pages, key=lambda page: -commands_to_run(page))
+
+
+# One test a page, each in its own work folder: pytest-xdist's workers take them one by one, not as one file
+# (tests/helpers/schedule.py), so the pages run side by side on all cores, the longest first.
 @pytest.mark.slow
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_documented_commands_run(page, page_results):
-    failures, log, skips = page_results[page]
+@pytest.mark.parametrize("page", longest_first(PAGES), ids=lambda page: page.name)
+def test_documented_commands_run(page, tmp_path):
+    failures, log, skips = run_page(page, tmp_path)
     print(f"\n{page.relative_to(ROOT)}: {len(log)} commands run, {len(skips)} skipped")
     print("\n".join(log + skips))
     if failures:

@@ -1,0 +1,60 @@
+"""How pytest-xdist hands the suite to its workers (pyproject.toml: -n auto --dist loadfile); tests/conftest.py
+installs these two hooks.
+
+A worker gets a unit of work at a time: a test file, so the file's module fixtures run once, except the tests named
+in ONE_UNIT_PER_CASE, each case of which is a unit of its own because the cases are independent and long (a
+documented page's commands, 10-150 s each): the workers share them, instead of one worker running all of them
+(~500 s on one worker: the floor of the suite's wall). The units with the most slow or distributed tests go first,
+so the longest work starts first and the run ends with short files on both workers: xdist's own order (the units
+with the most tests first) left the one-test multi-process files for the end.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+
+ONE_UNIT_PER_CASE = {"tests/test_docs.py::test_documented_commands_run"}
+HEAVY_MARKS = ("slow", "distributed")
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test is handed out in: its file, or the test itself for one in ONE_UNIT_PER_CASE."""
+    return nodeid if nodeid.partition("[")[0] in ONE_UNIT_PER_CASE else nodeid.split("::", 1)[0]
+
+
+def heavy_first(items: list) -> None:
+    """Sort ``items`` (in place, stably) by unit: the most slow or distributed tests first, then the most tests,
+    then collection order; the order within a unit is kept."""
+    weight, size, first = Counter(), Counter(), {}
+    for k, item in enumerate(items):
+        unit = unit_of(item.nodeid)
+        size[unit] += 1
+        weight[unit] += any(item.get_closest_marker(mark) for mark in HEAVY_MARKS)
+        first.setdefault(unit, k)
+    items.sort(key=lambda item: (-weight[unit_of(item.nodeid)], -size[unit_of(item.nodeid)],
+                                 first[unit_of(item.nodeid)]))
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a pytest-xdist worker, the units heaviest first (``heavy_first``); every worker sorts the same collection
+    alike, as xdist requires. A serial run keeps the files' order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        heavy_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown where it is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile over the units of ``unit_of``, handed out in the workers' order (above)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class UnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # xdist's reordering (by test count) would undo heavy_first
+    return UnitScheduling(config, log)
