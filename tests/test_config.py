@@ -192,14 +192,18 @@ def test_the_bpe_recipe_and_its_nanogpt_reference_are_the_same_size(capsys, monk
     assert 'tokenizer = "bpe"' in capsys.readouterr().out
 
 
-def test_min_lr_above_the_peak_is_refused_naming_both_fields(capsys):
+def test_min_lr_above_the_peak_is_refused_naming_both_fields():
     """Before: accepted, and the cosine decay climbed from optim.lr to schedule.min_lr without a word."""
+    from scaletrain.train.schedule import lr_at
+
     with pytest.raises(ConfigError, match=r"schedule.min_lr \(0.01\) is above optim.lr \(0.001\)"):
         load_config(None, {"optim.lr": "1e-3", "schedule.min_lr": "1e-2"})
-    from scaletrain.cli import main
-
-    assert main(["train", "--optim.lr=5e-5", "--print-config"]) == 2  # the default min_lr (1e-4) is above it
-    assert "schedule.min_lr (0.0001) is above optim.lr (5e-05)" in capsys.readouterr().err
+    # the field's default (-1) is a tenth of the peak: a fine-tune's low rate decays, it is not refused
+    cfg = load_config(None, {"optim.lr": "5e-5"})
+    assert lr_at(10**6, cfg.optim.lr, 100, cfg.schedule) == pytest.approx(5e-6)
+    assert lr_at(50, cfg.optim.lr, 100, cfg.schedule) < cfg.optim.lr
+    with pytest.raises(ConfigError, match=r"schedule.min_lr must be >= 0, or -1"):
+        load_config(None, {"schedule.min_lr": "-0.5"})
     # constant ignores min_lr; equal is a flat decay, not a climb
     load_config(None, {"optim.lr": "1e-3", "schedule.min_lr": "1e-2", "schedule.name": "constant"})
     load_config(None, {"optim.lr": "1e-4"})

@@ -91,7 +91,8 @@ class ScheduleConfig:
                               "linear or constant", choices=("cosine", "wsd", "linear", "constant"))
     warmup_steps: int = opt(100, "linear warmup from 0 to optim.lr over this many steps", ge=0)
     decay_steps: int = opt(0, "step at which the decay reaches min_lr; 0 = train.steps", ge=0)
-    min_lr: float = opt(1e-4, "learning rate at the end of the decay", ge=0)
+    min_lr: float = opt(-1.0, "learning rate at the end of the decay; -1 = a tenth of optim.lr (so a low "
+                              "fine-tuning rate decays too, never climbs)", ge=-1)
     wsd_decay_fraction: float = opt(0.2, "wsd: fraction of the steps spent in the final decay", gt=0, le=1)
 
 
@@ -586,6 +587,8 @@ def validate_job(cfg: JobConfig) -> None:
     # (finetune/base.resolve_finetune): the default max_seq_len here says nothing about it.
     if cfg.data.seq_len > m.max_seq_len and not cfg.finetune.source:
         raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be <= model.max_seq_len ({m.max_seq_len})")
+    if -1 < cfg.schedule.min_lr < 0:
+        raise ConfigError(f"schedule.min_lr must be >= 0, or -1 for a tenth of optim.lr (got {cfg.schedule.min_lr:g})")
     if cfg.schedule.name != "constant" and cfg.schedule.min_lr > cfg.optim.lr:
         # The decay would climb from optim.lr up to min_lr: never what a schedule is for.
         raise ConfigError(f"schedule.min_lr ({cfg.schedule.min_lr:g}) is above optim.lr ({cfg.optim.lr:g}): the "

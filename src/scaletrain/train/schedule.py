@@ -17,6 +17,7 @@ def lr_at(step: int, peak_lr: float, total_steps: int, cfg: ScheduleConfig) -> f
     """
     if step < cfg.warmup_steps:
         return peak_lr * (step + 1) / cfg.warmup_steps
+    end_lr = decay_end_lr(peak_lr, cfg)
     decay_end = cfg.decay_steps or total_steps
     if cfg.name == "constant":
         return peak_lr
@@ -25,13 +26,19 @@ def lr_at(step: int, peak_lr: float, total_steps: int, cfg: ScheduleConfig) -> f
         if step < decay_start:
             return peak_lr
         progress = min(1.0, (step - decay_start) / max(1, decay_end - decay_start))
-        return peak_lr + (cfg.min_lr - peak_lr) * progress
+        return peak_lr + (end_lr - peak_lr) * progress
     if step >= decay_end:
-        return cfg.min_lr
+        return end_lr
     progress = (step - cfg.warmup_steps) / max(1, decay_end - cfg.warmup_steps)
     if cfg.name == "linear":
-        return peak_lr + (cfg.min_lr - peak_lr) * progress
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak_lr - cfg.min_lr)
+        return peak_lr + (end_lr - peak_lr) * progress
+    return end_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak_lr - end_lr)
+
+
+def decay_end_lr(peak_lr: float, cfg: ScheduleConfig) -> float:
+    """Where the decay ends: ``schedule.min_lr``, or a tenth of the peak when it is -1 (the default), so the
+    default schedule fits any ``optim.lr`` (a fine-tune's 2e-5 as well as pretraining's 1e-3)."""
+    return cfg.min_lr if cfg.min_lr >= 0 else peak_lr / 10
 
 
 # Runs of at most this many steps check that a command works (most documented runs: 3, 4, 6, 10 or 20 steps);
