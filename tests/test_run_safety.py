@@ -107,6 +107,8 @@ def test_retention_only_deletes_the_current_runs_checkpoints(tmp_path):
 
 
 # -- two processes on one folder ------------------------------------------------------------------------------
+@pytest.mark.slow  # the quick pass's slowest on a shared 2-core AVX2 EPYC (882 s serially under a load of ~15,
+# 4x the next; 123 s under ~6): the refused process starts beside a run that keeps training
 def test_a_second_process_on_a_folder_in_use_stops_naming_the_holder(straight, tmp_path):
     config, _ = straight
     run = tmp_path / "run"
