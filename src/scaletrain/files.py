@@ -186,7 +186,7 @@ def check_output_path(path: str | Path, what: str = "") -> Path:
         problem = f"{existing} is a file, not a folder" if not existing.is_dir() else \
             "" if os.access(existing, os.W_OK | os.X_OK) else f"{existing} is not writable (permission denied)"
     if problem:
-        raise StorageError(f"cannot write {what or path}: {problem}; {way_out}")
+        raise StorageError(f"writing {what or path} failed: {problem}; {way_out}")  # guarded_write's words
     return path
 
 
