@@ -35,8 +35,6 @@ from pathlib import Path
 
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
-# benchmarks/gguf.py would shadow the gguf package the export imports: the folder leaves sys.path once launch is in
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / "out" / "decode"

@@ -1,6 +1,6 @@
 """GGUF export, read back with the gguf package's reader: tensor names, shapes, metadata (tokenizer, chat
 template) and values (f32 exact, f16 / q8_0 within their rounding); the q/k permutation keeps attention scores;
-bad input is one line and exit 2. (llama.cpp itself runs the file in benchmarks/gguf.py.)"""
+bad input is one line and exit 2. (llama.cpp itself runs the file in benchmarks/gguf_llama_cpp.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The GGUF export run by a real llama.cpp (through llama-cpp-python): same greedy tokens as ours, sizes and speed.
 
     pip install llama-cpp-python   # builds llama.cpp from source with the system compiler (minutes)
-    python benchmarks/gguf.py [--out benchmarks/results/gguf.json]
+    python benchmarks/gguf_llama_cpp.py [--out benchmarks/results/gguf.json]
 
 Trains a small run on the bundled Tiny Shakespeare (character vocabulary; 4 x 128, 4 heads / 2 KV heads, so the
 q/k permutation is exercised with grouped-query attention), exports it with ``scaletrain export --format gguf``
