@@ -35,7 +35,6 @@ from pathlib import Path
 
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
-
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / "out" / "decode"
 SHAPE = dict(dim=768, n_layers=8, n_heads=12, n_kv_heads=4, ffn_hidden_dim=2048, max_seq_len=256)

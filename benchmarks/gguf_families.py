@@ -35,7 +35,6 @@ from pathlib import Path
 
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
-
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "families"
 TOKENIZERS = ROOT.parent / "shared" / "data" / "tokenizers"
