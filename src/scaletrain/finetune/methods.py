@@ -1,7 +1,8 @@
 """Fine-tuning methods as transforms of the pure model, applied on the meta device before ``parallelize``.
 
-``apply_method`` freezes what the method keeps fixed and swaps in the adapter modules (lora.py,
-prompt.py); the model file is untouched. After ``parallelize`` has materialized the model,
+``apply_method`` freezes what the method keeps fixed and swaps in the adapter modules (its entry of
+method_table.py's ``METHODS``: lora.py, prompt.py); the model file is untouched. After ``parallelize`` has
+materialized the model,
 ``load_base_and_adapters`` writes the base's weights and the adapters' initial values into every rank's
 parameters (sharded or not): the same values in every layout, as ``parallel/init.py`` does for
 pretraining. ``FinetuneMethod`` is the two as one model converter (train/converters.py).
@@ -18,35 +19,16 @@ from torch import nn
 
 from scaletrain.config import ConfigError, FinetuneConfig
 from scaletrain.finetune.base import open_base
-from scaletrain.finetune.lora import (
-    LoRALinear,
-    apply_lora,
-    check_lora_targets,
-    is_nf4,
-    put_back,
-    qlora_compiled,
-    quantize_from_base,
-)
-from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding, apply_prefix_tuning, apply_prompt_tuning
+from scaletrain.finetune.lora import LoRALinear, is_nf4, put_back, qlora_compiled, quantize_from_base
+from scaletrain.finetune.method_table import method_entry
+from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding
 from scaletrain.parallel.init import copy_full_into
 
 
 def apply_method(model: nn.Module, ft: FinetuneConfig) -> None:
-    """Freeze and convert ``model`` (a full ``Transformer``, on meta or real) for ``ft.method``, in place."""
-    if ft.method == "full":  # freeze_blocks <= the base's blocks: train/validate.py:check_finetune
-        if ft.freeze_embeddings:
-            model.tok_embeddings.weight.requires_grad_(False)
-        for index in range(ft.freeze_blocks):
-            model.layers[str(index)].requires_grad_(False)
-        return
-    model.requires_grad_(False)
-    if ft.method in ("lora", "qlora"):
-        check_lora_targets(ft.lora_targets)  # also train/validate.py's rule; here for callers that skip it
-        apply_lora(model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout, ft.rslora, ft.dora)
-    elif ft.method == "prompt":
-        apply_prompt_tuning(model, ft.virtual_tokens)
-    elif ft.method == "prefix":
-        apply_prefix_tuning(model, ft.virtual_tokens)
+    """Freeze and convert ``model`` (a full ``Transformer``, on meta or real) for ``ft.method``, in place: its
+    entry's ``apply`` (finetune/method_table.py)."""
+    method_entry(ft.method).apply(model, ft)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -98,7 +80,7 @@ def hold_out_base(model: nn.Module, ft: FinetuneConfig, base_state: Mapping[str,
     """On the meta model, before ``parallelize``: QLoRA's 4-bit base, read and quantized tensor by tensor on
     ``device`` (``lora.quantize_from_base``); nothing for the other methods. Give the result to ``put_back``
     after."""
-    return quantize_from_base(model, base_state, device=device) if ft.method == "qlora" else []
+    return quantize_from_base(model, base_state, device=device) if method_entry(ft.method).quantized_base else []
 
 
 class FinetuneMethod:
