@@ -15,7 +15,7 @@ from torch import nn
 from helpers.tiny import tiny_hf_base
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, ParallelConfig, load_config
 from scaletrain.finetune import method_table as table
-from scaletrain.finetune.methods import apply_method, parameter_counts
+from scaletrain.finetune.methods import parameter_counts
 from scaletrain.model import Transformer
 from scaletrain.model.presets import block_vector_params
 from scaletrain.plan.cli import add_plan_arguments
@@ -61,7 +61,7 @@ def test_the_converter_applies_the_entry_and_the_planner_counts_what_trains(regi
     with torch.device("meta"):
         model = Transformer(MODEL)
     ft = FinetuneConfig(method="norms")
-    apply_method(model, ft)
+    table.method_entry("norms").apply(model, ft)  # what the converter (finetune/methods.py:FinetuneMethod) runs
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trained and all(name.endswith("norm.weight") for name in trained)
     assert parameter_counts([model])[0] == trainable_parameters(MODEL, ft)  # the trainer's modules, the planner's sum
