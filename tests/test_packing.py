@@ -145,7 +145,7 @@ def test_packing_that_cannot_be_done_is_one_line_exit_2(hf_base, tmp_path, tiny,
 
 def test_auto_packs_lora_and_pads_prompt_tuning():
     from scaletrain.config import JobConfig
-    from scaletrain.data.run_data import packs_instructions
+    from scaletrain.finetune.method_table import packs_instructions
 
     cfg = JobConfig()
     assert packs_instructions(cfg)  # lora, one process

@@ -373,10 +373,12 @@ def _export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.export import export_hf, hf_base_folder
     from scaletrain.checkpoint.run import load_run  # any run folder; a quantized one is refused in one line
     from scaletrain.finetune.export import base_model, is_plain, merge_adapters, save_peft_adapter
+    from scaletrain.finetune.method_table import method_entry
     from scaletrain.model.family import family
 
     cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
-    if cfg.finetune.method == "qlora":  # the two exports are not the same model: say which one this is
+    method = method_entry(cfg.finetune.method)
+    if method.quantized_base:  # the two exports are not the same model: say which one this is
         print("QLoRA: " + ("--merge writes the NF4-rounded base + adapter, what the run trained (without --merge: "
                            "the original base + adapter, whose logits differ)" if args.merge else
                            "the original (unrounded) base + the adapter trained on its NF4-rounded copy; "
@@ -396,7 +398,7 @@ def _export(args: argparse.Namespace) -> int:
     base, family_class = hf_base_folder(args.run, cfg), family(cfg.model.family).hf_class
     if is_plain(model):
         export_hf(model, cfg.model, tokenizer, out, base)
-        merged = " with the adapters merged" if cfg.finetune.source and cfg.finetune.method != "full" else ""
+        merged = " with the adapters merged" if cfg.finetune.source and not method.trains_base else ""
         print(f"exported {ckpt.name}{merged} to {out} (load with transformers.{family_class}.from_pretrained)")
         return 0
     export_hf(base_model(cfg), cfg.model, tokenizer, out, base)  # the base, unchanged, and the adapter beside it

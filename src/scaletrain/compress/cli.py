@@ -81,17 +81,18 @@ def load_source(run_dir: str | Path) -> tuple:
     its adapters merged in (what ``export --merge`` writes; said in one line); prompt and prefix tuning are refused
     (nothing to merge), and so is a run already quantized."""
     from scaletrain.finetune.export import is_plain, merge_adapters
+    from scaletrain.finetune.method_table import method_entry
 
     cfg, model, tokenizer, ckpt = load_run(run_dir)
     if run_kind(Path(run_dir), cfg) == "quantized":
         raise ConfigError(f"--run {run_dir}: is already quantized; compress the run it came from")
     if not is_plain(model):
-        method = cfg.finetune.method
-        if method in ("prompt", "prefix"):
+        method, entry = cfg.finetune.method, method_entry(cfg.finetune.method)
+        if entry.virtual_tokens:
             raise ConfigError(f"--run {run_dir}: is a {method}-tuning run, whose virtual tokens are inputs, not "
                               f"weights: compress its base ({cfg.finetune.source}) instead")
         model = merge_adapters(model, cfg)
-        rounded = " (the NF4-rounded base, as `export --merge`)" if method == "qlora" else ""
+        rounded = " (the NF4-rounded base, as `export --merge`)" if entry.quantized_base else ""
         print(f"merged the {method} adapters of {run_dir} into its base{rounded} before compressing", flush=True)
     return cfg, model, tokenizer, ckpt
 

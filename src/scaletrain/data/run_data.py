@@ -89,10 +89,12 @@ class TrainingData:
     instructions: tuple[list, list] | None = None  # (train, val) instruction examples
     preferences: tuple[list, list] | None = None  # (train, val) preference pairs (data/preferences.py)
 
-    def train_loader(self, dp_rank: int, dp_size: int, balanced: bool = False) -> InstructionLoader | TokenLoader:
+    def train_loader(self, dp_rank: int, dp_size: int, balanced: bool = False,
+                     packed: bool = False) -> InstructionLoader | TokenLoader:
         """This data-parallel rank's loader of the train split. ``balanced`` (parallel.balance = "throughput"):
         every rank walks the one global stream of micro-batches and keeps its own run of them
-        (train/adaptive.py), so the loader is the single-process one on every rank."""
+        (train/adaptive.py), so the loader is the single-process one on every rank. ``packed``: instruction
+        examples share rows (finetune/method_table.py:packs_instructions, which knows the method)."""
         cfg = self.cfg
         if self.preferences is not None:
             return PreferenceLoader(self.preferences[0], cfg.data.seq_len, cfg.train.batch_size, rank=dp_rank,
@@ -100,20 +102,10 @@ class TrainingData:
         if self.instructions is not None:
             return InstructionLoader(self.instructions[0], cfg.data.seq_len, cfg.train.batch_size, rank=dp_rank,
                                      world_size=dp_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
-                                     packed=packs_instructions(cfg))
+                                     packed=packed)
         return TokenLoader(str(self.data_dir), "train", cfg.data.seq_len, cfg.train.batch_size,
                            rank=0 if balanced else dp_rank, world_size=1 if balanced else dp_size,
                            seed=cfg.train.seed, shuffle=cfg.data.shuffle, return_doc_ids=cfg.data.document_attention)
-
-
-def packs_instructions(cfg: JobConfig) -> bool:
-    """Whether finetune.packing packs the instruction rows: true, or auto for the methods whose examples can share
-    a row (not prompt/prefix tuning: the virtual tokens in front of a row would be every example's) and a layout
-    the mask reaches (not pipeline or context parallelism). ``train.validate`` refuses ``true`` where it cannot."""
-    packing = cfg.finetune.packing
-    if packing != "auto":
-        return packing == "true"
-    return cfg.finetune.method not in ("prompt", "prefix") and cfg.parallel.pp == 1 and cfg.parallel.cp == 1
 
 
 def training_data(cfg: JobConfig, is_main: bool = True, say: Callable[[str], None] = print,

@@ -2,7 +2,8 @@
 LoRA, QLoRA (4-bit base), prompt or prefix tuning - as transforms of the pure model (docs/finetuning.md).
 
 The names below are loaded on first use (``scaletrain/lazy.py``): the entry check imports ``finetune.lora``
-alone, and ``base`` and ``methods`` load the checkpoint stack and the parallel package."""
+and the method table (``method_table``: no checkpoint code) alone, and ``base`` and ``methods`` load the
+checkpoint stack and the parallel package."""
 
 from scaletrain.lazy import lazy_exports
 

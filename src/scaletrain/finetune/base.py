@@ -30,6 +30,7 @@ from scaletrain.config import ConfigError, DataConfig, ModelConfig, load_config
 from scaletrain.data.shards import MANIFEST
 from scaletrain.files import file_sha256
 from scaletrain.finetune.hf_import import hf_index, hf_model_config, read_hf_tensor, safetensors_files
+from scaletrain.finetune.method_table import method_entry
 from scaletrain.model import build_model
 
 
@@ -176,7 +177,7 @@ def resolve_finetune(cfg, announce=None):
             continue  # not set, or set to the base's value (a resumed run's saved config)
         raise ConfigError(f"model.{field.name}={mine!r} is set, but a fine-tune takes [model] from finetune.source "
                           f"{base.path} ({field.name}={theirs!r}); drop the model setting")
-    needed = cfg.data.seq_len + (ft.virtual_tokens if ft.method in ("prompt", "prefix") else 0)
+    needed = cfg.data.seq_len + method_entry(ft.method).extra_positions(ft)
     if model.max_seq_len < needed:
         model = dataclasses.replace(model, max_seq_len=needed)
     if announce is not None and cfg.model != model:

@@ -11,19 +11,20 @@ below them trains) it is still counted: a detail of autograd, not of the model (
 from __future__ import annotations
 
 from scaletrain.config import FinetuneConfig, ModelConfig
+from scaletrain.finetune.method_table import method_entry
 from scaletrain.model.presets import flops_per_token, matmul_params, projection_shapes
 
 
 def frozen_and_adapter_params(cfg: ModelConfig, ft: FinetuneConfig) -> tuple[float, float]:
     """(matmul weights that stay frozen, adapter weights that train) of fine-tuning ``cfg`` with ``ft``."""
-    shapes = projection_shapes(cfg)
-    if ft.method == "full":
+    shapes, entry = projection_shapes(cfg), method_entry(ft.method)
+    if entry.trains_base:
         block_matrices = sum(i * o for i, o in shapes.values())
         # a tied head is the embedding: frozen with it
         head = cfg.vocab_size * cfg.dim if cfg.tie_embeddings and ft.freeze_embeddings else 0
         return float(ft.freeze_blocks * block_matrices + head), 0.0
     adapters = 0.0
-    if ft.method in ("lora", "qlora"):
+    if entry.lora:
         adapters = cfg.n_layers * sum(ft.lora_rank * sum(shapes[t]) for t in ft.lora_targets if t in shapes)
     return float(matmul_params(cfg)), float(adapters)
 

@@ -1,10 +1,10 @@
 """Fine-tuning methods as transforms of the pure model, applied on the meta device before ``parallelize``.
 
-``apply_method`` freezes what the method keeps fixed and swaps in the adapter modules (lora.py,
-prompt.py); the model file is untouched. After ``parallelize`` has materialized the model,
-``load_base_and_adapters`` writes the base's weights and the adapters' initial values into every rank's
-parameters (sharded or not): the same values in every layout, as ``parallel/init.py`` does for
-pretraining. ``FinetuneMethod`` is the two as one model converter (train/converters.py).
+``FinetuneMethod.convert`` freezes what the method keeps fixed and swaps in the adapter modules (its entry
+of method_table.py's ``METHODS``: lora.py, prompt.py); the model file is untouched. After ``parallelize`` has
+materialized the model, ``load_base_and_adapters`` writes the base's weights and the adapters' initial values
+into every rank's parameters (sharded or not): the same values in every layout, as ``parallel/init.py`` does
+for pretraining. ``FinetuneMethod`` is the two as one model converter (train/converters.py).
 """
 
 from __future__ import annotations
@@ -18,35 +18,10 @@ from torch import nn
 
 from scaletrain.config import ConfigError, FinetuneConfig
 from scaletrain.finetune.base import open_base
-from scaletrain.finetune.lora import (
-    LoRALinear,
-    apply_lora,
-    check_lora_targets,
-    is_nf4,
-    put_back,
-    qlora_compiled,
-    quantize_from_base,
-)
-from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding, apply_prefix_tuning, apply_prompt_tuning
+from scaletrain.finetune.lora import LoRALinear, is_nf4, put_back, qlora_compiled, quantize_from_base
+from scaletrain.finetune.method_table import method_entry
+from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding
 from scaletrain.parallel.init import copy_full_into
-
-
-def apply_method(model: nn.Module, ft: FinetuneConfig) -> None:
-    """Freeze and convert ``model`` (a full ``Transformer``, on meta or real) for ``ft.method``, in place."""
-    if ft.method == "full":  # freeze_blocks <= the base's blocks: train/validate.py:check_finetune
-        if ft.freeze_embeddings:
-            model.tok_embeddings.weight.requires_grad_(False)
-        for index in range(ft.freeze_blocks):
-            model.layers[str(index)].requires_grad_(False)
-        return
-    model.requires_grad_(False)
-    if ft.method in ("lora", "qlora"):
-        check_lora_targets(ft.lora_targets)  # also train/validate.py's rule; here for callers that skip it
-        apply_lora(model, ft.lora_targets, ft.lora_rank, ft.lora_alpha, ft.lora_dropout, ft.rslora, ft.dora)
-    elif ft.method == "prompt":
-        apply_prompt_tuning(model, ft.virtual_tokens)
-    elif ft.method == "prefix":
-        apply_prefix_tuning(model, ft.virtual_tokens)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -93,29 +68,27 @@ def load_base_and_adapters(parts: list[nn.Module], base_state: Mapping[str, torc
         copy_full_into(part, full, names=list(params))
 
 
-def hold_out_base(model: nn.Module, ft: FinetuneConfig, base_state: Mapping[str, torch.Tensor],
-                  device: torch.device | str = "cpu") -> list:
-    """On the meta model, before ``parallelize``: QLoRA's 4-bit base, read and quantized tensor by tensor on
-    ``device`` (``lora.quantize_from_base``); nothing for the other methods. Give the result to ``put_back``
-    after."""
-    return quantize_from_base(model, base_state, device=device) if ft.method == "qlora" else []
-
-
 class FinetuneMethod:
     """``finetune.method`` on the base ``finetune.source``, as a model converter (train/converters.py) and for
     the single-device build of a run (finetune/run.py): ``convert`` freezes the meta model and swaps in the
     adapters (QLoRA: reads and quantizes its 4-bit base, never whole in fp32); once the model is materialized,
-    ``load`` writes the base's weights and the adapters' values into it."""
+    ``load`` writes the base's weights and the adapters' values into it. The method is its entry of
+    method_table.py's ``METHODS``, looked up once here, where the training is built."""
 
     def __init__(self, ft: FinetuneConfig, seed: int, device: torch.device | str = "cpu"):
         self.ft, self.seed, self.device = ft, seed, device
+        self.entry = method_entry(ft.method)
         self.base_state: Mapping[str, torch.Tensor] = {}
         self.held: list = []
 
     def convert(self, model: nn.Module) -> None:
-        apply_method(model, self.ft)
+        """On the meta model, before ``parallelize``: the entry's ``apply`` (freeze, swap in the adapters); QLoRA's
+        4-bit base read and quantized tensor by tensor on ``device`` (``lora.quantize_from_base``), to give to
+        ``put_back`` in ``load``."""
+        self.entry.apply(model, self.ft)
         self.base_state = open_base(self.ft.source).state()
-        self.held = hold_out_base(model, self.ft, self.base_state, self.device)
+        if self.entry.quantized_base:
+            self.held = quantize_from_base(model, self.base_state, device=self.device)
 
     def load(self, parts: list[nn.Module], adapters: dict[str, torch.Tensor] | None = None) -> None:
         """The 4-bit base back in place (dequantized through torch.compile if ``finetune.qlora_compile`` says so on

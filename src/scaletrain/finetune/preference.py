@@ -47,6 +47,7 @@ from scaletrain.data.tokenizer import DataError, load_tokenizer
 from scaletrain.files import file_sha256
 from scaletrain.finetune.base import open_base
 from scaletrain.finetune.lora import adapters_disabled
+from scaletrain.finetune.method_table import method_entry
 from scaletrain.model.loss import CHUNK_BYTES
 from scaletrain.parallel.tensor import _mask_padding
 
@@ -341,7 +342,7 @@ def attach_for_evaluation(pm, cfg: JobConfig, run_dir: str | Path) -> Preference
     recorded: DPO's reference is the run's stored log-probabilities (method=full) or its adapters switched off."""
     ft = cfg.finetune
     reference = None
-    if ft.objective == "dpo" and ft.method == "full":
+    if ft.objective == "dpo" and method_entry(ft.method).trains_base:
         path = Path(run_dir) / REFERENCE_FILE
         reference = PrecomputedReference.load(path, reference_fingerprint(cfg))
         if reference is None:
@@ -358,5 +359,6 @@ def attach_preference(pm, cfg: JobConfig, say=print) -> PreferenceObjective:
     """Install ``finetune.objective`` on ``pm`` (the base and adapters loaded); DPO with full fine-tuning
     precomputes its reference first, DPO with adapters uses the adapter-free model."""
     ft = cfg.finetune
-    reference = precomputed_reference(pm, cfg, say) if ft.objective == "dpo" and ft.method == "full" else None
+    precomputed = ft.objective == "dpo" and method_entry(ft.method).trains_base
+    reference = precomputed_reference(pm, cfg, say) if precomputed else None
     return PreferenceObjective(pm, ft, reference)

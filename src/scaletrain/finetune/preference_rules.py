@@ -3,6 +3,7 @@ apart from it so that the entry check (train/validate.py) loads no model or chec
 
 from __future__ import annotations
 
+from scaletrain.finetune.method_table import method_entry
 from scaletrain.options import ConfigError
 
 
@@ -20,7 +21,7 @@ def check_preference(cfg, world_size: int) -> None:
     if ft.instructions or ft.teacher:
         raise ConfigError(f"finetune.objective={ft.objective} trains on finetune.preferences alone; drop "
                           f"finetune.instructions / finetune.teacher")
-    if ft.objective == "dpo" and ft.method in ("prompt", "prefix"):
+    if ft.objective == "dpo" and method_entry(ft.method).virtual_tokens:
         raise ConfigError(f"finetune.objective=dpo with finetune.method={ft.method} is not supported (its reference "
                           f"would need the virtual tokens switched off); use method=lora, or objective=simpo/orpo "
                           f"(no reference)")

@@ -28,6 +28,7 @@ from scaletrain.config import (
     load_config,
 )
 from scaletrain.files import check_output_path, write_file
+from scaletrain.finetune.method_table import METHODS
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
@@ -102,7 +103,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                      help="native (default), deepspeed (ZeRO-1/2/3, CPU / NVMe offload; needs DeepSpeed) or all "
                           "(both, ranked together)")
     ft = parser.add_argument_group("fine-tuning (instead of the pretraining search: does it fit one device?)")
-    ft.add_argument("--method", default="", choices=("", "full", "lora", "qlora", "prompt", "prefix"),
+    ft.add_argument("--method", default="", choices=("", *METHODS),  # finetune/method_table.py
                     help="predict the memory per device and step time of fine-tuning the model with this method")
     ft.add_argument("--lora-rank", type=int, default=8, help="lora/qlora rank")
     ft.add_argument("--lora-targets", default="q,k,v,o", help="lora/qlora projections (q,k,v,o,gate,up,down)")

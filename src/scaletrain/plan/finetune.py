@@ -33,6 +33,7 @@ import time
 
 from scaletrain.config import ConfigError, FinetuneConfig, ModelConfig
 from scaletrain.finetune.flops import trained_flops_per_token
+from scaletrain.finetune.method_table import method_entry
 from scaletrain.model.config import head_width
 from scaletrain.model.loss import CHUNK_BYTES
 from scaletrain.model.presets import ffn_hidden_dim, matmul_params, num_params
@@ -44,7 +45,6 @@ from scaletrain.plan.memory import (
     block_activation_bytes,
     block_activation_elements,
     block_matrix_params,
-    block_params,
     checkpointed_blocks,
     chunked_loss_backward,
     loss_rows,
@@ -81,16 +81,7 @@ NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 8 / (64 * 256)
 
 def trainable_parameters(cfg: ModelConfig, ft: FinetuneConfig) -> int:
     """Parameters that train under ``ft.method`` (adapters, or the unfrozen weights of a full fine-tune)."""
-    shapes = projection_shapes(cfg)
-    if ft.method in ("lora", "qlora"):
-        per_target = {t: ft.lora_rank * (i + o) + (o if ft.dora else 0) for t, (i, o) in shapes.items()}
-        return cfg.n_layers * sum(per_target[t] for t in ft.lora_targets)  # (+ DoRA's magnitude per row)
-    if ft.method == "prompt":
-        return ft.virtual_tokens * cfg.dim
-    if ft.method == "prefix":
-        return cfg.n_layers * 2 * ft.virtual_tokens * shapes["k"][1]
-    frozen = (cfg.vocab_size * cfg.dim if ft.freeze_embeddings else 0) + ft.freeze_blocks * block_params(cfg)
-    return num_params(cfg) - frozen
+    return method_entry(ft.method).trainable_parameters(cfg, ft)  # finetune/method_table.py
 
 
 def finetune_muon_shapes(workload: Workload, ft: FinetuneConfig) -> list[tuple[int, int]]:
@@ -102,9 +93,9 @@ def finetune_muon_shapes(workload: Workload, ft: FinetuneConfig) -> list[tuple[i
     if not workload.optimizer_entry.matrices:
         return []
     shapes = projection_shapes(cfg)
-    if ft.method == "full":
+    if method_entry(ft.method).trains_base:
         return muon_shapes(cfg, max(0, cfg.n_layers - ft.freeze_blocks))
-    if ft.method in ("lora", "qlora") and workload.muon_adapters:
+    if method_entry(ft.method).lora and workload.muon_adapters:
         r = ft.lora_rank
         return [pair for t in ft.lora_targets for pair in ((r, shapes[t][0]), (shapes[t][1], r))] * cfg.n_layers
     return []
@@ -112,10 +103,10 @@ def finetune_muon_shapes(workload: Workload, ft: FinetuneConfig) -> list[tuple[i
 
 def frozen_bytes(cfg: ModelConfig, ft: FinetuneConfig, param_bytes: int = 4) -> float:
     """Bytes of the frozen base: everything but the trainable weights; QLoRA's block projections in NF4."""
-    if ft.method == "full":
+    if method_entry(ft.method).trains_base:
         return (num_params(cfg) - trainable_parameters(cfg, ft)) * param_bytes
     total = num_params(cfg)
-    if ft.method != "qlora":
+    if not method_entry(ft.method).quantized_base:
         return total * param_bytes
     projections = cfg.n_layers * sum(i * o for i, o in projection_shapes(cfg).values())
     return projections * NF4_BYTES_PER_WEIGHT + (total - projections) * param_bytes
@@ -123,9 +114,9 @@ def frozen_bytes(cfg: ModelConfig, ft: FinetuneConfig, param_bytes: int = 4) -> 
 
 def _trains(ft: FinetuneConfig, targets: tuple[str, ...]) -> bool:
     """Whether any of the projections ``targets`` gets a weight (or adapter) gradient under ``ft``."""
-    if ft.method in ("lora", "qlora"):
+    if method_entry(ft.method).lora:
         return any(t in ft.lora_targets for t in targets)
-    return ft.method == "full"  # (a full fine-tune's frozen first blocks are not modelled: rarely many)
+    return method_entry(ft.method).trains_base  # (a full fine-tune's frozen first blocks are not modelled: rarely many)
 
 
 def unsaved_activation_elements(cfg: ModelConfig, ft: FinetuneConfig, batch: int, seq: int) -> float:
@@ -142,7 +133,8 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     """Peak bytes per device of one fine-tuning step on one process (data parallelism replicates it), with
     the parts that make it. The same phases as pretraining, with the model states replaced:
     frozen weights + trainable weights, their gradients and AdamW states."""
-    if ft.method == "prompt":
+    method = method_entry(ft.method)  # finetune/method_table.py
+    if method.input_tokens:
         workload = dataclasses.replace(workload, seq_len=workload.seq_len + ft.virtual_tokens)
     rec = recipe_for(workload, plan)  # bf16: the trainer's autocast (fp32 frozen and trainable weights)
     pretrain = memory_breakdown(workload, plan, device_kind)
@@ -160,7 +152,7 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     held = loss_rows(workload, plan, bt, device_kind=device_kind)
     if held < bt:  # the chunked loss: a chunk's logits, the hidden states' gradient, a trained head's gradient
         transients, head_grad = chunked_loss_backward(held, bt, workload.model.dim, vocab, rec.autocast,
-                                                      head_trains=ft.method == "full" and not ft.freeze_embeddings)
+                                                      head_trains=method.trains_base and not ft.freeze_embeddings)
         loss_transients = transients + head_grad * rec.grad
     else:  # the whole logits: the log-softmax output and the logits' gradient
         loss_transients = 2 * bt * vocab * 4
@@ -169,13 +161,13 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     unsaved = unsaved_activation_elements(workload.model, ft, plan.micro_batch, workload.seq_len) \
         if plan.activation_checkpointing == "none" else 0.0
     activations = pretrain.saved_activations - rec.activation * unsaved
-    if ft.method != "full" and plan.activation_checkpointing == "none":
+    if not method.trains_base and plan.activation_checkpointing == "none":
         # Frozen norm gains: the family norms (q/k, post-sublayer, (1 + w)) save no normalized copy for them.
         b, t = plan.micro_batch, workload.seq_len
         model = workload.model
         activations -= model.n_layers * (block_activation_bytes(model, b, t, rec)
                                          - block_activation_bytes(model, b, t, rec, norms_train=False))
-    if ft.dora and ft.method in ("lora", "qlora") and plan.activation_checkpointing == "none":
+    if ft.dora and method.lora and plan.activation_checkpointing == "none":
         # DoRA's magnitude multiplies the base output and the scaled adapter output: both are saved for its
         # gradient (one (tokens, out) tensor each per adapted projection)
         shapes = projection_shapes(workload.model)
@@ -188,7 +180,7 @@ def finetune_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device_k
     if rec.autocast:
         cfg = workload.model
         kept = cfg.n_layers - len(checkpointed_blocks(cfg.n_layers, plan.activation_checkpointing, plan.ac_every))
-        casts = 2 * ((0 if ft.method == "qlora" else kept * block_matrix_params(cfg)) + cfg.vocab_size * cfg.dim)
+        casts = 2 * ((0 if method.quantized_base else kept * block_matrix_params(cfg)) + cfg.vocab_size * cfg.dim)
     loss_phase = at_rest + activations + casts + loss_transients
     # Optimizer: every trainable gradient (the fused AdamW kernel, the default, allocates no temporary), and
     # Muon's Newton-Schulz temporaries
@@ -218,7 +210,8 @@ def preference_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device
     rows = dataclasses.replace(plan, micro_batch=2 * plan.micro_batch)
     est = finetune_memory(workload, rows, ft, device_kind)
     if reference == "auto":
-        reference = "none" if ft.objective != "dpo" else "precomputed" if ft.method == "full" else "adapters"
+        reference = "none" if ft.objective != "dpo" else \
+            "precomputed" if method_entry(ft.method).trains_base else "adapters"
     extra = 0.0
     if reference in ("adapters", "copy"):
         rec = recipe_for(workload, rows)
@@ -248,7 +241,8 @@ def preference_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: F
     rows = dataclasses.replace(plan, micro_batch=2 * plan.micro_batch)
     est = finetune_step_time(dataclasses.replace(workload, global_batch=2 * workload.global_batch), rows, cluster, ft)
     if reference == "auto":
-        reference = "none" if ft.objective != "dpo" else "precomputed" if ft.method == "full" else "adapters"
+        reference = "none" if ft.objective != "dpo" else \
+            "precomputed" if method_entry(ft.method).trains_base else "adapters"
     per_step = est["base_forward_seconds"] * est["micro_steps"] if reference in ("adapters", "copy") else 0.0
     step = est["step_seconds"] + per_step
     tokens_per_second = 2 * workload.global_batch * workload.seq_len / step
@@ -352,12 +346,11 @@ def _input_grad_needed(ft: FinetuneConfig, block: int, targets: tuple[str, ...])
     """Whether the projections ``targets`` of ``block`` must pass a gradient to their input: always, except
     for the first block's q, k, v (reading the block's input through the attention norm) when nothing below
     them trains (the embedding is frozen and there are no virtual tokens), as autograd then skips them."""
-    first_input_frozen = ft.method in ("lora", "qlora", "prefix")
-    return not (block == 0 and first_input_frozen and set(targets) <= {"q", "k", "v"})
+    return not (block == 0 and method_entry(ft.method).first_input_frozen() and set(targets) <= {"q", "k", "v"})
 
 
 def _weight_trains(ft: FinetuneConfig, block: int) -> bool:
-    return ft.method == "full" and block >= ft.freeze_blocks
+    return method_entry(ft.method).trains_base and block >= ft.freeze_blocks
 
 
 def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: FinetuneConfig) -> dict:
@@ -365,10 +358,10 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
     data parallelism over ``plan.dp``; tensor / pipeline / context parallelism are pretraining's business),
     and tokens per second of the whole job."""
     cfg, hw = workload.model, cluster.hardware
-    seq = workload.seq_len + (ft.virtual_tokens if ft.method == "prompt" else 0)
+    seq = workload.seq_len + (ft.virtual_tokens if method_entry(ft.method).input_tokens else 0)
     b, tokens = plan.micro_batch, plan.micro_batch * seq
     shapes = projection_shapes(cfg)
-    lora = ft.method in ("lora", "qlora")
+    lora = method_entry(ft.method).lora
     targets = [t for t in ft.lora_targets if t in shapes] if lora else []
     n_ckpt = len(checkpointed_blocks(cfg.n_layers, plan.activation_checkpointing, plan.ac_every))
     trainable = trainable_parameters(cfg, ft)
@@ -407,6 +400,7 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
 
 def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, b: int, seq: int,
                  shapes: dict, targets: list[str], n_ckpt: int, trainable: int) -> tuple[float, float]:
+    method = method_entry(ft.method)  # finetune/method_table.py
     if "elementwise_s_per_element" not in entry:
 
         raise ConfigError("the CPU time model needs this machine's calibration: run `scaletrain doctor` "
@@ -417,7 +411,7 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
         entry["elementwise_s_per_element"]
     dequant = nf4_dequant_rate(ft, "cpu", entry)
     att_f, att_b = attention_seconds(b * cfg.n_heads, seq, head_width(cfg), entry)
-    if ft.method == "prefix":  # every query also reads the P prefix keys: causal T^2/2 -> T^2/2 + T*P
+    if method.prefix_tokens:  # every query also reads the P prefix keys: causal T^2/2 -> T^2/2 + T*P
         att_f, att_b = (a * (1 + 2 * ft.virtual_tokens / seq) for a in (att_f, att_b))
     total, base_forward = 0.0, 0.0
     for block in range(cfg.n_layers):
@@ -426,7 +420,7 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
         # the base's no-grad forward (DPO's reference through disabled adapters, ``preference_step_time``): the
         # frozen GEMMs and attention, a forward's third of the elementwise work and dispatch (as a recompute)
         base_forward += fwd + (units * elem + (entry["block_ops"] + family_block_ops(cfg)) * entry["op_overhead_s"]) / 3
-        if ft.method == "qlora":
+        if method.quantized_base:
             base_forward += sum(i * o for i, o in shapes.values()) * dequant
         bwd = att_b * masked
         for name, (i, o) in shapes.items():
@@ -435,9 +429,9 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
                 bwd += both
             elif _input_grad_needed(ft, block, (name,)):
                 bwd += both / 2
-                if ft.method == "qlora":
+                if method.quantized_base:
                     bwd += i * o * dequant
-            if ft.method == "qlora":
+            if method.quantized_base:
                 fwd += i * o * dequant
         ops = entry["block_ops"] + family_block_ops(cfg) + OPS_PER_ADAPTER * len(targets)
         for name in targets:  # x @ A^T (r wide), then @ B^T; both train, so full backward GEMMs
@@ -451,12 +445,12 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
             bwd += tokens * (8 * o + 12 * i) / entry["memory_bandwidth"]
             if ft.dora:  # the row norms of W + s B A each forward (no gradient): B @ A, then add and norm passes
                 fwd += gemm_seconds(o, i, r, entry) + i * o * 24 / entry["memory_bandwidth"] \
-                    + (i * o * dequant if ft.method == "qlora" else 0.0)
+                    + (i * o * dequant if method.quantized_base else 0.0)
         recompute = block >= cfg.n_layers - n_ckpt if n_ckpt else False
         total += (1 + recompute) * fwd + bwd + units * elem * (1 + recompute / 3) \
             + ops * (1 + recompute / 3) * entry["op_overhead_s"]
     vocab = cfg.vocab_size
-    head_trains = ft.method == "full"
+    head_trains = method.trains_base
     head_bwd = head_gemm_seconds(tokens, vocab, d, entry, True)
     head = (head_gemm_seconds(tokens, vocab, d, entry) + (head_bwd if head_trains else head_bwd / 2)
             + tokens * vocab * interp_curve(entry["cross_entropy_curve"], vocab) + 3 * tokens * d * elem
@@ -491,10 +485,11 @@ def gpu_memory_bound_seconds(cfg: ModelConfig, ft: FinetuneConfig, hw, tokens: i
 
     For the GPU check's 1B LoRA row (4 x 1024 tokens) these are 1.8 ms and 3.1 ms of the measured 77 ms a
     micro-batch (docs/finetuning.md): the rest of its 1.8x is not explained by what was measured (docs/gpu.md)."""
+    method = method_entry(ft.method)  # finetune/method_table.py
     seconds = 0.0
-    if autocast and ft.method in ("lora", "qlora", "prompt", "prefix", "full"):
+    if autocast:
         frozen = num_params(cfg) - trainable_parameters(cfg, ft)
-        if ft.method == "qlora":  # the NF4 projections are not cast (dequantized: charged apart)
+        if method.quantized_base:  # the NF4 projections are not cast (dequantized: charged apart)
             frozen -= cfg.n_layers * sum(i * o for i, o in shapes.values())
         recast = 1 + n_ckpt / max(cfg.n_layers, 1)
         seconds += max(frozen, 0) * (4 + 2) * recast / hw.memory_bandwidth
@@ -506,13 +501,14 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
                  shapes: dict, targets: list[str], n_ckpt: int, trainable: int) -> tuple[float, float]:
     """FLOPs at peak x the planner's utilisation: forward 2 per weight a token, backward 2 for the input
     gradient of every weight plus 2 more for each trainable one; attention's backward twice its forward."""
+    method = method_entry(ft.method)  # finetune/method_table.py
     rec = RECIPES[workload.precision]
     n_matmul = matmul_params(cfg)
     # QK^T and AV over the heads' width (n_heads x head_dim, not dim: Qwen3, Gemma 3); a sliding-window layer's
     # masked SDPA does the whole square, twice the causal kernel's work (timing._gpu_micro_seconds)
     attention_fwd = 4.0 * (cfg.n_layers + masked_attention_layers(cfg, seq)) * seq * cfg.n_heads * head_width(cfg)
     lora_params = sum(ft.lora_rank * sum(shapes[t]) for t in targets) * cfg.n_layers
-    weight_grads = (2.0 * n_matmul if ft.method == "full" else 0.0) + 2.0 * lora_params
+    weight_grads = (2.0 * n_matmul if method.trains_base else 0.0) + 2.0 * lora_params
     forward = 2.0 * (n_matmul + lora_params) + attention_fwd
     block_share = 1.0 - 2.0 * cfg.vocab_size * cfg.dim / forward
     executed = tokens * (forward * (1 + block_share * n_ckpt / cfg.n_layers) + 2.0 * n_matmul + 2 * attention_fwd
@@ -528,7 +524,7 @@ def _gpu_seconds(workload: Workload, cfg: ModelConfig, ft: FinetuneConfig, hw, t
             + adapted * 3 * rec.param / hw.memory_bandwidth
     # QLoRA: the dequantization of every 4-bit weight (eager or compiled) at memory bandwidth
     dequant = cfg.n_layers * sum(i * o for i, o in shapes.values()) * nf4_dequant_rate(ft, hw.kind) \
-        / hw.memory_bandwidth if ft.method == "qlora" else 0.0
+        / hw.memory_bandwidth if method.quantized_base else 0.0
     seconds += 2 * dequant  # twice a micro-batch: the forward and the input gradient
     optimizer = trainable * 3 * 20 / hw.memory_bandwidth  # pretraining's ~3 passes of 20 bytes a parameter
     # the base's no-grad forward (DPO's reference through disabled adapters): its FLOPs at the same rate, and its

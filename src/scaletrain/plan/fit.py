@@ -22,6 +22,7 @@ import torch
 
 from scaletrain.config import JobConfig
 from scaletrain.files import human_bytes
+from scaletrain.finetune.method_table import method_entry
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.plan.finetune import finetune_answer
 from scaletrain.plan.memory import memory_breakdown
@@ -53,7 +54,7 @@ def estimated_bytes(cfg: JobConfig, precision: str, device_kind: str, dims: Para
                     allocator: str = "system") -> float:
     """Bytes per device the planner predicts for one step of ``cfg`` (runtime and allocator margin included)."""
     workload, plan = job_workload(cfg, precision), job_plan(cfg, dims)
-    if cfg.finetune.source and cfg.finetune.method != "full":
+    if cfg.finetune.source and not method_entry(cfg.finetune.method).trains_base:
         return finetune_answer(workload, 0.0, device_kind, cfg.finetune, micro_batch=plan.micro_batch,
                                activation_checkpointing=plan.activation_checkpointing,
                                allocator=allocator)["per_device_bytes"]
@@ -110,7 +111,7 @@ def _advice(cfg: JobConfig, precision: str, kind: str, dims: ParallelDims | None
                     f"--train.grad_accum_steps={accum} keeps {t.batch_size * max(1, t.grad_accum_steps):,} "
                     f"sequences a step), or data.seq_len")
     ft = cfg.finetune
-    if ft.source and ft.method in ("lora", "qlora"):
+    if ft.source and method_entry(ft.method).lora:
         return f"lower finetune.lora_rank ({ft.lora_rank:,}) or data.seq_len"
     return "choose a smaller model (model.*) or data.seq_len, shard it over more devices (parallel.*), or " \
            "turn on parallel.activation_checkpointing"

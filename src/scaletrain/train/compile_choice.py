@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import ConfigError, JobConfig, read_toml
+from scaletrain.finetune.method_table import method_entry
 from scaletrain.model import flops_per_token
 from scaletrain.peak import cache_dir, device_fingerprint, devices_in_job, peak_flops
 
@@ -101,7 +102,7 @@ def expected_eager_ms(cfg: JobConfig, device: torch.device, world_size: int, who
 def decide(cfg: JobConfig, device: torch.device, world_size: int, whole_model: bool,
            steps_to_go: int) -> tuple[bool, str]:
     """(compile?, why: one line with the numbers it weighed)."""
-    if cfg.finetune.method == "qlora":
+    if method_entry(cfg.finetune.method).quantized_base:
         return False, ("train.compile=auto: eager (QLoRA's model runs eagerly; finetune.qlora_compile compiles the "
                        "dequantization of its 4-bit base alone)")
     if device.type != "cpu":

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import ConfigError, JobConfig, OptimConfig
+from scaletrain.finetune.method_table import method_entry
 from scaletrain.parallel.ddp import build_zero1_optimizer
 from scaletrain.train.muon import Muon, MuonAdamW, muon_matrices
 
@@ -166,7 +167,7 @@ def muon_refusal(cfg: JobConfig) -> str | None:
     if par.engine != "native" or par.zero_stage == 1 or par.low_comm != "none":
         return ("optim.name=muon runs on the native engine with DDP or FSDP2 (parallel.zero_stage 0, 2 or 3, "
                 "parallel.low_comm=none); ZeRO-1, DeepSpeed and local SGD / DiLoCo build their own AdamW")
-    if o.muon_adapters and ft.method not in ("lora", "qlora"):
+    if o.muon_adapters and not method_entry(ft.method).lora:
         return (f"optim.muon_adapters puts LoRA's adapter matrices under Muon: it needs finetune.method=lora "
                 f"or qlora (got {ft.method}); drop it")
     if o.muon_adapters and ft.lora_plus_ratio != 1.0:

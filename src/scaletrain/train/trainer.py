@@ -21,6 +21,7 @@ from scaletrain.data.run_data import training_data
 from scaletrain.files import write_file
 from scaletrain.finetune import parameter_counts, resolve_finetune
 from scaletrain.finetune.flops import trained_flops_per_token
+from scaletrain.finetune.method_table import packs_instructions
 from scaletrain.finetune.preference import preference_metrics
 from scaletrain.finetune.preference_rules import rows_per_example
 from scaletrain.model import num_params
@@ -130,7 +131,8 @@ class Trainer:
         self.model = self.engine.sampling_model(self.pm)
         self.scaler = grad_scaler(self.precision, self.device)
         self.train_loader = self.data.train_loader(self.pm.dp_rank, dims.dp_size,
-                                                   cfg.parallel.balance == "throughput" and dims.dp_size > 1)
+                                                   cfg.parallel.balance == "throughput" and dims.dp_size > 1,
+                                                   packed=packs_instructions(cfg))
         self.state = TrainState(schedule=dataclasses.asdict(cfg.schedule))
         self.guard = NonFiniteGuard(self.pm.replicas.rollback_after(cfg.train.rollback_after))
         # The loop's steps read nothing back until a log step where the optimizer can skip on the device.

@@ -19,6 +19,7 @@ from scaletrain.checkpoint.run import run_kind
 from scaletrain.config import ConfigError, JobConfig
 from scaletrain.data.tokenizer import Tokenizer
 from scaletrain.finetune.export import is_plain, merge_adapters
+from scaletrain.finetune.method_table import method_entry
 
 
 def transformers_nll(folder: str | Path, tokens: torch.Tensor, context: int, stride: int,
@@ -58,7 +59,7 @@ def exported_nll(run: str | Path, cfg: JobConfig, model: nn.Module, tokenizer: T
     if run_kind(Path(run), cfg) == "quantized":
         raise ConfigError(f"--check-transformers: {run} is quantized (torchao tensors, which no Hugging Face export "
                           f"holds); check the run it was quantized from")
-    if cfg.finetune.method in ("prompt", "prefix") and not is_plain(model):
+    if method_entry(cfg.finetune.method).virtual_tokens and not is_plain(model):
         raise ConfigError(f"--check-transformers: finetune.method={cfg.finetune.method} has virtual tokens, which "
                           f"no exported Hugging Face model holds; check the base run instead")
     if not is_plain(model):

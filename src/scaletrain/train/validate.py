@@ -10,6 +10,7 @@ import torch
 
 from scaletrain.config import ConfigError, JobConfig, OptimConfig, validate_job
 from scaletrain.finetune.lora import check_lora_targets, check_qlora_installed
+from scaletrain.finetune.method_table import method_entry
 from scaletrain.finetune.preference_rules import check_preference
 from scaletrain.finetune.qat import check_qat
 from scaletrain.parallel.compile import compile_mode_refusal, compiles_whole_model
@@ -40,33 +41,36 @@ def check_finetune(cfg: JobConfig, world_size: int, here: bool = True) -> None:
     check_preference(cfg, world_size)
     if not ft.source:
         return
-    if ft.method in ("lora", "qlora"):
+    method = method_entry(ft.method)  # finetune/method_table.py: what it trains, adds and refuses
+    if method.lora:
         check_lora_targets(ft.lora_targets)
-    if ft.method == "full" and ft.freeze_blocks > cfg.model.n_layers:
+    if method.trains_base and ft.freeze_blocks > cfg.model.n_layers:
         raise ConfigError(f"finetune.freeze_blocks ({ft.freeze_blocks}) exceeds the base's {cfg.model.n_layers} "
                           f"blocks")
-    if ft.lora_plus_ratio != 1.0 and ft.method not in ("lora", "qlora"):
+    if ft.lora_plus_ratio != 1.0 and not method.lora:
         raise ConfigError(f"finetune.lora_plus_ratio={ft.lora_plus_ratio:g} scales the LoRA B matrices' learning rate; "
                           f"finetune.method={ft.method} has none: use method=lora or qlora, or leave it at 1")
-    if ft.method != "full" and (par.tp > 1 or par.pp > 1 or par.cp > 1 or par.low_comm != "none"):
+    if method.data_parallel_only and (par.tp > 1 or par.pp > 1 or par.cp > 1 or par.low_comm != "none"):
         raise ConfigError(f"finetune.method={ft.method} runs with data parallelism (DDP, FSDP2) only; set "
                           f"parallel.tp/pp/cp=1 and parallel.low_comm=none, or use finetune.method=full")
     if par.low_comm != "none":
         raise ConfigError("fine-tuning with parallel.low_comm is not supported; set parallel.low_comm=none")
-    if ft.method == "qlora" and here:
+    if method.quantized_base and here:
         check_qlora_installed()
-    if ft.method == "qlora" and (world_size > 1 or cfg.train.compile == "true"):
-        raise ConfigError("finetune.method=qlora runs in one process without train.compile (the 4-bit torchao "
+    if method.quantized_base and (world_size > 1 or cfg.train.compile == "true"):
+        raise ConfigError(f"finetune.method={ft.method} runs in one process without train.compile (the 4-bit torchao "
                           "base is untested with DDP/FSDP2 and a compiled model; finetune.qlora_compile compiles its "
                           "dequantization alone); use method=lora to scale out")
-    if ft.packing == "true" and (ft.method in ("prompt", "prefix") or cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
+    if ft.packing == "true" and (method.virtual_tokens or cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         why = (f"finetune.method={ft.method}'s virtual tokens would be shared by every example of a row"
-               if ft.method in ("prompt", "prefix") else "the block-causal mask does not travel through pipeline "
+               if method.virtual_tokens else "the block-causal mask does not travel through pipeline "
                "stages or sequence shards (parallel.pp / parallel.cp)")
         raise ConfigError(f"finetune.packing=true cannot be done here: {why}; set finetune.packing=auto or false")
-    if ft.method in ("prompt", "prefix") and cfg.data.document_attention:
+    if method.virtual_tokens and cfg.data.document_attention:
         raise ConfigError(f"finetune.method={ft.method} does not take data.document_attention (the virtual tokens "
                           f"sit outside the documents); set data.document_attention=false")
+    if refusal := method.refusal(cfg, world_size):
+        raise ConfigError(refusal)
 
 
 def check_mup(cfg: JobConfig) -> None:
@@ -107,13 +111,13 @@ def check_distillation(cfg: JobConfig, here: bool = True) -> None:
     """finetune.teacher (finetune/distill.py): a fine-tune on one model part whose logits are plain tensors;
     finetune.qat (finetune/qat.py): a full fine-tune without tensor/pipeline/context parallelism."""
     ft = cfg.finetune
-    if ft.qat and (ft.method != "full" or not ft.source):
+    if ft.qat and (not method_entry(ft.method).trains_base or not ft.source):
         raise ConfigError("finetune.qat fake-quantizes the weights that train: it needs finetune.source and "
                           "finetune.method=full")
     if ft.qat and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.cp > 1):
         raise ConfigError("finetune.qat runs with data parallelism (DDP, FSDP2) only; set parallel.tp/pp/cp=1")
     check_qat(ft, cfg.model, here)  # torchao, the int4 group size against the model's widths
-    if ft.keep_zeros and (ft.method != "full" or not ft.source):
+    if ft.keep_zeros and (not method_entry(ft.method).trains_base or not ft.source):
         raise ConfigError("finetune.keep_zeros holds the base's zeros in weights that train: it needs finetune.source "
                           "and finetune.method=full (LoRA keeps the frozen base's zeros anyway)")
     if ft.keep_zeros and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.dp_shard != 1
