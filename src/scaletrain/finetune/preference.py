@@ -25,7 +25,7 @@ after the base is loaded and before any checkpoint is), stored in the run folder
 read back on a resume, so a resumed run uses the very same numbers.
 
 ``PreferenceObjective`` is installed on a ``ParallelModel`` as distillation's ``Distiller`` is: its ``loss``
-replaces ``pm.loss_fn``, a forward pre-hook keeps the batch's token ids for the reference. It keeps the
+is ``pm.objective_loss`` (train/loss.py), a forward pre-hook keeps the batch's token ids for the reference. It keeps the
 rewards, margin and accuracy of the pairs it scores, training and evaluation apart, for the trainer's log
 (``preference_metrics``).
 """
@@ -48,7 +48,7 @@ from scaletrain.files import file_sha256
 from scaletrain.finetune.base import open_base
 from scaletrain.finetune.lora import adapters_disabled
 from scaletrain.model.loss import CHUNK_BYTES
-from scaletrain.parallel.tensor import _mask_padding
+from scaletrain.parallel.tensor import mask_padding
 
 OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
 DPO_LOSSES = ("sigmoid", "robust", "ipo")
@@ -61,7 +61,7 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor,
     """logits (N, T, V), targets (N, T) with -100 where nothing is scored -> (the summed log-probability of
     each row's targets (N,), fp32; the number of targets of each row (N,))."""
     if vocab_limit is not None and vocab_limit < logits.size(-1):
-        logits = _mask_padding(logits, vocab_limit)
+        logits = mask_padding(logits, vocab_limit)
     per_token = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none",
                                  ignore_index=IGNORE).view(targets.shape)  # (N, T), 0 where ignored
     return per_token.sum(-1), (targets != IGNORE).sum(-1)
@@ -237,7 +237,7 @@ class PreferenceObjective:
         # [sum of chosen rewards, rejected rewards, wins, chosen log-probs, rejected log-probs, pairs, ties]
         self.sums = {"train": torch.zeros(7, dtype=torch.float64), "eval": torch.zeros(7, dtype=torch.float64)}
         pm.parts[0].register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
-        pm.loss_fn = self.loss
+        pm.objective_loss = self.loss
         pm.preference = self
 
     def _keep_inputs(self, _module, args, kwargs):

@@ -32,6 +32,7 @@ from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.distributed import say
 from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.train.fp8 import convert_to_fp8
+from scaletrain.train.loss import cross_entropy
 
 
 class Converter(Protocol):
@@ -75,7 +76,8 @@ class Distillation(AfterOnly):
     tokenizer: str
 
     def after_parallelize(self, pm: ParallelModel) -> None:
-        attach_teacher(pm, self.ft, self.tokenizer)
+        attach_teacher(pm, self.ft, self.tokenizer,
+                       lambda logits, targets: cross_entropy(logits, targets, pm.vocab_limit))
 
 
 @dataclass

@@ -23,9 +23,9 @@ from scaletrain.data.run_data import describe_validation, training_data, validat
 from scaletrain.data.sources import resolve_source
 from scaletrain.data.tokenizer import DataError, Tokenizer, encode_known, token_byte_lengths
 from scaletrain.finetune.preference import attach_for_evaluation
-from scaletrain.parallel import forward_loss
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.parallelize import ParallelModel
+from scaletrain.train.loss import forward_loss
 from scaletrain.train.precision import autocast, resolve_precision
 
 LN2 = math.log(2)

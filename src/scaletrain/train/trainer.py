@@ -204,7 +204,7 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += plan.global_batch * cfg.data.seq_len
         self.pm.replicas.after_step(self.state.step)
-        record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+        record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr, **result.auxiliary,
                   **preference_metrics(self.pm, "train")}  # DPO/SimPO/ORPO's rewards (finetune/preference.py)
         self.adaptive.after_step(plan, self.state.step, result.grad_norm, record)
         if deferred:
