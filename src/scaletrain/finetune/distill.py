@@ -65,7 +65,6 @@ class Distiller:
         self.data_loss = data_loss  # the next-token loss (train/loss.py)
         self.inputs: tuple | None = None
         pm.parts[0].register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
-        pm.objective_loss = self.loss  # ``forward_backward`` / ``forward_loss`` call it on the whole logits
 
     def _keep_inputs(self, _module, args, kwargs):
         self.inputs = (args[0], kwargs.get("attn_mask"))
@@ -84,9 +83,7 @@ class Distiller:
 
 
 def attach_teacher(pm, ft: FinetuneConfig, tokenizer: str,
-                   data_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Distiller | None:
-    """Distil from ``ft.teacher`` when set (``train/step.py:build_parallel_training`` calls this)."""
-    if not ft.teacher:
-        return None
+                   data_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Distiller:
+    """Distil from ``ft.teacher`` (finetune/objectives.py's ``distill`` entry installs its ``loss``)."""
     return Distiller(pm, load_teacher(ft.teacher, tokenizer, pm.device), ft.distill_weight, ft.distill_temperature,
                      data_loss)
