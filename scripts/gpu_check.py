@@ -487,7 +487,7 @@ def nccl_worker(out: Path, dry: bool) -> None:
     from scaletrain.model import build_model
     from scaletrain.parallel.ddp import apply_ddp
     from scaletrain.parallel.fsdp import apply_fsdp
-    from scaletrain.parallel.tensor import cross_entropy
+    from scaletrain.train.loss import cross_entropy
     from scaletrain.train.optimizer import build_optimizer
 
     device = torch.device("cpu" if dry else "cuda", int(os.environ.get("LOCAL_RANK", 0)))

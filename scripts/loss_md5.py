@@ -1,4 +1,4 @@
-"""The md5 of every logged loss of four short runs, to show a refactor left training bit for bit unchanged.
+"""The md5 of every logged loss of five short runs, to show a refactor left training bit for bit unchanged.
 
 Runs, each in a fresh process with one thread (so the reductions' order is fixed) and the loss logged every step:
 
@@ -6,6 +6,8 @@ Runs, each in a fresh process with one thread (so the reductions' order is fixed
 - ``baby``: ``configs/shakespeare_char_baby.toml`` (Muon), 30 steps;
 - ``lora``: ``scaletrain finetune --from`` a tiny Llama-family base (tests/fixtures/families/llama.json built in
   transformers with seeded random weights, as tests/test_families_finetune.py builds it), LoRA, 20 steps;
+- ``dpo``: ``scaletrain finetune --from`` the same base, DPO (``finetune.objective=dpo``, LoRA, its reference the
+  base through disabled adapters) on a tiny preference JSONL written by this script, 10 steps;
 - ``zero2``: the DeepSpeed engine, ZeRO-2 on 2 gloo ranks, 20 steps (skipped when DeepSpeed is not importable).
 
 The md5 is of the JSON list ``[[step, loss], ...]`` read from the run's metrics.jsonl (Python's float repr is exact).
@@ -99,6 +101,28 @@ def run_lora(work: Path) -> Path:
     return run
 
 
+# One pair a line, as docs/finetuning.md describes ``finetune.preferences``: a prompt, a chosen and a rejected answer.
+PAIRS = [("Who speaks first?", "The king speaks first.", "A dog barks first."),
+         ("What is the hour?", "It is near midnight.", "Fish are in the sea."),
+         ("Where is the duke?", "The duke is at court.", "Bread is made of flour."),
+         ("Who loves Juliet?", "Romeo loves her.", "The moon is cheese."),
+         ("What does the fool sing?", "A song of rain.", "Numbers and sums."),
+         ("Who rules Denmark?", "Claudius rules now.", "A cat rules it.")]
+
+
+def run_dpo(work: Path) -> Path:
+    run, pairs = work / "dpo", work / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in PAIRS),
+                     encoding="utf-8")
+    base = work / "base-llama"
+    _run(_cli("finetune", "--from", str(base if base.exists() else _base(work)), "--finetune.objective=dpo",
+              "--finetune.method=lora", "--finetune.lora_targets=q,k,v,o", f"--finetune.preferences={pairs}",
+              "--data.seq_len=48", "--train.batch_size=2", "--train.steps=10", "--train.eval_interval=0",
+              "--train.precision=fp32", "--schedule.warmup_steps=2", "--optim.lr=0.01", "--checkpoint.interval=0",
+              f"--train.run_dir={run}", *QUIET))
+    return run
+
+
 def run_zero2(work: Path) -> Path:
     run = work / "zero2"
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
@@ -109,7 +133,7 @@ def run_zero2(work: Path) -> Path:
     return run
 
 
-RUNS = {"default": run_default, "baby": run_baby, "lora": run_lora, "zero2": run_zero2}
+RUNS = {"default": run_default, "baby": run_baby, "lora": run_lora, "dpo": run_dpo, "zero2": run_zero2}
 
 
 def _deepspeed_missing() -> bool:

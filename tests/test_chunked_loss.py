@@ -15,7 +15,7 @@ from helpers.launch import HELPERS, PARITY_RTOL, torchrun
 from scaletrain.config import ModelConfig
 from scaletrain.model import build_model
 from scaletrain.model.loss import chunk_rows, chunked_cross_entropy
-from scaletrain.parallel.tensor import cross_entropy
+from scaletrain.train.loss import cross_entropy
 
 
 def _batch(vocab: int, rows: int = 3, seq: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,11 +132,12 @@ def test_the_step_chooses_the_chunked_loss_by_the_setting(tmp_path):
     """train.loss_chunk_rows: -1 chunks only when a batch's logits pass 32 MB, N chunks by N, 0 never."""
     from types import SimpleNamespace
 
-    from scaletrain.parallel.parallelize import loss_chunk_rows
+    from scaletrain.train.loss import loss_chunk_rows
 
     model = build_model(ModelConfig(vocab_size=151_936, dim=8, n_layers=1, n_heads=2, ffn_hidden_dim=16,
                                     max_seq_len=8), device="meta")
-    pm = SimpleNamespace(modules=[model], loss_rows=-1, tp_enabled=False, pipeline=None)
+    pm = SimpleNamespace(modules=[model], loss_rows=-1, tp_enabled=False, pipeline=None,
+                         objective_loss=None)
     small, big = torch.zeros(1, 8, dtype=torch.long), torch.zeros(4, 1024, dtype=torch.long, device="meta")
     assert chunk_rows(151_936) == 55  # 55 x 151,936 fp32 logits: 31.9 MiB, the most under 32 MiB
     assert loss_chunk_rows(pm, small) == 0  # 8 positions' logits are under one chunk: the plain loss

@@ -37,7 +37,13 @@ def _finetune(hf_base, run, tiny, **extra) -> list[str]:
 
 def test_converters_follow_the_build_order(hf_base):
     from scaletrain.finetune.methods import FinetuneMethod
-    from scaletrain.train.converters import Distillation, Float8Training, KeepZeros, QuantizationAware, build_converters
+    from scaletrain.train.converters import (
+        Float8Training,
+        KeepZeros,
+        QuantizationAware,
+        TrainingObjective,
+        build_converters,
+    )
 
     cfg = JobConfig()
     dims = ParallelDims.from_config(cfg.parallel, 1)
@@ -47,8 +53,9 @@ def test_converters_follow_the_build_order(hf_base):
                              keep_zeros=True)
     job = dataclasses.replace(cfg, finetune=ft, train=dataclasses.replace(cfg.train, precision="fp8"))
     built = build_converters(job, dims, "cpu")
-    assert [type(c) for c in built.items] == [Float8Training, FinetuneMethod, Distillation, QuantizationAware,
+    assert [type(c) for c in built.items] == [Float8Training, FinetuneMethod, TrainingObjective, QuantizationAware,
                                               KeepZeros]
+    assert built.items[2].objective.name == "distill"  # finetune.teacher's entry (finetune/objectives.py)
     assert built.loads_weights
 
 

@@ -16,8 +16,8 @@ from scaletrain.model import build_model
 from scaletrain.model.generate import generate
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.dims import padded_vocab_size
-from scaletrain.parallel.tensor import cross_entropy
 from scaletrain.train.evaluate import token_loss
+from scaletrain.train.loss import cross_entropy
 from scaletrain.train.step import StepOptions, training_step
 from scaletrain.train.trainer import Trainer
 

@@ -20,6 +20,7 @@ from scaletrain.config import (
     read_toml,
     to_toml,
 )
+from scaletrain.finetune.objectives import objective_entry
 from scaletrain.invocation import record_invocation
 from scaletrain.options import UserError
 
@@ -123,6 +124,7 @@ def _restore_saved_config(run_dir: Path, recipe: str | None) -> Path | None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = resolve_job_config(args)
+    objective_entry(cfg.finetune.objective)  # a name outside the table: one line before anything starts
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0

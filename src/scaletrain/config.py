@@ -319,10 +319,11 @@ class FinetuneConfig:
                                      "none), plain (scaletrain's \"User:\" / \"Assistant:\" text) or auto (base when "
                                      "the base's tokenizer folder has a chat template, else plain)",
                              choices=("auto", "base", "plain"))
+    # An entry of the objective table (finetune/objectives.py: OBJECTIVES), checked with the job (train/validate.py).
     objective: str = opt("sft", "what the fine-tune minimises: sft (next-token loss on the data or "
                                 "instructions), or on finetune.preferences pairs dpo (with a reference: the base "
                                 "through disabled adapters, or log-probs precomputed for method=full), simpo or "
-                                "orpo (no reference) (docs/finetuning.md)", choices=("sft", "dpo", "simpo", "orpo"))
+                                "orpo (no reference) (docs/finetuning.md)")
     preferences: str = opt("", "dpo/simpo/orpo: a JSONL file of {\"prompt\" (or \"messages\"), \"chosen\", "
                                "\"rejected\"} lines, rendered as instructions are, the completions scored; "
                                "data.val_fraction of the pairs are held out")

@@ -5,12 +5,15 @@ The student's loss becomes ``(1 - w) * data loss + w * T^2 * KL(teacher_T || stu
 the softmaxes of the logits divided by the temperature T (Hinton et al. 2015; T^2 keeps the gradient's
 scale as T changes), averaged over the tokens the data loss counts (instruction prompts masked with -100
 are left out of both). It is a transform over what ``build_parallel_training`` returns, not a second step:
-a forward pre-hook on the student keeps the batch's token ids, and the ``ParallelModel``'s loss function
-is replaced by one that runs the frozen teacher on them (no gradient) and mixes the two losses. In
-evaluation (the student in eval mode) the loss is the data loss alone, so validation losses stay comparable.
+a forward pre-hook on the student keeps the batch's token ids, and the ``ParallelModel``'s objective loss
+(``objective_loss``, train/loss.py) is one that runs the frozen teacher on them (no gradient) and mixes the
+two losses. In evaluation (the student in eval mode) the loss is the data loss alone, so validation losses
+stay comparable.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,14 +57,14 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 class Distiller:
     """Installed on a ``ParallelModel`` (single part: no pipeline, no tensor/context parallelism)."""
 
-    def __init__(self, pm, teacher: nn.Module, weight: float, temperature: float):
+    def __init__(self, pm, teacher: nn.Module, weight: float, temperature: float,
+                 data_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.teacher, self.weight, self.temperature = teacher, weight, temperature
         self.student = pm.modules[0]
         self.vocab_limit = pm.vocab_limit
-        self.data_loss = pm.loss_fn
+        self.data_loss = data_loss  # the next-token loss (train/loss.py)
         self.inputs: tuple | None = None
         pm.parts[0].register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
-        pm.loss_fn = self.loss  # an instance attribute: ``forward_backward`` / ``forward_loss`` call it
 
     def _keep_inputs(self, _module, args, kwargs):
         self.inputs = (args[0], kwargs.get("attn_mask"))
@@ -79,8 +82,8 @@ class Distiller:
         return (1 - self.weight) * data + self.weight * kd
 
 
-def attach_teacher(pm, ft: FinetuneConfig, tokenizer: str) -> Distiller | None:
-    """Distil from ``ft.teacher`` when set (``train/step.py:build_parallel_training`` calls this)."""
-    if not ft.teacher:
-        return None
-    return Distiller(pm, load_teacher(ft.teacher, tokenizer, pm.device), ft.distill_weight, ft.distill_temperature)
+def attach_teacher(pm, ft: FinetuneConfig, tokenizer: str,
+                   data_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Distiller:
+    """Distil from ``ft.teacher`` (finetune/objectives.py's ``distill`` entry installs its ``loss``)."""
+    return Distiller(pm, load_teacher(ft.teacher, tokenizer, pm.device), ft.distill_weight, ft.distill_temperature,
+                     data_loss)

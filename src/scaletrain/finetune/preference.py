@@ -25,7 +25,8 @@ after the base is loaded and before any checkpoint is), stored in the run folder
 read back on a resume, so a resumed run uses the very same numbers.
 
 ``PreferenceObjective`` is installed on a ``ParallelModel`` as distillation's ``Distiller`` is: its ``loss``
-replaces ``pm.loss_fn``, a forward pre-hook keeps the batch's token ids for the reference. It keeps the
+is ``pm.objective_loss`` (train/loss.py, set by finetune/objectives.py's entry), a forward pre-hook keeps the
+batch's token ids for the reference. It keeps the
 rewards, margin and accuracy of the pairs it scores, training and evaluation apart, for the trainer's log
 (``preference_metrics``).
 """
@@ -33,6 +34,7 @@ rewards, margin and accuracy of the pairs it scores, training and evaluation apa
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,9 +51,8 @@ from scaletrain.finetune.base import open_base
 from scaletrain.finetune.lora import adapters_disabled
 from scaletrain.finetune.method_table import method_entry
 from scaletrain.model.loss import CHUNK_BYTES
-from scaletrain.parallel.tensor import _mask_padding
+from scaletrain.parallel.tensor import mask_padding
 
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
 DPO_LOSSES = ("sigmoid", "robust", "ipo")
 REFERENCE_FILE = "reference_logps.pt"
 IGNORE = -100
@@ -62,7 +63,7 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor,
     """logits (N, T, V), targets (N, T) with -100 where nothing is scored -> (the summed log-probability of
     each row's targets (N,), fp32; the number of targets of each row (N,))."""
     if vocab_limit is not None and vocab_limit < logits.size(-1):
-        logits = _mask_padding(logits, vocab_limit)
+        logits = mask_padding(logits, vocab_limit)
     per_token = -F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none",
                                  ignore_index=IGNORE).view(targets.shape)  # (N, T), 0 where ignored
     return per_token.sum(-1), (targets != IGNORE).sum(-1)
@@ -229,8 +230,8 @@ class PrecomputedReference:
 class PreferenceObjective:
     """The preference loss installed on a ``ParallelModel`` (single part: data parallelism only)."""
 
-    def __init__(self, pm, ft: FinetuneConfig, reference: PrecomputedReference | None = None):
-        self.ft, self.reference = ft, reference
+    def __init__(self, pm, ft: FinetuneConfig, score: PairScore, reference: PrecomputedReference | None = None):
+        self.ft, self.score, self.reference = ft, score, reference
         self.model = pm.modules[0]
         self.vocab_limit = pm.vocab_limit
         self.whole = held_whole(pm)
@@ -238,13 +239,13 @@ class PreferenceObjective:
         # [sum of chosen rewards, rejected rewards, wins, chosen log-probs, rejected log-probs, pairs, ties]
         self.sums = {"train": torch.zeros(7, dtype=torch.float64), "eval": torch.zeros(7, dtype=torch.float64)}
         pm.parts[0].register_forward_pre_hook(self._keep_inputs, with_kwargs=True)
-        pm.loss_fn = self.loss
-        pm.preference = self
+        pm.preference = self  # its rewards, for ``preference_metrics``
 
     def _keep_inputs(self, _module, args, kwargs):
         self.inputs = (args[0], kwargs.get("attn_mask"))
 
-    def _reference_logps(self, targets: torch.Tensor) -> torch.Tensor:
+    def reference_logps(self, targets: torch.Tensor) -> torch.Tensor:
+        """The reference's log-probabilities of this micro-batch's rows (2B,): stored, or the adapter-free model's."""
         inputs, attn_mask = self.inputs
         if self.reference is not None:
             return self.reference(inputs, targets)
@@ -254,17 +255,7 @@ class PreferenceObjective:
     def scores(self, logps: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor) -> PairScores:
         """The objective on one (2B, T) micro-batch from its rows' summed log-probabilities and target counts
         (2B,) (``sequence_logps``)."""
-        chosen, rejected = logps.chunk(2)
-        chosen_tokens, rejected_tokens = tokens.chunk(2)
-        ft = self.ft
-        if ft.objective == "dpo":
-            ref_chosen, ref_rejected = self._reference_logps(targets).chunk(2)
-            return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, ft.beta, ft.dpo_loss, ft.label_smoothing,
-                            chosen_tokens, rejected_tokens)
-        if ft.objective == "simpo":
-            return simpo_loss(chosen, rejected, chosen_tokens, rejected_tokens, ft.beta, ft.simpo_gamma,
-                              ft.label_smoothing)
-        return orpo_loss(chosen, rejected, chosen_tokens, rejected_tokens, ft.beta)
+        return self.score(self, *logps.chunk(2), *tokens.chunk(2), targets)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logps, tokens = sequence_logps(logits, targets, self.vocab_limit)
@@ -293,6 +284,32 @@ class PreferenceObjective:
         return {f"{prefix}reward_chosen": c / n, f"{prefix}reward_rejected": r / n,
                 f"{prefix}reward_margin": (c - r) / n, f"{prefix}reward_accuracy": acc / n,
                 f"{prefix}reward_ties": ties / n, f"{prefix}logps_chosen": lc / n, f"{prefix}logps_rejected": lr / n}
+
+
+# (objective, chosen, rejected log-probs (B,), their target counts (B,), the (2B, T) targets) -> the pairs' scores:
+# the loss of one preference objective (finetune/objectives.py's entries name theirs).
+PairScore = Callable[["PreferenceObjective", torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     PairScores]
+
+
+def dpo_scores(objective: PreferenceObjective, chosen: torch.Tensor, rejected: torch.Tensor,
+               chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, targets: torch.Tensor) -> PairScores:
+    """DPO against the reference's log-probabilities of the same rows."""
+    ft = objective.ft
+    ref_chosen, ref_rejected = objective.reference_logps(targets).chunk(2)
+    return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, ft.beta, ft.dpo_loss, ft.label_smoothing,
+                    chosen_tokens, rejected_tokens)
+
+
+def simpo_scores(objective: PreferenceObjective, chosen: torch.Tensor, rejected: torch.Tensor,
+                 chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, targets: torch.Tensor) -> PairScores:
+    ft = objective.ft
+    return simpo_loss(chosen, rejected, chosen_tokens, rejected_tokens, ft.beta, ft.simpo_gamma, ft.label_smoothing)
+
+
+def orpo_scores(objective: PreferenceObjective, chosen: torch.Tensor, rejected: torch.Tensor,
+                chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor, targets: torch.Tensor) -> PairScores:
+    return orpo_loss(chosen, rejected, chosen_tokens, rejected_tokens, objective.ft.beta)
 
 
 def held_whole(pm) -> bool:
@@ -337,28 +354,29 @@ def precomputed_reference(pm, cfg: JobConfig, say=print) -> PrecomputedReference
     return reference
 
 
-def attach_for_evaluation(pm, cfg: JobConfig, run_dir: str | Path) -> PreferenceObjective:
+def attach_for_evaluation(pm, cfg: JobConfig, run_dir: str | Path, score: PairScore,
+                          reference_model: bool) -> PreferenceObjective:
     """A finished run's objective on its loaded model (``scaletrain eval``), so its val loss is the one training
     recorded: DPO's reference is the run's stored log-probabilities (method=full) or its adapters switched off."""
     ft = cfg.finetune
     reference = None
-    if ft.objective == "dpo" and method_entry(ft.method).trains_base:
+    if reference_model and method_entry(ft.method).trains_base:
         path = Path(run_dir) / REFERENCE_FILE
         reference = PrecomputedReference.load(path, reference_fingerprint(cfg))
         if reference is None:
             raise DataError(f"{path}: missing, or stored for another base or preference file; a DPO run's val loss "
                             f"needs the reference log-probabilities it trained with")
-    elif ft.objective == "dpo":
+    elif reference_model:
         with adapters_disabled(pm.modules[0]) as count:
             if not count:
                 raise DataError(f"{run_dir}: a DPO run's model has no adapters to switch off for its reference")
-    return PreferenceObjective(pm, ft, reference)
+    return PreferenceObjective(pm, ft, score, reference)
 
 
-def attach_preference(pm, cfg: JobConfig, say=print) -> PreferenceObjective:
-    """Install ``finetune.objective`` on ``pm`` (the base and adapters loaded); DPO with full fine-tuning
-    precomputes its reference first, DPO with adapters uses the adapter-free model."""
-    ft = cfg.finetune
-    precomputed = ft.objective == "dpo" and method_entry(ft.method).trains_base
+def attach_preference(pm, cfg: JobConfig, score: PairScore, reference_model: bool,
+                      say=print) -> PreferenceObjective:
+    """``finetune.objective``'s scoring on ``pm`` (the base and adapters loaded); with a reference model (DPO),
+    full fine-tuning precomputes the reference first, adapters use the adapter-free model."""
+    precomputed = reference_model and method_entry(cfg.finetune.method).trains_base
     reference = precomputed_reference(pm, cfg, say) if precomputed else None
-    return PreferenceObjective(pm, ft, reference)
+    return PreferenceObjective(pm, cfg.finetune, score, reference)

@@ -427,7 +427,7 @@ class Transformer(nn.Module):
                 ) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab). On a middle pipeline stage, hidden in / hidden out.
         ``hidden_only``: the final norm's output (B, T, d) without the head, for a caller that runs ``head``
-        on part of the positions at a time (evaluation with a big vocabulary: ``parallel.forward_loss``).
+        on part of the positions at a time (evaluation with a big vocabulary: ``train.loss.forward_loss``).
 
         With ``cache`` (generation, ``model/cache.py``): the tokens follow the cached ones; ``padding`` (B, T)
         bool marks left padding. Without (training, evaluation) nothing below the first ``if`` changes.

@@ -15,7 +15,7 @@ had; here the weight's gradient is accumulated in place in one buffer, and not c
 frozen (LoRA, QLoRA, prompt/prefix tuning), and the backward is one pass of two matrix products a chunk.
 
 What the head does to the logits is applied in the same order as ``Transformer.head`` and the plain loss
-(``parallel.tensor.cross_entropy``): the matrix product in the compute dtype (the autocast dtype under autocast),
+(``train.loss.cross_entropy``): the matrix product in the compute dtype (the autocast dtype under autocast),
 muP's output multiplier in that dtype, the cast to fp32, an optional soft-cap (c * tanh(z / c), Gemma 2's
 ``final_logit_softcapping``), the padding columns of a padded vocabulary at -inf, then the mean over the targets
 that are not -100 (``IGNORE_INDEX``): the loss and the gradients equal the unchunked ones to float rounding.
@@ -56,7 +56,7 @@ def rows_at_once(positions: int, vocab_size: int, setting: int = -1, device_type
     """Positions whose logits the loss holds at once for a batch of ``positions`` under ``train.loss_chunk_rows``
     = ``setting`` (-1 auto: ``chunk_rows`` of ``chunk_bytes(device_type)``; 0 off; N): ``positions`` when the
     whole logits are computed (off, or when they fit in one chunk anyway). The trainer
-    (``parallel.parallelize.loss_chunk_rows``) and the planner (``plan.memory``) both ask this."""
+    (``train.loss.loss_chunk_rows``) and the planner (``plan.memory``) both ask this."""
     if setting == 0:
         return positions
     return min(positions, setting if setting > 0 else chunk_rows(vocab_size, chunk_bytes(device_type)))
@@ -155,5 +155,5 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 def chunkable_head(head: nn.Module | None) -> bool:
     """Whether the loss can run the head as a plain weight (V, d): an ``nn.Linear`` without a bias (prompt
     tuning's head, which drops the virtual positions first, is one). Tensor parallelism's DTensor head is left
-    to its caller (``parallel.parallelize.loss_chunk_rows``)."""
+    to its caller (``train.loss.loss_chunk_rows``)."""
     return isinstance(head, nn.Linear) and head.bias is None

@@ -9,6 +9,6 @@ from scaletrain.lazy import lazy_exports
 # ``parallelize`` the function is imported from ``scaletrain.parallel.parallelize``: as a package attribute the
 # name is the submodule's once anything imports it.
 _WHERE = {"ParallelDims": "dims", "ParallelModel": "parallelize", "clip_grad_norm_": "parallelize",
-          "forward_backward": "parallelize", "forward_loss": "parallelize", "global_mean": "reduce"}
+          "global_mean": "reduce"}
 __all__ = list(_WHERE)
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -24,17 +24,16 @@ from torch import nn
 
 from scaletrain.config import ModelConfig, ParallelConfig
 from scaletrain.model.config import has_local_rope
-from scaletrain.model.loss import chunkable_head, rows_at_once
 from scaletrain.parallel.activation_checkpoint import apply_ac
 from scaletrain.parallel.compile import apply_compile, compiles_whole_model
 from scaletrain.parallel.context import context_parallel_context
-from scaletrain.parallel.ddp import CommCounter, apply_ddp, grad_sync_context
+from scaletrain.parallel.ddp import CommCounter, apply_ddp
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.init import materialize
 from scaletrain.parallel.low_comm import LowCommSync, ReplicaSync
 from scaletrain.parallel.pipeline import Pipeline, build_pipeline, split_model, stage_ids
-from scaletrain.parallel.tensor import apply_tp, cross_entropy, loss_context
+from scaletrain.parallel.tensor import apply_tp
 
 
 @dataclass
@@ -49,8 +48,11 @@ class ParallelModel:
     replicas: ReplicaSync = field(default_factory=ReplicaSync)  # how data-parallel replicas stay together
     comm: CommCounter = field(default_factory=CommCounter)
     dp_rank: int = 0
-    vocab_limit: int | None = None  # the tokenizer's vocabulary when the model's is padded (see cross_entropy)
+    vocab_limit: int | None = None  # the tokenizer's vocabulary when the model's is padded (train/loss.py)
     loss_rows: int = -1  # the chunked loss's positions a chunk (model/loss.py): -1 auto, 0 the whole logits
+    # The objective's loss on whole logits, installed once where the training is built (train/objectives.py);
+    # None: the next-token cross-entropy, which may run by chunks (train/loss.py).
+    objective_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -75,12 +77,6 @@ class ParallelModel:
             return None
         return self.mesh[name].get_group()
 
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, targets, self.vocab_limit)
-
-    def loss_context(self):
-        return loss_context(self.tp_enabled)
-
 
 def _dp_mesh(mesh, dims: ParallelDims):
     """The sub-mesh FSDP shards over: dp_shard (x cp, whose ranks must also average gradients),
@@ -103,13 +99,14 @@ def _dp_rank(mesh, dims: ParallelDims) -> int:
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, mesh, model_cfg: ModelConfig,
                 device: torch.device, seed: int, compile: bool = False, grad_accum_steps: int = 1,
-                compile_mode: str = "default",
-                vocab_limit: int | None = None, init_weights: bool = True) -> ParallelModel:
+                compile_mode: str = "default", vocab_limit: int | None = None, init_weights: bool = True,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> ParallelModel:
     """Apply the configured parallelism to ``model`` (built on the meta device) and materialize it.
 
     ``vocab_limit``: the tokenizer's vocabulary when ``model_cfg.vocab_size`` is padded beyond it; the
-    loss masks the padding columns out (``cross_entropy``). ``init_weights=False``: the weights are left
-    uninitialised for the caller to write (a fine-tune's base; ``init.materialize``)."""
+    loss masks the padding columns out (train/loss.py). ``init_weights=False``: the weights are left
+    uninitialised for the caller to write (a fine-tune's base; ``init.materialize``). ``loss_fn(logits,
+    targets)``: the loss the pipeline's schedule calls on the last stage (needed with ``dims.pp`` > 1)."""
     pp_ids = [0]
     parts = [model]
     if dims.pp > 1:  # 1. pipeline split
@@ -137,11 +134,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
         else:
             pm.parts = [apply_ddp(part, replicate, device, counter=pm.comm) for part in parts]
     if dims.pp > 1:  # 8. pipeline schedule
+        if loss_fn is None:
+            raise ValueError("parallelize: a pipeline needs the loss_fn its schedule calls on the last stage")
         n_micro = dims.pp_microbatches(cfg)
         scale = 1.0 / (n_micro * grad_accum_steps)
 
         def scaled_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return cross_entropy(logits, targets, vocab_limit) * scale
+            return loss_fn(logits, targets) * scale
 
         pm.pipeline = build_pipeline(pm.parts, pp_ids, dims.pp * cfg.pp_virtual_stages, pm.group("pp"), device,
                                      cfg.pp_schedule, n_micro, scaled_loss, scale)
@@ -197,61 +196,7 @@ def _foreach_mul_skips(grad: torch.Tensor) -> bool:
             and any(isinstance(pl, Partial) for pl in grad.placements))
 
 
-def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *, accum: int, sync: bool,
-                     autocast=contextlib.nullcontext, scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
-                     attn_mask: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Forward and backward of one micro-batch; gradients accumulate in the parameters.
-
-    Returns this micro-batch's loss divided by ``accum`` (None on pipeline ranks without the last stage).
-    ``sync=False`` on non-final accumulation micro-steps skips DDP's all-reduce (``no_sync``).
-    ``scale`` is the fp16 gradient scaler's ``scale`` (identity otherwise). ``attn_mask`` (B, 1, T, T),
-    e.g. confining attention to each packed document, is not supported with pipeline stages.
-    """
-    if pm.pipeline is not None:
-        with autocast(), pm.loss_context():
-            return pm.pipeline.step(inputs, targets)
-    with grad_sync_context(pm.parts[0], sync), _cp_context(pm, inputs, targets), pm.loss_context():
-        loss = _loss(pm, inputs, targets, autocast, attn_mask) / accum
-        scale(loss).backward()
-    return loss.detach()
-
-
-def forward_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *,
-                 autocast=contextlib.nullcontext, attn_mask: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The loss of one batch without a backward (evaluation): the same forward as ``forward_backward``.
-    None on pipeline ranks without the last stage."""
-    if pm.pipeline is not None:
-        with autocast(), pm.loss_context():
-            return pm.pipeline.eval(inputs, targets)
-    with _cp_context(pm, inputs, targets), pm.loss_context():
-        return _loss(pm, inputs, targets, autocast, attn_mask)
-
-
-def _loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, autocast,
-          attn_mask: torch.Tensor | None) -> torch.Tensor:
-    rows = loss_chunk_rows(pm, inputs)
-    with autocast():
-        if rows:  # the model returns the loss, its head run by chunks (model/loss.py)
-            return pm.parts[0](inputs, attn_mask=attn_mask, targets=targets, vocab_limit=pm.vocab_limit,
-                               loss_rows=rows)
-        return pm.loss_fn(pm.parts[0](inputs, attn_mask=attn_mask), targets)
-
-
-def loss_chunk_rows(pm: ParallelModel, inputs: torch.Tensor) -> int:
-    """Positions a chunk of the chunked loss for this batch, or 0 for the plain loss on the whole logits: with
-    ``loss_rows`` 0, when the batch's logits fit in one chunk anyway, and where the logits must exist whole -
-    tensor parallelism (its logits are vocabulary-sharded already: ``loss_parallel`` holds V / tp columns a rank,
-    and the chunked product would need the head's DTensor weight), the pipeline (its schedule calls the loss on
-    the last stage's output logits) and a replaced loss (distillation compares them with the teacher's)."""
-    model = pm.modules[0]
-    if (pm.loss_rows == 0 or pm.tp_enabled or pm.pipeline is not None or "loss_fn" in vars(pm)
-            or not chunkable_head(getattr(model, "output", None))):
-        return 0
-    rows = rows_at_once(inputs.numel(), model.output.weight.shape[0], pm.loss_rows, inputs.device.type)
-    return rows if rows < inputs.numel() else 0
-
-
-def _cp_context(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor):
+def cp_context(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor):
     """Shard the batch and the rotary tables along the sequence for context parallelism (GPU only)."""
     if pm.dims.cp == 1:
         return contextlib.nullcontext()

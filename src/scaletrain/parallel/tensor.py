@@ -11,10 +11,7 @@ sequence: the reductions become reduce-scatter + all-gather pairs, and activatio
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -23,7 +20,6 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
 
@@ -116,21 +112,7 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     distribute_module(module, tp_mesh, to_replicate, inputs_as_dtensor, output_as_local)
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
-    """Mean next-token loss; logits (B, T, V) may be a vocabulary-sharded DTensor (inside ``loss_context``).
-
-    ``vocab_limit``: the tokenizer's vocabulary when the model's is padded (``padded_vocab_size``). Logit
-    columns >= it get -inf first, so padding takes no softmax mass and its output rows get zero gradient
-    (the same loss as on ``logits[..., :vocab_limit]``). None, or >= V, masks nothing.
-    """
-    if vocab_limit is not None and vocab_limit < logits.size(-1):
-        logits = _mask_padding(logits, vocab_limit)
-    if isinstance(logits, DTensor):
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def _mask_padding(logits: torch.Tensor, vocab_limit: int) -> torch.Tensor:
+def mask_padding(logits: torch.Tensor, vocab_limit: int) -> torch.Tensor:
     """``logits`` with the columns >= ``vocab_limit`` at -inf, out of place (the caller's tensor is kept).
 
     A vocabulary-sharded DTensor stays sharded: the (V,) additive mask is a Replicate DTensor on the same
@@ -143,8 +125,3 @@ def _mask_padding(logits: torch.Tensor, vocab_limit: int) -> torch.Tensor:
         mask = DTensor.from_local(mask, logits.device_mesh, [Replicate()] * logits.device_mesh.ndim,
                                   run_check=False)
     return logits + mask
-
-
-def loss_context(tp_enabled: bool):
-    """``loss_parallel`` when the logits are vocabulary-sharded; must enclose the loss *and* backward."""
-    return loss_parallel() if tp_enabled else contextlib.nullcontext()

@@ -29,6 +29,7 @@ from scaletrain.config import (
 )
 from scaletrain.files import check_output_path, write_file
 from scaletrain.finetune.method_table import METHODS
+from scaletrain.finetune.objectives import objective_entry, objective_names
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
@@ -112,7 +113,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     ft.add_argument("--qlora-compile", default="auto", choices=("auto", "true", "false"),
                     help="qlora: its 4-bit dequantization compiled or eager (finetune.qlora_compile; auto: compiled on "
                          "a GPU, eager on a CPU)")
-    ft.add_argument("--objective", default="sft", choices=("sft", "dpo", "simpo", "orpo"),
+    ft.add_argument("--objective", default="sft", choices=objective_names(),
                     help="finetune.objective: dpo/simpo/orpo count --micro-batch as pairs (two rows each) and DPO its "
                          "reference (disabled adapters, or log-probs precomputed for full): memory and step time")
     ft.add_argument("--muon-adapters", action="store_true",
@@ -433,17 +434,18 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
                   f"trainable states {gib(answer['trainable_state_bytes'])} + activations "
                   f"{gib(answer['activations'])} + loss / runtime; {cluster.hardware.name} has "
                   f"{gib(answer['device_memory_bytes'])}: " + ("fits" if answer["fits"] else "does NOT fit"))
-    if args.objective != "sft":  # plan/finetune.py preference_memory
+    objective = objective_entry(args.objective)
+    if objective.pairs:  # plan/finetune.py preference_memory
         console.print(f"{args.objective}: micro-batch {answer['micro_batch']} pairs = {answer['rows']} rows in one "
                       f"forward; reference {answer['reference']} ({gib(answer['reference_bytes'])} in the loss "
                       f"phase)")
     plan = Plan(dp_replicate=cluster.world_size, micro_batch=answer["micro_batch"],
                 activation_checkpointing=pins.get("activation_checkpointing", "none"))
-    timing = (finetune_step_time(workload, plan, cluster, ft) if args.objective == "sft"
-              else preference_step_time(workload, plan, cluster, ft))  # --global-batch counts pairs
+    timing = (preference_step_time(workload, plan, cluster, ft) if objective.pairs  # --global-batch counts pairs
+              else finetune_step_time(workload, plan, cluster, ft))
     console.print(f"step time on {cluster.describe()}: {timing['step_seconds']:.3g} s "
                   f"({timing['tokens_per_second']:,.0f} tokens/s, MFU {mfu_text(timing['mfu'])})")
-    loop = loop_settings(args, workload, plan, 1 if args.objective == "sft" else 2)
+    loop = loop_settings(args, workload, plan, objective.rows_per_example)
     wall = predicted_wall(workload, plan, cluster, timing["step_seconds"], loop, ft)
     console.print(wall_text(wall))
     if note := evaluation_note(wall, loop):

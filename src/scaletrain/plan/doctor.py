@@ -226,10 +226,11 @@ def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7,
     import torch.distributed as dist
 
     from scaletrain.config import JobConfig, ModelConfig, TrainConfig
-    from scaletrain.parallel import ParallelDims, forward_backward
+    from scaletrain.parallel import ParallelDims
     from scaletrain.plan.catalog import CATALOG, Cluster, with_calibration
     from scaletrain.plan.spec import Workload
     from scaletrain.plan.timing import communication, cpu_micro_seconds, fresh_mapped_params
+    from scaletrain.train.loss import forward_backward
     from scaletrain.train.step import build_parallel_training
 
     timer = CLOCKS[clock]
@@ -292,7 +293,8 @@ def measure_optimizer_step(clock: str = "wall", reps: int = 7) -> dict:
     import torch.distributed as dist
 
     from scaletrain.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
-    from scaletrain.parallel import ParallelDims, forward_backward
+    from scaletrain.parallel import ParallelDims
+    from scaletrain.train.loss import forward_backward
     from scaletrain.train.step import build_parallel_training
 
     timer = CLOCKS[clock]

@@ -34,6 +34,7 @@ import time
 from scaletrain.config import ConfigError, FinetuneConfig, ModelConfig
 from scaletrain.finetune.flops import trained_flops_per_token
 from scaletrain.finetune.method_table import method_entry
+from scaletrain.finetune.objectives import objective_entry
 from scaletrain.model.config import head_width
 from scaletrain.model.loss import CHUNK_BYTES
 from scaletrain.model.presets import ffn_hidden_dim, matmul_params, num_params
@@ -210,8 +211,8 @@ def preference_memory(workload: Workload, plan: Plan, ft: FinetuneConfig, device
     rows = dataclasses.replace(plan, micro_batch=2 * plan.micro_batch)
     est = finetune_memory(workload, rows, ft, device_kind)
     if reference == "auto":
-        reference = "none" if ft.objective != "dpo" else \
-            "precomputed" if method_entry(ft.method).trains_base else "adapters"
+        reference = ("none" if not objective_entry(ft.objective).reference
+                     else "precomputed" if method_entry(ft.method).trains_base else "adapters")
     extra = 0.0
     if reference in ("adapters", "copy"):
         rec = recipe_for(workload, rows)
@@ -241,8 +242,8 @@ def preference_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: F
     rows = dataclasses.replace(plan, micro_batch=2 * plan.micro_batch)
     est = finetune_step_time(dataclasses.replace(workload, global_batch=2 * workload.global_batch), rows, cluster, ft)
     if reference == "auto":
-        reference = "none" if ft.objective != "dpo" else \
-            "precomputed" if method_entry(ft.method).trains_base else "adapters"
+        reference = ("none" if not objective_entry(ft.objective).reference
+                     else "precomputed" if method_entry(ft.method).trains_base else "adapters")
     per_step = est["base_forward_seconds"] * est["micro_steps"] if reference in ("adapters", "copy") else 0.0
     step = est["step_seconds"] + per_step
     tokens_per_second = 2 * workload.global_batch * workload.seq_len / step
@@ -264,8 +265,8 @@ def finetune_answer(workload: Workload, memory_bytes: float, device_kind: str, f
 
     def total(mb: int) -> tuple[float, dict]:
         plan = Plan(micro_batch=mb, activation_checkpointing=activation_checkpointing)
-        est = (finetune_memory(workload, plan, ft, device_kind) if ft.objective == "sft"
-               else preference_memory(workload, plan, ft, device_kind))  # mb pairs: 2 x mb rows
+        est = (preference_memory(workload, plan, ft, device_kind) if objective_entry(ft.objective).pairs
+               else finetune_memory(workload, plan, ft, device_kind))  # mb pairs: 2 x mb rows
         return est["tensor_total"] * (1 + allocator_margin(device_kind, allocator)) + RUNTIME_BYTES[device_kind], est
 
     if micro_batch is None:

@@ -257,7 +257,7 @@ def loss_rows(workload: Workload, plan: Plan, positions: int, deepspeed: bool = 
     """Positions whose fp32 logits the loss holds at once on a rank: the micro-batch's ``positions``, or a chunk
     of them with the chunked loss (``model.loss.rows_at_once``, the trainer's own rule: its auto chunk is larger
     on an accelerator), which runs without tensor or pipeline parallelism and outside DeepSpeed
-    (``parallel.parallelize.loss_chunk_rows``)."""
+    (``train.loss.loss_chunk_rows``)."""
     if plan.tp > 1 or plan.pp > 1 or deepspeed:
         return positions
     return rows_at_once(positions, workload.model.vocab_size, workload.loss_chunk_rows, device_kind)

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig
+from scaletrain.finetune.objectives import objective_of
 from scaletrain.model.presets import checkpoint_size, matmul_params, num_params
 from scaletrain.parallel import ParallelDims
 from scaletrain.plan.calibration import calibration_entry
@@ -208,7 +209,7 @@ def job_evaluation_note(cfg: JobConfig, precision: str, device_type: str, dims: 
     if hardware is None:
         return None
     ft = cfg.finetune if cfg.finetune.source else None
-    pairs = 2 if ft is not None and ft.objective != "sft" else 1  # a preference pair: two rows (finetune_plan)
+    pairs = objective_of(ft).rows_per_example if ft is not None else 1  # a preference pair: two rows
     batch = cfg.train.batch_size * cfg.train.grad_accum_steps * dims.dp_replicate * dims.dp_shard
     precision = precision if precision in DTYPE_OF_PRECISION else "bf16"  # fp8: its step is bf16's elsewhere
     try:

@@ -10,7 +10,7 @@ A converter has two steps, around ``parallelize`` (which splits, shards and mate
   weights (the fine-tune's base and adapters), install hooks (distillation, QAT, gradient masks).
 
 The list's order is the build's order, the same for both steps: fp8 -> the fine-tuning method on its base ->
-distillation -> quantization-aware training -> keep the base's zeros.
+the objective (distillation, a preference loss) -> quantization-aware training -> keep the base's zeros.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import torch
 from torch import nn
 
 from scaletrain.config import FinetuneConfig, JobConfig
-from scaletrain.finetune.distill import attach_teacher
 from scaletrain.finetune.masks import keep_zeros
 from scaletrain.finetune.methods import FinetuneMethod
-from scaletrain.finetune.preference import attach_preference
+from scaletrain.finetune.objectives import Objective, objective_of
 from scaletrain.finetune.qat import prepare_qat
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.distributed import say
 from scaletrain.parallel.parallelize import ParallelModel
 from scaletrain.train.fp8 import convert_to_fp8
+from scaletrain.train.loss import cross_entropy
 
 
 class Converter(Protocol):
@@ -68,24 +68,18 @@ class Float8Training(BeforeOnly):
 
 
 @dataclass
-class Distillation(AfterOnly):
-    """``finetune.teacher``: the loss mixes in the KL divergence to a frozen teacher (finetune/distill.py)."""
+class TrainingObjective(AfterOnly):
+    """The objective's own loss (finetune/objectives.py: distillation's teacher, a preference loss and DPO's
+    reference), installed once as ``pm.objective_loss``, on the loaded base and adapters."""
 
-    ft: FinetuneConfig
-    tokenizer: str
-
-    def after_parallelize(self, pm: ParallelModel) -> None:
-        attach_teacher(pm, self.ft, self.tokenizer)
-
-
-@dataclass
-class Preference(AfterOnly):
-    """``finetune.objective`` dpo / simpo / orpo: the preference loss and DPO's reference (finetune/preference.py)."""
-
+    objective: Objective
     cfg: JobConfig
 
     def after_parallelize(self, pm: ParallelModel) -> None:
-        attach_preference(pm, self.cfg, say=say)
+        def data_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return cross_entropy(logits, targets, pm.vocab_limit)
+
+        pm.objective_loss = self.objective.install(pm, self.cfg, data_loss, say)
 
 
 @dataclass
@@ -130,10 +124,7 @@ def build_converters(cfg: JobConfig, dims: ParallelDims, device: torch.device) -
     ft = cfg.finetune
     if ft.source:  # fine-tuning: freeze / add adapters on the meta model, then load the base (docs/finetuning.md)
         items.append(FinetuneMethod(ft, cfg.train.seed, device))
-        if ft.teacher:
-            items.append(Distillation(ft, cfg.data.tokenizer))
-        if ft.objective != "sft":
-            items.append(Preference(cfg))
+        items.append(TrainingObjective(objective_of(ft), cfg))  # distillation, a preference loss, or none
         if ft.qat:
             items.append(QuantizationAware(ft))
         if ft.keep_zeros:

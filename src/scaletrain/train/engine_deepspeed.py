@@ -45,6 +45,7 @@ from scaletrain.parallel.deepspeed_engine import (
     read_user_config,
 )
 from scaletrain.parallel.distributed import barrier
+from scaletrain.train.loss import logits_loss
 from scaletrain.train.optimizer import build_optimizer, param_groups
 from scaletrain.train.step import MicroBatch, StepFunction, StepOptions, StepResult
 
@@ -98,7 +99,7 @@ def deepspeed_training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer,
     for _ in range(accum):
         inputs, targets, mask = next(micro_batches)
         with options.autocast():
-            loss = pm.loss_fn(engine(inputs, attn_mask=mask), targets)
+            loss = logits_loss(pm, engine(inputs, attn_mask=mask), targets)
         engine.backward(loss)  # divided by gradient_accumulation_steps inside
         engine.step()  # reduces, clips and updates at the accumulation boundary only
         part = loss.detach() / accum

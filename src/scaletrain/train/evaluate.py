@@ -22,10 +22,10 @@ from scaletrain.data.prepare import read_text_file
 from scaletrain.data.run_data import describe_validation, training_data, validation_batches
 from scaletrain.data.sources import resolve_source
 from scaletrain.data.tokenizer import DataError, Tokenizer, encode_known, token_byte_lengths
-from scaletrain.finetune.preference import attach_for_evaluation
-from scaletrain.parallel import forward_loss
+from scaletrain.finetune.objectives import objective_of
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.parallelize import ParallelModel
+from scaletrain.train.loss import forward_loss
 from scaletrain.train.precision import autocast, resolve_precision
 
 LN2 = math.log(2)
@@ -133,8 +133,8 @@ def score_run(cfg: JobConfig, model: nn.Module, tokenizer: Tokenizer, num_batche
     data = training_data(cfg, say=say)
     pm = ParallelModel(parts=[model], dims=ParallelDims.from_config(ParallelConfig(), 1), mesh=None,
                        device=device, vocab_limit=tokenizer.vocab_size)
-    if cfg.finetune.objective != "sft":  # DPO/SimPO/ORPO: the loss training recorded (finetune/preference.py)
-        attach_for_evaluation(pm, cfg, run_dir or cfg.train.run_dir)
+    # The objective's own loss (DPO/SimPO/ORPO's, finetune/objectives.py): the val loss training recorded.
+    pm.objective_loss = objective_of(cfg.finetune).evaluate(pm, cfg, run_dir or cfg.train.run_dir)
     score = validation_loss(pm, validation_batches(cfg, data, num_batches), precision, cfg.train.batch_size,
                             byte_table(tokenizer, device))
     bs, seq = cfg.train.batch_size, cfg.data.seq_len

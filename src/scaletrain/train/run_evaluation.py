@@ -12,7 +12,7 @@ from torch import nn
 
 from scaletrain.config import JobConfig
 from scaletrain.data.run_data import TrainingData, validation_batches
-from scaletrain.finetune.preference import preference_metrics
+from scaletrain.finetune.objectives import objective_of
 from scaletrain.model.generate import generate
 from scaletrain.parallel import ParallelModel
 from scaletrain.train.evaluate import ValidationScore, byte_table, validation_loss
@@ -68,12 +68,13 @@ class RunEvaluation:
             score = self.evaluate()
         val_loss = score.loss
         self.evals.append({"step": step, "val_loss": val_loss, "val_bpb": score.bpb})
-        rewards = preference_metrics(self.pm, "eval")  # held-out pairs' rewards (finetune/preference.py)
+        rewards = objective_of(self.cfg.finetune).metrics(self.pm, "eval")  # e.g. held-out pairs' rewards
         logger.log({"step": step, "val_loss": val_loss, "val_perplexity": math.exp(val_loss),
                     "val_bpb": score.bpb, **rewards})
+        pairs = "val_reward_accuracy" in rewards  # a preference objective's held-out pairs
         logger.message(f"step {step}: val loss {val_loss:.4f}, perplexity {math.exp(val_loss):.2f}, "
                        f"bpb {score.bpb:.4f}" + (f", reward accuracy {rewards['val_reward_accuracy']:.3f}, margin "
-                                                 f"{rewards['val_reward_margin']:.4f}" if rewards else ""))
+                                                 f"{rewards['val_reward_margin']:.4f}" if pairs else ""))
         if on_eval is not None:
             on_eval(step, score)
         if self.cfg.train.sample_tokens and self.is_main and not self.pm.sharded:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,8 +21,9 @@ from scaletrain.model import Transformer
 from scaletrain.model.mup import width_mult
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.compile import compile_enabled
-from scaletrain.parallel.parallelize import ParallelModel, clip_grad_norm_, forward_backward, parallelize
+from scaletrain.parallel.parallelize import ParallelModel, clip_grad_norm_, parallelize
 from scaletrain.train.converters import build_converters
+from scaletrain.train.loss import cross_entropy, forward_backward
 from scaletrain.train.optimizer import build_parallel_optimizer
 
 # (inputs (B, T), targets (B, T), attention mask (B, 1, T, T) or None), already on the device.
@@ -47,7 +48,8 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
     pm = parallelize(model, dims, cfg.parallel, mesh=mesh, model_cfg=cfg.model, device=device, seed=cfg.train.seed,
                      compile=compile_enabled(cfg), compile_mode=cfg.train.compile_mode,
                      grad_accum_steps=cfg.train.grad_accum_steps, vocab_limit=vocab_limit,
-                     init_weights=not converters.loads_weights)  # a fine-tune's weights come from its base
+                     init_weights=not converters.loads_weights,  # a fine-tune's weights come from its base
+                     loss_fn=lambda logits, targets: cross_entropy(logits, targets, vocab_limit))
     pm.loss_rows = cfg.train.loss_chunk_rows  # the chunked loss (model/loss.py): -1 auto, 0 off
     converters.after_parallelize(pm)
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
@@ -88,6 +90,8 @@ class StepResult:
     # independently); a 0-dim tensor on the device when the step was ``DeferredGuard`` (read it at a log step)
     grad_norm: float | torch.Tensor  # global gradient norm before clipping (a tensor when ``DeferredGuard``)
     updated: bool  # False when ``before_update`` refused the update (e.g. a non-finite loss)
+    # The step's mean of each auxiliary loss term the model left (train/loss.py; this rank's), {} when none.
+    auxiliary: dict[str, float] = field(default_factory=dict)
 
 
 class DeferredGuard:
@@ -130,13 +134,13 @@ def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_bat
     before_update, micro_grad_sq = options.before_update, options.micro_grad_sq
     divisor = accum if options.loss_divisor is None else options.loss_divisor
     scale = scaler.scale if scaler is not None else (lambda x: x)
-    loss_sum = None
+    loss_sum, auxiliary = None, {}
     for micro in range(accum):
         inputs, targets, mask = next(micro_batches)
         sync = micro == accum - 1
         before = _grads(pm) if micro_grad_sq is not None and not sync else None
         loss = forward_backward(pm, inputs, targets, accum=divisor, sync=sync, autocast=autocast,
-                                scale=scale, attn_mask=mask)
+                                scale=scale, attn_mask=mask, auxiliary=auxiliary)
         if before is not None:
             micro_grad_sq.append(_delta_sq(pm, before) * divisor ** 2)
         if loss is not None:  # None on pipeline ranks that do not hold the last stage
@@ -150,21 +154,35 @@ def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_bat
             and skips_on_device(optimizer):
         # No host-device sync: the update is skipped on the device when the step is not finite.
         before_update.before_step()
-        optimizer.found_inf = nonfinite_flag(loss_t, norm)
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_t, norm, True)
+        _update(optimizer, None, nonfinite_flag(loss_t, norm))
+        return StepResult(loss_t, norm, True, _means(auxiliary))
     grad_norm, loss_value = float(norm), float(loss_t)  # the step's two reads back (before_update's inputs)
     updated = before_update(loss_value, grad_norm) if before_update is not None else True
-    if updated:
-        (scaler.step if scaler is not None else lambda opt: opt.step())(optimizer)
+    _update(optimizer, scaler, None, skip=not updated)
+    return StepResult(loss_value, grad_norm, updated, _means(auxiliary))
+
+
+def _update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+            found_inf: torch.Tensor | None, skip: bool = False) -> None:
+    """The step's one ``optimizer.step()``: through the fp16 scaler when there is one (its ``update`` runs
+    whether or not the step is skipped), with ``found_inf`` when the device decides whether to skip (a fused
+    AdamW leaves everything untouched when it is set); then the gradients are cleared."""
+    if not skip:
+        if found_inf is not None:
+            optimizer.found_inf = found_inf
+        try:
+            (scaler.step if scaler is not None else lambda opt: opt.step())(optimizer)
+        finally:
+            if found_inf is not None:
+                del optimizer.found_inf
     if scaler is not None:
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_value, grad_norm, updated)
+
+
+def _means(auxiliary: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The auxiliary terms' step means, read back (only for a model that leaves any)."""
+    return {name: float(term) for name, term in auxiliary.items()}
 
 
 def _grads(pm: ParallelModel) -> list[torch.Tensor | None]:

@@ -22,8 +22,7 @@ from scaletrain.files import write_file
 from scaletrain.finetune import parameter_counts, resolve_finetune
 from scaletrain.finetune.flops import trained_flops_per_token
 from scaletrain.finetune.method_table import packs_instructions
-from scaletrain.finetune.preference import preference_metrics
-from scaletrain.finetune.preference_rules import rows_per_example
+from scaletrain.finetune.objectives import objective_of
 from scaletrain.model import num_params
 from scaletrain.options import UserError
 from scaletrain.parallel import ParallelDims
@@ -146,8 +145,10 @@ class Trainer:
         self.adaptive = Adaptive(cfg, dims, self.pm.dp_rank, self.device, self.env.world_size, local_state)
         self.checkpoint = self.engine.checkpoint(self.checkpoint_store, self.pm, self.optimizer, local_state,
                                                  self.state, cfg, self._message)
-        # Tokens per optimizer step over all data-parallel ranks (a preference pair is two rows: rows_per_example).
-        self.tokens_per_step = global_batch(cfg, dims.dp_size) * cfg.data.seq_len * rows_per_example(cfg.finetune)
+        # Tokens per optimizer step over all data-parallel ranks (a preference pair is two rows: the objective's
+        # rows_per_example).
+        self.objective = objective_of(cfg.finetune)  # its loss is installed on the model (train/converters.py)
+        self.tokens_per_step = global_batch(cfg, dims.dp_size) * cfg.data.seq_len * self.objective.rows_per_example
         # MFU's numerator: a fine-tune's frozen weights without their weight gradient (finetune/flops.py)
         self.flops_per_token = trained_flops_per_token(cfg.model, cfg.data.seq_len,
                                                        cfg.finetune if cfg.finetune.source else None)
@@ -206,8 +207,8 @@ class Trainer:
         self.state.step += 1
         self.state.tokens_seen += plan.global_batch * cfg.data.seq_len
         self.pm.replicas.after_step(self.state.step)
-        record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                  **preference_metrics(self.pm, "train")}  # DPO/SimPO/ORPO's rewards (finetune/preference.py)
+        record = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": lr, **result.auxiliary,
+                  **self.objective.metrics(self.pm, "train")}  # e.g. DPO/SimPO/ORPO's rewards
         self.adaptive.after_step(plan, self.state.step, result.grad_norm, record)
         if deferred:
             self.deferred.add(self.state.step, result)

@@ -11,7 +11,7 @@ import torch
 from scaletrain.config import ConfigError, JobConfig, OptimConfig, validate_job
 from scaletrain.finetune.lora import check_lora_targets, check_qlora_installed
 from scaletrain.finetune.method_table import method_entry
-from scaletrain.finetune.preference_rules import check_preference
+from scaletrain.finetune.objectives import objective_of
 from scaletrain.finetune.qat import check_qat
 from scaletrain.parallel.compile import compile_mode_refusal, compiles_whole_model
 from scaletrain.parallel.context import check_context_parallel_supported
@@ -38,7 +38,7 @@ def check_finetune(cfg: JobConfig, world_size: int, here: bool = True) -> None:
     ft, par = cfg.finetune, cfg.parallel
     if ft.instructions and not ft.source:
         raise ConfigError("finetune.instructions needs finetune.source (the base whose tokenizer reads them)")
-    check_preference(cfg, world_size)
+    objective_of(ft).refuse(cfg, world_size)  # its data, method and layout (finetune/objectives.py)
     if not ft.source:
         return
     method = method_entry(ft.method)  # finetune/method_table.py: what it trains, adds and refuses
@@ -108,8 +108,8 @@ def check_optimizer(cfg: JobConfig) -> None:
 
 
 def check_distillation(cfg: JobConfig, here: bool = True) -> None:
-    """finetune.teacher (finetune/distill.py): a fine-tune on one model part whose logits are plain tensors;
-    finetune.qat (finetune/qat.py): a full fine-tune without tensor/pipeline/context parallelism."""
+    """finetune.qat (finetune/qat.py): a full fine-tune without tensor/pipeline/context parallelism; the same for
+    finetune.keep_zeros. (finetune.teacher's rules are its objective's: finetune/objectives.py.)"""
     ft = cfg.finetune
     if ft.qat and (not method_entry(ft.method).trains_base or not ft.source):
         raise ConfigError("finetune.qat fake-quantizes the weights that train: it needs finetune.source and "
@@ -124,14 +124,6 @@ def check_distillation(cfg: JobConfig, here: bool = True) -> None:
                           or cfg.parallel.cp > 1):
         raise ConfigError("finetune.keep_zeros masks plain parameters' gradients: use DDP (parallel.dp_shard=1) "
                           "without tp/pp/cp")
-    if not ft.teacher:
-        return
-    if not ft.source:
-        raise ConfigError("finetune.teacher needs finetune.source (the student to fine-tune, e.g. a pruned run)")
-    par = cfg.parallel
-    if par.tp > 1 or par.pp > 1 or par.cp > 1 or par.engine != "native":
-        raise ConfigError("finetune.teacher runs with data parallelism (DDP, FSDP2) on the native engine only; set "
-                          "parallel.tp/pp/cp=1")
 
 
 def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str,

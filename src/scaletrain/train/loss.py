@@ -1,0 +1,141 @@
+"""The step's loss, in one place: what one micro-batch's forward is scored by, and its backward.
+
+- ``cross_entropy``: the plain next-token loss on whole logits (B, T, V), a vocabulary-sharded DTensor included;
+- ``loss_context``: tensor parallelism's vocabulary-parallel loss (``loss_parallel``: the softmax over V / tp
+  columns a rank, never gathered);
+- ``loss_chunk_rows``: whether the model's head runs by chunks of positions instead (model/loss.py holds the
+  chunked kernel, which the model's forward calls);
+- ``objective_loss``: the objective installed on the model (train/objectives.py: DPO, SimPO, ORPO,
+  distillation) replaces the next-token loss on the logits; None is the next-token loss;
+- auxiliary terms: a module of the model may leave extra loss terms from its forward (an MoE router's balancing
+  loss, say) in ``auxiliary_loss``, a dict of name -> 0-dim tensor, each already multiplied by its coefficient;
+  training adds them to the objective's loss and the step logs their means (``StepResult.auxiliary``);
+  evaluation drops them, so a validation loss stays the objective's own.
+
+``forward_backward`` (training) and ``forward_loss`` (evaluation) are the two callers; the pipeline's schedule
+calls ``cross_entropy`` itself on the last stage (handed to ``parallelize`` as its ``loss_fn``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from scaletrain.model.loss import chunkable_head, rows_at_once
+from scaletrain.parallel.ddp import grad_sync_context
+from scaletrain.parallel.parallelize import ParallelModel, cp_context
+from scaletrain.parallel.tensor import mask_padding
+
+AUXILIARY = "auxiliary_loss"  # the attribute a module leaves its terms in (name -> weighted 0-dim tensor)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
+    """Mean next-token loss; logits (B, T, V) may be a vocabulary-sharded DTensor (inside ``loss_context``).
+
+    ``vocab_limit``: the tokenizer's vocabulary when the model's is padded (``padded_vocab_size``). Logit
+    columns >= it get -inf first, so padding takes no softmax mass and its output rows get zero gradient
+    (the same loss as on ``logits[..., :vocab_limit]``). None, or >= V, masks nothing.
+    """
+    if vocab_limit is not None and vocab_limit < logits.size(-1):
+        logits = mask_padding(logits, vocab_limit)
+    if isinstance(logits, DTensor):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def loss_context(tp_enabled: bool):
+    """``loss_parallel`` when the logits are vocabulary-sharded; must enclose the loss *and* backward."""
+    return loss_parallel() if tp_enabled else contextlib.nullcontext()
+
+
+def logits_loss(pm: ParallelModel, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The objective's loss on whole logits: the installed objective's (``pm.objective_loss``), else next-token."""
+    if pm.objective_loss is not None:
+        return pm.objective_loss(logits, targets)
+    return cross_entropy(logits, targets, pm.vocab_limit)
+
+
+def loss_chunk_rows(pm: ParallelModel, inputs: torch.Tensor) -> int:
+    """Positions a chunk of the chunked loss for this batch, or 0 for the plain loss on the whole logits: with
+    ``loss_rows`` 0, when the batch's logits fit in one chunk anyway, and where the logits must exist whole -
+    tensor parallelism (its logits are vocabulary-sharded already: ``loss_parallel`` holds V / tp columns a rank,
+    and the chunked product would need the head's DTensor weight), the pipeline (its schedule calls the loss on
+    the last stage's output logits) and an objective of its own (distillation compares them with the teacher's,
+    a preference objective sums each row's log-probabilities)."""
+    model = pm.modules[0]
+    if (pm.loss_rows == 0 or pm.tp_enabled or pm.pipeline is not None or pm.objective_loss is not None
+            or not chunkable_head(getattr(model, "output", None))):
+        return 0
+    rows = rows_at_once(inputs.numel(), model.output.weight.shape[0], pm.loss_rows, inputs.device.type)
+    return rows if rows < inputs.numel() else 0
+
+
+def take_auxiliary(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The auxiliary terms the model's modules left in their last forward, summed by name, and cleared (so a
+    forward that left none is not counted twice)."""
+    terms: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        left = module.__dict__.get(AUXILIARY)
+        if left:
+            for name, term in left.items():
+                terms[name] = term if name not in terms else terms[name] + term
+            module.__dict__[AUXILIARY] = {}
+    return terms
+
+
+def model_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, autocast,
+               attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's forward scored by the objective: (its loss, the auxiliary terms the forward left)."""
+    rows = loss_chunk_rows(pm, inputs)
+    with autocast():
+        if rows:  # the model returns the loss, its head run by chunks (model/loss.py)
+            loss = pm.parts[0](inputs, attn_mask=attn_mask, targets=targets, vocab_limit=pm.vocab_limit,
+                               loss_rows=rows)
+        else:
+            loss = logits_loss(pm, pm.parts[0](inputs, attn_mask=attn_mask), targets)
+    return loss, take_auxiliary(pm.modules[0])
+
+
+def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *, accum: float, sync: bool,
+                     autocast=contextlib.nullcontext, scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+                     attn_mask: torch.Tensor | None = None,
+                     auxiliary: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """Forward and backward of one micro-batch; gradients accumulate in the parameters.
+
+    Returns this micro-batch's objective loss divided by ``accum`` (None on pipeline ranks without the last
+    stage). ``sync=False`` on non-final accumulation micro-steps skips DDP's all-reduce (``no_sync``).
+    ``scale`` is the fp16 gradient scaler's ``scale`` (identity otherwise). ``attn_mask`` (B, 1, T, T),
+    e.g. confining attention to each packed document, is not supported with pipeline stages. The auxiliary
+    terms join the loss that is backpropagated; each, divided by ``accum``, is added into ``auxiliary``.
+    """
+    if pm.pipeline is not None:
+        with autocast(), loss_context(pm.tp_enabled):
+            return pm.pipeline.step(inputs, targets)
+    with grad_sync_context(pm.parts[0], sync), cp_context(pm, inputs, targets), loss_context(pm.tp_enabled):
+        loss, terms = model_loss(pm, inputs, targets, autocast, attn_mask)
+        loss = loss / accum
+        total = loss
+        for name, term in terms.items():
+            total = total + term / accum
+            if auxiliary is not None:
+                part = term.detach() / accum
+                auxiliary[name] = part if name not in auxiliary else auxiliary[name] + part
+        scale(total).backward()
+    return loss.detach()
+
+
+def forward_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *,
+                 autocast=contextlib.nullcontext, attn_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The loss of one batch without a backward (evaluation): the same forward as ``forward_backward``, its
+    auxiliary terms dropped. None on pipeline ranks without the last stage."""
+    if pm.pipeline is not None:
+        with autocast(), loss_context(pm.tp_enabled):
+            return pm.pipeline.eval(inputs, targets)
+    with cp_context(pm, inputs, targets), loss_context(pm.tp_enabled):
+        return model_loss(pm, inputs, targets, autocast, attn_mask)[0]
