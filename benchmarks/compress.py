@@ -126,8 +126,8 @@ def short_base_comparison(short: Path) -> dict:
     (sequential) Wanda, scored on the same validation batches as everything else."""
     import shutil
 
-    from scaletrain.checkpoint.run import load_run
     from scaletrain.compress.cli import calibration_batches
+    from scaletrain.infer.load import load_run
     from scaletrain.train.evaluate import perplexity, token_loss
 
     cfg, model, tok, _ = load_run(short)
@@ -203,11 +203,11 @@ def build_variants(base: Path, base_steps: int, recovery_fraction: float, reuse:
 def measure_all(args, base: Path) -> int:
     import torch
 
-    from scaletrain.checkpoint.run import load_run
     from scaletrain.compress.cli import calibration_batches
     from scaletrain.compress.run import state_bytes
     from scaletrain.compress.structured import count
     from scaletrain.config import JobConfig, OptimConfig, TrainConfig
+    from scaletrain.infer.load import load_run
     from scaletrain.model.presets import matmul_params
     from scaletrain.parallel import ParallelDims
     from scaletrain.train.evaluate import perplexity, token_loss

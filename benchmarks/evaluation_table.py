@@ -77,9 +77,9 @@ def cloze(run: Path, quantized: bool) -> dict:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from scaletrain.checkpoint.run import load_run
     from scaletrain.harness.model import ScaletrainLM
     from scaletrain.harness.tasks import cloze_folder
+    from scaletrain.infer.load import load_run
 
     torch.manual_seed(0)
     cfg, model, tok, _ = load_run(str(run))

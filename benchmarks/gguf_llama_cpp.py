@@ -67,7 +67,7 @@ def main() -> int:
         return 1
     import torch
 
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.infer.load import load_run
     from scaletrain.model.generate import decode_speed, generate
 
     torch.set_num_threads(1)

@@ -90,11 +90,11 @@ def build_pairs(books: dict[str, str], count: int, context: int, completion: int
 def held_out_logps(run_dir: Path, pairs_file: Path, seq_len: int, seed: int, adapters: bool) -> dict:
     """On the held-out pairs (the split the run evaluates): how often log p(true) > log p(other), and the mean
     log-probability of each, under the run's model (``adapters=False``: its base, adapters switched off)."""
-    from scaletrain.checkpoint.run import load_run
     from scaletrain.data.preferences import pair_rows, preference_splits
     from scaletrain.data.tokenizer import load_tokenizer
     from scaletrain.finetune.lora import adapters_disabled
     from scaletrain.finetune.preference import sequence_logps
+    from scaletrain.infer.load import load_run
 
     _, model, _, _ = load_run(run_dir)
     _, val = preference_splits(pairs_file, load_tokenizer(run_dir / "tokenizer.json"), seq_len, 0.2, seed)

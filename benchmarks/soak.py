@@ -56,7 +56,7 @@ import psutil
 import torch
 
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
-from scaletrain.checkpoint.run import load_run
+from scaletrain.infer.load import load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PREEMPTED = 75

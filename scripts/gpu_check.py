@@ -424,7 +424,7 @@ def same_run(a: Path, b: Path) -> tuple[int, int, int]:
     """(steps whose loss differs, final tensors that differ, the first differing step or 0) of two runs."""
     import torch
 
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.infer.load import load_run
 
     la = {r["step"]: r["loss"] for r in metrics(a) if "loss" in r}
     lb = {r["step"]: r["loss"] for r in metrics(b) if "loss" in r}  # a re-logged step keeps the resumed value

@@ -13,8 +13,8 @@ import torch
 
 from helpers.tiny import tiny_overrides
 from helpers.waits import CEILING_S
-from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
+from scaletrain.infer.load import load_run
 
 
 @pytest.fixture(scope="module")

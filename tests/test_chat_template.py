@@ -304,8 +304,8 @@ def test_finetune_on_messages_with_the_bases_template(chatml_base, tmp_path, tin
 def test_chat_and_generate_render_in_the_runs_template(chatml_base, tmp_path, tiny, capsys):
     """A run fine-tuned with its base's template talks in it: ``chat`` and a ``messages`` line of ``generate
     --prompts-file`` render the conversation as training did and stop at the template's end of turn."""
-    from scaletrain.checkpoint.run import load_run
     from scaletrain.infer.chat import Chat, conversation_format
+    from scaletrain.infer.load import load_run
     from scaletrain.model.generate import Sampling
 
     data = tmp_path / "chat.jsonl"

@@ -11,12 +11,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from scaletrain.checkpoint.manager import CheckpointManager, load_tensors
-from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
 from scaletrain.compress import prune as P
 from scaletrain.compress import structured as S
 from scaletrain.compress.run import state_bytes
 from scaletrain.config import ConfigError
+from scaletrain.infer.load import load_run
 from scaletrain.model import build_model
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.llama import apply_rope

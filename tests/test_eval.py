@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from helpers.tiny import tiny_hf_base
-from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
+from scaletrain.infer.load import load_run
 from scaletrain.train.evaluate import score_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
 from scaletrain.data.loader import eval_batches
 from scaletrain.data.run_data import data_cache_dir
 from scaletrain.data.sources import resolve_source
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, load_tokenizer, token_byte_lengths
+from scaletrain.infer.load import load_run
 from scaletrain.train.evaluate import sliding_window_nll, sliding_windows, wikitext_words
 
 ROOT = Path(__file__).resolve().parents[1]

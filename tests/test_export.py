@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
+from scaletrain.infer.load import load_run
 
 transformers = pytest.importorskip("transformers")
 

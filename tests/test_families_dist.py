@@ -191,7 +191,7 @@ def test_kill9_during_a_family_qlora_run_then_resume_is_bitwise(work, tmp_path):
 def assert_same_tensors(a: Path, b: Path) -> None:
     """Every final tensor of two runs bit for bit; a 4-bit NF4 base weight by each of its inner tensors (codes,
     scales, ...: ``__tensor_flatten__``), since copying one re-quantizes it with torchao's default block sizes."""
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.infer.load import load_run
 
     states = [load_run(run)[1].state_dict() for run in (a, b)]
     assert states[0].keys() == states[1].keys()

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
 from scaletrain.finetune.export import save_peft_adapter
 from scaletrain.finetune.run import build_finetuned_model
+from scaletrain.infer.load import load_run
 from scaletrain.model.family import family as family_entry
 
 transformers = pytest.importorskip("transformers")

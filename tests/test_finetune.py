@@ -313,7 +313,7 @@ def test_adapter_resume_is_bitwise(hf_base, tmp_path, tiny, method):
     assert main(_finetune_args(hf_base, straight, tiny, **extra)) == 0
     assert main(_finetune_args(hf_base, resumed, tiny, **extra, **{"train.stop_at_step": 3})) == 0
     assert main(_finetune_args(hf_base, resumed, tiny, **extra) + ["--resume"]) == 0
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.infer.load import load_run
 
     _, a, _, ckpt = load_run(straight)
     _, b, _, _ = load_run(resumed)

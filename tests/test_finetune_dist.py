@@ -22,9 +22,9 @@ def _losses(run: Path) -> list[float]:
 
 def test_lora_ddp_and_fsdp2_match_single_process(tmp_path):
     from scaletrain.checkpoint.export import export_hf
-    from scaletrain.checkpoint.run import load_run
     from scaletrain.config import ModelConfig
     from scaletrain.data.tokenizer import CharTokenizer
+    from scaletrain.infer.load import load_run
     from scaletrain.model import build_model
 
     cfg = ModelConfig(vocab_size=len(CHARS), dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64,

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
+from scaletrain.infer.load import load_run
 
 lm_eval = pytest.importorskip("lm_eval")
 transformers = pytest.importorskip("transformers")

@@ -284,7 +284,7 @@ def test_lora_dpo_trains_from_zero_rewards_and_exports_to_peft(hf_base, tmp_path
     accuracy and the logged numbers are there, and the peft export gives the run's log-probabilities."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.infer.load import load_run
 
     run = tmp_path / "run"
     assert main(_finetune(hf_base, run, **{"train.eval_interval": 6, "finetune.lora_targets": "q,k,v,o,up,down",
@@ -320,7 +320,7 @@ def test_lora_dpo_trains_from_zero_rewards_and_exports_to_peft(hf_base, tmp_path
 def test_full_dpo_stores_the_reference_and_resumes_bitwise(hf_base, tmp_path, capsys):
     """Full fine-tuning: the reference log-probs are computed once, stored in the run folder and read back on
     the resume (not recomputed from the trained weights); stop at 3 + resume to 6 == 6 straight, bitwise."""
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.infer.load import load_run
 
     extra = {"finetune.method": "full", "train.eval_interval": 3, "checkpoint.interval": 3}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

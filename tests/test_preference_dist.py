@@ -25,7 +25,7 @@ def _steps(run: Path) -> list[dict]:
 
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_dpo_ddp_and_fsdp2_match_single_process(tmp_path, method):
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.infer.load import load_run
 
     base = tiny_hf_base(tmp_path / "base")
     common = ["-m", "scaletrain.cli", "finetune", "--from", str(base), "--data.seq_len=72", "--train.steps=4",

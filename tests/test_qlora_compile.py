@@ -130,7 +130,7 @@ def _finetune(hf_base, run, tiny, **extra) -> list[str]:
 def _adapters(run) -> dict[str, torch.Tensor]:
     """The run's final adapter tensors (``faults.final_weights`` clones every tensor, and cloning a small NF4
     weight makes torchao re-quantize it at its default blocks, which do not tile it)."""
-    from scaletrain.checkpoint.run import load_run
+    from scaletrain.infer.load import load_run
 
     _, model, _, _ = load_run(run)
     return {k: v.detach().clone() for k, v in model.named_parameters() if ".lora_" in k}

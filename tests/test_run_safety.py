@@ -297,7 +297,7 @@ def test_write_file_replaces_whole_and_keeps_the_mode(tmp_path):
 def test_eval_json_into_a_missing_folder_is_refused_before_scoring(straight, tmp_path, capsys, monkeypatch):
     """Before: scored first (minutes on a real run), then "0 B free on the disk of ..."; now refused at once with
     the reason (the folder does not exist), the run never loaded."""
-    import scaletrain.checkpoint.run as run_module
+    import scaletrain.infer.load as run_module
     from scaletrain.cli import main
 
     _, run = straight

@@ -269,8 +269,8 @@ def test_scale_with_too_few_finished_runs_is_one_line(tmp_path, data_dir, capsys
 def test_the_model_for_a_size_stays_within_the_fits_scope():
     """`plan --budget` on a real fit chose a 65.7M model where the scope ended at 60.3M: the family member
     nearest a size may lie outside it; within [low, high] one is taken when one exists."""
-    from scaletrain.plan.quality import model_for_params
     from scaletrain.scaling.fit import law_params
+    from scaletrain.scaling.quality import model_for_params
 
     nearest = law_params(model_for_params(60_300_800, 1024, 64))
     inside = law_params(model_for_params(60_300_800, 1024, 64, 10_067, 60_300_800))

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from scaletrain.checkpoint.run import load_run
 from scaletrain.cli import main
 from scaletrain.config import ScheduleConfig, load_config
+from scaletrain.infer.load import load_run
 from scaletrain.train.schedule import lr_at
 from scaletrain.train.trainer import Trainer
 

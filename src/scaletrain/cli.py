@@ -255,7 +255,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             check_output_path(request.log_samples, f"--log-samples {request.log_samples}")
         evaluate_tasks(request)
         return 0
-    from scaletrain.checkpoint.run import load_run  # any run folder, quantized ones too
+    from scaletrain.infer.load import load_run  # any run folder, quantized ones too
     from scaletrain.train import evaluate
 
     if not args.text:  # `--context 0` is given too: it would be ignored, not what ran
@@ -373,9 +373,9 @@ def _check_export_target(args: argparse.Namespace, out: Path) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from scaletrain.checkpoint.export import export_hf, hf_base_folder
-    from scaletrain.checkpoint.run import load_run  # any run folder; a quantized one is refused in one line
     from scaletrain.finetune.export import base_model, is_plain, merge_adapters, save_peft_adapter
     from scaletrain.finetune.method_table import method_entry
+    from scaletrain.infer.load import load_run  # any run folder; a quantized one is refused in one line
     from scaletrain.model.family import family
 
     cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)

@@ -175,7 +175,7 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
-    from scaletrain.checkpoint.run import load_run  # any run, fine-tunes included
+    from scaletrain.infer.load import load_run  # any run, fine-tunes included
 
     _, model, _, _ = load_run(run)
     return {k: v.clone() for k, v in model.state_dict().items()}

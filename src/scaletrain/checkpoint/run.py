@@ -1,9 +1,10 @@
 """A run folder read back for evaluation, sampling and export: its config, tokenizer and latest weights.
 
 ``load_run`` is the one way to read any run: pretrained, fine-tuned (adapters over a referenced base), pruned or
-quantized. Each kind's own step lives with the package that writes that kind (``finetune/run.py``,
-``compress/run.py``); ``LOADERS`` names it, imported only when a run of that kind is read, so no command
-imports a feature package to read a run, and reading a pretrained run imports neither."""
+quantized. Each kind's own step lives with the package that writes that kind, a layer above this one
+(``finetune/run.py``, ``compress/run.py``), and is registered in ``LOADERS`` there, at import
+(``register_loader``): this module imports no feature package. ``infer/load.py`` is the ``load_run`` commands
+call, with every kind registered."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from scaletrain.checkpoint.deepspeed_format import is_deepspeed_checkpoint, load_deepspeed_weights
 from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager, load_tensors
-from scaletrain.checkpoint.run_folder import COMPRESS_RECORD, QUANTIZED_WEIGHTS, is_quantized_run
+from scaletrain.checkpoint.run_folder import COMPRESS_RECORD, is_quantized_run
 from scaletrain.checkpoint.state import model_tensors
 from scaletrain.config import ConfigError, JobConfig, load_config
 from scaletrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -49,32 +50,18 @@ def load_pretrained(run: Path, cfg: JobConfig, device: str) -> tuple[nn.Module, 
     return model, path
 
 
-def _load_finetuned(run: Path, cfg: JobConfig, device: str) -> tuple[nn.Module, Path]:
-    from scaletrain.finetune.run import load_finetuned  # the base + its adapters (peft / torchao only when used)
-
-    path = latest_checkpoint(run)
-    return load_finetuned(cfg, path, device), path
-
-
-def _load_pruned(run: Path, cfg: JobConfig, device: str) -> tuple[nn.Module, Path]:
-    from scaletrain.compress.run import use_pruned_kernels  # 2:4: torchao's sparse kernels where the GPU has them
-
-    model, path = load_pretrained(run, cfg, device)  # the zeros are in the saved weights
-    use_pruned_kernels(run, model, device)
-    return model, path
+# What rebuilds a run's model from its folder: (run, its config, device) -> (model, the file or checkpoint it came
+# from).
+RunLoader = Callable[[Path, JobConfig, str], tuple[nn.Module, Path]]
+# Each kind of run -> its loader; "finetuned", "pruned" and "quantized" are registered by the packages that write
+# them (register_loader).
+LOADERS: dict[str, RunLoader] = {"pretrained": load_pretrained}
 
 
-def _load_quantized(run: Path, cfg: JobConfig, device: str) -> tuple[nn.Module, Path]:
-    from scaletrain.compress.run import load_quantized  # rebuilt with its torchao config
-
-    return load_quantized(run, cfg, device), run / QUANTIZED_WEIGHTS
-
-
-# Each kind of run -> what rebuilds its model from the folder: (model, the file or checkpoint it came from).
-LOADERS: dict[str, Callable[[Path, JobConfig, str], tuple[nn.Module, Path]]] = {
-    "pretrained": load_pretrained, "finetuned": _load_finetuned, "pruned": _load_pruned,
-    "quantized": _load_quantized,
-}
+def register_loader(kind: str, loader: RunLoader) -> None:
+    """Read runs of ``kind`` (one of ``run_kind``'s answers) with ``loader``: called by the package that writes
+    that kind, when it is imported."""
+    LOADERS[kind] = loader
 
 
 def load_run(run_dir: str | Path, device: str = "cpu", quantized_ok: bool = True
@@ -90,6 +77,9 @@ def load_run(run_dir: str | Path, device: str = "cpu", quantized_ok: bool = True
         source = json.loads((run / COMPRESS_RECORD).read_text())["source"]
         raise ConfigError(f"{run}: is quantized (torchao tensors, which a Hugging Face Llama folder cannot hold); "
                           f"export the run it was quantized from ({source})")
+    if kind not in LOADERS:  # a caller that did not go through infer/load.py
+        raise ConfigError(f"{run}: is a {kind} run, and no loader of {kind} runs is registered; read it with "
+                          f"scaletrain.infer.load.load_run")
     model, path = LOADERS[kind](run, cfg, device)
     model.eval()
     return cfg, model, load_tokenizer(run / "tokenizer.json"), path

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint.run import load_run, run_kind
+from scaletrain.checkpoint.run import run_kind
 from scaletrain.compress import prune as unstructured
 from scaletrain.compress import structured
 from scaletrain.compress.quantize import (
@@ -25,6 +25,7 @@ from scaletrain.compress.quantize import (
 from scaletrain.compress.run import check_output, state_bytes, write_run
 from scaletrain.config import ConfigError
 from scaletrain.files import check_output_path, write_file
+from scaletrain.infer.load import load_run
 from scaletrain.model.generate import decode_report, generate
 
 DEFAULT_SPARSITY = 0.5

@@ -8,7 +8,7 @@ of unstructured / 2:4 pruning are in the saved weights (they are the mask).
 A quantized model's weights are torchao tensor subclasses, which DCP does not write; they are saved with
 ``torch.save`` in ``quantized/model.pt`` (``compress.json`` names the method), and ``load_quantized`` rebuilds
 the model, quantizes it with the same config and assigns the saved tensors. Both kinds are read through
-``checkpoint.run.load_run``, which calls this module's step for its kind.
+``checkpoint.run.load_run``, which calls this module's step for its kind (registered here, at import).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from scaletrain.checkpoint.manager import CheckpointManager
+from scaletrain.checkpoint.run import load_pretrained, register_loader
 from scaletrain.checkpoint.run_folder import COMPRESS_RECORD as RECORD
 from scaletrain.checkpoint.run_folder import QUANTIZED_WEIGHTS as QUANTIZED
 from scaletrain.checkpoint.state import model_tensors
@@ -134,3 +135,19 @@ def state_bytes(model: nn.Module) -> int:
     buf = io.BytesIO()
     torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}, buf)
     return buf.tell()
+
+
+def load_pruned_run(run: Path, cfg: JobConfig, device: str) -> tuple[nn.Module, Path]:
+    """A pruned run folder: read as a trained one (the zeros are in the saved weights), then 2:4's kernels."""
+    model, path = load_pretrained(run, cfg, device)
+    use_pruned_kernels(run, model, device)
+    return model, path
+
+
+def load_quantized_run(run: Path, cfg: JobConfig, device: str) -> tuple[nn.Module, Path]:
+    """A quantized run folder: rebuilt with its torchao config."""
+    return load_quantized(run, cfg, device), run / QUANTIZED
+
+
+register_loader("pruned", load_pruned_run)
+register_loader("quantized", load_quantized_run)

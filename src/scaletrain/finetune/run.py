@@ -1,5 +1,6 @@
-"""A fine-tune read back (for ``checkpoint.run.load_run``, the one loader of every run): its checkpoint holds
-only the trainable tensors and a reference to its base (checked by checksum)."""
+"""A fine-tune read back (the "finetuned" kind of ``checkpoint.run.load_run``, the one loader of every run,
+registered here at import): its checkpoint holds only the trainable tensors and a reference to its base (checked
+by checksum)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from scaletrain.checkpoint.manager import load_tensors
+from scaletrain.checkpoint.run import latest_checkpoint, register_loader
 from scaletrain.checkpoint.state import model_tensors, trainable_names
 from scaletrain.checkpoint.training import check_base
 from scaletrain.config import JobConfig
@@ -39,3 +41,13 @@ def load_finetuned(cfg: JobConfig, checkpoint: Path, device: str = "cpu") -> nn.
     load_tensors(checkpoint, {"model": {k: v for k, v in model_tensors([model]).items() if k in names}})
     model.requires_grad_(False)
     return model
+
+
+def load_finetuned_run(run: Path, cfg: JobConfig, device: str) -> tuple[nn.Module, Path]:
+    """A fine-tuned run folder: the base + its adapters (peft / torchao only when used), from its newest
+    checkpoint."""
+    path = latest_checkpoint(run)
+    return load_finetuned(cfg, path, device), path
+
+
+register_loader("finetuned", load_finetuned_run)

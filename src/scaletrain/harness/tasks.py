@@ -326,8 +326,8 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
     import datasets
 
     datasets.disable_progress_bars()  # "Generating test split" bars: the task lines and lm-eval's own bars suffice
-    from scaletrain.checkpoint.run import load_run
     from scaletrain.harness.model import ScaletrainLM
+    from scaletrain.infer.load import load_run
 
     device = request.device if request.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     cfg, model, tokenizer, ckpt = load_run(request.run, device=device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scaletrain.model.family import NAMES as FAMILY_NAMES
+from scaletrain.model.shape import head_width as head_width  # re-exported: the model's code imports it from here
+from scaletrain.model.shape import is_sliding
 from scaletrain.options import opt
 
 # The default training context (the job's data.seq_len) and the default rotary tables' length: equal, so a
@@ -97,16 +99,6 @@ class ModelConfig:
                                        "embeddings; 0 = the same tables as every layer (Gemma 3: 10000)", ge=0)
     no_rope_layers: list[int] = opt([], "the layers (0-based) with no rotary embedding at all (SmolLM3's NoPE "
                                         "layers)")
-
-
-def head_width(cfg: ModelConfig) -> int:
-    """The width of one attention head: ``head_dim``, or ``dim // n_heads`` when it is 0."""
-    return cfg.head_dim or cfg.dim // cfg.n_heads
-
-
-def is_sliding(cfg: ModelConfig, layer: int) -> bool:
-    """Whether block ``layer`` attends within ``cfg.sliding_window`` (Gemma 3's local layers)."""
-    return cfg.sliding_window > 0 and (not cfg.sliding_layers or layer in cfg.sliding_layers)
 
 
 def has_local_rope(cfg: ModelConfig) -> bool:

@@ -33,11 +33,11 @@ from scaletrain.finetune.objectives import objective_entry, objective_names
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
-from scaletrain.plan.quality import add_quality_arguments, print_prediction, quality_search
 from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
 from scaletrain.plan.wall import LoopSettings, evaluation_note, predicted_wall
 from scaletrain.scaling.fit import law_params
+from scaletrain.scaling.quality import add_quality_arguments, print_prediction, quality_search
 from scaletrain.train.optimizer import OPTIMIZERS, optimizer_entry
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -2,6 +2,7 @@
 by sqrt(dim), q/k norms, post norms, query_pre_attn_scalar, local (sliding, own rotary base) and global layers."""
 
 from scaletrain.model.family.spec import Family, Fields, GGUFLayout
+from scaletrain.model.shape import head_width, is_sliding
 
 
 def _read(f: Fields, n_layers: int) -> dict:
@@ -16,8 +17,6 @@ def _layer_pattern(f: Fields, n_layers: int) -> list[str]:
 
 
 def _write(cfg, sliding: list[bool]) -> dict:
-    from scaletrain.model.config import head_width  # model/config.py reads this package: imported when called
-
     return dict(query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or head_width(cfg)),
                 sliding_window=cfg.sliding_window or None,
                 layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
@@ -27,8 +26,6 @@ def _write(cfg, sliding: list[bool]) -> dict:
 
 def _gguf_metadata(writer, cfg) -> None:
     """llama.cpp's gemma3: the window, which layers use it (one bool a layer) and their rotary base."""
-    from scaletrain.model.config import is_sliding
-
     sliding = [is_sliding(cfg, i) for i in range(cfg.n_layers)]
     if any(sliding):
         writer.add_sliding_window(cfg.sliding_window)
@@ -37,8 +34,6 @@ def _gguf_metadata(writer, cfg) -> None:
 
 
 def _gguf_refuse(cfg) -> str | None:
-    from scaletrain.model.config import head_width
-
     head_dim = head_width(cfg)
     if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != head_dim:
         # llama.cpp's gemma3 scales queries by head_dim**-0.5 (27B: (dim / n_heads)**-0.5), not the config's

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from scaletrain.options import ConfigError
 
-if TYPE_CHECKING:
-    from scaletrain.model.config import ModelConfig
+# A ModelConfig, typed loosely: model/config.py reads this package (its family list), so nothing here imports it.
+ModelConfig = Any
 
 
 class Fields:
