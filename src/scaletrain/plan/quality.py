@@ -219,10 +219,11 @@ def add_quality_arguments(parser) -> None:
 
 
 def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cluster: Cluster, prices: dict,
-                   as_of: str, precision: str, console) -> dict | None:
-    """``--target-bpb`` or ``--budget``/``--deadline`` without a model: search and print; the result, or None
-    when the plan is the ordinary one (``--data`` only adds the predicted bpb to it)."""
-    wants_search = args.target_bpb is not None or (not args.model and not args.config and
+                   as_of: str, precision: str, console, *, model_given: bool, seq_len: int | None) -> dict | None:
+    """``--target-bpb`` or ``--budget``/``--deadline`` without a model (``model_given``: a --config or
+    --model.* flags): search and print; the result, or None when the plan is the ordinary one (``--data`` only adds
+    the predicted bpb to it). ``seq_len``: a --data.seq_len flag, else the fit's own."""
+    wants_search = args.target_bpb is not None or (not model_given and
                                                     (args.budget is not None or args.deadline is not None))
     if fit_doc is None or not wants_search:
         return None
@@ -232,7 +233,7 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
     # a GPU's usual ~0.5M-token step would reach the same tokens in a few hundred times fewer optimizer steps
     # (7.3M tokens were 14 such steps), far above the small grid's critical batch; the prediction would not hold.
     recipe = doc.get("recipe", {})
-    seq = args.seq_len or int(recipe.get("seq_len", SEQ_LEN))
+    seq = seq_len or int(recipe.get("seq_len", SEQ_LEN))
     batch = args.global_batch or int(recipe.get("batch", BATCH))
     scope = Scope.of(doc, train_tokens(args.data))
     common = (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes)
