@@ -14,6 +14,7 @@ from scaletrain.tune.cli import add_tune_arguments
 BASE = ["plan", "--model.preset=nano", "--model.vocab_size=65", "--hardware", "cpu:1", "--tokens", "1M",
         "--top", "1", "--json", "-"]
 
+GPUS = ["--hardware", "h100-sxm:8", "--model.preset=llama-8b", "--model.vocab_size=128256", "--tokens", "20B"]
 # (old spelling, the same in the new vocabulary, what else the plan needs for the flag to count)
 OLD_AND_NEW = [
     (["--model", "micro"], ["--model.preset=micro"], []),
@@ -29,6 +30,15 @@ OLD_AND_NEW = [
     (["--dora"], ["--finetune.dora=true"], ["--finetune.method=lora"]),
     (["--qlora-compile", "true"], ["--finetune.qlora_compile=true"], ["--finetune.method=qlora"]),
     (["--objective", "dpo"], ["--finetune.objective=dpo"], ["--finetune.method=lora"]),
+    # the pins: a [parallel] field given on the command line is kept, the search varies the rest
+    (["--dp-replicate", "2"], ["--parallel.dp_replicate=2"], GPUS),
+    (["--dp-shard", "4"], ["--parallel.dp_shard=4"], GPUS),
+    (["--tp", "2"], ["--parallel.tp=2"], GPUS),
+    (["--pp", "2"], ["--parallel.pp=2"], GPUS),
+    (["--cp", "1"], ["--parallel.cp=1"], GPUS),  # cp 2: no plan of 8 H100s for this model (as before)
+    (["--zero-stage", "2"], ["--parallel.zero_stage=2"], GPUS),
+    (["--ac", "full"], ["--parallel.activation_checkpointing=full"], GPUS),
+    (["--offload", "true"], ["--parallel.cpu_offload=true"], GPUS),
 ]
 
 

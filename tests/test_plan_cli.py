@@ -22,14 +22,14 @@ def test_unknown_hardware_exits_2_and_lists_the_catalog(capsys):
 
 
 def test_impossible_degree_exits_2_with_the_reason(capsys):
-    assert run("--model.preset=gpt2-124m", "--hardware", "h100-sxm:8", "--tp", "8", "--dp-shard", "1") == 2
+    assert run("--model.preset=gpt2-124m", "--hardware", "h100-sxm:8", "--parallel.tp=8", "--parallel.dp_shard=1") == 2
     err = capsys.readouterr().err
     assert "model.n_heads (12) must be divisible by parallel.tp (8)" in err  # the trainer's own words
 
 
 def test_degrees_that_do_not_multiply_to_the_world(capsys):
-    assert run("--model.preset=gpt2-124m", "--hardware", "h100-sxm:8", "--tp", "2", "--dp-shard", "2", "--pp", "1",
-               "--cp", "1", "--dp-replicate", "1") == 2
+    assert run("--model.preset=gpt2-124m", "--hardware", "h100-sxm:8", "--parallel.tp=2", "--parallel.dp_shard=2",
+               "--parallel.pp=1", "--parallel.cp=1", "--parallel.dp_replicate=1") == 2
     assert "the hardware has 8 devices" in capsys.readouterr().err
 
 
@@ -149,10 +149,10 @@ def test_a_prepared_data_folder_gives_its_manifest_vocabulary(tmp_path, capsys):
     (["--model.vocab_size=-1"], "model.vocab_size must be >= 0 (got -1)"),
     (["--count", "0"], "--count must be a positive integer (got 0)"),
     (["--nodes", "-2"], "--nodes must be a positive integer (got -2)"),
-    (["--tp", "0"], "--tp must be a positive integer (got 0)"),
-    (["--dp-shard", "-1"], "--dp-shard must be a positive integer (got -1)"),
+    (["--parallel.tp=0"], "parallel.tp must be >= 1 (got 0)"),
+    (["--parallel.dp_shard=0"], "--parallel.dp_shard=0: a degree to plan must be >= 1 (or -1: the search chooses)"),
     (["--micro-batch", "0"], "--micro-batch must be a positive integer (got 0)"),
-    (["--zero-stage", "7"], "--zero-stage must be 0, 1, 2 or 3 (got 7)"),
+    (["--parallel.zero_stage=7"], "parallel.zero_stage must be <= 3 (got 7)"),
     (["--top", "0"], "--top must be a positive integer (got 0)"),
     (["--finetune.method=lora", "--finetune.lora_rank=0"], "finetune.lora_rank must be >= 1 (got 0)"),
     (["--deadline", "nan"], "--deadline must be a finite number > 0 hours (got nan)"),

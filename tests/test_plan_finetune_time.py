@@ -44,7 +44,8 @@ def test_frozen_weights_cost_less_and_full_is_pretraining(model, seq, batch, har
 def test_plan_method_prints_the_step_time(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "--model.preset=llama-8b", "--model.vocab_size=128256", "--finetune.method=qlora",
-                 "--hardware", "rtx-4090:1", "--data.seq_len=2048", "--ac", "full", "--json", str(out)]) == 0
+                 "--hardware", "rtx-4090:1", "--data.seq_len=2048", "--parallel.activation_checkpointing=full",
+                 "--json", str(out)]) == 0
     assert "step time on 1 x rtx-4090" in capsys.readouterr().out
     answer = json.loads(out.read_text())["finetune"]
     assert answer["step_seconds"] > 0 and answer["tokens_per_second"] > 0

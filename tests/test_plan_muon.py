@@ -72,7 +72,7 @@ def test_a_muon_config_plans_muon_and_the_flag_overrides_it(tmp_path, capsys):
 def test_muon_plans_only_what_the_trainer_runs_with_muon(capsys):
     """The planner asks the trainer's own check: Muon needs whole matrices, so no tensor parallelism."""
     args = ["plan", "--model.preset=llama-8b", "--hardware", "h100-sxm:8", "--data.seq_len=2048",
-            "--global-batch", "64", "--tp", "2", "--dp-shard", "4", "--zero-stage", "3"]
+            "--global-batch", "64", "--parallel.tp=2", "--parallel.dp_shard=4", "--parallel.zero_stage=3"]
     assert main(args) == 0
     capsys.readouterr()
     assert main(args + ["--optim.name=muon"]) == 2

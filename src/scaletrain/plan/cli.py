@@ -87,11 +87,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--count", type=int, default=None, help="devices per node (overrides NAME:COUNT)")
     hw.add_argument("--nodes", type=int, default=None, help="nodes (overrides NAME:COUNTxNODES)")
     hw.add_argument("--prices", default="", help="TOML price table overriding the built-in one")
-    pin = parser.add_argument_group("pin part of the plan (the search varies the rest)")
-    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "micro_batch", "zero_stage"):
-        pin.add_argument(f"--{name.replace('_', '-')}", dest=f"pin_{name}", type=int, default=None)
-    pin.add_argument("--ac", dest="pin_activation_checkpointing", choices=("none", "selective", "full"), default=None)
-    pin.add_argument("--offload", dest="pin_cpu_offload", choices=("true", "false"), default=None)
+    pin = parser.add_argument_group("pin part of the plan (the search varies the rest): the --parallel.FIELD flags "
+                                    "given (" + ", ".join(PINNED_FIELDS) + "; -1, auto, is searched), and")
+    pin.add_argument("--micro-batch", dest="pin_micro_batch", type=int, default=None,
+                     help="sequences per micro-batch and data-parallel rank to keep (the global batch stays "
+                          "--global-batch's)")
     pin.add_argument("--engine", dest="pin_engine", choices=("native", "deepspeed", "all"), default=None,
                      help="native (default), deepspeed (ZeRO-1/2/3, CPU / NVMe offload; needs DeepSpeed) or all "
                           "(both, ranked together)")
@@ -119,7 +119,12 @@ RENAMED_JOB_FLAGS = (
     ("--lora-targets", "finetune.lora_targets", False), ("--virtual-tokens", "finetune.virtual_tokens", False),
     ("--dora", "finetune.dora", True), ("--qlora-compile", "finetune.qlora_compile", False),
     ("--objective", "finetune.objective", False),
+    *((f"--{name.replace('_', '-')}", f"parallel.{name}", False) for name in ("dp_replicate", "dp_shard", "tp", "pp",
+                                                                              "cp", "zero_stage")),
+    ("--ac", "parallel.activation_checkpointing", False), ("--offload", "parallel.cpu_offload", False),
 )
+# The job's [parallel] fields a plan keeps when the command line sets them (a --config's are searched over).
+PINNED_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage", "activation_checkpointing", "cpu_offload")
 
 
 def _add_renamed_job_flags(parser: argparse.ArgumentParser) -> None:
@@ -130,8 +135,7 @@ def _add_renamed_job_flags(parser: argparse.ArgumentParser) -> None:
 # Every numeric flag of `plan` and its rule: a value out of range is one line naming the flag (0 and negative
 # values were taken for "not given" and planned the defaults, or surfaced as another flag's message).
 # (The job's fields are train's, checked by load_config.)
-_AT_LEAST_ONE = ("global_batch", "count", "nodes", "pin_dp_replicate", "pin_dp_shard", "pin_tp", "pin_pp", "pin_cp",
-                 "pin_micro_batch", "top")
+_AT_LEAST_ONE = ("global_batch", "count", "nodes", "pin_micro_batch", "top")
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -144,9 +148,6 @@ def check_numbers(args: argparse.Namespace) -> None:
     target = getattr(args, "target_bpb", None)  # inf and nan were searched for ("the cheapest way to reach inf")
     if target is not None and not (math.isfinite(target) and target > 0):
         raise ConfigError(f"--target-bpb must be a finite number of bits per byte > 0 (got {target:g})")
-    stage = getattr(args, "pin_zero_stage", None)
-    if stage is not None and stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3 (got {stage})")
 
 
 def _flag(dest: str) -> str:
@@ -277,10 +278,17 @@ def _is_auto(spec: str) -> bool:
     return spec.strip().lower().split(":")[0] == "auto"
 
 
-def _pins(args: argparse.Namespace) -> dict:
-    pins = {k[4:]: v for k, v in vars(args).items() if k.startswith("pin_") and v is not None}
-    if "cpu_offload" in pins:
-        pins["cpu_offload"] = pins["cpu_offload"] == "true"
+def _pins(args: argparse.Namespace, job: PlanJob) -> dict:
+    """What the search keeps: the [parallel] fields the command line sets (-1, auto, is left to the search),
+    ``--micro-batch`` and ``--engine``."""
+    pins = {name: getattr(job.cfg.parallel, name) for name in PINNED_FIELDS if job.given(f"parallel.{name}")}
+    pins = {name: value for name, value in pins.items() if value != -1}
+    for name in ("dp_replicate", "dp_shard"):  # 0 passes the field's own check (ge=-1), not a degree to plan
+        if pins.get(name) == 0:
+            raise ConfigError(f"--parallel.{name}=0: a degree to plan must be >= 1 (or -1: the search chooses)")
+    for name in ("micro_batch", "engine"):
+        if getattr(args, f"pin_{name}") is not None:
+            pins[name] = getattr(args, f"pin_{name}")
     return pins
 
 
@@ -319,10 +327,10 @@ def run_plan(args: argparse.Namespace) -> int:
         if fit_doc is not None:  # what the run buys, beside what it costs
             print_prediction(fit_doc, args.data, law_params(workload.model), workload.train_tokens, console)
         if job.given("finetune.method"):
-            return _finetune_plan(args, job.cfg, workload, cluster, console)
+            return _finetune_plan(args, job.cfg, _pins(args, job), workload, cluster, console)
         if args.deadline is not None or args.budget is not None:
-            return _deadline_plan(args, workload, cluster, prices, as_of, console)
-        result = search(workload, cluster, _pins(args))
+            return _deadline_plan(args, _pins(args, job), workload, cluster, prices, as_of, console)
+        result = search(workload, cluster, _pins(args, job))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -390,13 +398,13 @@ def _fit_of(args: argparse.Namespace):
     return load_fit(args.data)
 
 
-def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as_of: str, console) -> int:
+def _deadline_plan(args: argparse.Namespace, pins: dict, workload, cluster, prices: dict, as_of: str, console) -> int:
     """``scaletrain plan --deadline H / --budget USD`` (plan/deadline.py): the options and the choice."""
     from rich.table import Table
 
     from scaletrain.plan.deadline import answer
 
-    doc = answer(workload, cluster, _pins(args), prices, as_of, args.deadline, args.budget, args.max_nodes)
+    doc = answer(workload, cluster, pins, prices, as_of, args.deadline, args.budget, args.max_nodes)
     table = Table(title=f"{workload.train_tokens:,.0f} tokens on {cluster.hardware.name} (prices as of {as_of})")
     for col in ("devices", "nodes", "fastest plan", "hours", "on-demand $", "spot $"):
         table.add_column(col)
@@ -419,7 +427,7 @@ def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as
     return 0
 
 
-def _finetune_plan(args: argparse.Namespace, job: JobConfig, workload, cluster, console) -> int:
+def _finetune_plan(args: argparse.Namespace, job: JobConfig, pins: dict, workload, cluster, console) -> int:
     """``scaletrain plan --finetune.method=M``: the memory per device and step time of fine-tuning the job's
     [finetune] (its lora_rank, lora_targets, virtual_tokens, dora, objective, qlora_compile), and whether it fits."""
     from scaletrain.plan.finetune import finetune_answer, finetune_step_time, preference_step_time
@@ -430,7 +438,6 @@ def _finetune_plan(args: argparse.Namespace, job: JobConfig, workload, cluster, 
     # the trainer's own rules for the optimizer of a fine-tune (muon_adapters: LoRA / QLoRA only)
     check_optimizer(JobConfig(model=workload.model, finetune=ft,
                               optim=OptimConfig(name=workload.optimizer, muon_adapters=workload.muon_adapters)))
-    pins = _pins(args)
     answer = finetune_answer(workload, cluster.hardware.memory_bytes, cluster.hardware.kind, ft,
                              pins.get("micro_batch"), pins.get("activation_checkpointing", "none"),
                              cluster.hardware.allocator)
