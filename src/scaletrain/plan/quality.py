@@ -35,7 +35,7 @@ from scaletrain.scaling.store import fitted_flops
 SIZE_FACTORS = (0.5, 1.0, 2.0)  # sizes tried around the compute-optimal one
 SIZES_WITHIN = 7  # sizes tried for --budget / --deadline, log-spaced
 # The searches price data-parallel plans (DDP / ZeRO / FSDP, micro-batch, recomputation): a 4-30x smaller plan
-# space than with TP / PP / CP, which the family's sizes rarely need; `plan --model` prices those for one size.
+# space than with TP / PP / CP, which the family's sizes rarely need; `plan --model.preset` prices those for one size.
 PINS = {"tp": 1, "pp": 1, "cp": 1}
 SMALLER, LARGER = 0.1, 100.0  # the sizes a fit is used for, relative to its grid's smallest and largest
 
@@ -113,7 +113,7 @@ class Scope:
 
     def outside(self, params: float, tokens: float) -> list[str]:
         """Why one run of ``params`` non-embedding parameters on ``tokens`` lies outside the scope (empty: it
-        does not); ``plan --data --model`` prints these beside its prediction, which it still makes."""
+        does not); ``plan --data --model.preset`` prints these beside its prediction, which it still makes."""
         notes = []
         if tokens > self.max_tokens:
             epochs = tokens / (self.max_tokens / MAX_EPOCHS)
@@ -278,7 +278,7 @@ def print_fit_caveats(fit_doc: tuple[ScalingFit, dict], console) -> None:
 
 
 def recipe_drift(recipe: dict, seq: int, batch: int) -> str:
-    """A caveat when --seq-len/--global-batch move the tokens a step away from the fit's (0.5x-2x is kept quiet:
+    """A caveat when --data.seq_len/--global-batch move the tokens a step away from the fit's (0.5x-2x is kept quiet:
     the loss is flat in the batch near the critical size); empty when they match."""
     fitted = int(recipe.get("seq_len", 0)) * int(recipe.get("batch", 0))
     if not fitted or 0.5 <= seq * batch / fitted <= 2.0:
