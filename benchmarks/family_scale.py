@@ -1,6 +1,6 @@
 """The fine-tuning planner at full size: `scaletrain finetune --from FOLDER` with QLoRA and LoRA on a
 full-size Qwen2.5-0.5B-shaped model (random weights, built in transformers from the published config.json),
-its peak memory against `scaletrain plan --method ... --hardware auto`'s prediction for the same shape, batch
+its peak memory against `scaletrain plan --finetune.method=... --hardware auto`'s prediction for the same shape, batch
 and sequence. Target: within 15%.
 
     python benchmarks/family_scale.py [--out benchmarks/results/family_scale.json] [--steps 5] [--seq-len 256]
@@ -115,11 +115,11 @@ def _logged_precision(log: str) -> str:
 
 
 def plan(method: str, seq: int, batch: int, precision: str) -> dict:
-    """`scaletrain plan --method METHOD --hardware auto` for the preset of the same shape, as JSON."""
+    """`scaletrain plan --finetune.method=METHOD --hardware auto` for the preset of the same shape, as JSON."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        args = [sys.executable, "-m", "scaletrain", "plan", "--model", "qwen2.5-0.5b", "--method", method,
-                "--hardware", "auto", "--seq-len", str(seq), "--global-batch", str(batch), "--micro-batch",
-                str(batch), "--precision", precision, "--json", out.name]
+        args = [sys.executable, "-m", "scaletrain", "plan", "--model.preset=qwen2.5-0.5b",
+                f"--finetune.method={method}", "--hardware", "auto", f"--data.seq_len={seq}", "--global-batch",
+                str(batch), "--micro-batch", str(batch), f"--train.precision={precision}", "--json", out.name]
         # One torch thread: the calibration `scaletrain doctor --clock cpu` caches on a shared machine (a busy
         # machine cannot calibrate all threads by wall time); the memory answer does not depend on it.
         proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -64,10 +64,11 @@ class Row:
         p = self.parallel
         dp = p.get("dp_shard", 1) * p.get("dp_replicate", 1)
         zero = p.get("zero_stage", 3 if p.get("dp_shard", 1) > 1 else 0)
-        return ["--hardware", hardware, "--dp-shard", str(p.get("dp_shard", 1)),
-                "--dp-replicate", str(p.get("dp_replicate", 1)), "--tp", str(p.get("tp", 1)), "--pp", "1",
-                "--micro-batch", str(self.batch), "--global-batch", str(self.batch * dp),
-                "--zero-stage", str(zero), "--ac", "none", "--precision", "fp32", "--tokens", "1e6"]
+        return ["--hardware", hardware, f"--parallel.dp_shard={p.get('dp_shard', 1)}",
+                f"--parallel.dp_replicate={p.get('dp_replicate', 1)}", f"--parallel.tp={p.get('tp', 1)}",
+                "--parallel.pp=1", "--micro-batch", str(self.batch), "--global-batch", str(self.batch * dp),
+                f"--parallel.zero_stage={zero}", "--parallel.activation_checkpointing=none",
+                "--train.precision=fp32", "--tokens", "1e6"]
 
 
 D384 = {"vocab_size": 16384, "dim": 384, "n_layers": 6, "n_heads": 6, "ffn_hidden_dim": 1024}  # 23.2M parameters

@@ -44,7 +44,7 @@ GRID_POINTS = 6 * 5 * 2 * 2
 
 def command(folder: Path, trials: int, steps: int) -> list[str]:
     return [sys.executable, "-m", "scaletrain", "tune", "--config", str(RECIPE), "--space", str(SPACE),
-            "--trials", str(trials), "--parallel", "2", "--dir", str(folder), f"--train.steps={steps}",
+            "--trials", str(trials), "--parallel", "2", "--out", str(folder), f"--train.steps={steps}",
             "--schedule.warmup_steps=10", "--train.eval_interval=50", "--train.eval_batches=10",
             "--train.compile=false", "--logging.tensorboard=false", f"--train.run_dir={folder.parent / 'baby'}"]
 

@@ -135,9 +135,10 @@ def plan_gpt2(ctx: Ctx) -> tuple[Path, dict]:
     (no recomputation, no accumulation): the emitted job TOML and that plan."""
     toml, doc = ctx.folder / "plan.toml", ctx.folder / "plan.json"
     for micro_batch in MICRO_BATCHES:
-        proc = ctx.run(scaletrain("plan", "--model", "gpt2-124m", "--hardware", f"{ctx.hardware}:1", "--seq-len",
-                                  str(GPT2_SEQ), "--global-batch", str(micro_batch), "--micro-batch", str(micro_batch),
-                                  "--ac", "none", "--tokens", "100M", "--json", str(doc), "--emit", str(toml)),
+        proc = ctx.run(scaletrain("plan", "--model.preset=gpt2-124m", "--hardware", f"{ctx.hardware}:1",
+                                  f"--data.seq_len={GPT2_SEQ}", "--global-batch", str(micro_batch), "--micro-batch",
+                                  str(micro_batch), "--parallel.activation_checkpointing=none", "--tokens", "100M",
+                                  "--json", str(doc), "--emit", str(toml)),
                        f"plan-mb{micro_batch}", timeout=120, check=False)
         if proc.returncode == 0:
             return toml, json.loads(doc.read_text())["plans"][0]
@@ -576,10 +577,10 @@ def finetune_prediction(ctx: Ctx, name: str, method: str, vocab: int, seq: int, 
                         extra: tuple[str, ...] = ()) -> dict:
     """``scaletrain plan --method`` for the ~1B base (the dry run: the tiny base's config) at ``batch`` x ``seq``."""
     plan_json = ctx.folder / f"plan-{name}.json"
-    model = ["--model", "llama-1b"] if not ctx.dry else ["--config", str(ctx.folder / name / "config.toml")]
-    ctx.run(scaletrain("plan", *model, "--vocab-size", str(vocab), "--method", method, "--hardware",
-                       f"{ctx.hardware}:1", "--seq-len", str(seq), "--micro-batch", str(batch), "--global-batch",
-                       str(batch), "--precision", "bf16", "--json", str(plan_json), *extra),
+    model = ["--model.preset=llama-1b"] if not ctx.dry else ["--config", str(ctx.folder / name / "config.toml")]
+    ctx.run(scaletrain("plan", *model, f"--model.vocab_size={vocab}", f"--finetune.method={method}", "--hardware",
+                       f"{ctx.hardware}:1", f"--data.seq_len={seq}", "--micro-batch", str(batch), "--global-batch",
+                       str(batch), "--train.precision=bf16", "--json", str(plan_json), *extra),
             f"plan-{name}", timeout=120, check=False)  # exit 2 = does not fit: still a prediction
     return json.loads(plan_json.read_text())["finetune"]
 
@@ -597,7 +598,7 @@ def check_lora_qlora(ctx: Ctx) -> dict:
             {**FT_PROFILE, **({"profile.wait": 0, "profile.warmup": 0, "profile.active": 1} if ctx.dry else {})}
         measured = finetune_step(ctx, base, method, method, extra, seq, batch, steps)
         predicted = finetune_prediction(ctx, method, method, out["base"]["vocab_size"], seq, batch,
-                                        ("--qlora-compile", "false") if method == "qlora" else ())
+                                        ("--finetune.qlora_compile=false",) if method == "qlora" else ())
         out[method] = {"peak_memory_mib": round(measured["peak_memory_mb"], 1),
                        "predicted_tensor_mib": round(predicted["tensor_total"] / 2**20, 1),
                        "predicted_per_device_mib": round(predicted["per_device_bytes"] / 2**20, 1),
@@ -651,8 +652,8 @@ def check_qlora_compiled(ctx: Ctx) -> dict:
     seq, batch, steps = (64, 2, 2) if ctx.dry else (FT_SEQ, FT_BATCH, FT_STEPS)
     vocab = out["base"]["vocab_size"]
     runs = {"lora": ("lora", {}, ()), "qlora_eager": ("qlora", {"finetune.qlora_compile": "false"},
-                                                      ("--qlora-compile", "false")),
-            "qlora_compiled": ("qlora", {"finetune.qlora_compile": "true"}, ("--qlora-compile", "true"))}
+                                                      ("--finetune.qlora_compile=false",)),
+            "qlora_compiled": ("qlora", {"finetune.qlora_compile": "true"}, ("--finetune.qlora_compile=true",))}
     for name, (method, extra, plan_flags) in runs.items():
         measured = finetune_step(ctx, base, name, method, extra, seq, batch, steps)
         predicted = finetune_prediction(ctx, name, method, vocab, seq, batch, plan_flags)

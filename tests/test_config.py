@@ -138,8 +138,9 @@ def test_a_command_imports_only_its_own_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['scaletrain.report.cli']"
     # a whole `scaletrain plan` (its entry check included) without the trainer, DCP, pipelining or DTensor
-    code = ("import sys; from scaletrain.cli import main; main(['plan', '--model', 'nano', '--vocab-size', '65', "
-            "'--hardware', 'cpu:1', '--tokens', '1M']); print(sorted(m for m in ('scaletrain.train.trainer', "
+    code = ("import sys; from scaletrain.cli import main; main(['plan', '--model.preset=nano', "
+            "'--model.vocab_size=65', '--hardware', 'cpu:1', '--tokens', '1M']); print(sorted(m for m in ("
+            "'scaletrain.train.trainer', "
             "'torch.distributed.checkpoint', 'torch.distributed.pipelining', 'torch.distributed.tensor') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

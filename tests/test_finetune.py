@@ -401,11 +401,11 @@ def test_planner_finetune_memory_matches_measured(hf_base, method):
 
 
 def test_plan_answers_whether_qlora_fits_a_24gb_card(capsys):
-    args = ["plan", "--model", "llama-8b", "--vocab-size", "128256", "--hardware", "rtx-4090:1", "--seq-len", "2048",
-            "--global-batch", "16"]
-    assert main(args + ["--method", "lora"]) == 2  # a 16 GB bf16 base alone nearly fills it
+    args = ["plan", "--model.preset=llama-8b", "--model.vocab_size=128256", "--hardware", "rtx-4090:1",
+            "--data.seq_len=2048", "--global-batch", "16"]
+    assert main(args + ["--finetune.method=lora"]) == 2  # a 16 GB bf16 base alone nearly fills it
     assert "does NOT fit" in capsys.readouterr().out
-    assert main(args + ["--method", "qlora", "--ac", "full"]) == 0
+    assert main(args + ["--finetune.method=qlora", "--parallel.activation_checkpointing=full"]) == 0
     out = capsys.readouterr().out
     # The verdict names the card's usable memory, and the predicted total is under it.
     need, have = re.search(r"per device .*?: ([\d.]+) GiB = .*?rtx-4090 has ([\d.]+) GiB: fits", out, re.S).groups()

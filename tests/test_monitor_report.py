@@ -165,7 +165,7 @@ def test_report_of_a_run_from_plan_emit_shows_predicted_vs_measured(tmp_path, ti
     over = tiny(tmp_path / "unused")
     job.write_text(to_toml(load_config(None, {k: v for k, v in over.items() if k.startswith(("model.", "data."))})))
     emitted = tmp_path / "best.toml"
-    assert main(["plan", "--config", str(job), "--vocab-size", "65", "--hardware", "cpu", "--tokens", "4096",
+    assert main(["plan", "--config", str(job), "--model.vocab_size=65", "--hardware", "cpu", "--tokens", "4096",
                  "--global-batch", "8", "--emit", str(emitted)]) == 0
     predicted = load_config(emitted).prediction
     assert predicted.plan and predicted.step_seconds > 0 and predicted.memory_bytes > 0
@@ -192,7 +192,7 @@ def test_report_of_a_run_from_plan_emit_shows_predicted_vs_measured(tmp_path, ti
 
 def test_report_takes_a_plan_json(trained_run, tmp_path, capsys):
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--model", "nano", "--vocab-size", "65", "--hardware", "cpu:1", "--tokens", "1M",
+    assert main(["plan", "--model.preset=nano", "--model.vocab_size=65", "--hardware", "cpu:1", "--tokens", "1M",
                  "--json", str(plan)]) == 0
     out = tmp_path / "r.html"
     assert main(["report", str(trained_run), "--plan", str(plan), "--out", str(out)]) == 0

@@ -211,7 +211,7 @@ def test_top_plan_for_two_cpu_ranks_trains_under_torchrun(tmp_path):
     job = tmp_path / "tiny.toml"
     job.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=2))
     emitted = tmp_path / "best.toml"
-    assert main(["plan", "--config", str(job), "--vocab-size", "65", "--hardware", "cpu:2", "--tokens", "8192",
+    assert main(["plan", "--config", str(job), "--model.vocab_size=65", "--hardware", "cpu:2", "--tokens", "8192",
                  "--global-batch", "8", "--emit", str(emitted)]) == 0
     plan = load_config(emitted)
     degrees = {k: getattr(plan.parallel, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")}

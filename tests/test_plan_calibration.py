@@ -92,7 +92,7 @@ def test_plan_refuses_a_poisoned_cached_calibration(cache, capsys):
     if torch.get_num_threads() == 1:  # the same key as one core's: make the one-core entry the poisoned one
         pytest.skip("needs more than one torch thread")
     save_calibration(data)
-    assert run_plan(plan_args("--model", "nano", "--vocab-size", "256", "--hardware", "auto")) == 2
+    assert run_plan(plan_args("--model.preset=nano", "--model.vocab_size=256", "--hardware", "auto")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "contradicts itself" in err[0] and "scaletrain doctor" in err[0]
 

@@ -16,42 +16,43 @@ def run(*argv):
 
 
 def test_unknown_hardware_exits_2_and_lists_the_catalog(capsys):
-    assert run("--model", "gpt2-124m", "--hardware", "v100:8") == 2
+    assert run("--model.preset=gpt2-124m", "--hardware", "v100:8") == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "unknown hardware" in err and "h100-sxm" in err and "rtx-4090" in err
 
 
 def test_impossible_degree_exits_2_with_the_reason(capsys):
-    assert run("--model", "gpt2-124m", "--hardware", "h100-sxm:8", "--tp", "8", "--dp-shard", "1") == 2
+    assert run("--model.preset=gpt2-124m", "--hardware", "h100-sxm:8", "--parallel.tp=8", "--parallel.dp_shard=1") == 2
     err = capsys.readouterr().err
     assert "model.n_heads (12) must be divisible by parallel.tp (8)" in err  # the trainer's own words
 
 
 def test_degrees_that_do_not_multiply_to_the_world(capsys):
-    assert run("--model", "gpt2-124m", "--hardware", "h100-sxm:8", "--tp", "2", "--dp-shard", "2", "--pp", "1",
-               "--cp", "1", "--dp-replicate", "1") == 2
+    assert run("--model.preset=gpt2-124m", "--hardware", "h100-sxm:8", "--parallel.tp=2", "--parallel.dp_shard=2",
+               "--parallel.pp=1", "--parallel.cp=1", "--parallel.dp_replicate=1") == 2
     assert "the hardware has 8 devices" in capsys.readouterr().err
 
 
 def test_plan_that_cannot_fit_says_by_how_much_and_what_would(capsys):
-    assert run("--model", "llama-70b", "--hardware", "rtx-4090:1", "--seq-len", "2048", "--global-batch", "8") == 2
+    assert run("--model.preset=llama-70b", "--hardware", "rtx-4090:1", "--data.seq_len=2048",
+               "--global-batch", "8") == 2
     err = capsys.readouterr().err
     assert "nothing fits" in err and "short by" in err and "devices" in err
 
 
 def test_missing_vocab_is_a_clear_error(capsys):
-    assert run("--model", "small", "--hardware", "h100-sxm:1") == 2
-    assert "--vocab-size" in capsys.readouterr().err
+    assert run("--model.preset=small", "--hardware", "h100-sxm:1") == 2
+    assert "--model.vocab_size" in capsys.readouterr().err
 
 
 def test_bad_token_count(capsys):
-    assert run("--model", "gpt2-124m", "--hardware", "h100-sxm:1", "--tokens", "lots") == 2
+    assert run("--model.preset=gpt2-124m", "--hardware", "h100-sxm:1", "--tokens", "lots") == 2
     assert "--tokens must be a number" in capsys.readouterr().err
 
 
 def test_json_and_emit(tmp_path):
     out, cfg = tmp_path / "plan.json", tmp_path / "job.toml"
-    assert run("--model", "gpt2-124m", "--hardware", "a100-80gb:8x2", "--tokens", "10B", "--json", str(out),
+    assert run("--model.preset=gpt2-124m", "--hardware", "a100-80gb:8x2", "--tokens", "10B", "--json", str(out),
                "--emit", str(cfg)) == 0
     doc = json.loads(out.read_text())
     w = doc["workload"]
@@ -69,7 +70,7 @@ def test_json_and_emit(tmp_path):
 
 def test_chinchilla_is_20_tokens_per_parameter(tmp_path):
     out = tmp_path / "plan.json"
-    assert run("--model", "gpt2-124m", "--hardware", "h100-sxm:8", "--json", str(out)) == 0
+    assert run("--model.preset=gpt2-124m", "--hardware", "h100-sxm:8", "--json", str(out)) == 0
     w = json.loads(out.read_text())["workload"]
     assert w["train_tokens"] == 20 * w["params_total"] and "convention" in w["tokens_convention"]
 
@@ -82,7 +83,7 @@ def test_parse_count():
 
 
 def test_module_entry_point_runs():
-    proc = subprocess.run([sys.executable, "-m", "scaletrain.plan.cli", "plan", "--model", "gpt2-124m",
+    proc = subprocess.run([sys.executable, "-m", "scaletrain.plan.cli", "plan", "--model.preset=gpt2-124m",
                            "--hardware", "bogus"], capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 2 and "catalog" in proc.stderr
 
@@ -137,23 +138,23 @@ def test_a_prepared_data_folder_gives_its_manifest_vocabulary(tmp_path, capsys):
     capsys.readouterr()
     assert run("--config", str(job), "--hardware", "cpu:1") == 2
     err = capsys.readouterr().err
-    assert "--vocab-size" in err and "char" in err and err.count("\n") == 1
+    assert "--model.vocab_size" in err and "char" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("argv,message", [
     # 0 was taken for "not given" and the defaults planned
     (["--global-batch", "0"], "--global-batch must be a positive integer (got 0)"),
-    (["--seq-len", "0"], "--seq-len must be a positive integer (got 0)"),
-    # it said "pass --vocab-size"
-    (["--vocab-size", "-1"], "--vocab-size must be a positive integer (got -1)"),
+    # the job's fields: train's checks (load_config), train's one line
+    (["--data.seq_len=0"], "data.seq_len must be >= 1 (got 0)"),
+    (["--model.vocab_size=-1"], "model.vocab_size must be >= 0 (got -1)"),
     (["--count", "0"], "--count must be a positive integer (got 0)"),
     (["--nodes", "-2"], "--nodes must be a positive integer (got -2)"),
-    (["--tp", "0"], "--tp must be a positive integer (got 0)"),
-    (["--dp-shard", "-1"], "--dp-shard must be a positive integer (got -1)"),
+    (["--parallel.tp=0"], "parallel.tp must be >= 1 (got 0)"),
+    (["--parallel.dp_shard=0"], "--parallel.dp_shard=0: a degree to plan must be >= 1 (or -1: the search chooses)"),
     (["--micro-batch", "0"], "--micro-batch must be a positive integer (got 0)"),
-    (["--zero-stage", "7"], "--zero-stage must be 0, 1, 2 or 3 (got 7)"),
+    (["--parallel.zero_stage=7"], "parallel.zero_stage must be <= 3 (got 7)"),
     (["--top", "0"], "--top must be a positive integer (got 0)"),
-    (["--method", "lora", "--lora-rank", "0"], "--lora-rank must be a positive integer (got 0)"),
+    (["--finetune.method=lora", "--finetune.lora_rank=0"], "finetune.lora_rank must be >= 1 (got 0)"),
     (["--deadline", "nan"], "--deadline must be a finite number > 0 hours (got nan)"),
     (["--budget", "inf"], "--budget must be a finite number > 0 USD (got inf)"),
     (["--max-nodes", "0"], "--max-nodes must be >= 1 (got 0)"),
@@ -162,7 +163,7 @@ def test_a_prepared_data_folder_gives_its_manifest_vocabulary(tmp_path, capsys):
                                      "more than the 2,471,746,560 tokens to train (Chinchilla: 20 per parameter)"),
 ])
 def test_every_numeric_plan_flag_out_of_range_is_one_line(capsys, argv, message):
-    assert run("--model", "gpt2-124m", "--hardware", "h100-sxm:8", *argv) == 2
+    assert run("--model.preset=gpt2-124m", "--hardware", "h100-sxm:8", *argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 

@@ -9,7 +9,7 @@ import pytest
 
 from scaletrain.cli import main
 
-BASE = ["plan", "--model", "gpt2-124m", "--tokens", "2B", "--hardware", "a100-80gb", "--max-nodes", "2"]
+BASE = ["plan", "--model.preset=gpt2-124m", "--tokens", "2B", "--hardware", "a100-80gb", "--max-nodes", "2"]
 
 
 def run(tmp_path, *extra: str) -> tuple[int, dict]:

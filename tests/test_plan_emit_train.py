@@ -16,7 +16,7 @@ def test_emitted_cpu_plan_trains(tmp_path, tiny):
     over = tiny(tmp_path / "unused")
     job.write_text(to_toml(load_config(None, {k: v for k, v in over.items() if k.startswith(("model.", "data."))})))
     emitted = tmp_path / "best.toml"
-    assert main(["plan", "--config", str(job), "--vocab-size", "65", "--hardware", "cpu", "--tokens", "4096",
+    assert main(["plan", "--config", str(job), "--model.vocab_size=65", "--hardware", "cpu", "--tokens", "4096",
                  "--global-batch", "8", "--emit", str(emitted)]) == 0
     plan = load_config(emitted)
     assert plan.model.dim == 32 and plan.model.n_layers == 2 and plan.data.seq_len == 32

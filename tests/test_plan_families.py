@@ -191,8 +191,8 @@ def test_plan_answers_for_each_family_preset(preset, method, capsys):
     from scaletrain.plan.report import human
 
     assert set(FAMILY_PRESETS) <= set(PRESETS)
-    status = main(["plan", "--model", preset, "--method", method, "--hardware", "rtx-4090:1", "--seq-len", "1024",
-                   "--global-batch", "8"])
+    status = main(["plan", "--model.preset", preset, "--finetune.method", method, "--hardware", "rtx-4090:1",
+                   "--data.seq_len=1024", "--global-batch", "8"])
     out = capsys.readouterr().out
     cfg = ModelConfig(**PRESETS[preset])
     assert f"fine-tuning {preset} ({human(num_params(cfg))} parameters) with {method}" in out, out

@@ -43,8 +43,9 @@ def test_frozen_weights_cost_less_and_full_is_pretraining(model, seq, batch, har
 
 def test_plan_method_prints_the_step_time(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["plan", "--model", "llama-8b", "--vocab-size", "128256", "--method", "qlora", "--hardware",
-                 "rtx-4090:1", "--seq-len", "2048", "--ac", "full", "--json", str(out)]) == 0
+    assert main(["plan", "--model.preset=llama-8b", "--model.vocab_size=128256", "--finetune.method=qlora",
+                 "--hardware", "rtx-4090:1", "--data.seq_len=2048", "--parallel.activation_checkpointing=full",
+                 "--json", str(out)]) == 0
     assert "step time on 1 x rtx-4090" in capsys.readouterr().out
     answer = json.loads(out.read_text())["finetune"]
     assert answer["step_seconds"] > 0 and answer["tokens_per_second"] > 0
@@ -117,8 +118,8 @@ def test_a_preference_step_is_two_rows_a_pair_plus_dpos_reference_forward(hardwa
 
 def test_plan_objective_dpo_prints_the_modelled_step(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["plan", "--model", "qwen3-0.6b", "--method", "lora", "--objective", "dpo", "--hardware",
-                 "h100-sxm:1", "--seq-len", "1024", "--global-batch", "8", "--json", str(out)]) == 0
+    assert main(["plan", "--model.preset=qwen3-0.6b", "--finetune.method=lora", "--finetune.objective=dpo",
+                 "--hardware", "h100-sxm:1", "--data.seq_len=1024", "--global-batch", "8", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "not modelled" not in text and "reference's no-grad forward (adapters off)" in text, text
     answer = json.loads(out.read_text())["finetune"]
@@ -161,9 +162,10 @@ def test_compiled_qlora_is_a_rate_of_its_own_that_a_gpu_measurement_can_refit(mo
     assert gpu_tokens_per_second(eager_gpu) == pytest.approx(before, rel=1e-12)
     # `scaletrain plan --qlora-compile` asks for either
     out = tmp_path / "plan.json"
-    args = ["plan", "--model", "llama-1b", "--vocab-size", "8192", "--method", "qlora", "--hardware", "h100-sxm:1",
-            "--seq-len", "1024", "--micro-batch", "4", "--global-batch", "4", "--precision", "bf16", "--json", str(out)]
-    assert main(args + ["--qlora-compile", "false"]) == 0
+    args = ["plan", "--model.preset=llama-1b", "--model.vocab_size=8192", "--finetune.method=qlora", "--hardware",
+            "h100-sxm:1", "--data.seq_len=1024", "--micro-batch", "4", "--global-batch", "4", "--train.precision=bf16",
+            "--json", str(out)]
+    assert main(args + ["--finetune.qlora_compile=false"]) == 0
     eager = json.loads(out.read_text())["finetune"]["tokens_per_second"]
     assert main(args) == 0
     assert json.loads(out.read_text())["finetune"]["tokens_per_second"] > 1.5 * eager

@@ -41,7 +41,7 @@ BABY = str(ROOT / "configs" / "shakespeare_char_baby_adamw.toml")  # the nano pr
 
 def _plan_json(tmp_path: Path, name: str, *args: str) -> dict:
     out = tmp_path / f"{name}.json"
-    assert main(["plan", "--vocab-size", "65", "--hardware", "cpu:1", "--top", "1", "--json", str(out), *args]) == 0
+    assert main(["plan", "--model.vocab_size=65", "--hardware", "cpu:1", "--top", "1", "--json", str(out), *args]) == 0
     return json.loads(out.read_text())
 
 
@@ -54,8 +54,8 @@ def test_a_muon_config_plans_muon_and_the_flag_overrides_it(tmp_path, capsys):
     assert load_config(str(muon_toml)).optim.name == "muon"
     adamw = _plan_json(tmp_path, "adamw", "--config", BABY)
     muon = _plan_json(tmp_path, "muon", "--config", str(muon_toml), "--emit", str(tmp_path / "best.toml"))
-    overridden = _plan_json(tmp_path, "over", "--config", str(muon_toml), "--optimizer", "adamw")
-    flagged = _plan_json(tmp_path, "flag", "--config", BABY, "--optimizer", "muon")
+    overridden = _plan_json(tmp_path, "over", "--config", str(muon_toml), "--optim.name=adamw")
+    flagged = _plan_json(tmp_path, "flag", "--config", BABY, "--optim.name=muon")
     assert [d["workload"]["optimizer"] for d in (adamw, muon, overridden, flagged)] == ["adamw", "muon", "adamw",
                                                                                         "muon"]
     a, m = adamw["plans"][0], muon["plans"][0]
@@ -71,11 +71,11 @@ def test_a_muon_config_plans_muon_and_the_flag_overrides_it(tmp_path, capsys):
 
 def test_muon_plans_only_what_the_trainer_runs_with_muon(capsys):
     """The planner asks the trainer's own check: Muon needs whole matrices, so no tensor parallelism."""
-    args = ["plan", "--model", "llama-8b", "--hardware", "h100-sxm:8", "--seq-len", "2048", "--global-batch", "64",
-            "--tp", "2", "--dp-shard", "4", "--zero-stage", "3"]
+    args = ["plan", "--model.preset=llama-8b", "--hardware", "h100-sxm:8", "--data.seq_len=2048",
+            "--global-batch", "64", "--parallel.tp=2", "--parallel.dp_shard=4", "--parallel.zero_stage=3"]
     assert main(args) == 0
     capsys.readouterr()
-    assert main(args + ["--optimizer", "muon"]) == 2
+    assert main(args + ["--optim.name=muon"]) == 2
     assert "optim.name=muon needs whole weight matrices: not with parallel.tp > 1" in capsys.readouterr().err
 
 
@@ -166,16 +166,17 @@ def test_muon_adapters_cost_newton_schulz_time_and_need_lora(hf_base, capsys):
                                   Plan(micro_batch=12), cluster, ft)
     assert plain["newton_schulz_seconds"] == 0 < adapters["newton_schulz_seconds"]
     assert adapters["step_seconds"] == pytest.approx(plain["step_seconds"] + adapters["newton_schulz_seconds"])
-    args = ["plan", "--model", "nano", "--vocab-size", "65", "--hardware", "cpu", "--global-batch", "12",
-            "--seq-len", "64"]
-    assert main(args + ["--method", "lora", "--optimizer", "muon", "--muon-adapters"]) == 0
+    args = ["plan", "--model.preset=nano", "--model.vocab_size=65", "--hardware", "cpu", "--global-batch", "12",
+            "--data.seq_len=64"]
+    assert main(args + ["--finetune.method=lora", "--optim.name=muon", "--optim.muon_adapters=true"]) == 0
     assert "optimizer muon (Muon with one momentum buffer on the blocks' matrices, LoRA's lora_A / lora_B too" \
         in capsys.readouterr().out.replace("\n", " ")
-    assert main(args + ["--method", "prompt", "--optimizer", "muon", "--muon-adapters"]) == 2
+    assert main(args + ["--finetune.method=prompt", "--optim.name=muon", "--optim.muon_adapters=true"]) == 2
     assert "optim.muon_adapters puts LoRA's adapter matrices under Muon: it needs finetune.method=lora" \
         in capsys.readouterr().err
-    assert main(args + ["--method", "lora", "--muon-adapters"]) == 2
-    assert "--muon-adapters puts LoRA's adapters under Muon: it needs --optimizer muon" in capsys.readouterr().err
+    assert main(args + ["--finetune.method=lora", "--optim.muon_adapters=true"]) == 2
+    assert "--optim.muon_adapters puts LoRA's adapters under Muon: it needs --optim.name=muon" \
+        in capsys.readouterr().err
 
 
 # The predicted Muon / AdamW step ratio of the nano recipe is checked against one measured in the test, both

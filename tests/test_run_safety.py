@@ -259,7 +259,7 @@ def test_an_output_that_does_not_fit_leaves_the_previous_file_and_no_partial_one
     folder.mkdir()
     earlier = folder / "earlier.out"
     earlier.write_text("the user's earlier result\n")
-    commands = [(4096, ["report", str(run), "--out"]), (4096, ["plan", "--model", "gpt2-124m", "--hardware",
+    commands = [(4096, ["report", str(run), "--out"]), (4096, ["plan", "--model.preset=gpt2-124m", "--hardware",
                                                                "h100-sxm:8", "--json"]),
                 (256, ["eval", "--run", str(run), "--json"])]  # each limit below what it writes (eval: ~1 KB)
     calls = [(limit, [*argv, str(target)]) for limit, argv in commands for target in (earlier, folder / "new.out")]

@@ -108,7 +108,7 @@ def test_fit_from_other_data_is_refused(tmp_path, data_dir, capsys):
     shutil.copy(data_dir / FIT_FILE, other / FIT_FILE)
     with pytest.raises(ScalingFitError, match="other data"):
         load_fit(other)
-    assert main(["plan", "--data", str(other), "--model", "nano", "--hardware", "cpu"]) == 2
+    assert main(["plan", "--data", str(other), "--model.preset=nano", "--hardware", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "fitted on other data" in err
 
@@ -116,26 +116,26 @@ def test_fit_from_other_data_is_refused(tmp_path, data_dir, capsys):
 def test_plan_with_a_fit_predicts_bpb_and_answers_a_target(data_dir, capsys):
     n, d, loss = synthetic()
     write_fit(data_dir, fit_law(n, d, loss, bootstrap=20), [{"params": x} for x in (1e5, 3e6)], {})
-    assert main(["plan", "--data", str(data_dir), "--model", "nano", "--vocab-size", "256", "--tokens", "20M",
+    assert main(["plan", "--data", str(data_dir), "--model.preset=nano", "--model.vocab_size=256", "--tokens", "20M",
                  "--hardware", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "predicted val bpb" in out and "tokens per parameter" in out
     # the fixture play has 27k training characters: at most 4 epochs, where TRUE's D term alone is 5.2 bpb
     assert main(["plan", "--data", str(data_dir), "--target-bpb", "7.0", "--hardware", "h100-sxm:8",
-                 "--max-nodes", "1", "--global-batch", "8", "--seq-len", "64"]) == 0
+                 "--max-nodes", "1", "--global-batch", "8", "--data.seq_len=64"]) == 0
     out = capsys.readouterr().out
     assert "reaches 7" in out and "$" in out and "scope" in out
     assert main(["plan", "--data", str(data_dir), "--target-bpb", "7.0", "--hardware", "h100-sxm:8",
-                 "--max-nodes", "1", "--global-batch", "8", "--seq-len", "64", "--json", "-"]) == 0
+                 "--max-nodes", "1", "--global-batch", "8", "--data.seq_len=64", "--json", "-"]) == 0
     doc = json.loads(capsys.readouterr().out)  # sized to the target: its own prediction is the target
     assert doc["choice"]["val_bpb"] == pytest.approx(7.0, rel=1e-6)
     assert doc["choice"]["tokens"] <= doc["scope"]["max_tokens"]
     assert doc["choice"]["on_demand_usd"] == min(r["on_demand_usd"] for r in doc["candidates"])
-    assert main(["plan", "--target-bpb", "1.3", "--model", "nano", "--hardware", "cpu"]) == 2
+    assert main(["plan", "--target-bpb", "1.3", "--model.preset=nano", "--hardware", "cpu"]) == 2
     assert "needs --data" in capsys.readouterr().err
     # the choice's own predicted bpb is at (or just under) the target it was sized for
     assert main(["plan", "--data", str(data_dir), "--budget", "50", "--hardware", "h100-sxm:8", "--max-nodes", "1",
-                 "--global-batch", "8", "--seq-len", "64", "--json", "-"]) == 0
+                 "--global-batch", "8", "--data.seq_len=64", "--json", "-"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["choice"]["on_demand_usd"] <= 50 * 1.0001
     assert doc["choice"]["val_bpb"] == min(r["val_bpb"] for r in doc["candidates"])
@@ -157,7 +157,7 @@ def test_plan_keeps_the_fits_tokens_a_step_and_warns_when_told_otherwise(data_di
     out = capsys.readouterr().out
     assert "seq 32, 4 sequences a step" in " ".join(out.split()) and "tokens a step, the fit's runs took" not in out
     assert main(["plan", "--data", str(data_dir), "--target-bpb", "7.0", "--hardware", "h100-sxm:8",
-                 "--max-nodes", "1", "--seq-len", "64", "--global-batch", "64"]) == 0
+                 "--max-nodes", "1", "--data.seq_len=64", "--global-batch", "64"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "caveat: 4,096 tokens a step, the fit's runs took 128" in out
 
@@ -303,7 +303,7 @@ def test_plan_repeats_the_fits_caveats_beside_its_prediction(data_dir, capsys):
     n, d, loss = synthetic()
     fit = fit_law(n, d, loss, bootstrap=3)
     write_fit(data_dir, fit, [{"params": x} for x in (1e5, 3e6)], {})
-    plan = ["plan", "--data", str(data_dir), "--model", "nano", "--vocab-size", "256", "--tokens", "60k",
+    plan = ["plan", "--data", str(data_dir), "--model.preset=nano", "--model.vocab_size=256", "--tokens", "60k",
             "--hardware", "cpu"]  # within the fit's scope (4 epochs of the play): no caveat of the scope either
     assert main(plan) == 0
     assert "caveat" not in capsys.readouterr().out
@@ -397,7 +397,7 @@ def test_an_edited_fit_is_refused_on_load_naming_the_field(data_dir, capsys, fie
     path.write_text(json.dumps(doc))
     with pytest.raises(ScalingFitError, match=rf"{FIT_FILE}: params\.{field} must be a finite number"):
         load_fit(data_dir)
-    assert main(["plan", "--data", str(data_dir), "--model", "nano", "--tokens", "60k", "--hardware", "cpu"]) == 2
+    assert main(["plan", "--data", str(data_dir), "--model.preset=nano", "--tokens", "60k", "--hardware", "cpu"]) == 2
     assert f"params.{field}" in _one_line(capsys)
 
 
@@ -425,11 +425,12 @@ def test_a_fit_whose_parameters_mean_nothing_says_so_and_the_searches_refuse(dat
         _fit_doc(data_dir, params, runs, bootstrap=3)
         for search in (["--target-bpb", "7.0"], ["--budget", "50"]):
             assert main(["plan", "--data", str(data_dir), *search, "--hardware", "h100-sxm:8", "--max-nodes", "1",
-                         "--global-batch", "8", "--seq-len", "64"]) == 2
+                         "--global-batch", "8", "--data.seq_len=64"]) == 2
             err = _one_line(capsys)
             assert "the fit cannot choose a model size" in err and said in err
         # one run is still predicted, with the caveat beside it
-        assert main(["plan", "--data", str(data_dir), "--model", "nano", "--tokens", "60k", "--hardware", "cpu"]) == 0
+        assert main(["plan", "--data", str(data_dir), "--model.preset=nano", "--tokens", "60k", "--hardware",
+                     "cpu"]) == 0
         out = " ".join(capsys.readouterr().out.split())
         assert "predicted val bpb" in out and "caveat (the fit): " in out and said in out
     # `scale` prints it with the fit, and stores it
@@ -450,7 +451,8 @@ def test_plan_refuses_a_target_that_is_no_number_of_bits(data_dir, capsys, targe
 
 def test_plan_refuses_tokens_past_float_range(capsys):
     """`plan --tokens 1e400` was an OverflowError traceback."""
-    assert main(["plan", "--model", "nano", "--vocab-size", "256", "--tokens", "1e400", "--hardware", "cpu"]) == 2
+    assert main(["plan", "--model.preset=nano", "--model.vocab_size=256", "--tokens", "1e400", "--hardware",
+                 "cpu"]) == 2
     assert "--tokens must be a finite number > 0" in _one_line(capsys)
 
 
@@ -459,7 +461,7 @@ def test_plan_says_when_a_prediction_is_outside_the_fits_scope(data_dir, capsys)
     scope ends at 4 epochs; here 20M of the play's ~27k training characters. The vocabulary comes from --data's
     manifest (docs/planning.md's command was refused "pass --vocab-size")."""
     _fit_doc(data_dir, TRUE, bootstrap=3)
-    plan = ["plan", "--data", str(data_dir), "--model", "nano", "--hardware", "cpu", "--tokens"]
+    plan = ["plan", "--data", str(data_dir), "--model.preset=nano", "--hardware", "cpu", "--tokens"]
     assert main([*plan, "20M"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "predicted val bpb" in out and re.search(r"caveat: 20,000,000 tokens are [\d,.]+ epochs of this data's "

@@ -44,7 +44,7 @@ def flags(overrides: dict) -> list[str]:
 def test_bad_space_is_one_line_and_exit_2(tmp_path, capsys, text, says):
     space = tmp_path / "space.toml"
     space.write_text(text)
-    assert main(["tune", "--space", str(space), "--trials", "2", "--dir", str(tmp_path / "t")]) == 2
+    assert main(["tune", "--space", str(space), "--trials", "2", "--out", str(tmp_path / "t")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0], err
     assert not (tmp_path / "t").exists()  # refused before anything is written
@@ -64,7 +64,7 @@ def test_study_continues_skips_what_does_not_fit_and_reports(tmp_path, tiny, cap
     job = tiny(tmp_path / "job", **{"train.steps": 10, "train.eval_interval": 5, "train.compile": "false",
                                     "monitor.enabled": "false", "train.threads": 1})
     folder = tmp_path / "tune"
-    tune = ["tune", "--space", str(SPACE), "--dir", str(folder), *flags(job)]
+    tune = ["tune", "--space", str(SPACE), "--out", str(folder), *flags(job)]
     assert main([*tune, "--trials", "2"]) == 0
     first = json.loads((folder / "study.json").read_text())["trials"]
     assert len(first) == 2 and first[0]["baseline"] and first[0]["params"]["optim.lr"] == pytest.approx(1e-3)
@@ -79,7 +79,7 @@ def test_study_continues_skips_what_does_not_fit_and_reports(tmp_path, tiny, cap
     # Another space for the same folder is refused (the study would mix two searches).
     other = tmp_path / "other.toml"
     other.write_text(SPACE.read_text().replace("high = 2", "high = 3"))
-    assert main(["tune", "--space", str(other), "--dir", str(folder), "--trials", "5", *flags(job)]) == 2
+    assert main(["tune", "--space", str(other), "--out", str(folder), "--trials", "5", *flags(job)]) == 2
     assert "holds a study started with another space" in capsys.readouterr().err
     # The report draws the study (table, plots).
     assert main(["report", str(folder), "--out", str(tmp_path / "study.html")]) == 0
@@ -90,7 +90,7 @@ def test_study_continues_skips_what_does_not_fit_and_reports(tmp_path, tiny, cap
 def test_trials_the_planner_says_do_not_fit_are_skipped(tmp_path, tiny):
     job = tiny(tmp_path / "job", **{"train.steps": 5})
     folder = tmp_path / "tune"
-    assert main(["tune", "--space", str(SPACE), "--dir", str(folder), "--trials", "2", "--memory-gb", "0.001",
+    assert main(["tune", "--space", str(SPACE), "--out", str(folder), "--trials", "2", "--memory-gb", "0.001",
                  *flags(job)]) == 0
     trials = json.loads((folder / "study.json").read_text())["trials"]
     assert [t["state"] for t in trials] == ["skipped", "skipped"] and all(t["steps"] == 0 for t in trials)
@@ -128,14 +128,14 @@ def test_lr_find_bad_range_is_one_line(capsys):
 
 
 def test_bits_per_byte_as_the_objective(tmp_path, tiny, capsys):
-    """--objective val_bpb: each trial's value is its run's final val_bpb, pruning sees bpb at each
+    """--metric val_bpb: each trial's value is its run's final val_bpb, pruning sees bpb at each
     evaluation, and the study keeps its objective (continuing it with another is refused in one line)."""
     job = tiny(tmp_path / "job", **{"train.steps": 6, "train.eval_interval": 3, "train.compile": "false",
                                     "monitor.enabled": "false", "train.threads": 1, "data.tokenizer": "bpe",
                                     "data.vocab_size": 300})
     folder = tmp_path / "tune"
-    tune = ["tune", "--space", str(SPACE), "--dir", str(folder), *flags(job)]
-    assert main([*tune, "--trials", "2", "--objective", "val_bpb"]) == 0
+    tune = ["tune", "--space", str(SPACE), "--out", str(folder), *flags(job)]
+    assert main([*tune, "--trials", "2", "--metric", "val_bpb"]) == 0
     doc = json.loads((folder / "study.json").read_text())
     assert doc["objective"] == "final val bpb"
     baseline = doc["trials"][0]  # the job's own values: `scaletrain train` of the job records the same val_bpb
@@ -147,6 +147,6 @@ def test_bits_per_byte_as_the_objective(tmp_path, tiny, capsys):
     assert baseline["intermediate"]["3"] == pytest.approx(evals["3"]["val_bpb"], rel=1e-6)
     assert abs(baseline["value"] - evals["6"]["val_loss"]) > 0.1  # bits per byte, not the loss
     capsys.readouterr()
-    assert main([*tune, "--trials", "3", "--objective", "val_loss"]) == 2
+    assert main([*tune, "--trials", "3", "--metric", "val_loss"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "was started with --objective val_bpb" in err[0], err
+    assert len(err) == 1 and "was started with --metric val_bpb" in err[0], err

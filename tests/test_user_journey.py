@@ -43,9 +43,9 @@ def test_an_output_path_under_a_file_is_one_storage_error_line(command, base_run
     argv = {
         "compress": ["compress", "--run", str(base_run), "--out", target, "--quantize", "int8-weight"],
         "report": ["report", str(base_run), "--out", target + ".html"],
-        "tune": ["tune", "--space", SPACE, "--trials", "1", "--dir", target, *run_flags],
+        "tune": ["tune", "--space", SPACE, "--trials", "1", "--out", target, *run_flags],
         "lr-find": ["lr-find", "--out", target, "--steps", "10", *run_flags],
-        "plan": ["plan", "--model", "nano", "--vocab-size", "65", "--hardware", "cpu:1", "--tokens", "20M",
+        "plan": ["plan", "--model.preset=nano", "--model.vocab_size=65", "--hardware", "cpu:1", "--tokens", "20M",
                  "--emit", target + ".toml"],
         "train": ["train", *flags(tiny_overrides(target, **{"train.steps": 2}))],
         "prepare": ["prepare", "--source.paths", "builtin:tinyshakespeare", "--out", target],
@@ -244,8 +244,8 @@ def test_an_unknown_tokenizer_lists_the_choices(tmp_path, capsys):
 
 
 def test_plan_of_a_small_fine_tune_prints_sensible_counts(capsys):
-    assert main(["plan", "--model", "micro", "--vocab-size", "65", "--hardware", "cpu:1", "--tokens", "1M",
-                 "--method", "lora"]) == 0
+    assert main(["plan", "--model.preset=micro", "--model.vocab_size=65", "--hardware", "cpu:1", "--tokens", "1M",
+                 "--finetune.method=lora"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "fine-tuning micro (3.2M parameters) with lora" in text
     assert "frozen base 12.2 MiB + trainable states 1.0 MiB" in text

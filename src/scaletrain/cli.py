@@ -455,10 +455,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
+FLAG_VOCABULARY = ("Flags: --section.field=VALUE sets a job field wherever a command reads a job (train, finetune, "
+                   "plan, tune, lr-find: the same fields, checked alike; `scaletrain train --help` lists them); "
+                   "kebab-case flags are a command's own inputs (--run, --config, --hardware); what a command "
+                   "writes is --out (a training run's folder is the job field train.run_dir).")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The whole command line. With ``argv``, only the plugin command named in it is imported (see
     ``_plugin_parser``); without, every plugin is (for tools that inspect the full parser)."""
-    parser = OneLineParser(prog="scaletrain", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="scaletrain", description=__doc__.splitlines()[0], epilog=FLAG_VOCABULARY)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _train_parser(sub)
     _eval_parser(sub)

@@ -662,3 +662,31 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = None) -> N
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}
+
+
+# The one flag vocabulary (issue 50): a job field is ``--section.field`` in every command that reads it, and a
+# command's own inputs are kebab-case (``--run``, ``--out``, ``--hardware``). Spellings renamed into it are still
+# accepted for one release, each saying its new name in one line when used.
+class _RenamedFlag(argparse.Action):
+    """An old spelling: stores its value where the new one does, after one ``note:`` line naming the new one."""
+
+    def __init__(self, option_strings, dest, new: str, const=None, nargs=None, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, nargs=nargs, const=const, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else values
+        shown = f"{self.new}={value}" if self.dest.startswith("cfg:") else self.new  # a job field: with its value
+        print(f"note: {option_string} is deprecated and goes in the next release; use {shown}", file=sys.stderr)
+        setattr(namespace, self.dest, value)
+
+
+def add_renamed_flag(parser: argparse.ArgumentParser, old: str, new: str, dest: str | None = None,
+                     switch: bool = False, **kwargs) -> None:
+    """Accept ``old`` for one release as a spelling of ``new``: a ``--section.field`` job field (stored as that
+    override) or, with ``dest``, a command's own flag. ``switch``: ``old`` took no value (``--dora``) and means
+    ``new=true``. Hidden from ``--help``, which shows only the new vocabulary."""
+    dest = dest or f"cfg:{new.removeprefix('--')}"
+    extra = {"nargs": 0, "const": "true"} if switch else {}
+    parser.add_argument(old, dest=dest, action=_RenamedFlag, new=new, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS, **extra, **kwargs)

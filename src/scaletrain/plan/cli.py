@@ -19,17 +19,16 @@ from pathlib import Path
 from scaletrain.config import (
     ConfigError,
     DataConfig,
-    FinetuneConfig,
     JobConfig,
-    ModelConfig,
     OptimConfig,
     PredictionConfig,
-    build,
+    add_config_arguments,
+    add_renamed_flag,
     load_config,
+    overrides_from_args,
 )
 from scaletrain.files import check_output_path, write_file
-from scaletrain.finetune.method_table import METHODS
-from scaletrain.finetune.objectives import objective_entry, objective_names
+from scaletrain.finetune.objectives import objective_entry
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
@@ -38,7 +37,7 @@ from scaletrain.plan.timing import workload_utilisation
 from scaletrain.plan.wall import LoopSettings, evaluation_note, predicted_wall
 from scaletrain.scaling.fit import law_params
 from scaletrain.scaling.quality import add_quality_arguments, print_prediction, quality_search
-from scaletrain.train.optimizer import OPTIMIZERS, optimizer_entry
+from scaletrain.train.optimizer import optimizer_entry
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -67,58 +66,36 @@ def parse_count(text: str, what: str) -> float:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``scaletrain plan``."""
-    src = parser.add_argument_group("model and data")
-    src.add_argument("--model", default="", help=f"preset name ({', '.join(PRESETS)}); or use --config")
+    """Options of ``scaletrain plan``: the job as train reads it (``--config`` + ``--section.field``), and the
+    plan's own inputs in kebab-case (tokens, hardware, pins, deadline, output)."""
+    parser.description = ("Predict memory, time and cost of a job and search its parallel plan. The job is read as "
+                          "`scaletrain train` reads it: --config TOML overridden by --section.field flags (the "
+                          "model, data.seq_len, train.precision, optim.*, finetune.* for --finetune.method, train "
+                          "evaluation and checkpoint intervals); kebab-case flags are the plan's own inputs.")
+    src = parser.add_argument_group("job and tokens (the job's fields are the --section.field flags below)")
     src.add_argument("--config", default="", help="a job TOML: its [model], data.seq_len, train batch and "
                                                   "precision are the defaults of this plan")
-    src.add_argument("--vocab-size", type=int, default=None,
-                     help="vocabulary size (needed when the preset has none and no --config or --data gives it)")
     src.add_argument("--tokens", default="chinchilla",
                      help=f"tokens to train: a number (300B, 1.5e9) or 'chinchilla' = {CHINCHILLA_TOKENS_PER_PARAM} "
                           "per parameter (a convention)")
-    src.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the config's, else 1024 "
-                                                            "capped at model.max_seq_len)")
     src.add_argument("--global-batch", type=int, default=None,
-                     help="sequences per optimizer step across all ranks (default: ~0.5M tokens on GPUs, 16 on CPU)")
-    src.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
-                     help="auto = what `scaletrain train` picks on the target: bf16 mixed precision on GPUs, and on "
-                          "a CPU bf16 where its bf16 matmuls measure at least 1.5x fp32's (else fp32); a --config's "
-                          "train.precision when given")
-    src.add_argument("--optimizer", default=None, choices=tuple(OPTIMIZERS),
-                     help="the optimizer to plan for, an entry of train/optimizer.py's table: adamw, or muon (one "
-                          "momentum buffer per block matrix; Newton-Schulz in the step, FSDP2 gathers each matrix); "
-                          "default: a --config's optim.name, else adamw")
+                     help="sequences per optimizer step across all ranks (default: a --config's train.batch_size x "
+                          "grad_accum_steps, else ~0.5M tokens on GPUs, 16 on CPU)")
+    _add_renamed_job_flags(parser)
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--hardware", default="auto", help="catalog NAME, NAME:COUNT or NAME:COUNTxNODES "
                                                        "(e.g. h100-sxm:8x4), or auto (this machine, from doctor)")
     hw.add_argument("--count", type=int, default=None, help="devices per node (overrides NAME:COUNT)")
     hw.add_argument("--nodes", type=int, default=None, help="nodes (overrides NAME:COUNTxNODES)")
     hw.add_argument("--prices", default="", help="TOML price table overriding the built-in one")
-    pin = parser.add_argument_group("pin part of the plan (the search varies the rest)")
-    for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "micro_batch", "zero_stage"):
-        pin.add_argument(f"--{name.replace('_', '-')}", dest=f"pin_{name}", type=int, default=None)
-    pin.add_argument("--ac", dest="pin_activation_checkpointing", choices=("none", "selective", "full"), default=None)
-    pin.add_argument("--offload", dest="pin_cpu_offload", choices=("true", "false"), default=None)
+    pin = parser.add_argument_group("pin part of the plan (the search varies the rest): the --parallel.FIELD flags "
+                                    "given (" + ", ".join(PINNED_FIELDS) + "; -1, auto, is searched), and")
+    pin.add_argument("--micro-batch", dest="pin_micro_batch", type=int, default=None,
+                     help="sequences per micro-batch and data-parallel rank to keep (the global batch stays "
+                          "--global-batch's)")
     pin.add_argument("--engine", dest="pin_engine", choices=("native", "deepspeed", "all"), default=None,
                      help="native (default), deepspeed (ZeRO-1/2/3, CPU / NVMe offload; needs DeepSpeed) or all "
                           "(both, ranked together)")
-    ft = parser.add_argument_group("fine-tuning (instead of the pretraining search: does it fit one device?)")
-    ft.add_argument("--method", default="", choices=("", *METHODS),  # finetune/method_table.py
-                    help="predict the memory per device and step time of fine-tuning the model with this method")
-    ft.add_argument("--lora-rank", type=int, default=8, help="lora/qlora rank")
-    ft.add_argument("--lora-targets", default="q,k,v,o", help="lora/qlora projections (q,k,v,o,gate,up,down)")
-    ft.add_argument("--virtual-tokens", type=int, default=16, help="prompt/prefix virtual tokens")
-    ft.add_argument("--dora", action="store_true", help="lora/qlora as DoRA (a trainable magnitude per output row)")
-    ft.add_argument("--qlora-compile", default="auto", choices=("auto", "true", "false"),
-                    help="qlora: its 4-bit dequantization compiled or eager (finetune.qlora_compile; auto: compiled on "
-                         "a GPU, eager on a CPU)")
-    ft.add_argument("--objective", default="sft", choices=objective_names(),
-                    help="finetune.objective: dpo/simpo/orpo count --micro-batch as pairs (two rows each) and DPO its "
-                         "reference (disabled adapters, or log-probs precomputed for full): memory and step time")
-    ft.add_argument("--muon-adapters", action="store_true",
-                    help="lora/qlora with --optimizer muon: Muon on the adapters' lora_A / lora_B too "
-                         "(optim.muon_adapters; a --config's when not given)")
     when = parser.add_argument_group("deadline / budget (instead of one cluster: which device count)")
     when.add_argument("--deadline", type=float, default=None,
                       help="hours: the cheapest device count and plan that finishes by then (on demand and spot)")
@@ -130,12 +107,36 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", default="", help="write everything as JSON to this file ('-' = stdout)")
     out.add_argument("--emit", default="", help="write the best plan as a runnable job TOML to this file")
     add_quality_arguments(parser)
+    add_config_arguments(parser, JobConfig)
+
+
+# The job fields `plan` once declared itself, kebab-case, renamed into the one vocabulary (issue 50): accepted for
+# one release, each saying its new spelling. (old flag, job field, takes no value)
+RENAMED_JOB_FLAGS = (
+    ("--model", "model.preset", False), ("--vocab-size", "model.vocab_size", False),
+    ("--seq-len", "data.seq_len", False), ("--precision", "train.precision", False),
+    ("--optimizer", "optim.name", False), ("--muon-adapters", "optim.muon_adapters", True),
+    ("--method", "finetune.method", False), ("--lora-rank", "finetune.lora_rank", False),
+    ("--lora-targets", "finetune.lora_targets", False), ("--virtual-tokens", "finetune.virtual_tokens", False),
+    ("--dora", "finetune.dora", True), ("--qlora-compile", "finetune.qlora_compile", False),
+    ("--objective", "finetune.objective", False),
+    *((f"--{name.replace('_', '-')}", f"parallel.{name}", False) for name in ("dp_replicate", "dp_shard", "tp", "pp",
+                                                                              "cp", "zero_stage")),
+    ("--ac", "parallel.activation_checkpointing", False), ("--offload", "parallel.cpu_offload", False),
+)
+# The job's [parallel] fields a plan keeps when the command line sets them (a --config's are searched over).
+PINNED_FIELDS = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "zero_stage", "activation_checkpointing", "cpu_offload")
+
+
+def _add_renamed_job_flags(parser: argparse.ArgumentParser) -> None:
+    for old, key, switch in RENAMED_JOB_FLAGS:
+        add_renamed_flag(parser, old, f"--{key}", switch=switch)
 
 
 # Every numeric flag of `plan` and its rule: a value out of range is one line naming the flag (0 and negative
 # values were taken for "not given" and planned the defaults, or surfaced as another flag's message).
-_AT_LEAST_ONE = ("vocab_size", "seq_len", "global_batch", "count", "nodes", "pin_dp_replicate", "pin_dp_shard",
-                 "pin_tp", "pin_pp", "pin_cp", "pin_micro_batch", "lora_rank", "virtual_tokens", "top")
+# (The job's fields are train's, checked by load_config.)
+_AT_LEAST_ONE = ("global_batch", "count", "nodes", "pin_micro_batch", "top")
 
 
 def check_numbers(args: argparse.Namespace) -> None:
@@ -148,46 +149,57 @@ def check_numbers(args: argparse.Namespace) -> None:
     target = getattr(args, "target_bpb", None)  # inf and nan were searched for ("the cheapest way to reach inf")
     if target is not None and not (math.isfinite(target) and target > 0):
         raise ConfigError(f"--target-bpb must be a finite number of bits per byte > 0 (got {target:g})")
-    stage = getattr(args, "pin_zero_stage", None)
-    if stage is not None and stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3 (got {stage})")
 
 
 def _flag(dest: str) -> str:
     return dest.removeprefix("pin_").replace("_", "-")
 
 
-def workload_from_args(args: argparse.Namespace, hardware: Hardware, this_machine: bool = False
+@dataclasses.dataclass(frozen=True)
+class PlanJob:
+    """The job a plan is for, read as ``train`` reads it: ``--config`` (or the defaults) overridden by the
+    ``--section.field`` flags (``load_config``: every field and choice, the same one-line errors)."""
+
+    cfg: JobConfig
+    flags: frozenset[str]  # the dotted fields the command line set
+    recipe: str  # the --config path, "" without one (then only the flags say what the job is)
+
+    def given(self, key: str) -> bool:
+        """``key`` set on the command line (a section's name ending in '.': any of its fields)."""
+        return any(k.startswith(key) for k in self.flags) if key.endswith(".") else key in self.flags
+
+
+def plan_job(args: argparse.Namespace) -> PlanJob:
+    """``--config`` + the ``--section.field`` flags (old spellings included) as one checked job."""
+    overrides = overrides_from_args(args)
+    return PlanJob(load_config(args.config or None, overrides), frozenset(overrides), args.config)
+
+
+def workload_from_args(args: argparse.Namespace, job: PlanJob, hardware: Hardware, this_machine: bool = False
                        ) -> tuple[Workload, bool]:
     """The workload and whether its token count is the Chinchilla convention. ``hardware`` is the target
     (``this_machine``: ``--hardware auto``), whose precision ``auto`` resolves to what the trainer picks there."""
     device_kind = hardware.kind
-    job = load_config(args.config) if args.config else None
-    if args.model:
-        model = build(ModelConfig, {"preset": args.model}, presets=_presets())
-    elif job is not None:
-        model = job.model
-    else:
-        raise ConfigError("give a model: --model PRESET (" + ", ".join(_presets()) + ") or --config job.toml")
-    if args.vocab_size:
-        model = dataclasses.replace(model, vocab_size=args.vocab_size)
-    elif model.vocab_size <= 0 and job is not None:
-        model = dataclasses.replace(model, vocab_size=data_vocabulary(job.data))
-    elif model.vocab_size <= 0 and getattr(args, "data", ""):  # `plan --data DATA --model nano`: DATA's manifest
+    cfg = job.cfg
+    if not job.recipe and not job.given("model."):
+        raise ConfigError("give a model: --model.preset=PRESET (" + ", ".join(_presets()) + ") or --config job.toml")
+    model = cfg.model
+    if model.vocab_size <= 0 and job.recipe:
+        model = dataclasses.replace(model, vocab_size=data_vocabulary(cfg.data))
+    elif model.vocab_size <= 0 and getattr(args, "data", ""):  # `plan --data DATA --model.preset=nano`: its manifest
         model = dataclasses.replace(model, vocab_size=data_vocabulary(DataConfig(path=args.data)))
     if model.vocab_size <= 0:
-        where = "; data.tokenizer = 'char' over raw text has a vocabulary only once prepared" if job else ""
+        where = "; data.tokenizer = 'char' over raw text has a vocabulary only once prepared" if job.recipe else ""
         raise ConfigError(f"the model has no vocab_size (preset {model.preset or '-'!r} takes it from the data"
-                          f"{where}): pass --vocab-size")
-    seq = args.seq_len or (job.data.seq_len if job else min(1024, model.max_seq_len))
+                          f"{where}): pass --model.vocab_size")
+    seq = cfg.data.seq_len if job.recipe or job.given("data.seq_len") else min(1024, model.max_seq_len)
     if seq > model.max_seq_len:
-        raise ConfigError(f"--seq-len {seq} exceeds the model's max_seq_len ({model.max_seq_len})")
-    requested = args.precision if args.precision != "auto" or job is None else job.train.precision
-    precision = planned_precision(requested, hardware, this_machine)
+        raise ConfigError(f"data.seq_len {seq} exceeds the model's max_seq_len ({model.max_seq_len})")
+    precision = planned_precision(cfg.train.precision, hardware, this_machine)
     if args.global_batch is not None:
         batch = args.global_batch
-    elif job is not None and not args.model:
-        batch = job.train.batch_size * job.train.grad_accum_steps
+    elif job.recipe and not job.given("model.preset"):
+        batch = cfg.train.batch_size * cfg.train.grad_accum_steps
     else:
         batch = max(1, round(524288 / seq)) if device_kind == "gpu" else 16
     if batch < 1:
@@ -198,22 +210,21 @@ def workload_from_args(args: argparse.Namespace, hardware: Hardware, this_machin
         source = f"Chinchilla: {CHINCHILLA_TOKENS_PER_PARAM} per parameter" if chinchilla else f"--tokens {args.tokens}"
         raise ConfigError(f"--global-batch {batch:,} x {seq:,} tokens = {batch * seq:,} tokens a step, more than the "
                           f"{tokens:,.0f} tokens to train ({source}); lower --global-batch or raise --tokens")
-    optimizer, muon_adapters = planned_optimizer(args, job)
+    optimizer, muon_adapters = planned_optimizer(job)
     return Workload(model, seq, batch, tokens, precision, optimizer, muon_adapters), chinchilla
 
 
-def planned_optimizer(args: argparse.Namespace, job: JobConfig | None) -> tuple[str, bool]:
-    """(optimizer, muon_adapters) to plan for: ``--optimizer`` over a ``--config``'s optim.name (else adamw);
-    ``--muon-adapters`` or the config's optim.muon_adapters, which only Muon has."""
-    optimizer = args.optimizer or (job.optim.name if job is not None else "adamw")
-    asked = args.muon_adapters
-    where = "--optimizer" if args.optimizer else f"optim.name in {args.config}"
+def planned_optimizer(job: PlanJob) -> tuple[str, bool]:
+    """(optimizer, muon_adapters) to plan for: the job's optim.name, and optim.muon_adapters, which only Muon has
+    (asked for on the command line with another optimizer: refused)."""
+    optimizer = job.cfg.optim.name
+    where = "--optim.name" if job.given("optim.name") else f"optim.name in {job.recipe}" if job.recipe \
+        else "optim.name"
     takes_adapters = "muon_adapters" in optimizer_entry(optimizer, where).fields
-    if asked and not takes_adapters:
-        raise ConfigError(f"--muon-adapters puts LoRA's adapters under Muon: it needs --optimizer muon (planning "
-                          f"{optimizer}); add --optimizer muon or drop it")
-    from_config = job is not None and job.optim.muon_adapters
-    return optimizer, takes_adapters and bool(asked or from_config)
+    if job.given("optim.muon_adapters") and job.cfg.optim.muon_adapters and not takes_adapters:
+        raise ConfigError(f"--optim.muon_adapters puts LoRA's adapters under Muon: it needs --optim.name=muon "
+                          f"(planning {optimizer}); add --optim.name=muon or drop it")
+    return optimizer, takes_adapters and job.cfg.optim.muon_adapters
 
 
 def planned_precision(requested: str, hardware: Hardware, this_machine: bool) -> str:
@@ -268,10 +279,17 @@ def _is_auto(spec: str) -> bool:
     return spec.strip().lower().split(":")[0] == "auto"
 
 
-def _pins(args: argparse.Namespace) -> dict:
-    pins = {k[4:]: v for k, v in vars(args).items() if k.startswith("pin_") and v is not None}
-    if "cpu_offload" in pins:
-        pins["cpu_offload"] = pins["cpu_offload"] == "true"
+def _pins(args: argparse.Namespace, job: PlanJob) -> dict:
+    """What the search keeps: the [parallel] fields the command line sets (-1, auto, is left to the search),
+    ``--micro-batch`` and ``--engine``."""
+    pins = {name: getattr(job.cfg.parallel, name) for name in PINNED_FIELDS if job.given(f"parallel.{name}")}
+    pins = {name: value for name, value in pins.items() if value != -1}
+    for name in ("dp_replicate", "dp_shard"):  # 0 passes the field's own check (ge=-1), not a degree to plan
+        if pins.get(name) == 0:
+            raise ConfigError(f"--parallel.{name}=0: a degree to plan must be >= 1 (or -1: the search chooses)")
+    for name in ("micro_batch", "engine"):
+        if getattr(args, f"pin_{name}") is not None:
+            pins[name] = getattr(args, f"pin_{name}")
     return pins
 
 
@@ -288,6 +306,7 @@ def run_plan(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json == "-", width=max(120, Console().width))
     try:
         check_numbers(args)
+        job = plan_job(args)
         for flag, target in (("--json", args.json), ("--emit", args.emit)):  # before the search, not after it
             if target and target != "-":
                 check_output_path(target, f"{flag} {target}")
@@ -296,32 +315,34 @@ def run_plan(args: argparse.Namespace) -> int:
         fit_doc = _fit_of(args)
         searched = None if fit_doc is None else quality_search(
             args, fit_doc, data_vocabulary(DataConfig(path=args.data)), cluster, prices, as_of,
-            planned_precision(args.precision, cluster.hardware, _is_auto(args.hardware)), console)
+            planned_precision(job.cfg.train.precision, cluster.hardware, _is_auto(args.hardware)), console,
+            model_given=bool(job.recipe) or job.given("model."),
+            seq_len=job.cfg.data.seq_len if job.given("data.seq_len") else None)
         if args.target_bpb is not None and fit_doc is None:
             raise ConfigError("--target-bpb needs --data FOLDER (a prepared data folder with a scaling_fit.json)")
         if searched is not None:
             if args.json:
                 write_json(searched, args.json)
             return 0
-        workload, chinchilla = workload_from_args(args, cluster.hardware, _is_auto(args.hardware))
+        workload, chinchilla = workload_from_args(args, job, cluster.hardware, _is_auto(args.hardware))
         if fit_doc is not None:  # what the run buys, beside what it costs
             print_prediction(fit_doc, args.data, law_params(workload.model), workload.train_tokens, console)
-        if args.method:
-            return _finetune_plan(args, workload, cluster, console)
+        if job.given("finetune.method"):
+            return _finetune_plan(args, job.cfg, _pins(args, job), workload, cluster, console)
         if args.deadline is not None or args.budget is not None:
-            return _deadline_plan(args, workload, cluster, prices, as_of, console)
-        result = search(workload, cluster, _pins(args))
+            return _deadline_plan(args, _pins(args, job), workload, cluster, prices, as_of, console)
+        result = search(workload, cluster, _pins(args, job))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     hosts = cluster.nodes if cluster.hardware.kind == "cpu" else None
     # the whole wall, as the trainer's done line counts it: the steps, evaluations, samples and checkpoints
-    walls = [predicted_wall(workload, c.plan, cluster, c.time.step, loop_settings(args, workload, c.plan))
+    walls = [predicted_wall(workload, c.plan, cluster, c.time.step, loop_settings(job.cfg, workload, c.plan))
              for c in result.ranked[: args.top]]
     costs = [training_cost(cluster.hardware.name, cluster.world_size, wall.total, prices, as_of, hosts)
              for wall in walls]
     print_report(console, workload, cluster, result, costs, chinchilla, args.top, walls)
-    if walls and (note := evaluation_note(walls[0], loop_settings(args, workload, result.ranked[0].plan))):
+    if walls and (note := evaluation_note(walls[0], loop_settings(job.cfg, workload, result.ranked[0].plan))):
         console.print(note)
     doc = {"workload": workload_dict(workload, chinchilla),
            "hardware": {"name": cluster.hardware.name, "devices_per_node": cluster.devices_per_node,
@@ -360,12 +381,11 @@ def run_plan(args: argparse.Namespace) -> int:
     return status
 
 
-def loop_settings(args: argparse.Namespace, workload: Workload, plan: Plan, rows_per_example: int = 1
-                  ) -> LoopSettings:
-    """What the planned run does beside its steps: a ``--config``'s [train] evaluation and sample settings and
-    [checkpoint] interval (else the defaults ``plan --emit`` writes), over the workload's steps, an evaluation
-    batch being the plan's micro-batch (train.batch_size; a preference pair is two rows)."""
-    job = load_config(args.config) if args.config else JobConfig()
+def loop_settings(job: JobConfig, workload: Workload, plan: Plan, rows_per_example: int = 1) -> LoopSettings:
+    """What the planned run does beside its steps: the job's [train] evaluation and sample settings and
+    [checkpoint] interval (a --config's and the flags', else the defaults ``plan --emit`` writes), over the
+    workload's steps, an evaluation batch being the plan's micro-batch (train.batch_size; a preference pair is two
+    rows)."""
     rows = plan.micro_batch * (plan.microbatches if plan.pp > 1 else 1) * rows_per_example
     return LoopSettings.of_job(job, workload.steps, rows)
 
@@ -379,13 +399,13 @@ def _fit_of(args: argparse.Namespace):
     return load_fit(args.data)
 
 
-def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as_of: str, console) -> int:
+def _deadline_plan(args: argparse.Namespace, pins: dict, workload, cluster, prices: dict, as_of: str, console) -> int:
     """``scaletrain plan --deadline H / --budget USD`` (plan/deadline.py): the options and the choice."""
     from rich.table import Table
 
     from scaletrain.plan.deadline import answer
 
-    doc = answer(workload, cluster, _pins(args), prices, as_of, args.deadline, args.budget, args.max_nodes)
+    doc = answer(workload, cluster, pins, prices, as_of, args.deadline, args.budget, args.max_nodes)
     table = Table(title=f"{workload.train_tokens:,.0f} tokens on {cluster.hardware.name} (prices as of {as_of})")
     for col in ("devices", "nodes", "fastest plan", "hours", "on-demand $", "spot $"):
         table.add_column(col)
@@ -408,25 +428,22 @@ def _deadline_plan(args: argparse.Namespace, workload, cluster, prices: dict, as
     return 0
 
 
-def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
-    """``scaletrain plan --method``: the memory per device and step time of fine-tuning, and whether it fits."""
+def _finetune_plan(args: argparse.Namespace, job: JobConfig, pins: dict, workload, cluster, console) -> int:
+    """``scaletrain plan --finetune.method=M``: the memory per device and step time of fine-tuning the job's
+    [finetune] (its lora_rank, lora_targets, virtual_tokens, dora, objective, qlora_compile), and whether it fits."""
     from scaletrain.plan.finetune import finetune_answer, finetune_step_time, preference_step_time
     from scaletrain.plan.report import gib, human, mfu_text, optimizer_text, wall_text
     from scaletrain.train.validate import check_optimizer
 
-    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-    ft = FinetuneConfig(method=args.method, lora_rank=args.lora_rank, lora_targets=targets,
-                        virtual_tokens=args.virtual_tokens, dora=args.dora, objective=args.objective,
-                        qlora_compile=args.qlora_compile)
+    ft = job.finetune
     # the trainer's own rules for the optimizer of a fine-tune (muon_adapters: LoRA / QLoRA only)
     check_optimizer(JobConfig(model=workload.model, finetune=ft,
                               optim=OptimConfig(name=workload.optimizer, muon_adapters=workload.muon_adapters)))
-    pins = _pins(args)
     answer = finetune_answer(workload, cluster.hardware.memory_bytes, cluster.hardware.kind, ft,
                              pins.get("micro_batch"), pins.get("activation_checkpointing", "none"),
                              cluster.hardware.allocator)
     console.print(f"fine-tuning {workload.model.preset or 'the model'} ({human(answer['total_parameters'])} "
-                  f"parameters) with {args.method}: {answer['trainable_parameters']:,} trainable "
+                  f"parameters) with {ft.method}: {answer['trainable_parameters']:,} trainable "
                   f"({100 * answer['trainable_parameters'] / answer['total_parameters']:.2f}%); optimizer "
                   f"{optimizer_text(workload)}")
     console.print(f"per device at micro-batch {answer['micro_batch']} x {answer['seq_len']} tokens: "
@@ -434,9 +451,9 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
                   f"trainable states {gib(answer['trainable_state_bytes'])} + activations "
                   f"{gib(answer['activations'])} + loss / runtime; {cluster.hardware.name} has "
                   f"{gib(answer['device_memory_bytes'])}: " + ("fits" if answer["fits"] else "does NOT fit"))
-    objective = objective_entry(args.objective)
+    objective = objective_entry(ft.objective)
     if objective.pairs:  # plan/finetune.py preference_memory
-        console.print(f"{args.objective}: micro-batch {answer['micro_batch']} pairs = {answer['rows']} rows in one "
+        console.print(f"{ft.objective}: micro-batch {answer['micro_batch']} pairs = {answer['rows']} rows in one "
                       f"forward; reference {answer['reference']} ({gib(answer['reference_bytes'])} in the loss "
                       f"phase)")
     plan = Plan(dp_replicate=cluster.world_size, micro_batch=answer["micro_batch"],
@@ -445,7 +462,7 @@ def _finetune_plan(args: argparse.Namespace, workload, cluster, console) -> int:
               else finetune_step_time(workload, plan, cluster, ft))
     console.print(f"step time on {cluster.describe()}: {timing['step_seconds']:.3g} s "
                   f"({timing['tokens_per_second']:,.0f} tokens/s, MFU {mfu_text(timing['mfu'])})")
-    loop = loop_settings(args, workload, plan, objective.rows_per_example)
+    loop = loop_settings(job, workload, plan, objective.rows_per_example)
     wall = predicted_wall(workload, plan, cluster, timing["step_seconds"], loop, ft)
     console.print(wall_text(wall))
     if note := evaluation_note(wall, loop):

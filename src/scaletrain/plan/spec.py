@@ -159,7 +159,7 @@ def job_config(workload: Workload, plan: Plan, device_kind: str) -> JobConfig:
                                         offload_param=plan.offload if plan.zero_stage == 3 else "none",
                                         nvme_path=f"{plan_run_dir(plan)}/nvme" if plan.offload == "nvme" else "")
     # The optimizer, so that the trainer's checks refuse the plans it cannot run with (Muon: no TP / CP, ZeRO-1
-    # or DeepSpeed); muon_adapters is a fine-tune's (plan --method), not part of a pretraining job.
+    # or DeepSpeed); muon_adapters is a fine-tune's (plan --finetune.method), not part of a pretraining job.
     optim = OptimConfig(name=workload.optimizer)
     return JobConfig(model=dataclasses.replace(workload.model), data=data, train=train, schedule=schedule,
                      parallel=parallel, deepspeed=deepspeed, optim=optim)

@@ -289,8 +289,8 @@ def check_searchable(fit: ScalingFit, flops: float | None) -> None:
     notes = fit.implausible(flops)
     if notes:
         raise ScalingFitError("the fit cannot choose a model size: " + "; ".join(notes) + ". Fit a grid of longer "
-                              "runs (a larger `scale --budget`), or ask for one run (`plan --data DATA --model M "
-                              "--tokens T`), which is predicted with this caveat")
+                              "runs (a larger `scale --budget`), or ask for one run (`plan --data DATA "
+                              "--model.preset=M --tokens T`), which is predicted with this caveat")
 
 
 def check_target(fit: ScalingFit, target_bpb: float) -> None:

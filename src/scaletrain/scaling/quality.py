@@ -35,7 +35,7 @@ from scaletrain.scaling.store import fitted_flops
 SIZE_FACTORS = (0.5, 1.0, 2.0)  # sizes tried around the compute-optimal one
 SIZES_WITHIN = 7  # sizes tried for --budget / --deadline, log-spaced
 # The searches price data-parallel plans (DDP / ZeRO / FSDP, micro-batch, recomputation): a 4-30x smaller plan
-# space than with TP / PP / CP, which the family's sizes rarely need; `plan --model` prices those for one size.
+# space than with TP / PP / CP, which the family's sizes rarely need; `plan --model.preset` prices those for one size.
 PINS = {"tp": 1, "pp": 1, "cp": 1}
 SMALLER, LARGER = 0.1, 100.0  # the sizes a fit is used for, relative to its grid's smallest and largest
 
@@ -113,7 +113,7 @@ class Scope:
 
     def outside(self, params: float, tokens: float) -> list[str]:
         """Why one run of ``params`` non-embedding parameters on ``tokens`` lies outside the scope (empty: it
-        does not); ``plan --data --model`` prints these beside its prediction, which it still makes."""
+        does not); ``plan --data --model.preset`` prints these beside its prediction, which it still makes."""
         notes = []
         if tokens > self.max_tokens:
             epochs = tokens / (self.max_tokens / MAX_EPOCHS)
@@ -219,10 +219,11 @@ def add_quality_arguments(parser) -> None:
 
 
 def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cluster: Cluster, prices: dict,
-                   as_of: str, precision: str, console) -> dict | None:
-    """``--target-bpb`` or ``--budget``/``--deadline`` without a model: search and print; the result, or None
-    when the plan is the ordinary one (``--data`` only adds the predicted bpb to it)."""
-    wants_search = args.target_bpb is not None or (not args.model and not args.config and
+                   as_of: str, precision: str, console, *, model_given: bool, seq_len: int | None) -> dict | None:
+    """``--target-bpb`` or ``--budget``/``--deadline`` without a model (``model_given``: a --config or
+    --model.* flags): search and print; the result, or None when the plan is the ordinary one (``--data`` only adds
+    the predicted bpb to it). ``seq_len``: a --data.seq_len flag, else the fit's own."""
+    wants_search = args.target_bpb is not None or (not model_given and
                                                     (args.budget is not None or args.deadline is not None))
     if fit_doc is None or not wants_search:
         return None
@@ -232,7 +233,7 @@ def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cl
     # a GPU's usual ~0.5M-token step would reach the same tokens in a few hundred times fewer optimizer steps
     # (7.3M tokens were 14 such steps), far above the small grid's critical batch; the prediction would not hold.
     recipe = doc.get("recipe", {})
-    seq = args.seq_len or int(recipe.get("seq_len", SEQ_LEN))
+    seq = seq_len or int(recipe.get("seq_len", SEQ_LEN))
     batch = args.global_batch or int(recipe.get("batch", BATCH))
     scope = Scope.of(doc, train_tokens(args.data))
     common = (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes)
@@ -277,7 +278,7 @@ def print_fit_caveats(fit_doc: tuple[ScalingFit, dict], console) -> None:
 
 
 def recipe_drift(recipe: dict, seq: int, batch: int) -> str:
-    """A caveat when --seq-len/--global-batch move the tokens a step away from the fit's (0.5x-2x is kept quiet:
+    """A caveat when --data.seq_len/--global-batch move the tokens a step away from the fit's (0.5x-2x is kept quiet:
     the loss is flat in the batch near the critical size); empty when they match."""
     fitted = int(recipe.get("seq_len", 0)) * int(recipe.get("batch", 0))
     if not fitted or 0.5 <= seq * batch / fitted <= 2.0:

@@ -3,7 +3,7 @@
 AdamW with parameter groups: weight decay on matrices only; or Muon on the blocks' matrices + AdamW on the rest
 (``optim.name = "muon"``, train/muon.py). Each entry holds what the trainer builds, what the job validation refuses
 (``train/validate.py:check_optimizer``) and what the planner charges (``plan/memory.py``, ``plan/timing.py``,
-``plan/finetune.py``); ``plan --optimizer``'s choices are its names. Adding an optimizer is one entry plus tests.
+``plan/finetune.py``); ``plan --optim.name`` takes its names. Adding an optimizer is one entry plus tests.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ ADAMW_STATE_BYTES = 8
 class OptimizerEntry:
     """One optimizer: how the trainer builds it, what a job with it is refused, what the planner charges."""
 
-    name: str  # optim.name and plan --optimizer
+    name: str  # optim.name (in train and plan alike)
     # the planner's words for it (plan's tables); ``{adapters}`` is filled when optim.muon_adapters is planned
     summary: str
     # (model, param groups, optim, device, AdamW's kernel keywords: adamw_kernel) -> the optimizer

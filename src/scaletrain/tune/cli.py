@@ -6,7 +6,14 @@ import argparse
 import os
 from pathlib import Path
 
-from scaletrain.config import JobConfig, add_config_arguments, load_config, overrides_from_args, to_toml
+from scaletrain.config import (
+    JobConfig,
+    add_config_arguments,
+    add_renamed_flag,
+    load_config,
+    overrides_from_args,
+    to_toml,
+)
 from scaletrain.files import guarded_write, write_file
 from scaletrain.options import ConfigError
 
@@ -14,8 +21,9 @@ from scaletrain.options import ConfigError
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``scaletrain tune``."""
     parser.description = ("Hyperparameter search with Optuna (TPE, median pruning on the eval losses) over any "
-                          "config fields; the study is a SQLite file in --dir, so a re-run continues it and "
-                          "--parallel workers share it. See docs/tuning.md.")
+                          "config fields; the study is a SQLite file in --out, so a re-run continues it and "
+                          "--parallel workers share it. The job is --config overridden by --section.field flags, "
+                          "as for train; kebab-case flags are the search's own. See docs/tuning.md.")
     parser.add_argument("--config", help="the job TOML whose fields are searched (see configs/)")
     parser.add_argument("--space", required=True, help="search space TOML: [section.field] tables with type = "
                                                        "log | linear | int | categorical, low/high or choices")
@@ -23,18 +31,21 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
                         help="finished trials the study should hold (complete, pruned or skipped; a re-run with a "
                              "larger number continues the study)")
     parser.add_argument("--parallel", type=int, default=1, help="worker processes sharing the study")
-    parser.add_argument("--dir", default="", help="the tune folder (study.db, trials/, best.toml); default "
+    parser.add_argument("--out", default="", help="the tune folder (study.db, trials/, best.toml); default "
                                                   "<train.run_dir>-tune")
+    add_renamed_flag(parser, "--dir", "--out", dest="out")  # --out, as every command that writes a folder
     parser.add_argument("--pruner", default="median", choices=("median", "none"),
                         help="median: stop a trial whose val loss at an evaluation is worse than the median of "
                              "earlier trials at that step (set train.eval_interval so there are some)")
     parser.add_argument("--startup-trials", type=int, default=0,
                         help="random trials before TPE models the space, and trials before pruning starts; 0 = "
                              "a third of --trials, between 3 and 10")
-    parser.add_argument("--objective", default="val_loss", choices=("val_loss", "val_bpb"),
+    parser.add_argument("--metric", default="val_loss", choices=("val_loss", "val_bpb"),
                         help="what a trial minimises, at each evaluation (pruning) and at the end: the validation "
                              "loss, or bits per byte (val_bpb: comparable across tokenizers, e.g. when "
                              "data.tokenizer or data.vocab_size is searched; docs/evaluation.md)")
+    # --objective was this flag's name; finetune.objective is the fine-tune's loss (sft, dpo, ...), not a metric
+    add_renamed_flag(parser, "--objective", "--metric", dest="metric", choices=("val_loss", "val_bpb"))
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (each worker adds its index)")
     parser.add_argument("--memory-gb", type=float, default=0.0,
                         help="skip trials the planner predicts need more per device than this; 0 = this machine's "
@@ -57,7 +68,7 @@ def run_tune(args: argparse.Namespace) -> int:
     params = load_space(args.space)  # a bad space is refused before anything is written
     cfg = _job(args)
     st.optuna_module()  # installed? (one line saying how, before anything is written)
-    folder = Path(args.dir or f"{cfg.train.run_dir}-tune")
+    folder = Path(args.out or f"{cfg.train.run_dir}-tune")
     job_text, space_text = to_toml(cfg), Path(args.space).read_text()
     st.same_setup(folder, job_text, space_text)
     with guarded_write(f"the tune folder {folder}", folder):
@@ -69,14 +80,14 @@ def run_tune(args: argparse.Namespace) -> int:
     threads = cfg.train.threads or (max(1, (os.cpu_count() or 1) // args.parallel)
                                     if device_kind == "cpu" and args.parallel > 1 else 0)
     settings = {"seed": args.seed, "pruner": args.pruner, "device_kind": device_kind, "threads": threads,
-                "objective": args.objective,
+                "objective": args.metric,
                 "startup_trials": args.startup_trials or max(3, min(10, args.trials // 3)),
                 "memory_limit": args.memory_gb * 2**30 if args.memory_gb > 0
                 else st.default_memory_limit(device_kind, args.parallel)}
     # The data is prepared once here, so that workers starting together do not all prepare it.
     prepare_data(load_config(folder / "job.toml", st.trial_overrides(folder, 0, cfg, threads)))
     study = st.open_study(folder, args.seed, args.pruner, settings["startup_trials"], 0)
-    st.set_objective(study, args.objective)  # a continued study keeps its objective
+    st.set_objective(study, args.metric)  # a continued study keeps its objective
     if not study.trials:
         baseline = st.baseline_values(cfg, params)
         if baseline is not None:  # the hand-set config runs first, under the same budget
@@ -94,7 +105,7 @@ def run_tune(args: argparse.Namespace) -> int:
     study = st.open_study(folder, args.seed, args.pruner, settings["startup_trials"], 0)
     st.write_study_json(study, folder)
     rows = st.trial_rows(study)
-    print(st.trial_table(rows, [p.name for p in params], args.objective))
+    print(st.trial_table(rows, [p.name for p in params], args.metric))
     best = st.write_best(study, folder)
     counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "skipped", "fail")}
     print(f"{len(rows)} trials: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + " (* = the job's own "
@@ -103,7 +114,7 @@ def run_tune(args: argparse.Namespace) -> int:
         print("no trial completed; nothing to recommend")
         return 0
     top = st.best_trial(study)
-    print(f"best: trial {top.number}, {st.OBJECTIVES[args.objective]} {top.value:.4f}: "
+    print(f"best: trial {top.number}, {st.OBJECTIVES[args.metric]} {top.value:.4f}: "
           + ", ".join(f"{k}={st.format_value(v)}" for k, v in top.params.items())
           + f"; its job is {best} (scaletrain train --config {best}); scaletrain report {folder} draws the study")
     return 0

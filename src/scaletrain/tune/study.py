@@ -43,7 +43,7 @@ HEARTBEAT_SECONDS = 5  # a worker's running trial pings the storage this often
 GRACE_SECONDS = 20  # a trial without a ping for this long belongs to a dead worker: failed, then retried
 
 
-# What a trial minimises (``tune --objective``): a key of the Trainer's evaluations and how tables name it.
+# What a trial minimises (``tune --metric``; a study keeps it as "objective"): a Trainer evaluation key, its name.
 OBJECTIVES = {"val_loss": "final val loss", "val_bpb": "final val bpb"}
 
 
@@ -280,7 +280,7 @@ def write_study_json(study: Any, folder: Path) -> Path:
 
 
 def study_objective(study: Any) -> str:
-    """The study's objective (``tune --objective``, kept in the study): val_loss for studies from before it."""
+    """The study's objective (``tune --metric``, kept in the study): val_loss for studies from before it."""
     return study.user_attrs.get("objective", "val_loss")
 
 
@@ -288,8 +288,8 @@ def set_objective(study: Any, objective: str) -> None:
     """Record ``objective`` in a new study; a continued study must keep the one it started with (ConfigError)."""
     saved = study.user_attrs.get("objective", "val_loss" if study.trials else None)
     if saved is not None and saved != objective:
-        raise ConfigError(f"--objective {objective}: the study was started with --objective {saved} (its trials "
-                          f"are values of that); continue it with {saved}, or start a new --dir")
+        raise ConfigError(f"--metric {objective}: the study was started with --metric {saved} (its trials "
+                          f"are values of that); continue it with {saved}, or start a new --out")
     study.set_user_attr("objective", objective)
 
 
@@ -354,4 +354,4 @@ def same_setup(folder: Path, job_text: str, space_text: str) -> None:
         saved = folder / name
         if saved.is_file() and saved.read_text() != text:
             raise ConfigError(f"{folder} holds a study started with another {name.split('.')[0]} ({saved} differs); "
-                              f"give the same --config / --space / flags to continue it, or a new --dir")
+                              f"give the same --config / --space / flags to continue it, or a new --out")
