@@ -26,7 +26,7 @@ from launch import (  # benchmarks/launch.py (the script's folder is on sys.path
     default_out,
     write_result,
 )
-from scaletrain.allocator import find
+from scaletrain.hardware.allocator import find
 
 COMMON = {"train.eval_interval": "0", "train.sample_tokens": "0", "logging.progress": "off",
           "logging.tensorboard": "false", "checkpoint.interval": "0", "train.threads": "1", "train.overwrite": "true"}
@@ -39,7 +39,7 @@ JOBS = {"train_default": {}, "finetune_lora": {"finetune.method": "lora", "finet
 CHILD = """
 import dataclasses, json, resource, sys
 from pathlib import Path
-from scaletrain.allocator import in_use
+from scaletrain.hardware.allocator import in_use
 from scaletrain.config import load_config
 from scaletrain.model import build_model
 from scaletrain.train.trainer import Trainer

@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
-from scaletrain.allocator import find as find_allocator
+from scaletrain.hardware.allocator import find as find_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOKS = ROOT.parent / "shared" / "data" / "gutenberg-raw-sample"
@@ -115,9 +115,9 @@ def one_method(method: str, base: Path, steps: int, lr: str, tag: str, data: str
     ``WORK/tag``); the numbers for one row."""
     import torch
 
-    from scaletrain.allocator import in_use as allocator_in_use
     from scaletrain.config import load_config
     from scaletrain.finetune.lora import is_nf4, nf4_bytes
+    from scaletrain.hardware.allocator import in_use as allocator_in_use
     from scaletrain.model import build_model
     from scaletrain.train.trainer import Trainer
 

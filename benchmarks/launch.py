@@ -40,10 +40,10 @@ def write_result(path: str | Path, result: object, indent: int = 1) -> Path:
 
 def machine_record() -> dict:
     """The CPU a benchmark ran on: model, cores, and the flags that decide its speed (AVX2, AVX-512, AVX512_BF16,
-    AMX: ``scaletrain.peak.cpu_features``), with the torch version."""
+    AMX: ``scaletrain.hardware.peak.cpu_features``), with the torch version."""
     import torch
 
-    from scaletrain.peak import cpu_features
+    from scaletrain.hardware.peak import cpu_features
 
     return {**cpu_features(), "torch": torch.__version__}
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from launch import OUT_HELP, default_out, run_ranks, write_result  # benchmarks/launch.py
 from scaletrain.config import ModelConfig, build
+from scaletrain.hardware.peak import device_fingerprint
 from scaletrain.model.presets import PRESETS
-from scaletrain.peak import device_fingerprint
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown

@@ -3,14 +3,14 @@
 Layers, lowest first (a module may import from its own layer or a lower one; ``LAYERS`` below is the one map,
 ``docs/architecture.md`` draws the same and ``tests/test_architecture.py`` holds the two together)::
 
-    base (options, files, invocation, assets, lazy, allocator, quiet)  <  model  <  config, peak  <  parallel
+    base (core, hardware, assets)  <  model  <  config  <  parallel
     <  data  <  checkpoint  <  finetune, compress  <  train, infer, harness  <  plan, serve
     <  scaling, tune, report  <  cli (cli.py, __main__ and every package's cli.py)
 
 Every import counts, whatever its form: at module level, inside a function or under ``TYPE_CHECKING``, a
 package ``__init__``'s imports of its own modules, ``importlib.import_module`` with a literal name (or an
 f-string whose literal start names a folder: every module in it), the submodules a package's lazy-export table
-(``scaletrain/lazy.py``) names. A late import hides a circle from Python, not from the design (a module
+(``scaletrain/core/lazy.py``) names. A late import hides a circle from Python, not from the design (a module
 started as a process, ``python -m scaletrain.tune.worker``, is no import). Run ``python scripts/check_layers.py``;
 exit status 1 lists each upward import and each circle, between packages and between modules.
 """
@@ -27,9 +27,9 @@ PACKAGE = "scaletrain"
 
 # The layer of each top-level module or sub-package of scaletrain (higher may import lower), lowest first.
 LAYERS: dict[str, int] = {
-    "options": 0, "files": 0, "invocation": 0, "assets": 0, "lazy": 0, "allocator": 0, "quiet": 0,
+    "core": 0, "hardware": 0, "assets": 0,
     "model": 1,
-    "config": 2, "peak": 2,
+    "config": 2,
     "parallel": 3,
     "data": 4,
     "checkpoint": 5,
@@ -39,7 +39,7 @@ LAYERS: dict[str, int] = {
     "scaling": 9, "tune": 9, "report": 9,
     "cli": 10, "__main__": 10,
 }
-BASE_NAMES = ("options", "files", "invocation", "assets", "lazy", "allocator", "quiet")
+BASE_NAMES = ("core", "hardware", "assets")
 CLI_NAMES = ("cli.py", "__main__ and every package's cli.py")
 
 

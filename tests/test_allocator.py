@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from helpers.waits import CEILING_S
-from scaletrain import allocator
-from scaletrain.allocator import AllocatorError, choose, preload
+from scaletrain.hardware import allocator
+from scaletrain.hardware.allocator import AllocatorError, choose, preload
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ RELEASE = """
 import json
 from pathlib import Path
 import torch
-from scaletrain.allocator import in_use, release_free_memory, return_freed_memory_promptly
+from scaletrain.hardware.allocator import in_use, release_free_memory, return_freed_memory_promptly
 rss = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
 promptly = return_freed_memory_promptly()
 keep = [torch.ones(512 * 1024) for _ in range(100)]  # 200 MB in 2 MB blocks

@@ -68,7 +68,7 @@ HIDDEN_EDGES = {
     },
     "a lazy-export table": {
         "lazy.py": "def lazy_exports(package, where):\n    pass\n",
-        "train/__init__.py": "from scaletrain.lazy import lazy_exports\n\n_WHERE = {'build': 'step'}\n"
+        "train/__init__.py": "from scaletrain.core.lazy import lazy_exports\n\n_WHERE = {'build': 'step'}\n"
                              "__getattr__ = lazy_exports(__name__, _WHERE)\n",
         "train/step.py": "from scaletrain.train.other import y\n",
         "train/other.py": "from scaletrain.train import build\n",
@@ -110,7 +110,7 @@ import sys
 from pathlib import Path
 import scaletrain.checkpoint.run as run
 from scaletrain.config import JobConfig, to_toml
-from scaletrain.options import ConfigError
+from scaletrain.core.options import ConfigError
 assert not [m for m in sys.modules if m.startswith(("scaletrain.finetune", "scaletrain.compress"))]
 folder = Path(sys.argv[1])
 (folder / "config.toml").write_text(to_toml(JobConfig()))
@@ -170,7 +170,7 @@ def test_the_architecture_diagram_draws_the_checkers_layers_in_order():
     layers = _checker().LAYERS
     assert diagram_problems(text, layers) == []
     swapped = {**layers, "data": layers["parallel"], "parallel": layers["data"]}  # the table changed, not the page
-    assert diagram_problems(text, swapped) == ["rows not top first: layers [10, 9, 8, 7, 6, 5, 3, 4, 2, 1, 0, 0, 0, 0]"]
+    assert diagram_problems(text, swapped) == ["rows not top first: layers [10, 9, 8, 7, 6, 5, 3, 4, 2, 1, 0, 0, 0]"]
     assert diagram_problems(text, {**layers, "vision": 3}) == ["vision is drawn in no row"]
 
 

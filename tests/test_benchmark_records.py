@@ -7,7 +7,7 @@ import json
 import sys
 
 from helpers.scripts import import_benchmark
-from scaletrain.peak import SPEED_FLAGS, cpu_features
+from scaletrain.hardware.peak import SPEED_FLAGS, cpu_features
 
 
 def test_the_flags_that_decide_speed_are_read_from_cpuinfo():

@@ -149,9 +149,9 @@ def test_a_command_imports_only_its_own_package():
 
 def test_every_user_error_is_one_line_exit_2(tmp_path, capsys):
     from scaletrain.checkpoint import CheckpointError
+    from scaletrain.core.files import StorageError
+    from scaletrain.core.options import UserError
     from scaletrain.data.tokenizer import DataError
-    from scaletrain.files import StorageError
-    from scaletrain.options import UserError
     from scaletrain.train.trainer import TrainingError
 
     assert all(issubclass(e, UserError) for e in (ConfigError, DataError, CheckpointError, TrainingError, StorageError))

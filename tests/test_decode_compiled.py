@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scaletrain.core.options import ConfigError
 from scaletrain.model.cache import StaticKVCache
 from scaletrain.model.decode import StaticDecoder, static_capacity, supports
 from scaletrain.model.generate import Sampling, generate_batch
-from scaletrain.options import ConfigError
 from test_generate import MODELS, VOCAB, tiny_model
 
 GREEDY = dict(max_seq_len=240, vocab_limit=VOCAB, sampling=Sampling(temperature=0.0, repetition_penalty=2.0))

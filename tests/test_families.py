@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletrain.core.options import ConfigError
 from scaletrain.model import Transformer
 from scaletrain.model.cache import KVCache
 from scaletrain.model.config import ModelConfig
@@ -20,7 +21,6 @@ from scaletrain.model.families import hf_config_from_model_config, model_config_
 from scaletrain.model.family import FAMILIES as REGISTERED
 from scaletrain.model.family import family as family_entry
 from scaletrain.model.hf_names import from_hf, to_hf
-from scaletrain.options import ConfigError
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from scaletrain.config import ModelConfig, build
+from scaletrain.core.options import ConfigError
 from scaletrain.finetune.lora import apply_lora
 from scaletrain.finetune.prompt import apply_prefix_tuning, apply_prompt_tuning
 from scaletrain.model import PRESETS, build_model
 from scaletrain.model.generate import Sampling, cut_at_stop, generate_batch, stop_at_strings, stream
-from scaletrain.options import ConfigError
 
 VOCAB = 97
 

@@ -46,7 +46,7 @@ def losses(run_dir: Path) -> list[float]:
 def reference(tmp_path_factory) -> list[float]:
     """One plain process, 8 rows a step = 2 ranks x 4 rows, started as the ``scaletrain`` command is (``python -m
     scaletrain``: the allocator preload of allocator.py, which its run_info.json names)."""
-    from scaletrain.allocator import find
+    from scaletrain.hardware.allocator import find
 
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     env = {k: v for k, v in env_for_ranks().items() if k not in ("SCALETRAIN_MALLOC", "_SCALETRAIN_MALLOC_DONE")}

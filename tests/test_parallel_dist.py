@@ -284,7 +284,7 @@ def test_two_rank_doctor_measures_tensor_parallel_and_fsdp_host_overheads(tmp_pa
     `scaletrain doctor` would write it), `torchrun ... doctor` also measures what TP and FSDP2 ZeRO-3 add
     beyond their compute and bytes, per block and per model (FSDP2 also per parameter of its big units), and the
     optimizer step per tensor and per element in each layout; the planner charges them."""
-    from scaletrain.peak import device_fingerprint
+    from scaletrain.hardware.peak import device_fingerprint
     from scaletrain.plan.hardware_spec import COMMUNICATION_KEYS
     from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from scaletrain.peak import _thread_run_delays, device_fingerprint, load_calibration, save_calibration
+from scaletrain.hardware.peak import _thread_run_delays, device_fingerprint, load_calibration, save_calibration
 from scaletrain.plan import calibration
 from scaletrain.plan.calibration import CalibrationError, calibration_problems
 from scaletrain.plan.catalog import CATALOG, with_calibration

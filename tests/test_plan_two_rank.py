@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from helpers.scripts import import_benchmark
-from scaletrain import allocator
 from scaletrain.config import ModelConfig
+from scaletrain.hardware import allocator
 from scaletrain.model.presets import block_params
 from scaletrain.plan.memory import GLOO_KEPT_SHARE, RECIPES, fsdp_collective_bytes, memory_breakdown, stage_params
 from scaletrain.plan.spec import Plan, Workload

@@ -33,8 +33,8 @@ from helpers.faults import (
 from helpers.waits import CEILING_S
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.run_folder import LOCK_FILE, RunLock, checkpoint_disk_check, claim_run_folder
-from scaletrain.files import StorageError, guarded_write, is_storage_error
-from scaletrain.options import ConfigError
+from scaletrain.core.files import StorageError, guarded_write, is_storage_error
+from scaletrain.core.options import ConfigError
 from scaletrain.train.preemption import INTERRUPTED_EXIT_CODE, SAME_CTRL_C
 
 STEPS, INTERVAL = 30, 5
@@ -278,7 +278,7 @@ def test_an_output_that_does_not_fit_leaves_the_previous_file_and_no_partial_one
 
 
 def test_write_file_replaces_whole_and_keeps_the_mode(tmp_path):
-    from scaletrain.files import write_file
+    from scaletrain.core.files import write_file
 
     target = tmp_path / "x.json"
     target.write_text("old")
@@ -389,7 +389,7 @@ def test_a_checkpoint_with_code_in_its_pickle_is_refused_without_running_it(stra
     step = run / "checkpoints" / "step-00000005"
     torch.save({"train_state": _Boom()}, step / "rank-00000.pt")
     meta = json.loads((step / "meta.json").read_text())
-    from scaletrain.files import file_sha256
+    from scaletrain.core.files import file_sha256
 
     meta["files"]["rank-00000.pt"] = file_sha256(step / "rank-00000.pt")
     (step / "meta.json").write_text(json.dumps(meta))
@@ -448,7 +448,7 @@ def test_a_checkpoint_index_with_code_in_it_is_refused_without_running_it(straig
     before DCP sees it, and the resume falls back to the previous checkpoint."""
     import pickle
 
-    from scaletrain.files import file_sha256
+    from scaletrain.core.files import file_sha256
 
     config, _ = straight
     run = tmp_path / "run"

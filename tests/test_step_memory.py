@@ -12,7 +12,7 @@ import pytest
 
 SCRIPT = """
 import ctypes, resource, sys, torch
-from scaletrain.allocator import keep_freed_memory
+from scaletrain.hardware.allocator import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):  # glibc >= 2.33
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -270,7 +270,7 @@ def test_compiled_training_matches_eager(tmp_path, tiny):
 
 def test_peak_measurement_says_where_it_is_cached(tmp_path, monkeypatch):
     """A training run that measures the peak matmul rate for MFU says so and where it wrote it."""
-    from scaletrain.peak import calibration_path, peak_flops
+    from scaletrain.hardware.peak import calibration_path, peak_flops
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
     said = []
@@ -335,8 +335,7 @@ def test_precision_auto_follows_the_measured_bf16_speed(monkeypatch):
 def test_bf16_speedup_is_measured_once_on_one_core_and_cached(tmp_path, monkeypatch, keep_threads):
     """The ratio auto decides on: one core's bf16 and fp32 matmul rates, measured once (single-threaded, on
     the process-CPU-time clock), cached where the log line says, then read back without measuring."""
-    from scaletrain import peak
-
+    from scaletrain.hardware import peak
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
     calls = []
 
@@ -370,8 +369,7 @@ def test_mfu_does_not_depend_on_the_launcher(tmp_path, tiny, monkeypatch, keep_t
     """One definition, one peak: MFU = model FLOPs/s over one device's measured peak (one CPU core) times the
     devices used (every rank's threads). The same step time gives the same MFU under any launcher's
     environment; the peak is measured once, single-threaded, whatever the run's thread count."""
-    from scaletrain import peak
-
+    from scaletrain.hardware import peak
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "cache"))
     measured_with = []
 

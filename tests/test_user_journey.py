@@ -102,7 +102,7 @@ def test_prune_without_sparsity_says_the_default(base_run, tmp_path, capsys):
 
 
 def test_known_torchao_noise_is_dropped_and_other_warnings_kept(caplog):
-    from scaletrain.quiet import quiet_known_noise
+    from scaletrain.core.quiet import quiet_known_noise
 
     quiet_known_noise()
     quiet_known_noise()  # idempotent: one filter each
@@ -132,7 +132,7 @@ def test_int4_group_size_auto_fits_the_micro_preset():
     """micro's SwiGLU is 688 = 43 x 16 wide: no size of 32-256 divides it, so auto takes 16 on the CPU (and says
     why); an explicit size that does not divide is refused naming what would."""
     from scaletrain.compress.quantize import resolve_group_size
-    from scaletrain.options import ConfigError
+    from scaletrain.core.options import ConfigError
 
     micro = (256, 256, 256, 256, 256, 688)
     assert resolve_group_size(0, micro) == (16, "group size 16, not 128: 128 does not divide the input width 688")

@@ -5,7 +5,7 @@ import sys
 
 
 def entry() -> int:
-    from scaletrain.allocator import AllocatorError, preload
+    from scaletrain.hardware.allocator import AllocatorError, preload
 
     try:
         preload(sys.argv[1:])

@@ -20,9 +20,9 @@ from scaletrain.config import (
     read_toml,
     to_toml,
 )
+from scaletrain.core.invocation import record_invocation
+from scaletrain.core.options import UserError
 from scaletrain.finetune.objectives import objective_entry
-from scaletrain.invocation import record_invocation
-from scaletrain.options import UserError
 
 
 def _train_parser(sub) -> None:
@@ -106,7 +106,7 @@ def _restore_saved_config(run_dir: Path, recipe: str | None) -> Path | None:
     no checkpoint (a start from scratch) or only ones without a config while ``recipe`` (--config) says what the
     run was; a ConfigError when nothing does."""
     from scaletrain.checkpoint.run_folder import checkpoint_config
-    from scaletrain.files import write_file
+    from scaletrain.core.files import write_file
     from scaletrain.parallel.distributed import say
 
     found = checkpoint_config(run_dir)
@@ -243,7 +243,7 @@ def _eval_parser(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from scaletrain.files import check_output_path
+    from scaletrain.core.files import check_output_path
     from scaletrain.harness.tasks import evaluate_tasks, task_request  # lm-eval itself only with --tasks
 
     if args.json:  # before the scoring (minutes), not after it
@@ -311,7 +311,7 @@ def _write_json(path: str, record: dict) -> None:
     """``record`` as indented JSON at ``path`` (a user's path: written whole or not at all, ``write_file``)."""
     import json
 
-    from scaletrain.files import write_file
+    from scaletrain.core.files import write_file
 
     write_file(path, json.dumps(record, indent=2) + "\n", f"the JSON {path}")
 
@@ -503,7 +503,7 @@ PLUGINS = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    from scaletrain.quiet import quiet_known_noise
+    from scaletrain.core.quiet import quiet_known_noise
 
     quiet_known_noise()  # torchao's harmless import lines (QLoRA, compress)
     argv = sys.argv[1:] if argv is None else argv

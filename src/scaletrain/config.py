@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scaletrain.core.options import ConfigError, opt
 from scaletrain.model.config import DEFAULT_CONTEXT, ModelConfig, head_width
 from scaletrain.model.presets import PRESETS
-from scaletrain.options import ConfigError, opt
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -24,8 +24,8 @@ from torch import nn
 
 from scaletrain.checkpoint.run_folder import COMPRESS_RECORD
 from scaletrain.config import ConfigError, JobConfig, ModelConfig, load_config
+from scaletrain.core.files import guarded_write, remove_quietly
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, HFTokenizer, Tokenizer
-from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.config import head_width
 from scaletrain.model.families import hf_config_from_model_config, state_dict_to_hf
 from scaletrain.model.family import WRAPPERS, family

@@ -39,10 +39,10 @@ import torch
 from torch import nn
 
 from scaletrain.config import ConfigError, JobConfig, ModelConfig
+from scaletrain.core.files import guarded_write, remove_quietly
 from scaletrain.data.chat import uses_base_template
 from scaletrain.data.instructions import jinja_chat_template
 from scaletrain.data.tokenizer import BPETokenizer, HFTokenizer, Tokenizer
-from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model.config import head_width
 from scaletrain.model.families import state_dict_to_hf
 from scaletrain.model.family import family

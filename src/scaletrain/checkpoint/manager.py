@@ -53,8 +53,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from scaletrain.files import StorageError, file_sha256, fsync_dir, guarded_write, remove_quietly
-from scaletrain.options import UserError
+from scaletrain.core.files import StorageError, file_sha256, fsync_dir, guarded_write, remove_quietly
+from scaletrain.core.options import UserError
 
 META = "meta.json"
 

@@ -35,9 +35,9 @@ from torch import nn
 
 from scaletrain.checkpoint.manager import CheckpointManager, step_dir_name
 from scaletrain.config import CheckpointConfig
-from scaletrain.files import StorageError, free_bytes, guarded_write, human_bytes, write_file
+from scaletrain.core.files import StorageError, free_bytes, guarded_write, human_bytes, write_file
+from scaletrain.core.options import ConfigError, UserError
 from scaletrain.model.presets import checkpoint_size
-from scaletrain.options import ConfigError, UserError
 
 LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
@@ -191,7 +191,7 @@ def _remove_made(lock_file: Path, made: Path) -> None:
 
 def _command() -> str:
     """'scaletrain export' (the command and subcommand holding a lock, for the refusal of a second one)."""
-    from scaletrain.invocation import invocation
+    from scaletrain.core.invocation import invocation
 
     return " ".join(invocation().split()[:2])
 

@@ -24,7 +24,7 @@ from scaletrain.compress.quantize import (
 )
 from scaletrain.compress.run import check_output, state_bytes, write_run
 from scaletrain.config import ConfigError
-from scaletrain.files import check_output_path, write_file
+from scaletrain.core.files import check_output_path, write_file
 from scaletrain.infer.load import load_run
 from scaletrain.model.generate import decode_report, generate
 

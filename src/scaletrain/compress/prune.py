@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from scaletrain.options import ConfigError
+from scaletrain.core.options import ConfigError
 
 METHODS = ("magnitude", "wanda")
 SCOPES = ("layer", "global")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scaletrain.options import ConfigError
+from scaletrain.core.options import ConfigError
 
 METHODS = ("int8-weight", "int8-dynamic", "int4-weight")
 GROUP_SIZES = (32, 64, 128, 256)  # what Int4WeightOnlyConfig's tinygemm kernels (CUDA) accept

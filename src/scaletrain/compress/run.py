@@ -31,9 +31,9 @@ from scaletrain.checkpoint.state import model_tensors
 from scaletrain.compress.prune import use_sparse_kernels
 from scaletrain.compress.quantize import quantize_model
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, to_toml
+from scaletrain.core.files import guarded_write, remove_quietly
 from scaletrain.data.run_data import data_cache_dir
 from scaletrain.data.tokenizer import HF_TOKENIZER_FILES
-from scaletrain.files import guarded_write, remove_quietly
 from scaletrain.model import Transformer
 
 

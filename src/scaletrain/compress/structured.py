@@ -29,11 +29,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from scaletrain.core.options import ConfigError
 from scaletrain.model import Transformer
 from scaletrain.model.config import ModelConfig, head_width
 from scaletrain.model.hf_names import PROJECTIONS, block_suffix
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
-from scaletrain.options import ConfigError
 
 # A block's projection weight (``attention.wq.weight``) or bias (Qwen2's q/k/v) -> its role (``q``), from the one
 # name table. A bias is cut by the same output rows as its weight; the q/k norms (Qwen3, Gemma 3) act over one

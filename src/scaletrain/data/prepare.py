@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from scaletrain.core.files import file_sha256, guarded_write
 from scaletrain.data import augment, clean, dedup, filters
 from scaletrain.data.encode import CUT_CHARS, build_tokenizer, cut_text, encode_stream
 from scaletrain.data.ngrams import mix64, words
@@ -54,7 +55,6 @@ from scaletrain.data.sources import (
 )
 from scaletrain.data.tokenizer import CharTokenizer, DataError
 from scaletrain.data.workers import ordered_map, release_freed_memory, resolve_workers
-from scaletrain.files import file_sha256, guarded_write
 
 PIPELINE_VERSION = 3           # bump when a stage's output changes for the same config
 WORK = ".work"                 # pass-1 output and markers, inside the output folder

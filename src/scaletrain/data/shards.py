@@ -32,8 +32,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from scaletrain.core.files import file_sha256
 from scaletrain.data.tokenizer import DataError
-from scaletrain.files import file_sha256
 
 FORMAT = "scaletrain.tokens"
 VERSION = 1

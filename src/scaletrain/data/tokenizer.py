@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletrain.options import UserError
+from scaletrain.core.options import UserError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 

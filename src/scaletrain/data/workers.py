@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from scaletrain.allocator import release_free_memory
+from scaletrain.hardware.allocator import release_free_memory
 
 
 def release_freed_memory() -> None:

@@ -27,8 +27,8 @@ from scaletrain.checkpoint.manager import CheckpointError, CheckpointManager
 from scaletrain.checkpoint.run_folder import is_quantized_run, quantized_from
 from scaletrain.checkpoint.state import model_tensors
 from scaletrain.config import ConfigError, DataConfig, ModelConfig, load_config
+from scaletrain.core.files import file_sha256
 from scaletrain.data.shards import MANIFEST
-from scaletrain.files import file_sha256
 from scaletrain.finetune.hf_import import hf_index, hf_model_config, read_hf_tensor, safetensors_files
 from scaletrain.finetune.method_table import method_entry
 from scaletrain.model import build_model

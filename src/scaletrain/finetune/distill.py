@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.config import ConfigError, FinetuneConfig
-from scaletrain.files import file_sha256
+from scaletrain.core.files import file_sha256
 from scaletrain.finetune.base import open_base
 from scaletrain.model import Transformer
 

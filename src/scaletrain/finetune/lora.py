@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.core.options import ConfigError
 from scaletrain.model.hf_names import PROJECTIONS, block_suffix
-from scaletrain.options import ConfigError
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from scaletrain.core.options import ConfigError
 from scaletrain.finetune.preference_rules import check_distillation, check_preference, check_sft
-from scaletrain.options import ConfigError
 
 # (logits, targets) -> 0-dim loss
 LogitsLoss = Callable[[Any, Any], Any]

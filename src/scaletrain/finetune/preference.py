@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig
+from scaletrain.core.files import file_sha256
 from scaletrain.data.preferences import pair_rows, read_preferences
 from scaletrain.data.tokenizer import DataError, load_tokenizer
-from scaletrain.files import file_sha256
 from scaletrain.finetune.base import open_base
 from scaletrain.finetune.lora import adapters_disabled
 from scaletrain.finetune.method_table import method_entry

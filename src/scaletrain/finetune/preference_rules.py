@@ -3,8 +3,8 @@ losses so that the entry check (train/validate.py) loads no model or checkpoint 
 
 from __future__ import annotations
 
+from scaletrain.core.options import ConfigError
 from scaletrain.finetune.method_table import method_entry
-from scaletrain.options import ConfigError
 
 
 def check_sft(cfg, world_size: int) -> None:

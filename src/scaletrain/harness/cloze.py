@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
+from scaletrain.core.files import guarded_write
 from scaletrain.data.loader import TokenStream
 from scaletrain.data.shards import read_manifest
 from scaletrain.data.tokenizer import DataError, Tokenizer
-from scaletrain.files import guarded_write
 
 TASK = "gutenberg-cloze"
 VERSION = 2  # bump when an item changes for the same data: the cached task is rebuilt

@@ -26,10 +26,10 @@ from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
 
+from scaletrain.core.options import ConfigError
 from scaletrain.data.chat import render
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer, HFTokenizer, Tokenizer, encode_known
 from scaletrain.model.generate import Sampling, generate_batch, stop_at_strings
-from scaletrain.options import ConfigError
 
 DEFAULT_MAX_GEN_TOKS = 256  # the hf backend's ``max_gen_toks``
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.core.files import write_file
+from scaletrain.core.options import ConfigError
 from scaletrain.data.sources import hub_reachable
-from scaletrain.files import write_file
-from scaletrain.options import ConfigError
 
 LOCAL_ROUTE = ("give a local copy as a task YAML with dataset_path: json and dataset_kwargs: {data_files: ...} in a "
                "folder passed with --include-path (docs/evaluation.md)")

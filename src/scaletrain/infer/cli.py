@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.core.files import check_output_path, write_file
+from scaletrain.core.options import ConfigError
 from scaletrain.data.instructions import check_messages
 from scaletrain.data.sources import decode_text_file
 from scaletrain.data.tokenizer import DataError
-from scaletrain.files import check_output_path, write_file
 from scaletrain.infer.chat import Chat
 from scaletrain.infer.session import SAMPLING_DEFAULTS, Session, compiled_decoder
 from scaletrain.infer.text import StreamPrinter
 from scaletrain.model.generate import Sampling, cut_at_stop
-from scaletrain.options import ConfigError
 
 __all__ = ["compiled_decoder"]  # (kept importable here: tests and scripts reach it as infer.cli's)
 

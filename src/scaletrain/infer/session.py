@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from scaletrain.core.files import human_bytes
+from scaletrain.core.options import ConfigError
 from scaletrain.data.chat import uses_base_template
 from scaletrain.data.instructions import chat_prompt, end_of_generation_ids, end_text, render_prompt, stop_ids
 from scaletrain.data.tokenizer import Tokenizer
-from scaletrain.files import human_bytes
 from scaletrain.infer.load import load_run
 from scaletrain.infer.text import StreamPrinter
 from scaletrain.model.decode import StaticDecoder, dequantized_bytes, slower_than_eager, supports
 from scaletrain.model.generate import Sampling, stop_at_strings, stream
-from scaletrain.options import ConfigError
 
 Render = Callable[[list[dict]], list[int]]
 

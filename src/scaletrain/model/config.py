@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scaletrain.core.options import opt
 from scaletrain.model.family import NAMES as FAMILY_NAMES
 from scaletrain.model.shape import head_width as head_width  # re-exported: the model's code imports it from here
 from scaletrain.model.shape import is_sliding
-from scaletrain.options import opt
 
 # The default training context (the job's data.seq_len) and the default rotary tables' length: equal, so a
 # default model is never asked for positions it was not trained on.

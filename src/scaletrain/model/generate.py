@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from scaletrain.core.options import ConfigError
 from scaletrain.model.cache import KVCache, StaticKVCache
 from scaletrain.model.decode import StaticDecoder
-from scaletrain.options import ConfigError
 
 
 @dataclass

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.core.options import ConfigError
 from scaletrain.model.cache import KVCache, LayerCache
 from scaletrain.model.config import ModelConfig, has_local_rope, head_width, is_sliding
 from scaletrain.model.loss import chunked_cross_entropy
 from scaletrain.model.mup import attention_scale, hidden_init_scale, output_multiplier
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
-from scaletrain.options import ConfigError
 
 
 def scale_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Parallelism as functions over one DeviceMesh: ``dims`` (degrees -> mesh), one module per technique,
 and ``parallelize`` applying them in a fixed order. See docs/parallelism.md.
 
-The names below are loaded on first use (``scaletrain/lazy.py``): ``scaletrain plan`` and the trainer's entry
+The names below are loaded on first use (``scaletrain/core/lazy.py``): ``scaletrain plan`` and the trainer's entry
 check need only ``dims``, and importing ``parallelize`` loads torch's pipelining, DTensor and dynamo."""
 
-from scaletrain.lazy import lazy_exports
+from scaletrain.core.lazy import lazy_exports
 
 # ``parallelize`` the function is imported from ``scaletrain.parallel.parallelize``: as a package attribute the
 # name is the submodule's once anything imports it.

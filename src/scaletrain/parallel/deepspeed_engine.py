@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.allocator import return_freed_memory_promptly
 from scaletrain.config import ConfigError, DeepSpeedConfig, JobConfig, ModelConfig
+from scaletrain.hardware.allocator import return_freed_memory_promptly
 from scaletrain.model.llama import Transformer
 from scaletrain.model.presets import ffn_hidden_dim
 from scaletrain.parallel.dims import ParallelDims

@@ -1,7 +1,7 @@
 """This machine's full calibration (``scaletrain doctor``): the rates the CPU time model multiplies by.
 
 The cache file, the device fingerprint and the peak matmul rate live one layer down in
-``scaletrain.peak`` (the trainer's MFU needs them too); this module adds the planner's curves.
+``scaletrain.hardware.peak`` (the trainer's MFU needs them too); this module adds the planner's curves.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import ConfigError
-from scaletrain.model.config import ModelConfig
-from scaletrain.model.llama import TransformerBlock, rope_tables
-from scaletrain.peak import (
+from scaletrain.hardware.peak import (
     CLOCKS,
     CoreContention,
     calibration_path,
@@ -28,6 +26,8 @@ from scaletrain.peak import (
     peak_flops,
     save_calibration,
 )
+from scaletrain.model.config import ModelConfig
+from scaletrain.model.llama import TransformerBlock, rope_tables
 from scaletrain.plan import timing
 from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.memory import block_activation_elements

@@ -27,7 +27,7 @@ from scaletrain.config import (
     load_config,
     overrides_from_args,
 )
-from scaletrain.files import check_output_path, write_file
+from scaletrain.core.files import check_output_path, write_file
 from scaletrain.finetune.objectives import objective_entry
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware

@@ -13,7 +13,14 @@ import time
 
 import torch
 
-from scaletrain.peak import CLOCKS, calibration_path, comm_fingerprint, cpu_name, load_calibration, save_calibration
+from scaletrain.hardware.peak import (
+    CLOCKS,
+    calibration_path,
+    comm_fingerprint,
+    cpu_name,
+    load_calibration,
+    save_calibration,
+)
 from scaletrain.plan import calibration
 
 

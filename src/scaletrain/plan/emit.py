@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from scaletrain.config import PredictionConfig, to_toml
-from scaletrain.files import write_file
+from scaletrain.core.files import write_file
 from scaletrain.plan.spec import Plan, Workload, job_config
 
 

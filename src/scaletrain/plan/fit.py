@@ -21,7 +21,7 @@ import os
 import torch
 
 from scaletrain.config import JobConfig
-from scaletrain.files import human_bytes
+from scaletrain.core.files import human_bytes
 from scaletrain.finetune.method_table import method_entry
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.plan.finetune import finetune_answer
@@ -80,7 +80,7 @@ def memory_refusal(cfg: JobConfig, precision: str, device: torch.device, dims: P
                    available: float | None = None) -> str | None:
     """The one-line refusal of a job whose estimated memory exceeds what is available by ``SLACK_BYTES``
     (``available``: bytes, default measured by ``available_bytes``), naming what to change; None when it fits."""
-    from scaletrain.allocator import in_use
+    from scaletrain.hardware.allocator import in_use
 
     kind = "gpu" if device.type == "cuda" else "cpu"
     allocator = in_use() if kind == "cpu" else "system"

@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import torch
 
-from scaletrain import allocator
-from scaletrain.options import ConfigError
-from scaletrain.peak import device_fingerprint, load_calibration
+from scaletrain.core.options import ConfigError
+from scaletrain.hardware import allocator
+from scaletrain.hardware.peak import device_fingerprint, load_calibration
 from scaletrain.plan.calibration import calibration_entry
 from scaletrain.plan.catalog import CATALOG, Cluster, Hardware, catalog_listing, with_calibration
 from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION

@@ -21,10 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from scaletrain.config import JobConfig, OptimConfig, ParallelConfig, TrainConfig
+from scaletrain.hardware.peak import measure_matmul_flops
 from scaletrain.model.config import ModelConfig, has_local_rope, head_width
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.distributed import init_distributed
-from scaletrain.peak import measure_matmul_flops
 from scaletrain.train.precision import autocast
 from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 

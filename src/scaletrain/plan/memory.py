@@ -63,7 +63,7 @@ RECIPES["autocast"] = Recipe(param=4, grad=4, master=0, optimizer=8, activation=
 # PyTorch memory snapshots commonly show); a CUDA context + NCCL takes ~1 GiB; a CPU rank's Python +
 # torch libraries take ~0.4 GiB of RSS. Tensor bytes (what the accuracy benchmark checks) exclude them.
 ALLOCATOR_MARGIN = {"gpu": 0.10, "cpu": 0.0}
-# On a CPU the margin depends on the allocator serving malloc (scaletrain/allocator.py). Measured as peak RSS of
+# On a CPU the margin depends on the allocator serving malloc (hardware/allocator.py). Measured as peak RSS of
 # `scaletrain train` (small preset, BPE 8192, 4 x 512, 6 steps) minus the planner's tensor bytes minus
 # RUNTIME_BYTES: glibc, which the trainer tells to keep freed blocks (allocator.keep_freed_memory), holds 22%
 # (fp32) and 12% (bf16) of the tensor peak beyond it; jemalloc nothing measurable (-0.4%, -1.2% total error).

@@ -7,8 +7,8 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from scaletrain.allocator import launch_note
-from scaletrain.files import human_bytes
+from scaletrain.core.files import human_bytes
+from scaletrain.hardware.allocator import launch_note
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.cost import Cost
 from scaletrain.plan.search import Candidate, SearchResult

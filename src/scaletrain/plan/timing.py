@@ -35,12 +35,12 @@ from typing import NamedTuple
 
 import torch
 
-from scaletrain.allocator import GLIBC_MMAP_THRESHOLD_MAX
 from scaletrain.config import ConfigError, ModelConfig
+from scaletrain.hardware.allocator import GLIBC_MMAP_THRESHOLD_MAX
+from scaletrain.hardware.peak import devices_in_job
 from scaletrain.model.config import head_width
 from scaletrain.model.llama import TransformerBlock, rope_tables
 from scaletrain.model.presets import block_params, ffn_hidden_dim, flops_per_token, kv_heads
-from scaletrain.peak import devices_in_job
 from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.catalog import LINKS, Cluster, Hardware
 from scaletrain.plan.memory import (

@@ -7,8 +7,8 @@ import json
 import math
 from pathlib import Path
 
-from scaletrain.files import check_output_path, write_file
-from scaletrain.options import ConfigError
+from scaletrain.core.files import check_output_path, write_file
+from scaletrain.core.options import ConfigError
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:

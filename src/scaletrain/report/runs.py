@@ -16,7 +16,7 @@ from pathlib import Path
 
 from scaletrain.checkpoint.manager import CheckpointManager
 from scaletrain.config import JobConfig, load_config
-from scaletrain.options import ConfigError
+from scaletrain.core.options import ConfigError
 
 
 def read_jsonl(path: Path) -> tuple[list[dict], list[str]]:

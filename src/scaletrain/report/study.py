@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scaletrain.options import ConfigError
+from scaletrain.core.options import ConfigError
 from scaletrain.report.html import COLOURS, CSS, html_table
 
 STUDY_FILE = "study.json"

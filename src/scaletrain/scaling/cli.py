@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from scaletrain.config import ConfigError
-from scaletrain.options import UserError
+from scaletrain.core.options import UserError
 
 _UNITS = {"s": 1, "sec": 1, "min": 60, "m": 60, "h": 3600, "hour": 3600}
 

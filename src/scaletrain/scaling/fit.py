@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from scaletrain.core.options import ConfigError
 from scaletrain.model.config import ModelConfig
 from scaletrain.model.presets import block_params
-from scaletrain.options import ConfigError
 
 HUBER_DELTA = 1e-3  # Hoffmann et al.'s delta, on log L
 MIN_RUNS = 5  # five parameters: fewer runs leave the law undetermined

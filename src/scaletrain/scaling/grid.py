@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from scaletrain.config import ConfigError, ModelConfig, load_config, read_toml
+from scaletrain.core.files import write_file
 from scaletrain.data.shards import read_manifest
-from scaletrain.files import write_file
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time

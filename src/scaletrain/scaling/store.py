@@ -14,8 +14,8 @@ import math
 import time
 from pathlib import Path
 
+from scaletrain.core.files import write_file
 from scaletrain.data.shards import read_manifest
-from scaletrain.files import write_file
 from scaletrain.scaling.fit import PARAMS, ScalingFit, ScalingFitError
 
 FIT_FILE = "scaling_fit.json"

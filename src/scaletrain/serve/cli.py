@@ -16,9 +16,9 @@ import os
 import socket
 import sys
 
+from scaletrain.core.options import ConfigError
 from scaletrain.infer.batch import Batcher
 from scaletrain.infer.session import Session
-from scaletrain.options import ConfigError
 
 API_KEY_ENV = "SCALETRAIN_API_KEY"  # the key read from the environment: a flag's value shows in `ps`
 

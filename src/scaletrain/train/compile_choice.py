@@ -34,8 +34,8 @@ import torch
 
 from scaletrain.config import ConfigError, JobConfig, read_toml
 from scaletrain.finetune.method_table import method_entry
+from scaletrain.hardware.peak import cache_dir, device_fingerprint, devices_in_job, peak_flops
 from scaletrain.model import flops_per_token
-from scaletrain.peak import cache_dir, device_fingerprint, devices_in_job, peak_flops
 
 PRIOR_SAVING = 0.10  # compiled step = 0.90x eager (baby recipe: 0.87-0.91x, docs/training.md)
 PRIOR_COLD_SECONDS = 30.0  # the baby recipe's first compile with an empty cache, CPU seconds

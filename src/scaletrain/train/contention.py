@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from scaletrain.peak import CoreContention, measure_matmul_flops
+from scaletrain.hardware.peak import CoreContention, measure_matmul_flops
 
 CONTENDED_WAIT = 0.25  # this process's threads waited for a core more than this share of the time: contended
 FAR_BEYOND = 3.0  # a step this many times its estimate makes the trainer look at the load again

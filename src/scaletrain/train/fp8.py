@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from scaletrain.options import ConfigError
+from scaletrain.core.options import ConfigError
 
 # torchao's float8 tables (tensorwise recipe, H100): a Linear gains from fp8 only when its matmuls are large;
 # below ~1024 in either dimension the casts cost more than the faster matmul saves. _scaled_mm needs both

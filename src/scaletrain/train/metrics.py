@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from scaletrain.config import LoggingConfig
+from scaletrain.hardware.peak import devices_in_job, host_cores, peak_flops
 from scaletrain.parallel.distributed import any_rank, rank_zero_value
-from scaletrain.peak import devices_in_job, host_cores, peak_flops
 
 
 def peak_memory_bytes(device: torch.device) -> int:

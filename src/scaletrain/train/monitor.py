@@ -35,10 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scaletrain.allocator import in_use as allocator_in_use
 from scaletrain.config import MonitorConfig
-from scaletrain.files import write_file
-from scaletrain.invocation import invocation
+from scaletrain.core.files import write_file
+from scaletrain.core.invocation import invocation
+from scaletrain.hardware.allocator import in_use as allocator_in_use
 
 # The keys a window reduces by their mean (utilisations, power, temperature); the others by their maximum.
 MEAN_KEYS = ("process_cpu_percent", "system_cpu_percent", "gpu_util_percent", "gpu_power_w", "gpu_temperature_c")

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 
 from scaletrain.config import ConfigError
+from scaletrain.hardware.peak import cpu_bf16_speedup
 from scaletrain.parallel.distributed import rank_zero_value
-from scaletrain.peak import cpu_bf16_speedup
 from scaletrain.train.fp8 import check_fp8_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -30,7 +30,7 @@ import torch
 
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.config import CheckpointConfig
-from scaletrain.files import StorageError
+from scaletrain.core.files import StorageError
 from scaletrain.parallel.distributed import any_rank
 from scaletrain.train.metrics import MetricsLogger
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scaletrain.allocator import keep_freed_memory
 from scaletrain.config import JobConfig
+from scaletrain.hardware.allocator import keep_freed_memory
 from scaletrain.model import Transformer
 from scaletrain.model.mup import width_mult
 from scaletrain.parallel import ParallelDims

@@ -16,15 +16,15 @@ import torch
 
 from scaletrain.checkpoint.training import RNGState, TrainState, global_batch, saved_config
 from scaletrain.config import JobConfig, to_toml
+from scaletrain.core.files import write_file
+from scaletrain.core.options import UserError
 from scaletrain.data.loader import block_causal_mask
 from scaletrain.data.run_data import training_data
-from scaletrain.files import write_file
 from scaletrain.finetune import parameter_counts, resolve_finetune
 from scaletrain.finetune.flops import trained_flops_per_token
 from scaletrain.finetune.method_table import packs_instructions
 from scaletrain.finetune.objectives import objective_of
 from scaletrain.model import num_params
-from scaletrain.options import UserError
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.compile import compile_enabled, resolve_compile
 from scaletrain.parallel.distributed import (

@@ -14,8 +14,8 @@ from scaletrain.config import (
     overrides_from_args,
     to_toml,
 )
-from scaletrain.files import guarded_write, write_file
-from scaletrain.options import ConfigError
+from scaletrain.core.files import guarded_write, write_file
+from scaletrain.core.options import ConfigError
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ import math
 from pathlib import Path
 
 from scaletrain.config import JobConfig
-from scaletrain.files import write_file
+from scaletrain.core.files import write_file
 
 
 @dataclasses.dataclass
@@ -95,7 +95,7 @@ def lr_find(cfg: JobConfig, run_dir: Path, start: float = 1e-6, end: float = 1.0
     trainer = Trainer(sweep_config(cfg, run_dir, steps), log=False)
     trainer.lr_override = lambda step: lr_at_step(step, start, end, steps)
     if rule not in RULES:
-        from scaletrain.options import ConfigError
+        from scaletrain.core.options import ConfigError
 
         raise ConfigError(f"--rule {rule!r}: choose one of {', '.join(RULES)}")
     lrs, losses, smoothed = [], [], []
@@ -123,7 +123,7 @@ def lr_find(cfg: JobConfig, run_dir: Path, start: float = 1e-6, end: float = 1.0
     finally:
         trainer.close()
     if len(lrs) < 3:
-        from scaletrain.options import ConfigError
+        from scaletrain.core.options import ConfigError
 
         raise ConfigError(f"lr-find stopped after {len(lrs)} steps ({stopped}); lower --start")
     min_lr, steepest_lr, suggested = suggest(lrs, smoothed, divisor, rule)

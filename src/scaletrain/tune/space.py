@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import JobConfig, check_field, coerce, iter_fields, read_toml
-from scaletrain.options import ConfigError
+from scaletrain.core.options import ConfigError
 
 KINDS = ("log", "linear", "int", "categorical")
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scaletrain.config import JobConfig, load_config, to_toml
-from scaletrain.files import write_file
-from scaletrain.options import ConfigError
+from scaletrain.core.files import write_file
+from scaletrain.core.options import ConfigError
 from scaletrain.tune.space import Param, load_space
 
 if TYPE_CHECKING:
@@ -114,9 +114,9 @@ def predicted_memory(cfg: JobConfig, device_kind: str) -> float:
     after the trainer's own entry check (``check_runnable``), which raises ConfigError for a job it refuses."""
     import torch
 
-    from scaletrain.allocator import in_use
     from scaletrain.data.run_data import prepare_data, resolve_vocab
     from scaletrain.data.shards import read_manifest
+    from scaletrain.hardware.allocator import in_use
     from scaletrain.plan.fit import estimated_bytes
     from scaletrain.train.precision import resolve_precision
     from scaletrain.train.validate import check_runnable

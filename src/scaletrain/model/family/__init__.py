@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from scaletrain.core.options import ConfigError
 from scaletrain.model.family.spec import Family
-from scaletrain.options import ConfigError
 
 
 def _discover() -> dict[str, Family]:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scaletrain.options import ConfigError
+from scaletrain.core.options import ConfigError
 
 # A ModelConfig, typed loosely: model/config.py reads this package (its family list), so nothing here imports it.
 ModelConfig = Any

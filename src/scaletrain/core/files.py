@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from scaletrain.options import UserError
+from scaletrain.core.options import UserError
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:

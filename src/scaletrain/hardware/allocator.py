@@ -28,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 
-from scaletrain.options import UserError
+from scaletrain.core.options import UserError
 
 ENV = "SCALETRAIN_MALLOC"
 _DONE = "_SCALETRAIN_MALLOC_DONE"  # set in the re-executed process: never twice
