@@ -18,7 +18,7 @@ from scaletrain.finetune import method_table as table
 from scaletrain.finetune.methods import parameter_counts
 from scaletrain.model import Transformer
 from scaletrain.model.presets import block_vector_params
-from scaletrain.plan.cli import add_plan_arguments
+from scaletrain.plan.cli import add_plan_arguments, plan_job
 from scaletrain.plan.finetune import finetune_memory, trainable_parameters
 from scaletrain.plan.spec import Plan, Workload
 from scaletrain.train.validate import check_finetune
@@ -86,12 +86,16 @@ def test_a_name_without_an_entry_is_one_line():
         table.method_entry("norms")
 
 
-def test_plan_offers_every_entry(registered):
+def test_plan_offers_every_entry():
+    """plan reads --finetune.method as train does (issue 50's one vocabulary): every entry of the table is a plan
+    the command accepts, and the old --method spelling still reaches the same field."""
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
-    assert parser.parse_args(["--method", "norms"]).method == "norms"
-    choices = next(a.choices for a in parser._actions if "--method" in a.option_strings)
-    assert list(choices) == ["", *table.METHODS]
+    for name in table.METHODS:
+        job = plan_job(parser.parse_args(["--model.preset", "nano", "--model.vocab_size", "65",
+                                          f"--finetune.method={name}"]))
+        assert job.cfg.finetune.method == name and job.given("finetune.method")
+    assert plan_job(parser.parse_args(["--method", "lora"])).cfg.finetune.method == "lora"
 
 
 def test_the_config_offers_the_tables_methods():

@@ -16,7 +16,7 @@ from helpers.tiny import tiny_hf_base, tiny_overrides
 from scaletrain.cli import main
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, TrainConfig
 from scaletrain.finetune import objectives as table
-from scaletrain.plan.cli import add_plan_arguments
+from scaletrain.plan.cli import add_plan_arguments, plan_job
 from scaletrain.train.validate import check_finetune
 
 SCALE = 2.0
@@ -93,8 +93,14 @@ def test_a_name_without_an_entry_is_one_line(registered):
 
 
 def test_plan_offers_every_configurable_entry(registered):
+    """plan reads --finetune.objective as train does: a registered objective is a plan the command accepts (the
+    names come from the table, not a list in plan/cli.py), the old --objective spelling reaches the same field,
+    and a name outside the table is one line."""
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
-    choices = next(a.choices for a in parser._actions if "--objective" in a.option_strings and a.choices)
-    assert list(choices) == ["sft", "dpo", "simpo", "orpo", "smoothed"]
-    assert parser.parse_args(["--objective", "smoothed"]).objective == "smoothed"
+    for name in ("sft", "dpo", "simpo", "orpo", "smoothed"):
+        args = parser.parse_args(["--finetune.method=lora", f"--finetune.objective={name}"])
+        assert plan_job(args).cfg.finetune.objective == name
+    assert plan_job(parser.parse_args(["--objective", "smoothed"])).cfg.finetune.objective == "smoothed"
+    with pytest.raises(ConfigError, match="finetune.objective must be one of sft, dpo, simpo, orpo, smoothed"):
+        plan_job(parser.parse_args(["--finetune.objective=kto"]))

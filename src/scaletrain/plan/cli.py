@@ -172,7 +172,9 @@ class PlanJob:
 def plan_job(args: argparse.Namespace) -> PlanJob:
     """``--config`` + the ``--section.field`` flags (old spellings included) as one checked job."""
     overrides = overrides_from_args(args)
-    return PlanJob(load_config(args.config or None, overrides), frozenset(overrides), args.config)
+    cfg = load_config(args.config or None, overrides)
+    objective_entry(cfg.finetune.objective)  # a name outside the objective table: one line, as train says it
+    return PlanJob(cfg, frozenset(overrides), args.config)
 
 
 def workload_from_args(args: argparse.Namespace, job: PlanJob, hardware: Hardware, this_machine: bool = False
