@@ -50,7 +50,7 @@ class ParallelModel:
     dp_rank: int = 0
     vocab_limit: int | None = None  # the tokenizer's vocabulary when the model's is padded (train/loss.py)
     loss_rows: int = -1  # the chunked loss's positions a chunk (model/loss.py): -1 auto, 0 the whole logits
-    # The objective's loss on whole logits, installed once where the training is built (train/objectives.py);
+    # The objective's loss on whole logits, installed once where the training is built (finetune/objectives.py);
     # None: the next-token cross-entropy, which may run by chunks (train/loss.py).
     objective_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 

@@ -5,7 +5,7 @@
   columns a rank, never gathered);
 - ``loss_chunk_rows``: whether the model's head runs by chunks of positions instead (model/loss.py holds the
   chunked kernel, which the model's forward calls);
-- ``objective_loss``: the objective installed on the model (train/objectives.py: DPO, SimPO, ORPO,
+- ``objective_loss``: the objective installed on the model (finetune/objectives.py: DPO, SimPO, ORPO,
   distillation) replaces the next-token loss on the logits; None is the next-token loss;
 - auxiliary terms: a module of the model may leave extra loss terms from its forward (an MoE router's balancing
   loss, say) in ``auxiliary_loss``, a dict of name -> 0-dim tensor, each already multiplied by its coefficient;
