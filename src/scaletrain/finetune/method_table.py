@@ -29,7 +29,7 @@ PeftWriter = Callable[[nn.Module, JobConfig], tuple[dict, dict[str, torch.Tensor
 class MethodEntry:
     """One fine-tuning method: its converter, what it trains, its virtual tokens, export and refusals."""
 
-    name: str  # finetune.method and plan --method
+    name: str  # the value of finetune.method (train, finetune and plan: --finetune.method)
     # (meta or real model, finetune config) -> None: freezes what stays fixed and swaps in the adapters, in place
     apply: Callable[[nn.Module, FinetuneConfig], None]
     # (model config, finetune config) -> the parameters that train (the planner's count; the trainer counts modules)

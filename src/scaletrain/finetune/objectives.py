@@ -102,7 +102,7 @@ OBJECTIVES: dict[str, Objective] = {
 
 
 def objective_names() -> tuple[str, ...]:
-    """The values ``finetune.objective`` takes (``plan --objective``'s choices too)."""
+    """The values ``finetune.objective`` takes (train and plan read it as ``--finetune.objective``)."""
     return tuple(name for name, entry in OBJECTIVES.items() if entry.configurable)
 
 
