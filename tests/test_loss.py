@@ -3,6 +3,8 @@ balancing loss, issue 51) joins the backward, is logged as the step's mean, and 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -69,3 +71,54 @@ def test_a_model_without_auxiliary_terms_logs_none_and_evaluation_drops_them():
         assert forward_loss(pm, inputs, targets).item() == cross_entropy(model(inputs), targets).item()
     assert take_auxiliary(model) != {}  # the plain call above left one; forward_loss cleared its own
     assert take_auxiliary(model) == {}
+
+
+# Under every engine (tests/helpers/auxiliary_parity.py, one launch of 2 gloo ranks): the pipeline, where torch's
+# schedule backpropagates a stage before the last from its output's gradient only, and DeepSpeed, whose step
+# calls the loss itself, give the plain path's loss, gradients and logged terms with the same test-only terms.
+PIPELINES = ["pp_1f1b", "pp_gpipe", "pp_interleaved", "pp_1f1b_accum2"]
+DEEPSPEED = ["ds2", "ds3"]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from helpers.launch import HELPERS, torchrun
+    from scaletrain.parallel.deepspeed_engine import deepspeed_missing_reason
+
+    out = tmp_path_factory.mktemp("auxiliary") / "results.json"
+    strategies = PIPELINES + (DEEPSPEED if deepspeed_missing_reason() is None else [])
+    torchrun(2, str(HELPERS / "auxiliary_parity.py"), "--out", str(out), "--strategies", ",".join(strategies))
+    return {r["strategy"]: r["ranks"] for r in json.loads(out.read_text())}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", PIPELINES)
+def test_auxiliary_terms_of_every_pipeline_stage_match_the_plain_path(engines, strategy):
+    """Terms left on the first stage and on the last (interleaved: on stages 0 and 3 of 4) reach the gradients
+    of the parameters each rank holds, the logged terms are the whole pipeline's, and evaluation drops them
+    (after an evaluation, when torch's schedule infers its stages' shapes again on uninitialised tensors)."""
+    ranks = engines[strategy]
+    assert ranks[0]["terms_move_grads"] > 0.5  # ignoring the terms would miss the gradients by this much
+    assert ranks[0]["reference_auxiliary"]["balance"] > 1e-3
+    for record in ranks:
+        assert record["auxiliary_names"] == ["balance", "router_z"]
+        for key in ("loss", "grad_norm", "auxiliary"):
+            assert record[key] < 1e-5, (key, record[key])
+        assert record["grads"] < 1e-4, record["grads"]  # measured 3.5e-5 (of each parameter's largest gradient)
+    assert {name for record in ranks for name in record["grad_params"]} >= {"tok_embeddings.weight", "layers.0."
+                                                                            "feed_forward.w1.weight", "output.weight"}
+    assert [record.get("eval") for record in ranks] == [None, pytest.approx(0.0, abs=1e-6)]  # the last stage's
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", DEEPSPEED)
+def test_auxiliary_terms_under_deepspeed_match_the_native_engine(engines, strategy):
+    """DeepSpeed ZeRO-2 / ZeRO-3 over 2 data-parallel ranks against the native engine's DDP with the same terms:
+    the step's loss, the gradient norm (which ignoring the terms would change: the pipeline test measures by how
+    much) and each rank's logged terms."""
+    if strategy not in engines:
+        pytest.skip("DeepSpeed is not installed")
+    for record in engines[strategy]:
+        assert record["auxiliary_names"] == ["balance", "router_z"]
+        for key in ("loss", "grad_norm", "auxiliary", "eval"):
+            assert record[key] < 1e-5, (key, record[key])

@@ -54,7 +54,10 @@ class Pipeline:
     has_first_stage: bool
     has_last_stage: bool
     loss_scale: float = 1.0  # the factor the schedule's loss_fn multiplies each micro-batch loss by
+    microbatches: int = 1  # what each step's batch is split into
     losses: list = field(default_factory=list)
+    # train/loss.py:StageTerms: how the auxiliary loss terms of this rank's stages join their backward
+    auxiliary: object | None = None
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward + backward of one batch split into micro-batches. Returns this rank's summed
@@ -100,4 +103,4 @@ def build_pipeline(parts: list[nn.Module], ids: list[int], num_stages: int, pp_g
     else:
         schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return Pipeline(schedule, stages, has_first_stage=0 in ids, has_last_stage=num_stages - 1 in ids,
-                    loss_scale=loss_scale)
+                    loss_scale=loss_scale, microbatches=n_microbatches)

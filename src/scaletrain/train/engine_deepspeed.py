@@ -8,7 +8,8 @@ native engine's own. The ds_config, the DeepSpeed job rules and ``initialize`` a
   AdamW param groups (``DeepSpeedCPUAdam`` when the optimizer state is offloaded), then
   ``deepspeed.initialize`` with the merged ds_config (``parallel/deepspeed_engine.py``);
 - step: ``engine.backward`` / ``engine.step`` per micro-batch (DeepSpeed reduces, clips at
-  ``optim.grad_clip`` and updates at the accumulation boundary);
+  ``optim.grad_clip`` and updates at the accumulation boundary); the auxiliary loss terms the model leaves
+  (train/loss.py) join each micro-batch's loss and are logged as on the native engine;
 - checkpoints: DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint`` inside our step folders (marker,
   keep-last, per-rank data position / RNG / counters as for the native engine), read back by ``scaletrain
   eval / generate / export`` through ``checkpoint/deepspeed_format.py``.
@@ -45,9 +46,9 @@ from scaletrain.parallel.deepspeed_engine import (
     read_user_config,
 )
 from scaletrain.parallel.distributed import barrier
-from scaletrain.train.loss import logits_loss
+from scaletrain.train.loss import logits_loss, take_auxiliary, with_auxiliary
 from scaletrain.train.optimizer import build_optimizer, param_groups
-from scaletrain.train.step import MicroBatch, StepFunction, StepOptions, StepResult
+from scaletrain.train.step import MicroBatch, StepFunction, StepOptions, StepResult, auxiliary_means
 
 
 def build_optimizer_for(model: torch.nn.Module, cfg: JobConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -95,12 +96,13 @@ def deepspeed_training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer,
     if options.loss_divisor is not None or options.micro_grad_sq is not None:
         raise ValueError("the DeepSpeed engine takes neither loss_divisor nor micro_grad_sq (native engine only)")
     engine = pm.parts[0]
-    loss_sum = None
+    loss_sum, auxiliary = None, {}
     for _ in range(accum):
         inputs, targets, mask = next(micro_batches)
         with options.autocast():
             loss = logits_loss(pm, engine(inputs, attn_mask=mask), targets)
-        engine.backward(loss)  # divided by gradient_accumulation_steps inside
+        terms = take_auxiliary(engine.module)
+        engine.backward(with_auxiliary(loss, terms, accum, auxiliary))  # divided by gradient_accumulation_steps inside
         engine.step()  # reduces, clips and updates at the accumulation boundary only
         part = loss.detach() / accum
         loss_sum = part if loss_sum is None else loss_sum + part
@@ -109,7 +111,7 @@ def deepspeed_training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer,
     loss_value = float(pm.replicas.step_loss(loss_sum, pm.dims, pm.device))
     if options.before_update is not None:
         options.before_update(loss_value, grad_norm)  # counted for rollback; the update has already been applied
-    return StepResult(loss_value, grad_norm, True)
+    return StepResult(loss_value, grad_norm, True, auxiliary_means(auxiliary))
 
 
 class DeepSpeedCheckpoint:

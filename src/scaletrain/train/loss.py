@@ -10,7 +10,10 @@
 - auxiliary terms: a module of the model may leave extra loss terms from its forward (an MoE router's balancing
   loss, say) in ``auxiliary_loss``, a dict of name -> 0-dim tensor, each already multiplied by its coefficient;
   training adds them to the objective's loss and the step logs their means (``StepResult.auxiliary``);
-  evaluation drops them, so a validation loss stays the objective's own.
+  evaluation drops them, so a validation loss stays the objective's own. A module leaves its terms on every
+  forward (a router's balancing loss does), under every engine: the plain path adds them here, DeepSpeed's step
+  through ``with_auxiliary`` (train/engine_deepspeed.py), and under pipeline parallelism each stage's terms join
+  its own backward (``carry_stage_terms``).
 
 ``forward_backward`` (training) and ``forward_loss`` (evaluation) are the two callers; the pipeline's schedule
 calls ``cross_entropy`` itself on the last stage (handed to ``parallelize`` as its ``loss_fn``).
@@ -19,9 +22,11 @@ calls ``cross_entropy`` itself on the last stage (handed to ``parallelize`` as i
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -102,6 +107,23 @@ def model_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, a
     return loss, take_auxiliary(pm.modules[0])
 
 
+def with_auxiliary(loss: torch.Tensor, terms: dict[str, torch.Tensor], accum: float,
+                   into: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """``loss`` plus the auxiliary ``terms`` (what is backpropagated); each term's share of the step (term /
+    ``accum``, detached) is added into ``into`` by name (the step's mean, logged)."""
+    for term in terms.values():
+        loss = loss + term
+    if into is not None:
+        add_shares(into, {name: term.detach() / accum for name, term in terms.items()})
+    return loss
+
+
+def add_shares(into: dict[str, torch.Tensor], shares: dict[str, torch.Tensor]) -> None:
+    """Each share added into ``into`` under its name."""
+    for name, share in shares.items():
+        into[name] = share if name not in into else into[name] + share
+
+
 def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *, accum: float, sync: bool,
                      autocast=contextlib.nullcontext, scale: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
                      attn_mask: torch.Tensor | None = None,
@@ -112,22 +134,20 @@ def forward_backward(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Ten
     stage). ``sync=False`` on non-final accumulation micro-steps skips DDP's all-reduce (``no_sync``).
     ``scale`` is the fp16 gradient scaler's ``scale`` (identity otherwise). ``attn_mask`` (B, 1, T, T),
     e.g. confining attention to each packed document, is not supported with pipeline stages. The auxiliary
-    terms join the loss that is backpropagated; each, divided by ``accum``, is added into ``auxiliary``.
+    terms join the loss that is backpropagated; each, divided by ``accum``, is added into ``auxiliary`` (under
+    the pipeline: this rank's stages' terms, already divided by the schedule's scale; ``sum_over_stages``).
     """
     if pm.pipeline is not None:
         with autocast(), loss_context(pm.tp_enabled):
-            return pm.pipeline.step(inputs, targets)
+            loss = pm.pipeline.step(inputs, targets)
+        shares = pm.pipeline.auxiliary.take()  # StageTerms (carry_stage_terms): already scaled by the schedule's
+        if auxiliary is not None:
+            add_shares(auxiliary, shares)
+        return loss
     with grad_sync_context(pm.parts[0], sync), cp_context(pm, inputs, targets), loss_context(pm.tp_enabled):
         loss, terms = model_loss(pm, inputs, targets, autocast, attn_mask)
-        loss = loss / accum
-        total = loss
-        for name, term in terms.items():
-            total = total + term / accum
-            if auxiliary is not None:
-                part = term.detach() / accum
-                auxiliary[name] = part if name not in auxiliary else auxiliary[name] + part
-        scale(total).backward()
-    return loss.detach()
+        scale(with_auxiliary(loss, terms, accum, auxiliary) / accum).backward()
+    return loss.detach() / accum
 
 
 def forward_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, *,
@@ -139,3 +159,89 @@ def forward_loss(pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor,
             return pm.pipeline.eval(inputs, targets)
     with cp_context(pm, inputs, targets), loss_context(pm.tp_enabled):
         return model_loss(pm, inputs, targets, autocast, attn_mask)[0]
+
+
+class _AuxiliaryBackward(torch.autograd.Function):
+    """The identity on a pipeline stage's output whose backward also starts each auxiliary term's backward, with
+    the gradient ``scale`` (the term's weight in the step's loss), as Megatron's ``MoEAuxLossAutoScaler`` does."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, scale: float, *terms: torch.Tensor) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(*terms)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad, None, *(torch.full_like(term, ctx.scale) for term in ctx.saved_tensors))
+
+
+class StageTerms:
+    """The auxiliary terms of this rank's pipeline stages.
+
+    torch's schedule calls the loss on the last stage's output only, and backpropagates every other stage from
+    the gradient of its output alone, so a term a block of an earlier stage leaves is on no path to the loss.
+    Each stage's output is therefore passed through ``_AuxiliaryBackward`` (a forward hook on the stage): its
+    backward gives the stage's terms the gradient ``scale`` (1 / (micro-batches x accumulation), the schedule's
+    loss scale), what adding them to that micro-batch's loss gives them on the plain path.
+
+    A step's terms are those of each stage's last ``microbatches`` forwards: torch 2.13's schedule first runs
+    every stage once on uninitialised tensors of the right shapes (its metadata inference, at the first step and
+    after each switch between evaluation and training), whose terms are garbage. ``names``: the terms the
+    pipeline's stages leave, agreed once over its ranks (``sum_over_stages``)."""
+
+    def __init__(self, scale: float, microbatches: int):
+        self.scale, self.microbatches = scale, microbatches
+        self.forwards: dict[int, list[dict[str, torch.Tensor]]] = {}  # id(stage) -> each forward's shares
+        self.names: list[str] | None = None
+
+    def after_forward(self, stage: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor | None:
+        """A stage's forward hook: its terms join the backward (training) or are dropped (evaluation, which runs
+        without gradients: there is no backward to join)."""
+        terms = take_auxiliary(stage)
+        if not torch.is_grad_enabled():
+            return None
+        self.forwards.setdefault(id(stage), []).append(
+            {name: term.detach() * self.scale for name, term in terms.items()})
+        return _AuxiliaryBackward.apply(output, self.scale, *terms.values()) if terms else None
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The shares of the micro-batches since the last take, summed by name (``forward_backward``)."""
+        shares: dict[str, torch.Tensor] = {}
+        for forwards in self.forwards.values():
+            for left in forwards[-self.microbatches:]:
+                add_shares(shares, left)
+        self.forwards = {}
+        return shares
+
+
+def carry_stage_terms(pm: ParallelModel) -> None:
+    """Under pipeline parallelism, every stage's auxiliary terms join its backward (``StageTerms``); called once
+    where the training is built."""
+    terms = StageTerms(pm.pipeline.loss_scale, pm.pipeline.microbatches)
+    pm.pipeline.auxiliary = terms
+    for stage in pm.modules:
+        stage.register_forward_hook(functools.partial(StageTerms.after_forward, terms))
+
+
+def sum_over_stages(pm: ParallelModel, auxiliary: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The step's auxiliary terms of the whole pipeline (each rank holds its own stages'), the same on every
+    rank of it: one all-reduce a step, and none for a model that leaves no terms. Which terms the stages leave is
+    agreed once, at the first step (a module leaves its terms on every forward)."""
+    if pm.pipeline is None:
+        return auxiliary
+    group, terms = pm.group("pp"), pm.pipeline.auxiliary
+    if terms.names is None:
+        every: list[list[str] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, sorted(auxiliary), group=group)
+        terms.names = sorted({name for names in every for name in names})
+    if not terms.names:
+        return auxiliary
+    unknown = set(auxiliary) - set(terms.names)
+    if unknown:
+        raise ValueError(f"auxiliary loss terms {sorted(unknown)} first left after the first step; a module must "
+                         f"leave its terms on every forward")
+    zero = torch.zeros((), device=pm.device)
+    summed = torch.stack([auxiliary.get(name, zero).float() for name in terms.names])
+    dist.all_reduce(summed, group=group)
+    return dict(zip(terms.names, summed.unbind()))

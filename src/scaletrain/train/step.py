@@ -23,7 +23,7 @@ from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.compile import compile_enabled
 from scaletrain.parallel.parallelize import ParallelModel, clip_grad_norm_, parallelize
 from scaletrain.train.converters import build_converters
-from scaletrain.train.loss import cross_entropy, forward_backward
+from scaletrain.train.loss import carry_stage_terms, cross_entropy, forward_backward, sum_over_stages
 from scaletrain.train.optimizer import build_parallel_optimizer
 
 # (inputs (B, T), targets (B, T), attention mask (B, 1, T, T) or None), already on the device.
@@ -51,6 +51,8 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
                      init_weights=not converters.loads_weights,  # a fine-tune's weights come from its base
                      loss_fn=lambda logits, targets: cross_entropy(logits, targets, vocab_limit))
     pm.loss_rows = cfg.train.loss_chunk_rows  # the chunked loss (model/loss.py): -1 auto, 0 off
+    if pm.pipeline is not None:
+        carry_stage_terms(pm)  # every stage's auxiliary loss terms join its backward (train/loss.py)
     converters.after_parallelize(pm)
     # Frozen weights (fine-tuning) are left out of the optimizer: no gradients, no optimizer state.
     lora_plus = cfg.finetune.lora_plus_ratio if cfg.finetune.source else 1.0  # validate: lora/qlora only
@@ -145,6 +147,7 @@ def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_bat
             micro_grad_sq.append(_delta_sq(pm, before) * divisor ** 2)
         if loss is not None:  # None on pipeline ranks that do not hold the last stage
             loss_sum = loss if loss_sum is None else loss_sum + loss
+    auxiliary = sum_over_stages(pm, auxiliary)  # under the pipeline: every stage's terms, on every rank
     if scaler is not None:
         scaler.unscale_(optimizer)
     max_norm = grad_clip if grad_clip > 0 else math.inf
@@ -155,11 +158,11 @@ def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_bat
         # No host-device sync: the update is skipped on the device when the step is not finite.
         before_update.before_step()
         _update(optimizer, None, nonfinite_flag(loss_t, norm))
-        return StepResult(loss_t, norm, True, _means(auxiliary))
+        return StepResult(loss_t, norm, True, auxiliary_means(auxiliary))
     grad_norm, loss_value = float(norm), float(loss_t)  # the step's two reads back (before_update's inputs)
     updated = before_update(loss_value, grad_norm) if before_update is not None else True
     _update(optimizer, scaler, None, skip=not updated)
-    return StepResult(loss_value, grad_norm, updated, _means(auxiliary))
+    return StepResult(loss_value, grad_norm, updated, auxiliary_means(auxiliary))
 
 
 def _update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
@@ -180,7 +183,7 @@ def _update(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | Non
     optimizer.zero_grad(set_to_none=True)
 
 
-def _means(auxiliary: dict[str, torch.Tensor]) -> dict[str, float]:
+def auxiliary_means(auxiliary: dict[str, torch.Tensor]) -> dict[str, float]:
     """The auxiliary terms' step means, read back (only for a model that leaves any)."""
     return {name: float(term) for name, term in auxiliary.items()}
 
