@@ -4,10 +4,12 @@ train's own code; the spellings it replaced are accepted for one release, each w
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
 from scaletrain.cli import main
+from scaletrain.config import read_toml
 from scaletrain.plan.cli import RENAMED_JOB_FLAGS, add_plan_arguments
 from scaletrain.tune.cli import add_tune_arguments
 
@@ -95,3 +97,90 @@ def test_plan_help_shows_only_the_new_vocabulary():
     text = parser.format_help()
     assert "--finetune.objective" in text and "--train.precision" in text
     assert all(f"{old} " not in text.replace("[", " ").replace("]", " ") for old, _, _ in RENAMED_JOB_FLAGS)
+
+
+# eval and compress read a saved run's job: the fields they read are --section.field flags over it (the run's model,
+# tokenizer and data are what is evaluated or compressed, so they are not offered).
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from helpers.tiny import tiny_overrides
+
+    run = tmp_path_factory.mktemp("vocabulary") / "run"
+    assert main(["train"] + [f"--{k}={v}" for k, v in tiny_overrides(run, **{"train.steps": 4}).items()]) == 0
+    return run
+
+
+def _last_line(capsys) -> str:
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_eval_reads_the_job_fields_it_scores_with_over_the_run(tiny_run, capsys):
+    """--train.eval_batches is --batches' default (the same windows); --train.batch_size and --data.seq_len cut the
+    val split otherwise; the run itself (its saved config) is untouched."""
+    saved = (tiny_run / "config.toml").read_text()
+    assert main(["eval", "--run", str(tiny_run)]) == 0
+    default = _last_line(capsys)
+    assert "2 batches x 4 x 32 tokens" in default  # the run's train.eval_batches, batch_size, seq_len
+    assert main(["eval", "--run", str(tiny_run), "--train.eval_batches=3"]) == 0
+    three = _last_line(capsys)
+    assert main(["eval", "--run", str(tiny_run), "--batches", "3"]) == 0
+    assert _last_line(capsys) == three and "3 batches x 4 x 32 tokens" in three
+    assert main(["eval", "--run", str(tiny_run), "--train.batch_size=2", "--data.seq_len=16",
+                 "--json", str(tiny_run.parent / "e.json")]) == 0
+    line = _last_line(capsys)  # the windows scored, and training's (which these are not)
+    assert "over 2 batches x 2 x 16 tokens" in line and "train.eval_batches=2 batches x 4 x 32 tokens" in line
+    settings = json.loads((tiny_run.parent / "e.json").read_text())["settings"]
+    assert settings["job_fields"] == {"train.batch_size": "2", "data.seq_len": "16"}
+    assert (tiny_run / "config.toml").read_text() == saved
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--data.seq_len=64"], "data.seq_len (64) must be <= model.max_seq_len (32)"),  # the run's model: checked
+    (["--train.eval_batches=0"], "train.eval_batches must be >= 1"),
+    (["--train.precision=fp64"], "train.precision"),
+    (["--model.dim=8"], "unrecognized arguments: --model.dim=8"),  # the run's model is what is evaluated
+    (["--tasks", "hellaswag", "--train.batch_size=2"], "--train.batch_size sets how the val split"),
+])
+def test_eval_job_field_errors_are_one_line(tiny_run, capsys, flags, needle):
+    try:
+        code = main(["eval", "--run", str(tiny_run), *flags])
+    except SystemExit as exc:  # argparse's (an unknown flag), one line through cli.OneLineParser
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_compress_reads_the_job_fields_it_calibrates_and_reports_with(tiny_run, tmp_path, capsys):
+    """--data.seq_len: the calibration sequences' length (the compressed run keeps the source's job); --report's
+    --train.eval_batches is its --batches' default; a field the compression would not read is refused."""
+    out = tmp_path / "wanda"
+    assert main(["compress", "--run", str(tiny_run), "--out", str(out), "--prune", "wanda", "--data.seq_len=16",
+                 "--calibration-sequences", "4"]) == 0
+    assert json.loads((out / "compress.json").read_text())["calibration"]["seq_len"] == 16
+    assert read_toml(out / "config.toml")["data"]["seq_len"] == 32  # still the source's
+    capsys.readouterr()
+    report = ["compress", "--report", str(tiny_run), str(out), "--decode-tokens", "0"]
+    assert main([*report, "--train.eval_batches=1", "--train.batch_size=2"]) == 0
+    by_field = capsys.readouterr().out
+    assert "over 1 batches x 2 x 32 tokens" in by_field
+    assert main([*report, "--batches", "1", "--train.batch_size=2"]) == 0
+    assert capsys.readouterr().out == by_field
+    for flags, needle in ((["--prune", "magnitude", "--data.seq_len=16"], "read by --prune wanda and structured"),
+                          (["--prune", "wanda", "--train.eval_batches=3"], "sets how --report scores")):
+        assert main(["compress", "--run", str(tiny_run), "--out", str(tmp_path / "x"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("command,fields", [("eval", "EVAL_JOB_FIELDS"), ("compress", "COMPRESS_JOB_FIELDS")])
+def test_eval_and_compress_help_show_the_job_fields_they_read(capsys, command, fields):
+    import scaletrain.cli
+    import scaletrain.compress.cli
+
+    keys = getattr(scaletrain.cli if command == "eval" else scaletrain.compress.cli, fields)
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    assert all(f"--{key} " in text for key in keys), text
+    assert "--model.dim" not in text

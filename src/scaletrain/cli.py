@@ -14,8 +14,10 @@ from scaletrain.config import (
     ConfigError,
     JobConfig,
     add_config_arguments,
+    add_job_field_arguments,
     config_differences,
     load_config,
+    override_job,
     overrides_from_args,
     read_toml,
     to_toml,
@@ -199,6 +201,13 @@ def _stall_note(summary: dict) -> str:
         (f" ({parts})" if parts else "")
 
 
+# The run's job fields `eval` reads, each a --section.field flag over the run's saved config (the one flag
+# vocabulary): how the val split is cut (data.seq_len windows, train.batch_size of them a batch,
+# train.eval_batches batches: --batches' default) and the precision it is scored in. The model, tokenizer and data
+# are what is evaluated, so they stay the run's.
+EVAL_JOB_FIELDS = ("train.eval_batches", "train.batch_size", "data.seq_len", "train.precision")
+
+
 def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run's latest checkpoint, on its "
                                     "validation split or any text (docs/evaluation.md)")
@@ -239,6 +248,8 @@ def _eval_parser(sub) -> None:
                         "NAME.samples.jsonl)")
     p.add_argument("--json", help="write the numbers (loss, perplexity, bpb, tokens, bytes; with --tasks the scores) "
                                   "with the windows and settings to this JSON file")
+    add_job_field_arguments(p, EVAL_JOB_FIELDS, "the run's job fields (override its saved config for this "
+                                                "evaluation; not with --tasks)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -249,8 +260,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:  # before the scoring (minutes), not after it
         check_output_path(args.json, f"--json {args.json}")
 
+    overrides = overrides_from_args(args)
     request = task_request(args)  # --tasks: lm-evaluation-harness benchmarks instead of the loss below
     if request is not None:
+        if overrides:  # lm-eval's requests are its own (--batch-size): the field would be ignored
+            raise ConfigError(f"--{next(iter(overrides))} sets how the val split or a --text is scored; --tasks runs "
+                              f"lm-eval's own requests (--batch-size): drop one of them")
         if request.log_samples:  # as --json: before the scoring
             check_output_path(request.log_samples, f"--log-samples {request.log_samples}")
         evaluate_tasks(request)
@@ -269,10 +284,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batches {args.batches}: must be >= 0 (0 scores every window; leave it out for "
                           f"train.eval_batches)")
     path, text = evaluate.read_eval_text(args.text) if args.text else (None, "")  # a bad file: before loading
-    cfg, model, tokenizer, ckpt = load_run(args.run)
-    settings = {"run": str(args.run), "checkpoint": ckpt.name, "batch_size": cfg.train.batch_size}
+    saved, model, tokenizer, ckpt = load_run(args.run)
+    cfg = override_job(saved, overrides)  # --train.batch_size, --data.seq_len, ...: for this evaluation only
+    settings = {"run": str(args.run), "checkpoint": ckpt.name, "batch_size": cfg.train.batch_size,
+                **({"job_fields": overrides} if overrides else {})}  # what the command line set over the run's
     if not args.text:  # the run's validation loss and bpb: the numbers training's eval computes (train/evaluate.py)
-        run_score = evaluate.score_run(cfg, model, tokenizer, args.batches, run_dir=args.run)
+        run_score = evaluate.score_run(cfg, model, tokenizer, args.batches, run_dir=args.run, trained=saved)
         print(f"{run_score.line} ({ckpt.name})")
         record = {"source": "val split", **evaluate.validation_record(run_score, cfg),
                   "settings": {**settings, "batches": run_score.batches, "precision": run_score.precision}}

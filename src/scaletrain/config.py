@@ -653,11 +653,34 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = None) -> N
     group = parser.add_argument_group("config fields (override the TOML; CLI > TOML > preset > default; "
                                       "--model.preset also overrides the TOML's fields that the preset sets)")
     for key, tp, f in iter_fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        choices = f.metadata.get("choices")
-        extra = f" {{{','.join(map(str, choices))}}}" if choices else ""
-        group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar=_type_name(tp).upper(), default=argparse.SUPPRESS,
-                           help=f"{f.metadata.get('help', '')}{extra} (default: {default!r})")
+        _add_field_argument(group, key, tp, f)
+
+
+def add_job_field_arguments(parser: argparse.ArgumentParser, keys: tuple[str, ...], title: str) -> None:
+    """``--section.field`` options for the job fields ``keys`` only: a command that reads a saved run's job
+    (``eval``, ``compress``) overrides the fields it reads, and the rest (the model it loads, say) stay the run's."""
+    group = parser.add_argument_group(title)
+    fields = {key: (tp, f) for key, tp, f in iter_fields(JobConfig)}
+    for key in keys:
+        _add_field_argument(group, key, *fields[key])
+
+
+def _add_field_argument(group, key: str, tp: Any, f: dataclasses.Field) -> None:
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    choices = f.metadata.get("choices")
+    extra = f" {{{','.join(map(str, choices))}}}" if choices else ""
+    group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar=_type_name(tp).upper(), default=argparse.SUPPRESS,
+                       help=f"{f.metadata.get('help', '')}{extra} (default: {default!r})")
+
+
+def override_job(cfg: JobConfig, overrides: dict[str, str]) -> JobConfig:
+    """``cfg`` (a run's saved job) with the command line's dotted ``overrides`` on top, checked as ``load_config``
+    checks them (each field's type, limits and choices, then the cross-field rules): one-line ConfigErrors."""
+    if not overrides:
+        return cfg
+    job = build(JobConfig, _deep_merge(to_dict(cfg), _nest(overrides)))
+    validate_job(job)
+    return job
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:

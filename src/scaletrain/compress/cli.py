@@ -23,12 +23,17 @@ from scaletrain.compress.quantize import (
     resolve_group_size,
 )
 from scaletrain.compress.run import check_output, state_bytes, write_run
-from scaletrain.config import ConfigError
+from scaletrain.config import ConfigError, add_job_field_arguments, override_job, overrides_from_args
 from scaletrain.core.files import check_output_path, write_file
 from scaletrain.infer.load import load_run
 from scaletrain.model.generate import decode_report, generate
 
 DEFAULT_SPARSITY = 0.5
+# The run's job fields `compress` reads, each a --section.field flag over the run's saved config (the one flag
+# vocabulary), for this command only: the compressed run keeps the source's job. data.seq_len: the calibration
+# sequences' length (and --report's windows); train.batch_size, train.eval_batches (--batches' default) and
+# train.precision: how --report scores each run's val split.
+COMPRESS_JOB_FIELDS = ("data.seq_len", "train.batch_size", "train.eval_batches", "train.precision")
 
 
 def add_compress_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +80,8 @@ def add_compress_arguments(p: argparse.ArgumentParser) -> None:
                    help="--report: decode timings per run, interleaved across the runs (medians; a machine busy "
                         "with other jobs is said)")
     p.add_argument("--json", help="--report: also write the table as JSON here")
+    add_job_field_arguments(p, COMPRESS_JOB_FIELDS, "the run's job fields (override its saved config for this "
+                                                    "command; the compressed run keeps the source's)")
 
 
 def load_source(run_dir: str | Path) -> tuple:
@@ -135,6 +142,7 @@ def run_compress(args: argparse.Namespace) -> int:
     if not (args.prune or args.quantize or structural):
         raise ConfigError("nothing to do: give --prune, --mlp-fraction / --head-fraction / --drop-blocks and/or "
                           "--quantize")
+    check_read_fields(args, calibrates=args.prune == "wanda" or structural)
     if args.prune and args.pattern == "unstructured":
         if args.sparsity is None:
             args.sparsity = DEFAULT_SPARSITY
@@ -150,6 +158,17 @@ def run_compress(args: argparse.Namespace) -> int:
         return _compress(args, structural)
 
 
+def check_read_fields(args: argparse.Namespace, calibrates: bool) -> None:
+    """A job field given to a compression that would not read it (it would be ignored): one line. Compressing
+    reads data.seq_len only to calibrate (Wanda, structured pruning); the others are --report's."""
+    for key in overrides_from_args(args):
+        if key != "data.seq_len":
+            raise ConfigError(f"--{key} sets how --report scores each run's val split; drop it or use --report")
+        if not calibrates:
+            raise ConfigError("--data.seq_len sets the calibration sequences' length, read by --prune wanda and "
+                              "structured pruning only; drop it")
+
+
 def _compress(args: argparse.Namespace, structural: bool) -> int:
     torch.manual_seed(0)
     cfg, model, tokenizer, ckpt = load_source(args.run)
@@ -158,13 +177,14 @@ def _compress(args: argparse.Namespace, structural: bool) -> int:
         structured.plan_heads(cfg.model, args.head_fraction)
     elif args.quantize == "int4-weight":
         resolve_group_size(args.group_size, block_input_widths(model))
+    job = override_job(cfg, overrides_from_args(args))  # what this command reads; the new run keeps cfg
     check_output(args.out)  # a path that cannot be written, before any work
     model_cfg, record, source_bytes = cfg.model, {}, state_bytes(model)
     needs_data = args.prune == "wanda" or structural
-    calib = calibration_batches(cfg, tokenizer, args.calibration_sequences, args.calibration_text) \
+    calib = calibration_batches(job, tokenizer, args.calibration_sequences, args.calibration_text) \
         if needs_data else None
     if calib is not None:
-        record["calibration"] = {"sequences": sum(b.shape[0] for b in calib), "seq_len": cfg.data.seq_len,
+        record["calibration"] = {"sequences": sum(b.shape[0] for b in calib), "seq_len": job.data.seq_len,
                                  "source": args.calibration_text or "training split"}
     if structural:
         model, model_cfg, record["structured"] = structured.prune_structured(
@@ -225,16 +245,18 @@ def decode_speeds(samples: dict) -> tuple[dict, dict, str]:
     return rates, ratios, busy
 
 
-def measure(run: str, batches: int | None) -> tuple[dict, tuple]:
+def measure(run: str, batches: int | None, overrides: dict[str, str]) -> tuple[dict, tuple]:
     """Validation loss / perplexity (``score_run``: training's eval windows, ``batches`` of them or the run's
     train.eval_batches) and saved weight bytes of ``run``; and what its decode timing needs (model, config,
-    tokenizer, prompt: the val split's first 8 tokens)."""
+    tokenizer, prompt: the val split's first 8 tokens). ``overrides``: the command line's job fields, over the
+    run's own."""
     from scaletrain.data.loader import TokenStream
     from scaletrain.data.run_data import prepare_data
     from scaletrain.train.evaluate import perplexity, score_run
 
-    cfg, model, tokenizer, _ = load_run(run)
-    score = score_run(cfg, model, tokenizer, batches)
+    saved, model, tokenizer, _ = load_run(run)
+    cfg = override_job(saved, overrides)
+    score = score_run(cfg, model, tokenizer, batches, trained=saved)
     prompt = TokenStream(str(prepare_data(cfg)), "val").read(0, 8).astype("int64").tolist()
     loss, count = score.loss, score.windows * cfg.data.seq_len
     record = Path(run) / "compress.json"
@@ -253,7 +275,7 @@ def report(args: argparse.Namespace) -> int:
         raise ConfigError(f"--rounds {args.rounds}: must be >= 1")
     if args.json:  # before the measurements, not after them
         check_output_path(args.json, f"--json {args.json}")
-    measured = [measure(run, args.batches) for run in args.report]
+    measured = [measure(run, args.batches, overrides_from_args(args)) for run in args.report]
     rows = [row for row, _ in measured]
     busy = ""
     if args.decode_tokens:

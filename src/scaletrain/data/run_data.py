@@ -151,11 +151,19 @@ def validation_batches(cfg: JobConfig, data: TrainingData, num_batches: int | No
                         return_doc_ids=cfg.data.document_attention)
 
 
-def describe_validation(cfg: JobConfig, data: TrainingData, num_batches: int | None = None) -> str:
-    """Which windows ``validation_batches`` scores, for the line that prints the loss."""
+def describe_validation(cfg: JobConfig, data: TrainingData, num_batches: int | None = None,
+                        trained: JobConfig | None = None) -> str:
+    """Which windows ``validation_batches`` scores, for the line that prints the loss. ``trained``: the run's own
+    job, which training's eval scored, when ``cfg`` overrides some of its fields (``scaletrain eval
+    --train.batch_size=2``)."""
     where = ("the first held-out preference pairs in file order" if data.preferences is not None
              else "the first held-out instruction examples in file order" if data.instructions is not None
              else "evenly spread over the val split")
-    if num_batches is None or num_batches == cfg.train.eval_batches:
+    trained = trained or cfg
+    batches = cfg.train.eval_batches if num_batches is None else num_batches
+    if (cfg.train.batch_size, cfg.data.seq_len) != (trained.train.batch_size, trained.data.seq_len):
+        return (f"{where} (training's eval scores train.eval_batches={trained.train.eval_batches} batches x "
+                f"{trained.train.batch_size} x {trained.data.seq_len} tokens)")
+    if batches == trained.train.eval_batches:
         return f"{where} (the windows training's eval scores)"
-    return f"{where} (training's eval scores train.eval_batches={cfg.train.eval_batches} batches)"
+    return f"{where} (training's eval scores train.eval_batches={trained.train.eval_batches} batches)"

@@ -123,11 +123,13 @@ class RunScore:
 
 
 def score_run(cfg: JobConfig, model: nn.Module, tokenizer: Tokenizer, num_batches: int | None = None,
-              say: Callable[[str], None] = print, run_dir: str | Path | None = None) -> RunScore:
+              say: Callable[[str], None] = print, run_dir: str | Path | None = None,
+              trained: JobConfig | None = None) -> RunScore:
     """The validation score of a run read back by ``checkpoint.run.load_run``, computed as training's eval computes
     it (``validation_loss`` over ``validation_batches``, under the run's precision): for the same checkpoint and
     ``num_batches`` (default train.eval_batches) it is the val_loss and val_bpb the run recorded. ``say`` hears
-    data notes."""
+    data notes. ``trained``: the run's saved job when ``cfg`` overrides fields of it (the line says how training's
+    windows differ)."""
     device = next(model.parameters()).device
     precision, _ = resolve_precision(cfg.train.precision, device)  # auto: the trainer's rule (cached measurement)
     data = training_data(cfg, say=say)
@@ -140,7 +142,7 @@ def score_run(cfg: JobConfig, model: nn.Module, tokenizer: Tokenizer, num_batche
     bs, seq = cfg.train.batch_size, cfg.data.seq_len
     shape = (f"{score.batches:,} batches x {bs} x {seq} tokens" if score.windows == score.batches * bs
              else f"{score.windows:,} windows x {seq} tokens ({score.batches:,} batches)")
-    where = describe_validation(cfg, data, num_batches)
+    where = describe_validation(cfg, data, num_batches, trained)
     return RunScore(score, f"over {shape}, {where}; precision {precision}", precision)
 
 
