@@ -1,4 +1,4 @@
-"""One writer per output, with train's run-folder lock (checkpoint/run_folder.py: RunLock): two `prepare`s into
+"""One writer per output, with train's run-folder lock (core/writer_lock.py: RunLock): two `prepare`s into
 one folder, or two `export`s to one --out, at once: the second is refused in one line naming the first (its PID
 and command), and the first completes. Real processes: the first is held inside its work (tests/helpers/
 fault_train.py PAUSE_IN) while the second starts."""
@@ -63,7 +63,7 @@ def test_two_exports_to_one_folder(tmp_path):
 def test_a_lock_beside_an_output_goes_with_it(tmp_path):
     """``one_writer(remove=True)`` (export, compress: ``.NAME.lock`` beside --out) leaves no lock file; a writer
     that opened the file before it went gets its flock but sees it is no longer the lock, and takes a new one."""
-    from scaletrain.checkpoint.run_folder import RunLock, _still_named, one_writer
+    from scaletrain.core.writer_lock import RunLock, _still_named, one_writer
 
     lock_file = tmp_path / ".m.gguf.lock"
     with one_writer(tmp_path, "--out m.gguf", "choose another --out", name=lock_file.name, remove=True):

@@ -28,8 +28,8 @@ from helpers.faults import (
 )
 from helpers.waits import CEILING_S, ceiling
 from scaletrain.checkpoint.manager import CheckpointManager
-from scaletrain.checkpoint.run_folder import RunLock
 from scaletrain.config import load_config
+from scaletrain.core.writer_lock import RunLock
 from scaletrain.train.trainer import Trainer
 
 pytestmark = pytest.mark.distributed

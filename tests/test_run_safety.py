@@ -32,9 +32,10 @@ from helpers.faults import (
 )
 from helpers.waits import CEILING_S
 from scaletrain.checkpoint import CheckpointManager
-from scaletrain.checkpoint.run_folder import LOCK_FILE, RunLock, checkpoint_disk_check, claim_run_folder
+from scaletrain.checkpoint.run_folder import checkpoint_disk_check, claim_run_folder
 from scaletrain.core.files import StorageError, guarded_write, is_storage_error
 from scaletrain.core.options import ConfigError
+from scaletrain.core.writer_lock import LOCK_FILE, RunLock
 from scaletrain.train.preemption import INTERRUPTED_EXIT_CODE, SAME_CTRL_C
 
 STEPS, INTERVAL = 30, 5

@@ -202,7 +202,7 @@ def test_ctrl_c_during_scale_exits_130_and_frees_the_run_folder(tmp_path, data_d
     import os
     import signal
 
-    from scaletrain.checkpoint.run_folder import RunLock
+    from scaletrain.core.writer_lock import RunLock
     from scaletrain.train.trainer import Trainer
 
     _micro_grid(monkeypatch)

@@ -357,7 +357,7 @@ def _export_parser(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from scaletrain.checkpoint.run_folder import one_writer
+    from scaletrain.core.writer_lock import one_writer
 
     if args.format == "hf" and args.dtype not in (None, "f32"):  # it would be written f32 all the same
         raise ConfigError(f"--dtype {args.dtype} is for --format gguf; the Hugging Face export writes float32 "

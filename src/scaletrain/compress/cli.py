@@ -151,7 +151,7 @@ def run_compress(args: argparse.Namespace) -> int:
     elif args.prune and args.sparsity not in (None, 0.5):
         raise ConfigError(f"--sparsity {args.sparsity} with --pattern 2:4: the pattern fixes the sparsity at 50%; "
                           f"drop --sparsity")
-    from scaletrain.checkpoint.run_folder import one_writer  # train's one-writer lock, beside --out
+    from scaletrain.core.writer_lock import one_writer  # train's one-writer lock, beside --out
 
     out = Path(args.out)
     with one_writer(out.parent, f"--out {out}", "choose another --out", name=f".{out.name}.lock", remove=True):

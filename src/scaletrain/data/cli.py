@@ -63,7 +63,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    from scaletrain.checkpoint.run_folder import one_writer  # train's one-writer lock, on the output folder
+    from scaletrain.core.writer_lock import one_writer  # train's one-writer lock, on the output folder
 
     report = Report(echo=True)
     with one_writer(cfg.output.dir, f"output folder {cfg.output.dir}", "prepare into another --out"):

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from scaletrain.checkpoint import CheckpointManager
-from scaletrain.checkpoint.run_folder import RunLock, checkpoint_bytes, disk_verdict, take_run_folder
+from scaletrain.checkpoint.run_folder import checkpoint_bytes, disk_verdict, take_run_folder
 from scaletrain.checkpoint.training import match_global_batch
 from scaletrain.config import ConfigError, JobConfig
+from scaletrain.core.writer_lock import RunLock
 from scaletrain.model import num_params
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.compile import compiles_whole_model
