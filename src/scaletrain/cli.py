@@ -473,7 +473,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 FLAG_VOCABULARY = ("Flags: --section.field=VALUE sets a job field wherever a command reads a job (train, finetune, "
-                   "plan, tune, lr-find: the same fields, checked alike; `scaletrain train --help` lists them); "
+                   "plan, tune, lr-find: the same fields, checked alike; `scaletrain train --help` lists them; eval "
+                   "and compress: the fields of the run's saved job they read); "
                    "kebab-case flags are a command's own inputs (--run, --config, --hardware); what a command "
                    "writes is --out (a training run's folder is the job field train.run_dir).")
 

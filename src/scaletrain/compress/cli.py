@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.checkpoint.run import run_kind
+import scaletrain.finetune.run  # noqa: F401  registers the "finetuned" kind: a LoRA run is merged, then compressed
+from scaletrain.checkpoint.run import load_run, run_kind
 from scaletrain.compress import prune as unstructured
 from scaletrain.compress import structured
 from scaletrain.compress.quantize import (
@@ -22,10 +23,9 @@ from scaletrain.compress.quantize import (
     quantize_model,
     resolve_group_size,
 )
-from scaletrain.compress.run import check_output, state_bytes, write_run
+from scaletrain.compress.run import check_output, state_bytes, write_run  # with the pruned / quantized kinds
 from scaletrain.config import ConfigError, add_job_field_arguments, override_job, overrides_from_args
 from scaletrain.core.files import check_output_path, write_file
-from scaletrain.infer.load import load_run
 from scaletrain.model.generate import decode_report, generate
 
 DEFAULT_SPARSITY = 0.5

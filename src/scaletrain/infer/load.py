@@ -3,7 +3,9 @@
 ``checkpoint/`` sits below the packages that write the other kinds of run (fine-tuned: ``finetune/``; pruned and
 quantized: ``compress/``), so each registers its kind's loader where it lives (``checkpoint.run.register_loader``,
 at import). This module imports those registrations once, for every command that reads a run (eval, export,
-generate, chat, serve, compress, ``eval --tasks``), so none of them imports a feature package to read one."""
+generate, chat, serve, ``eval --tasks``), so none of them imports a feature package to read one. ``compress``
+reads runs through ``checkpoint.run.load_run`` itself, with its own kinds and finetune's registered (it sits below
+this package: importing it would close a circle, compress -> infer -> compress)."""
 
 from __future__ import annotations
 
