@@ -27,6 +27,7 @@ from scaletrain.config import ConfigError
 from scaletrain.core.files import check_output_path, write_file
 from scaletrain.infer.load import load_run
 from scaletrain.model.generate import decode_report, generate
+from scaletrain.model.moe import refuse_moe
 
 DEFAULT_SPARSITY = 0.5
 
@@ -153,6 +154,7 @@ def run_compress(args: argparse.Namespace) -> int:
 def _compress(args: argparse.Namespace, structural: bool) -> int:
     torch.manual_seed(0)
     cfg, model, tokenizer, ckpt = load_source(args.run)
+    refuse_moe(cfg.model, "scaletrain compress")  # pruning and quantization read nn.Linear feed-forwards
     if structural:  # bad input before any work
         structured.plan_sizes(cfg.model, args.mlp_fraction, args.drop_blocks)
         structured.plan_heads(cfg.model, args.head_fraction)
