@@ -586,11 +586,6 @@ def validate_job(cfg: JobConfig) -> None:
     if m.n_heads % kv:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({kv})")
     check_moe(m)
-    if m.moe_experts and m.family != "llama":
-        # The families' config.json mappings (model/family/) have no experts: such a model would be exported as a
-        # dense one. An MoE model is ours, family llama, and not exported to Hugging Face yet.
-        raise ConfigError(f"model.moe_experts is set but model.family = {m.family} has no mixture of experts here "
-                          f"(model/family/{m.family}); leave model.family at llama for an MoE model")
     # A fine-tune's [model] comes from its base, whose rotary tables are lengthened to data.seq_len
     # (finetune/base.resolve_finetune): the default max_seq_len here says nothing about it.
     if cfg.data.seq_len > m.max_seq_len and not cfg.finetune.source:

@@ -39,6 +39,12 @@ def check_moe(cfg: ModelConfig) -> None:
     """The MoE options' cross-field rules, one line each (a dense model has none to break)."""
     if not cfg.moe_experts:
         return
+    default_family = ModelConfig().family
+    if cfg.family != default_family:
+        # The families' config.json mappings (model/family/) have no experts: such a model would be exported as a
+        # dense one. An MoE model is our own decoder's, of the default family, and not exported yet.
+        raise ConfigError(f"model.moe_experts is set but model.family = {cfg.family} has no mixture of experts here "
+                          f"(model/family/); leave model.family at {default_family} for an MoE model")
     if not 1 <= cfg.moe_top_k <= cfg.moe_experts:
         raise ConfigError(f"model.moe_top_k must be between 1 and model.moe_experts ({cfg.moe_experts}) "
                           f"(got {cfg.moe_top_k}): each token is routed to that many of the experts")
