@@ -210,6 +210,13 @@ def test_an_moe_model_trains_and_logs_its_auxiliary_terms_and_expert_load(tmp_pa
         for layer in ("0", "1"):  # 10 steps x 4 rows x 32 positions x top-2 assignments since the last log
             assert sum(r[f"moe_tokens_per_expert/{layer}"]) == 10 * 4 * 32 * 2
             assert r[f"moe_max_mean_load/{layer}"] >= 1 and r[f"moe_dropped_tokens/{layer}"] == 0
+        assert r["moe_max_mean_load"] == max(r["moe_max_mean_load/0"], r["moe_max_mean_load/1"])
+    from scaletrain.report.html import render
+    from scaletrain.report.runs import read_run
+
+    page = render([read_run(tmp_path / "run")])  # the report plots the load and the auxiliary losses
+    assert "no mixture of experts in these runs" not in page and "no MoE auxiliary loss" not in page
+    assert "no mixture of experts in these runs" in render([])  # what a page without them says
     bias = trainer.pm.modules[0].layers["0"].feed_forward.expert_bias
     assert bias.abs().sum() > 0  # the bias moved (and is a buffer a checkpoint keeps)
 

@@ -280,7 +280,8 @@ def update_expert_bias(models: list[nn.Module]) -> None:
 def expert_load(models: list[nn.Module]) -> dict[str, float | int | list[int]]:
     """The metrics of the tokens each sparse layer's experts took since the last call, then restarted: per layer
     ``moe_tokens_per_expert/L`` (a list), ``moe_max_mean_load/L`` (the busiest expert over the mean: 1 = even)
-    and ``moe_dropped_tokens/L`` (assignments over capacity); {} for a dense model. One read back per layer."""
+    and ``moe_dropped_tokens/L`` (assignments over capacity), and ``moe_max_mean_load``, the worst layer's (the
+    report plots it); {} for a dense model. One read back per layer."""
     record: dict[str, float | int | list[int]] = {}
     for model in models:
         for layer, module in moe_layers(model):
@@ -291,4 +292,6 @@ def expert_load(models: list[nn.Module]) -> dict[str, float | int | list[int]]:
             record[f"moe_dropped_tokens/{layer}"] = int(module.dropped_since_log)
             module.tokens_since_log.zero_()
             module.dropped_since_log.zero_()
+    if record:
+        record["moe_max_mean_load"] = max(v for k, v in record.items() if k.startswith("moe_max_mean_load/"))
     return record
