@@ -60,7 +60,8 @@ def _preset_workload(name: str) -> Workload:
     return Workload(model, min(1024, model.max_seq_len), 64, 1e9, "bf16")
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+# The mixture-of-experts presets are refused by the search (tests/test_moe.py) until the planner models them.
+@pytest.mark.parametrize("preset", sorted(p for p in PRESETS if not PRESETS[p].get("moe_experts")))
 def test_every_plan_the_search_returns_passes_the_trainers_checks(tmp_path, preset):
     # The search's candidates (fitting and too big alike) as the job `plan --emit` writes, judged by the
     # trainer's own entry check: none may be a job the trainer refuses. Every 8th (and the top) also makes

@@ -25,6 +25,7 @@ from scaletrain.config import (
 from scaletrain.core.invocation import record_invocation
 from scaletrain.core.options import UserError
 from scaletrain.finetune.objectives import objective_entry
+from scaletrain.model.presets import matmul_params
 
 
 def _train_parser(sub) -> None:
@@ -154,6 +155,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     counts = trainer.summary()
     trainable = "" if not n.finetune.source else \
         f" ({counts['trainable_parameters']:,} trainable, finetune.method={n.finetune.method})"
+    if n.model.moe_experts:  # a mixture of experts: what a token runs, besides what is held
+        trainable += (f" ({matmul_params(n.model) / 1e6:.2f}M active in matmuls: {n.model.moe_top_k} of "
+                      f"{n.model.moe_experts} experts a token)")
     data = (f"preference pairs {n.finetune.preferences} (finetune.objective={n.finetune.objective})"
             if n.finetune.preferences else f"instructions {n.finetune.instructions}" if n.finetune.instructions
             else n.data.path)
@@ -394,8 +398,10 @@ def _export(args: argparse.Namespace) -> int:
     from scaletrain.finetune.method_table import method_entry
     from scaletrain.infer.load import load_run  # any run folder; a quantized one is refused in one line
     from scaletrain.model.family import family
+    from scaletrain.model.moe import refuse_moe
 
     cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
+    refuse_moe(cfg.model, f"scaletrain export --format {args.format}")  # the families' files have no experts
     method = method_entry(cfg.finetune.method)
     if method.quantized_base:  # the two exports are not the same model: say which one this is
         print("QLoRA: " + ("--merge writes the NF4-rounded base + adapter, what the run trained (without --merge: "

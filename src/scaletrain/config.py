@@ -22,6 +22,7 @@ from typing import Any
 
 from scaletrain.core.options import ConfigError, opt
 from scaletrain.model.config import DEFAULT_CONTEXT, ModelConfig, head_width
+from scaletrain.model.moe import check_moe
 from scaletrain.model.presets import PRESETS
 
 if sys.version_info >= (3, 11):
@@ -584,6 +585,7 @@ def validate_job(cfg: JobConfig) -> None:
     kv = m.n_kv_heads or m.n_heads
     if m.n_heads % kv:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({kv})")
+    check_moe(m)
     # A fine-tune's [model] comes from its base, whose rotary tables are lengthened to data.seq_len
     # (finetune/base.resolve_finetune): the default max_seq_len here says nothing about it.
     if cfg.data.seq_len > m.max_seq_len and not cfg.finetune.source:

@@ -27,6 +27,7 @@ from scaletrain.compress.run import check_output, state_bytes, write_run  # with
 from scaletrain.config import ConfigError, add_job_field_arguments, override_job, overrides_from_args
 from scaletrain.core.files import check_output_path, write_file
 from scaletrain.model.generate import decode_report, generate
+from scaletrain.model.moe import refuse_moe
 
 DEFAULT_SPARSITY = 0.5
 # The run's job fields `compress` reads, each a --section.field flag over the run's saved config (the one flag
@@ -172,6 +173,7 @@ def check_read_fields(args: argparse.Namespace, calibrates: bool) -> None:
 def _compress(args: argparse.Namespace, structural: bool) -> int:
     torch.manual_seed(0)
     cfg, model, tokenizer, ckpt = load_source(args.run)
+    refuse_moe(cfg.model, "scaletrain compress")  # pruning and quantization read nn.Linear feed-forwards
     if structural:  # bad input before any work
         structured.plan_sizes(cfg.model, args.mlp_fraction, args.drop_blocks)
         structured.plan_heads(cfg.model, args.head_fraction)

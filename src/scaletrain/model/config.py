@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from scaletrain.core.options import opt
 from scaletrain.model.family import NAMES as FAMILY_NAMES
 from scaletrain.model.shape import head_width as head_width  # re-exported: the model's code imports it from here
+from scaletrain.model.shape import is_moe_layer as is_moe_layer  # re-exported, as head_width
 from scaletrain.model.shape import is_sliding
 
 # The default training context (the job's data.seq_len) and the default rotary tables' length: equal, so a
@@ -21,7 +22,8 @@ DEFAULT_CONTEXT = 128
 @dataclass
 class ModelConfig:
     preset: str = opt("", "named size from scaletrain.model.presets (nano, micro, small, gpt2-124m, "
-                          "llama-1b, llama-8b, llama-70b; the open families' published shapes: qwen2.5-0.5b, "
+                          "llama-1b, llama-8b, llama-70b; nano-moe, nano with 8 experts top-2; the open families' "
+                          "published shapes: qwen2.5-0.5b, "
                           "qwen3-0.6b, llama-3.2-1b, smollm2-135m, gemma-3-270m, gemma-3-1b, mistral-7b-v0.3); "
                           "model fields set in the same TOML or on the command "
                           "line override it, and a preset on the command line overrides the TOML's fields it sets")
@@ -99,6 +101,44 @@ class ModelConfig:
                                        "embeddings; 0 = the same tables as every layer (Gemma 3: 10000)", ge=0)
     no_rope_layers: list[int] = opt([], "the layers (0-based) with no rotary embedding at all (SmolLM3's NoPE "
                                         "layers)")
+
+    # Mixture of Experts (model/moe.py): with moe_experts > 0 the sparse layers' feed-forward is a router over
+    # moe_experts SwiGLU experts of which each token takes moe_top_k (plus the shared experts every token takes).
+    # The default, 0, is the dense decoder above, unchanged; the other moe_ options are read only with experts.
+    moe_experts: int = opt(0, "routed experts of each sparse layer's feed-forward; 0 = a dense model (every "
+                              "moe_ option below is then unused)", ge=0)
+    moe_top_k: int = opt(2, "experts each token is routed to, 1..moe_experts", ge=0)
+    moe_shared_experts: int = opt(0, "shared experts every token passes through besides its routed ones (DeepSeek, "
+                                     "Qwen2-MoE), computed as one SwiGLU moe_shared_experts times the expert width",
+                                  ge=0)
+    moe_hidden_dim: int = opt(0, "each expert's SwiGLU hidden size; 0 = the dense ffn's (ffn_hidden_dim's rule); "
+                                 "a multiple of 4 (8 for 16-bit weights) lets the experts run as grouped GEMMs",
+                              ge=0)
+    moe_every: int = opt(1, "every moe_every-th layer is sparse, counting from 1 (2: layers 1, 3, 5, ..; "
+                            "Qwen-MoE's decoder_sparse_step), the first moe_first_dense left dense", ge=1)
+    moe_first_dense: int = opt(0, "the first moe_first_dense layers stay dense (DeepSeek's first_k_dense_replace)",
+                               ge=0)
+    moe_layers: list[int] = opt([], "the sparse layers (0-based), listed; [] = moe_every and moe_first_dense "
+                                    "decide")
+    moe_score: str = opt("softmax", "the router's scores: softmax over the experts (Mixtral, Qwen-MoE, OLMoE) or "
+                                    "each expert's sigmoid (DeepSeek-V3)", choices=("softmax", "sigmoid"))
+    moe_renormalize: bool = opt(True, "a token's top-k scores divided by their sum, so its expert weights add up to "
+                                      "1 (times moe_route_scale)")
+    moe_route_scale: float = opt(1.0, "the routed experts' weights multiplied by this (DeepSeek-V3: 2.5)", gt=0)
+    moe_capacity_factor: float = opt(0.0, "0 = no capacity: no token is dropped; else each expert takes at most "
+                                          "ceil(moe_capacity_factor * tokens * moe_top_k / moe_experts) tokens of a "
+                                          "batch, in token order, and the rest of that expert's tokens are dropped "
+                                          "(they pass by the residual and the shared experts; counted in the "
+                                          "metrics as moe_dropped_tokens)", ge=0)
+    moe_balance_coef: float = opt(0.01, "coefficient of the Switch/GShard load-balancing loss, E * sum_e f_e * "
+                                        "P_e (fraction of the assignments to expert e times its mean router "
+                                        "probability: 1 when balanced); 0 = off", ge=0)
+    moe_z_loss_coef: float = opt(0.0, "coefficient of the router z-loss (ST-MoE), the mean squared logsumexp of "
+                                       "the router logits; 0 = off (ST-MoE used 0.001)", ge=0)
+    moe_bias_rate: float = opt(0.0, "the auxiliary-loss-free balancing of DeepSeek-V3: after each optimizer step "
+                                     "each expert's selection bias moves by this rate towards balance (up when "
+                                     "the expert took fewer tokens than the mean, down when more); the bias "
+                                     "picks the experts, never weighs them; 0 = off (DeepSeek-V3: 0.001)", ge=0)
 
 
 def has_local_rope(cfg: ModelConfig) -> bool:

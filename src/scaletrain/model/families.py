@@ -202,7 +202,7 @@ def _rope_scaling(cfg: ModelConfig) -> dict | None:
 # The ModelConfig fields that decide the computation (the rest: preset, init, muP, the ffn size's recipe).
 _COMPUTED = ("family", "vocab_size", "dim", "n_layers", "n_heads", "norm_eps", "tie_embeddings", "rope_theta",
              "qkv_bias", "qk_norm", "activation", "norm_plus_one", "scale_embeddings", "post_norms",
-             "rope_scaling", "sliding_window", "no_rope_layers")
+             "rope_scaling", "sliding_window", "no_rope_layers", "moe_experts")
 
 
 def _computation(cfg: ModelConfig) -> dict:

@@ -22,8 +22,10 @@ from torch import nn
 
 from scaletrain.core.options import ConfigError
 from scaletrain.model.cache import KVCache, LayerCache
-from scaletrain.model.config import ModelConfig, has_local_rope, head_width, is_sliding
+from scaletrain.model.config import ModelConfig, has_local_rope, head_width, is_moe_layer, is_sliding
+from scaletrain.model.feed_forward import FeedForward
 from scaletrain.model.loss import chunked_cross_entropy
+from scaletrain.model.moe import GroupedExperts, MoEFeedForward, check_moe
 from scaletrain.model.mup import attention_scale, hidden_init_scale, output_multiplier
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
@@ -296,29 +298,15 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); with ``activation = "gelu_tanh"`` GeGLU (Gemma): GELU's tanh form for silu."""
-
-    def __init__(self, dim: int, hidden: int, activation: str = "silu"):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.gelu = activation == "gelu_tanh"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gelu:
-            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.attention_norm = make_norm(cfg.dim, cfg)
         self.attention = Attention(cfg, layer_id)
         self.ffn_norm = make_norm(cfg.dim, cfg)  # Gemma 3 calls it pre_feedforward_layernorm
-        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg), cfg.activation)
+        # A sparse layer's feed-forward is a mixture of experts (model/moe.py), called as the dense one is.
+        self.feed_forward: nn.Module = MoEFeedForward(cfg) if is_moe_layer(cfg, layer_id) \
+            else FeedForward(cfg.dim, ffn_hidden_dim(cfg), cfg.activation)
         # Gemma 3: each sublayer's output normalized before the residual add ("sandwich" norms).
         self.post_norms = cfg.post_norms
         if cfg.post_norms:
@@ -352,6 +340,7 @@ class Transformer(nn.Module):
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (> 0) before building the model")
         check_rope(cfg)
+        check_moe(cfg)
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
@@ -398,6 +387,9 @@ class Transformer(nn.Module):
                                    device=self.rope_cos.device)
             self.rope_cos_local.copy_(cos)
             self.rope_sin_local.copy_(sin)
+        for module in self.modules():
+            if isinstance(module, MoEFeedForward):  # the expert bias and load counts start at 0
+                module.init_buffers()
 
     @torch.no_grad()
     def init_module(self, name: str, module: nn.Module) -> None:
@@ -407,13 +399,15 @@ class Transformer(nn.Module):
         std = self.cfg.init_std
         hidden_std = std * hidden_init_scale(self.cfg)  # = std in the standard parametrization
         if isinstance(module, nn.Linear):
-            is_residual_out = name.endswith("attention.wo") or name.endswith("feed_forward.w2")
+            is_residual_out = name.endswith(("attention.wo", "feed_forward.w2", "shared_experts.w2"))
             is_hidden = name.startswith("layers.")  # the readout (output) keeps init_std
             nn.init.normal_(module.weight, mean=0.0,
                             std=hidden_std / math.sqrt(2 * self.cfg.n_layers) if is_residual_out
                             else hidden_std if is_hidden else std)
             if module.bias is not None:  # q/k/v bias (Qwen2)
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, GroupedExperts):  # stacked expert weights: w2 is a residual-stream output
+            module.init_weights(hidden_std, hidden_std / math.sqrt(2 * self.cfg.n_layers))
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, OffsetRMSNorm):  # (1 + w): a gain of 1 is w = 0

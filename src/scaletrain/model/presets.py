@@ -6,7 +6,7 @@ check them against ``sum(p.numel())`` of real modules.
 
 from __future__ import annotations
 
-from scaletrain.model.config import ModelConfig, head_width
+from scaletrain.model.config import ModelConfig, head_width, is_moe_layer
 from scaletrain.model.family import presets as family_presets
 
 # Each preset sets only what differs from ModelConfig's defaults. vocab_size 0 means "from the data".
@@ -32,6 +32,11 @@ PRESETS: dict[str, dict] = {
     "llama-70b": dict(dim=8192, ffn_hidden_dim=0, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
                       multiple_of=4096,
                       vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    # nano with a mixture of experts in every block: 8 experts of about a quarter the width, 2 a token, so its
+    # active feed-forward (2 x 176) is about nano's (344) and it holds 4x its feed-forward weights (model/moe.py);
+    # 176, not 172: a multiple of 8, so the experts run as grouped GEMMs in bf16 too.
+    "nano-moe": dict(dim=128, n_layers=4, n_heads=4, ffn_hidden_dim=344, max_seq_len=256, moe_experts=8, moe_top_k=2,
+                     moe_hidden_dim=176),
     # The open families' published shapes (their config.json as model/families.py reads it), for `scaletrain plan`
     # before anything is downloaded: each family's entry lists its own (model/family/, ``presets``).
     **family_presets(),
@@ -45,6 +50,25 @@ def ffn_hidden_dim(cfg: ModelConfig) -> int:
     hidden = int(2 * 4 * cfg.dim / 3)
     hidden = int(cfg.ffn_dim_multiplier * hidden)
     return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
+
+
+def expert_hidden_dim(cfg: ModelConfig) -> int:
+    """One expert's SwiGLU hidden size: ``moe_hidden_dim``, or the dense feed-forward's."""
+    return cfg.moe_hidden_dim or ffn_hidden_dim(cfg)
+
+
+def sparse_layers(cfg: ModelConfig) -> int:
+    """How many blocks have a mixture-of-experts feed-forward (0 for a dense model)."""
+    return sum(is_moe_layer(cfg, layer) for layer in range(cfg.n_layers))
+
+
+def moe_extra_params(cfg: ModelConfig, *, active: bool) -> int:
+    """What one sparse block's feed-forward adds over the dense one it replaces (which ``block_params`` counts,
+    3*d*h): the router d*E and 3*d*h_e an expert, for every expert, or with ``active`` the top-k a token runs,
+    plus the shared experts every token runs."""
+    d, h = cfg.dim, expert_hidden_dim(cfg)
+    experts = cfg.moe_top_k if active else cfg.moe_experts
+    return d * cfg.moe_experts + 3 * d * h * (experts + cfg.moe_shared_experts) - 3 * d * ffn_hidden_dim(cfg)
 
 
 def kv_heads(cfg: ModelConfig) -> int:
@@ -75,6 +99,8 @@ def num_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
     """
     d, v = cfg.dim, cfg.vocab_size
     total = cfg.n_layers * block_params(cfg) + d + v * d + (0 if cfg.tie_embeddings else v * d)
+    if cfg.moe_experts:  # every expert's weights (the total, not the active parameters)
+        total += sparse_layers(cfg) * moe_extra_params(cfg, active=False)
     if exclude_embedding:  # the V x d table (shared with the head when tied)
         total -= v * d
     return total
@@ -89,11 +115,16 @@ def checkpoint_size(total_params: float, trainable_params: float, trainable_weig
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: every Linear in the blocks plus the output head."""
+    """Parameters that take part in a matmul per token: every Linear in the blocks plus the output head; of a
+    mixture of experts the router and the experts a token runs (its top-k and the shared ones: the active
+    parameters)."""
     d, v = cfg.dim, cfg.vocab_size
     hd = head_width(cfg)
     per_block = d * (cfg.n_heads * hd + 2 * kv_heads(cfg) * hd) + cfg.n_heads * hd * d + 3 * d * ffn_hidden_dim(cfg)
-    return cfg.n_layers * per_block + v * d
+    total = cfg.n_layers * per_block + v * d
+    if cfg.moe_experts:
+        total += sparse_layers(cfg) * moe_extra_params(cfg, active=True)
+    return total
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

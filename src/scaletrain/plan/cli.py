@@ -29,6 +29,7 @@ from scaletrain.config import (
 )
 from scaletrain.core.files import check_output_path, write_file
 from scaletrain.finetune.objectives import objective_entry
+from scaletrain.model.moe import refuse_moe
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
@@ -173,6 +174,7 @@ def plan_job(args: argparse.Namespace) -> PlanJob:
     """``--config`` + the ``--section.field`` flags (old spellings included) as one checked job."""
     overrides = overrides_from_args(args)
     cfg = load_config(args.config or None, overrides)
+    refuse_moe(cfg.model, "scaletrain plan")  # its memory, FLOP and time models are the dense decoder's
     objective_entry(cfg.finetune.objective)  # a name outside the objective table: one line, as train says it
     return PlanJob(cfg, frozenset(overrides), args.config)
 

@@ -82,6 +82,8 @@ def memory_refusal(cfg: JobConfig, precision: str, device: torch.device, dims: P
     (``available``: bytes, default measured by ``available_bytes``), naming what to change; None when it fits."""
     from scaletrain.hardware.allocator import in_use
 
+    if cfg.model.moe_experts:  # the memory model is the dense decoder's: no estimate rather than a wrong one
+        return None
     kind = "gpu" if device.type == "cuda" else "cpu"
     allocator = in_use() if kind == "cpu" else "system"
     needed = estimated_bytes(cfg, precision, kind, dims, allocator)

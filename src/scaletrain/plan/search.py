@@ -12,6 +12,7 @@ import itertools
 from dataclasses import asdict, dataclass, field, replace
 
 from scaletrain.config import ConfigError
+from scaletrain.model.moe import refuse_moe
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.memory import MemoryBreakdown, memory_breakdown
 from scaletrain.plan.spec import Plan, Workload, check_plan
@@ -125,7 +126,8 @@ def evaluate(workload: Workload, plan: Plan, cluster: Cluster) -> Candidate:
 
 def search(workload: Workload, cluster: Cluster, fixed: dict | None = None) -> SearchResult:
     """Rank every fitting plan by predicted tokens/s (``rank``: ties within 1% go to the simpler plan) and
-    explain each."""
+    explain each. A mixture of experts is refused in one line (its memory and time are not modelled yet)."""
+    refuse_moe(workload.model, "scaletrain plan")
     plans = enumerate_plans(workload, cluster, fixed)
     pinned = {k: v for k, v in (fixed or {}).items() if not (k == "engine" and v == "all")}
     if not plans and pinned:

@@ -206,7 +206,7 @@ def job_evaluation_note(cfg: JobConfig, precision: str, device_type: str, dims: 
     reference CPU's (a share, which the machine's speed moves little), a GPU's catalog entry; None when the
     evaluation is not a quarter of the wall, or when the planner cannot price this job (never a reason to stop)."""
     hardware = _this_hardware(device_type)
-    if hardware is None:
+    if hardware is None or cfg.model.moe_experts:  # the planner does not model a mixture of experts yet
         return None
     ft = cfg.finetune if cfg.finetune.source else None
     pairs = objective_of(ft).rows_per_example if ft is not None else 1  # a preference pair: two rows

@@ -63,6 +63,13 @@ STEP_PLOTS = [
     PlotSpec("plot-lr", "Learning rate", "lr", [Series("train", "lr", "lr")]),
     PlotSpec("plot-grad-norm", "Gradient norm (before clipping)", "grad norm",
              [Series("train", "grad_norm", "grad norm")], log_y=True),
+    PlotSpec("plot-expert-load", "Expert load (the busiest expert over the mean, worst sparse layer; 1 = even)",
+             "max / mean", [Series("train", "moe_max_mean_load", "expert load")],
+             empty_note="no mixture of experts in these runs (model.moe_experts = 0); each layer's load is in "
+                        "metrics.jsonl (moe_max_mean_load/L, moe_tokens_per_expert/L)"),
+    PlotSpec("plot-moe-auxiliary", "MoE auxiliary losses (summed over the sparse layers, as weighted)", "loss",
+             [Series("train", "moe_balance_loss", "balance loss"), Series("train", "moe_z_loss", "z-loss")],
+             empty_note="no MoE auxiliary loss in these runs (model.moe_balance_coef / moe_z_loss_coef)"),
     PlotSpec("plot-tokens-per-second", "Throughput", "tokens/s",
              [Series("train", "tokens_per_second", "tokens/s")]),
     PlotSpec("plot-step-time", "Step time (median of each log window)", "ms / step",

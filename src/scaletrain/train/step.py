@@ -18,6 +18,7 @@ import torch
 from scaletrain.config import JobConfig
 from scaletrain.hardware.allocator import keep_freed_memory
 from scaletrain.model import Transformer
+from scaletrain.model.moe import update_expert_bias
 from scaletrain.model.mup import width_mult
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.compile import compile_enabled
@@ -158,10 +159,12 @@ def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_bat
         # No host-device sync: the update is skipped on the device when the step is not finite.
         before_update.before_step()
         _update(optimizer, None, nonfinite_flag(loss_t, norm))
+        update_expert_bias(pm.modules)
         return StepResult(loss_t, norm, True, auxiliary_means(auxiliary))
     grad_norm, loss_value = float(norm), float(loss_t)  # the step's two reads back (before_update's inputs)
     updated = before_update(loss_value, grad_norm) if before_update is not None else True
     _update(optimizer, scaler, None, skip=not updated)
+    update_expert_bias(pm.modules)  # a mixture of experts' selection bias (model/moe.py); nothing for a dense model
     return StepResult(loss_value, grad_norm, updated, auxiliary_means(auxiliary))
 
 

@@ -25,6 +25,7 @@ from scaletrain.finetune.flops import trained_flops_per_token
 from scaletrain.finetune.method_table import packs_instructions
 from scaletrain.finetune.objectives import objective_of
 from scaletrain.model import num_params
+from scaletrain.model.moe import expert_load
 from scaletrain.parallel import ParallelDims
 from scaletrain.parallel.compile import compile_enabled, resolve_compile
 from scaletrain.parallel.distributed import (
@@ -380,6 +381,7 @@ class Trainer:
     def _step_record(self, record: dict) -> dict:
         """The logged record of a step: its values, speed, memory, the resource monitor's window (collective)."""
         return {"step": self.state.step, **record, **self.throughput.record(self.cfg.logging.log_interval),
+                **expert_load(self.pm.modules),  # a mixture of experts' load since the last log step (model/moe.py)
                 **gathered_window(self.monitor, self.device, self.env.world_size)}
 
     def _eval_and_sample(self, logger: MetricsLogger) -> None:

@@ -126,6 +126,28 @@ def check_distillation(cfg: JobConfig, here: bool = True) -> None:
                           "without tp/pp/cp")
 
 
+def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
+    """What a mixture of experts (model.moe_experts > 0) does not run with yet, one line each: more than one process
+    (expert parallelism, and the load counts the bias needs summed over the data-parallel ranks, are not written),
+    DeepSpeed, muP (its learning-rate groups know no stacked experts) and the adapter methods (LoRA and the
+    others adapt nn.Linear projections: the experts' stacked weights would stay frozen, silently)."""
+    if not cfg.model.moe_experts:
+        return
+    if dims.world_size > 1:
+        raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts}: a mixture of experts trains in one process "
+                          f"for now (expert parallelism is not written yet); run without torchrun "
+                          f"({dims.world_size} ranks here)")
+    if cfg.parallel.engine == "deepspeed":
+        raise ConfigError("model.moe_experts: a mixture of experts runs on the native engine only; drop "
+                          "--parallel.engine=deepspeed")
+    if cfg.model.parametrization == "mup":
+        raise ConfigError("model.moe_experts: muP's learning-rate groups do not model stacked experts yet; use "
+                          "model.parametrization=standard")
+    if cfg.finetune.source and cfg.finetune.method != "full":
+        raise ConfigError(f"finetune.method={cfg.finetune.method} adapts nn.Linear projections, and a mixture of "
+                          f"experts' stacked experts are not modelled there yet; use finetune.method=full")
+
+
 def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str,
                    here: bool = True) -> ParallelDims:
     """Every rule a job must pass to run on ``world_size`` ranks of ``device_type`` ("cpu", "cuda"), with
@@ -151,6 +173,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     else:
         dims = ParallelDims.from_config(cfg.parallel, world_size)
     dims.check_model(cfg.parallel, cfg.model, cfg.data.seq_len, cfg.train.batch_size)
+    check_moe_runnable(cfg, dims)
     check_adaptive(cfg, dims.dp_size, precision)  # batch ramp, noise scale, parallel.balance (docs/tuning.md)
     if dims.cp > 1:
         check_context_parallel_supported(torch.device(device_type))
