@@ -26,6 +26,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The attribute a module of the model leaves its auxiliary loss terms in (name -> weighted 0-dim tensor; an MoE
+# router's balancing losses): train/loss.py collects them for the step's loss. One name for both sides.
+AUXILIARY = "auxiliary_loss"
+
 IGNORE_INDEX = -100
 
 # The most bytes of fp32 logits one chunk holds (its backward holds about two such buffers). A chunk of 32 MB is

@@ -32,8 +32,6 @@ from scaletrain.model.config import ModelConfig, is_moe_layer
 from scaletrain.model.feed_forward import FeedForward
 from scaletrain.model.presets import expert_hidden_dim
 
-AUXILIARY = "auxiliary_loss"  # the attribute train/loss.py reads the terms from (its AUXILIARY)
-
 
 def check_moe(cfg: ModelConfig) -> None:
     """The MoE options' cross-field rules, one line each (a dense model has none to break)."""

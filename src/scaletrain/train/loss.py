@@ -32,12 +32,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from scaletrain.model.loss import chunkable_head, rows_at_once
+from scaletrain.model.loss import AUXILIARY, chunkable_head, rows_at_once
 from scaletrain.parallel.ddp import grad_sync_context
 from scaletrain.parallel.parallelize import ParallelModel, cp_context
 from scaletrain.parallel.tensor import mask_padding
-
-AUXILIARY = "auxiliary_loss"  # the attribute a module leaves its terms in (name -> weighted 0-dim tensor)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_limit: int | None = None) -> torch.Tensor:
