@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -114,7 +116,15 @@ def main() -> None:
     p.add_argument("--nvme", default="", help="the folder ds3_nvme swaps to")
     args = p.parse_args()
     env = init_distributed("cpu")
-    records = [run(s, args.steps, env, args.nvme) for s in args.strategies.split(",")]
+    records = []
+    for strategy in args.strategies.split(","):
+        # One line per strategy on stderr, flushed: a run the test stops at its ceiling then says which strategy
+        # it was in and how long each before it took (the first DeepSpeedCPUAdam use compiles its op, ~1 min).
+        started = time.perf_counter()
+        print(f"parity: rank {env.rank} {strategy} started", file=sys.stderr, flush=True)
+        records.append(run(strategy, args.steps, env, args.nvme) | {"seconds": time.perf_counter() - started})
+        print(f"parity: rank {env.rank} {strategy} done in {records[-1]['seconds']:.1f} s", file=sys.stderr,
+              flush=True)
     if env.rank == 0:
         with open(args.out, "w") as fh:
             json.dump(records, fh, indent=1)
