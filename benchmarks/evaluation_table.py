@@ -77,8 +77,8 @@ def cloze(run: Path, quantized: bool) -> dict:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from scaletrain.harness.model import ScaletrainLM
-    from scaletrain.harness.tasks import cloze_folder
+    from scaletrain.evaluation.lm_eval_model import ScaletrainLM
+    from scaletrain.evaluation.tasks import cloze_folder
     from scaletrain.infer.load import load_run
 
     torch.manual_seed(0)

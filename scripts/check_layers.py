@@ -4,7 +4,7 @@ Layers, lowest first (a module may import from its own layer or a lower one; ``L
 ``docs/architecture.md`` draws the same and ``tests/test_architecture.py`` holds the two together)::
 
     base (core, hardware, assets)  <  model  <  config  <  parallel
-    <  data  <  checkpoint  <  finetune, compress  <  train, infer, harness  <  plan, serve
+    <  data  <  checkpoint  <  finetune, compress  <  train, infer, evaluation  <  plan, serve
     <  scaling, tune, report  <  cli (cli.py, __main__ and every package's cli.py)
 
 Every import counts, whatever its form: at module level, inside a function or under ``TYPE_CHECKING``, a
@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
     "data": 4,
     "checkpoint": 5,
     "finetune": 6, "compress": 6,
-    "train": 7, "infer": 7, "harness": 7,
+    "train": 7, "infer": 7, "evaluation": 7,
     "plan": 8, "serve": 8,
     "scaling": 9, "tune": 9, "report": 9,
     "cli": 10, "__main__": 10,

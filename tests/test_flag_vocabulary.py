@@ -175,10 +175,10 @@ def test_compress_reads_the_job_fields_it_calibrates_and_reports_with(tiny_run, 
 
 @pytest.mark.parametrize("command,fields", [("eval", "EVAL_JOB_FIELDS"), ("compress", "COMPRESS_JOB_FIELDS")])
 def test_eval_and_compress_help_show_the_job_fields_they_read(capsys, command, fields):
-    import scaletrain.cli
     import scaletrain.compress.cli
+    import scaletrain.evaluation.cli
 
-    keys = getattr(scaletrain.cli if command == "eval" else scaletrain.compress.cli, fields)
+    keys = getattr(scaletrain.evaluation.cli if command == "eval" else scaletrain.compress.cli, fields)
     with pytest.raises(SystemExit):
         main([command, "--help"])
     text = capsys.readouterr().out

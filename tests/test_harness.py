@@ -27,14 +27,14 @@ from lm_eval import evaluator  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from scaletrain.harness.cloze import (  # noqa: E402
+from scaletrain.evaluation.cloze import (  # noqa: E402
     CHOICES,
     NEIGHBOURHOOD,
     PASSAGE_SENTENCES,
     build_items,
     split_sentences,
 )
-from scaletrain.harness.model import ScaletrainLM  # noqa: E402
+from scaletrain.evaluation.lm_eval_model import ScaletrainLM  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harness"
 ALL_TASKS = ["tiny-choices", "tiny-answers", "tiny-passages"]

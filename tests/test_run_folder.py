@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from scaletrain.cli import build_parser, main, resolve_job_config
+from scaletrain.cli import build_parser, main
 from scaletrain.config import load_config, to_toml
+from scaletrain.train.cli import resolve_job_config
 from scaletrain.train.preemption import PreemptionHandler, torchrun_launcher
 from scaletrain.train.trainer import Trainer
 

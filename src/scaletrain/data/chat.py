@@ -53,7 +53,7 @@ def uses_base_template(tokenizer: Tokenizer, choice: str) -> bool:
 
 def render(hf, messages: list[dict], add_generation_prompt: bool = False, continue_final_message: bool = False) -> str:
     """The conversation as the template writes it (text, not ids). ``continue_final_message``: the last message
-    is left open for the model to continue (lm-eval's few-shot answers, ``harness/model.py``)."""
+    is left open for the model to continue (lm-eval's few-shot answers, ``evaluation/lm_eval_model.py``)."""
     try:
         return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message)

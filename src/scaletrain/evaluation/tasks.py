@@ -1,6 +1,6 @@
 """``scaletrain eval --run R --tasks T1,T2``: a run on lm-evaluation-harness tasks, through lm-eval's own
 ``simple_evaluate`` (its task configs, few-shot sampling, filters, metrics and aggregation; only the model is
-ours: ``harness/model.py``).
+ours: ``evaluation/lm_eval_model.py``).
 
 Before anything is scored, every refusal is one line (exit 2): an unknown task (with the close names), a task
 whose data must be downloaded on a machine without network (with the local route, ``--include-path``), a
@@ -250,7 +250,7 @@ def check_servable(tasks: dict, lm, limit: int | None) -> None:
     """Refuse, before scoring, a task the model cannot serve: generation without an end-of-text token, a rolling
     log-likelihood without a BOS/EOS, a multiple-choice answer longer than the model's window (the first
     ``limit`` samples)."""
-    from scaletrain.harness.model import no_end_of_text
+    from scaletrain.evaluation.lm_eval_model import no_end_of_text
 
     for name, task in tasks.items():
         kind = task.get_config("output_type")
@@ -326,7 +326,7 @@ def evaluate_tasks(request: TaskRequest, say: Callable[[str], None] = print) -> 
     import datasets
 
     datasets.disable_progress_bars()  # "Generating test split" bars: the task lines and lm-eval's own bars suffice
-    from scaletrain.harness.model import ScaletrainLM
+    from scaletrain.evaluation.lm_eval_model import ScaletrainLM
     from scaletrain.infer.load import load_run
 
     device = request.device if request.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
@@ -381,7 +381,7 @@ def write_samples(samples: dict[str, list[dict]], path: str) -> int:
 def cloze_folder(cfg, say: Callable[[str], None]) -> Path:
     """gutenberg-cloze's task folder for the run's data (built from its validation split once)."""
     from scaletrain.data.run_data import training_data
-    from scaletrain.harness.cloze import TASK, cloze_task_folder
+    from scaletrain.evaluation.cloze import TASK, cloze_task_folder
 
     data = training_data(cfg, say=lambda _: None)
     if data.data_dir is None:

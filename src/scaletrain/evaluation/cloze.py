@@ -57,7 +57,7 @@ CHOICES = 4
 _BOUNDARY = re.compile(r"(?<=[.!?])[\"'\u2019\u201d)\]]*\s+|\n\s*\n")
 
 YAML = """\
-# gutenberg-cloze: built by scaletrain (harness/cloze.py) from the run's held-out text; chance is 25%.
+# gutenberg-cloze: built by scaletrain (evaluation/cloze.py) from the run's held-out text; chance is 25%.
 task: {task}
 dataset_path: json
 dataset_kwargs:
