@@ -24,7 +24,11 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402  (after the environment above: OpenMP reads it when torch loads)
 
 # The units pytest-xdist hands to its workers and their order (helpers/schedule.py: the docs pages one by one).
-from helpers.schedule import pytest_collection_modifyitems, pytest_xdist_make_scheduler  # noqa: E402, F401
+from helpers.schedule import (  # noqa: E402, F401
+    pytest_collection_modifyitems,
+    pytest_terminal_summary,
+    pytest_xdist_make_scheduler,
+)
 from helpers.tiny import tiny_overrides  # noqa: E402
 from helpers.waits import timed_out_output  # noqa: E402
 

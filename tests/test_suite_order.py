@@ -47,7 +47,8 @@ def test_the_units_with_slow_or_distributed_tests_go_first_in_their_own_order():
 SUITE = {
     "pytest.ini": "[pytest]\naddopts = -p no:cacheprovider\nmarkers =\n    slow: s\n    distributed: d\n",
     "tests/conftest.py": f"import sys\nsys.path.insert(0, {str(HERE)!r})\n"
-                         "from helpers.schedule import pytest_collection_modifyitems, pytest_xdist_make_scheduler\n",
+                         "from helpers.schedule import pytest_collection_modifyitems, pytest_xdist_make_scheduler\n"
+                         "from helpers.schedule import pytest_terminal_summary\n",
     "tests/record.py": "import os\n\ndef record(request):\n    with open(os.environ['ORDER_LOG'], 'a') as f:\n"
                        "        f.write(os.environ['PYTEST_XDIST_WORKER'] + ' ' + request.node.nodeid + '\\n')\n",
     "tests/test_a.py": "from record import record\n\n" + "".join(
@@ -80,3 +81,7 @@ def test_two_workers_share_the_pages_and_start_with_the_heavy_units(tmp_path):
         light = [k for k, nodeid in enumerate(mine) if "test_a.py" in nodeid]
         heavy = [k for k, nodeid in enumerate(mine) if "test_a.py" not in nodeid]
         assert not light or not heavy or max(heavy) < min(light), mine
+    # The tiers' line: the quick pass is test_a's four; the pages (4 x 0.3 s asleep) and the ranks test are heavy.
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("suite time by tier"))
+    assert "quick pass 4 tests" in line and "on 2 worker(s)" in line and "slow or distributed 5 tests" in line, line
+    assert float(line.rsplit(" ", 3)[-3]) >= 1, line  # 1.2 s asleep, rounded to whole seconds
