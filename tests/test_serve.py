@@ -189,6 +189,21 @@ def test_the_openai_client_works_unchanged(server, client, session):
     seeded = [client.chat.completions.create(model="run", messages=MESSAGES, max_tokens=16, temperature=1.0,
                                              seed=7).choices[0].message.content for _ in range(2)]
     assert seeded[0] == seeded[1]
+    # n choices: rows of one batch; greedy ones all the library's answer, seeded ones each its own and again
+    three = client.chat.completions.create(model="run", messages=MESSAGES, max_tokens=20, temperature=0, n=3)
+    assert [(c.index, c.message.content) for c in three.choices] == [(i, expected) for i in range(3)]
+    assert (three.usage.prompt_tokens, three.usage.completion_tokens) == (prompt_tokens, 60)
+    sampled = [[c.message.content for c in client.chat.completions.create(
+        model="run", messages=MESSAGES, max_tokens=16, temperature=1.0, seed=7, n=2).choices] for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0][0] == seeded[0] and sampled[0][0] != sampled[0][1]
+    chunks = list(client.chat.completions.create(model="run", messages=MESSAGES, max_tokens=16, temperature=1.0,
+                                                 seed=7, n=2, stream=True, stream_options={"include_usage": True}))
+    by_choice = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                 for i in range(2)]
+    assert by_choice == sampled[0] and chunks[-1].usage.completion_tokens == 32
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]
+    both = client.completions.create(model="run", prompt="ROMEO:", max_tokens=12, temperature=0, n=2)
+    assert [c.text for c in both.choices] == [completion.choices[0].text] * 2
     tokens = _post(server[1], "/tokenize", {"prompt": "ROMEO:"})[1]
     assert tokens["tokens"] == prompt and tokens["max_model_len"] == 64
     assert _post(server[1], "/detokenize", {"tokens": prompt})[1] == {"prompt": "ROMEO:"}
@@ -226,7 +241,8 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MESSAGES, "temperature": 9}, 400, "'temperature' must be in [0.0, 2.0]"),
     (CHAT, {"messages": MESSAGES, "temperature": "hot"}, 400, "'temperature' must be a number"),
     (CHAT, {"messages": MESSAGES, "top_p": 0}, 400, "'top_p' must be in (0.0, 1.0]"),
-    (CHAT, {"messages": MESSAGES, "n": 3}, 400, "'n' must be 1"),
+    (CHAT, {"messages": MESSAGES, "n": 5}, 400, "'n' must be from 1 to 4"),  # each choice a batch row: --slots 4
+    (CHAT, {"messages": MESSAGES, "n": 0}, 400, "'n' must be from 1 to 4"),
     (CHAT, {"messages": MESSAGES, "stop": 5}, 400, "'stop' must be a string or a list"),
     (CHAT, {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     (CHAT, {"messages": MESSAGES, "stop": [""]}, 400, "must not be empty"),

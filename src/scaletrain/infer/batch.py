@@ -168,13 +168,16 @@ class Batcher:
         self._thread: threading.Thread | None = None
 
     # -- the caller's side (any thread) --
-    def submit(self, request: Job) -> None:
-        """Queue ``request``; ``QueueFull`` when the queue holds ``queue_size`` already."""
+    def submit(self, *requests: Job) -> None:
+        """Queue ``requests`` (the choices of one API request: all or none); ``QueueFull`` when they would take
+        the queue past ``queue_size``."""
         with self._wake:
-            if len(self.pending) >= self.queue_size:
-                raise QueueFull(f"{len(self.pending)} requests are waiting for a slot (the queue's limit)")
-            request.printer = StreamPrinter(self.session.tokenizer.decode, request.stops, request.sink)
-            self.pending.append(request)
+            if len(self.pending) + len(requests) > self.queue_size:
+                raise QueueFull(f"{len(self.pending)} requests are waiting for a slot (the queue's limit: "
+                                f"{self.queue_size})")
+            for request in requests:
+                request.printer = StreamPrinter(self.session.tokenizer.decode, request.stops, request.sink)
+                self.pending.append(request)
             self._wake.notify()
 
     def wake(self) -> None:

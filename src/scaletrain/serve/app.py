@@ -206,66 +206,78 @@ def build_app(session: Session, batcher: Batcher, options: ServeOptions) -> Fast
     async def respond(request: Request, gen: Generation, prompt: list[int], max_tokens: int, stops: list[str],
                       chat: bool):
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()  # (choice index, event) of every choice
 
-        def emit(event: Event) -> None:  # called from the batcher's thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop has closed (the server is shutting down)
-                pass
+        def emitter(index: int):
+            def emit(event: Event) -> None:  # called from the batcher's thread
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+                except RuntimeError:  # the event loop has closed (the server is shutting down)
+                    pass
+            return emit
 
-        seed = gen.seed if gen.seed is not None else secrets.randbits(63)
-        job = Job(prompt, max_tokens, gen.sampling, emit, torch.Generator().manual_seed(seed), stops)
+        # Choice i samples with seed + i: a seeded request answers the same n choices again, and they differ.
+        seed = gen.seed if gen.seed is not None else secrets.randbits(62)
+        jobs = [Job(prompt, max_tokens, gen.sampling, emitter(i), torch.Generator().manual_seed(seed + i), stops)
+                for i in range(gen.n)]
         try:
-            batcher.submit(job)
+            batcher.submit(*jobs)  # all the choices or none
         except QueueFull as exc:
             raise ApiError(503, f"the server is busy: {exc}; retry in {RETRY_AFTER_S} s", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         reply = Reply(options.name, chat, len(prompt))
         if gen.stream:
-            return StreamingResponse(stream_events(events, job, reply, gen.include_usage),
+            return StreamingResponse(stream_events(events, jobs, reply, gen.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await collect(request, events, job, reply))
+        return JSONResponse(await collect(request, events, jobs, reply))
 
-    async def collect(request: Request, events: asyncio.Queue, job: Job, reply: Reply) -> dict:
-        text = []
+    def cancel(jobs: list[Job]) -> None:
+        for job in jobs:
+            job.cancel()  # no-op once finished; frees the row when the client went away
+        batcher.wake()
+
+    async def collect(request: Request, events: asyncio.Queue, jobs: list[Job], reply: Reply) -> dict:
+        texts: list[list[str]] = [[] for _ in jobs]
+        last: dict[int, Event] = {}
         try:
-            while True:
+            while len(last) < len(jobs):
                 try:
-                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                    index, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
                     if await request.is_disconnected():
                         raise ApiError(499, "the client went away") from None
                     continue
-                text.append(event.text)
+                texts[index].append(event.text)
                 if event.finish_reason == "error":
                     raise ApiError(500, event.error)
                 if event.finish_reason:
-                    return reply.whole("".join(text), event)
+                    last[index] = event
+            return reply.whole(["".join(text) for text in texts], [last[i] for i in range(len(jobs))])
         finally:
-            job.cancel()  # no-op once finished; frees the row when the client went away
-            batcher.wake()
+            cancel(jobs)
 
-    async def stream_events(events: asyncio.Queue, job: Job, reply: Reply,
+    async def stream_events(events: asyncio.Queue, jobs: list[Job], reply: Reply,
                             include_usage: bool) -> AsyncIterator[str]:
+        finished: dict[int, int] = {}  # choice -> its completion tokens
         try:
-            yield sse(reply.chunk({"role": "assistant", "content": ""}))
-            while True:
-                event = await events.get()
+            for index in range(len(jobs)):
+                yield sse(reply.chunk({"role": "assistant", "content": ""}, index=index))
+            while len(finished) < len(jobs):
+                index, event = await events.get()
                 if event.finish_reason == "error":
                     yield sse(ApiError(500, event.error).body())
                     break
                 if event.text:
-                    yield sse(reply.chunk({"content": event.text}))
+                    yield sse(reply.chunk({"content": event.text}, index=index))
                 if event.finish_reason:
-                    yield sse(reply.chunk({}, event.finish_reason))
-                    if include_usage:
-                        yield sse(reply.usage_chunk(event.completion_tokens))
-                    break
+                    yield sse(reply.chunk({}, event.finish_reason, index=index))
+                    finished[index] = event.completion_tokens
+            else:
+                if include_usage:
+                    yield sse(reply.usage_chunk(sum(finished.values())))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the response's task is cancelled) or the answer is done
-            job.cancel()
-            batcher.wake()
+            cancel(jobs)
 
     return app
 
@@ -299,14 +311,16 @@ class Reply:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, event: Event) -> dict:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
-                  else {"index": 0, "text": text})
-        return {**self._head(False), "choices": [{**choice, "logprobs": None, "finish_reason": event.finish_reason}],
-                "usage": usage(self.prompt_tokens, event.completion_tokens)}
+    def whole(self, texts: list[str], events: list[Event]) -> dict:
+        """The answer with one choice per text (``n``); usage counts the prompt once and every choice's tokens."""
+        choices = [{**({"index": i, "message": {"role": "assistant", "content": text}} if self.chat
+                       else {"index": i, "text": text}), "logprobs": None, "finish_reason": event.finish_reason}
+                   for i, (text, event) in enumerate(zip(texts, events))]
+        return {**self._head(False), "choices": choices,
+                "usage": usage(self.prompt_tokens, sum(event.completion_tokens for event in events))}
 
-    def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
-        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta.get("content", "")}
+    def chunk(self, delta: dict, finish_reason: str | None = None, index: int = 0) -> dict:
+        choice = {"index": index, "delta": delta} if self.chat else {"index": index, "text": delta.get("content", "")}
         return {**self._head(True), "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}],
                 "usage": None}
 

@@ -106,7 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
     session = Session.from_run(args.run, device=args.device)
     batcher = Batcher(session, slots=args.slots, queue_size=args.queue).start()
     limits = Limits(max_tokens=min(args.max_tokens_limit or session.context, session.context),
-                    max_messages=args.max_messages, max_body_bytes=args.max_body_bytes)
+                    max_messages=args.max_messages, max_body_bytes=args.max_body_bytes, max_choices=args.slots)
     options = ServeOptions(args.model_name or session.name, limits, args.api_key, args.cors_origin)
     app = build_app(session, batcher, options)
     host, port = sock.getsockname()[:2]

@@ -109,6 +109,7 @@ class Limits:
     max_tokens: int
     max_messages: int = 256
     max_body_bytes: int = 1 << 20
+    max_choices: int = 8  # ``n``: each choice is a row of the batch, so at most the server's slots (serve/cli.py)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Generation:
     seed: int | None
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: one generation each, sampled with the request's sampling (seed + i for choice i)
     messages: list[dict] = field(default_factory=list)
     prompt: str | None = None
     prompt_ids: list[int] | None = None
@@ -171,9 +173,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed"
 
 
 def _sampling_and_options(body: dict, limits: Limits, default_sampling: Sampling) -> dict:
-    n = _integer(body, "n", 1)
-    if n is not None and n != 1:
-        raise ApiError(400, f"'n' must be 1 on this server (got {n}): send one request per choice", "n")
+    n = _integer(body, "n", 1, limits.max_choices)
     max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens)
     completion = _integer(body, "max_completion_tokens", 1, limits.max_tokens)
     if max_tokens is not None and completion is not None and max_tokens != completion:
@@ -201,7 +201,8 @@ def _sampling_and_options(body: dict, limits: Limits, default_sampling: Sampling
         raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
     include_usage = _boolean(options or {}, "include_usage")
     return dict(sampling=sampling, max_tokens=completion if max_tokens is None else max_tokens, stops=stops,
-                seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1), stream=stream, include_usage=include_usage)
+                seed=_integer(body, "seed", -(1 << 63), (1 << 63) - 1), stream=stream, include_usage=include_usage,
+                n=1 if n is None else n)
 
 
 def _content(value: object, param: str) -> str:
