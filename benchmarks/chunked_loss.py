@@ -52,7 +52,7 @@ def measure(method: str, loss_rows: int, base: str, layers: int) -> dict:
     from scaletrain.parallel import ParallelDims
     from scaletrain.plan.finetune import finetune_memory
     from scaletrain.plan.measure import LiveTensorBytes, resident_extras
-    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.plan.workload import Plan, Workload
     from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     model = ModelConfig(**model_fields(layers))

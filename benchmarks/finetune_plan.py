@@ -45,7 +45,7 @@ def measure(name: str, base: str) -> dict:
     from scaletrain.plan.finetune import finetune_memory, finetune_step_time, preference_memory, preference_step_time
     from scaletrain.plan.hardware_spec import parse_hardware
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
-    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.plan.workload import Plan, Workload
     from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     if name in PREFERENCE:

@@ -35,8 +35,8 @@ from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (
 from scaletrain.config import ModelConfig, build
 from scaletrain.model.presets import PRESETS, flops_per_token
 from scaletrain.plan.catalog import CATALOG, Cluster, Hardware
-from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import gpu_utilisation, step_time
+from scaletrain.plan.workload import Plan, Workload
 
 FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (MPT Training Benchmarks, read at "
            "commit 061f2c7ce64e655100286584a7629e2a09f827ba)")

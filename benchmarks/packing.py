@@ -58,7 +58,7 @@ def run_mode(examples: list, vocab: int, packed: bool, args, masked: bool = Fals
     """Target tokens per second, peak live tensor bytes of one step, rows, for one mode. ``masked``: packed rows
     through SDPA's explicit-mask kernel over the whole T x T square (what an accelerator runs) instead of the
     CPU's attention a document at a time (``model/llama.document_spans`` made to find no spans)."""
-    import scaletrain.model.llama as llama
+    import scaletrain.model.decoder as llama
 
     spans = llama.document_spans
     if masked:

@@ -39,7 +39,7 @@ from scaletrain.model.presets import PRESETS
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.search import Candidate, search
-from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.workload import Plan, Workload
 
 SINGLE_MICRO_BATCHES = (1, 4, 16)
 SINGLE_AC = ("none", "full")

@@ -39,8 +39,8 @@ from scaletrain.model.presets import PRESETS
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown
-from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
+from scaletrain.plan.workload import Plan, Workload
 
 MEMORY_TARGET, TIME_TARGET = 0.10, 0.25
 

@@ -5,7 +5,7 @@ Layers, lowest first (a module may import from its own layer or a lower one; ``L
 
     base (core, hardware, assets)  <  model  <  config  <  parallel
     <  data  <  checkpoint  <  finetune, compress  <  train, infer, evaluation  <  plan, serve
-    <  scaling, tune, report  <  cli (cli.py, __main__ and every package's cli.py)
+    <  scaling, tune, report  <  cli (cli.py, __main__, commands/ and every package's cli.py)
 
 Every import counts, whatever its form: at module level, inside a function or under ``TYPE_CHECKING``, a
 package ``__init__``'s imports of its own modules, ``importlib.import_module`` with a literal name (or an
@@ -37,10 +37,10 @@ LAYERS: dict[str, int] = {
     "train": 7, "infer": 7, "evaluation": 7,
     "plan": 8, "serve": 8,
     "scaling": 9, "tune": 9, "report": 9,
-    "cli": 10, "__main__": 10,
+    "cli": 10, "__main__": 10, "commands": 10,
 }
 BASE_NAMES = ("core", "hardware", "assets")
-CLI_NAMES = ("cli.py", "__main__ and every package's cli.py")
+CLI_NAMES = ("cli.py", "__main__, commands/ and every package's cli.py")
 
 
 def layer_map() -> str:

@@ -156,7 +156,7 @@ def test_an_accelerators_auto_chunk_is_larger_and_the_planner_follows():
     from scaletrain.model.loss import rows_at_once
     from scaletrain.model.presets import PRESETS
     from scaletrain.plan.memory import loss_rows
-    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.plan.workload import Plan, Workload
 
     positions, vocab = 64 * 1024, 50_304
     assert rows_at_once(positions, vocab, -1, "cpu") == chunk_rows(vocab) == 166
@@ -197,7 +197,7 @@ def test_planner_peak_matches_a_real_step_with_and_without_chunks(method, loss_r
     from scaletrain.plan.finetune import finetune_memory
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
     from scaletrain.plan.memory import memory_breakdown
-    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.plan.workload import Plan, Workload
     from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     model = ModelConfig(vocab_size=8192, dim=64, n_layers=1, n_heads=2, ffn_hidden_dim=128, max_seq_len=128)

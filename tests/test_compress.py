@@ -19,7 +19,7 @@ from scaletrain.config import ConfigError
 from scaletrain.infer.load import load_run
 from scaletrain.model import build_model
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.llama import apply_rope
+from scaletrain.model.decoder import apply_rope
 from scaletrain.model.presets import num_params
 
 

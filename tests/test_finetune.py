@@ -379,7 +379,7 @@ def test_planner_finetune_memory_matches_measured(hf_base, method):
     from scaletrain.parallel import ParallelDims
     from scaletrain.plan.finetune import finetune_memory
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
-    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.plan.workload import Plan, Workload
     from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     model = _job(hf_base).model

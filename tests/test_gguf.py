@@ -16,7 +16,7 @@ from scaletrain.cli import main
 from scaletrain.config import ConfigError, ModelConfig, build
 from scaletrain.data.tokenizer import BPETokenizer, CharTokenizer
 from scaletrain.model import PRESETS, build_model
-from scaletrain.model.llama import apply_rope, rope_tables
+from scaletrain.model.decoder import apply_rope, rope_tables
 
 gguf = pytest.importorskip("gguf")
 

@@ -1,4 +1,4 @@
-"""Before the first step the planner's memory estimate is checked against this machine's memory (plan/fit.py):
+"""Before the first step the planner's memory estimate is checked against this machine's memory (plan/memory_check.py):
 a job that cannot fit is refused in one line (not ended by the OOM killer, nor by the allocator's traceback),
 and a job that fits is never refused, down to a machine with just its measured peak."""
 
@@ -9,7 +9,7 @@ import pytest
 from helpers.tiny import tiny_hf_base
 from scaletrain.cli import main
 from scaletrain.config import load_config
-from scaletrain.plan import fit
+from scaletrain.plan import memory_check as fit
 from scaletrain.train.trainer import Trainer
 
 

@@ -20,7 +20,7 @@ from scaletrain.model import Transformer
 from scaletrain.model.presets import block_vector_params
 from scaletrain.plan.cli import add_plan_arguments, plan_job
 from scaletrain.plan.finetune import finetune_memory, trainable_parameters
-from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.workload import Plan, Workload
 from scaletrain.train.validate import check_finetune
 
 MODEL = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_hidden_dim=128, max_seq_len=64)

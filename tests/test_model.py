@@ -7,7 +7,7 @@ import torch
 
 from scaletrain.config import ModelConfig, build
 from scaletrain.model import PRESETS, build_model, flops_per_token, num_params
-from scaletrain.model.llama import Transformer
+from scaletrain.model.decoder import Transformer
 from scaletrain.model.presets import ffn_hidden_dim
 
 
@@ -98,7 +98,7 @@ def test_rmsnorm_hand_written_backward_matches_autograd():
     """The CPU RMSNorm differentiates by hand (LayerNorm's fused kernel + one term): its output and both
     gradients equal autograd's through the decomposition, in fp64 to rounding, on a batch of rows with
     very different scales (where a wrong mean term would show)."""
-    from scaletrain.model.llama import RMSNorm
+    from scaletrain.model.decoder import RMSNorm
 
     torch.manual_seed(0)
     x = (torch.randn(3, 5, 48, dtype=torch.float64) * torch.logspace(-2, 2, 5, dtype=torch.float64)[:, None])

@@ -19,7 +19,7 @@ from scaletrain.model.presets import matmul_params
 from scaletrain.model.shape import is_moe_layer
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.search import search
-from scaletrain.plan.spec import Workload
+from scaletrain.plan.workload import Workload
 from scaletrain.train.loss import take_auxiliary
 from scaletrain.train.trainer import Trainer
 

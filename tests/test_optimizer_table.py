@@ -18,8 +18,8 @@ from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown, muon_matrix_params, stage_params
 from scaletrain.plan.report import breakdown_table, optimizer_text
 from scaletrain.plan.search import Candidate
-from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
+from scaletrain.plan.workload import Plan, Workload
 from scaletrain.train import optimizer as table
 from scaletrain.train.validate import check_optimizer
 

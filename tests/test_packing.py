@@ -187,7 +187,7 @@ def test_attention_a_document_at_a_time_equals_the_block_causal_mask(window):
     """On a CPU a packed row's attention runs one causal SDPA a document (``Attention.attend_documents``, the
     spans read from the mask by ``document_spans``); an accelerator keeps the masked kernel over T x T. Both give
     the same output and gradients, with grouped-query heads and a sliding window shorter than some documents."""
-    from scaletrain.model.llama import Attention, document_spans
+    from scaletrain.model.decoder import Attention, document_spans
 
     cfg = ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=24,
                       sliding_window=window)

@@ -17,7 +17,7 @@ import torch
 
 from scaletrain.cli import main
 from scaletrain.model.config import ModelConfig, head_width
-from scaletrain.model.llama import TransformerBlock, rope_tables
+from scaletrain.model.decoder import TransformerBlock, rope_tables
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.measure import resident_extras, single_process_run
 from scaletrain.plan.memory import (
@@ -28,7 +28,7 @@ from scaletrain.plan.memory import (
     masked_attention_layers,
     memory_breakdown,
 )
-from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.workload import Plan, Workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMALL = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=160, vocab_size=97, max_seq_len=64)

@@ -13,8 +13,8 @@ from scaletrain.model.presets import PRESETS
 from scaletrain.plan.cli import main
 from scaletrain.plan.finetune import finetune_step_time
 from scaletrain.plan.hardware_spec import parse_hardware
-from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
+from scaletrain.plan.workload import Plan, Workload
 
 SMALL = ModelConfig(vocab_size=2048, dim=256, n_layers=6, n_heads=4, ffn_hidden_dim=688, max_seq_len=160)
 

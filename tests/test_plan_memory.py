@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from scaletrain.config import ModelConfig, OptimConfig
-from scaletrain.model.llama import TransformerBlock, rope_tables
+from scaletrain.model.decoder import TransformerBlock, rope_tables
 from scaletrain.model.presets import num_params
 from scaletrain.plan.measure import resident_extras, single_process_run
 from scaletrain.plan.memory import (
@@ -15,7 +15,7 @@ from scaletrain.plan.memory import (
     muon_matrix_params,
     stage_params,
 )
-from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.workload import Plan, Workload
 
 PSI = 7_500_000_000  # the ZeRO paper's running example: 7.5B parameters
 

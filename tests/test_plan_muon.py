@@ -31,8 +31,8 @@ from scaletrain.plan.finetune import finetune_memory, finetune_step_time
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
 from scaletrain.plan.memory import memory_breakdown, muon_matrix_params, muon_shapes
-from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import newton_schulz_flops, step_time
+from scaletrain.plan.workload import Plan, Workload
 from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,7 +226,7 @@ def test_the_planner_refuses_an_optimizer_it_does_not_model():
     """An optimizer outside the optimizer table (train/optimizer.py) is refused in one line, not planned with
     AdamW's states and step."""
     from scaletrain.config import ConfigError, ModelConfig
-    from scaletrain.plan.spec import Workload
+    from scaletrain.plan.workload import Workload
     from scaletrain.train.optimizer import OPTIMIZERS
 
     with pytest.raises(ConfigError, match="not 'lion'") as err:

@@ -13,7 +13,6 @@ from scaletrain.plan.emit import write_config
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown
 from scaletrain.plan.search import enumerate_plans, search, what_would_fit
-from scaletrain.plan.spec import Plan, Workload, check_plan, job_config, plan_run_dir
 from scaletrain.plan.timing import (
     Unit,
     communication,
@@ -23,6 +22,7 @@ from scaletrain.plan.timing import (
     recomputed_share,
     step_time,
 )
+from scaletrain.plan.workload import Plan, Workload, check_plan, job_config, plan_run_dir
 from scaletrain.train.validate import check_runnable
 
 # A made-up but self-consistent CPU calibration, so these tests neither measure nor depend on the machine.
@@ -193,7 +193,7 @@ def test_recompute_charges_what_checkpoint_recomputes():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
-    from scaletrain.model.llama import TransformerBlock, rope_tables
+    from scaletrain.model.decoder import TransformerBlock, rope_tables
 
     class Flops(TorchDispatchMode):
         total = 0.0

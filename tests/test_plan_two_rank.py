@@ -13,7 +13,7 @@ from scaletrain.config import ModelConfig
 from scaletrain.hardware import allocator
 from scaletrain.model.presets import block_params
 from scaletrain.plan.memory import GLOO_KEPT_SHARE, RECIPES, fsdp_collective_bytes, memory_breakdown, stage_params
-from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.workload import Plan, Workload
 
 CFG = ModelConfig(dim=384, n_layers=6, n_heads=6, ffn_hidden_dim=1024, vocab_size=16384, max_seq_len=256)
 WORKLOAD = Workload(CFG, 256, 4, 1e6, "fp32")

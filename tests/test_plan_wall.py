@@ -16,9 +16,9 @@ from scaletrain.hardware.peak import devices_in_job, host_cores, peak_flops
 from scaletrain.model.presets import flops_per_token, matmul_params, projection_shapes
 from scaletrain.plan.catalog import CATALOG, Cluster, with_calibration
 from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
-from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import job_peak_flops, planned_mfu
 from scaletrain.plan.wall import LoopSettings, evaluation_note, predicted_wall
+from scaletrain.plan.workload import Plan, Workload
 
 # a run whose evaluations dwarf its steps: 4 steps, an evaluation of 40 batches after every one (5 in all)
 EVAL_HEAVY = {"train.steps": "4", "train.eval_interval": "1", "train.eval_batches": "40"}
@@ -136,8 +136,8 @@ def test_the_evaluation_of_an_eight_step_lora_of_a_big_head_is_said():
 def test_the_decode_ops_the_sample_is_charged_are_what_a_decode_step_dispatches(layers):
     """timing.decode_ops (constants, so that `plan` never counts): the aten ops of one cached decode step of the
     trainer's sample (top-k 200 at temperature 0.8), counted here on the real generate."""
+    from scaletrain.model.decoder import Transformer
     from scaletrain.model.generate import generate
-    from scaletrain.model.llama import Transformer
     from scaletrain.plan.aten_ops import count_aten_ops
     from scaletrain.plan.timing import decode_ops
 

@@ -382,7 +382,7 @@ def test_planner_preference_memory_matches_measured(hf_base, tmp_path, reference
     from scaletrain.parallel import ParallelDims
     from scaletrain.plan.finetune import preference_memory
     from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras
-    from scaletrain.plan.spec import Plan, Workload
+    from scaletrain.plan.workload import Plan, Workload
     from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
     pairs, seq = 4, SEQ

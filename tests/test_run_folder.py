@@ -10,8 +10,8 @@ import time
 import pytest
 
 from scaletrain.cli import build_parser, main
+from scaletrain.commands.train import resolve_job_config
 from scaletrain.config import load_config, to_toml
-from scaletrain.train.cli import resolve_job_config
 from scaletrain.train.preemption import PreemptionHandler, torchrun_launcher
 from scaletrain.train.trainer import Trainer
 

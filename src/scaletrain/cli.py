@@ -1,8 +1,9 @@
 """One dispatcher: ``scaletrain <command>`` -> the command's package (``COMMANDS``, below).
 
-Each command's flags and body live in its package's ``cli.py`` (train/cli.py, evaluation/cli.py, ...); this
-file is the table, the one-line parser, and the rule every command shares: an error a person can fix (config,
-data, checkpoint) is printed as one line and exits with code 2.
+Each command's flags and body live in its package's ``cli.py`` (plan/cli.py, evaluation/cli.py, ...), or in
+``commands/`` where they draw on several packages (train, finetune, export); this file is the table, the one-line
+parser, and the rule every command shares: an error a person can fix (config, data, checkpoint) is printed as one
+line and exits with code 2.
 """
 
 from __future__ import annotations
@@ -56,14 +57,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 # Every command, in `scaletrain --help`'s order: (name, its package's cli module, the function that adds its flags
 # to its parser, the function that runs it, the one-line help).
 COMMANDS = [
-    ("train", "scaletrain.train.cli", "add_train_arguments", "run_train",
+    ("train", "scaletrain.commands.train", "add_train_arguments", "run_train",
      "train a model (default: the tiny CPU recipe on bundled Tiny Shakespeare)"),
     ("eval", "scaletrain.evaluation.cli", "add_eval_arguments", "run_eval",
      "loss, perplexity and bits per byte of a run's latest checkpoint, on its validation split or any text "
      "(docs/evaluation.md)"),
-    ("export", "scaletrain.checkpoint.cli", "add_export_arguments", "run_export",
+    ("export", "scaletrain.commands.export", "add_export_arguments", "run_export",
      "export a run's latest checkpoint (a Hugging Face folder of its family's class, or GGUF)"),
-    ("finetune", "scaletrain.finetune.cli", "add_finetune_arguments", "run_finetune",
+    ("finetune", "scaletrain.commands.train", "add_finetune_arguments", "run_finetune",
      "adapt an existing model (a run or a Hugging Face folder): full, lora, qlora, prompt or prefix tuning"),
     ("generate", "scaletrain.infer.cli", "add_generate_arguments", "run_generate",
      "continue a prompt (or a JSONL file of prompts, batched) with a run's model; --stream"),
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 _TRAINING_INTERRUPTED = ("interrupted (a second Ctrl-C, or before training started): nothing saved since the last "
                          "checkpoint")
 # What a Ctrl-C that reaches ``main`` leaves behind, for each command that writes (train's graceful first Ctrl-C is
-# said by run_train, train/cli.py); each is what that command's writer guarantees (the temporaries are removed by
+# said by run_train, commands/train.py); each is what that command's writer guarantees (the temporaries are removed by
 # guarded_write).
 INTERRUPTED_NOTES = {
     "train": _TRAINING_INTERRUPTED,

@@ -24,7 +24,7 @@ from torch import nn
 
 from scaletrain.model.cache import KVCache, LayerCache
 from scaletrain.model.config import ModelConfig, has_local_rope, is_sliding
-from scaletrain.model.llama import Attention, rope_tables
+from scaletrain.model.decoder import Attention, rope_tables
 
 
 class PromptEmbedding(nn.Embedding):

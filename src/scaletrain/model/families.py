@@ -21,10 +21,10 @@ import torch
 
 from scaletrain.core.options import ConfigError
 from scaletrain.model.config import ModelConfig, head_width, is_sliding
+from scaletrain.model.decoder import rope_attention_factor
 from scaletrain.model.family import WRAPPERS, family
 from scaletrain.model.family.spec import Family, Fields
 from scaletrain.model.hf_names import PROJECTIONS, from_hf, to_hf
-from scaletrain.model.llama import rope_attention_factor
 from scaletrain.model.presets import ffn_hidden_dim, kv_heads
 
 # Hugging Face's rope types -> ModelConfig.rope_scaling (the others are refused).

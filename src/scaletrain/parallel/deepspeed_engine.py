@@ -26,7 +26,7 @@ from torch import nn
 
 from scaletrain.config import ConfigError, DeepSpeedConfig, JobConfig, ModelConfig
 from scaletrain.hardware.allocator import return_freed_memory_promptly
-from scaletrain.model.llama import Transformer
+from scaletrain.model.decoder import Transformer
 from scaletrain.model.presets import ffn_hidden_dim
 from scaletrain.parallel.dims import ParallelDims
 

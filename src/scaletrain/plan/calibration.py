@@ -27,7 +27,7 @@ from scaletrain.hardware.peak import (
     save_calibration,
 )
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.llama import TransformerBlock, rope_tables
+from scaletrain.model.decoder import TransformerBlock, rope_tables
 from scaletrain.plan import timing
 from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.memory import block_activation_elements
@@ -226,8 +226,8 @@ def measure_decode_op_seconds(new_tokens: int = 64) -> float:
     per token, over the ops it dispatches. A decode step's ops cost far more than ``measure_op_overhead``'s bare
     add (each passes through the modules' Python and the cache's bookkeeping): 16-17 us an op of process CPU
     time on a 2-vCPU EPYC shared with other jobs, for 2 and 4 blocks alike."""
+    from scaletrain.model.decoder import Transformer
     from scaletrain.model.generate import generate
-    from scaletrain.model.llama import Transformer
 
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=2, vocab_size=256, max_seq_len=new_tokens + 1)
     model = Transformer(cfg).eval()

@@ -33,9 +33,9 @@ from scaletrain.model.moe import refuse_moe
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
-from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.plan.timing import workload_utilisation
 from scaletrain.plan.wall import LoopSettings, evaluation_note, predicted_wall
+from scaletrain.plan.workload import CHINCHILLA_TOKENS_PER_PARAM, Plan, Workload
 from scaletrain.scaling.fit import law_params
 from scaletrain.scaling.quality import add_quality_arguments, print_prediction, quality_search
 from scaletrain.train.optimizer import optimizer_entry

@@ -21,7 +21,7 @@ from scaletrain.config import ConfigError
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.cost import Cost, training_cost
 from scaletrain.plan.search import Candidate, search
-from scaletrain.plan.spec import Workload
+from scaletrain.plan.workload import Workload
 
 
 @dataclass

@@ -185,7 +185,7 @@ def measure_tp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> dict
     import torch.distributed as dist
 
     from scaletrain.config import ParallelConfig
-    from scaletrain.plan.spec import Plan
+    from scaletrain.plan.workload import Plan
 
     world = dist.get_world_size()
     return {("sequence_parallel" if sp else "replicated"): layout_overhead(
@@ -210,7 +210,7 @@ def measure_fsdp_overhead(entry: dict, clock: str = "wall", reps: int = 7) -> di
     import torch.distributed as dist
 
     from scaletrain.config import ParallelConfig
-    from scaletrain.plan.spec import Plan
+    from scaletrain.plan.workload import Plan
 
     world = dist.get_world_size()
     return layout_overhead(entry, ParallelConfig(dp_shard=world, zero_stage=3),
@@ -235,8 +235,8 @@ def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7,
     from scaletrain.config import JobConfig, ModelConfig, TrainConfig
     from scaletrain.parallel import ParallelDims
     from scaletrain.plan.catalog import CATALOG, Cluster, with_calibration
-    from scaletrain.plan.spec import Workload
     from scaletrain.plan.timing import communication, cpu_micro_seconds, fresh_mapped_params
+    from scaletrain.plan.workload import Workload
     from scaletrain.train.loss import forward_backward
     from scaletrain.train.step import build_parallel_training
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from scaletrain.config import PredictionConfig, to_toml
 from scaletrain.core.files import write_file
-from scaletrain.plan.spec import Plan, Workload, job_config
+from scaletrain.plan.workload import Plan, Workload, job_config
 
 
 def write_config(path: str | Path, workload: Workload, plan: Plan, device_kind: str, header: str = "",

@@ -56,7 +56,6 @@ from scaletrain.plan.memory import (
     projection_shapes,
     recipe_for,
 )
-from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import (
     DTYPE_OF_PRECISION,
     GPU_LAUNCH_SECONDS,
@@ -74,6 +73,7 @@ from scaletrain.plan.timing import (
     planned_mfu,
     precision_rates,
 )
+from scaletrain.plan.workload import Plan, Workload
 
 # Bytes per weight of torchao's NF4 with double quantization at QLoRA's blocks (64 weights a scale, 256
 # scales a factor): 4-bit codes, one int8 scale a block, one fp32 factor and mean per 256 scales.

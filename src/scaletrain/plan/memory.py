@@ -7,7 +7,7 @@ Two layers:
   stage 1 shards the 12Psi, stage 2 also the grads, stage 3 also the params.
 * ``memory_breakdown`` follows one training step of scaletrain's Llama in time (forward, loss, backward
   block by block, optimizer) and reports the breakdown at its peak. The activation counts are the tensors
-  autograd saves in ``scaletrain.model.llama`` (checked against ``saved_tensors_hooks`` in the tests).
+  autograd saves in ``scaletrain.model.decoder`` (checked against ``saved_tensors_hooks`` in the tests).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from scaletrain.model.presets import (  # projection_shapes: re-exported, the pl
     num_params,
     projection_shapes,
 )
-from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.workload import Plan, Workload
 from scaletrain.train.muon import CHUNK_ELEMENTS
 from scaletrain.train.optimizer import OPTIMIZERS
 

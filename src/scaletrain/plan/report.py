@@ -12,9 +12,9 @@ from scaletrain.hardware.allocator import launch_note
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.cost import Cost
 from scaletrain.plan.search import Candidate, SearchResult
-from scaletrain.plan.spec import CHINCHILLA_TOKENS_PER_PARAM, Workload
 from scaletrain.plan.timing import DTYPE_OF_PRECISION, workload_utilisation
 from scaletrain.plan.wall import Wall
+from scaletrain.plan.workload import CHINCHILLA_TOKENS_PER_PARAM, Workload
 from scaletrain.train.optimizer import OPTIMIZERS
 
 FLOPS_FORMULA = ("6 * N_matmul + 12 * n_layers * seq_len * dim per token (forward + backward = 3x forward; "

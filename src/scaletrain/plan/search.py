@@ -15,8 +15,8 @@ from scaletrain.config import ConfigError
 from scaletrain.model.moe import refuse_moe
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.memory import MemoryBreakdown, memory_breakdown
-from scaletrain.plan.spec import Plan, Workload, check_plan
 from scaletrain.plan.timing import TimeBreakdown, step_time
+from scaletrain.plan.workload import Plan, Workload, check_plan
 
 GiB = 2**30
 

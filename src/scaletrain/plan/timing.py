@@ -39,7 +39,7 @@ from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.hardware.allocator import GLIBC_MMAP_THRESHOLD_MAX
 from scaletrain.hardware.peak import devices_in_job
 from scaletrain.model.config import head_width
-from scaletrain.model.llama import TransformerBlock, rope_tables
+from scaletrain.model.decoder import TransformerBlock, rope_tables
 from scaletrain.model.presets import block_params, ffn_hidden_dim, flops_per_token, kv_heads
 from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.catalog import LINKS, Cluster, Hardware
@@ -52,7 +52,7 @@ from scaletrain.plan.memory import (
     muon_shapes,
     stage_params,
 )
-from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.workload import Plan, Workload
 from scaletrain.train.metrics import mfu
 from scaletrain.train.muon import CHUNK_ELEMENTS
 

@@ -35,7 +35,6 @@ from scaletrain.plan.calibration import calibration_entry
 from scaletrain.plan.catalog import CATALOG, LINKS, Cluster, Hardware, with_calibration
 from scaletrain.plan.finetune import finetune_step_time, preference_step_time, trainable_parameters
 from scaletrain.plan.hardware_spec import catalog_key_for_gpu
-from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import (
     DTYPE_OF_PRECISION,
     cpu_rank_share,
@@ -44,6 +43,7 @@ from scaletrain.plan.timing import (
     precision_rates,
     step_time,
 )
+from scaletrain.plan.workload import Plan, Workload
 
 # The checkpoint write of the reference machine (2 vCPU EPYC, its overlay disk; calibration.measure_checkpoint_write:
 # CheckpointManager.save of 1 MiB and 64 MiB of fp32, best of 3: 0.057 s and 1.34 s), for a calibration without

@@ -28,8 +28,8 @@ from scaletrain.config import ConfigError, ModelConfig, load_config, read_toml
 from scaletrain.core.files import write_file
 from scaletrain.data.shards import read_manifest
 from scaletrain.plan.hardware_spec import parse_hardware
-from scaletrain.plan.spec import Plan, Workload
 from scaletrain.plan.timing import step_time
+from scaletrain.plan.workload import Plan, Workload
 from scaletrain.scaling.fit import law_params
 from scaletrain.scaling.store import data_fingerprint
 

@@ -27,7 +27,7 @@ from scaletrain.model.presets import num_params
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.deadline import Option, options
 from scaletrain.plan.report import duration
-from scaletrain.plan.spec import Workload
+from scaletrain.plan.workload import Workload
 from scaletrain.scaling.fit import ScalingFit, check_searchable, check_target, law_params
 from scaletrain.scaling.grid import BATCH, MAX_EPOCHS, SEQ_LEN
 from scaletrain.scaling.store import fitted_flops

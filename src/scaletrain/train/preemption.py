@@ -155,7 +155,7 @@ def save_on_notice(notice: PreemptionHandler, reason: str, step: int, cfg: Check
     if not cfg.enabled:
         logger.message(f"stopped ({reason}) at step {step}: nothing saved (checkpoint.enabled = false)")
         return
-    if reason == INTERRUPTED:  # the command says it (train/cli.py: run_train), whatever the progress mode
+    if reason == INTERRUPTED:  # the command says it (commands/train.py: run_train), whatever the progress mode
         return
     logger.message(f"preempted ({reason}) at step {step}: checkpoint written in {took:.1f} s"
                    + (f"; WARNING: past the {cfg.grace_seconds:.0f} s grace period"

@@ -117,7 +117,7 @@ def predicted_memory(cfg: JobConfig, device_kind: str) -> float:
     from scaletrain.data.run_data import prepare_data, resolve_vocab
     from scaletrain.data.shards import read_manifest
     from scaletrain.hardware.allocator import in_use
-    from scaletrain.plan.fit import estimated_bytes
+    from scaletrain.plan.memory_check import estimated_bytes
     from scaletrain.train.precision import resolve_precision
     from scaletrain.train.validate import check_runnable
 

@@ -26,7 +26,7 @@ from scaletrain.finetune.method_table import method_entry
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.plan.finetune import finetune_answer
 from scaletrain.plan.memory import memory_breakdown
-from scaletrain.plan.spec import Plan, Workload
+from scaletrain.plan.workload import Plan, Workload
 
 SLACK_BYTES = 256 * 2**20  # the estimate's runtime overshoots small runs' peaks by ~100 MiB (see above)
 

@@ -1,5 +1,6 @@
-"""`scaletrain train`: the job resolved from --config, --section.field flags and (on --resume) the run's saved
-config; the trainer built and run; progress and the result said by rank 0."""
+"""`scaletrain train` and `scaletrain finetune` (train with finetune.source set from --from): the job resolved
+from --config, --section.field flags and (on --resume) the run's saved config; the trainer built and run;
+progress and the result said by rank 0."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def run_train(args: argparse.Namespace) -> int:
     if restart_attempt() > 0 and not cfg.train.resume:  # torchrun --max-restarts restarted us after a failure
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
         say(f"elastic restart {restart_attempt()}: resuming from the latest checkpoint")
-    from scaletrain.plan.fit import memory_refusal  # the planner's estimate against this machine's memory
+    from scaletrain.plan.memory_check import memory_refusal  # the planner's estimate against this machine's memory
 
     trainer = Trainer(cfg, memory_check=memory_refusal)
     if cfg.train.resume and not trainer.resume():
@@ -206,3 +207,27 @@ def _stall_note(summary: dict) -> str:
     parts = ", ".join(f"{name} {seconds(value)}" for name, value in stalls.items())
     return f"; eval/sample/checkpoint {100 * summary['stall_share']:.1f}% of {seconds(wall)}" + \
         (f" ({parts})" if parts else "")
+
+
+def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
+    """`scaletrain finetune`'s flags: --from (the base), then train's."""
+    p.description = ("Fine-tune: `scaletrain train` with finetune.source set from --from. The [model] "
+            "fields and data.tokenizer come from the base, and so does the data when the base "
+            "is a run and data.path is not given (its prepared tokens); everything else "
+            "(steps, parallelism, resume) works as for train. See docs/finetuning.md.")
+    p.add_argument("--from", dest="source", required=True,
+                   help="the base: a scaletrain run folder or a Hugging Face folder of a supported family "
+                        "(docs/families.md)")
+    p.add_argument("--config", help="TOML recipe (see configs/)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.run_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a train.run_dir that holds an earlier run (as for train)")
+    add_config_arguments(p, JobConfig)
+
+
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    setattr(args, "cfg:finetune.source", args.source)
+    return run_train(args)
