@@ -254,8 +254,8 @@ def checks(name: str, mine: dict, theirs: dict, lock_left: bool | None) -> list[
              row("context_length", mine["context"] == theirs["n_ctx_train"], mine["context"], theirs["n_ctx_train"]),
              # no token ends our turn (a character run's "\n\n" text does): llama.cpp may name none or take its
              # EOS (the added end-of-text token, which it finds by its text) for one
-             row("end_of_turn", (mine["eot"] == theirs["eot"] or mine["eot"] < 0 and theirs["eot"] in (-1, theirs["eos"]))
-                 and all(theirs["eog"].values()),
+             row("end_of_turn", all(theirs["eog"].values()) and (
+                 mine["eot"] == theirs["eot"] or mine["eot"] < 0 and theirs["eot"] in (-1, theirs["eos"])),
                  {"eot": mine["eot"], "stop_ids": mine["stop_ids"]}, {"eot": theirs["eot"], "eog": theirs["eog"]}),
              row("greedy", mine["greedy"] == theirs["greedy"], mine["greedy"], theirs["greedy"]),
              row("chat_stops", theirs["chat_text"] == mine["chat_text"]
