@@ -1,7 +1,7 @@
 """Trained runs' GGUF exports read by llama.cpp itself: special tokens, chat text, token types, padding, context,
 end of turn and greedy tokens, against what scaletrain reads and generates.
 
-    python -m venv /work/llvenv && /work/llvenv/bin/pip install llama-cpp-python==0.3.36   # its own interpreter
+    python -m venv ../llvenv && ../llvenv/bin/pip install llama-cpp-python==0.3.36   # its own interpreter
     python benchmarks/gguf_tokens.py [--out benchmarks/results/gguf_tokens.json] [--before]
 
 Three tiny trained runs (cached under benchmarks/out/gguf_tokens/): a Qwen3-family base (the fixture's shrunk
@@ -9,8 +9,8 @@ config, tests/fixtures/families/qwen3.json) with the real Qwen3 tokenizer (../sh
 on short chats in its own template (``<think>`` block, ``<|im_end|>``), the same with Llama 3.1's shape and
 tokenizer (header ids, ``<|eot_id|>``), and a character-vocabulary run trained on Tiny Shakespeare at
 data.seq_len 64 under model.max_seq_len 128. Each is exported with ``scaletrain export --format gguf`` at f32; a
-subprocess under llama-cpp-python's interpreter ($LLAMA_CPP_PYTHON, else /work/llvenv/bin/python, else this one
-when it imports llama_cpp: our package never depends on it) loads the file (KV cache in f32, ``type_k``/``type_v``,
+subprocess under llama-cpp-python's interpreter ($LLAMA_CPP_PYTHON, else this one when it imports llama_cpp, else
+../llvenv/bin/python: our package never depends on it) loads the file (KV cache in f32, ``type_k``/``type_v``,
 so greedy decoding is not decided by f16 cache rounding) and reports what llama.cpp reads; this side compares.
 One row a family x check, pass/fail and both values:
 
@@ -95,8 +95,11 @@ def probe(spec: dict) -> dict:
 
 
 def llama_cpp_python() -> str | None:
-    """The interpreter that imports llama_cpp: $LLAMA_CPP_PYTHON, else /work/llvenv/bin/python, else this one."""
-    candidates = [os.environ.get("LLAMA_CPP_PYTHON", ""), "/work/llvenv/bin/python", sys.executable]
+    """The interpreter that imports llama_cpp: $LLAMA_CPP_PYTHON, else this one, else the virtual environment
+    ``llvenv`` beside the checkout (``../llvenv``, where ``../shared`` is: kept apart so that our environment never
+    depends on llama-cpp-python); None when none does."""
+    candidates = [os.environ.get("LLAMA_CPP_PYTHON", ""), sys.executable,
+                  str(ROOT.parent / "llvenv" / "bin" / "python")]
     for python in filter(None, candidates):
         if Path(python).is_file() and subprocess.run([python, "-c", "import llama_cpp"],
                                                      capture_output=True).returncode == 0:
