@@ -404,3 +404,47 @@ def test_llama_cpp_reads_qwen3s_added_tokens_whole(tmp_path):
     im_end = tok.tok.token_to_id("<|im_end|>")
     assert llm._model.token_eot() == im_end and llama_cpp.llama_vocab_is_eog(llm._model.vocab, im_end)
     assert llm._model.n_ctx_train() == 64
+
+
+def _gguf_tokens_benchmark():
+    """benchmarks/gguf_tokens.py as a module (its llama.cpp side runs under its own interpreter)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gguf_tokens.py"
+    spec = importlib.util.spec_from_file_location("gguf_tokens", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow  # trains three tiny runs (two on 128k-152k vocabularies, ~4 min on 2 cores), loads each in llama.cpp
+@pytest.mark.skipif(not (TOKENIZERS / "qwen3" / "tokenizer.json").is_file(),
+                    reason="../shared/data/tokenizers not present (fresh clone)")
+def test_llama_cpp_reads_trained_exports_as_we_do(tmp_path):
+    """Trained Qwen3, Llama 3.1 and character runs exported by `scaletrain export --format gguf`, read by llama.cpp
+    (llama-cpp-python, in whichever interpreter has it: $LLAMA_CPP_PYTHON, this one, ../llvenv): texts with special
+    tokens and chat-template text encode to our ids (<think> one token), the token types are the converter's, the
+    padding id, trained context and end of turn ours, greedy tokens ours, and a chat completion stops where ours
+    does. The 7347daa exporter fails six of these (benchmarks/results/gguf_tokens_before.json)."""
+    import json
+    import subprocess
+    import sys
+
+    bench = _gguf_tokens_benchmark()
+    if bench.llama_cpp_python() is None:
+        pytest.skip("no interpreter imports llama_cpp: set LLAMA_CPP_PYTHON to one (python -m venv V && "
+                    "V/bin/pip install llama-cpp-python; builds llama.cpp, ~15 min)")
+    out = tmp_path / "gguf_tokens.json"
+    proc = subprocess.run([sys.executable, bench.__file__, "--out", str(out), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True)
+    assert out.is_file(), proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    failed = [r for r in rows if not r["pass"]]
+    assert not failed, failed
+    checks = {(r["family"], r["check"]) for r in rows}
+    expected = {"tokenize_special", "token_types", "padding_id", "context_length", "end_of_turn", "greedy",
+                "chat_stops", "no_lock_left"}
+    assert all((family, check) in checks for family in ("qwen3", "llama3_1", "char") for check in expected)
+    assert ("qwen3", "think_one_token_plain") in checks and proc.returncode == 0
+    chat = next(r for r in rows if r["family"] == "qwen3" and r["check"] == "chat_stops")
+    assert chat["scaletrain"]["stopped"] and chat["llama_cpp"]["finish_reason"] == "stop"  # it did reach the end
