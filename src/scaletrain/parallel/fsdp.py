@@ -33,12 +33,15 @@ def fsdp_policies(param_dtype: str, cpu_offload: bool) -> dict:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool, param_dtype: str = "fp32",
-               cpu_offload: bool = False) -> nn.Module:
+               cpu_offload: bool = False, ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Shard every block, then the root, over ``dp_mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP).
 
     Works on the meta device and on top of tensor parallelism (the DTensor params gain a dp dimension).
+    ``ignored_params``: left unsharded and unreduced (expert-parallel experts, already split over the same ranks).
     """
     kwargs = fsdp_policies(param_dtype, cpu_offload)
+    if ignored_params:
+        kwargs["ignored_params"] = ignored_params
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kwargs)
