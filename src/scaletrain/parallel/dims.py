@@ -39,6 +39,16 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return rounded if rounded - vocab_size <= VOCAB_MAX_PADDING * vocab_size else for_tp
 
 
+def check_expert_model(cfg: ParallelConfig, model: ModelConfig) -> None:
+    """What parallel.ep asks of the model: experts to split, as many on each rank."""
+    if cfg.ep > 1 and not model.moe_experts:
+        raise ConfigError(f"parallel.ep={cfg.ep} splits a mixture of experts, but the model is dense "
+                          f"(model.moe_experts = 0); set parallel.ep=1, or model.moe_experts")
+    if cfg.ep > 1 and model.moe_experts % cfg.ep:
+        raise ConfigError(f"model.moe_experts ({model.moe_experts}) must be divisible by parallel.ep ({cfg.ep}): "
+                          f"each expert-parallel rank holds as many experts")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Resolved degrees (no -1 left) whose product is the world size, plus the resolved ZeRO stage."""
@@ -145,12 +155,7 @@ class ParallelDims:
 
     def check_model(self, cfg: ParallelConfig, model: ModelConfig, seq_len: int, batch_size: int) -> None:
         """Divisibility the model and batch must satisfy for these degrees (vocab checked when known)."""
-        if self.ep > 1 and not model.moe_experts:
-            raise ConfigError(f"parallel.ep={self.ep} splits a mixture of experts, but the model is dense "
-                              f"(model.moe_experts = 0); set parallel.ep=1, or model.moe_experts")
-        if self.ep > 1 and model.moe_experts % self.ep:
-            raise ConfigError(f"model.moe_experts ({model.moe_experts}) must be divisible by parallel.ep "
-                              f"({self.ep}): each expert-parallel rank holds as many experts")
+        check_expert_model(cfg, model)
         if self.tp > 1:
             for name, value in (("model.n_heads", model.n_heads), ("model.n_kv_heads", kv_heads(model)),
                                 ("the SwiGLU hidden size", ffn_hidden_dim(model))):

@@ -178,6 +178,9 @@ def muon_refusal(cfg: JobConfig) -> str | None:
     if par.tp > 1 or par.cp > 1:
         return ("optim.name=muon needs whole weight matrices: not with parallel.tp > 1 or parallel.cp > 1 "
                 "(FSDP2, parallel.dp_shard, gathers each matrix for its update)")
+    if par.ep > 1:
+        return ("optim.name=muon is not written for expert-parallel experts (parallel.ep > 1: each rank holds a "
+                "slice of the stacked experts); use optim.name=adamw, or parallel.ep=1")
     if par.engine != "native" or par.zero_stage == 1 or par.low_comm != "none":
         return ("optim.name=muon runs on the native engine with DDP or FSDP2 (parallel.zero_stage 0, 2 or 3, "
                 "parallel.low_comm=none); ZeRO-1, DeepSpeed and local SGD / DiLoCo build their own AdamW")

@@ -16,7 +16,7 @@ from scaletrain.finetune.qat import check_qat
 from scaletrain.parallel.compile import compile_mode_refusal, compiles_whole_model
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.deepspeed_engine import check_deepspeed
-from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.dims import ParallelDims, check_expert_model
 from scaletrain.train.adaptive import check_adaptive
 from scaletrain.train.fp8 import check_fp8_available
 from scaletrain.train.optimizer import OPTIMIZERS, optimizer_entry
@@ -167,6 +167,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     check_mup(cfg)
     check_optimizer(cfg)
     check_distillation(cfg, here)
+    check_expert_model(cfg.parallel, cfg.model)  # before the degrees: a dense model's ep names the model
     if precision == "fp8" and here:  # the device was checked with the precision (train/precision.py)
         check_fp8_available()
     if cfg.parallel.engine == "deepspeed":  # its own rules (ds_config, offload, ZeRO-3 x pp), data parallel only
