@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,26 +54,28 @@ def job(fields: dict, accum: int) -> JobConfig:
 def train(fields: dict, accum: int, world: int, rank: int, dp_size: int) -> dict:
     """STEPS steps of the job on ``world`` ranks (1: one process), rank ``rank`` of ``dp_size`` data-parallel ones
     taking its rows of each of the ``accum`` micro-batches (one process: every micro-batch and every rank's rows,
-    as ``accum * dp_size`` micro-batches)."""
+    as ``accum * dp_size`` micro-batches). ``seconds``: the STEPS steps' wall time."""
     cfg = job(fields, accum)
     dims = ParallelDims.from_config(cfg.parallel, world)
     pm, optimizer = build_parallel_training(cfg, dims, torch.device("cpu"))
     micro_per_step = accum if world > 1 else accum * dp_size
     rows = GLOBAL_BATCH // (accum * dp_size)
-    losses = []
+    losses, start = [], time.perf_counter()
     for step in range(STEPS):
         pieces = batches(step, accum * dp_size)  # micro-batch i of rank r: piece i * dp_size + r
         mine = pieces[rank::dp_size] if world > 1 else pieces
         assert all(len(x) == rows for x, _ in mine)
         micro = ((x, y, None) for x, y in mine)
         losses.append(training_step(pm, optimizer, micro, micro_per_step, StepOptions(grad_clip=OPTIM.grad_clip)).loss)
+    seconds = time.perf_counter() - start
     pm.sum_expert_counts("tokens_since_log", "dropped_since_log")  # as the trainer does before logging the load
     load = expert_load(pm.modules)
     biases = {layer: module.expert_bias.tolist() for layer, module in moe_layers(pm.modules[0])}
     expert_weights = [p for _, m in moe_layers(pm.modules[0]) for p in m.experts.parameters()]
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in expert_weights)
-    return {"losses": losses, "load": {k: v for k, v in load.items() if k.startswith("moe_tokens_per_expert/")},
-            "bias": biases, "expert_numel_local": local, "expert_numel": sum(p.numel() for p in expert_weights)}
+    return {"losses": losses, "seconds": seconds,
+            "load": {k: v for k, v in load.items() if k.startswith("moe_tokens_per_expert/")}, "bias": biases,
+            "expert_numel_local": local, "expert_numel": sum(p.numel() for p in expert_weights)}
 
 
 def main() -> int:
@@ -97,7 +100,8 @@ def main() -> int:
                         "load": got["load"], "reference_load": ref["load"], "reference_bias": ref["bias"],
                         "rank_bias": [g["bias"] for g in gathered],
                         "rank_expert_numel": [g["expert_numel_local"] for g in gathered],
-                        "expert_numel": got["expert_numel"]})
+                        "expert_numel": got["expert_numel"], "seconds": got["seconds"],
+                        "reference_seconds": ref["seconds"]})
         if rank == 0:
             print(f"{name:>16}: max rel diff {rel:.2e}", flush=True)
     if rank == 0:
