@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 from dist_parity import GLOBAL_BATCH, batches  # this folder is the script's sys.path[0] under torchrun
+from torch._dynamo.utils import counters as dynamo_counters
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
@@ -41,14 +42,18 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     "ep2_fsdp2": (dict(dp_shard=2, zero_stage=2, ep=2), 1),
     "ep2_fsdp_accum2": (dict(dp_shard=2, ep=2), 2),
     "ep2_ddp": (dict(dp_replicate=2, ep=2), 1),
+    "ep2_fsdp_ac": (dict(dp_shard=2, ep=2, activation_checkpointing="full"), 1),  # the forward's all-to-all again
+    "ep2_fsdp_compile": (dict(dp_shard=2, ep=2, compile="true"), 1),
     "moe_fsdp": (dict(dp_shard=2), 1),  # data parallel, every expert on every rank (FSDP2 shards them)
     "moe_ddp": (dict(dp_replicate=2), 1),
 }
 
 
 def job(fields: dict, accum: int) -> JobConfig:
+    fields = dict(fields)
+    compile = fields.pop("compile", "false")
     return JobConfig(model=MODEL, optim=OPTIM, parallel=ParallelConfig(**fields),
-                     train=TrainConfig(seed=SEED, compile="false", precision="fp32", grad_accum_steps=accum))
+                     train=TrainConfig(seed=SEED, compile=compile, precision="fp32", grad_accum_steps=accum))
 
 
 def train(fields: dict, accum: int, world: int, rank: int, dp_size: int) -> dict:
@@ -60,6 +65,7 @@ def train(fields: dict, accum: int, world: int, rank: int, dp_size: int) -> dict
     pm, optimizer = build_parallel_training(cfg, dims, torch.device("cpu"))
     micro_per_step = accum if world > 1 else accum * dp_size
     rows = GLOBAL_BATCH // (accum * dp_size)
+    frames_before = dynamo_counters["frames"]["ok"]
     losses, start = [], time.perf_counter()
     for step in range(STEPS):
         pieces = batches(step, accum * dp_size)  # micro-batch i of rank r: piece i * dp_size + r
@@ -73,7 +79,7 @@ def train(fields: dict, accum: int, world: int, rank: int, dp_size: int) -> dict
     biases = {layer: module.expert_bias.tolist() for layer, module in moe_layers(pm.modules[0])}
     expert_weights = [p for _, m in moe_layers(pm.modules[0]) for p in m.experts.parameters()]
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in expert_weights)
-    return {"losses": losses, "seconds": seconds,
+    return {"losses": losses, "seconds": seconds, "compiled_frames": dynamo_counters["frames"]["ok"] - frames_before,
             "load": {k: v for k, v in load.items() if k.startswith("moe_tokens_per_expert/")}, "bias": biases,
             "expert_numel_local": local, "expert_numel": sum(p.numel() for p in expert_weights)}
 
@@ -101,7 +107,7 @@ def main() -> int:
                         "rank_bias": [g["bias"] for g in gathered],
                         "rank_expert_numel": [g["expert_numel_local"] for g in gathered],
                         "expert_numel": got["expert_numel"], "seconds": got["seconds"],
-                        "reference_seconds": ref["seconds"]})
+                        "reference_seconds": ref["seconds"], "compiled_frames": got["compiled_frames"]})
         if rank == 0:
             print(f"{name:>16}: max rel diff {rel:.2e}", flush=True)
     if rank == 0:

@@ -148,10 +148,6 @@ class ParallelDims:
             raise ConfigError(f"parallel.ep={self.ep}: parallel.balance={cfg.balance} gives ranks different numbers "
                               f"of micro-batches, and every forward's all-to-all needs every rank; set "
                               f"parallel.balance=none")
-        if cfg.activation_checkpointing != "none":
-            raise ConfigError(f"parallel.ep={self.ep} with parallel.activation_checkpointing="
-                              f"{cfg.activation_checkpointing} is not tested yet (the recomputed forward repeats "
-                              f"the all-to-all); set parallel.activation_checkpointing=none")
 
     def check_model(self, cfg: ParallelConfig, model: ModelConfig, seq_len: int, batch_size: int) -> None:
         """Divisibility the model and batch must satisfy for these degrees (vocab checked when known)."""

@@ -105,8 +105,6 @@ def decide(cfg: JobConfig, device: torch.device, world_size: int, whole_model: b
     if method_entry(cfg.finetune.method).quantized_base:
         return False, ("train.compile=auto: eager (QLoRA's model runs eagerly; finetune.qlora_compile compiles the "
                        "dequantization of its 4-bit base alone)")
-    if cfg.parallel.ep > 1:
-        return False, "train.compile=auto: eager (parallel.ep's all-to-all dispatch runs eagerly for now)"
     if device.type != "cpu":
         return True, f"train.compile=auto: compiling (a {device.type} run; a compiled step saves 20-40% there)"
     rec = read_record(shape_key(cfg, device, whole_model))

@@ -130,17 +130,14 @@ def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
     """What a mixture of experts (model.moe_experts > 0) does not run with yet, one line each: tensor, pipeline and
     context parallelism and local SGD / DiLoCo (data parallelism, DDP or FSDP2, with or without parallel.ep, is what
     runs), DeepSpeed, muP (its learning-rate groups know no stacked experts) and the adapter methods (LoRA and the
-    others adapt nn.Linear projections: the experts' stacked weights would stay frozen, silently). torch.compile
-    with parallel.ep too (the dispatch reads its split sizes back, untested compiled)."""
+    others adapt nn.Linear projections: the experts' stacked weights would stay frozen, silently)."""
     if not cfg.model.moe_experts:
         return
     if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or cfg.parallel.low_comm != "none":
         raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts}: a mixture of experts trains with data "
                           f"parallelism (DDP, FSDP2) and expert parallelism (parallel.ep) for now; set parallel.tp, "
                           f"parallel.pp and parallel.cp to 1 and parallel.low_comm=none")
-    if dims.ep > 1 and cfg.train.compile == "true":
-        raise ConfigError(f"parallel.ep={dims.ep} runs eagerly for now (the all-to-all dispatch is not tested "
-                          f"under torch.compile); set train.compile=false")
+
     if cfg.parallel.engine == "deepspeed":
         raise ConfigError("model.moe_experts: a mixture of experts runs on the native engine only; drop "
                           "--parallel.engine=deepspeed")
