@@ -1,8 +1,8 @@
 """Expert parallelism (parallel.ep, parallel/expert.py) and a mixture of experts under data parallelism.
 
-Distributed (real gloo ranks under torchrun): the trainer's build and step on 2 ranks against one process for 10
-steps (tests/helpers/ep_parity.py; EP=2 with FSDP2 ZeRO-3 and ZeRO-2, with accumulation, with full activation
-checkpointing, compiled, with DDP, and MoE with
+Distributed (real gloo ranks under torchrun): the trainer's build and step on 2 and 4 ranks against one process
+for 10 steps (tests/helpers/ep_parity.py; EP=2 with FSDP2 ZeRO-3 and ZeRO-2, with accumulation, with full activation
+checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2; and MoE with
 FSDP2 / DDP without EP), and ``scaletrain train`` under torchrun with EP=2: parity with one process, a bitwise
 resume on 2 ranks and a resume onto one process (EP=1) from the same DCP checkpoint. Not distributed: the
 layouts refused, one line each.
@@ -36,22 +36,40 @@ def ep_runs(tmp_path_factory) -> dict:
     return {r["strategy"]: r for r in json.loads(out.read_text())}
 
 
+EP_STRATEGIES_4 = ["ep2_fsdp4", "ep4_fsdp4"]  # 4 ranks: ep 2 (each expert FSDP2-sharded over 2 ranks) and 4
+
+
+@pytest.fixture(scope="module")
+def ep_runs_4(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("ep4") / "results.json"
+    torchrun(4, str(HELPERS / "ep_parity.py"), "--out", str(out), "--strategies", ",".join(EP_STRATEGIES_4))
+    return {r["strategy"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.fixture
+def ep_run(request):
+    """The record of the strategy named by the test's parameter, from the launch of its world size."""
+    strategy = request.param
+    runs = request.getfixturevalue("ep_runs_4" if strategy in EP_STRATEGIES_4 else "ep_runs")
+    return runs[strategy]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", EP_STRATEGIES)
-def test_two_ranks_equal_one_process_over_10_steps(ep_runs, strategy):
-    record = ep_runs[strategy]
+@pytest.mark.parametrize("ep_run", EP_STRATEGIES + EP_STRATEGIES_4, indirect=True)
+def test_ranks_equal_one_process_over_10_steps(ep_run):
+    record = ep_run
     assert len(record["parallel"]) == len(record["reference"]) == 10
     assert record["reference"][-1] < record["reference"][0] - 1.0  # it learns: a wrong update would show
     assert record["max_rel_diff"] < PARITY_RTOL, (record["reference"], record["parallel"])
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", EP_STRATEGIES)
-def test_expert_bias_and_logged_load_are_the_global_ones(ep_runs, strategy):
+@pytest.mark.parametrize("ep_run", EP_STRATEGIES + EP_STRATEGIES_4, indirect=True)
+def test_expert_bias_and_logged_load_are_the_global_ones(ep_run):
     """Every rank moves the bias the one process moves (counts summed over the ranks), and the load logged is the
     tokens of every rank, not rank 0's."""
-    record = ep_runs[strategy]
-    assert record["rank_bias"][0] == record["rank_bias"][1] == record["reference_bias"]
+    record = ep_run
+    assert all(bias == record["reference_bias"] for bias in record["rank_bias"])
     assert any(v != 0 for bias in record["reference_bias"].values() for v in bias)  # the bias moved
     assert record["load"] == record["reference_load"]
 
@@ -63,11 +81,11 @@ def test_the_compiled_strategy_really_compiles(ep_runs):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy,share", [("ep2_fsdp", 0.5), ("ep2_ddp", 0.5), ("moe_fsdp", 0.5),
-                                            ("moe_ddp", 1.0)])
-def test_each_ep_rank_holds_its_share_of_the_experts(ep_runs, strategy, share):
-    record = ep_runs[strategy]
-    assert record["rank_expert_numel"] == [record["expert_numel"] * share] * 2
+@pytest.mark.parametrize("ep_run,share", [("ep2_fsdp", 0.5), ("ep2_ddp", 0.5), ("moe_fsdp", 0.5), ("moe_ddp", 1.0),
+                                          ("ep2_fsdp4", 0.25), ("ep4_fsdp4", 0.25)], indirect=["ep_run"])
+def test_each_rank_holds_its_share_of_the_experts(ep_run, share):
+    record = ep_run
+    assert record["rank_expert_numel"] == [record["expert_numel"] * share] * len(record["rank_expert_numel"])
 
 
 MOE_FLAGS = ["--model.moe_experts=4", "--model.moe_hidden_dim=64", "--model.moe_bias_rate=0.01",
@@ -129,8 +147,10 @@ def dims_of(world: int, **parallel) -> ParallelDims:
     (4, dict(dp_shard=2, tp=2, ep=2), "parallel.ep=2 runs with data parallelism only"),
     (4, dict(dp_shard=2, pp=2, ep=2), "parallel.ep=2 runs with data parallelism only"),
     (4, dict(dp_replicate=2, dp_shard=2, ep=2), "with HSDP"),
-    (4, dict(dp_shard=4, ep=2), "parallel.ep (2) must equal the data-parallel degree (4)"),
-    (1, dict(ep=2), "parallel.ep (2) must equal the data-parallel degree (1)"),
+    (4, dict(dp_shard=4, ep=2), None),  # each expert sharded by FSDP2 over the 2 ranks it is replicated on
+    (6, dict(dp_shard=6, ep=4), "parallel.ep (4) must divide parallel.dp_shard (6)"),
+    (4, dict(dp_replicate=4, ep=2), "parallel.ep (2) must equal parallel.dp_replicate (4) under DDP"),
+    (1, dict(ep=2), "parallel.ep=2 splits the experts over data-parallel ranks, and there are none here"),
     (2, dict(dp_replicate=2, zero_stage=1, ep=2), "ZeroRedundancyOptimizer (zero_stage=1) and low_comm"),
     (2, dict(dp_replicate=2, low_comm="diloco", ep=2), "ZeroRedundancyOptimizer (zero_stage=1) and low_comm"),
     (2, dict(dp_shard=2, balance="throughput", ep=2), "parallel.balance=throughput"),
@@ -156,7 +176,8 @@ def test_expert_parallel_refuses_muon():
 @pytest.mark.parametrize("flags,message", [
     (["--model.moe_experts=3", "--parallel.ep=2"], "model.moe_experts (3) must be divisible by parallel.ep (2)"),
     (["--parallel.ep=2"], "parallel.ep=2 splits a mixture of experts, but the model is dense"),
-    (["--model.moe_experts=4", "--parallel.ep=2"], "parallel.ep (2) must equal the data-parallel degree (1)"),
+    (["--model.moe_experts=4", "--parallel.ep=2"], "parallel.ep=2 splits the experts over data-parallel ranks, and "
+                                                   "there are none here"),
 ])
 def test_bad_expert_parallel_options_exit_2_with_one_line(flags, message, tmp_path, capsys):
     assert main(["train", f"--train.run_dir={tmp_path / 'run'}", *flags]) == 2

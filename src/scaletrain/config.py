@@ -213,8 +213,9 @@ class ParallelConfig:
     cp: int = opt(1, "context-parallel degree (sequence split; GPU only)", ge=1)
     ep: int = opt(1, "expert-parallel degree of a mixture of experts (model.moe_experts), borrowed from the "
                      "data-parallel ranks (torchtitan's dp2ep: no mesh dimension of its own): each expert lives "
-                     "on one of ep ranks, tokens travel to it by all-to-all; must equal the data-parallel degree "
-                     "in use (dp_shard with FSDP2, or dp_replicate with DDP); 1 = every rank holds every expert",
+                     "on one of ep ranks, tokens travel to it by all-to-all; must divide dp_shard (FSDP2, which shards "
+                     "each expert over the dp_shard / ep others) or equal dp_replicate (DDP); 1 = every rank holds "
+                     "every expert",
                   ge=1)
     zero_stage: int = opt(-1, "-1 = auto (3 with dp_shard > 1, else 0); 0 plain DDP, 1 ZeroRedundancyOptimizer "
                               "over DDP, 2 FSDP2 keeping params after forward, 3 FSDP2 resharding after forward",

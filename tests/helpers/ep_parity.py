@@ -44,7 +44,10 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     "ep2_ddp": (dict(dp_replicate=2, ep=2), 1),
     "ep2_fsdp_ac": (dict(dp_shard=2, ep=2, activation_checkpointing="full"), 1),  # the forward's all-to-all again
     "ep2_fsdp_compile": (dict(dp_shard=2, ep=2, compile="true"), 1),
-    "moe_fsdp": (dict(dp_shard=2), 1),  # data parallel, every expert on every rank (FSDP2 shards them)
+    "moe_fsdp": (dict(dp_shard=2), 1),
+    # 4 ranks: each expert on one of 2 ranks and sharded by FSDP2 over the 2 others
+    "ep2_fsdp4": (dict(dp_shard=4, ep=2), 1),
+    "ep4_fsdp4": (dict(dp_shard=4, ep=4), 1),  # data parallel, every expert on every rank (FSDP2 shards them)
     "moe_ddp": (dict(dp_replicate=2), 1),
 }
 

@@ -135,11 +135,17 @@ class ParallelDims:
         if self.dp_replicate > 1 and self.dp_shard > 1:
             raise ConfigError(f"parallel.ep={self.ep} with HSDP (dp_replicate {self.dp_replicate} x dp_shard "
                               f"{self.dp_shard}) is not written yet; use parallel.dp_shard={self.ep} alone")
-        if self.ep != self.dp_size:
-            raise ConfigError(f"parallel.ep ({self.ep}) must equal the data-parallel degree ({self.dp_size}): the "
-                              f"experts are split over the data-parallel ranks, none replicated (experts "
-                              f"replicated over a further data-parallel dimension are not written yet); set "
-                              f"parallel.ep={self.dp_size}")
+        if self.dp_size == 1:
+            raise ConfigError(f"parallel.ep={self.ep} splits the experts over data-parallel ranks, and there are none "
+                              f"here; launch ep ranks or more under torchrun with parallel.dp_shard (or "
+                              f"dp_replicate), or set parallel.ep=1")
+        if self.dp_shard > 1 and self.dp_shard % self.ep:
+            raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp_shard ({self.dp_shard}): the experts "
+                              f"are split over ep of the FSDP2 ranks and sharded over the dp_shard / ep others")
+        if self.dp_shard == 1 and self.ep != self.dp_replicate:
+            raise ConfigError(f"parallel.ep ({self.ep}) must equal parallel.dp_replicate ({self.dp_replicate}) under "
+                              f"DDP (experts replicated over DDP ranks are not reduced apart from the dense part); "
+                              f"set parallel.ep={self.dp_replicate}, or shard with parallel.dp_shard")
         if self.zero_stage == 1 or cfg.low_comm != "none":
             raise ConfigError(f"parallel.ep={self.ep}: ZeroRedundancyOptimizer (zero_stage=1) and low_comm would "
                               f"broadcast or average experts that are not replicas; use FSDP2 (dp_shard) or plain "

@@ -1,10 +1,8 @@
 """Expert parallelism (``parallel.ep``): a mixture of experts' experts split across the data-parallel ranks.
 
 The degree is borrowed from the data-parallel dimension, as torchtitan's dp2ep: the ep ranks are data-parallel
-ranks (each reads its own rows), so ep adds no mesh dimension and no idle rank. Here ep equals the one
-data-parallel degree in use (``parallel.dp_shard`` under FSDP2, ``parallel.dp_replicate`` under DDP), so every
-expert lives on exactly one rank and nothing about the experts is replicated (``ParallelDims`` refuses other
-layouts).
+ranks (each reads its own rows), so ep adds no idle rank. ep divides ``parallel.dp_shard`` under FSDP2 or equals
+``parallel.dp_replicate`` under DDP (``ParallelDims`` refuses other layouts).
 
 - The experts' stacked weights (E, ., .) become DTensors ``Shard(0)`` on that dimension's mesh: rank r holds
   experts [r * E/ep, (r + 1) * E/ep). A checkpoint (DCP) therefore holds every expert once, and loads onto
@@ -13,10 +11,12 @@ layouts).
   dispatch -> the local experts (``GroupedExperts.compute`` on the local slices) -> combine, the two moves
   ``all_to_all_single`` (torch's functional, autograd-capable collective), the counts exchanged first with
   ``dist.all_to_all_single``. The model's code is unchanged.
-- The dense part is averaged over the data-parallel ranks by FSDP2 / DDP, which ignore the experts. An
-  expert's gradient arrives through the all-to-all's backward as the sum over the ranks of each rank's loss
-  gradient: it is divided by the data-parallel degree in the backward (``_ScaleGradient``), so it is the
-  gradient of the mean loss, as the dense part's is.
+- The dense part is averaged over the data-parallel ranks by FSDP2 / DDP. An expert's gradient arrives through
+  the all-to-all's backward as the sum over the ep ranks of each one's loss gradient: it is divided by ep in the
+  backward (``_ScaleGradient``). With ep = the data-parallel degree FSDP2 / DDP ignore the experts, and that is
+  the gradient of the mean loss, as the dense part's is. With ep < dp_shard (FSDP2 only) each expert is
+  replicated over dp_shard / ep ranks (``expert_meshes``): FSDP2 shards it over them and averages its gradient
+  there, which makes the same mean.
 - The expert-bias counts and the logged load are summed over the data-parallel ranks (``sum_expert_counts``),
   so every rank moves the same bias and logs the global load.
 """
@@ -79,6 +79,22 @@ def _expert_parallel_forward(self: GroupedExperts, x: torch.Tensor, counts: torc
     out = self.compute(rows[order], received.sum(0), *weights)  # (M', d), grouped by local expert
     back = out[order.argsort()]  # (M', d) as the rows came: by source rank
     return all_to_all_single_autograd(back, input_splits, output_splits, group)  # (M, d)
+
+
+def expert_meshes(mesh: DeviceMesh, dp_dim: str, ep: int) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(the mesh the experts are split over, the mesh they are replicated over: None when ep is the whole
+    ``dp_dim``). With ep < dp_shard the dimension is unflattened into (dp_shard / ep, ep), torchtitan's
+    dp_shard_mod_ep x ep: the experts are split over the inner ranks and FSDP2 shards them over the outer ones."""
+    dp = mesh[dp_dim]
+    if dp.size() == ep:
+        return dp, None
+    split = dp._unflatten(0, (dp.size() // ep, ep), (f"{dp_dim}_mod_ep", "ep"))
+    return split["ep"], split[f"{dp_dim}_mod_ep"]
+
+
+def expert_modules(model: nn.Module) -> list[GroupedExperts]:
+    """The expert-parallel experts of ``model`` (what FSDP2 shards over the mesh they are replicated on)."""
+    return [layer.experts for _, layer in moe_layers(model) if hasattr(layer.experts, "ep_group")]
 
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:

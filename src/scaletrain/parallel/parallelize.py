@@ -31,7 +31,14 @@ from scaletrain.parallel.compile import apply_compile, compiles_whole_model
 from scaletrain.parallel.context import context_parallel_context
 from scaletrain.parallel.ddp import CommCounter, apply_ddp
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.parallel.expert import apply_ep, expert_parameters, ignore_experts_in_ddp, sum_expert_counts
+from scaletrain.parallel.expert import (
+    apply_ep,
+    expert_meshes,
+    expert_modules,
+    expert_parameters,
+    ignore_experts_in_ddp,
+    sum_expert_counts,
+)
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.init import materialize
 from scaletrain.parallel.low_comm import LowCommSync, ReplicaSync
@@ -126,15 +133,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
     for part in parts:
         if dims.tp > 1:  # 2. tensor (+ sequence) parallel
             apply_tp(part, mesh["tp"], sequence_parallel=cfg.sequence_parallel)
+        replicated_over = None  # the mesh FSDP2 shards the experts over when ep < dp_shard
         if dims.ep > 1:  # 2b. expert parallel, over the data-parallel dimension it borrows
-            apply_ep(part, mesh["dp_shard" if dims.dp_shard > 1 else "dp_replicate"], grad_divisor=dims.dp_size)
+            ep_mesh, replicated_over = expert_meshes(mesh, "dp_shard" if dims.dp_shard > 1 else "dp_replicate",
+                                                     dims.ep)
+            apply_ep(part, ep_mesh, grad_divisor=dims.ep)
         apply_ac(part, cfg.activation_checkpointing, cfg.ac_every)  # 3.
         if compile:  # 4.
             apply_compile(part, whole_model=compiles_whole_model(dims, cfg), mode=compile_mode)
         if dims.dp_shard > 1 or dims.cp > 1:  # 5. FSDP2 (HSDP with dp_replicate > 1)
             apply_fsdp(part, _dp_mesh(mesh, dims), reshard_after_forward=dims.zero_stage == 3,
                        param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload,
-                       ignored_params=expert_parameters(part))
+                       ignored_params=expert_parameters(part) if replicated_over is None else None,
+                       experts=(expert_modules(part), replicated_over) if replicated_over is not None else None)
     materialize(parts, model_cfg, device, seed, distributed=dims.world_size > 1, weights=init_weights)  # 6.
 
     pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, device=device,
