@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from scaletrain.model.moe import GroupedExperts, moe_layers
 
@@ -53,7 +53,8 @@ class _ScaleGradient(torch.autograd.Function):
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: int) -> None:
     """Shard every sparse layer's experts of ``model`` (on the meta device, or materialized) along their first
     dimension over the 1-D ``ep_mesh``, and route their tokens through the ranks (the module docstring).
-    ``grad_divisor``: the data-parallel degree the dense gradients are averaged over."""
+    ``grad_divisor``: what the experts' gradients are divided by in the backward: ep, the ranks whose losses
+    their gradient sums (the module docstring)."""
     for _, layer in moe_layers(model):
         experts = layer.experts
         for name in EXPERT_WEIGHTS:
@@ -99,12 +100,7 @@ def expert_modules(model: nn.Module) -> list[GroupedExperts]:
 
 def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
     """The expert-parallel (sharded) expert weights of ``model``: what FSDP2 and DDP leave alone."""
-    return {p for p in model.parameters() if isinstance(p, DTensor) and _is_expert_parallel(p, model)}
-
-
-def _is_expert_parallel(param: nn.Parameter, model: nn.Module) -> bool:
-    return any(getattr(layer.experts, name) is param for _, layer in moe_layers(model)
-               if hasattr(layer.experts, "ep_group") for name in EXPERT_WEIGHTS)
+    return {p for module in expert_modules(model) for p in module.parameters()}
 
 
 def ignore_experts_in_ddp(model: nn.Module) -> None:
