@@ -211,6 +211,12 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel degree (heads and MLP columns split across ranks)", ge=1)
     pp: int = opt(1, "pipeline-parallel degree (blocks split into stages)", ge=1)
     cp: int = opt(1, "context-parallel degree (sequence split; GPU only)", ge=1)
+    ep: int = opt(1, "expert-parallel degree of a mixture of experts (model.moe_experts), borrowed from the "
+                     "data-parallel ranks (torchtitan's dp2ep: no mesh dimension of its own): each expert lives "
+                     "on one of ep ranks, tokens travel to it by all-to-all; must divide dp_shard (FSDP2, which shards "
+                     "each expert over the dp_shard / ep others) or equal dp_replicate (DDP); 1 = every rank holds "
+                     "every expert",
+                  ge=1)
     zero_stage: int = opt(-1, "-1 = auto (3 with dp_shard > 1, else 0); 0 plain DDP, 1 ZeroRedundancyOptimizer "
                               "over DDP, 2 FSDP2 keeping params after forward, 3 FSDP2 resharding after forward",
                           ge=-1, le=3)

@@ -13,9 +13,10 @@ in evaluation); the auxiliary-loss-free expert bias (DeepSeek-V3) picks the expe
 moves after each optimizer step (``update_expert_bias``, called by the training step). The tokens each expert
 took are counted for both and for the trainer's metrics (``expert_load``).
 
-Pure PyTorch: nothing here knows about distribution (expert parallelism would shard the experts' first
-dimension and dispatch the sorted tokens; the load counts are then summed over the data-parallel ranks before
-the bias moves: see ``update_expert_bias``).
+Pure PyTorch: nothing here knows about distribution. Expert parallelism (parallel/expert.py) shards the
+experts' first dimension and replaces ``GroupedExperts.forward`` with a dispatch of the sorted tokens to the
+ranks holding their experts, ``GroupedExperts.compute`` there, and the way back; the load counts are summed over
+the data-parallel ranks before the bias moves (parallel/expert.py ``sum_expert_counts``).
 """
 
 from __future__ import annotations
@@ -97,9 +98,16 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, d): the routed tokens sorted by expert, ``counts`` (E,) of them each -> (M, d)."""
+        return self.compute(x, counts, self.w1, self.w2, self.w3)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor) -> torch.Tensor:
+        """The experts whose stacked weights are w1, w3 (E', h, d), w2 (E', d, h) on x (M, d) sorted by expert,
+        ``counts`` (E',) rows each -> (M, d). ``forward`` passes all of this module's experts; expert
+        parallelism (parallel/expert.py) passes the slice a rank holds, on the tokens sent to it."""
         if torch.is_autocast_enabled(x.device.type):  # as nn.Linear under autocast: operands in its dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         act = _activation(self.activation)
         if grouped_mm_fits(x, w1, w2):
             offsets = counts.cumsum(0, dtype=torch.int32)  # (E,): where each expert's rows end
@@ -266,10 +274,9 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
 def update_expert_bias(models: list[nn.Module]) -> None:
     """After an optimizer step: each sparse layer's bias moved by the tokens its experts took in the step.
 
-    Single process: the counts are this process's. With data parallelism they must first be summed over the
-    data-parallel ranks (an all-reduce of each ``tokens_since_update`` on the dp group, as torchtitan's
-    ``_update_expert_bias``), so that every rank moves the same bias: that belongs with the parallel code, which
-    calls this after the reduction (not written yet: ``train/validate.py`` refuses MoE with data parallelism)."""
+    Single process: the counts are this process's. With data parallelism they are first summed over the
+    data-parallel ranks (parallel/expert.py ``sum_expert_counts``, called by the training step before this, as
+    torchtitan's ``_update_expert_bias``), so that every rank moves the same bias."""
     for model in models:
         for _, layer in moe_layers(model):
             layer.update_bias()

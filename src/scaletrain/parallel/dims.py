@@ -39,6 +39,16 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return rounded if rounded - vocab_size <= VOCAB_MAX_PADDING * vocab_size else for_tp
 
 
+def check_expert_model(cfg: ParallelConfig, model: ModelConfig) -> None:
+    """What parallel.ep asks of the model: experts to split, as many on each rank."""
+    if cfg.ep > 1 and not model.moe_experts:
+        raise ConfigError(f"parallel.ep={cfg.ep} splits a mixture of experts, but the model is dense "
+                          f"(model.moe_experts = 0); set parallel.ep=1, or model.moe_experts")
+    if cfg.ep > 1 and model.moe_experts % cfg.ep:
+        raise ConfigError(f"model.moe_experts ({model.moe_experts}) must be divisible by parallel.ep ({cfg.ep}): "
+                          f"each expert-parallel rank holds as many experts")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Resolved degrees (no -1 left) whose product is the world size, plus the resolved ZeRO stage."""
@@ -50,6 +60,7 @@ class ParallelDims:
     pp: int
     world_size: int
     zero_stage: int
+    ep: int = 1  # expert parallel: borrowed from the data-parallel degree, no mesh dimension (parallel/expert.py)
 
     # -- construction and validation --------------------------------------------------------------
     @classmethod
@@ -79,7 +90,7 @@ class ParallelDims:
                 f"cp={degrees['cp']} x tp={degrees['tp']} x pp={degrees['pp']} = {product}, but the world size is "
                 f"{world_size}; set them to multiply to {world_size} (e.g. --parallel.dp_shard=-1)")
         zero = cfg.zero_stage if cfg.zero_stage != -1 else (3 if degrees["dp_shard"] > 1 else 0)
-        dims = cls(world_size=world_size, zero_stage=zero, **degrees)
+        dims = cls(world_size=world_size, zero_stage=zero, ep=cfg.ep, **degrees)
         dims._check_combination(cfg)
         return dims
 
@@ -107,14 +118,46 @@ class ParallelDims:
             if cfg.zero_stage not in (-1, 0):
                 raise ConfigError(f"parallel.low_comm={cfg.low_comm} keeps full optimizer states per replica; "
                                   f"leave parallel.zero_stage at -1 or 0")
+        if self.ep > 1:
+            self._check_expert_parallel(cfg)
         if cfg.pp_schedule == "interleaved_1f1b" and self.pp > 1 and cfg.pp_virtual_stages < 2:
             raise ConfigError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2")
         if cfg.pp_schedule != "interleaved_1f1b" and cfg.pp_virtual_stages != 1:
             raise ConfigError(f"parallel.pp_virtual_stages={cfg.pp_virtual_stages} needs "
                               f"parallel.pp_schedule=interleaved_1f1b (gpipe and 1f1b run one stage per rank)")
 
+    def _check_expert_parallel(self, cfg: ParallelConfig) -> None:
+        """parallel.ep > 1: the layouts written and tested (parallel/expert.py), each refusal saying what runs."""
+        if self.tp > 1 or self.pp > 1 or self.cp > 1:
+            raise ConfigError(f"parallel.ep={self.ep} runs with data parallelism only (FSDP2 or DDP); tensor, "
+                              f"pipeline and context parallelism with experts are not written yet: set "
+                              f"parallel.tp, parallel.pp and parallel.cp to 1")
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            raise ConfigError(f"parallel.ep={self.ep} with HSDP (dp_replicate {self.dp_replicate} x dp_shard "
+                              f"{self.dp_shard}) is not written yet; use parallel.dp_shard={self.ep} alone")
+        if self.dp_size == 1:
+            raise ConfigError(f"parallel.ep={self.ep} splits the experts over data-parallel ranks, and there are none "
+                              f"here; launch ep ranks or more under torchrun with parallel.dp_shard (or "
+                              f"dp_replicate), or set parallel.ep=1")
+        if self.dp_shard > 1 and self.dp_shard % self.ep:
+            raise ConfigError(f"parallel.ep ({self.ep}) must divide parallel.dp_shard ({self.dp_shard}): the experts "
+                              f"are split over ep of the FSDP2 ranks and sharded over the dp_shard / ep others")
+        if self.dp_shard == 1 and self.ep != self.dp_replicate:
+            raise ConfigError(f"parallel.ep ({self.ep}) must equal parallel.dp_replicate ({self.dp_replicate}) under "
+                              f"DDP (experts replicated over DDP ranks are not reduced apart from the dense part); "
+                              f"set parallel.ep={self.dp_replicate}, or shard with parallel.dp_shard")
+        if self.zero_stage == 1 or cfg.low_comm != "none":
+            raise ConfigError(f"parallel.ep={self.ep}: ZeroRedundancyOptimizer (zero_stage=1) and low_comm would "
+                              f"broadcast or average experts that are not replicas; use FSDP2 (dp_shard) or plain "
+                              f"DDP (dp_replicate, zero_stage 0)")
+        if cfg.balance != "none":
+            raise ConfigError(f"parallel.ep={self.ep}: parallel.balance={cfg.balance} gives ranks different numbers "
+                              f"of micro-batches, and every forward's all-to-all needs every rank; set "
+                              f"parallel.balance=none")
+
     def check_model(self, cfg: ParallelConfig, model: ModelConfig, seq_len: int, batch_size: int) -> None:
         """Divisibility the model and batch must satisfy for these degrees (vocab checked when known)."""
+        check_expert_model(cfg, model)
         if self.tp > 1:
             for name, value in (("model.n_heads", model.n_heads), ("model.n_kv_heads", kv_heads(model)),
                                 ("the SwiGLU hidden size", ffn_hidden_dim(model))):

@@ -33,12 +33,20 @@ def fsdp_policies(param_dtype: str, cpu_offload: bool) -> dict:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool, param_dtype: str = "fp32",
-               cpu_offload: bool = False) -> nn.Module:
+               cpu_offload: bool = False, ignored_params: set[nn.Parameter] | None = None,
+               experts: tuple[list[nn.Module], DeviceMesh] | None = None) -> nn.Module:
     """Shard every block, then the root, over ``dp_mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP).
 
     Works on the meta device and on top of tensor parallelism (the DTensor params gain a dp dimension).
+    ``ignored_params``: left unsharded and unreduced (expert-parallel experts, already split over the same ranks).
+    ``experts``: expert-parallel expert modules and the part of the data-parallel ranks they are replicated over
+    (parallel/expert.py): each sharded there first, its own unit, so its gradient is averaged over those ranks.
     """
     kwargs = fsdp_policies(param_dtype, cpu_offload)
+    for module in experts[0] if experts else ():
+        fully_shard(module, mesh=experts[1], reshard_after_forward=reshard_after_forward, **kwargs)
+    if ignored_params:
+        kwargs["ignored_params"] = ignored_params
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kwargs)

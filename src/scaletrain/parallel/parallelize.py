@@ -3,6 +3,8 @@
 Order (each step's reason in brackets):
   1. pipeline split     [cut the meta model into stages first: everything below applies per stage]
   2. tensor/sequence    [DTensor plans need the plain nn.Linear/RMSNorm modules, before any wrapping]
+     expert parallel    [experts split over the data-parallel ranks (parallel/expert.py): before FSDP2 and
+                         DDP, which then leave them alone]
   3. activation ckpt    [wraps block forwards; must see the TP-converted blocks]
   4. torch.compile      [after AC so recomputation is compiled too, before FSDP hooks; the whole model
                          when nothing hooks into its blocks (no PP, TP, AC, FSDP or DDP), else per block]
@@ -29,6 +31,14 @@ from scaletrain.parallel.compile import apply_compile, compiles_whole_model
 from scaletrain.parallel.context import context_parallel_context
 from scaletrain.parallel.ddp import CommCounter, apply_ddp
 from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.expert import (
+    apply_ep,
+    expert_meshes,
+    expert_modules,
+    expert_parameters,
+    ignore_experts_in_ddp,
+    sum_expert_counts,
+)
 from scaletrain.parallel.fsdp import apply_fsdp
 from scaletrain.parallel.init import materialize
 from scaletrain.parallel.low_comm import LowCommSync, ReplicaSync
@@ -65,11 +75,18 @@ class ParallelModel:
 
     @property
     def sharded(self) -> bool:
-        """True when no rank holds the whole model as plain tensors (FSDP, TP or PP)."""
-        return self.dims.dp_shard > 1 or self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1
+        """True when no rank holds the whole model as plain tensors (FSDP, TP, PP, CP or EP)."""
+        return self.dims.dp_shard > 1 or self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1 or self.dims.ep > 1
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
+
+    def sum_expert_counts(self, *names: str) -> None:
+        """A mixture of experts' count buffers ``names`` summed over the data-parallel ranks (parallel/expert.py);
+        nothing in one process or for a dense model. Every data-parallel rank calls it (``check_moe_runnable``
+        keeps a mixture of experts to data and expert parallelism, so the world is the data-parallel group)."""
+        if self.dims.dp_size > 1:
+            sum_expert_counts(self.modules, names, None)
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group of one mesh dimension (None when that degree is 1)."""
@@ -116,12 +133,19 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
     for part in parts:
         if dims.tp > 1:  # 2. tensor (+ sequence) parallel
             apply_tp(part, mesh["tp"], sequence_parallel=cfg.sequence_parallel)
+        replicated_over = None  # the mesh FSDP2 shards the experts over when ep < dp_shard
+        if dims.ep > 1:  # 2b. expert parallel, over the data-parallel dimension it borrows
+            ep_mesh, replicated_over = expert_meshes(mesh, "dp_shard" if dims.dp_shard > 1 else "dp_replicate",
+                                                     dims.ep)
+            apply_ep(part, ep_mesh, grad_divisor=dims.ep)
         apply_ac(part, cfg.activation_checkpointing, cfg.ac_every)  # 3.
         if compile:  # 4.
             apply_compile(part, whole_model=compiles_whole_model(dims, cfg), mode=compile_mode)
         if dims.dp_shard > 1 or dims.cp > 1:  # 5. FSDP2 (HSDP with dp_replicate > 1)
             apply_fsdp(part, _dp_mesh(mesh, dims), reshard_after_forward=dims.zero_stage == 3,
-                       param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload)
+                       param_dtype=cfg.param_dtype, cpu_offload=cfg.cpu_offload,
+                       ignored_params=expert_parameters(part) if replicated_over is None else None,
+                       experts=(expert_modules(part), replicated_over) if replicated_over is not None else None)
     materialize(parts, model_cfg, device, seed, distributed=dims.world_size > 1, weights=init_weights)  # 6.
 
     pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, device=device,
@@ -132,6 +156,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
             pm.replicas = LowCommSync(parts[0], cfg.low_comm, cfg.sync_every, replicate, cfg.outer_lr,
                                       cfg.outer_momentum, counter=pm.comm)
         else:
+            for part in parts:
+                ignore_experts_in_ddp(part)
             pm.parts = [apply_ddp(part, replicate, device, counter=pm.comm) for part in parts]
     if dims.pp > 1:  # 8. pipeline schedule
         if loss_fn is None:

@@ -96,7 +96,21 @@ def adamw_param_groups(model: nn.Module, cfg: OptimConfig, width_mult: float = 1
         mup_param_groups(model, cfg.weight_decay, width_mult)
     if lora_plus_ratio != 1.0:
         groups = lora_plus_groups(model, groups, lora_plus_ratio)
+    groups = split_by_tensor_kind(groups)
     return [{**g, "lr": cfg.lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
+
+
+def split_by_tensor_kind(groups: list[dict]) -> list[dict]:
+    """Each group that mixes DTensor and plain parameters split in two, the same settings in both: the fused and
+    foreach kernels take one kind a call (DDP's plain dense weights next to expert-parallel experts,
+    parallel/expert.py, which are DTensors). A group of one kind is kept as it is."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for group in groups:
+        kinds = [[p for p in group["params"] if isinstance(p, DTensor) is want] for want in (False, True)]
+        out.extend([{**group, "params": params} for params in kinds if params] if all(kinds) else [group])
+    return out
 
 
 def adamw_kernel(model: nn.Module, cfg: OptimConfig, device: torch.device) -> dict:
@@ -164,6 +178,9 @@ def muon_refusal(cfg: JobConfig) -> str | None:
     if par.tp > 1 or par.cp > 1:
         return ("optim.name=muon needs whole weight matrices: not with parallel.tp > 1 or parallel.cp > 1 "
                 "(FSDP2, parallel.dp_shard, gathers each matrix for its update)")
+    if par.ep > 1:
+        return ("optim.name=muon is not written for expert-parallel experts (parallel.ep > 1: each rank holds a "
+                "slice of the stacked experts); use optim.name=adamw, or parallel.ep=1")
     if par.engine != "native" or par.zero_stage == 1 or par.low_comm != "none":
         return ("optim.name=muon runs on the native engine with DDP or FSDP2 (parallel.zero_stage 0, 2 or 3, "
                 "parallel.low_comm=none); ZeRO-1, DeepSpeed and local SGD / DiLoCo build their own AdamW")

@@ -16,7 +16,7 @@ from scaletrain.finetune.qat import check_qat
 from scaletrain.parallel.compile import compile_mode_refusal, compiles_whole_model
 from scaletrain.parallel.context import check_context_parallel_supported
 from scaletrain.parallel.deepspeed_engine import check_deepspeed
-from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.dims import ParallelDims, check_expert_model
 from scaletrain.train.adaptive import check_adaptive
 from scaletrain.train.fp8 import check_fp8_available
 from scaletrain.train.optimizer import OPTIMIZERS, optimizer_entry
@@ -127,16 +127,17 @@ def check_distillation(cfg: JobConfig, here: bool = True) -> None:
 
 
 def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
-    """What a mixture of experts (model.moe_experts > 0) does not run with yet, one line each: more than one process
-    (expert parallelism, and the load counts the bias needs summed over the data-parallel ranks, are not written),
-    DeepSpeed, muP (its learning-rate groups know no stacked experts) and the adapter methods (LoRA and the
+    """What a mixture of experts (model.moe_experts > 0) does not run with yet, one line each: tensor, pipeline and
+    context parallelism and local SGD / DiLoCo (data parallelism, DDP or FSDP2, with or without parallel.ep, is what
+    runs), DeepSpeed, muP (its learning-rate groups know no stacked experts) and the adapter methods (LoRA and the
     others adapt nn.Linear projections: the experts' stacked weights would stay frozen, silently)."""
     if not cfg.model.moe_experts:
         return
-    if dims.world_size > 1:
-        raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts}: a mixture of experts trains in one process "
-                          f"for now (expert parallelism is not written yet); run without torchrun "
-                          f"({dims.world_size} ranks here)")
+    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or cfg.parallel.low_comm != "none":
+        raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts}: a mixture of experts trains with data "
+                          f"parallelism (DDP, FSDP2) and expert parallelism (parallel.ep) for now; set parallel.tp, "
+                          f"parallel.pp and parallel.cp to 1 and parallel.low_comm=none")
+
     if cfg.parallel.engine == "deepspeed":
         raise ConfigError("model.moe_experts: a mixture of experts runs on the native engine only; drop "
                           "--parallel.engine=deepspeed")
@@ -163,6 +164,7 @@ def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision:
     check_mup(cfg)
     check_optimizer(cfg)
     check_distillation(cfg, here)
+    check_expert_model(cfg.parallel, cfg.model)  # before the degrees: a dense model's ep names the model
     if precision == "fp8" and here:  # the device was checked with the precision (train/precision.py)
         check_fp8_available()
     if cfg.parallel.engine == "deepspeed":  # its own rules (ds_config, offload, ZeRO-3 x pp), data parallel only

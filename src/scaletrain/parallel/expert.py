@@ -1,0 +1,126 @@
+"""Expert parallelism (``parallel.ep``): a mixture of experts' experts split across the data-parallel ranks.
+
+The degree is borrowed from the data-parallel dimension, as torchtitan's dp2ep: the ep ranks are data-parallel
+ranks (each reads its own rows), so ep adds no idle rank. ep divides ``parallel.dp_shard`` under FSDP2 or equals
+``parallel.dp_replicate`` under DDP (``ParallelDims`` refuses other layouts).
+
+- The experts' stacked weights (E, ., .) become DTensors ``Shard(0)`` on that dimension's mesh: rank r holds
+  experts [r * E/ep, (r + 1) * E/ep). A checkpoint (DCP) therefore holds every expert once, and loads onto
+  another ep degree or one process.
+- ``GroupedExperts.forward`` (the tokens sorted by expert, its counts (E,)) is replaced on the instance by
+  dispatch -> the local experts (``GroupedExperts.compute`` on the local slices) -> combine, the two moves
+  ``all_to_all_single`` (torch's functional, autograd-capable collective), the counts exchanged first with
+  ``dist.all_to_all_single``. The model's code is unchanged.
+- The dense part is averaged over the data-parallel ranks by FSDP2 / DDP. An expert's gradient arrives through
+  the all-to-all's backward as the sum over the ep ranks of each one's loss gradient: it is divided by ep in the
+  backward (``_ScaleGradient``). With ep = the data-parallel degree FSDP2 / DDP ignore the experts, and that is
+  the gradient of the mean loss, as the dense part's is. With ep < dp_shard (FSDP2 only) each expert is
+  replicated over dp_shard / ep ranks (``expert_meshes``): FSDP2 shards it over them and averages its gradient
+  there, which makes the same mean.
+- The expert-bias counts and the logged load are summed over the data-parallel ranks (``sum_expert_counts``),
+  so every rank moves the same bias and logs the global load.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from scaletrain.model.moe import GroupedExperts, moe_layers
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity forward; the gradient times ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: int) -> None:
+    """Shard every sparse layer's experts of ``model`` (on the meta device, or materialized) along their first
+    dimension over the 1-D ``ep_mesh``, and route their tokens through the ranks (the module docstring).
+    ``grad_divisor``: what the experts' gradients are divided by in the backward: ep, the ranks whose losses
+    their gradient sums (the module docstring)."""
+    for _, layer in moe_layers(model):
+        experts = layer.experts
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(experts, name)
+            sharded = distribute_tensor(weight.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+        experts.forward = types.MethodType(_expert_parallel_forward, experts)
+        experts.ep_group, experts.ep_size, experts.grad_scale = ep_mesh.get_group(), ep_mesh.size(), 1.0 / grad_divisor
+
+
+def _expert_parallel_forward(self: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x (M, d): this rank's routed tokens sorted by (global) expert, ``counts`` (E,) -> (M, d), the same rows."""
+    ep, group = self.ep_size, self.ep_group
+    send = counts.view(ep, -1)  # (ep, E/ep): rows for each rank's experts
+    received = torch.empty_like(send)  # (ep, E/ep): rows each rank sends to this rank's experts
+    dist.all_to_all_single(received, send, group=group)
+    input_splits, output_splits = send.sum(1).tolist(), received.sum(1).tolist()  # the two reads back
+    rows = all_to_all_single_autograd(x, output_splits, input_splits, group)  # (M', d) by source rank, expert
+    local_experts = send.shape[1]
+    expert_of_row = torch.arange(local_experts, device=x.device).repeat(ep).repeat_interleave(received.flatten())
+    order = expert_of_row.argsort(stable=True)  # (M',): rows grouped by local expert, source ranks in order
+    weights = [_ScaleGradient.apply(getattr(self, name).to_local(), self.grad_scale) for name in EXPERT_WEIGHTS]
+    out = self.compute(rows[order], received.sum(0), *weights)  # (M', d), grouped by local expert
+    back = out[order.argsort()]  # (M', d) as the rows came: by source rank
+    return all_to_all_single_autograd(back, input_splits, output_splits, group)  # (M, d)
+
+
+def expert_meshes(mesh: DeviceMesh, dp_dim: str, ep: int) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(the mesh the experts are split over, the mesh they are replicated over: None when ep is the whole
+    ``dp_dim``). With ep < dp_shard the dimension is unflattened into (dp_shard / ep, ep), torchtitan's
+    dp_shard_mod_ep x ep: the experts are split over the inner ranks and FSDP2 shards them over the outer ones."""
+    dp = mesh[dp_dim]
+    if dp.size() == ep:
+        return dp, None
+    split = dp._unflatten(0, (dp.size() // ep, ep), (f"{dp_dim}_mod_ep", "ep"))
+    return split["ep"], split[f"{dp_dim}_mod_ep"]
+
+
+def expert_modules(model: nn.Module) -> list[GroupedExperts]:
+    """The expert-parallel experts of ``model`` (what FSDP2 shards over the mesh they are replicated on)."""
+    return [layer.experts for _, layer in moe_layers(model) if hasattr(layer.experts, "ep_group")]
+
+
+def expert_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The expert-parallel (sharded) expert weights of ``model``: what FSDP2 and DDP leave alone."""
+    return {p for module in expert_modules(model) for p in module.parameters()}
+
+
+def ignore_experts_in_ddp(model: nn.Module) -> None:
+    """Before DDP wraps ``model``: its constructor would broadcast rank 0's experts over the others' and its
+    all-reduce would average experts that are not replicas."""
+    ignored = {id(p) for p in expert_parameters(model)}
+    names = [name for name, p in model.named_parameters() if id(p) in ignored]
+    if names:
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+@torch.no_grad()
+def sum_expert_counts(models: list[nn.Module], names: tuple[str, ...], group: dist.ProcessGroup | None) -> None:
+    """Sum the sparse layers' count buffers ``names`` (``tokens_since_update`` before the bias moves;
+    ``tokens_since_log``, ``dropped_since_log`` before the load is logged) over the data-parallel ``group``
+    (None: the world), in one all-reduce: every rank then holds the global counts."""
+    buffers = [getattr(layer, name) for model in models for _, layer in moe_layers(model) for name in names]
+    if not buffers:
+        return
+    flat = torch.cat([b.reshape(-1) for b in buffers])  # (n,) int64
+    dist.all_reduce(flat, group=group)
+    for buffer, summed in zip(buffers, flat.split([b.numel() for b in buffers])):
+        buffer.copy_(summed.view_as(buffer))

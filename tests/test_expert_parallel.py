@@ -1,0 +1,185 @@
+"""Expert parallelism (parallel.ep, parallel/expert.py) and a mixture of experts under data parallelism.
+
+Distributed (real gloo ranks under torchrun): the trainer's build and step on 2 and 4 ranks against one process
+for 10 steps (tests/helpers/ep_parity.py; EP=2 with FSDP2 ZeRO-3 and ZeRO-2, with accumulation, with full activation
+checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2; and MoE with
+FSDP2 / DDP without EP), and ``scaletrain train`` under torchrun with EP=2: parity with one process, a bitwise
+resume on 2 ranks and a resume onto one process (EP=1) from the same DCP checkpoint. Not distributed: the
+layouts refused, one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers.launch import HELPERS, PARITY_RTOL, torchrun
+from helpers.waits import CEILING_S
+from scaletrain.cli import main
+from scaletrain.config import ConfigError, JobConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from scaletrain.parallel.dims import ParallelDims
+from scaletrain.train.validate import check_runnable
+
+# ep2_fsdp_compile: per-block torch.compile (a cold compile ~60 s on 2 cores; the inductor cache makes reruns fast)
+EP_STRATEGIES = ["ep2_fsdp", "ep2_fsdp2", "ep2_fsdp_accum2", "ep2_ddp", "ep2_fsdp_ac", "ep2_fsdp_compile", "moe_fsdp",
+                 "moe_ddp"]
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("ep") / "results.json"
+    torchrun(2, str(HELPERS / "ep_parity.py"), "--out", str(out), "--strategies", ",".join(EP_STRATEGIES))
+    return {r["strategy"]: r for r in json.loads(out.read_text())}
+
+
+EP_STRATEGIES_4 = ["ep2_fsdp4", "ep4_fsdp4"]  # 4 ranks: ep 2 (each expert FSDP2-sharded over 2 ranks) and 4
+
+
+@pytest.fixture(scope="module")
+def ep_runs_4(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("ep4") / "results.json"
+    torchrun(4, str(HELPERS / "ep_parity.py"), "--out", str(out), "--strategies", ",".join(EP_STRATEGIES_4))
+    return {r["strategy"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.fixture
+def ep_run(request):
+    """The record of the strategy named by the test's parameter, from the launch of its world size."""
+    strategy = request.param
+    runs = request.getfixturevalue("ep_runs_4" if strategy in EP_STRATEGIES_4 else "ep_runs")
+    return runs[strategy]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ep_run", EP_STRATEGIES + EP_STRATEGIES_4, indirect=True)
+def test_ranks_equal_one_process_over_10_steps(ep_run):
+    record = ep_run
+    assert len(record["parallel"]) == len(record["reference"]) == 10
+    assert record["reference"][-1] < record["reference"][0] - 1.0  # it learns: a wrong update would show
+    assert record["max_rel_diff"] < PARITY_RTOL, (record["reference"], record["parallel"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ep_run", EP_STRATEGIES + EP_STRATEGIES_4, indirect=True)
+def test_expert_bias_and_logged_load_are_the_global_ones(ep_run):
+    """Every rank moves the bias the one process moves (counts summed over the ranks), and the load logged is the
+    tokens of every rank, not rank 0's."""
+    record = ep_run
+    assert all(bias == record["reference_bias"] for bias in record["rank_bias"])
+    assert any(v != 0 for bias in record["reference_bias"].values() for v in bias)  # the bias moved
+    assert record["load"] == record["reference_load"]
+
+
+@pytest.mark.distributed
+def test_the_compiled_strategy_really_compiles(ep_runs):
+    assert ep_runs["ep2_fsdp_compile"]["compiled_frames"] > 0
+    assert ep_runs["ep2_fsdp"]["compiled_frames"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ep_run,share", [("ep2_fsdp", 0.5), ("ep2_ddp", 0.5), ("moe_fsdp", 0.5), ("moe_ddp", 1.0),
+                                          ("ep2_fsdp4", 0.25), ("ep4_fsdp4", 0.25)], indirect=["ep_run"])
+def test_each_rank_holds_its_share_of_the_experts(ep_run, share):
+    record = ep_run
+    assert record["rank_expert_numel"] == [record["expert_numel"] * share] * len(record["rank_expert_numel"])
+
+
+MOE_FLAGS = ["--model.moe_experts=4", "--model.moe_hidden_dim=64", "--model.moe_bias_rate=0.01",
+             "--model.moe_z_loss_coef=0.001",
+             # The balance loss is computed on each forward's rows: 2 ranks x 4 rows are not 1 x 8 rows there (the
+             # parity helper compares it with micro-batches); the bias and the z-loss stay on.
+             "--model.moe_balance_coef=0"]
+
+
+def train_losses(run_dir) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if '"loss"' in line]
+
+
+@pytest.mark.distributed
+def test_cli_ep2_matches_one_process_and_resumes_bitwise_and_onto_one_process(tmp_path):
+    from test_parallel_dist import TINY_TOML
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=10))
+    cli = ["-m", "scaletrain.cli", "train", "--config", str(config), *MOE_FLAGS]
+    single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
+                            text=True, timeout=CEILING_S)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ep = tmp_path / "ep"
+    ep_flags = [f"--train.run_dir={ep}", "--parallel.dp_shard=2", "--parallel.ep=2", "--train.batch_size=4"]
+    torchrun(2, *cli, *ep_flags)
+    expected, got = train_losses(tmp_path / "single"), train_losses(ep)
+    assert len(got) == len(expected) == 10
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL
+    records = [json.loads(line) for line in (ep / "metrics.jsonl").read_text().splitlines()]
+    loads = [r["moe_tokens_per_expert/0"] for r in records if "moe_tokens_per_expert/0" in r]
+    assert len(loads) == 10 and all(sum(load) == 2 * 4 * 64 * 2 for load in loads)  # 2 ranks x 4 x 64 x top-2
+    # Resume from step 5 on 2 ranks: steps 6..10 repeat exactly.
+    (ep / "metrics.jsonl").unlink()
+    shutil.rmtree(ep / "checkpoints" / "step-00000010")
+    torchrun(2, *cli, *ep_flags, "--resume")
+    assert train_losses(ep) == got[5:]
+    # The same checkpoint onto one process (every expert on the one rank): steps 6..10 as the single run's.
+    (ep / "metrics.jsonl").unlink()
+    shutil.rmtree(ep / "checkpoints" / "step-00000010")
+    resumed = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", f"--train.run_dir={ep}", "--resume",
+                              "--parallel.dp_shard=1", "--parallel.ep=1", "--train.batch_size=8"],
+                             capture_output=True, text=True, timeout=CEILING_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(abs(a - b) / b for a, b in zip(train_losses(ep), expected[5:])) < PARITY_RTOL
+
+
+MOE = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, max_seq_len=128, moe_experts=4)
+
+
+def dims_of(world: int, **parallel) -> ParallelDims:
+    cfg = JobConfig(model=MOE, parallel=ParallelConfig(**parallel), train=TrainConfig(compile="false"))
+    return check_runnable(cfg, world, "cpu", "fp32", here=False)
+
+
+@pytest.mark.parametrize("world,parallel,message", [
+    (2, dict(dp_shard=2, ep=2, tp=1, pp=1), None),
+    (4, dict(dp_shard=2, tp=2, ep=2), "parallel.ep=2 runs with data parallelism only"),
+    (4, dict(dp_shard=2, pp=2, ep=2), "parallel.ep=2 runs with data parallelism only"),
+    (4, dict(dp_replicate=2, dp_shard=2, ep=2), "with HSDP"),
+    (4, dict(dp_shard=4, ep=2), None),  # each expert sharded by FSDP2 over the 2 ranks it is replicated on
+    (6, dict(dp_shard=6, ep=4), "parallel.ep (4) must divide parallel.dp_shard (6)"),
+    (4, dict(dp_replicate=4, ep=2), "parallel.ep (2) must equal parallel.dp_replicate (4) under DDP"),
+    (1, dict(ep=2), "parallel.ep=2 splits the experts over data-parallel ranks, and there are none here"),
+    (2, dict(dp_replicate=2, zero_stage=1, ep=2), "ZeroRedundancyOptimizer (zero_stage=1) and low_comm"),
+    (2, dict(dp_replicate=2, low_comm="diloco", ep=2), "ZeroRedundancyOptimizer (zero_stage=1) and low_comm"),
+    (2, dict(dp_shard=2, balance="throughput", ep=2), "parallel.balance=throughput"),
+    (2, dict(dp_shard=2, activation_checkpointing="full", ep=2), None),  # recomputation repeats the all-to-all
+    (2, dict(dp_shard=2, tp=1, ep=1), None),  # a mixture of experts under plain FSDP2
+    (2, dict(tp=2), "a mixture of experts trains with data parallelism (DDP, FSDP2) and expert parallelism"),
+])
+def test_expert_parallel_layouts_run_or_are_refused(world, parallel, message):
+    if message is None:
+        assert dims_of(world, **parallel).ep == parallel.get("ep", 1)
+    else:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            dims_of(world, **parallel)
+
+
+def test_expert_parallel_refuses_muon():
+    base = dict(model=MOE, parallel=ParallelConfig(dp_shard=2, ep=2))
+    with pytest.raises(ConfigError, match="optim.name=muon is not written for expert-parallel experts"):
+        check_runnable(JobConfig(**base, optim=OptimConfig(name="muon"), train=TrainConfig(compile="false")), 2,
+                       "cpu", "fp32", here=False)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--model.moe_experts=3", "--parallel.ep=2"], "model.moe_experts (3) must be divisible by parallel.ep (2)"),
+    (["--parallel.ep=2"], "parallel.ep=2 splits a mixture of experts, but the model is dense"),
+    (["--model.moe_experts=4", "--parallel.ep=2"], "parallel.ep=2 splits the experts over data-parallel ranks, and "
+                                                   "there are none here"),
+])
+def test_bad_expert_parallel_options_exit_2_with_one_line(flags, message, tmp_path, capsys):
+    assert main(["train", f"--train.run_dir={tmp_path / 'run'}", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
