@@ -178,6 +178,11 @@ def test_the_expert_bias_moves_towards_balance_and_picks_without_weighing():
     x = torch.randn(4, 8, 32)
     layer(x)
     load = layer.tokens_since_update.float()
+    counts = layer.tokens_since_update.clone()
+    for skipped in (False, torch.tensor(0.0)):  # a step the guard skipped (on the host, or on the device): no move
+        layer.update_bias(keep=skipped)
+        assert not layer.expert_bias.any() and not layer.tokens_since_update.any()  # its tokens dropped with it
+        layer.tokens_since_update.copy_(counts)
     layer.update_bias()
     assert torch.equal(layer.expert_bias, 0.1 * torch.sign(load.mean() - load))
     assert int(layer.tokens_since_update.sum()) == 0

@@ -252,12 +252,15 @@ class MoEFeedForward(nn.Module):
         return terms
 
     @torch.no_grad()
-    def update_bias(self) -> None:
+    def update_bias(self, keep: bool | torch.Tensor = True) -> None:
         """Move the selection bias towards balance by ``bias_rate`` (up for an expert that took fewer tokens than
-        the mean since the last update, down for more), then restart the count."""
-        if self.bias_rate:
+        the mean since the last update, down for more), then restart the count. ``keep`` False (or a 0.0 tensor,
+        the device-side verdict of a step skipped without a read back): the skipped step's tokens are dropped
+        with it and the bias stays, as the weights do."""
+        if self.bias_rate and keep is not False:
             load = self.tokens_since_update.float()  # (E,)
-            self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+            move = self.bias_rate * torch.sign(load.mean() - load)
+            self.expert_bias += move * keep if isinstance(keep, torch.Tensor) else move
         self.tokens_since_update.zero_()
 
 
@@ -271,15 +274,16 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
     return found
 
 
-def update_expert_bias(models: list[nn.Module]) -> None:
-    """After an optimizer step: each sparse layer's bias moved by the tokens its experts took in the step.
+def update_expert_bias(models: list[nn.Module], keep: bool | torch.Tensor = True) -> None:
+    """After an optimizer step: each sparse layer's bias moved by the tokens its experts took in the step (not
+    after a skipped step: ``keep``, see ``MoEFeedForward.update_bias``).
 
     Single process: the counts are this process's. With data parallelism they are first summed over the
     data-parallel ranks (parallel/expert.py ``sum_expert_counts``, called by the training step before this, as
     torchtitan's ``_update_expert_bias``), so that every rank moves the same bias."""
     for model in models:
         for _, layer in moe_layers(model):
-            layer.update_bias()
+            layer.update_bias(keep)
 
 
 def expert_load(models: list[nn.Module]) -> dict[str, float | int | list[int]]:

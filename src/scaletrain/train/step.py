@@ -158,15 +158,17 @@ def training_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, micro_bat
             and skips_on_device(optimizer):
         # No host-device sync: the update is skipped on the device when the step is not finite.
         before_update.before_step()
-        _update(optimizer, None, nonfinite_flag(loss_t, norm))
+        nonfinite = nonfinite_flag(loss_t, norm)
+        _update(optimizer, None, nonfinite)
         pm.sum_expert_counts("tokens_since_update")  # every rank moves the same bias (parallel/expert.py)
-        update_expert_bias(pm.modules)
+        update_expert_bias(pm.modules, keep=1.0 - nonfinite)  # a skipped step moves no bias either
         return StepResult(loss_t, norm, True, auxiliary_means(auxiliary))
     grad_norm, loss_value = float(norm), float(loss_t)  # the step's two reads back (before_update's inputs)
     updated = before_update(loss_value, grad_norm) if before_update is not None else True
     _update(optimizer, scaler, None, skip=not updated)
     pm.sum_expert_counts("tokens_since_update")  # the tokens of every data-parallel rank (parallel/expert.py)
-    update_expert_bias(pm.modules)  # a mixture of experts' selection bias (model/moe.py); nothing for a dense model
+    update_expert_bias(pm.modules, keep=updated)  # a mixture of experts' selection bias (model/moe.py); nothing for
+    # a dense model; a skipped step (the guard's verdict) moves it no more than the weights
     return StepResult(loss_value, grad_norm, updated, auxiliary_means(auxiliary))
 
 
