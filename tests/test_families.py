@@ -141,11 +141,13 @@ def test_round_trip_is_bitwise_and_loads_in_the_family_class(family):
     assert model_config_from_hf(exported, "exported", max_seq_len=CONTEXT) == cfg
     # The token ids are the tokenizer's, not the model's: an export copies them from the base's config.json.
     tokens_ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-    hf_config = transformers.AutoConfig.for_model(**tokens_ids, **exported)
-    reloaded = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").float().eval()
-    missing, unexpected = reloaded.load_state_dict(back, strict=False)
-    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    reloaded.tie_weights()
+    # Loaded as transformers loads a folder (from_pretrained: its checkpoint conversions, e.g. one tensor per
+    # expert -> transformers 5's fused experts), every tensor used and none missing.
+    out = _folder(folder.parent / f"{name}_exported", {**tokens_ids, **exported}, back)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager", dtype=torch.float32, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"] and not info["mismatched_keys"], info
+    reloaded.eval()
     tokens = _tokens()
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits), name

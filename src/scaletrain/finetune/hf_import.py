@@ -19,8 +19,10 @@ from safetensors import SafetensorError, safe_open
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.model.families import check_fused_rows, hf_places, model_config_from_hf
 
-# Where one of our parameters is in a Hugging Face folder: (safetensors file, tensor name, rows of it or None).
-HFPlace = tuple[Path, str, "slice | None"]
+# Where one of our parameters is in a Hugging Face folder: (safetensors file, tensor name, rows of it or None);
+# a stacked expert weight is a list of them, one per expert in order; a buffer no family stores is
+# (None, "", its shape), read as zeros.
+HFPlace = "tuple[Path | None, str, slice | tuple | None] | list[tuple[Path, str, None]]"
 
 
 def _read_json(path: Path) -> dict:
@@ -80,12 +82,23 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def family_absent_buffers(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The persistent buffers of our model that no family's file holds, and their shapes: each sparse layer's
+    expert selection bias, zeros at import (transformers' routers have none)."""
+    from scaletrain.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {name: tuple(b.shape) for name, b in model.state_dict().items() if name.endswith(".expert_bias")}
+
+
 def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, HFPlace]:
     """Where each weight of the folder is: our name -> (safetensors file, its name there, its rows or None), from
     the files' headers only (no tensor is read). Checks that every parameter of ``cfg``'s model is there with its
     shape; an unknown tensor name is refused rather than dropped. A tied head points at the embedding."""
     shapes = expected_shapes(cfg)
     index: dict[str, HFPlace] = {}
+    experts: dict[str, dict[int, tuple[Path, str, None]]] = {}  # our stacked weight -> expert -> its tensor
     for file in safetensors_files(folder):
         with _open_safetensors(file) as fh:
             for hf_name in fh.keys():
@@ -98,11 +111,23 @@ def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, HFPlace]:
                 shape = tuple(fh.get_slice(hf_name).get_shape())
                 check_fused_rows(f"{file}: {hf_name}", shape[0] if shape else 0, places)
                 for ours, rows in places:
+                    if isinstance(rows, int):  # one expert of our stacked weight (E, out, in)
+                        if ours in shapes and (not rows < shapes[ours][0] or shape != shapes[ours][1:]):
+                            raise ConfigError(f"{file}: {hf_name} has shape {shape} (expert {rows}) but config.json "
+                                              f"implies {shapes[ours][0]} experts of {shapes[ours][1:]}")
+                        experts.setdefault(ours, {})[rows] = (file, hf_name, None)
+                        continue
                     part = shape if rows is None else (rows.stop - rows.start, *shape[1:])
                     if ours in shapes and part != shapes[ours]:
                         raise ConfigError(f"{file}: {hf_name} has shape {shape} but config.json implies "
                                           f"{shapes[ours]}{'' if rows is None else ' for ' + ours}")
                     index[ours] = (file, hf_name, rows)
+    for ours, found in experts.items():
+        lacking = [e for e in range(shapes[ours][0]) if e not in found]
+        if lacking:
+            raise ConfigError(f"{folder}: expert {lacking[0]} of {ours} is missing ({len(found)} of "
+                              f"{shapes[ours][0]} experts' tensors found; an incomplete download?)")
+        index[ours] = [found[e] for e in range(shapes[ours][0])]
     if cfg.tie_embeddings:
         index.pop("output.weight", None)
         shapes.pop("output.weight", None)
@@ -112,11 +137,18 @@ def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, HFPlace]:
                           f"(config.json and the safetensors do not match)")
     if cfg.tie_embeddings:
         index["output.weight"] = index["tok_embeddings.weight"]
+    if cfg.moe_experts:
+        index.update({name: (None, "", shape) for name, shape in family_absent_buffers(cfg).items()})
     return index
 
 
 def read_hf_tensor(where: HFPlace) -> torch.Tensor:
-    """One tensor of ``hf_index`` (as stored: dtype kept); a part of a fused tensor reads only its rows."""
+    """One tensor of ``hf_index`` (as stored: dtype kept); a part of a fused tensor reads only its rows; a stacked
+    expert weight is its experts' tensors stacked."""
+    if isinstance(where, list):
+        return torch.stack([read_hf_tensor(one) for one in where])
     file, hf_name, rows = where
+    if file is None:  # a buffer the family does not store (family_absent_buffers): its shape in ``rows``
+        return torch.zeros(rows)
     with _open_safetensors(file) as fh:
         return fh.get_tensor(hf_name) if rows is None else fh.get_slice(hf_name)[rows.start:rows.stop]

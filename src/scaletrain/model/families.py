@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from scaletrain.core.options import ConfigError
-from scaletrain.model.config import ModelConfig, head_width, is_sliding
+from scaletrain.model.config import ModelConfig, head_width, is_moe_layer, is_sliding
 from scaletrain.model.decoder import rope_attention_factor
 from scaletrain.model.family import WRAPPERS, family
 from scaletrain.model.family.spec import Family, Fields
-from scaletrain.model.hf_names import PROJECTIONS, from_hf, to_hf
-from scaletrain.model.presets import ffn_hidden_dim, kv_heads
+from scaletrain.model.hf_names import HF_BLOCK_PREFIX, OUR_BLOCK_PREFIX, PROJECTIONS, from_hf, to_hf
+from scaletrain.model.presets import expert_hidden_dim, ffn_hidden_dim, kv_heads
 
 # Hugging Face's rope types -> ModelConfig.rope_scaling (the others are refused).
 _ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "dynamic": "dynamic", "yarn": "yarn"}
@@ -203,11 +203,20 @@ def _rope_scaling(cfg: ModelConfig) -> dict | None:
 _COMPUTED = ("family", "vocab_size", "dim", "n_layers", "n_heads", "norm_eps", "tie_embeddings", "rope_theta",
              "qkv_bias", "qk_norm", "activation", "norm_plus_one", "scale_embeddings", "post_norms",
              "rope_scaling", "sliding_window", "no_rope_layers", "moe_experts")
+# With experts, the routing's fields too (capacity and the selection bias: no family's file computes them).
+_COMPUTED_MOE = ("moe_top_k", "moe_shared_experts", "moe_score", "moe_renormalize", "moe_route_scale",
+                 "moe_capacity_factor", "moe_bias_rate")
 
 
 def _computation(cfg: ModelConfig) -> dict:
     out = {name: getattr(cfg, name) for name in _COMPUTED}
-    out.update(head_dim=head_width(cfg), n_kv_heads=kv_heads(cfg), ffn_hidden_dim=ffn_hidden_dim(cfg),
+    sparse = [is_moe_layer(cfg, i) for i in range(cfg.n_layers)]
+    if cfg.moe_experts:
+        out.update({name: getattr(cfg, name) for name in _COMPUTED_MOE}, sparse=sparse,
+                   expert_hidden_dim=expert_hidden_dim(cfg))
+    if not all(sparse):  # the dense feed-forward's width counts only where a layer has one (not in Mixtral)
+        out["ffn_hidden_dim"] = ffn_hidden_dim(cfg)
+    out.update(head_dim=head_width(cfg), n_kv_heads=kv_heads(cfg),
                sliding=[is_sliding(cfg, i) for i in range(cfg.n_layers)],
                query_pre_attn_scalar=cfg.query_pre_attn_scalar or head_width(cfg) ** 1.0,
                local_rope_theta=cfg.local_rope_theta if any(is_sliding(cfg, i) for i in range(cfg.n_layers)) else 0)
@@ -252,15 +261,35 @@ def text_decoder_name(name: str, fam: Family) -> str | None:
     return name
 
 
-def hf_places(name: str, cfg: ModelConfig) -> list[tuple[str, slice | None]] | None:
+def _expert_place(name: str, fam: Family) -> tuple[str, int] | None:
+    """A per-expert tensor (``model.layers.3.mlp.experts.5.gate_proj.weight``) -> (our stacked weight,
+    ``layers.3.feed_forward.experts.w1``, and the expert, 5); None for any other name."""
+    if not fam.experts or not name.startswith(HF_BLOCK_PREFIX):
+        return None
+    layer, _, rest = name[len(HF_BLOCK_PREFIX):].partition(".")
+    stem = f"{fam.experts_module}."
+    if not (layer.isdigit() and rest.startswith(stem) and rest.endswith(".weight")):
+        return None
+    expert, _, projection = rest[len(stem): -len(".weight")].partition(".")
+    ours = {theirs: mine for mine, theirs in fam.experts.items()}.get(projection)
+    if not expert.isdigit() or ours is None:
+        return None
+    return f"{OUR_BLOCK_PREFIX}{layer}.feed_forward.experts.{ours}", int(expert)
+
+
+def hf_places(name: str, cfg: ModelConfig) -> list[tuple[str, slice | int | None]] | None:
     """Where one of a family's tensors goes in our model: [(our parameter, its rows of the tensor or None for all
     of it)]; [] for what is not ours to read (a derived rotary buffer, Gemma 3's vision tower); None for a name with
     no place in the model (refused by the callers, never dropped). A fused tensor (Phi-3's ``qkv_proj`` /
-    ``gate_up_proj``) gives one place per part."""
+    ``gate_up_proj``) gives one place per part; one expert's projection (the family's ``experts``) gives its index
+    (an int) in our stacked weight: the tensor is that one row of ours."""
     fam = family(cfg.family)
     name = text_decoder_name(name, fam)
     if name is None:
         return []
+    expert = _expert_place(name, fam)
+    if expert is not None:
+        return [expert]
     for fused, roles in fam.fused.items():
         if name.endswith(f"{fused}.weight"):
             stem, starts, places = name[: -len(f"{fused}.weight")], 0, []
@@ -278,9 +307,9 @@ def hf_places(name: str, cfg: ModelConfig) -> list[tuple[str, slice | None]] | N
     return [] if ours == "" else [(ours, None)]
 
 
-def check_fused_rows(name: str, rows: int, places: list[tuple[str, slice | None]]) -> None:
+def check_fused_rows(name: str, rows: int, places: list[tuple[str, slice | int | None]]) -> None:
     """A fused tensor must have exactly the rows its parts take (else the split would be silently wrong)."""
-    if places and places[-1][1] is not None and places[-1][1].stop != rows:
+    if places and isinstance(places[-1][1], slice) and places[-1][1].stop != rows:
         raise ConfigError(f"{name} has {rows} rows but config.json implies {places[-1][1].stop} "
                           f"({' + '.join(str(r.stop - r.start) for _, r in places)})")
 
@@ -296,8 +325,29 @@ def join_fused(hf_tensors: dict[str, torch.Tensor], fam: Family) -> dict[str, to
     return out
 
 
+def split_experts(state: dict[str, torch.Tensor], fam: Family) -> dict[str, torch.Tensor]:
+    """Our stacked expert weights as the family's one tensor per expert (Hugging Face names); the selection bias
+    buffer (``expert_bias``) left out: no family's file holds one, and an export with a bias that moved is refused
+    (``moe_bias_rate``, checked with the config)."""
+    out = {}
+    for name, tensor in state.items():
+        module, _, kind = name.rpartition(".")
+        if kind == "expert_bias":
+            continue
+        if module.endswith("feed_forward.experts") and kind in fam.experts:
+            layer = name.split(".")[1]
+            for e, weight in enumerate(tensor):
+                out[f"{HF_BLOCK_PREFIX}{layer}.{fam.experts_module}.{e}.{fam.experts[kind]}.weight"] = weight
+        else:
+            out[name] = tensor
+    return out
+
+
 def state_dict_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our parameters as the family's tensors (the tied head left out, as transformers saves it)."""
-    out = {to_hf(name, cfg.family): tensor for name, tensor in state.items()
+    """Our parameters as the family's tensors (the tied head left out, as transformers saves it; experts one
+    tensor each)."""
+    fam = family(cfg.family)
+    out = {name if name.startswith(HF_BLOCK_PREFIX) else to_hf(name, cfg.family): tensor
+           for name, tensor in split_experts(state, fam).items()
            if not (cfg.tie_embeddings and name == "output.weight")}
-    return join_fused(out, family(cfg.family))
+    return join_fused(out, fam)

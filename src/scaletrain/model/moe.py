@@ -30,6 +30,8 @@ from torch import nn
 
 from scaletrain.core.options import ConfigError
 from scaletrain.model.config import ModelConfig, is_moe_layer
+from scaletrain.model.family import FAMILIES
+from scaletrain.model.family import family as family_entry
 from scaletrain.model.feed_forward import FeedForward
 from scaletrain.model.presets import expert_hidden_dim
 
@@ -39,11 +41,13 @@ def check_moe(cfg: ModelConfig) -> None:
     if not cfg.moe_experts:
         return
     default_family = ModelConfig().family
-    if cfg.family != default_family:
-        # The families' config.json mappings (model/family/) have no experts: such a model would be exported as a
-        # dense one. An MoE model is our own decoder's, of the default family, and not exported yet.
+    if cfg.family != default_family and not family_entry(cfg.family).experts:
+        # A family without experts in its entry (model/family/) has no config.json fields for them: such a model
+        # would be exported as a dense one. An MoE model is then our own decoder's, of the default family.
+        families = [name for name, f in FAMILIES.items() if f.experts]
         raise ConfigError(f"model.moe_experts is set but model.family = {cfg.family} has no mixture of experts here "
-                          f"(model/family/); leave model.family at {default_family} for an MoE model")
+                          f"(model/family/: {', '.join(families)} have); leave model.family at {default_family} "
+                          f"for our own MoE model")
     if not 1 <= cfg.moe_top_k <= cfg.moe_experts:
         raise ConfigError(f"model.moe_top_k must be between 1 and model.moe_experts ({cfg.moe_experts}) "
                           f"(got {cfg.moe_top_k}): each token is routed to that many of the experts")

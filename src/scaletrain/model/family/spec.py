@@ -98,6 +98,12 @@ class Family:
     block_modules: dict = field(default_factory=dict)  # our module in a block -> theirs, where not Llama's
     # Hugging Face module in a block -> the projection roles (model/hf_names.PROJECTIONS) stacked in its rows
     fused: dict = field(default_factory=dict)
+    # A mixture of experts stored one module per expert (``{experts_module}.{e}.{name}.weight``, e = 0..E-1):
+    # our stacked GroupedExperts weight (w1, w2, w3) -> the name of that projection inside one expert; {} = the
+    # family has no experts (an MoE model of it cannot be written). The router is a block_modules entry
+    # (feed_forward.router).
+    experts: dict = field(default_factory=dict)
+    experts_module: str = "mlp.experts"
     # model_types whose config.json nests this family's as text_config, and their tensor prefixes
     wrappers: tuple = ()
     wrapper_prefixes: tuple = ()  # ((their prefix, ours), ...)
