@@ -303,3 +303,30 @@ def test_every_registered_family_has_a_fixture_and_no_name_branch_outside_its_en
     offenders = [f"{p.relative_to(src)}:{i}" for p in src.rglob("*.py") if "model/family/" not in p.as_posix()
                  for i, line in enumerate(p.read_text().splitlines(), 1) if branch.search(line)]
     assert not offenders
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(moe_capacity_factor=1.25), "model.moe_capacity_factor"), (dict(moe_bias_rate=0.001), "model.moe_bias_rate"),
+    (dict(moe_shared_experts=1), "model.moe_shared_experts"), (dict(moe_score="sigmoid"), "model.moe_score"),
+    (dict(moe_route_scale=2.5), "model.moe_route_scale")])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_an_moe_export_the_family_cannot_express_is_refused(name, change, field):
+    """What no MoE family's config.json computes (capacity, the selection bias, shared experts, ...) is refused
+    naming the field, not exported as something else; the imported config itself exports."""
+    cfg = model_config_from_hf(_fixture(name), name)
+    assert model_config_from_hf(hf_config_from_model_config(cfg), name) == cfg
+    with pytest.raises(ConfigError, match=field):
+        hf_config_from_model_config(dataclasses.replace(cfg, **change))
+
+
+def test_a_checkpoint_missing_an_expert_is_one_line(tmp_path):
+    """A per-expert checkpoint lacking one expert's tensor (an interrupted download) names it, not a shape error."""
+    from scaletrain.finetune.hf_import import hf_index
+
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        **_fixture("qwen3_moe"))).save_pretrained(tmp_path / "hf")
+    tensors = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    folder = _folder(tmp_path / "broken", _fixture("qwen3_moe"), tensors)
+    with pytest.raises(ConfigError, match=r"expert 5 of layers\.2\.feed_forward\.experts\.w3 is missing"):
+        hf_index(folder, model_config_from_hf(_fixture("qwen3_moe")))
