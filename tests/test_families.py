@@ -330,3 +330,14 @@ def test_a_checkpoint_missing_an_expert_is_one_line(tmp_path):
     folder = _folder(tmp_path / "broken", _fixture("qwen3_moe"), tensors)
     with pytest.raises(ConfigError, match=r"expert 5 of layers\.2\.feed_forward\.experts\.w3 is missing"):
         hf_index(folder, model_config_from_hf(_fixture("qwen3_moe")))
+
+
+def test_projection_wide_qk_norm_is_refused_under_tensor_parallelism():
+    """OLMoE's q/k norm spans all heads, which tensor parallelism splits: one line naming the field."""
+    from scaletrain.config import JobConfig, validate_job
+
+    cfg = JobConfig()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, qk_norm=True, qk_norm_width="projection"),
+                              parallel=dataclasses.replace(cfg.parallel, tp=2))
+    with pytest.raises(ConfigError, match="model.qk_norm_width = projection .* set parallel.tp = 1"):
+        validate_job(cfg)

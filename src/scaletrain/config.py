@@ -592,6 +592,9 @@ def validate_job(cfg: JobConfig) -> None:
     if m.n_heads % kv:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({kv})")
     check_moe(m)
+    if m.qk_norm and m.qk_norm_width == "projection" and cfg.parallel.tp > 1:
+        raise ConfigError("model.qk_norm_width = projection normalizes all of a token's heads at once, which "
+                          "parallel.tp splits over ranks; set parallel.tp = 1 (or use data parallelism)")
     # A fine-tune's [model] comes from its base, whose rotary tables are lengthened to data.seq_len
     # (finetune/base.resolve_finetune): the default max_seq_len here says nothing about it.
     if cfg.data.seq_len > m.max_seq_len and not cfg.finetune.source:

@@ -62,6 +62,10 @@ class ModelConfig:
     qkv_bias: bool = opt(False, "bias on the q, k and v projections (Qwen2/2.5); the output projection has none")
     qk_norm: bool = opt(False, "RMSNorm over each head's queries and keys before the rotary embedding (Qwen3, "
                                "Gemma 3)")
+    qk_norm_width: str = opt("head", "what qk_norm normalizes over: head (each head's head_dim: Qwen3, Gemma 3) or "
+                                     "projection (all of a token's queries, and all its keys, at once: OLMoE, "
+                                     "OLMo 2; not under tensor parallelism, which splits that width)",
+                             choices=("head", "projection"))
     activation: str = opt("silu", "the gated feed-forward's activation: silu (SwiGLU) or gelu_tanh (GeGLU with "
                                   "the tanh approximation of GELU, Gemma)", choices=("silu", "gelu_tanh"))
     norm_plus_one: bool = opt(False, "RMSNorm gains stored as offsets from 1 and applied as (1 + w), the "

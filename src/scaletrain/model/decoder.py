@@ -207,9 +207,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
-        # Qwen3 / Gemma 3: each head's queries and keys normalized (over head_dim) before the rotation.
-        self.q_norm = make_norm(self.head_dim, cfg) if cfg.qk_norm else None
-        self.k_norm = make_norm(self.head_dim, cfg) if cfg.qk_norm else None
+        # Qwen3 / Gemma 3: each head's queries and keys normalized (over head_dim) before the rotation; OLMoE: all
+        # of a token's queries (H * hd) and all its keys (KV * hd) at once (qk_norm_width = projection).
+        self.norm_projection = cfg.qk_norm_width == "projection"
+        q_width, k_width = (self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim) if self.norm_projection \
+            else (self.head_dim, self.head_dim)
+        self.q_norm = make_norm(q_width, cfg) if cfg.qk_norm else None
+        self.k_norm = make_norm(k_width, cfg) if cfg.qk_norm else None
         self.scale = attention_scale(cfg)  # None = SDPA's 1/sqrt(head_dim); muP: ~1/head_dim (model/mup.py)
         self.sliding_window = cfg.sliding_window if is_sliding(cfg, layer_id) else 0  # 0 = the whole context
         self.use_rope = layer_id not in cfg.no_rope_layers  # SmolLM3's NoPE layers have no rotary embedding
@@ -245,9 +249,12 @@ class Attention(nn.Module):
         rotated (unless this layer has no rotary embedding)."""
         bsz, seqlen, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, hd)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, KV, hd)
-        if self.q_norm is not None:
+        q, k = self.wq(x), self.wk(x)  # (B, T, H*hd), (B, T, KV*hd)
+        if self.q_norm is not None and self.norm_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, hd)
+        k = k.view(bsz, seqlen, -1, self.head_dim)  # (B, T, KV, hd)
+        if self.q_norm is not None and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

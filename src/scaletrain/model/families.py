@@ -201,7 +201,7 @@ def _rope_scaling(cfg: ModelConfig) -> dict | None:
 
 # The ModelConfig fields that decide the computation (the rest: preset, init, muP, the ffn size's recipe).
 _COMPUTED = ("family", "vocab_size", "dim", "n_layers", "n_heads", "norm_eps", "tie_embeddings", "rope_theta",
-             "qkv_bias", "qk_norm", "activation", "norm_plus_one", "scale_embeddings", "post_norms",
+             "qkv_bias", "qk_norm", "qk_norm_width", "activation", "norm_plus_one", "scale_embeddings", "post_norms",
              "rope_scaling", "sliding_window", "no_rope_layers", "moe_experts")
 # With experts, the routing's fields too (capacity and the selection bias: no family's file computes them).
 _COMPUTED_MOE = ("moe_top_k", "moe_shared_experts", "moe_score", "moe_renormalize", "moe_route_scale",

@@ -77,9 +77,11 @@ def kv_heads(cfg: ModelConfig) -> int:
 
 def block_vector_params(cfg: ModelConfig) -> int:
     """Parameters of one block outside its matrices: the norm gains (two of d; two more with ``post_norms``; q and
-    k's of head_dim with ``qk_norm``) and the q/k/v biases (``qkv_bias``)."""
+    k's of head_dim with ``qk_norm``, of the whole projections with ``qk_norm_width`` projection) and the q/k/v
+    biases (``qkv_bias``)."""
     hd = head_width(cfg)
-    norms = (4 if cfg.post_norms else 2) * cfg.dim + (2 * hd if cfg.qk_norm else 0)
+    qk = (hd * (cfg.n_heads + kv_heads(cfg)) if cfg.qk_norm_width == "projection" else 2 * hd) if cfg.qk_norm else 0
+    norms = (4 if cfg.post_norms else 2) * cfg.dim + qk
     return norms + ((cfg.n_heads + 2 * kv_heads(cfg)) * hd if cfg.qkv_bias else 0)
 
 

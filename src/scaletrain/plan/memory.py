@@ -145,7 +145,8 @@ def family_norm_elements(cfg: ModelConfig, batch: int, seq: int, autocast: bool 
 
     * ``norm_plus_one``: the two pre-norms' normalized inputs (2 BTd) when they train;
     * ``post_norms``: two more norms of width d over the sublayer outputs;
-    * ``qk_norm``: one norm of width head_dim over each query and key head, (H + KV) BT rows.
+    * ``qk_norm``: one norm of width head_dim over each query and key head, (H + KV) BT rows (``qk_norm_width``
+      projection: one over each token's queries and one over its keys, 2 BT rows).
 
     Checked against ``saved_tensors_hooks`` in tests/test_plan_families.py (fp32 and autocast, trained and frozen
     norms). Under autocast all of it is fp32 (``block_activation_bytes``)."""
@@ -156,7 +157,9 @@ def family_norm_elements(cfg: ModelConfig, batch: int, seq: int, autocast: bool 
     if cfg.post_norms:
         total += 2 * (bt * d * (1 + low_normed) + bt)
     if cfg.qk_norm:
-        total += bt * (cfg.n_heads + kv_heads(cfg)) * (hd * (1 + low_normed) + 1)
+        # one rstd per head, or per token for each of q and k (qk_norm_width projection)
+        rstd_rows = 2 if cfg.qk_norm_width == "projection" else cfg.n_heads + kv_heads(cfg)
+        total += bt * ((cfg.n_heads + kv_heads(cfg)) * hd * (1 + low_normed) + rstd_rows)
     if cfg.norm_plus_one:  # 1 + w of each norm
         total += 2 * d + (2 * d if cfg.post_norms else 0) + (2 * hd if cfg.qk_norm else 0)
     return total
