@@ -2,7 +2,9 @@
 and a family's tensors -> our parameters and back.
 
 Family-blind: what a family does differently is its entry in ``model/family/`` (one file each: llama, mistral,
-qwen2, qwen3, gemma3_text and the multimodal gemma3's text_config, phi3, smollm3; SmolLM2 is a llama), read here.
+qwen2, qwen3, gemma3_text and the multimodal gemma3's text_config, phi3, smollm3; SmolLM2 is a llama; with experts
+qwen3_moe, mixtral, olmoe, whose per-expert tensors are stacked here into our GroupedExperts and split back), read
+here.
 What each family computes is a ``ModelConfig`` option (``model/config.py``); anything a config asks for that the
 decoder does not compute is a one-line ``ConfigError`` naming the field, never a silent difference. Names go
 through ``model/hf_names.py``; fused tensors (Phi-3's ``qkv_proj`` / ``gate_up_proj``, the entry's ``fused``) are
