@@ -18,3 +18,56 @@ def test_moe_presets_have_the_published_parameter_counts(preset, total, active, 
     assert num_params(cfg) / 1e9 == pytest.approx(total, rel=0.02)
     assert counted / 1e9 == pytest.approx(active, rel=0.03)
     assert active_params(cfg) < num_params(cfg)
+
+
+def _saved_bytes(cfg, batch: int, seq: int) -> int:
+    """Bytes of the distinct storages block 0 saves for backward (parameters and buffers excluded)."""
+    import torch
+
+    from scaletrain.model.llama import TransformerBlock, rope_tables
+
+    block = TransformerBlock(cfg, 0)
+    cos, sin = rope_tables(cfg.dim // cfg.n_heads, seq, cfg.rope_theta)
+    owned = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers(), cos, sin]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in owned:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(torch.randn(batch, seq, cfg.dim, requires_grad=True), cos, sin)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("experts,top_k,shared", [(8, 2, 0), (8, 2, 1), (16, 4, 0)])
+def test_sparse_block_activations_are_what_autograd_saves(experts, top_k, shared):
+    from scaletrain.config import ModelConfig
+    from scaletrain.plan.memory import RECIPES, block_activation_bytes, moe_activation_bytes
+
+    cfg = ModelConfig(dim=64, n_heads=4, ffn_hidden_dim=160, vocab_size=97, max_seq_len=32, moe_experts=experts,
+                      moe_top_k=top_k, moe_hidden_dim=48, moe_shared_experts=shared)
+    rec = RECIPES["fp32"]
+    dense_ffn = 4 * 96 * 160 * 4  # what block_activation_bytes counts for the dense feed-forward it replaces
+    predicted = block_activation_bytes(cfg, 3, 32, rec) - dense_ffn + moe_activation_bytes(cfg, 3, 32, rec)
+    assert predicted == pytest.approx(_saved_bytes(cfg, 3, 32), rel=0.01)
+
+
+@pytest.mark.parametrize("ac,batch,seq,precision", [("none", 4, 64, "fp32"), ("full", 4, 64, "fp32"),
+                                                    ("none", 8, 64, "bf16")])
+def test_moe_peak_matches_a_real_step(ac, batch, seq, precision):
+    """The simulated peak of a tiny mixture of experts against exact tensor bytes of the trainer's step (forward
+    .. AdamW, one process), within 10%."""
+    from scaletrain.config import ModelConfig
+    from scaletrain.plan.measure import resident_extras, single_process_run
+    from scaletrain.plan.memory import memory_breakdown
+    from scaletrain.plan.spec import Plan, Workload
+
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, ffn_hidden_dim=176, vocab_size=256, max_seq_len=64,
+                      moe_experts=8, moe_top_k=2, moe_hidden_dim=64)
+    measured = single_process_run(cfg, batch, seq, ac, steps=1, precision=precision)["peak_bytes"]
+    plan = Plan(micro_batch=batch, activation_checkpointing=ac)
+    predicted = memory_breakdown(Workload(cfg, seq, batch, 1e6, precision), plan, "cpu").tensor_total + \
+        resident_extras(cfg, batch, seq)
+    assert predicted == pytest.approx(measured, rel=0.10)
