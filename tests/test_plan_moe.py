@@ -8,6 +8,7 @@ from scaletrain.model.presets import active_params, num_params
 # (preset, published total, published active, in billions): the model cards / papers. gpt-oss's card counts the
 # unembedding but not the input embedding among the active parameters; the others count both tables.
 PUBLISHED = [("olmoe-1b-7b", 6.9, 1.3, False), ("qwen3-30b-a3b", 30.5, 3.3, False),
+             ("qwen3-235b-a22b", 235.1, 22.2, False),
              ("mixtral-8x7b", 46.7, 12.9, False), ("gpt-oss-20b", 21.0, 3.6, True)]
 
 
@@ -71,3 +72,36 @@ def test_moe_peak_matches_a_real_step(ac, batch, seq, precision):
     predicted = memory_breakdown(Workload(cfg, seq, batch, 1e6, precision), plan, "cpu").tensor_total + \
         resident_extras(cfg, batch, seq)
     assert predicted == pytest.approx(measured, rel=0.10)
+
+
+def test_search_includes_expert_parallel_degrees(monkeypatch):
+    """ep: divisors of the data-parallel ranks dividing the expert count, each plan's expert states split by it and
+    its all-to-alls charged on the link its group spans. The trainer's own check stands in for the expert
+    parallelism it gains on another branch (today it runs a mixture of experts in one process only)."""
+    import scaletrain.plan.spec as spec
+    from scaletrain.plan.catalog import CATALOG, Cluster
+    from scaletrain.plan.search import ep_degrees, search
+    from scaletrain.plan.spec import Plan, Workload
+
+    assert ep_degrees(8, 128) == [1, 2, 4, 8] and ep_degrees(6, 8) == [1, 2] and ep_degrees(8, 0) == [1]
+    monkeypatch.setattr(spec, "check_runnable", lambda *args, **kwargs: None)
+    cfg = load_config(None, {"model.preset": "olmoe-1b-7b"}).model
+    workload = Workload(cfg, 2048, 256, 1e9, "bf16")
+    cluster = Cluster(CATALOG["h100-sxm"], 8)
+    found = search(workload, cluster, {"zero_stage": 2, "activation_checkpointing": "full", "micro_batch": 4})
+    by_ep = {c.plan.ep: c for c in found.ranked if c.plan.dp_shard == 8}
+    assert set(by_ep) == {1, 2, 4, 8}
+    # ZeRO-2 keeps whole parameters: the experts' weights shrink with ep, the dense part does not
+    assert by_ep[8].memory.params < by_ep[2].memory.params < by_ep[1].memory.params
+    assert "ep" in by_ep[8].time.comm_detail and "ep" not in by_ep[1].time.comm_detail
+    with pytest.raises(Exception, match="ep 3 must divide"):
+        spec.check_plan(workload, Plan(dp_shard=8, ep=3, zero_stage=2), 8, "gpu")
+
+
+def test_active_flops_and_parameters_are_printed(capsys):
+    from scaletrain.cli import main
+
+    assert main(["plan", "--model.preset=nano-moe", "--model.vocab_size=256", "--hardware", "h100-sxm",
+                 "--count", "1", "--tokens", "1e8"]) == 0
+    out = capsys.readouterr().out
+    assert "active a token (top-2 of 8 experts)" in out

@@ -49,6 +49,11 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_hidden_dim=768,
                           vocab_size=151936, max_seq_len=32768, rope_theta=1e6, qk_norm=True, norm_eps=1e-6,
                           moe_experts=128, moe_top_k=8, moe_hidden_dim=768),
+    # Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B): 94 layers of 128 experts top-8 of width 1536, 64 / 4 heads of 128; the
+    # shape of Megatron-MoE-ModelZoo's published H100 rows (docs/planning.md).
+    "qwen3-235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_hidden_dim=1536,
+                            vocab_size=151936, max_seq_len=32768, rope_theta=1e6, qk_norm=True, norm_eps=1e-6,
+                            moe_experts=128, moe_top_k=8, moe_hidden_dim=1536),
     # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1): 8 experts top-2 of width 14336, 32 / 8 heads; softmax over the
     # chosen two is our renormalised top-k. Its 4096-position sliding window is not set (plan at <= 4096 positions).
     "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, vocab_size=32000,
