@@ -479,7 +479,8 @@ def moe_gemm_seconds(cfg: ModelConfig, tokens: int, entry: dict, recompute: bool
     """CPU seconds a sparse block's feed-forward adds over the dense one ``_block_gemms`` charges: the router
     (tokens, E, d), the routed experts (E / ep on this rank, ``routed_rows`` over them, a grouped GEMM at
     ``GROUPED_GEMM_CPU_SLOWDOWN`` times the calibrated rate), the shared experts; less the dense w1, w3, w2.
-    Forward, backward, and with ``recompute`` the forward again but the last projection (``RECOMPUTED_GEMMS``)."""
+    Forward, backward, and with ``recompute`` the forward again (all of a sparse block's expert GEMMs; the dense
+    block's w2 is not recomputed, ``RECOMPUTED_GEMMS``)."""
     d, h, dense = cfg.dim, expert_hidden_dim(cfg), ffn_hidden_dim(cfg)
     local = cfg.moe_experts // ep
     rows = routed_rows(cfg, tokens, ep) / local  # each local expert's
@@ -488,9 +489,11 @@ def moe_gemm_seconds(cfg: ModelConfig, tokens: int, entry: dict, recompute: bool
         fwd, bwd = gemm_seconds(int(m), n, k, entry), gemm_seconds(int(m), n, k, entry, backward=True)
         return count * (fwd * (1 + (recompute and not last)) + bwd)
 
-    experts = GROUPED_GEMM_CPU_SLOWDOWN * (2 * passes(rows, h // tp, d, local) + passes(rows, d, h // tp, local, True))
+    # Recomputed whole: the combine saves the slots the routed w2 fills, and the balancing terms (after the shared
+    # experts) save tensors too, so checkpoint's early stop comes after every expert GEMM of a sparse block.
+    experts = GROUPED_GEMM_CPU_SLOWDOWN * 3 * passes(rows, h // tp, d, local)
     shared = h * cfg.moe_shared_experts // tp
-    shared_s = 2 * passes(tokens, shared, d) + passes(tokens, d, shared, last=True) if shared else 0.0
+    shared_s = 3 * passes(tokens, shared, d) if shared else 0.0
     removed = 2 * passes(tokens, dense // tp, d) + passes(tokens, d, dense // tp, last=True)
     return passes(tokens, cfg.moe_experts, d) + experts + shared_s - removed
 
