@@ -13,9 +13,10 @@ the same validation windows. A curve point is (step, tokens, model FLOPs, traini
 the training seconds are the logged step times (evaluation excluded), so two runs on two cores compare like
 with like.
 
-Reported: the val bpb of each at equal FLOPs (the last point) and at equal training seconds (the dense curve
-interpolated at the MoE's wall), and the crossover: the wall the dense model needs to reach the MoE's final
-bpb (its curve interpolated), against the MoE's wall; MoE pays here when that ratio is above 1.
+Reported: the val bpb of each at equal FLOPs (the last point) and at equal training seconds (the MoE's curve
+interpolated at the dense model's wall), and the crossover: the wall the dense model needs to reach the MoE's
+final bpb (its curve interpolated; none when it never gets there), against the MoE's wall; MoE pays here when
+that ratio is above 1.
 
     .venv/bin/python benchmarks/moe_vs_dense.py      # ~5-10 minutes on 2 cores (two processes)
 
@@ -115,7 +116,12 @@ def compare(dense: dict, moe: dict) -> dict:
     # the dense curve after its first point falls monotonically in bpb: the seconds it takes to reach MoE's bpb
     falling = [p for p in dense["curve"] if p["step"] > 0]
     dense_wall_to_moe_bpb = interpolate(falling, "val_bpb", last_moe["val_bpb"], "train_seconds")
+    last_dense = dense["curve"][-1]
+    moe_at_dense_wall = interpolate(moe["curve"], "train_seconds", last_dense["train_seconds"], "val_bpb")
     return {"flops_ratio_moe_over_dense": moe["flops_per_token"] / dense["flops_per_token"],
+            "wall_ratio_moe_over_dense": last_moe["train_seconds"] / last_dense["train_seconds"],
+            "bpb_at_equal_wall": {"seconds": last_dense["train_seconds"], "dense": last_dense["val_bpb"],
+                                  "moe": moe_at_dense_wall},
             "bpb_at_equal_flops": {"dense": dense["curve"][-1]["val_bpb"], "moe": last_moe["val_bpb"]},
             "step_time_ratio_moe_over_dense": moe["median_step_ms"] / dense["median_step_ms"],
             "dense_bpb_at_moe_wall": dense_at_moe_wall,
@@ -128,9 +134,16 @@ def compare(dense: dict, moe: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--compare", metavar="JSON", help="recompute the comparison of an earlier result (no runs)")
     parser.add_argument("--out", default=default_out("moe_vs_dense.json"),
                         help=OUT_HELP.format(name="moe_vs_dense.json"))
     args = parser.parse_args()
+    if args.compare:  # the comparison is a function of the curves: recomputed without training again
+        result = json.loads(Path(args.compare).read_text())
+        result["comparison"] = compare(result["results"]["dense"], result["results"]["moe"])
+        write_result(args.out, result, indent=1)
+        print(json.dumps(result["comparison"], indent=1))
+        return 0
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         data, described = prepare(tmp)
@@ -144,6 +157,10 @@ def main() -> int:
     for name, r in results.items():
         print(f"| {name} | {r['parameters']:,} | {r['active_matmul_parameters']:,} | {r['flops_per_token']:,} | "
               f"{r['median_step_ms']:.1f} | {r['final_val_bpb']:.4f} |")
+    equal = verdict["bpb_at_equal_wall"]
+    if equal["moe"] is not None:
+        print(f"at equal training seconds ({equal['seconds']:.0f} s): dense {equal['dense']:.4f} bpb, MoE "
+              f"{equal['moe']:.4f}")
     wall = verdict["dense_seconds_to_moe_final_bpb"]
     print(f"crossover: dense reaches the MoE's {verdict['bpb_at_equal_flops']['moe']:.4f} bpb in "
           + (f"{wall:.0f} s of training against the MoE's {verdict['moe_seconds']:.0f} s" if wall is not None

@@ -316,6 +316,13 @@ def shell(command: str, cwd: Path, timeout: int) -> tuple[int, str, float, float
         os.killpg(proc.pid, 9)  # the whole process group this command started (torchrun and its ranks)
         out, _ = proc.communicate()
         status, out = 124, out + f"\n[docs-test: killed after {timeout} s]"
+    finally:  # what the command left running dies with it: `scaletrain serve ... &` then `kill %1` kills the
+        # background subshell of the `scaletrain` wrapper function, not its python (a server left on for the rest
+        # of the suite, found in ps); the command's session is its process group
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
     return status, out, time.perf_counter() - t0, children_cpu_seconds() - cpu0
 
 

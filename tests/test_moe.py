@@ -12,14 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.cli import main
-from scaletrain.config import ConfigError, ModelConfig, build, load_config
+from scaletrain.config import ModelConfig, build, load_config
 from scaletrain.model import PRESETS, build_model, num_params
 from scaletrain.model.moe import MoEFeedForward, expert_load, grouped_mm_fits, moe_layers
 from scaletrain.model.presets import matmul_params
 from scaletrain.model.shape import is_moe_layer
-from scaletrain.plan.hardware_spec import parse_hardware
-from scaletrain.plan.search import search
-from scaletrain.plan.workload import Workload
 from scaletrain.train.loss import take_auxiliary
 from scaletrain.train.trainer import Trainer
 
@@ -259,12 +256,7 @@ def test_bad_moe_options_exit_2_with_one_line(flags, message, tmp_path, capsys):
 
 
 def test_commands_that_do_not_model_moe_refuse_in_one_line(tmp_path, tiny, capsys):
-    assert main(["plan", "--model.preset=nano-moe"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "scaletrain plan does not model a mixture of experts yet" in err and "\n" not in err
-    model = cfg(preset="nano-moe", vocab_size=65)
-    with pytest.raises(ConfigError, match="scaletrain plan does not model a mixture of experts yet"):
-        search(Workload(model, 256, 8, 1e6, "fp32"), parse_hardware("cpu:1"))  # what calls the search directly
+    # (`plan` models a mixture of experts: tests/test_plan_moe.py)
     run = tmp_path / "run"
     assert main(args_of(tiny(run, **MOE, **{"train.steps": 2}))) == 0
     capsys.readouterr()

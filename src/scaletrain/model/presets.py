@@ -37,6 +37,35 @@ PRESETS: dict[str, dict] = {
     # 176, not 172: a multiple of 8, so the experts run as grouped GEMMs in bf16 too.
     "nano-moe": dict(dim=128, n_layers=4, n_heads=4, ffn_hidden_dim=344, max_seq_len=256, moe_experts=8, moe_top_k=2,
                      moe_hidden_dim=176),
+    # Published mixture-of-experts shapes, for `scaletrain plan` (their config.json; every block sparse). Our decoder
+    # computes them as its own blocks, so each differs from the original where noted; the parameter counts match the
+    # published totals and active counts within a few percent (tests/test_plan_moe.py).
+    # OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924): 64 experts top-8 of width 1024, no top-k renormalisation. OLMoE's
+    # q/k norm spans the whole projection (2048 wide), ours each head's (128): 2 x 1792 fewer gains a block.
+    "olmoe-1b-7b": dict(dim=2048, n_layers=16, n_heads=16, ffn_hidden_dim=1024, vocab_size=50304, max_seq_len=4096,
+                        qk_norm=True, moe_experts=64, moe_top_k=8, moe_hidden_dim=1024, moe_renormalize=False),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B): 128 experts top-8 of width 768, 32 query / 4 key-value heads of 128,
+    # per-head q/k norm, renormalised top-k: our decoder's own options, nothing left out.
+    "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_hidden_dim=768,
+                          vocab_size=151936, max_seq_len=32768, rope_theta=1e6, qk_norm=True, norm_eps=1e-6,
+                          moe_experts=128, moe_top_k=8, moe_hidden_dim=768),
+    # Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B): 94 layers of 128 experts top-8 of width 1536, 64 / 4 heads of 128; the
+    # shape of Megatron-MoE-ModelZoo's published H100 rows (docs/planning.md).
+    "qwen3-235b-a22b": dict(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_hidden_dim=1536,
+                            vocab_size=151936, max_seq_len=32768, rope_theta=1e6, qk_norm=True, norm_eps=1e-6,
+                            moe_experts=128, moe_top_k=8, moe_hidden_dim=1536),
+    # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1): 8 experts top-2 of width 14336, 32 / 8 heads; softmax over the
+    # chosen two is our renormalised top-k. Its 4096-position sliding window is not set (plan at <= 4096 positions).
+    "mixtral-8x7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, vocab_size=32000,
+                         max_seq_len=32768, rope_theta=1e6, moe_experts=8, moe_top_k=2, moe_hidden_dim=14336),
+    # gpt-oss-20b (openai/gpt-oss-20b): 32 experts top-4 of width 2880, 64 query heads of 64, 8 key-value heads,
+    # q/k/v biases, a 128-position window on every other layer (from the first). Not in our decoder: attention
+    # sinks, the output projection's and the experts' biases, its clamped SwiGLU (alpha 1.702), YaRN rotary, and
+    # MXFP4 expert weights (here trained in bf16/fp32); together ~7M parameters of 20.9B.
+    "gpt-oss-20b": dict(dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64, ffn_hidden_dim=2880,
+                        vocab_size=201088, max_seq_len=4096, rope_theta=150000.0, qkv_bias=True,
+                        sliding_window=128, sliding_layers=list(range(0, 24, 2)), moe_experts=32, moe_top_k=4,
+                        moe_hidden_dim=2880),
     # The open families' published shapes (their config.json as model/families.py reads it), for `scaletrain plan`
     # before anything is downloaded: each family's entry lists its own (model/family/, ``presets``).
     **family_presets(),
@@ -69,6 +98,19 @@ def moe_extra_params(cfg: ModelConfig, *, active: bool) -> int:
     d, h = cfg.dim, expert_hidden_dim(cfg)
     experts = cfg.moe_top_k if active else cfg.moe_experts
     return d * cfg.moe_experts + 3 * d * h * (experts + cfg.moe_shared_experts) - 3 * d * ffn_hidden_dim(cfg)
+
+
+def routed_expert_params(cfg: ModelConfig) -> int:
+    """Weights of every routed expert of the model (3 d h_e an expert, ``moe_experts`` a sparse block): what expert
+    parallelism shards; 0 for a dense model."""
+    return sparse_layers(cfg) * cfg.moe_experts * 3 * cfg.dim * expert_hidden_dim(cfg)
+
+
+def active_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
+    """Parameters one token uses: ``num_params`` less the routed experts it does not run (all but its top-k in
+    every sparse block); a dense model's total. ``exclude_embedding`` as ``num_params``'s."""
+    unused = sparse_layers(cfg) * (cfg.moe_experts - cfg.moe_top_k) * 3 * cfg.dim * expert_hidden_dim(cfg)
+    return num_params(cfg, exclude_embedding=exclude_embedding) - unused
 
 
 def kv_heads(cfg: ModelConfig) -> int:

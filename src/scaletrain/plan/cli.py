@@ -29,7 +29,6 @@ from scaletrain.config import (
 )
 from scaletrain.core.files import check_output_path, write_file
 from scaletrain.finetune.objectives import objective_entry
-from scaletrain.model.moe import refuse_moe
 from scaletrain.model.presets import PRESETS, num_params
 from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
@@ -174,7 +173,6 @@ def plan_job(args: argparse.Namespace) -> PlanJob:
     """``--config`` + the ``--section.field`` flags (old spellings included) as one checked job."""
     overrides = overrides_from_args(args)
     cfg = load_config(args.config or None, overrides)
-    refuse_moe(cfg.model, "scaletrain plan")  # its memory, FLOP and time models are the dense decoder's
     objective_entry(cfg.finetune.objective)  # a name outside the objective table: one line, as train says it
     return PlanJob(cfg, frozenset(overrides), args.config)
 
@@ -288,6 +286,9 @@ def _pins(args: argparse.Namespace, job: PlanJob) -> dict:
     ``--micro-batch`` and ``--engine``."""
     pins = {name: getattr(job.cfg.parallel, name) for name in PINNED_FIELDS if job.given(f"parallel.{name}")}
     pins = {name: value for name, value in pins.items() if value != -1}
+    # parallel.ep (expert parallelism), where the config has it: a pin on the plan's own ep degree
+    if job.given("parallel.ep") and getattr(job.cfg.parallel, "ep", 1) not in (-1, 0):
+        pins["ep"] = getattr(job.cfg.parallel, "ep", 1)
     for name in ("dp_replicate", "dp_shard"):  # 0 passes the field's own check (ge=-1), not a degree to plan
         if pins.get(name) == 0:
             raise ConfigError(f"--parallel.{name}=0: a degree to plan must be >= 1 (or -1: the search chooses)")

@@ -15,15 +15,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from scaletrain.config import ModelConfig
-from scaletrain.model.config import head_width, is_sliding
+from scaletrain.model.config import head_width, is_moe_layer, is_sliding
 from scaletrain.model.loss import rows_at_once
 from scaletrain.model.presets import (  # projection_shapes: re-exported, the planner's modules read it here
     block_params,
     block_vector_params,
+    expert_hidden_dim,
     ffn_hidden_dim,
     kv_heads,
+    moe_extra_params,
     num_params,
     projection_shapes,
+    routed_expert_params,
+    sparse_layers,
 )
 from scaletrain.plan.workload import Plan, Workload
 from scaletrain.train.muon import CHUNK_ELEMENTS
@@ -198,19 +202,65 @@ def block_activation_bytes(cfg: ModelConfig, batch: int, seq: int, recipe: Recip
     return (fp32 + fp32_family) * 4 + (elements - fp32) * recipe.activation
 
 
-def block_matrix_params(cfg: ModelConfig) -> int:
-    """Parameters of one block's linear layers (what autocast casts to bf16 on each forward)."""
-    return block_params(cfg) - block_vector_params(cfg)
+def block_matrix_params(cfg: ModelConfig, ep: int = 1) -> float:
+    """Parameters of one block's linear layers (what autocast casts to bf16 on each forward), a sparse block's
+    experts averaged over the blocks (``rank_block_params``)."""
+    return rank_block_params(cfg, 1, ep) - block_vector_params(cfg)
 
 
-def stage_params(cfg: ModelConfig, pp: int, tp: int) -> float:
-    """Parameters held by the busiest pipeline stage, per tensor-parallel rank."""
+# A mixture of experts' load: the busiest expert's tokens over the mean. With expert parallelism a rank computes
+# what every rank routed to its experts, and the busiest rank sets the step's pace and memory; measured on nano-moe
+# after 200 steps of the Gutenberg folder with the Switch auxiliary loss (benchmarks/results/moe_balance.json,
+# "aux": 1.16 averaged over the layers, 1.25 the worst; the expert bias 1.06, no balancing 2.2). Taken for a rank's
+# load, which is an upper bound when a rank holds several experts (their loads average).
+MOE_LOAD_IMBALANCE = 1.16
+
+
+def rank_block_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> float:
+    """Parameters of one block on a rank: ``block_params`` plus, for a mixture of experts, the router, shared and
+    routed experts that replace the dense feed-forward, averaged over the blocks (not every block need be sparse),
+    the routed experts split over ``ep`` ranks; all of it over ``tp``."""
+    extra = sparse_layers(cfg) * moe_extra_params(cfg, active=False) - routed_expert_params(cfg) * (1 - 1 / ep)
+    return (block_params(cfg) + extra / cfg.n_layers) / tp
+
+
+def stage_params(cfg: ModelConfig, pp: int, tp: int, ep: int = 1) -> float:
+    """Parameters held by the busiest pipeline stage, per tensor-parallel rank (the routed experts per expert-
+    parallel rank: ``ep`` of the data-parallel ranks each hold E / ep of them)."""
     blocks = -(-cfg.n_layers // pp)  # ceil: the first stages get the extra block
     embed = cfg.vocab_size * cfg.dim
     if pp == 1:
-        return num_params(cfg) / tp if tp > 1 else float(num_params(cfg))
+        total = num_params(cfg) - routed_expert_params(cfg) * (1 - 1 / ep)
+        return total / tp if tp > 1 else float(total)
     # The first stage holds the embedding, the last the final norm + head (tied weights are duplicated).
-    return (blocks * block_params(cfg) + embed + cfg.dim) / tp
+    return blocks * rank_block_params(cfg, tp, ep) + (embed + cfg.dim) / tp
+
+
+def stage_expert_params(cfg: ModelConfig, pp: int, tp: int, ep: int) -> float:
+    """The routed experts' share of ``stage_params``: sharded over ``ep`` (and ``tp``), the rest is dense."""
+    return routed_expert_params(cfg) / ep / tp * (-(-cfg.n_layers // pp) / cfg.n_layers)
+
+
+def moe_activation_bytes(cfg: ModelConfig, batch: int, seq: int, recipe: Recipe, ep: int = 1, tp: int = 1) -> float:
+    """Bytes a sparse block's feed-forward saves for backward (in place of the dense one's 4 BT h), as autograd
+    saves them in model/moe.py (checked with ``saved_tensors_hooks`` in tests/test_plan_moe.py): for each routed
+    copy of a token (N k of them; under expert parallelism the busiest rank's, ``MOE_LOAD_IMBALANCE`` times that)
+    its row gathered for the experts and its slot of the combine (2 d), the experts' four SwiGLU tensors (4 h_e);
+    the router's fp32 scores (N E), the choices' int64 indices (3 a copy) and fp32 weights (2 a copy), two fp32
+    sums a token; and the shared experts' SwiGLU (4 N h_e a shared expert)."""
+    n, k, d, h = batch * seq, cfg.moe_top_k, cfg.dim, expert_hidden_dim(cfg)
+    routed = n * k * (MOE_LOAD_IMBALANCE if ep > 1 else 1.0)
+    a = recipe.activation
+    experts = (2 * routed * d + 4 * routed * h / tp) * a
+    router = 4 * n * cfg.moe_experts + 8 * 3 * routed + 4 * 2 * n * k + 4 * 2 * n + 8 * cfg.moe_experts
+    shared = 4 * n * h * cfg.moe_shared_experts / tp * a
+    return experts + router + shared
+
+
+def routed_rows(cfg: ModelConfig, tokens: int, ep: int) -> float:
+    """Rows the busiest rank's experts compute for ``tokens`` tokens of its own: each token's top-k copies, under
+    expert parallelism the busiest rank's share of every rank's (``MOE_LOAD_IMBALANCE`` times the mean)."""
+    return tokens * cfg.moe_top_k * (MOE_LOAD_IMBALANCE if ep > 1 else 1.0)
 
 
 @dataclass
@@ -296,11 +346,15 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     cfg, rec = workload.model, recipe_for(workload, plan)
     entry = OPTIMIZERS[optimizer or workload.optimizer]
     foreach = bool(foreach_optimizer)
-    tp, pp = plan.tp, plan.pp
-    psi = stage_params(cfg, pp, tp)
+    tp, pp, ep = plan.tp, plan.pp, plan.ep
+    psi = stage_params(cfg, pp, tp, ep)
     deepspeed = plan.engine == "deepspeed"
     shards = plan.dp if deepspeed else plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate
-    states = model_states(psi, plan.zero_stage, shards, rec)
+    # The routed experts, split over ep ranks, are sharded by ZeRO over what is left of the shard group (the
+    # experts' own data-parallel group, torchtitan's edp); the dense part as ever.
+    experts = stage_expert_params(cfg, pp, tp, ep)
+    expert_states = model_states(experts, plan.zero_stage, max(1, shards // ep), rec)
+    states = {k: v + expert_states[k] for k, v in model_states(psi - experts, plan.zero_stage, shards, rec).items()}
     layers = -(-cfg.n_layers // pp)
     if psi:  # the entry's state bytes on its parameters (Muon: half AdamW's on the matrices, m only, no v)
         share = muon_matrix_params(cfg, layers, tp) / psi if entry.matrices else 1.0
@@ -322,7 +376,10 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     in_flight = 1 if pp == 1 else (plan.microbatches if plan.pp_schedule == "gpipe" else min(pp, plan.microbatches))
     # A sliding-window layer's SDPA also saves its (T, T) mask (not under checkpointing: only in the recompute).
     mask = attention_mask_bytes(cfg, t, rec)
-    full_block = [blk + mask * masked_attention_layers(cfg, t, range(i, i + 1)) for i in range(layers)]
+    # A sparse block saves its routed tokens' tensors instead of the dense feed-forward's four (B, T, h).
+    sparse = moe_activation_bytes(cfg, b, t, rec, ep, tp) - 4 * b * t * ffn_hidden_dim(cfg) / tp * rec.activation
+    full_block = [blk + mask * masked_attention_layers(cfg, t, range(i, i + 1)) + sparse * is_moe_layer(cfg, i)
+                  for i in range(layers)]
     per_block = [ckpt_input if i in ckpt else full_block[i] for i in range(layers)]
     # Other in-flight pipeline micro-batches keep their whole stage's saved activations.
     others = (in_flight - 1) * sum(per_block)
@@ -338,10 +395,10 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     fwd_logits = 2 * logits if chunked else logits * (1.5 if rec.autocast else 1.0)
     loss_bwd, loss_grads = chunked_loss_backward(held, bt, d, v, rec.autocast) if chunked else (2 * logits, 0.0)
     # Autocast's bf16 weight copies: each saved by its linear from the forward until that linear's backward.
-    cast_block = 2 * block_matrix_params(cfg) / tp if rec.autocast else 0.0
+    cast_block = 2 * block_matrix_params(cfg, ep) / tp if rec.autocast else 0.0
     cast_head = 2 * v * d / tp if rec.autocast else 0.0
 
-    block_p = block_params(cfg) / tp
+    block_p = rank_block_params(cfg, tp, ep)
     head_p = psi - layers * block_p
     unsharded_p = psi * rec.param if plan.zero_stage >= 2 else 0.0  # FSDP gathers to full size on use
     comm = _comm_buffers(plan, rec, psi, block_p, bt, d)
@@ -369,7 +426,9 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     grad_scale = 0.0 if in_buckets or not psi else states["grads"] / psi
     full_grad_bytes = 0.0 if plan.cpu_offload or in_buckets else states["grads"]
     # Gradient of the hidden state plus SwiGLU gradients while the block's own saved tensors are being freed.
-    bwd_tmp = (2 * bt * d + 1.5 * bt * ffn_hidden_dim(cfg) / tp) * a
+    ffn_rows = max(bt * ffn_hidden_dim(cfg), routed_rows(cfg, bt, ep) * expert_hidden_dim(cfg) if cfg.moe_experts
+                   else 0.0)  # a sparse block's: its routed copies' SwiGLU gradients
+    bwd_tmp = (2 * bt * d + 1.5 * ffn_rows / tp) * a
 
     phases: list[tuple[str, dict]] = []
     # End of forward: every saved activation plus logits and log-softmax output side by side.

@@ -44,7 +44,8 @@ def job_plan(cfg: JobConfig, dims: ParallelDims | None = None) -> Plan:
     activation checkpointing."""
     p = cfg.parallel
     degrees = {} if dims is None else dict(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
-                                           pp=dims.pp, cp=dims.cp, zero_stage=dims.zero_stage)
+                                           pp=dims.pp, cp=dims.cp, zero_stage=dims.zero_stage,
+                                           ep=getattr(dims, "ep", 1))  # expert parallelism, where dims has it
     return Plan(**degrees, micro_batch=cfg.train.batch_size, activation_checkpointing=p.activation_checkpointing,
                 ac_every=p.ac_every, cpu_offload=p.cpu_offload, engine=p.engine,
                 offload=cfg.deepspeed.offload_optimizer if p.engine == "deepspeed" else "none")
@@ -82,8 +83,6 @@ def memory_refusal(cfg: JobConfig, precision: str, device: torch.device, dims: P
     (``available``: bytes, default measured by ``available_bytes``), naming what to change; None when it fits."""
     from scaletrain.hardware.allocator import in_use
 
-    if cfg.model.moe_experts:  # the memory model is the dense decoder's: no estimate rather than a wrong one
-        return None
     kind = "gpu" if device.type == "cuda" else "cpu"
     allocator = in_use() if kind == "cpu" else "system"
     needed = estimated_bytes(cfg, precision, kind, dims, allocator)

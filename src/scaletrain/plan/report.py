@@ -9,6 +9,7 @@ from rich.table import Table
 
 from scaletrain.core.files import human_bytes
 from scaletrain.hardware.allocator import launch_note
+from scaletrain.model.presets import active_params
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.cost import Cost
 from scaletrain.plan.search import Candidate, SearchResult
@@ -57,7 +58,8 @@ def duration(seconds: float) -> str:
 
 def workload_dict(w: Workload, chinchilla: bool) -> dict:
     return {
-        "params_total": w.params, "params_non_embedding": w.params_non_embedding, "vocab_size": w.model.vocab_size,
+        "params_total": w.params, "params_non_embedding": w.params_non_embedding,
+        "params_active": active_params(w.model), "vocab_size": w.model.vocab_size,
         "flops_per_token": w.flops_per_token, "flops_formula": FLOPS_FORMULA,
         "seq_len": w.seq_len, "global_batch_sequences": w.global_batch, "tokens_per_step": w.tokens_per_step,
         "train_tokens": w.train_tokens, "steps": w.steps, "total_flops": w.total_flops, "precision": w.precision,
@@ -102,7 +104,9 @@ def print_report(console: Console, w: Workload, cluster: Cluster, result: Search
     wall, and a few rejected plans with why."""
     hw = cluster.hardware
     summary = Table(title=f"Workload on {cluster.describe()}", show_header=False)
-    summary.add_row("parameters", f"{human(w.params)} total, {human(w.params_non_embedding)} non-embedding")
+    summary.add_row("parameters", f"{human(w.params)} total, {human(w.params_non_embedding)} non-embedding"
+                    + (f", {human(active_params(w.model))} active a token (top-{w.model.moe_top_k} of "
+                       f"{w.model.moe_experts} experts)" if w.model.moe_experts else ""))
     summary.add_row("FLOPs / token", f"{human(w.flops_per_token)}  [{FLOPS_FORMULA.split(' per token')[0]}]")
     summary.add_row("tokens", f"{human(w.train_tokens)}"
                     + (f"  (Chinchilla-optimal: {CHINCHILLA_TOKENS_PER_PARAM}/param, a convention)"

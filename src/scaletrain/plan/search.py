@@ -1,7 +1,8 @@
 """Plan search: every way to split the job that can be built and fits, ranked by predicted throughput.
 
 Enumerates dp_replicate x dp_shard x tp x pp x cp factorizations of the world size, the ZeRO stage that
-goes with them, the per-rank micro-batch, activation checkpointing and (GPU) CPU offload. Each candidate
+goes with them, a mixture of experts' expert-parallel degree (``ep_degrees``), the per-rank micro-batch,
+activation checkpointing and (GPU) CPU offload. Each candidate
 is checked (``spec.check_plan``), its memory simulated (``memory``) and, if it fits, its step timed
 (``timing``). The result keeps the failures too, each with its reason.
 """
@@ -12,7 +13,6 @@ import itertools
 from dataclasses import asdict, dataclass, field, replace
 
 from scaletrain.config import ConfigError
-from scaletrain.model.moe import refuse_moe
 from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.memory import MemoryBreakdown, memory_breakdown
 from scaletrain.plan.timing import TimeBreakdown, step_time
@@ -46,6 +46,12 @@ class SearchResult:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ep_degrees(data_parallel: int, experts: int) -> list[int]:
+    """Expert-parallel degrees to try: the divisors of the data-parallel ranks that divide the expert count (ep
+    borrows data-parallel ranks, each holding E / ep experts); [1] for a dense model."""
+    return [d for d in _divisors(data_parallel) if experts and experts % d == 0] or [1]
 
 
 def _micro_batches(global_batch: int, data_parallel: int) -> list[int]:
@@ -86,12 +92,13 @@ def enumerate_plans(workload: Workload, cluster: Cluster, fixed: dict | None = N
             dp_rep = dp // dp_shard
             stages = [2, 3] if dp_shard > 1 else [0, 1] if dp_rep > 1 else [0]
             micro = _micro_batches(workload.global_batch, dp)
-            for zero, mb, ac, offload in itertools.product(stages, micro, ("none", "selective", "full"),
-                                                           (False, True) if gpu else (False,)):
+            for zero, mb, ac, offload, ep in itertools.product(stages, micro, ("none", "selective", "full"),
+                                                               (False, True) if gpu else (False,),
+                                                               ep_degrees(dp, workload.model.moe_experts)):
                 if offload and zero < 2:
                     continue
                 plan = Plan(dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, micro_batch=mb,
-                            zero_stage=zero, activation_checkpointing=ac, cpu_offload=offload)
+                            zero_stage=zero, activation_checkpointing=ac, cpu_offload=offload, ep=ep)
                 if _buildable(workload, plan, cluster, fixed):
                     plans.append(plan)
     return plans
@@ -126,10 +133,13 @@ def evaluate(workload: Workload, plan: Plan, cluster: Cluster) -> Candidate:
 
 def search(workload: Workload, cluster: Cluster, fixed: dict | None = None) -> SearchResult:
     """Rank every fitting plan by predicted tokens/s (``rank``: ties within 1% go to the simpler plan) and
-    explain each. A mixture of experts is refused in one line (its memory and time are not modelled yet)."""
-    refuse_moe(workload.model, "scaletrain plan")
+    explain each. A mixture of experts searches the expert-parallel degree too (``ep_degrees``)."""
     plans = enumerate_plans(workload, cluster, fixed)
     pinned = {k: v for k, v in (fixed or {}).items() if not (k == "engine" and v == "all")}
+    if not plans and workload.model.moe_experts and not pinned:
+        # Say why (the trainer's own reason: e.g. a mixture of experts it cannot yet run on this many ranks).
+        check_plan(workload, Plan(dp_shard=cluster.world_size, zero_stage=3 if cluster.world_size > 1 else 0),
+                   cluster.world_size, cluster.hardware.kind)
     if not plans and pinned:
         # Say why the pinned degrees are impossible instead of "nothing found".
         probe = Plan(**{"dp_shard": max(1, cluster.world_size // _prod(pinned)), **pinned})
@@ -162,7 +172,7 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
 
 def _simplicity(c: Candidate) -> tuple:
     p = c.plan
-    techniques = (sum(d > 1 for d in (p.tp, p.pp, p.cp)) + (p.zero_stage > 0)
+    techniques = (sum(d > 1 for d in (p.tp, p.pp, p.cp, p.ep)) + (p.zero_stage > 0)
                   + (p.activation_checkpointing != "none") + p.cpu_offload
                   + (p.engine != "native") + (p.offload != "none"))  # the optional engine is one more piece
     return (techniques, c.memory.total)

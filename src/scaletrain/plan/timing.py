@@ -38,18 +38,22 @@ import torch
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.hardware.allocator import GLIBC_MMAP_THRESHOLD_MAX
 from scaletrain.hardware.peak import devices_in_job
-from scaletrain.model.config import head_width
+from scaletrain.model.config import head_width, is_moe_layer
 from scaletrain.model.decoder import TransformerBlock, rope_tables
-from scaletrain.model.presets import block_params, ffn_hidden_dim, flops_per_token, kv_heads
+from scaletrain.model.presets import expert_hidden_dim, ffn_hidden_dim, flops_per_token, kv_heads
 from scaletrain.plan.aten_ops import count_aten_ops
 from scaletrain.plan.catalog import LINKS, Cluster, Hardware
 from scaletrain.plan.memory import (
+    MOE_LOAD_IMBALANCE,
     RECIPES,
     block_activation_elements,
     checkpointed_blocks,
     loss_rows,
     masked_attention_layers,
+    moe_activation_bytes,
     muon_shapes,
+    rank_block_params,
+    routed_rows,
     stage_params,
 )
 from scaletrain.plan.workload import Plan, Workload
@@ -386,19 +390,26 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
     share = cpu_rank_share(cluster)
     b, t, tp = plan.micro_batch, workload.seq_len // plan.cp, plan.tp
     layers = -(-cfg.n_layers // plan.pp)
-    n_ckpt = len(checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every))
     units = block_activation_elements(cfg, b, t, tp, plan.sequence_parallel)
     ops = entry["block_ops"] + family_block_ops(cfg)
     # Cost per element at this block's working-set size (curve), else the single reference value.
     elem = interp_curve(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
         entry["elementwise_s_per_element"]
 
-    def block(recompute: bool) -> float:
-        rate_bound = block_gemm_attention_seconds(cfg, b, t, entry, recompute, tp) + units * elem * (
-            1 + recompute / 3)  # the forward is about a third of a block's elementwise work
-        return rate_bound * share + ops * (1 + recompute / 3) * entry["op_overhead_s"]
+    # A sparse block: its feed-forward's GEMMs, saved elements and aten ops are the mixture of experts'
+    sparse_units = units + (moe_activation_bytes(cfg, b, t, RECIPES["fp32"], plan.ep, tp) / 4
+                            - 4 * b * t * ffn_hidden_dim(cfg) / tp) if cfg.moe_experts else units
 
-    blocks = (layers - n_ckpt) * block(False) + n_ckpt * block(True)
+    def block(recompute: bool, sparse: bool) -> float:
+        gemms = block_gemm_attention_seconds(cfg, b, t, entry, recompute, tp)
+        if sparse:
+            gemms += moe_gemm_seconds(cfg, b * t, entry, recompute, tp, plan.ep)
+        rate_bound = gemms + (sparse_units if sparse else units) * elem * (
+            1 + recompute / 3)  # the forward is about a third of a block's elementwise work
+        return rate_bound * share + (ops + sparse * moe_block_ops(cfg)) * (1 + recompute / 3) * entry["op_overhead_s"]
+
+    ckpt = checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every)
+    blocks = sum(block(i in ckpt, is_moe_layer(cfg, i)) for i in range(layers))
     masked = masked_attention_layers(cfg, t, range(layers))
     if masked:  # sliding-window layers: SDPA with an explicit mask, over every key block (masked_attention_factor)
         att_f, att_b = attention_seconds(b * cfg.n_heads // tp, t, head_width(cfg), entry)
@@ -409,7 +420,7 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
             + tokens * vocab * interp_curve(entry["cross_entropy_curve"], vocab)
             + (3 * tokens * cfg.dim + cfg.vocab_size * cfg.dim / tp) * elem
             + loss_recompute_seconds(workload, plan, tokens, cluster, entry))
-    psi = stage_params(cfg, plan.pp, tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
+    psi = stage_params(cfg, plan.pp, tp, plan.ep) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
                                             plan.dp_replicate if plan.zero_stage == 1 else 1)
     tensors = layers * PARAM_TENSORS_PER_BLOCK + (2 if cfg.tie_embeddings else 3)
     return blocks + head * share, optimizer_seconds(entry, plan, cluster, psi, tensors, share)
@@ -442,6 +453,87 @@ def optimizer_seconds(entry: dict, plan: Plan, cluster: Cluster, psi: float, ten
     return optimizer
 
 
+# torch._grouped_mm on this CPU (fp32, one thread), against the calibrated nn.Linear rate at the rows each expert
+# gets: the experts' E GEMMs of r rows took 1.10-2.76x (median 1.38) E times one expert's GEMM of r rows at
+# shapes E x r x d x h of 8x16x128x176 .. 64x8x256x128 (benchmarks/plan_moe.py measures it again): each expert's
+# weights are cold in cache where the calibration's one Linear is warm. Against a loop over the experts it is
+# 0.73-1.21x: the loop (the fallback) costs the same.
+GROUPED_GEMM_CPU_SLOWDOWN = 1.38
+
+
+def rank_load(ep: int) -> float:
+    """The busiest expert-parallel rank's load over the mean: ``memory.MOE_LOAD_IMBALANCE`` under ep > 1; one
+    process computes every expert, its load is the whole batch's."""
+    return MOE_LOAD_IMBALANCE if ep > 1 else 1.0
+
+
+def grouped_gemm_efficiency_gpu(hw: Hardware, rows: float) -> float:
+    """A GPU grouped GEMM's rate over a wide dense GEMM's, with ``rows`` rows an expert: an expert's (h, d) weights
+    are read once for its rows, so below the roofline's ridge (peak bf16 FLOP/s over memory bandwidth, ~295 rows
+    on an H100) it is bound by reading them: rows / ridge. An assumption from the roofline, not measured here."""
+    ridge = hw.flops("bf16") / hw.memory_bandwidth
+    return min(1.0, rows / ridge)
+
+
+def moe_gemm_seconds(cfg: ModelConfig, tokens: int, entry: dict, recompute: bool, tp: int, ep: int) -> float:
+    """CPU seconds a sparse block's feed-forward adds over the dense one ``_block_gemms`` charges: the router
+    (tokens, E, d), the routed experts (E / ep on this rank, ``routed_rows`` over them, a grouped GEMM at
+    ``GROUPED_GEMM_CPU_SLOWDOWN`` times the calibrated rate), the shared experts; less the dense w1, w3, w2.
+    Forward, backward, and with ``recompute`` the forward again (all of a sparse block's expert GEMMs; the dense
+    block's w2 is not recomputed, ``RECOMPUTED_GEMMS``)."""
+    d, h, dense = cfg.dim, expert_hidden_dim(cfg), ffn_hidden_dim(cfg)
+    local = cfg.moe_experts // ep
+    rows = routed_rows(cfg, tokens, ep) / local  # each local expert's
+
+    def passes(m: float, n: int, k: int, count: float = 1.0, last: bool = False) -> float:
+        fwd, bwd = gemm_seconds(int(m), n, k, entry), gemm_seconds(int(m), n, k, entry, backward=True)
+        return count * (fwd * (1 + (recompute and not last)) + bwd)
+
+    # Recomputed whole: the combine saves the slots the routed w2 fills, and the balancing terms (after the shared
+    # experts) save tensors too, so checkpoint's early stop comes after every expert GEMM of a sparse block.
+    experts = GROUPED_GEMM_CPU_SLOWDOWN * 3 * passes(rows, h // tp, d, local)
+    shared = h * cfg.moe_shared_experts // tp
+    shared_s = 3 * passes(tokens, shared, d) if shared else 0.0
+    removed = 2 * passes(tokens, dense // tp, d) + passes(tokens, d, dense // tp, last=True)
+    return passes(tokens, cfg.moe_experts, d) + experts + shared_s - removed
+
+
+def moe_block_ops(cfg: ModelConfig) -> int:
+    """aten ops (forward + backward) a sparse block dispatches beyond a dense one: routing (scores, top-k, sort,
+    gather), the grouped experts and the combine; counted on a tiny block of the same routing options
+    (aten_ops.count_aten_ops), 0 for a dense model."""
+    if not cfg.moe_experts:
+        return 0
+    return _moe_block_ops(bool(cfg.moe_shared_experts), cfg.moe_bias_rate > 0, cfg.moe_capacity_factor > 0)
+
+
+@functools.cache
+def _moe_block_ops(shared: bool, bias: bool, capacity: bool) -> int:
+    def ops(cfg: ModelConfig) -> int:
+        block = TransformerBlock(cfg)
+        cos, sin = rope_tables(8, 4, 10000.0)
+        x = torch.randn(1, 4, cfg.dim, requires_grad=True)
+        return count_aten_ops(lambda: block(x, cos, sin).sum().backward())
+
+    tiny = ModelConfig(dim=16, n_heads=2, head_dim=8, ffn_hidden_dim=16, vocab_size=16, max_seq_len=4)
+    sparse = dataclasses.replace(tiny, moe_experts=4, moe_top_k=2, moe_hidden_dim=16, moe_shared_experts=int(shared),
+                                 moe_bias_rate=0.001 if bias else 0.0, moe_capacity_factor=1.0 if capacity else 0.0)
+    return max(0, ops(sparse) - ops(tiny))
+
+
+def all_to_all_seconds(workload: Workload, plan: Plan, cluster: Cluster, tokens: int, latency: float) -> float:
+    """Seconds one micro-batch's expert-parallel all-to-alls take: each sparse block dispatches its tokens' top-k
+    copies to the ranks holding their experts and combines them back, forward and again backward (4 all-to-alls
+    of tokens x top_k x dim activations, (ep - 1) / ep of them leaving the rank), over the link the ep group spans
+    (its ranks the innermost data-parallel ones, stride tp x cp); not overlapped with compute (torchtitan's
+    default)."""
+    cfg = workload.model
+    bw, _ = group_link(cluster, plan.ep, plan.tp * plan.cp)
+    sent = tokens * cfg.moe_top_k * cfg.dim * RECIPES[workload.precision].activation * (plan.ep - 1) / plan.ep
+    sparse = sum(is_moe_layer(cfg, i) for i in range(-(-cfg.n_layers // plan.pp)))
+    return sparse * 4 * (sent * rank_load(plan.ep) / bw + latency)
+
+
 def gpu_utilisation(hw: Hardware, cfg: ModelConfig, seq_len: int) -> float:
     """The MFU the catalog's fit predicts for ``cfg`` at ``seq_len`` on ``hw`` (``Hardware.utilisation_at``):
     GEMM width ``cfg.dim``, attention share ``12 L T d`` of ``flops_per_token``."""
@@ -471,10 +563,18 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     masked = masked_attention_layers(cfg, workload.seq_len, range(layers))
     executed += masked * 12.0 * workload.seq_len * cfg.n_heads * head_width(cfg) * tokens / (plan.tp * plan.cp)
     rate = hw.flops(DTYPE_OF_PRECISION[workload.precision]) * gpu_utilisation(hw, cfg, workload.seq_len)
+    if cfg.moe_experts:  # the routed experts: the busiest rank's load, at the grouped GEMM's efficiency
+        sparse = sum(is_moe_layer(cfg, i) for i in range(layers))
+        expert_flops = 18.0 * cfg.dim * expert_hidden_dim(cfg) * sparse * tokens / (plan.tp * plan.cp)
+        rows = routed_rows(cfg, tokens, plan.ep) * plan.ep / cfg.moe_experts  # a local expert's
+        load = rank_load(plan.ep)
+        executed += expert_flops * cfg.moe_top_k * (load / grouped_gemm_efficiency_gpu(hw, rows) - 1)
     # Kernels run asynchronously, but a micro-batch cannot finish faster than the host launches its kernels:
     # eager PyTorch issues ~OPS_PER_BLOCK aten ops per block (counted on scaletrain's block, fwd + bwd).
     launches = (layers + n_ckpt / 3) * OPS_PER_BLOCK * GPU_LAUNCH_SECONDS
-    psi = stage_params(cfg, plan.pp, plan.tp) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
+    if cfg.moe_experts:
+        launches += sum(is_moe_layer(cfg, i) for i in range(layers)) * moe_block_ops(cfg) * GPU_LAUNCH_SECONDS
+    psi = stage_params(cfg, plan.pp, plan.tp, plan.ep) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
                                                  plan.dp_replicate if plan.zero_stage == 1 else 1)
     # Adam reads/writes params, grads, m, v (+ master): ~3 passes of 16-20 bytes per parameter.
     opt_bytes = psi * 3 * 20
@@ -496,7 +596,7 @@ def offload_transfer_seconds(workload: Workload, plan: Plan, hw) -> float:
     written on NVMe, and at ZeRO-3 the parameters read from NVMe for forward and backward and written back."""
     if plan.engine != "deepspeed" or plan.offload == "none" or (hw.kind == "cpu" and plan.offload == "cpu"):
         return 0.0
-    psi = stage_params(workload.model, plan.pp, plan.tp) / (plan.dp if plan.zero_stage >= 1 else 1)
+    psi = stage_params(workload.model, plan.pp, plan.tp, plan.ep) / (plan.dp if plan.zero_stage >= 1 else 1)
     param_bytes = 2 if DTYPE_OF_PRECISION[workload.precision] in ("bf16", "fp16") else 4
     seconds = 0.0
     if hw.kind != "cpu":
@@ -545,8 +645,8 @@ def fresh_mapped_params(cfg: ModelConfig, plan: Plan) -> float:
     worker runs on glibc unless the environment preloads another malloc). The units are each block and the root
     (embedding, final norm, head)."""
     layers = -(-cfg.n_layers // plan.pp)
-    block = block_params(cfg) / plan.tp
-    root = stage_params(cfg, plan.pp, plan.tp) - layers * block
+    block = rank_block_params(cfg, plan.tp, plan.ep)
+    root = stage_params(cfg, plan.pp, plan.tp, plan.ep) - layers * block
     return sum(n * count for n, count in ((block, layers), (root, 1)) if n * 4 > GLIBC_MMAP_THRESHOLD_MAX)
 
 
@@ -611,8 +711,8 @@ def data_parallel_units(workload: Workload, plan: Plan, per_micro: float, gather
     ready; FSDP2 reduces every micro-batch, each unit's gradients as its backward ends)."""
     cfg = workload.model
     layers = -(-cfg.n_layers // plan.pp)
-    block = block_params(cfg) / plan.tp
-    root = stage_params(cfg, plan.pp, plan.tp) - layers * block
+    block = rank_block_params(cfg, plan.tp, plan.ep)
+    root = stage_params(cfg, plan.pp, plan.tp, plan.ep) - layers * block
     head_f, head_b, blocks = _pass_weights(workload, plan)
     again = gather if plan.zero_stage == 3 else 0.0
     forward = [Unit(root * gather, 0.0)] + [Unit(block * gather, f * per_micro) for f, _ in blocks] + [
@@ -657,7 +757,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
     """({collective: seconds per step}, exposed seconds). Mesh order outer->inner: pp, dp_rep, dp_shard, cp, tp."""
     cfg, rec = workload.model, RECIPES[workload.precision]
     gpu = cluster.hardware.kind == "gpu"
-    psi = stage_params(cfg, plan.pp, plan.tp)
+    psi = stage_params(cfg, plan.pp, plan.tp, plan.ep)
     accum = plan.grad_accum(workload)
     micro = accum * (plan.microbatches if plan.pp > 1 else 1)
     tokens = plan.micro_batch * workload.seq_len // plan.cp
@@ -742,6 +842,9 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         exposed += broadcast if gpu else out["dp"]
     if gpu and (gather or reduce or replicate):
         exposed += data_parallel_exposed(workload, plan, compute / micro, micro, gather, reduce, replicate)
+    if plan.ep > 1:  # expert parallelism: each sparse block dispatches and combines its routed tokens
+        out["ep"] = micro * all_to_all_seconds(workload, plan, cluster, tokens, latency)
+        exposed += out["ep"]
     if plan.pp > 1:
         bw, _ = group_link(cluster, plan.pp, plan.dp * inner_cp)
         out["pp"] = micro * 2 * act / bw

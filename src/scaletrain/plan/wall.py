@@ -206,7 +206,7 @@ def job_evaluation_note(cfg: JobConfig, precision: str, device_type: str, dims: 
     reference CPU's (a share, which the machine's speed moves little), a GPU's catalog entry; None when the
     evaluation is not a quarter of the wall, or when the planner cannot price this job (never a reason to stop)."""
     hardware = _this_hardware(device_type)
-    if hardware is None or cfg.model.moe_experts:  # the planner does not model a mixture of experts yet
+    if hardware is None:
         return None
     ft = cfg.finetune if cfg.finetune.source else None
     pairs = objective_of(ft).rows_per_example if ft is not None else 1  # a preference pair: two rows
@@ -217,7 +217,8 @@ def job_evaluation_note(cfg: JobConfig, precision: str, device_type: str, dims: 
                             cfg.optim.name, cfg.optim.muon_adapters)
         plan = Plan(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp, pp=dims.pp, cp=dims.cp,
                     micro_batch=cfg.train.batch_size, zero_stage=max(dims.zero_stage, 0),
-                    activation_checkpointing=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every)
+                    activation_checkpointing=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every,
+                    ep=getattr(dims, "ep", 1))  # expert parallelism, where dims has it
         cluster = Cluster(hardware, dims.world_size)
         if ft is None:
             step = step_time(workload, plan, cluster).step

@@ -100,6 +100,9 @@ class Plan:
     pp_microbatches: int = 0  # 0 = 2 x pp
     engine: str = "native"  # or "deepspeed": ZeRO zero_stage over all ranks (data parallel only)
     offload: str = "none"  # deepspeed: optimizer state (and at ZeRO-3 the params) to "cpu" or "nvme"
+    # Expert parallelism (a mixture of experts): the routed experts split over ep ranks borrowed from the
+    # data-parallel ones (torchtitan's dp2ep: ep divides dp_replicate * dp_shard, adds no ranks); 1 = none.
+    ep: int = 1
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -127,6 +130,8 @@ class Plan:
         if self.engine == "deepspeed":
             return (f"deepspeed dp{self.dp} zero{self.zero_stage} mb{self.micro_batch}"
                     + (f" offload={self.offload}" if self.offload != "none" else ""))
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         return (" ".join(parts) + f" zero{self.zero_stage} mb{self.micro_batch}{ac}"
                 + (" offload" if self.cpu_offload else ""))
 
@@ -161,6 +166,8 @@ def job_config(workload: Workload, plan: Plan, device_kind: str) -> JobConfig:
     # The optimizer, so that the trainer's checks refuse the plans it cannot run with (Muon: no TP / CP, ZeRO-1
     # or DeepSpeed); muon_adapters is a fine-tune's (plan --finetune.method), not part of a pretraining job.
     optim = OptimConfig(name=workload.optimizer)
+    if "ep" in {f.name for f in dataclasses.fields(ParallelConfig)}:  # parallel.ep, once expert parallelism exists
+        parallel = dataclasses.replace(parallel, ep=plan.ep)
     return JobConfig(model=dataclasses.replace(workload.model), data=data, train=train, schedule=schedule,
                      parallel=parallel, deepspeed=deepspeed, optim=optim)
 
@@ -187,6 +194,11 @@ def check_plan(workload: Workload, plan: Plan, world_size: int, device_kind: str
         raise ConfigError(f"global batch {workload.global_batch} is not a multiple of dp ({plan.dp}) x micro_batch "
                           f"({plan.micro_batch})"
                           + (f" x pipeline micro-batches ({plan.microbatches})" if plan.pp > 1 else ""))
+    experts = workload.model.moe_experts
+    if plan.ep > 1 and (plan.dp % plan.ep or not experts or experts % plan.ep):
+        # the planner's own arithmetic, as the batch's: expert ranks are data-parallel ranks, each holding E / ep
+        raise ConfigError(f"ep {plan.ep} must divide the data-parallel ranks ({plan.dp}) and the experts "
+                          f"(model.moe_experts = {experts})")
     cfg = job_config(workload, plan, device_kind)
     # here=False: the target machine's libraries (DeepSpeed, libaio for NVMe offload) are not this machine's.
     check_runnable(cfg, world_size, cfg.train.device, cfg.train.precision, here=False)

@@ -1,0 +1,107 @@
+"""The planner's mixture of experts: total vs active parameters of published shapes, memory against a real step."""
+
+import pytest
+
+from scaletrain.config import load_config
+from scaletrain.model.presets import active_params, num_params
+
+# (preset, published total, published active, in billions): the model cards / papers. gpt-oss's card counts the
+# unembedding but not the input embedding among the active parameters; the others count both tables.
+PUBLISHED = [("olmoe-1b-7b", 6.9, 1.3, False), ("qwen3-30b-a3b", 30.5, 3.3, False),
+             ("qwen3-235b-a22b", 235.1, 22.2, False),
+             ("mixtral-8x7b", 46.7, 12.9, False), ("gpt-oss-20b", 21.0, 3.6, True)]
+
+
+@pytest.mark.parametrize("preset,total,active,without_input_embedding", PUBLISHED)
+def test_moe_presets_have_the_published_parameter_counts(preset, total, active, without_input_embedding):
+    cfg = load_config(None, {"model.preset": preset}).model
+    counted = active_params(cfg) - (cfg.vocab_size * cfg.dim if without_input_embedding else 0)
+    assert num_params(cfg) / 1e9 == pytest.approx(total, rel=0.02)
+    assert counted / 1e9 == pytest.approx(active, rel=0.03)
+    assert active_params(cfg) < num_params(cfg)
+
+
+def _saved_bytes(cfg, batch: int, seq: int) -> int:
+    """Bytes of the distinct storages block 0 saves for backward (parameters and buffers excluded)."""
+    import torch
+
+    from scaletrain.model.decoder import TransformerBlock, rope_tables
+
+    block = TransformerBlock(cfg, 0)
+    cos, sin = rope_tables(cfg.dim // cfg.n_heads, seq, cfg.rope_theta)
+    owned = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers(), cos, sin]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in owned:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(torch.randn(batch, seq, cfg.dim, requires_grad=True), cos, sin)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("experts,top_k,shared", [(8, 2, 0), (8, 2, 1), (16, 4, 0)])
+def test_sparse_block_activations_are_what_autograd_saves(experts, top_k, shared):
+    from scaletrain.config import ModelConfig
+    from scaletrain.plan.memory import RECIPES, block_activation_bytes, moe_activation_bytes
+
+    cfg = ModelConfig(dim=64, n_heads=4, ffn_hidden_dim=160, vocab_size=97, max_seq_len=32, moe_experts=experts,
+                      moe_top_k=top_k, moe_hidden_dim=48, moe_shared_experts=shared)
+    rec = RECIPES["fp32"]
+    dense_ffn = 4 * 96 * 160 * 4  # what block_activation_bytes counts for the dense feed-forward it replaces
+    predicted = block_activation_bytes(cfg, 3, 32, rec) - dense_ffn + moe_activation_bytes(cfg, 3, 32, rec)
+    assert predicted == pytest.approx(_saved_bytes(cfg, 3, 32), rel=0.01)
+
+
+@pytest.mark.parametrize("ac,batch,seq,precision", [("none", 4, 64, "fp32"), ("full", 4, 64, "fp32"),
+                                                    ("none", 8, 64, "bf16")])
+def test_moe_peak_matches_a_real_step(ac, batch, seq, precision):
+    """The simulated peak of a tiny mixture of experts against exact tensor bytes of the trainer's step (forward
+    .. AdamW, one process), within 10%."""
+    from scaletrain.config import ModelConfig
+    from scaletrain.plan.measure import resident_extras, single_process_run
+    from scaletrain.plan.memory import memory_breakdown
+    from scaletrain.plan.workload import Plan, Workload
+
+    cfg = ModelConfig(dim=64, n_layers=3, n_heads=4, ffn_hidden_dim=176, vocab_size=256, max_seq_len=64,
+                      moe_experts=8, moe_top_k=2, moe_hidden_dim=64)
+    measured = single_process_run(cfg, batch, seq, ac, steps=1, precision=precision)["peak_bytes"]
+    plan = Plan(micro_batch=batch, activation_checkpointing=ac)
+    predicted = memory_breakdown(Workload(cfg, seq, batch, 1e6, precision), plan, "cpu").tensor_total + \
+        resident_extras(cfg, batch, seq)
+    assert predicted == pytest.approx(measured, rel=0.10)
+
+
+def test_search_includes_expert_parallel_degrees(monkeypatch):
+    """ep: divisors of the data-parallel ranks dividing the expert count, each plan's expert states split by it and
+    its all-to-alls charged on the link its group spans. The trainer's own check stands in for the expert
+    parallelism it gains on another branch (today it runs a mixture of experts in one process only)."""
+    import scaletrain.plan.workload as spec
+    from scaletrain.plan.catalog import CATALOG, Cluster
+    from scaletrain.plan.search import ep_degrees, search
+    from scaletrain.plan.workload import Plan, Workload
+
+    assert ep_degrees(8, 128) == [1, 2, 4, 8] and ep_degrees(6, 8) == [1, 2] and ep_degrees(8, 0) == [1]
+    monkeypatch.setattr(spec, "check_runnable", lambda *args, **kwargs: None)
+    cfg = load_config(None, {"model.preset": "olmoe-1b-7b"}).model
+    workload = Workload(cfg, 2048, 256, 1e9, "bf16")
+    cluster = Cluster(CATALOG["h100-sxm"], 8)
+    found = search(workload, cluster, {"zero_stage": 2, "activation_checkpointing": "full", "micro_batch": 4})
+    by_ep = {c.plan.ep: c for c in found.ranked if c.plan.dp_shard == 8}
+    assert set(by_ep) == {1, 2, 4, 8}
+    # ZeRO-2 keeps whole parameters: the experts' weights shrink with ep, the dense part does not
+    assert by_ep[8].memory.params < by_ep[2].memory.params < by_ep[1].memory.params
+    assert "ep" in by_ep[8].time.comm_detail and "ep" not in by_ep[1].time.comm_detail
+    with pytest.raises(Exception, match="ep 3 must divide"):
+        spec.check_plan(workload, Plan(dp_shard=8, ep=3, zero_stage=2), 8, "gpu")
+
+
+def test_active_flops_and_parameters_are_printed(capsys):
+    from scaletrain.cli import main
+
+    assert main(["plan", "--model.preset=nano-moe", "--model.vocab_size=256", "--hardware", "h100-sxm",
+                 "--count", "1", "--tokens", "1e8"]) == 0
+    out = capsys.readouterr().out
+    assert "active a token (top-2 of 8 experts)" in out
