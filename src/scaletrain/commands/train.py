@@ -25,10 +25,10 @@ from scaletrain.model.presets import matmul_params
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """`scaletrain train`'s flags: --config, --resume, --overwrite and every job field."""
     p.description = ("Train a model. Settings come from --config TOML, "
-            "overridden by --section.field flags. With --resume the run's saved "
-            "<train.run_dir>/config.toml is the base instead, overridden by the flags; "
-            "a --config given too must agree with the saved config in every field the "
-            "flags do not set, or the run is refused with the differing fields listed.")
+                     "overridden by --section.field flags. With --resume the run's saved "
+                     "<train.run_dir>/config.toml is the base instead, overridden by the flags; "
+                     "a --config given too must agree with the saved config in every field the "
+                     "flags do not set, or the run is refused with the differing fields listed.")
     p.add_argument("--config", help="TOML recipe (see configs/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--resume", action="store_true",
@@ -212,9 +212,9 @@ def _stall_note(summary: dict) -> str:
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     """`scaletrain finetune`'s flags: --from (the base), then train's."""
     p.description = ("Fine-tune: `scaletrain train` with finetune.source set from --from. The [model] "
-            "fields and data.tokenizer come from the base, and so does the data when the base "
-            "is a run and data.path is not given (its prepared tokens); everything else "
-            "(steps, parallelism, resume) works as for train. See docs/finetuning.md.")
+                     "fields and data.tokenizer come from the base, and so does the data when the base "
+                     "is a run and data.path is not given (its prepared tokens); everything else "
+                     "(steps, parallelism, resume) works as for train. See docs/finetuning.md.")
     p.add_argument("--from", dest="source", required=True,
                    help="the base: a scaletrain run folder or a Hugging Face folder of a supported family "
                         "(docs/families.md)")
