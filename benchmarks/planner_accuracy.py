@@ -230,7 +230,7 @@ def main() -> int:
     if any(r.world > 1 for r in rows) and ("tp_overhead" not in entry or args.recalibrate):
         console.print("measuring the gloo all-reduce bandwidth, collective latency and tensor-parallel overhead "
                       "(torchrun, 2 ranks)")
-        run_ranks(["-m", "scaletrain.plan.cli", "doctor", "--clock", args.clock], 2, "the 2-rank doctor")
+        run_ranks(["-m", "scaletrain.commands.plan", "doctor", "--clock", args.clock], 2, "the 2-rank doctor")
     cluster = parse_hardware("auto")
     peak = cluster.hardware.peak_flops["fp32"]
     baseline = None

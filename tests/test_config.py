@@ -133,7 +133,7 @@ def test_a_command_imports_only_its_own_package():
     """`scaletrain report`/`prepare`/--help must not pay for importing the planner and torch.distributed's
     checkpoint stack (seconds per command): plugins load on demand, errors are caught through UserError."""
     code = ("import sys; from scaletrain.cli import build_parser; build_parser(['report', 'x']); "
-            "print(sorted(m for m in ('scaletrain.plan.cli', 'scaletrain.data.cli', 'scaletrain.train.trainer', "
+            "print(sorted(m for m in ('scaletrain.commands.plan', 'scaletrain.data.cli', 'scaletrain.train.trainer', "
             "'torch.distributed.checkpoint', 'scaletrain.report.cli') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['scaletrain.report.cli']"

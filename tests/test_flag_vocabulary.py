@@ -9,8 +9,8 @@ import json
 import pytest
 
 from scaletrain.cli import main
+from scaletrain.commands.plan import RENAMED_JOB_FLAGS, add_plan_arguments
 from scaletrain.config import read_toml
-from scaletrain.plan.cli import RENAMED_JOB_FLAGS, add_plan_arguments
 from scaletrain.tune.cli import add_tune_arguments
 
 BASE = ["plan", "--model.preset=nano", "--model.vocab_size=65", "--hardware", "cpu:1", "--tokens", "1M",

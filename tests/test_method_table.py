@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from helpers.tiny import tiny_hf_base
+from scaletrain.commands.plan import add_plan_arguments, plan_job
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, ParallelConfig, load_config
 from scaletrain.finetune import method_table as table
 from scaletrain.finetune.methods import parameter_counts
 from scaletrain.model import Transformer
 from scaletrain.model.presets import block_vector_params
-from scaletrain.plan.cli import add_plan_arguments, plan_job
 from scaletrain.plan.finetune import finetune_memory, trainable_parameters
 from scaletrain.plan.workload import Plan, Workload
 from scaletrain.train.validate import check_finetune

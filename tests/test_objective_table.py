@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from helpers.tiny import tiny_hf_base, tiny_overrides
 from scaletrain.cli import main
+from scaletrain.commands.plan import add_plan_arguments, plan_job
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, TrainConfig
 from scaletrain.finetune import objectives as table
-from scaletrain.plan.cli import add_plan_arguments, plan_job
 from scaletrain.train.validate import check_finetune
 
 SCALE = 2.0

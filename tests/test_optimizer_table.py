@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from scaletrain.commands.plan import add_plan_arguments, plan_job, planned_optimizer
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfig, OptimConfig, TrainConfig
-from scaletrain.plan.cli import add_plan_arguments, plan_job, planned_optimizer
 from scaletrain.plan.finetune import finetune_memory
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown, muon_matrix_params, stage_params

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from helpers.waits import CEILING_S
+from scaletrain.commands.plan import main, parse_count
 from scaletrain.config import ConfigError, load_config
-from scaletrain.plan.cli import main, parse_count
 
 
 def run(*argv):
@@ -83,7 +83,7 @@ def test_parse_count():
 
 
 def test_module_entry_point_runs():
-    proc = subprocess.run([sys.executable, "-m", "scaletrain.plan.cli", "plan", "--model.preset=gpt2-124m",
+    proc = subprocess.run([sys.executable, "-m", "scaletrain.commands.plan", "plan", "--model.preset=gpt2-124m",
                            "--hardware", "bogus"], capture_output=True, text=True, timeout=CEILING_S)
     assert proc.returncode == 2 and "catalog" in proc.stderr
 

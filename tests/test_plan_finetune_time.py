@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from scaletrain.commands.plan import main
 from scaletrain.config import FinetuneConfig, ModelConfig, build
 from scaletrain.model.presets import PRESETS
-from scaletrain.plan.cli import main
 from scaletrain.plan.finetune import finetune_step_time
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.timing import step_time

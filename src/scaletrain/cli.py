@@ -1,9 +1,9 @@
 """One dispatcher: ``scaletrain <command>`` -> the command's package (``COMMANDS``, below).
 
-Each command's flags and body live in its package's ``cli.py`` (plan/cli.py, evaluation/cli.py, ...), or in
-``commands/`` where they draw on several packages (train, finetune, export); this file is the table, the one-line
-parser, and the rule every command shares: an error a person can fix (config, data, checkpoint) is printed as one
-line and exits with code 2.
+Each command's flags and body live in its package's ``cli.py`` (data/cli.py, evaluation/cli.py, ...), or in
+``commands/`` where they draw on several packages (train, finetune, export, plan, doctor); this file is the table,
+the one-line parser, and the rule every command shares: an error a person can fix (config, data, checkpoint) is
+printed as one line and exits with code 2.
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ COMMANDS = [
      "serve a run's model over the OpenAI API (batched streaming) with a chat page; needs scaletrain[serve]"),
     ("prepare", "scaletrain.data.cli", "add_prepare_arguments", "run_prepare",
      "clean, deduplicate and tokenize raw text into sharded token files"),
-    ("plan", "scaletrain.plan.cli", "add_plan_arguments", "run_plan",
+    ("plan", "scaletrain.commands.plan", "add_plan_arguments", "run_plan",
      "predict memory, time and cost of a training job and pick the parallel plan"),
-    ("doctor", "scaletrain.plan.cli", "add_doctor_arguments", "run_doctor",
+    ("doctor", "scaletrain.commands.plan", "add_doctor_arguments", "run_doctor",
      "describe this machine and measure its FLOP/s and bandwidths for the planner"),
     ("report", "scaletrain.report.cli", "add_report_arguments", "run_report",
      "one offline HTML page of a run's curves, resources, events and predicted vs measured (several overlay)"),

@@ -2,7 +2,7 @@
 
 The dispatcher (scaletrain/cli.py) calls ``add_plan_arguments`` / ``run_plan`` and ``add_doctor_arguments``
 / ``run_doctor`` (``scaletrain plan ...``, ``scaletrain doctor ...``). Bad input is one line on stderr and
-exit code 2. ``python -m scaletrain.plan.cli`` runs the same two commands stand-alone.
+exit code 2. ``python -m scaletrain.commands.plan`` runs the same two commands stand-alone.
 """
 
 from __future__ import annotations
@@ -538,7 +538,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: ``python -m scaletrain.plan.cli {plan,doctor} ...``."""
+    """Stand-alone entry: ``python -m scaletrain.commands.plan {plan,doctor} ...``."""
     parser = argparse.ArgumentParser(prog="scaletrain")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_arguments(sub.add_parser("plan", help="predict memory, time and cost; search the parallel plan"))
