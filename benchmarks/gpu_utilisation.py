@@ -33,8 +33,8 @@ from dataclasses import replace
 
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 from scaletrain.config import ModelConfig, build
+from scaletrain.hardware.catalog import CATALOG, Cluster, Hardware
 from scaletrain.model.presets import PRESETS, flops_per_token
-from scaletrain.plan.catalog import CATALOG, Cluster, Hardware
 from scaletrain.plan.timing import gpu_utilisation, step_time
 from scaletrain.plan.workload import Plan, Workload
 

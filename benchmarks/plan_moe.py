@@ -3,7 +3,7 @@
 Each row trains a tiny mixture of experts (and, for scale, its dense twin) in this process for a few steps of the
 trainer's own step (scaletrain.plan.measure.single_process_run: forward, loss with the balancing term, backward,
 clip, AdamW), one torch thread, and asks the planner (memory_breakdown, step_time) for the same numbers with the
-reference CPU's calibration (plan/reference_cpu.py: this machine's kind, one thread on the CPU clock). Targets:
+reference CPU's calibration (hardware/reference_cpu.py: this machine's kind, one thread on the CPU clock). Targets:
 memory within 10%, step time within 15%.
 
 The machine is shared with other work: step times are medians, and the measured time is the process's CPU time
@@ -23,8 +23,8 @@ import torch
 
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py
 from scaletrain.config import ModelConfig, build
+from scaletrain.hardware.catalog import CATALOG, Cluster
 from scaletrain.model.presets import PRESETS, active_params, num_params
-from scaletrain.plan.catalog import CATALOG, Cluster
 from scaletrain.plan.measure import resident_extras, single_process_run
 from scaletrain.plan.memory import memory_breakdown
 from scaletrain.plan.timing import step_time

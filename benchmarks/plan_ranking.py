@@ -35,8 +35,8 @@ from pathlib import Path
 
 from launch import OUT_HELP, default_out, run_ranks, write_result  # benchmarks/launch.py
 from scaletrain.config import ModelConfig, build
+from scaletrain.hardware.catalog import Cluster
 from scaletrain.model.presets import PRESETS
-from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.search import Candidate, search
 from scaletrain.plan.workload import Plan, Workload

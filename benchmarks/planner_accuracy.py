@@ -34,9 +34,9 @@ from pathlib import Path
 
 from launch import OUT_HELP, default_out, run_ranks, write_result  # benchmarks/launch.py
 from scaletrain.config import ModelConfig, build
+from scaletrain.hardware.catalog import Cluster
 from scaletrain.hardware.peak import device_fingerprint
 from scaletrain.model.presets import PRESETS
-from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.memory import memory_breakdown
 from scaletrain.plan.timing import step_time
@@ -235,7 +235,7 @@ def main() -> int:
     peak = cluster.hardware.peak_flops["fp32"]
     baseline = None
     if args.baseline:
-        from scaletrain.plan.catalog import with_calibration
+        from scaletrain.hardware.catalog import with_calibration
 
         base_entry = json.loads(Path(args.baseline).read_text())["calibration"]
         baseline = Cluster(with_calibration(cluster.hardware, base_entry), 1, 1)

@@ -166,8 +166,8 @@ def train_numbers(ctx: Ctx, run: Path) -> dict:
     """tokens/s, MFU (the trainer's, against its measured matmul peak, and against the datasheet's dense
     bf16 peak of the planner's catalog), peak memory, losses."""
     from scaletrain.config import load_config
+    from scaletrain.hardware.catalog import CATALOG
     from scaletrain.model.presets import flops_per_token
-    from scaletrain.plan.catalog import CATALOG
 
     cfg = load_config(run / "config.toml")
     rec = last_step_record(run)
@@ -278,7 +278,7 @@ def check_nanogpt_side_by_side(ctx: Ctx) -> dict:
     """benchmarks/nanogpt_reference.py --speed (nanoGPT's GPU loop: bf16 autocast, torch.compile, fused AdamW)
     at gpt2-124m's shape (12 x 12 x 768, 1024 tokens, 50304-row vocabulary) on our run's tokens and micro-batch:
     tokens/s, MFU against the datasheet and peak memory of both, and ours over nanoGPT's."""
-    from scaletrain.plan.catalog import CATALOG
+    from scaletrain.hardware.catalog import CATALOG
 
     ours = ours_for_side_by_side(ctx)
     data = prepared_folder(ctx.folder.parent / ("data-bpe512" if ctx.dry else "data-bpe8192"))
@@ -626,8 +626,8 @@ def fitted_dequant_bytes(ctx: Ctx, vocab: int, lora_tokens_per_second: float, ql
     ``plan/finetune.py``'s ``GPU_NF4_*DEQUANT_BYTES_PER_WEIGHT`` charge it: two dequantizations of every 4-bit
     projection a micro-batch, at the catalog's memory bandwidth. What the planner's compiled rate is refitted to."""
     from scaletrain.config import ModelConfig, build
+    from scaletrain.hardware.catalog import CATALOG
     from scaletrain.model.presets import PRESETS
-    from scaletrain.plan.catalog import CATALOG
     from scaletrain.plan.memory import projection_shapes
 
     cfg = build(ModelConfig, {"preset": "llama-1b", "vocab_size": vocab}, presets=PRESETS) if not ctx.dry else \
@@ -735,17 +735,17 @@ def check_decode_compiled(ctx: Ctx) -> dict:
     """The compiled decode (model/decode.py, `generate --compile`) at batch 1 on quant-decode's ~1B-shaped model, bf16
     and torchao int8 / int4 weight-only, each beside today's eager decode (issue 38: bf16 at >= 30% of the
     bandwidth limit), and the fraction of
-    the limit: memory bandwidth (plan/catalog.py) / the bytes of the weights (compress/run.state_bytes: the stored
+    the limit: memory bandwidth (hardware/catalog.py) / the bytes of the weights (compress/run.state_bytes: the stored
     form, quantized tensors included), the tokens/s a step that reads every weight once a token cannot beat."""
     import torch
 
     from scaletrain.compress.quantize import quantize_model
     from scaletrain.compress.run import state_bytes
     from scaletrain.config import ModelConfig, build
+    from scaletrain.hardware.catalog import CATALOG
     from scaletrain.model import build_model
     from scaletrain.model.decode import StaticDecoder
     from scaletrain.model.presets import PRESETS
-    from scaletrain.plan.catalog import CATALOG
 
     fields = {k.split(".")[1]: v for k, v in TINY_MODEL.items()} if ctx.dry else {"preset": "llama-1b"}
     cfg = build(ModelConfig, {**fields, "vocab_size": 512 if ctx.dry else 32768, "max_seq_len": 256},
@@ -956,7 +956,7 @@ CHECKS = [
 
 
 def hardware_name(device_name: str) -> str:
-    """The planner's catalog entry for a CUDA device name (plan/catalog.py)."""
+    """The planner's catalog entry for a CUDA device name (hardware/catalog.py)."""
     name = device_name.lower()
     if "h200" in name:
         return "h200"

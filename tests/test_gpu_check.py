@@ -73,7 +73,7 @@ def test_only_runs_the_named_checks_and_refuses_an_unknown_one(tmp_path):
 
 
 def test_hardware_names_match_the_planner_catalog():
-    from scaletrain.plan.catalog import CATALOG
+    from scaletrain.hardware.catalog import CATALOG
 
     name = _script().hardware_name
     assert name("NVIDIA H100 80GB HBM3") == "h100-sxm" and name("NVIDIA H100 PCIe") == "h100-pcie"

@@ -285,8 +285,8 @@ def test_two_rank_doctor_measures_tensor_parallel_and_fsdp_host_overheads(tmp_pa
     beyond their compute and bytes, per block and per model (FSDP2 also per parameter of its big units), and the
     optimizer step per tensor and per element in each layout; the planner charges them."""
     from scaletrain.hardware.peak import device_fingerprint
+    from scaletrain.hardware.reference_cpu import REFERENCE_CPU_CALIBRATION
     from scaletrain.plan.hardware_spec import COMMUNICATION_KEYS
-    from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
     single = {k: v for k, v in REFERENCE_CPU_CALIBRATION.items() if k not in COMMUNICATION_KEYS}

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from scaletrain.commands.plan import add_plan_arguments, planned_precision, run_plan
+from scaletrain.hardware.catalog import CATALOG, with_calibration
 from scaletrain.hardware.peak import _thread_run_delays, device_fingerprint, load_calibration, save_calibration
+from scaletrain.hardware.reference_cpu import REFERENCE_CPU_CALIBRATION
 from scaletrain.plan import calibration
 from scaletrain.plan.calibration import CalibrationError, calibration_problems
-from scaletrain.plan.catalog import CATALOG, with_calibration
-from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
 from scaletrain.plan.report import mfu_text
 from scaletrain.plan.timing import BF16_KEYS, precision_rates
 from scaletrain.train.precision import resolve_precision

@@ -79,7 +79,7 @@ def test_search_includes_expert_parallel_degrees(monkeypatch):
     its all-to-alls charged on the link its group spans. The trainer's own check stands in for the expert
     parallelism it gains on another branch (today it runs a mixture of experts in one process only)."""
     import scaletrain.plan.workload as spec
-    from scaletrain.plan.catalog import CATALOG, Cluster
+    from scaletrain.hardware.catalog import CATALOG, Cluster
     from scaletrain.plan.search import ep_degrees, search
     from scaletrain.plan.workload import Plan, Workload
 

@@ -24,9 +24,9 @@ from scaletrain.config import (
     TrainConfig,
     load_config,
 )
+from scaletrain.hardware.catalog import LINKS
 from scaletrain.model.presets import PRESETS
 from scaletrain.parallel import ParallelDims
-from scaletrain.plan.catalog import LINKS
 from scaletrain.plan.finetune import finetune_memory, finetune_step_time
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.measure import LiveTensorBytes, measure_step, resident_extras

@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 
 from scaletrain.config import ConfigError, ModelConfig, build, load_config
+from scaletrain.hardware.catalog import CATALOG, LINKS, Cluster
 from scaletrain.model.presets import PRESETS
-from scaletrain.plan.catalog import CATALOG, LINKS, Cluster
 from scaletrain.plan.cost import PRICES, load_prices, training_cost
 from scaletrain.plan.emit import write_config
 from scaletrain.plan.hardware_spec import parse_hardware

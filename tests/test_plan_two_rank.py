@@ -77,8 +77,8 @@ def test_a_plan_of_several_auto_ranks_without_a_two_rank_doctor_charges_the_refe
     gloo's collectives only the catalog link's bandwidth (no fixed cost, no DTensor/FSDP host work): ZeRO-3 was
     under-predicted by 27% and TP by 45% on 2 cores. Now the reference CPU's measurements stand in, and the plan
     says so; this machine's own, when measured, win."""
+    from scaletrain.hardware.reference_cpu import REFERENCE_CPU_CALIBRATION
     from scaletrain.plan import hardware_spec
-    from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
     from scaletrain.plan.timing import communication
 
     single = {k: v for k, v in REFERENCE_CPU_CALIBRATION.items() if k not in hardware_spec.COMMUNICATION_KEYS}
@@ -103,8 +103,8 @@ def test_a_plan_of_several_auto_ranks_without_a_two_rank_doctor_charges_the_refe
 def test_fsdp_on_a_cpu_pays_the_measured_host_overhead_per_unit():
     """doctor's tiny-ZeRO-3-model measurement: per micro-batch, each block pays its measured host work around
     the collectives (copy-in/out, hooks) and the root unit its own, on top of the bytes and fixed costs."""
-    from scaletrain.plan.catalog import CATALOG, Cluster
-    from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
+    from scaletrain.hardware.catalog import CATALOG, Cluster
+    from scaletrain.hardware.reference_cpu import REFERENCE_CPU_CALIBRATION
     from scaletrain.plan.timing import communication
 
     cost = {"per_block_s": 0.01, "per_model_s": 0.004}
@@ -138,8 +138,8 @@ OPTIMIZER_STEP = {"plain": {"per_tensor_s": 1e-5, "per_element_s": 1e-9},
 
 def _cpu(**calibration):
     """The catalog CPU with the reference calibration, as before the optimizer-step probe, plus ``calibration``."""
-    from scaletrain.plan.catalog import CATALOG
-    from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
+    from scaletrain.hardware.catalog import CATALOG
+    from scaletrain.hardware.reference_cpu import REFERENCE_CPU_CALIBRATION
 
     older = {k: v for k, v in REFERENCE_CPU_CALIBRATION.items() if k != "optimizer_step"}
     return replace(CATALOG["cpu"], calibration={**older, **calibration})
@@ -150,7 +150,7 @@ def test_two_ranks_pay_the_measured_optimizer_step_of_their_layout_once_per_step
     guessed DTensor cost; measured on 2 ranks, clipping + AdamW took 22 ms (FSDP2), 31 (DDP: the ranks share the
     memory bandwidth) and 59 (TP: DTensor dispatch per tensor). Now doctor's rates for the layout are charged:
     per parameter tensor and per element this rank updates, once per optimizer step whatever the micro-batches."""
-    from scaletrain.plan.catalog import Cluster
+    from scaletrain.hardware.catalog import Cluster
     from scaletrain.plan.timing import step_time
 
     measured = Cluster(_cpu(optimizer_step=OPTIMIZER_STEP), 2, 1)
@@ -173,7 +173,7 @@ def test_two_ranks_pay_the_measured_optimizer_step_of_their_layout_once_per_step
 def test_without_measured_rates_the_optimizer_step_is_the_single_process_curve():
     """One process, or a calibration from before the optimizer-step probe: the AdamW curve at the rank's share of
     the cores, plus DTensor's per-op overhead on each foreach op of the step for sharded parameters."""
-    from scaletrain.plan.catalog import Cluster
+    from scaletrain.hardware.catalog import Cluster
     from scaletrain.plan.timing import FOREACH_OPS_PER_STEP, cpu_rank_share, interp_curve, step_time
 
     older = Cluster(_cpu(), 2, 1)
@@ -191,8 +191,8 @@ def test_without_measured_rates_the_optimizer_step_is_the_single_process_curve()
 def test_a_plan_of_two_auto_ranks_without_the_optimizer_probe_charges_the_reference_cpus(monkeypatch):
     """The fallback, as for the collectives: a machine without its own `torchrun ... doctor` gets the reference
     CPU's optimizer-step rates (measured on the 2-core developer machine); its own win when measured."""
+    from scaletrain.hardware.reference_cpu import REFERENCE_CPU_CALIBRATION
     from scaletrain.plan import hardware_spec
-    from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
 
     assert "optimizer_step" in hardware_spec.COMMUNICATION_KEYS
     assert set(REFERENCE_CPU_CALIBRATION["optimizer_step"]) == {"plain", "fsdp", "tp"}
@@ -210,7 +210,7 @@ def test_fsdp_units_past_glibcs_mmap_threshold_pay_their_fresh_pages_per_paramet
     """A d384 ZeRO-3 step with a 16,384-row vocabulary page-faulted 312 MiB a forward + backward (its 50 MB root
     unit's buffers, mapped afresh by glibc at each collective) and ran 106 ms beyond its plan; with 512 rows
     7 MiB. Only units whose fp32 buffers pass 32 MiB pay doctor's ``per_param_s``, per micro-batch."""
-    from scaletrain.plan.catalog import Cluster
+    from scaletrain.hardware.catalog import Cluster
     from scaletrain.plan.timing import communication, fresh_mapped_params
 
     plan = Plan(dp_shard=2, micro_batch=1, zero_stage=3)  # 2 micro-batches a step

@@ -12,10 +12,10 @@ import torch
 from scaletrain.cli import main
 from scaletrain.config import FinetuneConfig, ModelConfig, load_config, to_toml
 from scaletrain.finetune.flops import trained_flops_per_token
+from scaletrain.hardware.catalog import CATALOG, Cluster, with_calibration
 from scaletrain.hardware.peak import devices_in_job, host_cores, peak_flops
+from scaletrain.hardware.reference_cpu import REFERENCE_CPU_CALIBRATION
 from scaletrain.model.presets import flops_per_token, matmul_params, projection_shapes
-from scaletrain.plan.catalog import CATALOG, Cluster, with_calibration
-from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
 from scaletrain.plan.timing import job_peak_flops, planned_mfu
 from scaletrain.plan.wall import LoopSettings, evaluation_note, predicted_wall
 from scaletrain.plan.workload import Plan, Workload

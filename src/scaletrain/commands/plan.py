@@ -29,8 +29,8 @@ from scaletrain.config import (
 )
 from scaletrain.core.files import check_output_path, write_file
 from scaletrain.finetune.objectives import objective_entry
+from scaletrain.hardware.catalog import Hardware
 from scaletrain.model.presets import PRESETS, num_params
-from scaletrain.plan.catalog import Hardware
 from scaletrain.plan.deadline import check_limits
 from scaletrain.plan.timing import workload_utilisation
 from scaletrain.plan.wall import LoopSettings, evaluation_note, predicted_wall

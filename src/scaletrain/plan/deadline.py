@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from scaletrain.config import ConfigError
-from scaletrain.plan.catalog import Cluster
+from scaletrain.hardware.catalog import Cluster
 from scaletrain.plan.cost import Cost, training_cost
 from scaletrain.plan.search import Candidate, search
 from scaletrain.plan.workload import Workload

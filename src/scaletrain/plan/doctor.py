@@ -233,8 +233,8 @@ def layout_overhead(entry: dict, pcfg, plan, clock: str = "wall", reps: int = 7,
     import torch.distributed as dist
 
     from scaletrain.config import JobConfig, ModelConfig, TrainConfig
+    from scaletrain.hardware.catalog import CATALOG, Cluster, with_calibration
     from scaletrain.parallel import ParallelDims
-    from scaletrain.plan.catalog import CATALOG, Cluster, with_calibration
     from scaletrain.plan.timing import communication, cpu_micro_seconds, fresh_mapped_params
     from scaletrain.plan.workload import Workload
     from scaletrain.train.loss import forward_backward

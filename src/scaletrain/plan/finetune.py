@@ -35,10 +35,10 @@ from scaletrain.config import ConfigError, FinetuneConfig, ModelConfig
 from scaletrain.finetune.flops import trained_flops_per_token
 from scaletrain.finetune.method_table import method_entry
 from scaletrain.finetune.objectives import objective_entry
+from scaletrain.hardware.catalog import Cluster
 from scaletrain.model.config import head_width
 from scaletrain.model.loss import CHUNK_BYTES
 from scaletrain.model.presets import ffn_hidden_dim, matmul_params, num_params
-from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.memory import (
     RECIPES,
     RUNTIME_BYTES,

@@ -14,10 +14,10 @@ import torch
 
 from scaletrain.core.options import ConfigError
 from scaletrain.hardware import allocator
+from scaletrain.hardware.catalog import CATALOG, Cluster, Hardware, catalog_listing, with_calibration
 from scaletrain.hardware.peak import device_fingerprint, load_calibration
+from scaletrain.hardware.reference_cpu import REFERENCE_CPU_CALIBRATION
 from scaletrain.plan.calibration import calibration_entry
-from scaletrain.plan.catalog import CATALOG, Cluster, Hardware, catalog_listing, with_calibration
-from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
 
 
 def catalog_key_for_gpu(name: str) -> str | None:

@@ -9,8 +9,8 @@ from rich.table import Table
 
 from scaletrain.core.files import human_bytes
 from scaletrain.hardware.allocator import launch_note
+from scaletrain.hardware.catalog import Cluster
 from scaletrain.model.presets import active_params
-from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.cost import Cost
 from scaletrain.plan.search import Candidate, SearchResult
 from scaletrain.plan.timing import DTYPE_OF_PRECISION, workload_utilisation

@@ -13,7 +13,7 @@ import itertools
 from dataclasses import asdict, dataclass, field, replace
 
 from scaletrain.config import ConfigError
-from scaletrain.plan.catalog import Cluster
+from scaletrain.hardware.catalog import Cluster
 from scaletrain.plan.memory import MemoryBreakdown, memory_breakdown
 from scaletrain.plan.timing import TimeBreakdown, step_time
 from scaletrain.plan.workload import Plan, Workload, check_plan

@@ -37,12 +37,12 @@ import torch
 
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.hardware.allocator import GLIBC_MMAP_THRESHOLD_MAX
+from scaletrain.hardware.catalog import LINKS, Cluster, Hardware
 from scaletrain.hardware.peak import devices_in_job
 from scaletrain.model.config import head_width, is_moe_layer
 from scaletrain.model.decoder import TransformerBlock, rope_tables
 from scaletrain.model.presets import expert_hidden_dim, ffn_hidden_dim, flops_per_token, kv_heads
 from scaletrain.plan.aten_ops import count_aten_ops
-from scaletrain.plan.catalog import LINKS, Cluster, Hardware
 from scaletrain.plan.memory import (
     MOE_LOAD_IMBALANCE,
     RECIPES,

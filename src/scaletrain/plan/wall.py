@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 from scaletrain.config import ConfigError, FinetuneConfig, JobConfig
 from scaletrain.finetune.objectives import objective_of
+from scaletrain.hardware.catalog import CATALOG, LINKS, Cluster, Hardware, with_calibration
 from scaletrain.model.presets import checkpoint_size, matmul_params, num_params
 from scaletrain.parallel import ParallelDims
 from scaletrain.plan.calibration import calibration_entry
-from scaletrain.plan.catalog import CATALOG, LINKS, Cluster, Hardware, with_calibration
 from scaletrain.plan.finetune import finetune_step_time, preference_step_time, trainable_parameters
 from scaletrain.plan.hardware_spec import catalog_key_for_gpu
 from scaletrain.plan.timing import (

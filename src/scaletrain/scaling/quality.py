@@ -23,8 +23,8 @@ import numpy as np
 
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.data.shards import read_manifest
+from scaletrain.hardware.catalog import Cluster
 from scaletrain.model.presets import num_params
-from scaletrain.plan.catalog import Cluster
 from scaletrain.plan.deadline import Option, options
 from scaletrain.plan.report import duration
 from scaletrain.plan.workload import Workload

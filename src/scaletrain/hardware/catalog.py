@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from scaletrain.config import ConfigError
-from scaletrain.plan.reference_cpu import REFERENCE_CPU_CALIBRATION
+from scaletrain.core.options import ConfigError
+from scaletrain.hardware.reference_cpu import REFERENCE_CPU_CALIBRATION
 
 GB = 1e9
 GiB = 2**30
@@ -178,7 +178,7 @@ CATALOG: dict[str, Hardware] = {
         "measured: nn.Linear throughput at transformer widths / 1024^3 matmul peak, one core of the reference "
         "machine (run `scaletrain doctor` and use --hardware auto for yours)",
         "generic CPU host = the reference machine (2 vCPU AMD EPYC, torch 2.13), measured by `scaletrain doctor` "
-        "with one thread per rank (scaletrain/plan/reference_cpu.py); one device = one rank on one core",
+        "with one thread per rank (scaletrain/hardware/reference_cpu.py); one device = one rank on one core",
         devices_per_node=1, cores=2, calibration=REFERENCE_CPU_CALIBRATION),
 }
 
