@@ -94,7 +94,7 @@ def test_a_name_without_an_entry_is_one_line(registered):
 
 def test_plan_offers_every_configurable_entry(registered):
     """plan reads --finetune.objective as train does: a registered objective is a plan the command accepts (the
-    names come from the table, not a list in plan/cli.py), the old --objective spelling reaches the same field,
+    names come from the table, not a list in commands/plan.py), the old --objective spelling reaches the same field,
     and a name outside the table is one line."""
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
