@@ -272,9 +272,8 @@ def build_app(session: Session, batcher: Batcher, options: ServeOptions) -> Fast
                 if event.finish_reason:
                     yield sse(reply.chunk({}, event.finish_reason, index=index))
                     finished[index] = event.completion_tokens
-            else:
-                if include_usage:
-                    yield sse(reply.usage_chunk(sum(finished.values())))
+            if include_usage and len(finished) == len(jobs):  # every choice ended (not an error's break)
+                yield sse(reply.usage_chunk(sum(finished.values())))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the response's task is cancelled) or the answer is done
             cancel(jobs)
