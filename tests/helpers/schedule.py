@@ -63,7 +63,7 @@ def pytest_xdist_make_scheduler(config, log):
 def tier_seconds(reports) -> dict[str, list[float]]:
     """Each test's seconds (setup + call + teardown, summed over its reports) by tier: "quick" for a test marked
     neither slow nor distributed (the quick pass, README.md), "heavy" for the others."""
-    tests: dict[str, list] = {}
+    tests: dict[str, tuple[float, bool]] = {}  # nodeid -> (seconds so far, marked slow or distributed)
     for report in reports:
         seconds, heavy = tests.get(report.nodeid, (0.0, False))
         tests[report.nodeid] = (seconds + report.duration,
