@@ -191,6 +191,7 @@ def test_zero_stages_match_the_native_engine_and_the_planner(tmp_path):
                 assert abs(rank_bytes[part] - predicted[part]) <= 0.1 * predicted[part], (name, part, rank_bytes)
 
 
+@pytest.mark.slow  # not in the default pass (README): the optional engine's resume
 @needs_deepspeed
 @pytest.mark.distributed
 def test_kill9_then_resume_is_exact_and_checkpoints_export(tmp_path):
@@ -217,6 +218,7 @@ def test_kill9_then_resume_is_exact_and_checkpoints_export(tmp_path):
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # not in the default pass (README): the optional engine's reshard
 @needs_deepspeed
 @pytest.mark.distributed
 def test_resume_on_another_world_size_through_the_universal_checkpoint(tmp_path):

@@ -54,6 +54,7 @@ def ep_run(request):
     return runs[strategy]
 
 
+@pytest.mark.slow  # not in the default pass (README): the EP matrix; test_cli_ep2_* keeps EP=2 in it
 @pytest.mark.distributed
 @pytest.mark.parametrize("ep_run", EP_STRATEGIES + EP_STRATEGIES_4, indirect=True)
 def test_ranks_equal_one_process_over_10_steps(ep_run):

@@ -108,6 +108,12 @@ def two_ranks(work: Path, name: str, run: Path, *extra: str) -> Path:
 # the ranks) splits the replicated weights between the ranks and shows in the losses and here by orders more.
 TP_WEIGHTS_RTOL = 1e-3
 
+# Final tensors of a data- or pipeline-parallel run vs one process: the same reasoning with smaller sums split. On
+# the Zen 4 and AVX2 EPYCs every tensor was within 1e-5; on a 2-vCPU Intel Xeon with AMX (2026-12-02) Gemma 3's
+# pp=2 k projection measured 1.01e-5 and Qwen3's LoRA A under FSDP2 1.05e-5, while the losses stayed within
+# PARITY_RTOL. A missed gradient reduction differs by orders more (TP's note above).
+DP_WEIGHTS_RTOL = 3e-5
+
 
 def assert_parity(reference: Path, run: Path, weights_rtol: float = PARITY_RTOL) -> None:
     """Per-step losses within PARITY_RTOL (relative) and every final tensor within ``weights_rtol`` (relative to
@@ -129,6 +135,7 @@ def assert_learns(run: Path, drop: float) -> None:
     assert len(losses) == 5 and losses[-1] < losses[0] - drop, losses
 
 
+@pytest.mark.slow  # not in the default pass (README): 3 families under TP; test_parallel_dist has TP parity
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["qwen3_untied", "gemma3_untied", "qwen2_untied"])
 def test_tensor_parallel_family_equals_one_process(work, tmp_path, name):
@@ -151,7 +158,7 @@ def test_pipeline_over_local_and_global_layers_equals_one_process(work, tmp_path
     full = ["--finetune.method=full", "--train.batch_size=8"]
     reference = one_process(work, "gemma3_untied", tmp_path / "one", *full)
     run = two_ranks(work, "gemma3_untied", tmp_path / "pp", *full, "--parallel.pp=2", "--parallel.dp_shard=1")
-    assert_parity(reference, run)
+    assert_parity(reference, run, DP_WEIGHTS_RTOL)
 
 
 @pytest.mark.distributed
@@ -161,12 +168,13 @@ def test_pipeline_over_local_and_global_layers_equals_one_process(work, tmp_path
 ])
 def test_lora_fsdp2_and_ddp_family_equals_one_process(work, tmp_path, name, plans):
     """The published shapes (tied embeddings, Gemma 3's single KV head): LoRA on every projection, 2 ranks x 4 rows
-    (FSDP2; DDP on Qwen3) = one process x 8 rows, losses and final adapters and base within PARITY_RTOL."""
+    (FSDP2; DDP on Qwen3) = one process x 8 rows: losses within PARITY_RTOL, final adapters and base within
+    DP_WEIGHTS_RTOL."""
     reference = one_process(work, name, tmp_path / "one", *LORA, "--train.batch_size=8")
     assert_learns(reference, 0.05)
     for plan in plans:
         run = two_ranks(work, name, tmp_path / plan.split(".")[-1].split("=")[0], *LORA, "--train.batch_size=4", plan)
-        assert_parity(reference, run)
+        assert_parity(reference, run, DP_WEIGHTS_RTOL)
 
 
 @pytest.mark.distributed

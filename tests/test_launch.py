@@ -95,6 +95,7 @@ def test_pytorchjob_command_runs_as_two_torchrun_agents_on_localhost(tmp_path, r
     assert_two_rank_run_matches(run_dir, reference)
 
 
+@pytest.mark.slow  # not in the default pass (README): a launcher; torchrun's own are in it
 def test_slurm_script_runs_two_agents_through_srun(tmp_path, reference):
     """scripts/slurm_train.sbatch with stand-ins: `scontrol show hostnames` names 127.0.0.1 and `srun` starts
     its command once per 'node' (in the background, as SLURM does), so the script's own torchrun line makes a
@@ -155,6 +156,7 @@ def load_entry():
     return sagemaker_entry
 
 
+@pytest.mark.slow  # not in the default pass (README): a launcher; torchrun's own are in it
 def test_sagemaker_entry_point_reads_the_sm_environment(tmp_path, reference):
     """The entry point under a simulated SageMaker environment (2 processes on one 'instance'): hyperparameters
     become flags, the train channel the data, the checkpoint folder the run folder, and the model is exported

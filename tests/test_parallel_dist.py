@@ -259,6 +259,7 @@ def low_comm_recipe(cache: Path) -> str:
     return TINY_TOML.format(cache=cache, steps=200).replace("warmup_steps = 5", "warmup_steps = 20")
 
 
+@pytest.mark.slow  # not in the default pass (README): a 3-way training comparison
 def test_diloco_reaches_ddp_loss_with_h_times_fewer_all_reduces(tmp_path):
     """Tiny recipe, 2 replicas, equal tokens (200 steps x 2 x 8 x 64): DiLoCo (H = 10) ends within 5% of
     DDP's validation loss while issuing H times fewer (and H times fewer bytes of) all-reduces."""
@@ -309,6 +310,7 @@ def test_two_rank_doctor_measures_tensor_parallel_and_fsdp_host_overheads(tmp_pa
     assert "ns/element" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # not in the default pass (README): the doctor's 2-rank clock
 def test_two_rank_doctor_measures_communication_and_contention(tmp_path, monkeypatch):
     """`torchrun ... scaletrain doctor` on 2 gloo ranks writes the host's communication entry: all-reduce
     bandwidth and latency, DTensor overhead and the co-running slowdown the time model charges ranks

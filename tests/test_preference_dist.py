@@ -23,7 +23,7 @@ def _steps(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"reward_margin"' in line]
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method", ["lora", pytest.param("full", marks=pytest.mark.slow)])  # full: slow tier
 def test_dpo_ddp_and_fsdp2_match_single_process(tmp_path, method):
     from scaletrain.infer.load import load_run
 

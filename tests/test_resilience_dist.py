@@ -94,6 +94,7 @@ def straight2(tmp_path_factory):
     return config, folder
 
 
+@pytest.mark.slow  # not in the default pass (README): DiLoCo; the DDP/FSDP2 kill -9 resumes are in it
 def test_diloco_replicas_resume_bitwise(straight2):
     _, folder = straight2
     assert_same_run(folder / "diloco", folder / "diloco_split")
@@ -138,6 +139,7 @@ def test_elastic_restart_resumes_from_the_latest_checkpoint(straight2, tmp_path)
     assert_same_run(folder / "ddp", run)
 
 
+@pytest.mark.slow  # not in the default pass (README): an agent's death
 def test_workers_whose_torchrun_agent_died_checkpoint_and_exit(tmp_path):
     """kill -9 of torchrun's agent alone. Its workers are in sessions of their own and get no signal; without a
     watch they trained on as orphans holding the run folder (a restart refused, naming their PID). Now each

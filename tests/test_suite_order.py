@@ -81,7 +81,20 @@ def test_two_workers_share_the_pages_and_start_with_the_heavy_units(tmp_path):
         light = [k for k, nodeid in enumerate(mine) if "test_a.py" in nodeid]
         heavy = [k for k, nodeid in enumerate(mine) if "test_a.py" not in nodeid]
         assert not light or not heavy or max(heavy) < min(light), mine
-    # The tiers' line: the quick pass is test_a's four; the pages (4 x 0.3 s asleep) and the ranks test are heavy.
+    # The tiers' line: the default pass is test_a's four and the ranks test (distributed, not slow); the pages
+    # (4 x 0.3 s asleep) are the slow tier.
     line = next(line for line in proc.stdout.splitlines() if line.startswith("suite time by tier"))
-    assert "quick pass 4 tests" in line and "on 2 worker(s)" in line and "slow or distributed 5 tests" in line, line
-    assert float(line.rsplit(" ", 3)[-3]) >= 1, line  # 1.2 s asleep, rounded to whole seconds
+    assert "default pass 5 tests" in line and "on 2 worker(s)" in line and "slow tier 4 tests" in line, line
+    assert float(line.split("slow tier 4 tests, ")[1].split(" s summed")[0]) >= 1, line  # 1.2 s asleep, rounded
+
+
+def test_ci_runs_the_readme_test_command_then_the_slow_tier():
+    """.ci/run's last two lines are the README's test command (the default pass, -m "not slow") and the slow tier:
+    CI runs what a developer is told to run, and every test besides."""
+    root = HERE.parent
+    readme = (root / "README.md").read_text()
+    after = readme.split("Run the tests", 1)[1]
+    command = after.split("```bash\n", 1)[1].split("\n```", 1)[0].strip()
+    assert command.endswith('pytest -q -m "not slow"'), command
+    lines = [line for line in (root / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert lines[-2:] == [command, ".venv/bin/python -m pytest -q -m slow"], lines[-2:]

@@ -61,31 +61,31 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def tier_seconds(reports) -> dict[str, list[float]]:
-    """Each test's seconds (setup + call + teardown, summed over its reports) by tier: "quick" for a test marked
-    neither slow nor distributed (the quick pass, README.md), "heavy" for the others."""
-    tests: dict[str, tuple[float, bool]] = {}  # nodeid -> (seconds so far, marked slow or distributed)
+    """Each test's seconds (setup + call + teardown, summed over its reports) by tier: "default" for a test not
+    marked slow (the default pass, README.md's test command: the 2-rank runs marked distributed included), "slow"
+    for the others (the slow tier, which .ci/run runs after it)."""
+    tests: dict[str, tuple[float, bool]] = {}  # nodeid -> (seconds so far, marked slow)
     for report in reports:
-        seconds, heavy = tests.get(report.nodeid, (0.0, False))
-        tests[report.nodeid] = (seconds + report.duration,
-                                heavy or any(mark in report.keywords for mark in HEAVY_MARKS))
-    tiers: dict[str, list[float]] = {"quick": [], "heavy": []}
-    for seconds, heavy in tests.values():
-        tiers["heavy" if heavy else "quick"].append(seconds)
+        seconds, slow = tests.get(report.nodeid, (0.0, False))
+        tests[report.nodeid] = (seconds + report.duration, slow or "slow" in report.keywords)
+    tiers: dict[str, list[float]] = {"default": [], "slow": []}
+    for seconds, slow in tests.values():
+        tiers["slow" if slow else "default"].append(seconds)
     return tiers
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """One line after the run: the seconds the quick pass's tests and the slow or distributed ones took, summed,
-    and the quick pass's wall on this run's workers had it run alone (the sum over the workers: the workers stay
-    busy to the end, helpers/schedule.py). So every full run, CI's on its CPU included, also times the quick pass."""
+    """One line after the run: the seconds the default pass's tests and the slow tier's took, summed, and each
+    tier's wall on this run's workers had it run alone (the sum over the workers: the workers stay busy to the end,
+    helpers/schedule.py). So a full run (-m "") also times the default pass, on CI's CPU too."""
     reports = [r for key in ("passed", "failed", "error") for r in terminalreporter.stats.get(key, [])
                if hasattr(r, "duration") and getattr(r, "nodeid", "")]
     if not reports:
         return
     tiers = tier_seconds(reports)
     workers = max(1, int(getattr(config.option, "numprocesses", 0) or 0))
-    quick, heavy = sum(tiers["quick"]), sum(tiers["heavy"])
+    default, slow = sum(tiers["default"]), sum(tiers["slow"])
     terminalreporter.write_line(
-        f"suite time by tier: quick pass {len(tiers['quick'])} tests, {quick:.0f} s summed "
-        f"(~{quick / workers / 60:.1f} min on {workers} worker(s)); slow or distributed {len(tiers['heavy'])} tests, "
-        f"{heavy:.0f} s summed")
+        f"suite time by tier: default pass {len(tiers['default'])} tests, {default:.0f} s summed "
+        f"(~{default / workers / 60:.1f} min on {workers} worker(s)); slow tier {len(tiers['slow'])} tests, "
+        f"{slow:.0f} s summed (~{slow / workers / 60:.1f} min)")
