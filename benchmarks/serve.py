@@ -3,7 +3,7 @@
 
     python benchmarks/serve.py --soak 600 --out benchmarks/results/serve.json              # the full run (~15 min)
     python benchmarks/serve.py --seconds 15 --soak 60 --label short                         # a short run
-    python benchmarks/serve.py --compare-compile --seconds 15 --out benchmarks/results/serve_compile.json
+    python benchmarks/serve.py --compare-compile --seconds 10 --out benchmarks/results/serve_compile.json
 
 The server: ``scaletrain serve`` in its own process (``--slots 64``: every client decoded together), over a run
 trained here first (a Llama layout of ``SHAPE`` on Tiny Shakespeare, ``TRAIN_STEPS`` steps; its text does not
@@ -20,10 +20,10 @@ to the JSON, and the memory is flat when its slope over the soak's second half (
 buffers and the allocator's growth have settled; the slope over all of it is recorded too) is under
 ``FLAT_MIB_PER_MINUTE``: 10 MiB over 10 minutes, a leak of ~1.5 KB a request at ~700 requests a minute.
 
-``--compare-compile``: instead, two servers of ``COMPARE_SLOTS`` slots one after the other, the eager decode and
-``--compile``'s (the step compiled over every slot), each under 1 and 8 clients: tokens/s side by side (the
-compiled server's start includes its compile, recorded). Timings on a machine other processes load are noisy:
-the result records the load average.
+``--compare-compile``: instead, two servers of ``COMPARE_SLOTS`` slots, the eager decode and ``--compile``'s (the
+step compiled over every slot), under 1 and 8 clients in ``--rounds`` interleaved rounds: tokens/s side by side,
+each level's median round (the compiled server's start includes its compile, recorded). Timings on a machine
+other processes load are noisy: the result records the load average.
 """
 
 from __future__ import annotations
@@ -217,32 +217,63 @@ def ratio(rows: list[dict], clients: int = 8) -> float | None:
         one["tokens_per_second"] else None
 
 
+def decode_steps(url: str) -> int:
+    import httpx
+
+    return httpx.get(url + "/health", timeout=60).json()["steps"]
+
+
 def levels_run(url: str, pid: int, levels: list[int], seconds: float) -> list[dict]:
+    """Each level's ``summary``, with where the time went: the server's and this load generator's CPU seconds a
+    second of wall (psutil; 2 would be two cores busy), the server's decode steps a second and tokens a step
+    (``/health``'s step count)."""
+    import psutil
+
+    server = psutil.Process(pid)
+    cpu = lambda process: sum(process.cpu_times()[:2])  # noqa: E731  (user + system, every thread)
     asyncio.run(load(url, 1, 3))  # warm-up: the first forward's allocations, the tokenizer
     rows = []
     for clients in levels:
+        steps, server_s, client_s = decode_steps(url), cpu(server), cpu(psutil.Process())
         with MemorySampler(pid) as memory:
             record = asyncio.run(load(url, clients, seconds))
-        rows.append(summary(clients, record, memory.samples))
+        steps = decode_steps(url) - steps
+        row = summary(clients, record, memory.samples)
+        row.update({"server_cpu_per_s": round((cpu(server) - server_s) / record["wall"], 2),
+                    "client_cpu_per_s": round((cpu(psutil.Process()) - client_s) / record["wall"], 2),
+                    "decode_steps_per_second": round(steps / record["wall"], 1),
+                    "tokens_per_step": round(record["tokens"] / steps, 2) if steps else None})
+        rows.append(row)
         print(rows[-1], flush=True)
     return rows
 
 
 def compare_compile(run: Path, args: argparse.Namespace) -> dict:
     """The eager and the compiled decode (``serve --compile``), each its own server of ``COMPARE_SLOTS`` slots,
-    under 1 and 8 clients."""
-    modes = {}
-    for mode, extra in (("eager", ()), ("compiled", ("--compile",))):
-        start = time.perf_counter()
-        process, url = start_server(run, COMPARE_SLOTS, args.device, *extra)
-        ready = round(time.perf_counter() - start, 1)
-        try:
-            rows = levels_run(url, process.pid, [1, 8], args.seconds)
-        finally:
+    both up at once (the one not measured idles: its batcher waits), measured in ``--rounds`` interleaved rounds
+    of 1 and 8 clients: per mode and level, every round's tokens/s and the median round's row."""
+    servers = {}
+    try:
+        for mode, extra in (("eager", ()), ("compiled", ("--compile",))):
+            start = time.perf_counter()
+            servers[mode] = (*start_server(run, COMPARE_SLOTS, args.device, *extra),
+                             round(time.perf_counter() - start, 1))
+        rounds = {mode: [] for mode in servers}
+        for _ in range(args.rounds):
+            for mode, (process, url, _) in servers.items():
+                rounds[mode].append(levels_run(url, process.pid, [1, 8], args.seconds))
+    finally:
+        for process, _, _ in servers.values():
             stop_server(process)
-        modes[mode] = {"seconds_to_serving": ready, "rows": rows, "throughput_8_over_1": ratio(rows)}
+    modes = {}
+    for mode, runs in rounds.items():
+        rows = [sorted((r[i] for r in runs), key=lambda row: row["tokens_per_second"])[len(runs) // 2]
+                for i in range(2)]  # each level's median round
+        modes[mode] = {"seconds_to_serving": servers[mode][2], "rows": rows, "throughput_8_over_1": ratio(rows),
+                       "tokens_per_second_rounds": {r["clients"]: [run[i]["tokens_per_second"] for run in runs]
+                                                    for i, r in enumerate(rows)}}
     tps = {mode: [r["tokens_per_second"] for r in m["rows"]] for mode, m in modes.items()}
-    return {"slots": COMPARE_SLOTS, "modes": modes,
+    return {"slots": COMPARE_SLOTS, "rounds": args.rounds, "modes": modes,
             "compiled_over_eager": [round(c / e, 2) if e else None for c, e in zip(tps["compiled"], tps["eager"])]}
 
 
@@ -259,6 +290,7 @@ def main() -> None:
     parser.add_argument("--compare-compile", action="store_true",
                         help="the eager decode against serve --compile's, at 1 and 8 clients (nothing else)")
     parser.add_argument("--compile", action="store_true", help="the table and soak against serve --compile")
+    parser.add_argument("--rounds", type=int, default=3, help="--compare-compile's interleaved rounds")
     parser.add_argument("--label", default="full", help="recorded with the result (e.g. short)")
     parser.add_argument("--device", default="cpu", help="serve's --device (scripts/gpu_check.py: cuda)")
     parser.add_argument("--work", default=str(WORK), help="where the run is trained (once)")
