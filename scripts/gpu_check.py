@@ -883,7 +883,7 @@ def check_serve(ctx: Ctx) -> dict:
     tokens/s, and no errors (issue 53)."""
     out_json = ctx.folder / "serve.json"
     ctx.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--device", ctx.device, "--work", str(ctx.folder),
-             "--seconds", "3" if ctx.dry else "15", "--soak-minutes", "0", "--concurrency",
+             "--seconds", "3" if ctx.dry else "15", "--soak", "0", "--concurrency",
              "1,8" if ctx.dry else "1,8,32,64", "--label", "gpu_check", "--out", str(out_json)], "serve", timeout=240)
     result = json.loads(out_json.read_text())
     out = {"throughput_8_over_1": result["throughput_8_over_1"]}

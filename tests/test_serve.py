@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.serve_requests import BAD_REQUESTS, CHAT, MESSAGES, SERVER_FLAGS
 from helpers.tiny import tiny_overrides
 from helpers.waits import CEILING_S
 from scaletrain.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +91,40 @@ def test_greedy_tokens_are_the_same_alone_and_inside_a_full_batch(session):
     assert len(set(expected)) > 3  # the prompts lead to different texts: the rows are not all alike
 
 
+@pytest.mark.slow  # ~35 s: one compile of the 4-row step on 2 cores
+def test_compiled_batcher_gives_the_eager_tokens_with_one_graph_whoever_joins_or_leaves(session):
+    """`serve --compile`: the batch's step compiled over every slot. After the warm-up's compile, requests alone,
+    more requests than slots (joining as others leave) and a request cancelled mid-generation run on the same
+    graph (no recompile), and each greedy text is `generate`'s eager one."""
+    from dataclasses import replace
+
+    from torch._dynamo.utils import counters
+
+    from scaletrain.infer.batch import Batcher, Job
+    from scaletrain.model.decode import StaticDecoder
+    from scaletrain.model.generate import Sampling
+
+    texts = ["ROMEO:", "A", "JULIET: what light", "KING", "To be, or not", "Q", "First Citizen:", "HAMLET"]
+    prompts = [session.tokenizer.encode(t) for t in texts]
+    expected = [session.tokenizer.decode(new) for new in session.generate(prompts, 24, slide=False)]
+    batcher = Batcher(replace(session, decoder=StaticDecoder(session.model)), slots=4)
+    before = counters["stats"]["unique_graphs"]
+    batcher.warm_up()
+    assert counters["stats"]["unique_graphs"] == before + 1  # the warm-up compiled the step: one graph
+    batcher.start()
+    try:
+        alone = [_collect(batcher, [p], 24)[0] for p in prompts[:3]]
+        gone = Job(prompts[0], 40, Sampling(temperature=0.0), lambda event: gone.cancel())  # leaves at its first text
+        batcher.submit(gone)
+        joined = _collect(batcher, prompts, 24)
+        assert batcher.busy == 0 and batcher.steps > 24
+    finally:
+        batcher.close()
+    assert counters["stats"]["unique_graphs"] == before + 1  # joining, leaving, cancelled: no recompile
+    assert [r[0] for r in alone] == expected[:3] and [r[0] for r in joined] == expected
+    assert all(r[1:] == ("length", 24) for r in joined)
+
+
 def test_session_streams_what_it_generates_and_stops_at_a_string(session):
     prompt = session.tokenizer.encode("ROMEO:")
     whole = session.tokenizer.decode(session.generate([prompt], 30)[0])
@@ -127,7 +161,7 @@ def _server(run: Path, *extra: str) -> tuple[subprocess.Popen, str]:
 def server(run):
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
-    process, url = _server(run, "--slots", "4", "--queue", "8")
+    process, url = _server(run, *SERVER_FLAGS)
     yield process, url
     process.terminate()
     try:
@@ -209,71 +243,12 @@ def test_the_openai_client_works_unchanged(server, client, session):
     assert _post(server[1], "/detokenize", {"tokens": prompt})[1] == {"prompt": "ROMEO:"}
 
 
-CHAT = "/v1/chat/completions"
-# (path, body, status, a piece of the one message): at least 30 bad requests, each answered alone.
-BAD_REQUESTS = [
-    (CHAT, "{bad", 400, "not valid JSON"),
-    (CHAT, "", 400, "body is empty"),
-    (CHAT, "[1, 2]", 400, "must be a JSON object"),
-    (CHAT, '"text"', 400, "must be a JSON object"),
-    (CHAT, b"\xff\xfe{\x00}", 400, "not UTF-8"),
-    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "not valid JSON"),
-    (CHAT, "[" * 100000 + "]" * 100000, 400, "nests too deeply"),
-    (CHAT, {}, 400, "'messages' must be a non-empty list"),
-    (CHAT, {"messages": []}, 400, "'messages' must be a non-empty list"),
-    (CHAT, {"messages": "hi"}, 400, "'messages' must be a non-empty list"),
-    (CHAT, {"messages": ["hi"]}, 400, "'messages[0]' must be an object"),
-    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "'messages[0].role' must be one of"),
-    (CHAT, {"messages": [{"role": "user"}]}, 400, "'messages[0].content' is missing"),
-    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "must be a string"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "text part"),
-    (CHAT, {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "lone surrogate"),
-    (CHAT, {"messages": [{"role": "assistant", "content": "hi"}]}, 400, "the last message is the assistant's"),
-    (CHAT, {"messages": MESSAGES * 300}, 400, "at most 256"),
-    (CHAT, {"messages": MESSAGES, "max_tokens": -1}, 400, "'max_tokens' must be from 1 to 64"),
-    (CHAT, {"messages": MESSAGES, "max_tokens": 0}, 400, "'max_tokens' must be from 1"),
-    (CHAT, {"messages": MESSAGES, "max_tokens": 10 ** 12}, 400, "'max_tokens' must be from 1 to 64"),
-    (CHAT, {"messages": MESSAGES, "max_tokens": "10"}, 400, "'max_tokens' must be an integer"),
-    (CHAT, {"messages": MESSAGES, "max_tokens": 2.5}, 400, "'max_tokens' must be an integer"),
-    (CHAT, {"messages": MESSAGES, "max_tokens": True}, 400, "'max_tokens' must be an integer"),
-    (CHAT, {"messages": MESSAGES, "max_tokens": 60}, 400, "maximum context length is 64 tokens"),
-    (CHAT, {"messages": MESSAGES, "max_completion_tokens": -5}, 400, "'max_completion_tokens' must be"),
-    (CHAT, {"messages": MESSAGES, "temperature": 9}, 400, "'temperature' must be in [0.0, 2.0]"),
-    (CHAT, {"messages": MESSAGES, "temperature": "hot"}, 400, "'temperature' must be a number"),
-    (CHAT, {"messages": MESSAGES, "top_p": 0}, 400, "'top_p' must be in (0.0, 1.0]"),
-    (CHAT, {"messages": MESSAGES, "n": 5}, 400, "'n' must be from 1 to 4"),  # each choice a batch row: --slots 4
-    (CHAT, {"messages": MESSAGES, "n": 0}, 400, "'n' must be from 1 to 4"),
-    (CHAT, {"messages": MESSAGES, "stop": 5}, 400, "'stop' must be a string or a list"),
-    (CHAT, {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
-    (CHAT, {"messages": MESSAGES, "stop": [""]}, 400, "must not be empty"),
-    (CHAT, {"messages": MESSAGES, "seed": "x"}, 400, "'seed' must be an integer"),
-    (CHAT, {"messages": MESSAGES, "stream": "yes"}, 400, "'stream' must be true or false"),
-    (CHAT, {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "only allowed with"),
-    (CHAT, {"messages": MESSAGES, "logprobs": True}, 400, "'logprobs' is not supported"),
-    (CHAT, {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tool calls are not supported"),
-    (CHAT, {"messages": MESSAGES, "frequency_penalty": 1}, 400, "'frequency_penalty' is not supported"),
-    (CHAT, {"messages": MESSAGES, "bogus": 1}, 400, "Unrecognized request argument supplied: bogus"),
-    (CHAT, {"messages": [{"role": "user", "content": "x" * 200}]}, 400, "maximum context length is 64 tokens"),
-    (CHAT, {"messages": [{"role": "user", "content": "日本"}]}, 400, "not in the"),
-    (CHAT, {"messages": MESSAGES, "model": "gpt-4"}, 404, "The model 'gpt-4' does not exist"),
-    (CHAT, {"messages": MESSAGES, "model": 7}, 400, "'model' must be a string"),
-    (CHAT, b"{" + b" " * (2 << 20) + b"}", 413, "at most 1,048,576"),
-    ("/v1/completions", {}, 400, "'prompt' is required"),
-    ("/v1/completions", {"prompt": ""}, 400, "'prompt' must not be empty"),
-    ("/v1/completions", {"prompt": [1, -4]}, 400, "token ids must be"),
-    ("/v1/completions", {"prompt": "ROMEO:", "echo": True}, 400, "'echo' is not supported"),
-    ("/v1/completions", {"prompt": "ROMEO:", "max_tokens": 64}, 400, "maximum context length is 64 tokens"),
-    ("/tokenize", {"text": "x"}, 400, "send {\"prompt\": TEXT}"),
-    ("/detokenize", {"tokens": [10 ** 9]}, 400, "'tokens' must be a list of integers"),
-    ("/v1/nothing", {}, 404, "no route POST /v1/nothing"),
-]
-
-
 @pytest.mark.slow  # a real server process
 def test_bad_requests_are_one_status_and_one_message_each(server):
     import httpx
 
-    url = server[1]
+    process, url = server
+    fds = _open_fds(process.pid)
     assert len(BAD_REQUESTS) >= 30
     for path, body, status, message in BAD_REQUESTS:
         code, payload, _ = _post(url, path, body)
@@ -284,6 +259,7 @@ def test_bad_requests_are_one_status_and_one_message_each(server):
     assert httpx.get(url + CHAT, timeout=CEILING_S).status_code == 405
     assert httpx.get(url + "/health", timeout=CEILING_S).json()["busy"] == 0
     assert _post(url, CHAT, {"messages": MESSAGES, "max_tokens": 3})[0] == 200  # still serving
+    assert _open_fds(process.pid) <= fds + 2  # nothing left open (a keep-alive socket of the last request)
 
 
 def _open_fds(pid: int) -> int:

@@ -12,6 +12,11 @@ in a bounded queue (``submit`` raises ``QueueFull`` past it: a server answers 50
 One thread runs the loop (``start``); the requests' callbacks (``Job.emit``) are called from it, with the
 text that became final at each step (``StreamPrinter``'s rule: nothing a stop string may still claim, no half
 UTF-8 character).
+
+With the session's compiled decode (``Session.decoder``: ``scaletrain serve --compile``) the decode step is
+``StaticDecoder.run_step`` over the cache's every row, used or not: its shapes are the slot count's whatever
+joins or leaves, so it compiles once (a request joining, leaving or cancelled changes values, not shapes; the
+prefill stays eager) and gives the eager step's greedy tokens (``tests/test_serve.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class SlotLayer:
             shape = (self.owner.slots, k.shape[0], self.owner.capacity, k.shape[2])
             self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
             self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            static_address(self.k, self.v)
         self.k[row, :, :k.shape[1]] = k
         self.v[row, :, :v.shape[1]] = v
 
@@ -58,6 +64,13 @@ class SlotLayer:
         self.k[rows, :, self.owner.write] = k[:, :, 0]  # (n, KV, hd) at (row, :, its slot)
         self.v[rows, :, self.owner.write] = v[:, :, 0]
         return self.k[:n], self.v[:n]
+
+
+def static_address(*tensors: torch.Tensor) -> None:
+    """On a GPU: the compiled step's CUDA graph may write these buffers in place (the same memory every step)."""
+    for tensor in tensors:
+        if tensor.device.type == "cuda":
+            torch._dynamo.mark_static_address(tensor)
 
 
 class SlotCache:
@@ -72,6 +85,7 @@ class SlotCache:
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # (slots,)
         self.in_use = torch.zeros(slots, dtype=torch.bool, device=device)  # (slots,)
         self.slot_ids = torch.arange(capacity, device=device)  # (C,)
+        static_address(self.lengths, self.in_use)
         self.rows = 0
         self.layers: dict[str, SlotLayer] = {}
         self.write: torch.Tensor | None = None  # (n,): this step's slot of each row
@@ -162,6 +176,7 @@ class Batcher:
         self.rows: list[Job | None] = [None] * slots
         self.pending: deque[Job] = deque()
         self.stop_ids = set(session.stop_ids)
+        self.decoder = session.decoder  # the compiled step (every row a step), or None: the eager forward
         self.steps = 0  # decode steps run (for /health and tests)
         self._wake = threading.Condition()
         self._closed = False
@@ -184,6 +199,15 @@ class Batcher:
         """Make the loop look at its requests now (a cancelled one frees its row)."""
         with self._wake:
             self._wake.notify()
+
+    def warm_up(self) -> None:
+        """Before ``start``: one short greedy request run here, so that the compiled step compiles now and not in
+        a client's first request (with an eager step: the first forward's allocations)."""
+        done = threading.Event()
+        self.submit(Job([0], 2, Sampling(temperature=0.0), lambda event: event.finish_reason and done.set()))
+        while not done.is_set():
+            self.run_once()
+        self.steps = 0
 
     def start(self) -> Batcher:
         self._thread = threading.Thread(target=self._loop, name="scaletrain-batcher", daemon=True)
@@ -255,11 +279,15 @@ class Batcher:
             self._advance(row, self._choose(logits, [row])[0])
 
     def _step(self) -> None:
-        n = max(row for row, r in enumerate(self.rows) if r is not None) + 1  # the rows up to the last in use
+        # eager: the rows up to the last in use; compiled: every row (one shape, one graph)
+        n = len(self.rows) if self.decoder else max(row for row, r in enumerate(self.rows) if r is not None) + 1
         tokens = torch.tensor([[r.tokens[-1] if r is not None else 0] for r in self.rows[:n]], dtype=torch.long,
                               device=self.device)  # (n, 1)
         self.cache.rows = n
-        logits = self.session.model(tokens, cache=self.cache, last_only=True)[:, -1]  # (n, V)
+        if self.decoder:
+            logits = self.decoder.run_step(tokens, self.cache)  # (n, V)
+        else:
+            logits = self.session.model(tokens, cache=self.cache, last_only=True)[:, -1]  # (n, V)
         self.steps += 1
         rows = [row for row in range(n) if self.rows[row] is not None]
         for row, token in zip(rows, self._choose(logits[rows], rows)):

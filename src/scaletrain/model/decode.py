@@ -329,6 +329,15 @@ class StaticDecoder:
         """tokens (B, 1), each row's last token -> the next logits (B, V): the compiled step."""
         if cache.tokens >= cache.capacity:
             raise ValueError(f"static KV cache full: {cache.tokens} of {cache.capacity} slots")
+        logits = self.run_step(tokens, cache)
+        cache.tokens += 1
+        return logits
+
+    @torch.no_grad()
+    def run_step(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        """The compiled one-token step over any cache whose shapes stay fixed from step to step (a
+        ``StaticKVCache``; ``infer/batch.py``'s ``SlotCache`` at its whole slot count): tokens (B, 1) -> the next
+        logits (B, V); the cache's own bookkeeping (``step``'s count of tokens) is the caller's."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are read: reuse its memory
         frozen = self._frozen_step is not None and tokens.shape[0] >= FROZEN_MIN_ROWS
@@ -337,5 +346,4 @@ class StaticDecoder:
         config = {**(CPU_STEP if self.device.type == "cpu" and self._compile else {}), **(FROZEN_CPU if frozen else {})}
         with torch._dynamo.config.patch(recompile_limit=STEP_RECOMPILE_LIMIT), inductor_config.patch(**config):
             logits = (self._frozen_step if frozen else self._step)(tokens, cache)
-        cache.tokens += 1
         return logits.clone() if self.cuda_graphs else logits  # the graph's output buffer is rewritten next replay

@@ -35,6 +35,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on the API (default: ${API_KEY_ENV})")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda or cuda:N")
     p.add_argument("--model-name", default=None, help="the model's id in the API (default: the run folder's name)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode the batch with a torch.compile'd step over every slot (as generate --compile; one "
+                        "shape whoever joins or leaves, compiled once before the server answers: seconds to a "
+                        "minute)")
     p.add_argument("--slots", type=int, default=8, help="requests decoded together (the batch)")
     p.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot; past it: 503")
     p.add_argument("--max-tokens-limit", type=int, default=0,
@@ -103,16 +107,22 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"scaletrain serve needs the serve extra ({exc.name} is missing): "
                           f"pip install 'scaletrain[serve]'") from None
     sock = bind(args.host, args.port)
-    session = Session.from_run(args.run, device=args.device)
-    batcher = Batcher(session, slots=args.slots, queue_size=args.queue).start()
+    session = Session.from_run(args.run, device=args.device, compile=args.compile)
+    batcher = Batcher(session, slots=args.slots, queue_size=args.queue)
+    if session.decoder is not None:
+        print(f"--compile: compiling the decode step over {args.slots} slots", file=sys.stderr, flush=True)
+        batcher.warm_up()
+    batcher.start()
     limits = Limits(max_tokens=min(args.max_tokens_limit or session.context, session.context),
                     max_messages=args.max_messages, max_body_bytes=args.max_body_bytes, max_choices=args.slots)
     options = ServeOptions(args.model_name or session.name, limits, args.api_key, args.cors_origin)
     app = build_app(session, batcher, options)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
+    decode = "compiled" if session.decoder else "eager"
     print(f"serving {args.run} as '{options.name}' at http://{where}:{port} ({args.slots} slots, a queue of "
-          f"{args.queue}, context {session.context}); the chat page is at /, the API at /v1", flush=True)
+          f"{args.queue}, context {session.context}, {decode} decode); the chat page is at /, the API at /v1",
+          flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])

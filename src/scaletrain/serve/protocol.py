@@ -165,6 +165,8 @@ def _unsupported(body: dict, known: set[str]) -> None:
     for name in body:
         if name not in known and name not in IGNORED:
             raise ApiError(400, f"Unrecognized request argument supplied: {name[:100]}", name)
+    if body.get("user") is not None:  # unused, but of its type (OpenAI refuses a number)
+        _string(body["user"], "user")
 
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "presence_penalty",
@@ -237,6 +239,8 @@ def parse_chat(body: object, limits: Limits, default_sampling: Sampling) -> Gene
                                 f"{json.dumps(role)[:40]})", f"messages[{i}].role")
         if "content" not in message:
             raise ApiError(400, f"'messages[{i}].content' is missing", f"messages[{i}].content")
+        if message.get("name") is not None:  # unused (the templates have no participant names), but a string
+            _string(message["name"], f"messages[{i}].name")
         checked.append({"role": ROLES[role], "content": _content(message["content"], f"messages[{i}].content")})
     if checked[-1]["role"] == "assistant":
         raise ApiError(400, "the last message is the assistant's: this server answers a user or system message "
