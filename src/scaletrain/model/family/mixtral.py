@@ -27,4 +27,5 @@ FAMILY = Family(
     read=_read, write=_write,
     block_modules={"feed_forward.router": "block_sparse_moe.gate"},
     experts={"w1": "w1", "w2": "w2", "w3": "w3"}, experts_module="block_sparse_moe.experts",
+    native_modules=(("mlp.", "block_sparse_moe."),),
 )
