@@ -67,12 +67,16 @@ class GGUFLayout:
     ``norm_shift``: added to every RMSNorm gain (Gemma stores gains as offsets from 1, llama.cpp multiplies by the
     gain); ``sliding``: the architecture computes per-layer sliding windows (else a window shorter than the context is
     refused); ``metadata(writer, cfg)``: the architecture's own keys; ``refuse(cfg)``: a reason llama.cpp would
-    compute this model otherwise (None when it computes ours)."""
+    compute this model otherwise (None when it computes ours); ``experts``: the architecture has experts (in every
+    layer: ``blk.N.ffn_gate_inp``, 3-D ``ffn_{gate,up,down}_exps``) and ``renormalize`` whether it renormalises
+    each token's top-k weights (llama.cpp's ``build_moe_ffn`` norm_w: fixed per architecture)."""
 
     arch: str
     interleave_rotary: bool = False
     sliding: bool = False
     norm_shift: float = 0.0
+    experts: bool = False
+    renormalize: bool = True
     metadata: Callable[[Any, ModelConfig], None] = _nothing
     refuse: Callable[[ModelConfig], str | None] = lambda cfg: None
 
