@@ -488,3 +488,37 @@ def test_llama_cpp_reads_trained_exports_as_we_do(tmp_path):
     assert ("qwen3", "think_one_token_plain") in checks and proc.returncode == 0
     chat = next(r for r in rows if r["family"] == "qwen3" and r["check"] == "chat_stops")
     assert chat["scaletrain"]["stopped"] and chat["llama_cpp"]["finish_reason"] == "stop"  # it did reach the end
+
+
+@pytest.mark.slow  # fine-tunes three tiny MoE bases on a 152k vocabulary (~4 min each on 2 cores), loads each twice
+@pytest.mark.skipif(not (TOKENIZERS / "qwen3" / "tokenizer.json").is_file(),
+                    reason="../shared/data/tokenizers not present (fresh clone)")
+def test_llama_cpp_reads_moe_exports_as_we_do(tmp_path):
+    """Qwen3-MoE, OLMoE and Mixtral bases (Qwen3 tokenizer) fine-tuned and exported by `scaletrain export --format
+    gguf`, read by llama.cpp (llama-cpp-python in $LLAMA_CPP_PYTHON, this interpreter or ../llvenv): 32 greedy
+    tokens equal ours at f32, every tokenizer check passes, the chat template is in the file and a chat completion
+    stops at its end of turn (<|im_end|>) where ours does; q8_0's tokens equal or their first difference reported
+    with our top-two logit gap there."""
+    import json
+    import subprocess
+    import sys
+
+    bench = _gguf_tokens_benchmark()
+    if bench.llama_cpp_python() is None:
+        pytest.skip("no interpreter imports llama_cpp: set LLAMA_CPP_PYTHON to one (python -m venv V && "
+                    "V/bin/pip install llama-cpp-python; builds llama.cpp, ~15 min)")
+    out = tmp_path / "gguf_moe_tokens.json"
+    proc = subprocess.run([sys.executable, bench.__file__, "--families", *bench.MOE_FAMILIES, "--new", "32",
+                           "--q8_0", "--out", str(out), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True)
+    assert out.is_file(), proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    failed = [r for r in rows if not r["pass"] and r["check"] != "greedy_q8_0"]
+    assert not failed, failed
+    for r in rows:
+        if r["check"] == "greedy_q8_0" and not r["pass"]:  # a q8_0 difference can only be at a near-tie of ours
+            assert all(d["our_top_two_gap"] < 0.5 for d in r["llama_cpp"]), r
+        if r["check"] == "chat_stops":
+            assert r["scaletrain"]["stopped"] and r["llama_cpp"]["finish_reason"] == "stop", r
+    assert {r["family"] for r in rows} == set(bench.MOE_FAMILIES)
+    assert {(f, "chat_template") for f in bench.MOE_FAMILIES} <= {(r["family"], r["check"]) for r in rows}
