@@ -23,11 +23,12 @@ One row a family x check, pass/fail and both values:
   eot is the template's and every id our generation stops at is an end-of-generation token for it);
 - ``chat_template``: the file's ``tokenizer.chat_template`` (llama.cpp's metadata) is the one the run trained in;
 - ``greedy``: llama.cpp's greedy tokens after a few prompts equal scaletrain's ``Session.generate``;
+  ``greedy_no_stop``: all ``--new`` of them, on through an end of turn (a chat-tuned run ends its turns early);
 - ``chat_stops``: a chat completion (``create_completion`` over the rendered chat) gives our answer and stops where
   ours stops (the template's end of turn), finish_reason "stop";
 - ``no_lock_left``: no ``.NAME.gguf.lock`` left beside the export;
-- ``greedy_q8_0`` (``--q8_0``): the same greedy tokens from the ``--dtype q8_0`` export; where they differ, the
-  first difference and the gap between our two best logits there (an 8-bit rounding can only flip a near-tie).
+- ``greedy_q8_0`` (``--q8_0``): the same greedy tokens (no stop) from the ``--dtype q8_0`` export; where they
+  differ, the first difference and the gap between our two best logits there (8-bit rounding flips only near-ties).
 
 The MoE families (``--families qwen3_moe olmoe mixtral``): the fixture's shrunk config (Qwen3-MoE's with every
 layer sparse, as llama.cpp's qwen3moe has it) at the Qwen3 tokenizer, fine-tuned (full, experts included) on the
@@ -75,6 +76,17 @@ def probe(spec: dict) -> dict:
     n_ctx_train, greedy tokens after each prompt and the chat completion."""
     import llama_cpp
 
+    if spec.get("no_repack"):  # llama.cpp's weights as stored, not repacked for the CPU (see --q8_0's help)
+        import llama_cpp.llama_cpp as raw
+
+        defaults = raw.llama_model_default_params
+
+        def stored_weights():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        raw.llama_model_default_params = stored_weights  # what Llama() starts its model parameters from
     f32 = llama_cpp.GGML_TYPE_F32
     llm = llama_cpp.Llama(model_path=spec["path"], n_ctx=spec["n_ctx"], n_batch=spec["n_ctx"], n_threads=1,
                           type_k=f32, type_v=f32, verbose=False)
@@ -84,10 +96,10 @@ def probe(spec: dict) -> dict:
         attr = int(llama_cpp.llama_vocab_get_attr(vocab, token))
         return next((name for name, bit in LLAMA_TYPES.items() if attr & bit), f"attr {attr}")
 
-    def greedy(ids: list[int], n: int) -> list[int]:
+    def greedy(ids: list[int], n: int, stop: bool = True) -> list[int]:
         out = []
         for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            if llama_cpp.llama_vocab_is_eog(vocab, token) or len(out) == n:
+            if stop and llama_cpp.llama_vocab_is_eog(vocab, token) or len(out) == n:
                 break
             out.append(int(token))
         return out
@@ -102,6 +114,7 @@ def probe(spec: dict) -> dict:
                                                  for i in spec["stop_ids"]},
             "n_ctx_train": int(llm._model.n_ctx_train()),
             "greedy": [greedy(ids, spec["new"]) for ids in spec["prompt_ids"]],
+            "greedy_no_stop": [greedy(ids, spec["new"], stop=False) for ids in spec["prompt_ids"]],
             "chat_text": chat["choices"][0]["text"], "chat_finish": chat["choices"][0]["finish_reason"],
             "chat_template": llm.metadata.get("tokenizer.chat_template"),
             "llama_cpp_python": llama_cpp.__version__}
@@ -235,6 +248,11 @@ def ours(run: Path, new: int = NEW) -> dict:
     def generate(prompt: list[int]) -> list[int]:
         return session.generate([prompt], new)[0]
 
+    def no_stop(prompt: list[int]) -> list[int]:  # all ``new`` tokens, through an end of turn
+        from scaletrain.model.generate import generate as model_generate
+
+        return model_generate(session.model, prompt, new, max_seq_len=session.context, temperature=0.0)
+
     def top_two_gap(prompt: list[int]) -> float:  # our two best logits' gap after ``prompt``
         with torch.no_grad():
             best = session.model(torch.tensor([prompt]))[0, -1].topk(2).values
@@ -248,6 +266,7 @@ def ours(run: Path, new: int = NEW) -> dict:
             "eot": specials.get("eot", -1), "eos": specials.get("eos", -1),
             "context": trained_context(cfg, hf_base_folder(run, cfg) is not None),
             "prompt_ids": prompts, "greedy": [generate(p) for p in prompts], "chat_ids": chat,
+            "greedy_no_stop": [no_stop(p) for p in prompts],
             "chat_answer": chat_answer, "chat_text": tok.decode(chat_answer),
             "chat_stopped": len(chat_answer) < new, "added_names": {str(i): t for t, i in ids.items() if i is not None},
             "top_two_gap": top_two_gap, "chat_template": chat_template(tok, cfg.finetune.chat_template)}
@@ -256,14 +275,14 @@ def ours(run: Path, new: int = NEW) -> dict:
 def q8_0_row(name: str, mine: dict, theirs: dict) -> dict:
     """The q8_0 export's greedy tokens against ours: equal, or the first difference and our top-two logit gap."""
     differences = []
-    for prompt, a, b in zip(mine["prompt_ids"], mine["greedy"], theirs["greedy"]):
+    for prompt, a, b in zip(mine["prompt_ids"], mine["greedy_no_stop"], theirs["greedy_no_stop"]):
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a),
                                                                                                       len(b)))
         if first is not None:
             differences.append({"prompt": len(differences), "first_difference": first, "ours": a[first:first + 3],
                                 "llama_cpp": b[first:first + 3],
                                 "our_top_two_gap": round(mine["top_two_gap"](prompt + a[:first]), 4)})
-    return {"family": name, "check": "greedy_q8_0", "pass": not differences, "scaletrain": mine["greedy"],
+    return {"family": name, "check": "greedy_q8_0", "pass": not differences, "scaletrain": mine["greedy_no_stop"],
             "llama_cpp": differences or "all equal"}
 
 
@@ -294,6 +313,9 @@ def checks(name: str, mine: dict, theirs: dict, lock_left: bool | None) -> list[
                  mine["eot"] == theirs["eot"] or mine["eot"] < 0 and theirs["eot"] in (-1, theirs["eos"])),
                  {"eot": mine["eot"], "stop_ids": mine["stop_ids"]}, {"eot": theirs["eot"], "eog": theirs["eog"]}),
              row("greedy", mine["greedy"] == theirs["greedy"], mine["greedy"], theirs["greedy"]),
+             # every prompt's full ``--new`` tokens, on through an end of turn (a chat-tuned run ends early)
+             row("greedy_no_stop", mine["greedy_no_stop"] == theirs["greedy_no_stop"], mine["greedy_no_stop"],
+                 theirs["greedy_no_stop"]),
              # the template the run was trained in, as llama.cpp reads it from the file's metadata
              row("chat_template", theirs["chat_template"] == mine["chat_template"],
                  f"{len(mine['chat_template'])} characters", "equal" if theirs["chat_template"] ==
@@ -316,7 +338,10 @@ def main() -> int:
     parser.add_argument("--work", default=str(WORK), help="where the runs are made (kept: reused next time)")
     parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=[*FAMILIES, *MOE_FAMILIES])
     parser.add_argument("--new", type=int, default=NEW, help="tokens generated a prompt")
-    parser.add_argument("--q8_0", action="store_true", help="also the q8_0 export's greedy tokens (greedy_q8_0)")
+    parser.add_argument("--q8_0", action="store_true",
+                        help="also the q8_0 export's greedy tokens (greedy_q8_0), llama.cpp's weights as stored "
+                             "(use_extra_bufts off: its CPU repacking of q8_0 segfaults in llama-cpp-python 0.3.36's "
+                             "build on an AVX-512/AMX host, a dense model's too)")
     parser.add_argument("--probe", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:  # llama.cpp's side, under its interpreter
@@ -350,14 +375,16 @@ def main() -> int:
         found = checks(name, mine, theirs, lock_left)
         if args.q8_0:
             export(run, out, args.before, "q8_0")
-            found.append(q8_0_row(name, mine, run_probe(python, spec, out.parent)))
+            found.append(q8_0_row(name, mine, run_probe(python, {**spec, "no_repack": True}, out.parent)))
         for r in found:
             rows.append(r)
             print(f"{name:<9} {r['check']:<22} {'pass' if r['pass'] else 'FAIL'}", flush=True)
         out.unlink()
     name = "gguf_tokens_before.json" if args.before else "gguf_tokens.json"
     result = {"llama_cpp_python": version, "exporter": f"{BEFORE_COMMIT} (before the fixes)" if args.before
-              else "this checkout", "new_tokens": args.new, "kv_cache": "f32", "passed": sum(r["pass"] for r in rows),
+              else "this checkout", "new_tokens": args.new, "kv_cache": "f32",
+              **({"q8_0_weights": "as stored (use_extra_bufts off)"} if args.q8_0 else {}),
+              "passed": sum(r["pass"] for r in rows),
               "checks": len(rows), "rows": rows}
     write_result(args.out or default_out(name), result, indent=2)
     print(f"{result['passed']} of {result['checks']} checks pass; wrote {args.out or default_out(name)}")
