@@ -3,8 +3,8 @@ and a family's tensors -> our parameters and back.
 
 Family-blind: what a family does differently is its entry in ``model/family/`` (one file each: llama, mistral,
 qwen2, qwen3, gemma3_text and the multimodal gemma3's text_config, phi3, smollm3; SmolLM2 is a llama; with experts
-qwen3_moe, mixtral, olmoe, whose per-expert tensors are stacked here into our GroupedExperts and split back), read
-here.
+qwen3_moe, mixtral, olmoe, whose per-expert tensors are stacked here into our GroupedExperts and split back;
+transformers 5's fused 3-D experts, ``mlp.experts.gate_up_proj`` / ``down_proj``, are read too), read here.
 What each family computes is a ``ModelConfig`` option (``model/config.py``); anything a config asks for that the
 decoder does not compute is a one-line ``ConfigError`` naming the field, never a silent difference. Names go
 through ``model/hf_names.py``; fused tensors (Phi-3's ``qkv_proj`` / ``gate_up_proj``, the entry's ``fused``) are
@@ -319,7 +319,9 @@ def hf_places(name: str, cfg: ModelConfig) -> list[tuple[str, slice | int | None
     of it)]; [] for what is not ours to read (a derived rotary buffer, Gemma 3's vision tower); None for a name with
     no place in the model (refused by the callers, never dropped). A fused tensor (Phi-3's ``qkv_proj`` /
     ``gate_up_proj``) gives one place per part; one expert's projection (the family's ``experts``) gives its index
-    (an int) in our stacked weight: the tensor is that one row of ours."""
+    (an int) in our stacked weight: the tensor is that one row of ours; transformers 5's fused ``gate_up_proj``
+    (E, 2h, d) gives w1 and w3 as (all experts, rows) tuples, its ``down_proj`` w2 whole. Only that orientation is
+    read (the installed transformers' ``Qwen3MoeExperts``); an (E, d, 2h) tensor fails the row check unless d = 2h."""
     fam = family(cfg.family)
     name = text_decoder_name(name, fam)
     if name is None:
