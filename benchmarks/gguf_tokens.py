@@ -3,6 +3,8 @@ end of turn and greedy tokens, against what scaletrain reads and generates.
 
     python -m venv ../llvenv && ../llvenv/bin/pip install llama-cpp-python==0.3.36   # its own interpreter
     python benchmarks/gguf_tokens.py [--out benchmarks/results/gguf_tokens.json] [--before]
+    python benchmarks/gguf_tokens.py --families qwen3_moe olmoe mixtral --new 32 --q8_0 \
+        --out benchmarks/results/gguf_moe_tokens.json   # the MoE families
 
 Three tiny trained runs (cached under benchmarks/out/gguf_tokens/): a Qwen3-family base (the fixture's shrunk
 config, tests/fixtures/families/qwen3.json) with the real Qwen3 tokenizer (../shared/data/tokenizers) fine-tuned
@@ -19,10 +21,19 @@ One row a family x check, pass/fail and both values:
 - ``token_types``: llama.cpp's attribute of each added / special token is the type convert_hf_to_gguf.py writes;
 - ``padding_id``, ``context_length`` (n_ctx_train: the context the run trained on), ``end_of_turn`` (llama.cpp's
   eot is the template's and every id our generation stops at is an end-of-generation token for it);
+- ``chat_template``: the file's ``tokenizer.chat_template`` (llama.cpp's metadata) is the one the run trained in;
 - ``greedy``: llama.cpp's greedy tokens after a few prompts equal scaletrain's ``Session.generate``;
+  ``greedy_no_stop``: all ``--new`` of them, on through an end of turn (a chat-tuned run ends its turns early);
 - ``chat_stops``: a chat completion (``create_completion`` over the rendered chat) gives our answer and stops where
   ours stops (the template's end of turn), finish_reason "stop";
-- ``no_lock_left``: no ``.NAME.gguf.lock`` left beside the export.
+- ``no_lock_left``: no ``.NAME.gguf.lock`` left beside the export;
+- ``greedy_q8_0`` (``--q8_0``): the same greedy tokens (no stop) from the ``--dtype q8_0`` export; where they
+  differ, the first difference and the gap between our two best logits there (8-bit rounding flips only near-ties).
+
+The MoE families (``--families qwen3_moe olmoe mixtral``): the fixture's shrunk config (Qwen3-MoE's with every
+layer sparse, as llama.cpp's qwen3moe has it) at the Qwen3 tokenizer, fine-tuned (full, experts included) on the
+same chats in Qwen3's template: a random base's greedy text is not degenerate, but it never ends a turn, so the
+chat check needs the fine-tune. Mixtral is written as llama.cpp's llama with experts.
 
 ``--before`` runs the same checks on the exporter before the fixes (``git show 7347daa:src/scaletrain/checkpoint/
 gguf.py`` loaded as a module; its export called as the command called it: the config's context, no lock check)
@@ -46,6 +57,8 @@ WORK = ROOT / "benchmarks" / "out" / "gguf_tokens"
 BEFORE_COMMIT = "7347daa"
 NEW, BASE_CONTEXT = 24, 128
 FAMILIES = {"qwen3": ("qwen3", "qwen3"), "llama3_1": ("llama", "llama3_1"), "char": ("ours", "char")}
+MOE_FAMILIES = {"qwen3_moe": ("qwen3_moe", "qwen3"), "olmoe": ("olmoe", "qwen3"), "mixtral": ("mixtral", "qwen3")}
+FIXTURE_CHANGES = {"qwen3_moe": dict(moe_layers=[0, 1, 2])}  # llama.cpp's qwen3moe has experts in every layer
 CHATS = [("Who is there?", "Nay, answer me."), ("Long live the king!", "Bernardo?"), ("Say it in few words.",
                                                                                    "Speak, speak.")]
 ADDED = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|im_start|>", "<|im_end|>",
@@ -63,6 +76,17 @@ def probe(spec: dict) -> dict:
     n_ctx_train, greedy tokens after each prompt and the chat completion."""
     import llama_cpp
 
+    if spec.get("no_repack"):  # llama.cpp's weights as stored, not repacked for the CPU (see --q8_0's help)
+        import llama_cpp.llama_cpp as raw
+
+        defaults = raw.llama_model_default_params
+
+        def stored_weights():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        raw.llama_model_default_params = stored_weights  # what Llama() starts its model parameters from
     f32 = llama_cpp.GGML_TYPE_F32
     llm = llama_cpp.Llama(model_path=spec["path"], n_ctx=spec["n_ctx"], n_batch=spec["n_ctx"], n_threads=1,
                           type_k=f32, type_v=f32, verbose=False)
@@ -72,10 +96,10 @@ def probe(spec: dict) -> dict:
         attr = int(llama_cpp.llama_vocab_get_attr(vocab, token))
         return next((name for name, bit in LLAMA_TYPES.items() if attr & bit), f"attr {attr}")
 
-    def greedy(ids: list[int], n: int) -> list[int]:
+    def greedy(ids: list[int], n: int, stop: bool = True) -> list[int]:
         out = []
         for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            if llama_cpp.llama_vocab_is_eog(vocab, token) or len(out) == n:
+            if stop and llama_cpp.llama_vocab_is_eog(vocab, token) or len(out) == n:
                 break
             out.append(int(token))
         return out
@@ -90,7 +114,9 @@ def probe(spec: dict) -> dict:
                                                  for i in spec["stop_ids"]},
             "n_ctx_train": int(llm._model.n_ctx_train()),
             "greedy": [greedy(ids, spec["new"]) for ids in spec["prompt_ids"]],
+            "greedy_no_stop": [greedy(ids, spec["new"], stop=False) for ids in spec["prompt_ids"]],
             "chat_text": chat["choices"][0]["text"], "chat_finish": chat["choices"][0]["finish_reason"],
+            "chat_template": llm.metadata.get("tokenizer.chat_template"),
             "llama_cpp_python": llama_cpp.__version__}
 
 
@@ -138,7 +164,7 @@ def family_base(fixture: str, tokenizer: str, folder: Path) -> None:
     tok = load_tokenizer(TOKENIZERS / tokenizer / "tokenizer.json")
     cfg = model_config_from_hf(json.loads((FIXTURES / f"{fixture}.json").read_text()), fixture,
                                max_seq_len=BASE_CONTEXT)
-    cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size, rope_scaling="none")
+    cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size, rope_scaling="none", **FIXTURE_CHANGES.get(fixture, {}))
     export_hf(build_model(cfg, seed=0), cfg, tok, folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZERS / tokenizer / name, folder / name)
@@ -149,7 +175,7 @@ def trained_run(name: str, work: Path) -> Path:
     run = work / f"{name}-run"
     if (run / "checkpoints").is_dir():
         return run
-    fixture, tokenizer = FAMILIES[name]
+    fixture, tokenizer = {**FAMILIES, **MOE_FAMILIES}[name]
     common = {**COMMON, "train.run_dir": str(run), "data.cache_dir": str(work / f"{name}-data")}
     if tokenizer == "char":
         over = {"model.dim": "64", "model.n_layers": "2", "model.n_heads": "4", "model.n_kv_heads": "2",
@@ -171,11 +197,11 @@ def trained_run(name: str, work: Path) -> Path:
     return run
 
 
-def export(run: Path, out: Path, before: bool) -> None:
+def export(run: Path, out: Path, before: bool, dtype: str = "f32") -> None:
     """``scaletrain export --format gguf`` (after the fixes) or the 7347daa exporter called as its command did."""
     out.unlink(missing_ok=True)
     if not before:
-        scaletrain("export", "--run", str(run), "--format", "gguf", "--out", str(out))
+        scaletrain("export", "--run", str(run), "--format", "gguf", "--out", str(out), "--dtype", dtype)
         return
     import importlib.util
 
@@ -192,12 +218,12 @@ def export(run: Path, out: Path, before: bool) -> None:
     old.export_gguf(model, cfg.model, tokenizer, out, "f32", name=run.name, template=cfg.finetune.chat_template)
 
 
-def ours(run: Path) -> dict:
+def ours(run: Path, new: int = NEW) -> dict:
     """What scaletrain reads and generates for the run: ids, types the converter writes, pad, context, stops."""
     import torch
 
     from scaletrain.checkpoint.export import hf_base_folder
-    from scaletrain.checkpoint.gguf import _vocabulary, special_token_ids, trained_context
+    from scaletrain.checkpoint.gguf import _vocabulary, chat_template, special_token_ids, trained_context
     from scaletrain.data.tokenizer import HFTokenizer
     from scaletrain.infer.load import load_run
     from scaletrain.infer.session import Session
@@ -220,7 +246,17 @@ def ours(run: Path) -> dict:
     prompts = [encode(p) for p in PROMPTS] + [session.render([{"role": "user", "content": q}]) for q, _ in CHATS[1:]]
 
     def generate(prompt: list[int]) -> list[int]:
-        return session.generate([prompt], NEW)[0]
+        return session.generate([prompt], new)[0]
+
+    def no_stop(prompt: list[int]) -> list[int]:  # all ``new`` tokens, through an end of turn
+        from scaletrain.model.generate import generate as model_generate
+
+        return model_generate(session.model, prompt, new, max_seq_len=session.context, temperature=0.0)
+
+    def top_two_gap(prompt: list[int]) -> float:  # our two best logits' gap after ``prompt``
+        with torch.no_grad():
+            best = session.model(torch.tensor([prompt]))[0, -1].topk(2).values
+        return float(best[0] - best[1])
 
     chat_answer = generate(chat)
     specials = special_token_ids(tok, rows, cfg.finetune.chat_template)
@@ -230,8 +266,24 @@ def ours(run: Path) -> dict:
             "eot": specials.get("eot", -1), "eos": specials.get("eos", -1),
             "context": trained_context(cfg, hf_base_folder(run, cfg) is not None),
             "prompt_ids": prompts, "greedy": [generate(p) for p in prompts], "chat_ids": chat,
+            "greedy_no_stop": [no_stop(p) for p in prompts],
             "chat_answer": chat_answer, "chat_text": tok.decode(chat_answer),
-            "chat_stopped": len(chat_answer) < NEW, "added_names": {str(i): t for t, i in ids.items() if i is not None}}
+            "chat_stopped": len(chat_answer) < new, "added_names": {str(i): t for t, i in ids.items() if i is not None},
+            "top_two_gap": top_two_gap, "chat_template": chat_template(tok, cfg.finetune.chat_template)}
+
+
+def q8_0_row(name: str, mine: dict, theirs: dict) -> dict:
+    """The q8_0 export's greedy tokens against ours: equal, or the first difference and our top-two logit gap."""
+    differences = []
+    for prompt, a, b in zip(mine["prompt_ids"], mine["greedy_no_stop"], theirs["greedy_no_stop"]):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a),
+                                                                                                      len(b)))
+        if first is not None:
+            differences.append({"prompt": len(differences), "first_difference": first, "ours": a[first:first + 3],
+                                "llama_cpp": b[first:first + 3],
+                                "our_top_two_gap": round(mine["top_two_gap"](prompt + a[:first]), 4)})
+    return {"family": name, "check": "greedy_q8_0", "pass": not differences, "scaletrain": mine["greedy_no_stop"],
+            "llama_cpp": differences or "all equal"}
 
 
 def checks(name: str, mine: dict, theirs: dict, lock_left: bool | None) -> list[dict]:
@@ -261,6 +313,13 @@ def checks(name: str, mine: dict, theirs: dict, lock_left: bool | None) -> list[
                  mine["eot"] == theirs["eot"] or mine["eot"] < 0 and theirs["eot"] in (-1, theirs["eos"])),
                  {"eot": mine["eot"], "stop_ids": mine["stop_ids"]}, {"eot": theirs["eot"], "eog": theirs["eog"]}),
              row("greedy", mine["greedy"] == theirs["greedy"], mine["greedy"], theirs["greedy"]),
+             # every prompt's full ``--new`` tokens, on through an end of turn (a chat-tuned run ends early)
+             row("greedy_no_stop", mine["greedy_no_stop"] == theirs["greedy_no_stop"], mine["greedy_no_stop"],
+                 theirs["greedy_no_stop"]),
+             # the template the run was trained in, as llama.cpp reads it from the file's metadata
+             row("chat_template", theirs["chat_template"] == mine["chat_template"],
+                 f"{len(mine['chat_template'])} characters", "equal" if theirs["chat_template"] ==
+                 mine["chat_template"] else theirs["chat_template"]),
              row("chat_stops", theirs["chat_text"] == mine["chat_text"]
                  and (theirs["chat_finish"] == "stop") == mine["chat_stopped"],
                  {"text": mine["chat_text"], "stopped": mine["chat_stopped"]},
@@ -277,7 +336,12 @@ def main() -> int:
                                                     "gguf_tokens_before.json with --before)")
     parser.add_argument("--before", action="store_true", help=f"the exporter at {BEFORE_COMMIT} (before the fixes)")
     parser.add_argument("--work", default=str(WORK), help="where the runs are made (kept: reused next time)")
-    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=[*FAMILIES, *MOE_FAMILIES])
+    parser.add_argument("--new", type=int, default=NEW, help="tokens generated a prompt")
+    parser.add_argument("--q8_0", action="store_true",
+                        help="also the q8_0 export's greedy tokens (greedy_q8_0), llama.cpp's weights as stored "
+                             "(use_extra_bufts off: its CPU repacking of q8_0 segfaults in llama-cpp-python 0.3.36's "
+                             "build on an AVX-512/AMX host, a dense model's too)")
     parser.add_argument("--probe", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:  # llama.cpp's side, under its interpreter
@@ -302,18 +366,25 @@ def main() -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         export(run, out, args.before)
         lock_left = None if args.before else (out.parent / f".{out.name}.lock").exists()
-        mine = ours(run)
-        theirs = run_probe(python, {"path": str(out), "n_ctx": BASE_CONTEXT, "new": NEW, "texts": mine["texts"],
-                                    "type_ids": [int(i) for i in mine["types"]], "stop_ids": mine["stop_ids"],
-                                    "prompt_ids": mine["prompt_ids"], "chat_ids": mine["chat_ids"]}, out.parent)
+        mine = ours(run, args.new)
+        spec = {"path": str(out), "n_ctx": BASE_CONTEXT, "new": args.new, "texts": mine["texts"],
+                "type_ids": [int(i) for i in mine["types"]], "stop_ids": mine["stop_ids"],
+                "prompt_ids": mine["prompt_ids"], "chat_ids": mine["chat_ids"]}
+        theirs = run_probe(python, spec, out.parent)
         version = theirs["llama_cpp_python"]
-        for r in checks(name, mine, theirs, lock_left):
+        found = checks(name, mine, theirs, lock_left)
+        if args.q8_0:
+            export(run, out, args.before, "q8_0")
+            found.append(q8_0_row(name, mine, run_probe(python, {**spec, "no_repack": True}, out.parent)))
+        for r in found:
             rows.append(r)
             print(f"{name:<9} {r['check']:<22} {'pass' if r['pass'] else 'FAIL'}", flush=True)
         out.unlink()
     name = "gguf_tokens_before.json" if args.before else "gguf_tokens.json"
     result = {"llama_cpp_python": version, "exporter": f"{BEFORE_COMMIT} (before the fixes)" if args.before
-              else "this checkout", "new_tokens": NEW, "kv_cache": "f32", "passed": sum(r["pass"] for r in rows),
+              else "this checkout", "new_tokens": args.new, "kv_cache": "f32",
+              **({"q8_0_weights": "as stored (use_extra_bufts off)"} if args.q8_0 else {}),
+              "passed": sum(r["pass"] for r in rows),
               "checks": len(rows), "rows": rows}
     write_result(args.out or default_out(name), result, indent=2)
     print(f"{result['passed']} of {result['checks']} checks pass; wrote {args.out or default_out(name)}")

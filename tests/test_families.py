@@ -341,3 +341,55 @@ def test_projection_wide_qk_norm_is_refused_under_tensor_parallelism():
                               parallel=dataclasses.replace(cfg.parallel, tp=2))
     with pytest.raises(ConfigError, match="model.qk_norm_width = projection .* set parallel.tp = 1"):
         validate_job(cfg)
+
+
+MOE_FAMILIES = ["mixtral", "olmoe", "qwen3_moe"]
+
+
+def _fused_save(name: str, folder: Path):
+    """A random tiny model of an MoE fixture saved in transformers 5's own layout (``save_original_format=False``:
+    ``mlp.experts.gate_up_proj`` (E, 2h, d) and ``down_proj`` (E, d, h), Mixtral's ``block_sparse_moe`` as
+    ``mlp``), and the model."""
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**_fixture(name)), attn_implementation="eager").float()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    hf_model.eval().save_pretrained(folder, save_original_format=False)
+    return hf_model, _with_tokenizer(folder)
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_fused_expert_layout_reads_to_the_same_logits(name, tmp_path):
+    """transformers 5's fused 3-D experts read through the real loader: logits equal transformers' within 1e-4,
+    and the same weights as the per-expert files save_pretrained writes by default (what our export writes)."""
+    hf_model, folder = _fused_save(name, tmp_path / "fused")
+    stored = safetensors_torch.load_file(str(folder / "model.safetensors"))
+    gate_up = stored["model.layers.0.mlp.experts.gate_up_proj"]
+    cfg = model_config_from_hf(_fixture(name))
+    assert gate_up.shape == (cfg.moe_experts, 2 * cfg.moe_hidden_dim, cfg.dim)
+    assert not any(".experts.0." in k for k in stored)
+    model = _ours(folder)
+    tokens = _tokens()
+    with torch.no_grad():
+        assert (model(tokens) - hf_model(tokens).logits).abs().max().item() <= 1e-4
+    hf_model.save_pretrained(tmp_path / "per_expert")  # the default: one tensor per expert, the files' names
+    fused_state, per_expert_state = _base_state(folder)[1], _base_state(_with_tokenizer(tmp_path / "per_expert"))[1]
+    assert sorted(fused_state) == sorted(per_expert_state)
+    assert all(torch.equal(fused_state[k].float(), per_expert_state[k].float()) for k in fused_state)
+
+
+@pytest.mark.parametrize("tensor", ["gate_up_proj", "down_proj"])
+def test_a_fused_checkpoint_missing_an_expert_is_one_line(tensor, tmp_path):
+    """A fused expert tensor with one expert fewer than config.json names the tensor and the counts."""
+    from scaletrain.finetune.hf_import import hf_index
+
+    _fused_save("qwen3_moe", tmp_path / "hf")
+    tensors = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    name = f"model.layers.2.mlp.experts.{tensor}"
+    tensors[name] = tensors[name][:-1]
+    folder = _folder(tmp_path / "broken", _fixture("qwen3_moe"), tensors)
+    experts = _fixture("qwen3_moe")["num_experts"]
+    with pytest.raises(ConfigError, match=rf"{name} holds {experts - 1} experts but config.json implies {experts}"):
+        hf_index(folder, model_config_from_hf(_fixture("qwen3_moe")))

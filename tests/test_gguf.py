@@ -258,7 +258,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "families"
 # the families' fixtures as llama.cpp computes them: plain rotary where the fixture uses llama3's rule, Gemma 3's
 # query scale = head_dim, Phi-3 without its 12-position window (each refused otherwise, see below)
 LLAMA_CPP_CHANGES = {"llama": dict(rope_scaling="none"), "gemma3_text": dict(query_pre_attn_scalar=0.0),
-                     "phi3": dict(sliding_window=0)}
+                     "phi3": dict(sliding_window=0), "qwen3_moe": dict(moe_layers=[0, 1, 2])}
 
 
 def family_model(name: str, vocab: int, **changes):
@@ -280,7 +280,8 @@ def family_model(name: str, vocab: int, **changes):
     return model, cfg
 
 
-GGUF_FAMILIES = ["llama", "smollm2", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "smollm3"]
+MOE_FAMILIES = ["mixtral", "olmoe", "qwen3_moe"]
+GGUF_FAMILIES = ["llama", "smollm2", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "smollm3", *MOE_FAMILIES]
 
 
 @pytest.mark.parametrize("name", GGUF_FAMILIES)
@@ -318,7 +319,46 @@ def test_every_family_is_written_in_its_llama_cpp_architecture(tmp_path, name):
         assert fields["gemma3.rope.scaling.type"] == "linear" and fields["gemma3.rope.scaling.factor"] == 8.0
 
 
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+def test_experts_are_written_as_llama_cpps_converter_writes_them(tmp_path, name, dtype):
+    """An MoE family: per layer the router ``ffn_gate_inp`` (f32 at any dtype, as the converter keeps it) and the
+    experts stacked 3-D (``ffn_gate_exps``, ``ffn_up_exps`` (E, h, d), ``ffn_down_exps`` (E, d, h), in llama.cpp's
+    reversed order of dims), their values ours (q8_0: within its rounding); the expert counts, the experts' width,
+    and the OLMoE / Qwen3 q/k norms."""
+    from gguf import GGMLQuantizationType
+
+    from scaletrain.model.family import family
+
+    model, cfg = family_model(name, len(CHARS) + 1)
+    fields, tensors = read(export_gguf(model, cfg, CharTokenizer(CHARS), tmp_path / "m.gguf", dtype))
+    arch = fields["general.architecture"]
+    assert arch == family(cfg.family).gguf.arch == {"mixtral": "llama"}.get(name, name.replace("_", ""))
+    assert fields[f"{arch}.expert_count"] == cfg.moe_experts and fields[f"{arch}.expert_used_count"] == cfg.moe_top_k
+    hidden = cfg.moe_hidden_dim
+    assert fields[f"{arch}.feed_forward_length"] == hidden
+    assert fields.get(f"{arch}.expert_feed_forward_length") == (hidden if name == "qwen3_moe" else None)
+    experts = model.layers["1"].feed_forward.experts
+    for kind, ours in (("gate", experts.w1), ("up", experts.w3), ("down", experts.w2)):
+        tensor = tensors[f"blk.1.ffn_{kind}_exps.weight"]
+        assert tuple(int(n) for n in tensor.shape) == tuple(reversed(ours.shape))  # GGUF lists dims innermost first
+        assert tensor.tensor_type == (GGMLQuantizationType.F32 if dtype == "f32" else GGMLQuantizationType.Q8_0)
+        tolerance = 2e-2 if dtype == "q8_0" else 0
+        assert np.allclose(values(tensor).reshape(ours.shape), ours.detach().numpy(), atol=tolerance)
+    router = tensors["blk.1.ffn_gate_inp.weight"]
+    assert router.tensor_type == GGMLQuantizationType.F32
+    assert np.array_equal(values(router), model.layers["1"].feed_forward.router.weight.detach().numpy())
+    assert ("blk.0.attn_q_norm.weight" in tensors) == (name != "mixtral")
+    assert not any(".ffn_gate.weight" in t or "exps.0" in t for t in tensors)
+
+
 @pytest.mark.parametrize("name, changes, why", [
+    ("qwen3_moe", dict(moe_layers=[0, 2]), "layer 1 without experts"),
+    ("qwen3_moe", dict(moe_renormalize=False), "moe_renormalize = False"),
+    ("olmoe", dict(moe_renormalize=True), "moe_renormalize = True"),
+    ("olmoe", dict(n_kv_heads=2), "with 2 kv heads"),
+    ("mixtral", dict(moe_shared_experts=1), "moe_shared_experts"),
+    ("llama", dict(moe_experts=4, moe_top_k=2), "4 experts (this architecture has none)"),
     ("gemma3_text", dict(query_pre_attn_scalar=256.0), "query_pre_attn_scalar 256 != head_dim 32"),
     ("smollm3", dict(no_rope_layers=[1]), "no_rope_layers [1]"),
     ("phi3", dict(sliding_window=12), "sliding_window 12"),
@@ -448,3 +488,37 @@ def test_llama_cpp_reads_trained_exports_as_we_do(tmp_path):
     assert ("qwen3", "think_one_token_plain") in checks and proc.returncode == 0
     chat = next(r for r in rows if r["family"] == "qwen3" and r["check"] == "chat_stops")
     assert chat["scaletrain"]["stopped"] and chat["llama_cpp"]["finish_reason"] == "stop"  # it did reach the end
+
+
+@pytest.mark.slow  # fine-tunes three tiny MoE bases on a 152k vocabulary (~4 min each on 2 cores), loads each twice
+@pytest.mark.skipif(not (TOKENIZERS / "qwen3" / "tokenizer.json").is_file(),
+                    reason="../shared/data/tokenizers not present (fresh clone)")
+def test_llama_cpp_reads_moe_exports_as_we_do(tmp_path):
+    """Qwen3-MoE, OLMoE and Mixtral bases (Qwen3 tokenizer) fine-tuned and exported by `scaletrain export --format
+    gguf`, read by llama.cpp (llama-cpp-python in $LLAMA_CPP_PYTHON, this interpreter or ../llvenv): 32 greedy
+    tokens equal ours at f32, every tokenizer check passes, the chat template is in the file and a chat completion
+    stops at its end of turn (<|im_end|>) where ours does; q8_0's tokens equal or their first difference reported
+    with our top-two logit gap there."""
+    import json
+    import subprocess
+    import sys
+
+    bench = _gguf_tokens_benchmark()
+    if bench.llama_cpp_python() is None:
+        pytest.skip("no interpreter imports llama_cpp: set LLAMA_CPP_PYTHON to one (python -m venv V && "
+                    "V/bin/pip install llama-cpp-python; builds llama.cpp, ~15 min)")
+    out = tmp_path / "gguf_moe_tokens.json"
+    proc = subprocess.run([sys.executable, bench.__file__, "--families", *bench.MOE_FAMILIES, "--new", "32",
+                           "--q8_0", "--out", str(out), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True)
+    assert out.is_file(), proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    failed = [r for r in rows if not r["pass"] and r["check"] != "greedy_q8_0"]
+    assert not failed, failed
+    for r in rows:
+        if r["check"] == "greedy_q8_0" and not r["pass"]:  # a q8_0 difference can only be at a near-tie of ours
+            assert all(d["our_top_two_gap"] < 0.1 for d in r["llama_cpp"]), r
+        if r["check"] == "chat_stops":
+            assert r["scaletrain"]["stopped"] and r["llama_cpp"]["finish_reason"] == "stop", r
+    assert {r["family"] for r in rows} == set(bench.MOE_FAMILIES)
+    assert {(f, "chat_template") for f in bench.MOE_FAMILIES} <= {(r["family"], r["check"]) for r in rows}

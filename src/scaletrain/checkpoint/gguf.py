@@ -2,7 +2,11 @@
 writer; optional extra ``scaletrain[gguf]``).
 
 Every family with a GGUF layout in its entry (``model/family/``, ``Family.gguf``): llama (and SmolLM2), mistral,
-qwen2, qwen3, gemma3, phi3, smollm3, in llama.cpp's architecture of that name. The tensors are the family's Hugging
+qwen2, qwen3, gemma3, phi3, smollm3, in llama.cpp's architecture of that name, and with experts qwen3_moe
+(``qwen3moe``), olmoe (``olmoe``) and mixtral (``llama`` with experts, as llama.cpp's converter writes it): each
+layer's router ``ffn_gate_inp`` (kept f32) and its experts stacked 3-D (``ffn_{gate,up,down}_exps``), the expert
+counts (and Qwen3-MoE's experts' width) in the metadata; routing llama.cpp would do otherwise is refused (a dense
+layer, top-k renormalised where the architecture does not, shared experts, ...). The tensors are the family's Hugging
 Face ones (``state_dict_to_hf``: its names, Phi-3's fused qkv / gate_up) named as llama.cpp's converter names them
 (``gguf.TensorNameMap`` of the architecture, the converter's own table), with the entry's changes:
 ``interleave_rotary`` (llama, mistral, smollm3: llama.cpp rotates adjacent pairs (2i, 2i + 1) where we rotate
@@ -43,11 +47,11 @@ from scaletrain.core.files import guarded_write, remove_quietly
 from scaletrain.data.chat import uses_base_template
 from scaletrain.data.instructions import jinja_chat_template
 from scaletrain.data.tokenizer import BPETokenizer, HFTokenizer, Tokenizer
-from scaletrain.model.config import head_width
-from scaletrain.model.families import state_dict_to_hf
+from scaletrain.model.config import head_width, is_moe_layer
+from scaletrain.model.families import hf_config_from_model_config, state_dict_to_hf
 from scaletrain.model.family import family
-from scaletrain.model.hf_names import PROJECTIONS
-from scaletrain.model.presets import ffn_hidden_dim, kv_heads
+from scaletrain.model.hf_names import HF_BLOCK_PREFIX, PROJECTIONS
+from scaletrain.model.presets import expert_hidden_dim, ffn_hidden_dim, kv_heads
 
 DTYPES = ("f32", "f16", "q8_0")
 NO_MERGE = "<|no-merge|>"
@@ -73,7 +77,7 @@ def gguf_state(model: nn.Module, cfg: ModelConfig, vocab_rows: int, token_rows: 
     ours = {k: v for k, v in model.state_dict().items() if not k.startswith("rope_")}
     q, k = (f"{PROJECTIONS[role][1]}.weight" for role in ("q", "k"))
     out = {}
-    for hf_name, tensor in state_dict_to_hf(ours, cfg).items():
+    for hf_name, tensor in _hf_tensors(ours, cfg).items():
         tensor = tensor.detach().float().cpu()
         if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
             tensor = _vocab_rows(tensor, vocab_rows, token_rows)
@@ -87,6 +91,20 @@ def gguf_state(model: nn.Module, cfg: ModelConfig, vocab_rows: int, token_rows: 
         if name is None:
             raise ConfigError(f"--format gguf: tensor {hf_name} has no name in llama.cpp's {layout.arch}")
         out[name] = tensor.contiguous().numpy()
+    return out
+
+
+def _hf_tensors(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our parameters under the family's Hugging Face names, each layer's experts kept stacked (E, out, in) as one
+    tensor named for the projection (``model.layers.N.mlp.experts.gate_proj.weight``: the name llama.cpp's
+    converter gives the experts it stacks, mapped to ``blk.N.ffn_gate_exps`` by ``gguf.TensorNameMap``)."""
+    fam = family(cfg.family)
+    stacked = {k: v for k, v in ours.items() if k.rpartition(".")[0].endswith("feed_forward.experts")
+               and k.rpartition(".")[2] in fam.experts}
+    out = state_dict_to_hf({k: v for k, v in ours.items() if k not in stacked}, cfg)
+    for name, tensor in stacked.items():
+        layer, kind = name.split(".")[1], name.rpartition(".")[2]
+        out[f"{HF_BLOCK_PREFIX}{layer}.{fam.experts_module}.{fam.experts[kind]}.weight"] = tensor
     return out
 
 
@@ -122,6 +140,8 @@ def check_exportable(model: nn.Module, cfg: ModelConfig) -> None:
         why = f"rope_scaling {cfg.rope_scaling!r} (written here: {', '.join(GGUF_ROPE_SCALING)})"
     if why is None and cfg.sliding_window and not layout.sliding and cfg.sliding_window < cfg.max_seq_len:
         why = f"sliding_window {cfg.sliding_window} (llama.cpp's {layout.arch} attends over the whole context)"
+    if why is None and cfg.moe_experts:
+        why = _experts_refusal(cfg, layout)
     if why is not None:
         raise ConfigError(f"--format gguf: llama.cpp's {layout.arch} would compute this {cfg.family} model otherwise: "
                           f"{why}; export a Hugging Face folder (--format hf) instead")
@@ -133,6 +153,26 @@ def check_exportable(model: nn.Module, cfg: ModelConfig) -> None:
                           f"(--format hf)")
     if "LoRALinear" in kinds or "NF4Linear" in kinds:
         raise ConfigError("--format gguf: a LoRA/QLoRA fine-tune must be merged first: add --merge")
+
+
+def _experts_refusal(cfg: ModelConfig, layout) -> str | None:
+    """Why llama.cpp's architecture would route or compute this model's experts otherwise (None when it computes
+    ours): no experts in the architecture, a dense layer among the sparse ones, the top-k weights renormalised
+    where it does not (or the reverse), or a routing option the family's config.json cannot say either (shared
+    experts, sigmoid scores, capacity, ...: the Hugging Face export's own check)."""
+    if not layout.experts:
+        return f"{cfg.moe_experts} experts (this architecture has none)"
+    dense = [i for i in range(cfg.n_layers) if not is_moe_layer(cfg, i)]
+    if dense:
+        return f"layer {dense[0]} without experts (every layer of llama.cpp's {layout.arch} has them)"
+    if cfg.moe_renormalize != layout.renormalize:
+        return (f"moe_renormalize = {cfg.moe_renormalize} (llama.cpp's {layout.arch} "
+                f"{'renormalises' if layout.renormalize else 'does not renormalise'} each token's top-k weights)")
+    try:
+        hf_config_from_model_config(cfg)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -263,11 +303,16 @@ def chat_template(tokenizer: Tokenizer, choice: str) -> str:
     return jinja_chat_template(tokenizer)
 
 
-def _tensor(array: np.ndarray, dtype: str):
-    """(data, raw dtype) for ``add_tensor``: 1-D tensors stay f32."""
+# Tensors kept f32 whatever the dtype (llama.cpp's converter's list): the router, whose scores pick the experts.
+F32_TENSORS = (".ffn_gate_inp.weight",)
+
+
+def _tensor(array: np.ndarray, dtype: str, name: str = ""):
+    """(data, raw dtype) for ``add_tensor``: 1-D tensors and the router stay f32; the experts' 3-D tensors are
+    quantized row by row as the 2-D ones."""
     import gguf
 
-    if array.ndim == 1 or dtype == "f32":
+    if array.ndim == 1 or dtype == "f32" or name.endswith(F32_TENSORS):
         return array.astype(np.float32), gguf.GGMLQuantizationType.F32
     if dtype == "q8_0" and array.shape[-1] % 32 == 0:
         return gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
@@ -318,7 +363,7 @@ def export_gguf(model: nn.Module, cfg: ModelConfig, tokenizer: Tokenizer, out: s
         writer = gguf.GGUFWriter(str(tmp), _layout(cfg).arch)
         _write_metadata(writer, cfg, tokenizer, rows, dtype, name, template, context or cfg.max_seq_len)
         for tensor_name, array in gguf_state(model, cfg, rows, token_rows).items():
-            data, raw = _tensor(array, dtype)
+            data, raw = _tensor(array, dtype, tensor_name)
             writer.add_tensor(tensor_name, data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -337,7 +382,13 @@ def _write_metadata(writer, cfg: ModelConfig, tokenizer: Tokenizer, rows: int, d
     writer.add_context_length(context)
     writer.add_embedding_length(cfg.dim)
     writer.add_block_count(cfg.n_layers)
-    writer.add_feed_forward_length(ffn_hidden_dim(cfg))
+    # every layer sparse (the MoE architectures here): the length is the experts', as the converter writes
+    # intermediate_size (Mixtral, OLMoE: the experts' width; llama.cpp's llama and olmoe size the experts by it)
+    sparse = cfg.moe_experts and all(is_moe_layer(cfg, i) for i in range(cfg.n_layers))
+    writer.add_feed_forward_length(expert_hidden_dim(cfg) if sparse else ffn_hidden_dim(cfg))
+    if cfg.moe_experts:
+        writer.add_expert_count(cfg.moe_experts)
+        writer.add_expert_used_count(cfg.moe_top_k)
     writer.add_head_count(cfg.n_heads)
     writer.add_head_count_kv(kv_heads(cfg))
     writer.add_key_length(head_dim)

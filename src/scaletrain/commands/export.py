@@ -70,12 +70,10 @@ def _export(args: argparse.Namespace) -> int:
     from scaletrain.finetune.method_table import method_entry
     from scaletrain.infer.load import load_run  # any run folder; a quantized one is refused in one line
     from scaletrain.model.family import family
-    from scaletrain.model.moe import refuse_moe
 
+    # experts: written by the families whose entry has them (hf: qwen3_moe, mixtral, olmoe; gguf: their llama.cpp
+    # architectures), refused in one line by the others (checkpoint/gguf.py check_exportable, model/families.py)
     cfg, model, tokenizer, ckpt = load_run(args.run, quantized_ok=False)
-    if args.format == "gguf":  # llama.cpp's MoE architectures are not written yet; an hf export of experts is
-        # written by a family with them (model/family/: qwen3_moe, mixtral) and refused in one line by the others
-        refuse_moe(cfg.model, "scaletrain export --format gguf")
     method = method_entry(cfg.finetune.method)
     if method.quantized_base:  # the two exports are not the same model: say which one this is
         print("QLoRA: " + ("--merge writes the NF4-rounded base + adapter, what the run trained (without --merge: "

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from scaletrain.config import ConfigError, ModelConfig
-from scaletrain.model.families import check_fused_rows, hf_places, model_config_from_hf
+from scaletrain.model.families import check_fused_rows, hf_places, model_config_from_hf, part_shape
 
 # Where one of our parameters is in a Hugging Face folder: (safetensors file, tensor name, rows of it or None);
 # a stacked expert weight is a list of them, one per expert in order; a buffer no family stores is
@@ -109,7 +109,7 @@ def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, HFPlace]:
                     raise ConfigError(f"{file}: tensor {hf_name} has no place in a {cfg.family} model (another "
                                       f"architecture?)")
                 shape = tuple(fh.get_slice(hf_name).get_shape())
-                check_fused_rows(f"{file}: {hf_name}", shape[0] if shape else 0, places)
+                check_fused_rows(f"{file}: {hf_name}", shape, places)
                 for ours, rows in places:
                     if isinstance(rows, int):  # one expert of our stacked weight (E, out, in)
                         if ours in shapes and (not rows < shapes[ours][0] or shape != shapes[ours][1:]):
@@ -117,7 +117,10 @@ def hf_index(folder: str | Path, cfg: ModelConfig) -> dict[str, HFPlace]:
                                               f"implies {shapes[ours][0]} experts of {shapes[ours][1:]}")
                         experts.setdefault(ours, {})[rows] = (file, hf_name, None)
                         continue
-                    part = shape if rows is None else (rows.stop - rows.start, *shape[1:])
+                    if ".experts." in ours and ours in shapes and shape[:1] != shapes[ours][:1]:  # fused (E, ...)
+                        raise ConfigError(f"{file}: {hf_name} holds {shape[0] if shape else 0} experts but "
+                                          f"config.json implies {shapes[ours][0]} (an expert missing?)")
+                    part = part_shape(shape, rows)
                     if ours in shapes and part != shapes[ours]:
                         raise ConfigError(f"{file}: {hf_name} has shape {shape} but config.json implies "
                                           f"{shapes[ours]}{'' if rows is None else ' for ' + ours}")
@@ -151,4 +154,8 @@ def read_hf_tensor(where: HFPlace) -> torch.Tensor:
     if file is None:  # a buffer the family does not store (family_absent_buffers): its shape in ``rows``
         return torch.zeros(rows)
     with _open_safetensors(file) as fh:
-        return fh.get_tensor(hf_name) if rows is None else fh.get_slice(hf_name)[rows.start:rows.stop]
+        if rows is None:
+            return fh.get_tensor(hf_name)
+        if isinstance(rows, tuple):  # transformers 5's fused experts: every expert's rows
+            return fh.get_slice(hf_name)[:, rows[1].start:rows[1].stop]
+        return fh.get_slice(hf_name)[rows.start:rows.stop]

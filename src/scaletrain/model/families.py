@@ -3,8 +3,8 @@ and a family's tensors -> our parameters and back.
 
 Family-blind: what a family does differently is its entry in ``model/family/`` (one file each: llama, mistral,
 qwen2, qwen3, gemma3_text and the multimodal gemma3's text_config, phi3, smollm3; SmolLM2 is a llama; with experts
-qwen3_moe, mixtral, olmoe, whose per-expert tensors are stacked here into our GroupedExperts and split back), read
-here.
+qwen3_moe, mixtral, olmoe, whose per-expert tensors are stacked here into our GroupedExperts and split back;
+transformers 5's fused 3-D experts, ``mlp.experts.gate_up_proj`` / ``down_proj``, are read too), read here.
 What each family computes is a ``ModelConfig`` option (``model/config.py``); anything a config asks for that the
 decoder does not compute is a one-line ``ConfigError`` naming the field, never a silent difference. Names go
 through ``model/hf_names.py``; fused tensors (Phi-3's ``qkv_proj`` / ``gate_up_proj``, the entry's ``fused``) are
@@ -279,19 +279,60 @@ def _expert_place(name: str, fam: Family) -> tuple[str, int] | None:
     return f"{OUR_BLOCK_PREFIX}{layer}.feed_forward.experts.{ours}", int(expert)
 
 
+# transformers 5's fused 3-D experts (``Qwen3MoeExperts``, ``MixtralExperts``, ``OlmoeExperts``): what
+# ``save_pretrained(save_original_format=False)`` writes, without a ``.weight`` suffix. gate_up_proj (E, 2h, d) holds
+# every expert's gate rows, then its up rows (transformers' conversion: MergeModulelist(dim=0), Concatenate(dim=1));
+# down_proj (E, d, h) is our w2 as it is.
+FUSED_GATE_UP, FUSED_DOWN = "gate_up_proj", "down_proj"
+
+
+def _fused_expert_places(name: str, fam: Family, cfg: ModelConfig) -> list[tuple[str, tuple | None]] | None:
+    """A transformers 5 fused expert tensor (``model.layers.3.mlp.experts.gate_up_proj``) -> its places in our
+    stacked weights: gate_up's halves along dim 1 as (all experts, rows) index tuples; None for any other name."""
+    if not fam.experts or not name.startswith(HF_BLOCK_PREFIX):
+        return None
+    layer, _, rest = name[len(HF_BLOCK_PREFIX):].partition(".")
+    stem = f"{fam.experts_module}."
+    if not (layer.isdigit() and rest.startswith(stem) and rest[len(stem):] in (FUSED_GATE_UP, FUSED_DOWN)):
+        return None
+    ours = f"{OUR_BLOCK_PREFIX}{layer}.feed_forward.experts"
+    if rest[len(stem):] == FUSED_DOWN:
+        return [(f"{ours}.w2", None)]
+    hidden = expert_hidden_dim(cfg)
+    return [(f"{ours}.w1", (slice(None), slice(0, hidden))), (f"{ours}.w3", (slice(None), slice(hidden, 2 * hidden)))]
+
+
+def _native_name(name: str, fam: Family) -> str:
+    """A block tensor under transformers 5's module names (Mixtral's ``mlp.`` for its files' ``block_sparse_moe.``,
+    the family's ``native_modules``) under the family's file names; other names as they are."""
+    if not name.startswith(HF_BLOCK_PREFIX):
+        return name
+    layer, _, rest = name[len(HF_BLOCK_PREFIX):].partition(".")
+    for native, stored in fam.native_modules:
+        if rest.startswith(native):
+            return f"{HF_BLOCK_PREFIX}{layer}.{stored}{rest[len(native):]}"
+    return name
+
+
 def hf_places(name: str, cfg: ModelConfig) -> list[tuple[str, slice | int | None]] | None:
     """Where one of a family's tensors goes in our model: [(our parameter, its rows of the tensor or None for all
     of it)]; [] for what is not ours to read (a derived rotary buffer, Gemma 3's vision tower); None for a name with
     no place in the model (refused by the callers, never dropped). A fused tensor (Phi-3's ``qkv_proj`` /
     ``gate_up_proj``) gives one place per part; one expert's projection (the family's ``experts``) gives its index
-    (an int) in our stacked weight: the tensor is that one row of ours."""
+    (an int) in our stacked weight: the tensor is that one row of ours; transformers 5's fused ``gate_up_proj``
+    (E, 2h, d) gives w1 and w3 as (all experts, rows) tuples, its ``down_proj`` w2 whole. Only that orientation is
+    read (the installed transformers' ``Qwen3MoeExperts``); an (E, d, 2h) tensor fails the row check unless d = 2h."""
     fam = family(cfg.family)
     name = text_decoder_name(name, fam)
     if name is None:
         return []
+    name = _native_name(name, fam)
     expert = _expert_place(name, fam)
     if expert is not None:
         return [expert]
+    fused_experts = _fused_expert_places(name, fam, cfg)
+    if fused_experts is not None:
+        return fused_experts
     for fused, roles in fam.fused.items():
         if name.endswith(f"{fused}.weight"):
             stem, starts, places = name[: -len(f"{fused}.weight")], 0, []
@@ -309,11 +350,26 @@ def hf_places(name: str, cfg: ModelConfig) -> list[tuple[str, slice | int | None
     return [] if ours == "" else [(ours, None)]
 
 
-def check_fused_rows(name: str, rows: int, places: list[tuple[str, slice | int | None]]) -> None:
-    """A fused tensor must have exactly the rows its parts take (else the split would be silently wrong)."""
-    if places and isinstance(places[-1][1], slice) and places[-1][1].stop != rows:
-        raise ConfigError(f"{name} has {rows} rows but config.json implies {places[-1][1].stop} "
-                          f"({' + '.join(str(r.stop - r.start) for _, r in places)})")
+def check_fused_rows(name: str, shape: tuple[int, ...], places: list[tuple[str, slice | tuple | int | None]]) -> None:
+    """A fused tensor must have exactly the rows its parts take (else the split would be silently wrong): dim 0 for
+    a fused projection, dim 1 for transformers 5's fused experts (their parts are (all experts, rows) tuples)."""
+    if not places or not isinstance(places[-1][1], (slice, tuple)):
+        return
+    dim = 1 if isinstance(places[-1][1], tuple) else 0
+    parts = [r[dim] if dim else r for _, r in places]
+    rows = shape[dim] if len(shape) > dim else 0
+    if parts[-1].stop != rows:
+        raise ConfigError(f"{name} has {rows} rows{' per expert' if dim else ''} but config.json implies "
+                          f"{parts[-1].stop} ({' + '.join(str(r.stop - r.start) for r in parts)})")
+
+
+def part_shape(shape: tuple[int, ...], rows: slice | tuple | None) -> tuple[int, ...]:
+    """The shape of a place's part of a stored tensor of ``shape`` (``hf_places``' rows: None = all of it)."""
+    if rows is None:
+        return tuple(shape)
+    if isinstance(rows, tuple):  # (all experts, rows): transformers 5's fused gate_up
+        return (shape[0], rows[1].stop - rows[1].start, *shape[2:])
+    return (rows.stop - rows.start, *shape[1:])
 
 
 def join_fused(hf_tensors: dict[str, torch.Tensor], fam: Family) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Mixtral: Mistral's attention, every layer sparse (block_sparse_moe): a softmax router over every expert, each
 token's top-k renormalised to sum to 1, the experts w1 (gate), w3 (up), w2 (down) of width intermediate_size."""
 
-from scaletrain.model.family.spec import Family, Fields
+from scaletrain.model.family.spec import Family, Fields, GGUFLayout
 
 
 def _read(f: Fields, n_layers: int) -> dict:
@@ -27,4 +27,7 @@ FAMILY = Family(
     read=_read, write=_write,
     block_modules={"feed_forward.router": "block_sparse_moe.gate"},
     experts={"w1": "w1", "w2": "w2", "w3": "w3"}, experts_module="block_sparse_moe.experts",
+    native_modules=(("mlp.", "block_sparse_moe."),),
+    # llama.cpp's converter writes Mixtral as its llama architecture with experts (adjacent-pair rotary, as Mistral)
+    gguf=GGUFLayout(arch="llama", interleave_rotary=True, experts=True, renormalize=True),
 )

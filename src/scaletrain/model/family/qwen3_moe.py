@@ -2,7 +2,7 @@
 top-k renormalised when norm_topk_prob, the sparse layers every decoder_sparse_step-th minus mlp_only_layers."""
 
 from scaletrain.model.family.qwen2 import qwen_layer_pattern, qwen_write
-from scaletrain.model.family.spec import Family, Fields, flagged_window
+from scaletrain.model.family.spec import Family, Fields, GGUFLayout, flagged_window
 from scaletrain.model.shape import is_moe_layer
 
 
@@ -37,4 +37,8 @@ FAMILY = Family(
     window=flagged_window, layer_pattern=qwen_layer_pattern,
     block_modules={"feed_forward.router": "mlp.gate"},
     experts={"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
+    # llama.cpp's qwen3moe: the experts' width its own key (the converter's add_expert_feed_forward_length)
+    gguf=GGUFLayout(arch="qwen3moe", experts=True, renormalize=True,
+                    metadata=lambda writer, cfg: writer.add_expert_feed_forward_length(
+                        cfg.moe_hidden_dim or cfg.ffn_hidden_dim)),
 )

@@ -67,12 +67,16 @@ class GGUFLayout:
     ``norm_shift``: added to every RMSNorm gain (Gemma stores gains as offsets from 1, llama.cpp multiplies by the
     gain); ``sliding``: the architecture computes per-layer sliding windows (else a window shorter than the context is
     refused); ``metadata(writer, cfg)``: the architecture's own keys; ``refuse(cfg)``: a reason llama.cpp would
-    compute this model otherwise (None when it computes ours)."""
+    compute this model otherwise (None when it computes ours); ``experts``: the architecture has experts (in every
+    layer: ``blk.N.ffn_gate_inp``, 3-D ``ffn_{gate,up,down}_exps``) and ``renormalize`` whether it renormalises
+    each token's top-k weights (llama.cpp's ``build_moe_ffn`` norm_w: fixed per architecture)."""
 
     arch: str
     interleave_rotary: bool = False
     sliding: bool = False
     norm_shift: float = 0.0
+    experts: bool = False
+    renormalize: bool = True
     metadata: Callable[[Any, ModelConfig], None] = _nothing
     refuse: Callable[[ModelConfig], str | None] = lambda cfg: None
 
@@ -101,9 +105,14 @@ class Family:
     # A mixture of experts stored one module per expert (``{experts_module}.{e}.{name}.weight``, e = 0..E-1):
     # our stacked GroupedExperts weight (w1, w2, w3) -> the name of that projection inside one expert; {} = the
     # family has no experts (an MoE model of it cannot be written). The router is a block_modules entry
-    # (feed_forward.router).
+    # (feed_forward.router). transformers 5's fused 3-D form (``{experts_module}.gate_up_proj`` / ``down_proj``)
+    # is read too (model/families.py).
     experts: dict = field(default_factory=dict)
     experts_module: str = "mlp.experts"
+    # transformers 5's module names in a block where the family's files name them otherwise (Mixtral's
+    # ``block_sparse_moe.`` is ``mlp.`` in its fused-expert saves): ((transformers 5's prefix, the files'), ...).
+    # Read either way; export writes the files' (what save_pretrained writes by default).
+    native_modules: tuple = ()
     # model_types whose config.json nests this family's as text_config, and their tensor prefixes
     wrappers: tuple = ()
     wrapper_prefixes: tuple = ()  # ((their prefix, ours), ...)
