@@ -375,3 +375,21 @@ def test_bad_family_folders_are_one_line_exit_2(workdir, capsys):
         assert _finetune(workdir, base, workdir / "runs" / f"bad-{base.name}", **extra) == 2, base.name
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("objective", ["dpo", "sft"])
+def test_moe_lora_preference_and_packed_instruction_tuning_train(workdir, objective):
+    """On an MoE family's folder (Mixtral), LoRA on every expert and the router: DPO on the preference fixture,
+    and packed instruction tuning with the chunked loss (train.loss_chunk_rows), train and finish (exit 0) with a
+    finite loss that moved, as on a dense base."""
+    base = _base(workdir, "mixtral")
+    run = workdir / "runs" / f"moe-lora-{objective}"
+    data = {"finetune.preferences": FIXTURES / "preferences.jsonl", "finetune.objective": "dpo",
+            "data.seq_len": 72} if objective == "dpo" else \
+        {"finetune.instructions": FIXTURES / "instructions.jsonl", "finetune.packing": "true",
+         "train.loss_chunk_rows": 16, "data.seq_len": 64}
+    assert _finetune(workdir, base, run, **{"finetune.method": "lora", "finetune.lora_targets": "q,v,gate,up,down,"
+                                            "router", "optim.lr": 0.05, "train.steps": 4, "train.eval_interval": 0,
+                                            "logging.log_interval": 1, **data}) == 0
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] != losses[0]
