@@ -111,3 +111,17 @@ def test_targets_that_name_no_module_of_the_base_are_one_line():
     assert "router" in message and "q, k, v, o, gate, up, down" in message and "\n" not in message
     moe = _moe()  # every layer sparse: gate / up / down are the experts' (and the router is there)
     assert len(apply_lora(moe, ["gate", "router"], rank=4, alpha=8, dropout=0.0, rslora=False)) == 4
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_the_planners_trainable_count_is_the_models(dora):
+    """method_table's LoRA count (the planner's memory and FLOPs read it) = the adapted model's parameters that
+    train, on a model with a dense first block, shared experts, every target and the router."""
+    from scaletrain.config import FinetuneConfig
+    from scaletrain.finetune.method_table import METHODS
+
+    kw = {"moe_first_dense": 1, "moe_shared_experts": 1, "n_layers": 3}
+    model = _adapted(4, dora, **kw)
+    ft = build(FinetuneConfig, {"method": "lora", "lora_rank": 4, "lora_targets": ALL, "dora": dora})
+    measured = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert METHODS["lora"].trainable_parameters(model.cfg, ft) == measured
