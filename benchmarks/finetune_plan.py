@@ -57,7 +57,7 @@ def measure(name: str, base: str) -> dict:
         ft = FinetuneConfig(source=base, method=method, objective=objective,
                             **(METHODS["lora"] if method != "full" else {}))
     else:
-        method = "qlora" if name == "qlora" else "lora" if name == "moe_lora" else "prompt" if name == "prompt" else "full" if name == "full" else "lora"
+        method = "qlora" if name == "qlora" else "prompt" if name == "prompt" else "full" if name == "full" else "lora"
         ft = FinetuneConfig(source=base, method=method, **METHODS[name])
     pairs = BATCH // 2 if ft.objective != "sft" else 0
     model = ModelConfig(**(MOE_MODEL if name.startswith("moe_") else MODEL))
