@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,11 +27,14 @@ import tempfile
 from launch import OUT_HELP, default_out, write_result  # benchmarks/launch.py (the script's folder is on sys.path)
 
 MODEL = {"vocab_size": 2048, "dim": 256, "n_layers": 6, "n_heads": 4, "ffn_hidden_dim": 688, "max_seq_len": 160}
+# The ``moe_*`` rows' base: a Mixtral of the same shape with every feed-forward 8 experts (top-2) of width 128
+MOE_MODEL = {**MODEL, "family": "mixtral", "moe_experts": 8, "moe_top_k": 2, "moe_hidden_dim": 128}
 BATCH, SEQ = 4, 128
 METHODS = {"full": {}, "lora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]},
            "lora_all_r16": {"lora_rank": 16, "lora_targets": ["q", "k", "v", "o", "gate", "up", "down"]},
            "qlora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]}, "prompt": {"virtual_tokens": 16},
-           "dora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"], "dora": True}}
+           "dora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"], "dora": True},
+           "moe_lora": {"lora_rank": 8, "lora_targets": ["q", "v", "gate", "up", "down", "router"]}}
 # finetune.objective rows: name -> (method, objective); LoRA / QLoRA with METHODS["lora"]'s adapters
 PREFERENCE = {"dpo_lora": ("lora", "dpo"), "dpo_full": ("full", "dpo"), "simpo_lora": ("lora", "simpo"),
               "orpo_full": ("full", "orpo"), "dpo_qlora": ("qlora", "dpo")}
@@ -56,7 +60,7 @@ def measure(name: str, base: str) -> dict:
         method = "qlora" if name == "qlora" else "prompt" if name == "prompt" else "full" if name == "full" else "lora"
         ft = FinetuneConfig(source=base, method=method, **METHODS[name])
     pairs = BATCH // 2 if ft.objective != "sft" else 0
-    model = ModelConfig(**MODEL)
+    model = ModelConfig(**(MOE_MODEL if name.startswith("moe_") else MODEL))
     # built as an SFT fine-tune; the preference objective is installed below on this benchmark's own pairs (the
     # trainer's would read finetune.preferences)
     cfg = JobConfig(model=model, optim=OptimConfig(), train=TrainConfig(seed=0),
@@ -117,8 +121,12 @@ def main() -> int:
         vocab = {f"t{i}": i for i in range(MODEL["vocab_size"])}
         tok = BPETokenizer(Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0")))
         export_hf(build_model(ModelConfig(**MODEL), seed=0), ModelConfig(**MODEL), tok, tmp)
+        moe_base = f"{tmp}/moe"
         for name in [n.strip() for n in args.only.split(",") if n.strip()] or [*METHODS, *PREFERENCE]:
-            proc = subprocess.run([sys.executable, __file__, "--one", name, tmp], capture_output=True, text=True)
+            if name.startswith("moe_") and not os.path.isdir(moe_base):
+                export_hf(build_model(ModelConfig(**MOE_MODEL), seed=0), ModelConfig(**MOE_MODEL), tok, moe_base)
+            base = moe_base if name.startswith("moe_") else tmp
+            proc = subprocess.run([sys.executable, __file__, "--one", name, base], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(proc.stderr[-3000:])
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -127,7 +135,7 @@ def main() -> int:
                   f"{r['measured_peak_bytes'] / 2**20:.1f} MiB  error {100 * r['memory_error']:+5.1f}%  step predicted "
                   f"{r['predicted_step_s'] * 1e3:6.1f} ms  measured {r['measured_step_cpu_s'] * 1e3:6.1f} ms  "
                   f"error {100 * r['time_error']:+5.1f}%", flush=True)
-    result = {"model": MODEL, "batch": BATCH, "pairs": BATCH // 2, "seq_len": SEQ, "rows": rows,
+    result = {"model": MODEL, "moe_model": MOE_MODEL, "batch": BATCH, "pairs": BATCH // 2, "seq_len": SEQ, "rows": rows,
               "max_abs_memory_error": max(abs(r["memory_error"]) for r in rows),
               "max_abs_time_error": max(abs(r["time_error"]) for r in rows)}
     write_result(args.out, result)

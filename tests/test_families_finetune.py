@@ -27,7 +27,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = sorted(p.stem for p in (FIXTURES / "families").glob("*.json"))
-# Fixtures with experts: LoRA does not reach stacked experts yet (refused in one line), so they are fine-tuned in full
+# Fixtures with experts: fine-tuned in full and with LoRA on every expert (tests/test_moe_lora.py: the adapters)
 MOE_FAMILIES = sorted(n for n in FAMILIES if "num_experts_per_tok" in json.loads(
     (FIXTURES / "families" / f"{n}.json").read_text()))
 DENSE_FAMILIES = [n for n in FAMILIES if n not in MOE_FAMILIES]
@@ -155,9 +155,43 @@ def test_moe_full_fine_tune_exports_to_the_family_class(workdir, name, capsys):
     assert experts and len(experts) == len([k for k in safetensors_torch.load_file(str(base / "model.safetensors"))
                                             if ".experts." in k])
     capsys.readouterr()
-    assert _finetune(workdir, base, workdir / "runs" / f"lora-{name}", **{"finetune.method": "lora"}) == 2
+    assert _finetune(workdir, base, workdir / "runs" / f"qlora-{name}", **{"finetune.method": "qlora"}) == 2
     err = capsys.readouterr().err.strip()
-    assert "mixture of experts" in err and "\n" not in err
+    assert "mixture of experts" in err and "3-D" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_moe_lora_on_every_expert_exports_merged_to_the_family_class(workdir, name, capsys):
+    """LoRA on attention, every expert's gate / up / down and the router (3 steps): the run says its trainable
+    parameters per kind and the adapter's bytes; ``export --merge`` loads in the family's own class with our
+    logits (<= 1e-4), which left the base's; the plain export (a peft adapter) is refused in one line."""
+    base = _base(workdir, name)
+    run = workdir / "runs" / f"lora-{name}"
+    capsys.readouterr()
+    assert _finetune(workdir, base, run, **{"finetune.method": "lora", "finetune.lora_targets": ALL_TARGETS
+                                            + ",router", "finetune.lora_rank": 4, "optim.lr": 0.05}) == 0
+    said = capsys.readouterr().out
+    line = next(x for x in said.splitlines() if x.startswith("trainable: "))
+    counts = dict((kind, int(n.replace(",", ""))) for n, kind in
+                  (part.split(" ") for part in line.removeprefix("trainable: ").split("; ")[0].split(", ")))
+    assert counts["attention"] > 0 and counts["experts"] > 0 and counts["router"] > 0
+    _, model, _, _ = load_run(run)
+    adapters = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert sum(v.numel() for v in adapters.values()) == sum(counts.values())
+    assert f"({4 * sum(counts.values()):,} bytes)" in line
+    merged = workdir / "export" / f"{name}-lora-merged"
+    assert main(["export", "--run", str(run), "--out", str(merged), "--merge"]) == 0
+    ids = _ids()
+    with torch.no_grad():
+        ours = model.eval()(ids)
+        assert (ours - _hf_model(name)(ids).logits).abs().max().item() > 1e-3
+    cls, theirs = _hf_logits(merged, ids)
+    assert cls == type(_hf_model(name)).__name__
+    assert (ours - theirs).abs().max().item() <= 1e-4, name
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--out", str(workdir / "export" / f"{name}-lora-plain")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--merge" in err and "\n" not in err
 
 
 def _job(base: Path, **finetune):
@@ -341,3 +375,21 @@ def test_bad_family_folders_are_one_line_exit_2(workdir, capsys):
         assert _finetune(workdir, base, workdir / "runs" / f"bad-{base.name}", **extra) == 2, base.name
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("objective", ["dpo", "sft"])
+def test_moe_lora_preference_and_packed_instruction_tuning_train(workdir, objective):
+    """On an MoE family's folder (Mixtral), LoRA on every expert and the router: DPO on the preference fixture,
+    and packed instruction tuning with the chunked loss (train.loss_chunk_rows), train and finish (exit 0) with a
+    finite loss that moved, as on a dense base."""
+    base = _base(workdir, "mixtral")
+    run = workdir / "runs" / f"moe-lora-{objective}"
+    data = {"finetune.preferences": FIXTURES / "preferences.jsonl", "finetune.objective": "dpo",
+            "data.seq_len": 72} if objective == "dpo" else \
+        {"finetune.instructions": FIXTURES / "instructions.jsonl", "finetune.packing": "true",
+         "train.loss_chunk_rows": 16, "data.seq_len": 64}
+    assert _finetune(workdir, base, run, **{"finetune.method": "lora", "finetune.lora_targets": "q,v,gate,up,down,"
+                                            "router", "optim.lr": 0.05, "train.steps": 4, "train.eval_interval": 0,
+                                            "logging.log_interval": 1, **data}) == 0
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] != losses[0]

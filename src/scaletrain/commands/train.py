@@ -149,6 +149,8 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     say(_model_line(trainer))
     n = trainer.cfg
+    if n.finetune.source and n.finetune.method != "full":
+        say(_trainable_line(trainer))
     if trainer.is_main and step == 0:  # evaluation that would take over a quarter of the wall: said before it runs
         from scaletrain.plan.wall import job_evaluation_note
 
@@ -194,6 +196,15 @@ def _model_line(trainer) -> str:
             f"{n.model.dim}), vocab {trainer.vocab_note}; data {data}; {trainer.tokens_per_step:,} tokens/step; "
             f"device {trainer.device}, {precision}; run folder {trainer.run_dir}"
             + (f"; {trainer.disk_note}" if trainer.disk_note else ""))
+
+
+def _trainable_line(trainer) -> str:
+    """'trainable: 1,024 attention, 6,144 experts, 256 router, 0 other; adapter 29.0 KiB' (an adapter method)."""
+    from scaletrain.finetune.methods import trainable_by_kind
+
+    counts, nbytes = trainable_by_kind(trainer.pm.modules)
+    return (f"trainable: {', '.join(f'{n:,} {kind}' for kind, n in counts.items())}; adapter "
+            f"{nbytes / 2**10:.1f} KiB ({nbytes:,} bytes)")
 
 
 def _stall_note(summary: dict) -> str:

@@ -18,7 +18,7 @@ from torch import nn
 
 from scaletrain.config import ConfigError, JobConfig
 from scaletrain.finetune.base import open_base
-from scaletrain.finetune.lora import LoRALinear, merge_lora
+from scaletrain.finetune.lora import LoRAExperts, LoRALinear, merge_lora
 from scaletrain.finetune.method_table import method_entry
 from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding, SkipPromptLinear
 from scaletrain.model import Transformer
@@ -66,5 +66,5 @@ def base_model(cfg: JobConfig) -> nn.Module:
 
 def is_plain(model: nn.Module) -> bool:
     """No adapter module left (what ``export_hf`` can write)."""
-    return not any(isinstance(m, (LoRALinear, PromptEmbedding, SkipPromptLinear, PrefixAttention))
+    return not any(isinstance(m, (LoRALinear, LoRAExperts, PromptEmbedding, SkipPromptLinear, PrefixAttention))
                    for m in model.modules())

@@ -11,6 +11,11 @@ starting at the row norms of W) rescales the direction of W + s B A: ``y = m / |
 + s B A x)``, with the norm treated as a constant in backward (the paper's section 4.3), computed as peft's
 ``DoraLinearLayer`` does, so the logits equal peft's with ``use_dora=True``.
 
+Experts (a mixture of experts' ``GroupedExperts``): the roles gate / up / down also select the stacked expert
+weights w1 / w3 / w2 (E, out, in) of a sparse block, and ``LoRAExperts`` gives every expert its own adapter,
+A (E, r, in) and B (E, out, r), computed on the routed tokens sorted by expert with the same grouped GEMM (or
+per-expert loop) the experts use; the role ``router`` adapts the router's nn.Linear.
+
 QLoRA: the frozen ``weight`` may be a 4-bit NF4 tensor (torchao ``NF4Tensor``, see ``quantize_from_base``); the
 forward then calls torchao's ``linear_nf4``, which dequantizes block by block and differentiates with respect
 to the input only - the base never gets a gradient. With ``finetune.qlora_compile`` the same dequantization runs
@@ -29,6 +34,7 @@ from torch import nn
 
 from scaletrain.core.options import ConfigError
 from scaletrain.model.hf_names import PROJECTIONS, block_suffix
+from scaletrain.model.moe import GroupedExperts, _activation, grouped_mm_fits
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -139,7 +145,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[int]:
     """Within the block, every ``LoRALinear`` of ``model`` computes its frozen base alone: the model *is* its base,
     with no second copy of the weights (peft's ``disable_adapter``, which TRL's DPO uses as the reference model).
     Yields how many adapters were switched off (0: the model has none, and is unchanged)."""
-    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    adapters = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts))]
     for module in adapters:
         module.disabled = True
     try:
@@ -149,40 +155,180 @@ def adapters_disabled(model: nn.Module) -> Iterator[int]:
             del module.disabled  # back to the class default
 
 
+# Roles beyond the projections: a mixture of experts' router (Hugging Face: mlp.gate / block_sparse_moe.gate).
+ROUTER = "router"
+TARGET_ROLES = (*PROJECTIONS, ROUTER)
+# The expert weight of GroupedExperts each feed-forward role adapts (w2(act(w1 x) * w3 x), as FeedForward's).
+EXPERT_WEIGHTS = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
 def check_lora_targets(targets: list[str]) -> None:
-    """The one rule for ``finetune.lora_targets``: a non-empty list of projection roles (model/hf_names.py)."""
-    unknown = [t for t in targets if t not in PROJECTIONS]
+    """The one rule for ``finetune.lora_targets``: a non-empty list of projection roles (model/hf_names.py) or
+    ``router``."""
+    unknown = [t for t in targets if t not in TARGET_ROLES]
     if unknown:
         raise ConfigError(f"finetune.lora_targets: unknown target(s) {', '.join(unknown)}; choose among "
-                          f"{', '.join(PROJECTIONS)}")
+                          f"{', '.join(TARGET_ROLES)}")
     if not targets:
         raise ConfigError(f"finetune.lora_targets is empty, which would match no module of the model; choose "
-                          f"among {', '.join(PROJECTIONS)}")
+                          f"among {', '.join(TARGET_ROLES)}")
+
+
+def _role_suffixes(role: str) -> tuple[str, ...]:
+    """The nn.Linear modules (suffixes inside a block) a role selects: its projection, and for the feed-forward
+    roles a sparse block's shared experts' too."""
+    if role == ROUTER:
+        return ("feed_forward.router",)
+    if role in EXPERT_WEIGHTS:
+        return (block_suffix(role), f"feed_forward.shared_experts.{block_suffix(role).rpartition('.')[2]}")
+    return (block_suffix(role),)
 
 
 def lora_module_names(model: nn.Module, targets: list[str]) -> list[str]:
-    """Names of the modules ``targets`` (finetune.lora_targets, checked by ``check_lora_targets``) select in
-    ``model``'s blocks, in order."""
-    suffixes = tuple(block_suffix(t) for t in targets)
+    """Names of the nn.Linear modules ``targets`` (finetune.lora_targets, checked by ``check_lora_targets``)
+    select in ``model``'s blocks, in order (the experts: ``expert_module_names``)."""
+    suffixes = tuple(s for t in targets for s in _role_suffixes(t))
     return [name for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and name.startswith("layers.") and name.endswith(suffixes)]
 
 
+def expert_module_names(model: nn.Module, targets: list[str]) -> list[str]:
+    """Names of the ``GroupedExperts`` whose weights the feed-forward roles among ``targets`` select."""
+    if not set(targets) & set(EXPERT_WEIGHTS):
+        return []
+    return [name for name, module in model.named_modules()
+            if isinstance(module, GroupedExperts) and name.startswith("layers.")]
+
+
+def present_roles(model: nn.Module) -> list[str]:
+    """The target roles that name a module of ``model``'s blocks."""
+    return [role for role in TARGET_ROLES
+            if lora_module_names(model, [role]) or expert_module_names(model, [role])]
+
+
 def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float,
                rslora: bool, dora: bool = False) -> list[str]:
-    """Replace the targeted projections by ``LoRALinear`` in place; returns the adapted module names."""
+    """Replace the targeted projections by ``LoRALinear`` and the targeted experts by ``LoRAExperts`` in place;
+    returns the adapted module names. A target that names no module of this model: one line naming those that
+    do."""
+    present = present_roles(model)
+    absent = [t for t in targets if t not in present]
+    if absent:
+        raise ConfigError(f"finetune.lora_targets: {', '.join(absent)} name(s) no module of this base; it has "
+                          f"{', '.join(present)}")
     names = lora_module_names(model, targets)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, LoRALinear.from_linear(getattr(parent, child), rank, alpha, dropout, rslora, dora))
-    return names
+    weights = [EXPERT_WEIGHTS[t] for t in targets if t in EXPERT_WEIGHTS]
+    experts = expert_module_names(model, targets)
+    for name in experts:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, LoRAExperts.from_experts(getattr(parent, child), weights, rank, alpha, dropout,
+                                                        rslora, dora))
+    return names + experts
+
+
+def magnitude_weight_name(name: str) -> str:
+    """The base weight a DoRA magnitude parameter starts from (its row norms): ``...wq.lora_magnitude`` ->
+    ``...wq.weight``; an expert's ``...experts.adapters.w1.lora_magnitude`` -> ``...experts.w1``."""
+    if ".adapters." in name:
+        experts, _, weight = name.removesuffix(".lora_magnitude").rpartition(".adapters.")
+        return f"{experts}.{weight}"
+    return name.removesuffix("lora_magnitude") + "weight"
+
+
+class ExpertAdapter(nn.Module):
+    """One stacked expert weight's adapters: ``lora_A`` (E, r, in), ``lora_B`` (E, out, r), and under DoRA
+    ``lora_magnitude`` (E, out), one value per expert and output row."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, rank: int, dora: bool,
+                 device=None, dtype=None):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(n_experts, rank, in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(n_experts, out_features, rank, device=device, dtype=dtype))
+        if dora:
+            self.lora_magnitude = nn.Parameter(torch.empty(n_experts, out_features, device=device, dtype=dtype))
+
+
+class LoRAExperts(GroupedExperts):
+    """``GroupedExperts`` (its frozen w1 / w2 / w3 under their own names) whose weights named in ``adapters``
+    (a ModuleDict "w1" -> ``ExpertAdapter``) get each expert's own update ``scaling * B_e A_e``: every projection
+    is x W_e^T + s * (x A_e^T) B_e^T on the expert's rows, DoRA's rescaled by m_e / ||W_e + s B_e A_e||_row as
+    ``LoRALinear``'s. The base's expert parallelism (parallel/expert.py, ``compute`` on weight slices) would
+    bypass the adapters: train/validate.py refuses parallel.ep > 1 with them."""
+
+    disabled = False  # as LoRALinear's (``adapters_disabled``)
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, weights: list[str], rank: int, alpha: float, dropout: float,
+                     rslora: bool, dora: bool = False) -> LoRAExperts:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for key in ("w1", "w2", "w3"):
+            setattr(new, key, getattr(experts, key))
+            getattr(new, key).requires_grad_(False)
+        new.activation, new.rank, new.dora = experts.activation, rank, dora
+        new.scaling = alpha / (math.sqrt(rank) if rslora else rank)
+        new.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        new.adapters = nn.ModuleDict({
+            key: ExpertAdapter(w.shape[0], w.shape[2], w.shape[1], rank, dora, device=w.device, dtype=w.dtype)
+            for key in weights for w in (getattr(experts, key),)})
+        return new
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, d): the routed tokens sorted by expert, ``counts`` (E,) of them each -> (M, d)."""
+        if self.disabled:
+            return super().forward(x, counts)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        matrices = [p for a in self.adapters.values() for p in (a.lora_A, a.lora_B)]
+        fits = grouped_mm_fits(x, self.w1, self.w2, *matrices)
+        offsets = counts.cumsum(0, dtype=torch.int32) if fits else None
+        sizes = None if fits else counts.tolist()
+
+        def mm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # each expert's rows @ its weight^T
+            weight = weight.to(rows.dtype)
+            if fits:
+                return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+            return torch.cat([part @ weight[e].T for e, part in enumerate(torch.split(rows, sizes))])
+
+        def project(rows: torch.Tensor, key: str) -> torch.Tensor:
+            out = mm(rows, getattr(self, key))
+            if key not in self.adapters:
+                return out
+            adapter = self.adapters[key]
+            dropped = self.lora_dropout(rows)
+            lora = mm(mm(dropped, adapter.lora_A), adapter.lora_B)
+            if not self.dora:
+                return out + lora * self.scaling
+            base = out if isinstance(self.lora_dropout, nn.Identity) else mm(dropped, getattr(self, key))
+            weight = getattr(self, key).to(adapter.lora_A.dtype)
+            norm = torch.linalg.norm(weight + self.scaling * (adapter.lora_B @ adapter.lora_A).detach(), dim=-1)
+            scale = (adapter.lora_magnitude / norm.detach()).repeat_interleave(counts, dim=0)  # (M, out)
+            return out + ((scale - 1) * base + scale * lora * self.scaling).to(out.dtype)
+
+        act = _activation(self.activation)
+        return project(act(project(x, "w1")) * project(x, "w3"), "w2")
+
+    @torch.no_grad()
+    def merged_weights(self) -> dict[str, torch.Tensor]:
+        """Each adapted stacked weight W + s * B @ A (E, out, in) in fp32, DoRA's rows rescaled to m / ||.||."""
+        out = {}
+        for key, adapter in self.adapters.items():
+            merged = getattr(self, key).float() + self.scaling * (adapter.lora_B.float() @ adapter.lora_A.float())
+            if self.dora:
+                merged = merged * (adapter.lora_magnitude.float() / torch.linalg.norm(merged, dim=-1)).unsqueeze(-1)
+            out[key] = merged
+        return out
 
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its weight: each ``LoRALinear`` (and a 4-bit ``NF4Linear``) becomes a plain fp32
-    ``nn.Linear`` (in place)."""
+    ``nn.Linear``, each ``LoRAExperts`` a plain fp32 ``GroupedExperts`` (in place)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, (LoRALinear, NF4Linear)):
             parent_name, _, child = name.rpartition(".")
@@ -193,6 +339,14 @@ def merge_lora(model: nn.Module) -> nn.Module:
                 plain.weight.copy_(module.merged_weight())
             else:  # a 4-bit projection without adapter: dequantized
                 plain.weight.copy_(module.weight.get_original_weight() if is_nf4(module.weight) else module.weight)
+            setattr(model.get_submodule(parent_name), child, plain)
+        elif isinstance(module, LoRAExperts):
+            parent_name, _, child = name.rpartition(".")
+            w = module.w1
+            plain = GroupedExperts(w.shape[0], w.shape[2], w.shape[1], module.activation)
+            merged = module.merged_weights()
+            for key in ("w1", "w2", "w3"):
+                getattr(plain, key).copy_(merged.get(key, getattr(module, key)))
             setattr(model.get_submodule(parent_name), child, plain)
     return model
 

@@ -20,7 +20,7 @@ from scaletrain.config import ConfigError, FinetuneConfig, JobConfig, ModelConfi
 from scaletrain.finetune.lora import apply_lora, check_lora_targets
 from scaletrain.finetune.peft_format import lora_adapter, prefix_adapter, prompt_adapter
 from scaletrain.finetune.prompt import apply_prefix_tuning, apply_prompt_tuning
-from scaletrain.model.presets import block_params, num_params, projection_shapes
+from scaletrain.model.presets import block_params, expert_hidden_dim, num_params, projection_shapes, sparse_layers
 
 PeftWriter = Callable[[nn.Module, JobConfig], tuple[dict, dict[str, torch.Tensor]]]
 
@@ -89,9 +89,29 @@ def _full_trainable(cfg: ModelConfig, ft: FinetuneConfig) -> int:
 
 
 def _lora_trainable(cfg: ModelConfig, ft: FinetuneConfig) -> int:
+    """A rank-r adapter (+ DoRA's magnitude per row) per targeted projection; in a sparse block the feed-forward
+    roles adapt every expert (E adapters of the expert's shape) and the shared experts, and ``router`` the
+    router."""
+    def adapter(i: int, o: int) -> int:
+        return ft.lora_rank * (i + o) + (o if ft.dora else 0)
+
     shapes = projection_shapes(cfg)
-    per_target = {t: ft.lora_rank * (i + o) + (o if ft.dora else 0) for t, (i, o) in shapes.items()}
-    return cfg.n_layers * sum(per_target[t] for t in ft.lora_targets)  # (+ DoRA's magnitude per row)
+    ffn = {"gate", "up", "down"}
+    dense = sum(adapter(*shapes[t]) for t in ft.lora_targets if t in shapes)
+    total = cfg.n_layers * sum(adapter(*shapes[t]) for t in ft.lora_targets if t in shapes and t not in ffn)
+    sparse = sparse_layers(cfg)
+    total += (cfg.n_layers - sparse) * (dense - sum(adapter(*shapes[t]) for t in ft.lora_targets
+                                                    if t in shapes and t not in ffn))
+    if sparse:
+        d, h = cfg.dim, expert_hidden_dim(cfg)
+        expert = {"gate": (d, h), "up": (d, h), "down": (h, d)}
+        shared = {"gate": (d, h * cfg.moe_shared_experts), "up": (d, h * cfg.moe_shared_experts),
+                  "down": (h * cfg.moe_shared_experts, d)}
+        per_block = sum(cfg.moe_experts * adapter(*expert[t]) + (adapter(*shared[t]) if cfg.moe_shared_experts
+                                                                   else 0) for t in ft.lora_targets if t in ffn)
+        per_block += adapter(d, cfg.moe_experts) if "router" in ft.lora_targets else 0
+        total += sparse * per_block
+    return total
 
 
 def _prompt_trainable(cfg: ModelConfig, ft: FinetuneConfig) -> int:

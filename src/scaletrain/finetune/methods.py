@@ -18,7 +18,15 @@ from torch import nn
 
 from scaletrain.config import ConfigError, FinetuneConfig
 from scaletrain.finetune.base import open_base
-from scaletrain.finetune.lora import LoRALinear, is_nf4, put_back, qlora_compiled, quantize_from_base
+from scaletrain.finetune.lora import (
+    ExpertAdapter,
+    LoRALinear,
+    is_nf4,
+    magnitude_weight_name,
+    put_back,
+    qlora_compiled,
+    quantize_from_base,
+)
 from scaletrain.finetune.method_table import method_entry
 from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding
 from scaletrain.parallel.init import copy_full_into
@@ -41,6 +49,10 @@ def initial_adapter_state(model: nn.Module, seed: int) -> dict[str, torch.Tensor
             bound = 1.0 / module.in_features ** 0.5  # kaiming_uniform(a=sqrt(5)) of an (r, in) matrix
             out[f"{name}.lora_A"] = torch.empty(tuple(module.lora_A.shape)).uniform_(-bound, bound, generator=gen)
             out[f"{name}.lora_B"] = torch.zeros(tuple(module.lora_B.shape))
+        elif isinstance(module, ExpertAdapter):  # each expert's A as LoRALinear's (its fan-in: the last axis)
+            bound = 1.0 / module.lora_A.shape[-1] ** 0.5
+            out[f"{name}.lora_A"] = torch.empty(tuple(module.lora_A.shape)).uniform_(-bound, bound, generator=gen)
+            out[f"{name}.lora_B"] = torch.zeros(tuple(module.lora_B.shape))
         elif isinstance(module, PromptEmbedding):
             out[f"{name}.prompt"] = torch.empty(tuple(module.prompt.shape)).normal_(generator=gen)
         elif isinstance(module, PrefixAttention):
@@ -59,9 +71,9 @@ def load_base_and_adapters(parts: list[nn.Module], base_state: Mapping[str, torc
         # A 4-bit weight (QLoRA) was read and quantized before materializing (hold_out_base): not copied again.
         params = {name: p for name, p in part.named_parameters(remove_duplicate=False) if not is_nf4(p)}
         for name in params:  # a fresh DoRA magnitude is the base's row norms: the adapted model starts as the base
-            weight = base_state.get(name.removesuffix("lora_magnitude") + "weight")
-            if name.endswith(".lora_magnitude") and name not in full and weight is not None:
-                full[name] = torch.linalg.norm(weight.float(), dim=1)
+            weight = base_state.get(magnitude_weight_name(name)) if name.endswith(".lora_magnitude") else None
+            if name not in full and weight is not None:  # (E, out) for an expert's stacked (E, out, in)
+                full[name] = torch.linalg.norm(weight.float(), dim=-1)
         missing = [name for name in params if name not in full]
         if missing:
             raise ConfigError(f"finetune.source: the base has no weight for {missing[0]}")
@@ -113,3 +125,30 @@ def parameter_counts(modules: list[nn.Module]) -> tuple[int, int]:
             total += n
             trainable += n if p.requires_grad else 0
     return trainable, total
+
+
+TRAINABLE_KINDS = ("attention", "experts", "router", "other")
+
+
+def _kind(name: str) -> str:
+    """Which part of the model a parameter belongs to (by name): attention, the routed or shared experts, the
+    router, or the rest (a dense feed-forward, embeddings, norms, virtual tokens)."""
+    if ".attention." in f".{name}":
+        return "attention"
+    if ".experts." in name or ".shared_experts." in name:
+        return "experts"
+    return "router" if ".router." in name else "other"
+
+
+def trainable_by_kind(modules: list[nn.Module]) -> tuple[dict[str, int], int]:
+    """({kind: trainable parameters} over ``TRAINABLE_KINDS``, the trainable parameters' bytes: what an adapter
+    file holds besides its header)."""
+    seen, counts, nbytes = set(), dict.fromkeys(TRAINABLE_KINDS, 0), 0
+    for m in modules:
+        for name, p in m.named_parameters():
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            counts[_kind(name)] += p.numel()
+            nbytes += p.numel() * p.element_size()
+    return counts, nbytes

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scaletrain.config import JobConfig
-from scaletrain.finetune.lora import LoRALinear, is_nf4
+from scaletrain.config import ConfigError, JobConfig
+from scaletrain.finetune.lora import LoRAExperts, LoRALinear, is_nf4
 from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding
 from scaletrain.model.config import head_width
 from scaletrain.model.family import family as family_entry
@@ -88,6 +88,9 @@ def _lora_adapter(model: nn.Module, ft, family: str) -> tuple[dict, dict[str, to
 
 def lora_adapter(model: nn.Module, cfg: JobConfig) -> tuple[dict, dict[str, torch.Tensor]]:
     """LoRA / DoRA / QLoRA's adapter (peft_type LORA)."""
+    if any(isinstance(m, LoRAExperts) for m in model.modules()):
+        raise ConfigError("a peft adapter of the experts' stacked adapters is not written yet: export it merged "
+                          "(scaletrain export --merge), or train finetune.lora_targets without gate, up, down")
     config, tensors = _lora_adapter(model, cfg.finetune, cfg.model.family)
     return {**PEFT_COMMON, **config}, tensors
 

@@ -129,8 +129,8 @@ def check_distillation(cfg: JobConfig, here: bool = True) -> None:
 def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
     """What a mixture of experts (model.moe_experts > 0) does not run with yet, one line each: tensor, pipeline and
     context parallelism and local SGD / DiLoCo (data parallelism, DDP or FSDP2, with or without parallel.ep, is what
-    runs), DeepSpeed, muP (its learning-rate groups know no stacked experts) and the adapter methods (LoRA and the
-    others adapt nn.Linear projections: the experts' stacked weights would stay frozen, silently)."""
+    runs), DeepSpeed, muP (its learning-rate groups know no stacked experts), QLoRA (no 4-bit stacked experts),
+    the other adapter methods, and LoRA with expert parallelism or Muon on the adapters."""
     if not cfg.model.moe_experts:
         return
     if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or cfg.parallel.low_comm != "none":
@@ -144,9 +144,21 @@ def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
     if cfg.model.parametrization == "mup":
         raise ConfigError("model.moe_experts: muP's learning-rate groups do not model stacked experts yet; use "
                           "model.parametrization=standard")
-    if cfg.finetune.source and cfg.finetune.method != "full":
-        raise ConfigError(f"finetune.method={cfg.finetune.method} adapts nn.Linear projections, and a mixture of "
-                          f"experts' stacked experts are not modelled there yet; use finetune.method=full")
+    ft = cfg.finetune
+    if ft.source and ft.method == "qlora":
+        raise ConfigError("finetune.method=qlora: its 4-bit base (torchao NF4, linear_nf4) holds 2-D nn.Linear "
+                          "weights, and a mixture of experts' stacked 3-D expert weights have no grouped 4-bit "
+                          "matmul; use finetune.method=lora")
+    if ft.source and ft.method not in ("full", "lora"):
+        raise ConfigError(f"finetune.method={ft.method} is untested on a mixture of experts' base; use "
+                          f"finetune.method=lora or full")
+    if ft.source and ft.method == "lora" and cfg.parallel.ep > 1:
+        raise ConfigError(f"finetune.method=lora with parallel.ep={cfg.parallel.ep}: expert parallelism computes "
+                          f"slices of the stacked experts, which do not carry the experts' adapters yet; set "
+                          f"parallel.ep=1 (data parallelism)")
+    if ft.source and ft.method == "lora" and cfg.optim.muon_adapters:
+        raise ConfigError("optim.muon_adapters: the experts' adapters are stacked (E, r, in) tensors, not Muon "
+                          "matrices; set optim.muon_adapters=false on a mixture of experts")
 
 
 def check_runnable(cfg: JobConfig, world_size: int, device_type: str, precision: str,
