@@ -30,7 +30,7 @@ from helpers.faults import (
 )
 from helpers.waits import CEILING_S
 from scaletrain.config import ConfigError, load_config
-from scaletrain.parallel.deepspeed_engine import build_ds_config, deepspeed_missing_reason
+from scaletrain.train.deepspeed_engine.ds_config import build_ds_config, deepspeed_missing_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_DEEPSPEED = deepspeed_missing_reason()
@@ -91,7 +91,7 @@ def test_ds_config_conflict_is_one_line_and_omissions_are_filled(tmp_path):
 def test_precision_maps_to_ds_config_and_fp16_needs_a_gpu():
     """train.precision -> DeepSpeed's bf16 / fp16 sections (fp16 with its dynamic loss scaler); fp16 is refused
     on the CPU (DeepSpeed's CPU accelerator has no fp16), accepted for a GPU (the planner asks for cuda)."""
-    from scaletrain.parallel.deepspeed_engine import check_deepspeed
+    from scaletrain.train.deepspeed_engine.ds_config import check_deepspeed
 
     cfg = load_config(None, {"parallel.engine": "deepspeed", "parallel.zero_stage": "2"})
     bf16, fp16 = build_ds_config(cfg, 2, "bf16"), build_ds_config(cfg, 2, "fp16")
@@ -113,8 +113,8 @@ def test_engines_are_chosen_from_the_config_and_share_one_interface(tmp_path):
     import inspect
 
     from scaletrain.checkpoint import CheckpointManager
+    from scaletrain.train.deepspeed_engine.engine import DeepSpeedEngine
     from scaletrain.train.engine import NativeEngine, TrainingEngine, engine_for
-    from scaletrain.train.engine_deepspeed import DeepSpeedEngine
 
     store = CheckpointManager(tmp_path / "checkpoints")
     native, deepspeed = (engine_for(load_config(None, {"parallel.engine": name}), "fp32", store)
@@ -126,7 +126,7 @@ def test_engines_are_chosen_from_the_config_and_share_one_interface(tmp_path):
             assert list(inspect.signature(getattr(engine, name)).parameters) == protocol, (engine, name)
     # One step signature (train/step.py: StepFunction): the engines' step functions are written alike, the step's
     # settings in one StepOptions.
-    from scaletrain.train.engine_deepspeed import deepspeed_training_step
+    from scaletrain.train.deepspeed_engine.engine import deepspeed_training_step
     from scaletrain.train.step import training_step
 
     assert str(inspect.signature(training_step)) == str(inspect.signature(deepspeed_training_step)) == \

@@ -83,7 +83,7 @@ DEEPSPEED = ["ds2", "ds3"]
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     from helpers.launch import HELPERS, torchrun
-    from scaletrain.parallel.deepspeed_engine import deepspeed_missing_reason
+    from scaletrain.train.deepspeed_engine.ds_config import deepspeed_missing_reason
 
     out = tmp_path_factory.mktemp("auxiliary") / "results.json"
     strategies = PIPELINES + (DEEPSPEED if deepspeed_missing_reason() is None else [])

@@ -142,7 +142,7 @@ def pipeline(name: str) -> dict:
 
 def deepspeed(name: str) -> dict:
     """ZeRO-<stage> over 2 data-parallel ranks vs the native engine's DDP, each rank on its own rows."""
-    from scaletrain.train.engine_deepspeed import build_deepspeed_training, deepspeed_training_step
+    from scaletrain.train.deepspeed_engine.engine import build_deepspeed_training, deepspeed_training_step
     from scaletrain.train.validate import check_runnable
 
     rank, world, accum = dist.get_rank(), dist.get_world_size(), 2

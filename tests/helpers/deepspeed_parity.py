@@ -26,7 +26,7 @@ from scaletrain.config import JobConfig, ModelConfig, OptimConfig, ParallelConfi
 from scaletrain.model.presets import num_params
 from scaletrain.parallel.distributed import destroy_distributed, init_distributed
 from scaletrain.plan.memory import RECIPES, model_states
-from scaletrain.train.engine_deepspeed import build_deepspeed_training, deepspeed_training_step
+from scaletrain.train.deepspeed_engine.engine import build_deepspeed_training, deepspeed_training_step
 from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 from scaletrain.train.validate import check_runnable
 

@@ -1,12 +1,12 @@
 """The DeepSpeed engine (``parallel.engine = "deepspeed"``): the ``TrainingEngine`` of ``train/engine.py``
 over ``deepspeed.initialize``, so the trainer's loop, data, schedule, evaluation, metrics and logging are the
 native engine's own. The ds_config, the DeepSpeed job rules and ``initialize`` are in
-``parallel/deepspeed_engine.py``; this module is what the trainer calls:
+``train/deepspeed_engine/ds_config.py``; this module is what the trainer calls:
 
 - build: the model initialised exactly as the native engine does (``build_model`` from ``train.seed``; under
   ZeRO-3 built inside ``deepspeed.zero.Init``, partitioned and offloaded module by module), our
   AdamW param groups (``DeepSpeedCPUAdam`` when the optimizer state is offloaded), then
-  ``deepspeed.initialize`` with the merged ds_config (``parallel/deepspeed_engine.py``);
+  ``deepspeed.initialize`` with the merged ds_config (``train/deepspeed_engine/ds_config.py``);
 - step: ``engine.backward`` / ``engine.step`` per micro-batch (DeepSpeed reduces, clips at
   ``optim.grad_clip`` and updates at the accumulation boundary); the auxiliary loss terms the model leaves
   (train/loss.py) join each micro-batch's loss and are logged as on the native engine;
@@ -21,13 +21,15 @@ The NaN/Inf guard sees every step's loss and gradient norm and still rolls back 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from scaletrain.checkpoint import CheckpointManager
-from scaletrain.checkpoint.deepspeed_format import TAG, convert_to_universal, is_deepspeed_checkpoint
+from scaletrain.checkpoint.deepspeed_format import TAG, is_deepspeed_checkpoint
 from scaletrain.checkpoint.manager import CheckpointError
 from scaletrain.checkpoint.training import (
     TrainState,
@@ -39,13 +41,13 @@ from scaletrain.checkpoint.training import (
 from scaletrain.config import JobConfig
 from scaletrain.model import build_model
 from scaletrain.parallel import ParallelDims, ParallelModel
-from scaletrain.parallel.deepspeed_engine import (
+from scaletrain.parallel.distributed import barrier
+from scaletrain.train.deepspeed_engine.ds_config import (
     build_ds_config,
     build_partitioned_model,
     initialize,
     read_user_config,
 )
-from scaletrain.parallel.distributed import barrier
 from scaletrain.train.loss import logits_loss, take_auxiliary, with_auxiliary
 from scaletrain.train.optimizer import build_optimizer, param_groups
 from scaletrain.train.step import MicroBatch, StepFunction, StepOptions, StepResult, auxiliary_means
@@ -202,3 +204,19 @@ class DeepSpeedEngine:
         return f"engine: DeepSpeed ZeRO-{zero['stage']}" + "".join(
             f", {k.replace('offload_', '')} offload to {v['device']}" for k, v in zero.items()
             if k.startswith("offload_"))
+
+
+def convert_to_universal(path: Path, out: Path) -> Path:
+    """DeepSpeed's universal checkpoint of the step folder ``path`` in ``out/deepspeed`` (``ds_to_universal``, the
+    documented converter: every parameter's fp32 weight and Adam moments whole, so any number of ranks can load
+    them with ``checkpoint.load_universal``); returns ``out``. Run on one rank."""
+    target = Path(out) / TAG
+    if (target / "mp_rank_00_model_states.pt").is_file():
+        return Path(out)
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           str(Path(path) / TAG), "--output_folder", str(target), "--num_extract_workers", "1",
+                           "--num_merge_workers", "1", "--inject_missing_state"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CheckpointError(f"{path}: DeepSpeed's ds_to_universal could not convert it for another world size: "
+                              f"{(proc.stderr.strip().splitlines() or ['(no output)'])[-1]}")
+    return Path(out)

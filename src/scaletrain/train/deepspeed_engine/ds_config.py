@@ -4,7 +4,7 @@ This module holds what does not depend on the trainer: the rules a DeepSpeed job
 ``train/validate.py:check_runnable``), the ``ds_config`` built from our config and merged with a user's
 ``ds_config.json`` (ours fills what theirs leaves out; a key both set to different values is a one-line
 error), and ``deepspeed.initialize``. The engine the trainer holds (build, step, checkpoints) is
-``train/engine_deepspeed.py``.
+``train/deepspeed_engine/engine.py``.
 
 DeepSpeed here is data parallel only (every rank a ZeRO data-parallel rank): tensor, context and pipeline
 parallelism stay with the native engine.
