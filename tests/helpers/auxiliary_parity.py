@@ -1,4 +1,4 @@
-"""Auxiliary loss terms under every engine, run by tests/test_loss.py under torchrun (gloo, 2 CPU ranks).
+"""Auxiliary loss terms under every engine, run by tests/train/test_loss.py under torchrun (gloo, 2 CPU ranks).
 
 A test-only term, as an MoE router leaves one (train/loss.py's ``auxiliary_loss`` channel): WEIGHT x the mean
 square of a block's output, left by blocks 0 and 3 under one name and by block 1 under another. Each strategy

@@ -1,4 +1,4 @@
-"""DeepSpeed vs native parity harness, run by tests/test_deepspeed.py under torchrun (gloo, 2 CPU ranks).
+"""DeepSpeed vs native parity harness, run by tests/train/test_deepspeed.py under torchrun (gloo, 2 CPU ranks).
 
 For each strategy it trains a tiny Llama for a few AdamW steps (2 micro-batches accumulated per step, gradient
 clipping on) on the same global batches from the same seed: the native engine's ZeRO-1
