@@ -54,6 +54,7 @@ def records(run) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "loss" in r}
 
 
+@pytest.mark.distributed
 def test_throughput_balance_matches_one_process_and_resumes_its_split(tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(CONFIG.format(cache=tmp_path / "data"))
