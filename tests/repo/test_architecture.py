@@ -205,3 +205,32 @@ def test_the_length_check_finds_a_long_method(tmp_path):
     _write(tmp_path, {"model/long.py": f"class A:\n    def long(self):\n{body}\n\n    def short(self):\n        pass\n",
                       "train/fine.py": "def f():\n    return 1\n"})
     assert long_functions(tmp_path) == ["scaletrain/model/long.py:2 long (61 lines)"]
+
+
+def tree_problems(text: str, src: Path, tests: Path) -> list[str]:
+    """How the tree of ``text`` (docs/architecture.md, the block after "## The tree") disagrees with the folders: a
+    package (or sub-package) of ``src`` it does not name, a tests/ folder of test files named after no package."""
+    block = text.split("## The tree: where a change goes\n\n```\n", 1)[1].split("```", 1)[0]
+    drawn = {word.removesuffix("/") for line in block.splitlines() for word in line[:NAME_COLUMN].split()}
+    packages = sorted(str(init.parent.relative_to(src)) for init in src.glob("*/**/__init__.py"))
+    problems = [f"src/scaletrain/{p}/ is not in the tree" for p in packages if p not in drawn]
+    names = {p.split("/")[0] for p in packages} | {path.stem for path in src.glob("*.py")} | {"repo"}
+    problems += [f"tests/{d.name}/ is named after no package" for d in sorted(tests.iterdir())
+                 if any(d.glob("test_*.py")) and d.name not in names]
+    problems += [f"tests/{f.name} is not in a package's folder" for f in sorted(tests.glob("test_*.py"))]
+    return problems
+
+
+def test_the_architecture_tree_names_every_package_and_the_tests_mirror_them(tmp_path):
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    assert tree_problems(text, ROOT / "src" / "scaletrain", ROOT / "tests") == []
+    src, tests = tmp_path / "src", tmp_path / "tests"
+    for folder in (src / "model", src / "vision", tests / "vizion"):
+        folder.mkdir(parents=True)
+    (src / "model" / "__init__.py").write_text("")
+    (src / "vision" / "__init__.py").write_text("")
+    (tests / "vizion" / "test_v.py").write_text("")
+    (tests / "test_flat.py").write_text("")
+    assert tree_problems(text, src, tests) == ["src/scaletrain/vision/ is not in the tree",
+                                               "tests/vizion/ is named after no package",
+                                               "tests/test_flat.py is not in a package's folder"]
