@@ -29,7 +29,7 @@ from launch import OUT_HELP, default_out, run_ranks, write_result  # benchmarks/
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_adaptive_dist import CONFIG  # noqa: E402  (the recipe the parity test trains)
+from train.test_adaptive_dist import CONFIG  # noqa: E402  (the recipe the parity test trains)
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Elastic world size: a run that gains a node and loses it again, beside an uninterrupted run.
 
 Two ``torchrun --nnodes=1:2 --rdzv-backend=c10d`` agents on localhost train the tiny model of
-tests/test_elastic.py (dim 32, 2 layers, char-level Tiny Shakespeare, 8 sequences a step, a checkpoint every
+tests/train/test_elastic.py (dim 32, 2 layers, char-level Tiny Shakespeare, 8 sequences a step, a checkpoint every
 step): agent A starts alone (1 rank, 2 micro-batches a step), agent B joins at ``--join-at`` (2 ranks, 1
 micro-batch each), B is killed ``--run-two`` steps later (A goes on alone). The same steps are trained by one
 plain process. Written: both loss curves, the world size of each step, the events, the largest relative loss
@@ -26,7 +26,7 @@ from launch import OUT_HELP, default_out, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_elastic import GLOBAL_BATCH, data_cursors, elastic_run, reference_run  # noqa: E402
+from train.test_elastic import GLOBAL_BATCH, data_cursors, elastic_run, reference_run  # noqa: E402
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"  # tracked: the figures the docs quote (tests/test_docs.py checks them)
+RESULTS = ROOT / "benchmarks" / "results"  # tracked: the figures the docs quote (tests/repo/test_docs.py checks them)
 OUT = ROOT / "benchmarks" / "out"  # ignored by git: where a run writes unless --out names another file
 OUT_HELP = ("JSON to write (default: benchmarks/out/{name}, ignored by git; pass --out benchmarks/results/{name} "
             "to replace the tracked result the docs quote)")

@@ -1,7 +1,7 @@
 """Low-communication data parallelism: DDP vs local SGD vs DiLoCo at equal tokens, 2 ranks (gloo).
 
 All three train the tiny recipe of ``test_diloco_reaches_ddp_loss_with_h_times_fewer_all_reduces``
-(``low_comm_recipe`` in tests/test_parallel_dist.py: dim 64, 4 layers, 4 heads, char-level Tiny
+(``low_comm_recipe`` in tests/parallel/test_parallel_dist.py: dim 64, 4 layers, 4 heads, char-level Tiny
 Shakespeare, seq 64, 8 sequences per rank, 200 AdamW steps, warm-up 20) from the same initialisation
 and the same data order, through the real ``Trainer``, in one ``torchrun`` launch of
 tests/helpers/dist_train.py. Only the data-parallel mode differs:
@@ -42,7 +42,7 @@ from launch import (  # benchmarks/launch.py (the script's folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_parallel_dist import low_comm_recipe  # noqa: E402  (the recipe the DiLoCo test trains)
+from parallel.test_parallel_dist import low_comm_recipe  # noqa: E402  (the recipe the DiLoCo test trains)
 
 SYNC_EVERY = 10
 COMMON = {"parallel.dp_replicate": 2, "checkpoint.enabled": "false", "logging.log_interval": 50}
@@ -99,7 +99,7 @@ def main() -> int:
                      "runs": rs})
     result = {
         "command": "python benchmarks/low_comm.py " + " ".join(sys.argv[1:]),
-        "recipe": "low_comm_recipe in tests/test_parallel_dist.py (dim 64, 4 layers, 4 heads, ffn 128, "
+        "recipe": "low_comm_recipe in tests/parallel/test_parallel_dist.py (dim 64, 4 layers, 4 heads, ffn 128, "
                   "char-level Tiny Shakespeare, seq 64, 8 sequences/rank, 200 steps, warm-up 20); 2 ranks, gloo",
         "sync_every": SYNC_EVERY, "eval_batches": args.eval_batches,
         "tokens_per_run": 200 * 2 * 8 * 64, "seconds": round(time.time() - t0, 1),

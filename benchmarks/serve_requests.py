@@ -1,5 +1,5 @@
 """Bad requests against a real ``scaletrain serve``, each recorded with the status and the one message it got:
-the table ``tests/test_serve.py`` asserts (``tests/helpers/serve_requests.py``: broken JSON, wrong types, huge
+the table ``tests/serve/test_serve.py`` asserts (``tests/helpers/serve_requests.py``: broken JSON, wrong types, huge
 bodies, non-UTF-8, negative or huge ``max_tokens``, unknown roles, ...), then a wrong method, clients killed
 mid-stream and 200 connections at once; the server's open file descriptors and resident memory before and
 after, and whether it still answers.

@@ -1,7 +1,7 @@
 """Check that imports inside ``src/scaletrain`` point down the layers and never form a circle.
 
 Layers, lowest first (a module may import from its own layer or a lower one; ``LAYERS`` below is the one map,
-``docs/architecture.md`` draws the same and ``tests/test_architecture.py`` holds the two together)::
+``docs/architecture.md`` draws the same and ``tests/repo/test_architecture.py`` holds the two together)::
 
     base (core, hardware, assets)  <  model  <  config  <  parallel
     <  data  <  checkpoint  <  finetune, compress  <  train, infer, evaluation  <  plan, serve

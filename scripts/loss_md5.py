@@ -5,7 +5,7 @@ Runs, each in a fresh process with one thread (so the reductions' order is fixed
 - ``default``: ``scaletrain train`` with the embedded default config, 30 steps;
 - ``baby``: ``configs/shakespeare_char_baby.toml`` (Muon), 30 steps;
 - ``lora``: ``scaletrain finetune --from`` a tiny Llama-family base (tests/fixtures/families/llama.json built in
-  transformers with seeded random weights, as tests/test_families_finetune.py builds it), LoRA, 20 steps;
+  transformers with seeded random weights, as tests/finetune/test_families_finetune.py builds it), LoRA, 20 steps;
 - ``dpo``: ``scaletrain finetune --from`` the same base, DPO (``finetune.objective=dpo``, LoRA, its reference the
   base through disabled adapters) on a tiny preference JSONL written by this script, 10 steps;
 - ``zero2``: the DeepSpeed engine, ZeRO-2 on 2 gloo ranks, 20 steps (skipped when DeepSpeed is not importable).

@@ -7,7 +7,7 @@ every instance) and managed spot training that resumes from the checkpoint folde
 
 NOT run here (no AWS account or network on the machine this was written on). What is tested locally is
 the entry point (scripts/launch/sagemaker_entry.py) under a simulated SM_* environment
-(tests/test_launch.py), and --dry-run prints the estimator's arguments without importing `sagemaker`.
+(tests/train/test_launch.py), and --dry-run prints the estimator's arguments without importing `sagemaker`.
 Written against the SageMaker Python SDK v2 `sagemaker.pytorch.PyTorch` API.
 """
 

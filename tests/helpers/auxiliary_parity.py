@@ -1,4 +1,4 @@
-"""Auxiliary loss terms under every engine, run by tests/test_loss.py under torchrun (gloo, 2 CPU ranks).
+"""Auxiliary loss terms under every engine, run by tests/train/test_loss.py under torchrun (gloo, 2 CPU ranks).
 
 A test-only term, as an MoE router leaves one (train/loss.py's ``auxiliary_loss`` channel): WEIGHT x the mean
 square of a block's output, left by blocks 0 and 3 under one name and by block 1 under another. Each strategy
@@ -142,7 +142,7 @@ def pipeline(name: str) -> dict:
 
 def deepspeed(name: str) -> dict:
     """ZeRO-<stage> over 2 data-parallel ranks vs the native engine's DDP, each rank on its own rows."""
-    from scaletrain.train.engine_deepspeed import build_deepspeed_training, deepspeed_training_step
+    from scaletrain.train.deepspeed_engine.engine import build_deepspeed_training, deepspeed_training_step
     from scaletrain.train.validate import check_runnable
 
     rank, world, accum = dist.get_rank(), dist.get_world_size(), 2

@@ -1,4 +1,4 @@
-"""DeepSpeed vs native parity harness, run by tests/test_deepspeed.py under torchrun (gloo, 2 CPU ranks).
+"""DeepSpeed vs native parity harness, run by tests/train/test_deepspeed.py under torchrun (gloo, 2 CPU ranks).
 
 For each strategy it trains a tiny Llama for a few AdamW steps (2 micro-batches accumulated per step, gradient
 clipping on) on the same global batches from the same seed: the native engine's ZeRO-1
@@ -26,7 +26,7 @@ from scaletrain.config import JobConfig, ModelConfig, OptimConfig, ParallelConfi
 from scaletrain.model.presets import num_params
 from scaletrain.parallel.distributed import destroy_distributed, init_distributed
 from scaletrain.plan.memory import RECIPES, model_states
-from scaletrain.train.engine_deepspeed import build_deepspeed_training, deepspeed_training_step
+from scaletrain.train.deepspeed_engine.engine import build_deepspeed_training, deepspeed_training_step
 from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 from scaletrain.train.validate import check_runnable
 

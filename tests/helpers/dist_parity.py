@@ -1,4 +1,5 @@
-"""Distributed parity harness, run by tests/test_parallel_dist.py under torchrun (gloo on CPU; nccl with --device cuda).
+"""Distributed parity harness, run by tests/parallel/test_parallel_dist.py under torchrun (gloo on CPU; nccl with
+--device cuda).
 
 For each requested strategy it trains a tiny Llama for a few AdamW steps through ``parallelize`` and
 ``forward_backward`` (the trainer's own path), and on every rank also trains the single-process reference

@@ -1,4 +1,4 @@
-"""Expert parallelism parity, run by tests/test_expert_parallel.py under torchrun (gloo, 2 CPU ranks).
+"""Expert parallelism parity, run by tests/parallel/test_expert_parallel.py under torchrun (gloo, 2 CPU ranks).
 
 Each strategy trains a tiny mixture of experts (4 experts, top-2, every balancing method on: the Switch balance
 loss, the router z-loss and the expert bias) for STEPS AdamW steps through the trainer's own build and step

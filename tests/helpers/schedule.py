@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-ONE_UNIT_PER_CASE = {"tests/test_docs.py::test_documented_commands_run"}
+ONE_UNIT_PER_CASE = {"tests/repo/test_docs.py::test_documented_commands_run"}
 HEAVY_MARKS = ("slow", "distributed")
 
 

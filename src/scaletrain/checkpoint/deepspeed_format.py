@@ -7,8 +7,6 @@ merges the fp32 partitions into full tensors."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -41,19 +39,3 @@ def load_deepspeed_weights(path: Path, model: nn.Module) -> None:
     if set(missing) & names or unexpected:
         raise CheckpointError(f"{path}: DeepSpeed checkpoint does not fit the run's model (missing "
                               f"{sorted(set(missing) & names)[:3]}, unexpected {sorted(unexpected)[:3]})")
-
-
-def convert_to_universal(path: Path, out: Path) -> Path:
-    """DeepSpeed's universal checkpoint of the step folder ``path`` in ``out/deepspeed`` (``ds_to_universal``, the
-    documented converter: every parameter's fp32 weight and Adam moments whole, so any number of ranks can load
-    them with ``checkpoint.load_universal``); returns ``out``. Run on one rank."""
-    target = Path(out) / TAG
-    if (target / "mp_rank_00_model_states.pt").is_file():
-        return Path(out)
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(Path(path) / TAG), "--output_folder", str(target), "--num_extract_workers", "1",
-                           "--num_merge_workers", "1", "--inject_missing_state"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise CheckpointError(f"{path}: DeepSpeed's ds_to_universal could not convert it for another world size: "
-                              f"{(proc.stderr.strip().splitlines() or ['(no output)'])[-1]}")
-    return Path(out)

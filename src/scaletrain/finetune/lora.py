@@ -4,7 +4,7 @@
 adapters has the same parameter names as the base plus ``lora_A`` / ``lora_B`` beside each adapted weight:
 base checkpoints, export and the parallel plans find the weights where they always were. The computation is
 peft's ``lora.Linear`` op for op (``base(x) + lora_B(lora_A(dropout(x))) * scaling``), which is what makes
-the logits equal to peft's to fp32 rounding (tests/test_finetune.py).
+the logits equal to peft's to fp32 rounding (tests/finetune/test_finetune.py).
 
 DoRA (Liu et al., 2024; ``finetune.dora``): a trainable ``lora_magnitude`` m (one value per output row,
 starting at the row norms of W) rescales the direction of W + s B A: ``y = m / ||W + s B A||_row * (x W^T
@@ -383,7 +383,7 @@ def dequantize_nf4(quantized_data: torch.Tensor, quantized_scalers: torch.Tensor
     4-bit codes of each byte, look them up in the ``nf4`` code book, rescale by the block scales (themselves int8,
     double-quantized, rescaled by ``quantization_factor`` a scaler block plus ``scaler_mean``). Plain tensors, so that
     ``torch.compile`` traces no tensor subclass (dynamo can trace ``NF4Tensor``, but inductor's cache cannot hash it:
-    every run would compile cold). ``tests/test_qlora_compile.py`` holds it bitwise equal to torchao's."""
+    every run would compile cold). ``tests/finetune/test_qlora_compile.py`` holds it bitwise equal to torchao's."""
     codes = quantized_data.view(-1)  # (numel / 2,) uint8: two codes a byte, the first in the high nibble
     first = nf4[(codes >> 4).to(torch.long)]
     second = nf4[(codes & 0b1111).to(torch.long)]

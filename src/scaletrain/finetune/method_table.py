@@ -4,7 +4,7 @@
 An entry says how the method changes the model (``apply``, run by the converter in finetune/methods.py), what
 trains, whether it adds virtual tokens, its peft adapter, what the planner charges and what it refuses. The
 trainer's checks (train/validate.py), the data's packing, export, compress and the planner read these fields,
-never the method's name: a new method is one entry here plus its tests (tests/test_method_table.py).
+never the method's name: a new method is one entry here plus its tests (tests/finetune/test_method_table.py).
 ``FinetuneConfig.method``'s choices are this table's names (a test holds them equal: config.py sits below it).
 """
 

@@ -5,7 +5,7 @@ A ``Batcher`` holds a ``SlotCache``: ``slots`` rows of the session's whole conte
 is prefilled alone (its prompt's forward through a ``KVCache``, copied into a free row), then decoded with
 every other request in one forward a step: each row attends to its own slots only and takes its own rotary
 positions, so its tokens do not depend on which other rows are running, or on whether any are: greedy output is
-the same alone and inside a full batch (``tests/test_serve.py``). A request that finishes, or whose client went
+the same alone and inside a full batch (``tests/serve/test_serve.py``). A request that finishes, or whose client went
 away (``Job.cancel``), frees its row at the next step boundary; a request that finds every row taken waits
 in a bounded queue (``submit`` raises ``QueueFull`` past it: a server answers 503).
 
@@ -16,7 +16,7 @@ UTF-8 character).
 With the session's compiled decode (``Session.decoder``: ``scaletrain serve --compile``) the decode step is
 ``StaticDecoder.run_step`` over the cache's every row, used or not: its shapes are the slot count's whatever
 joins or leaves, so it compiles once (a request joining, leaving or cancelled changes values, not shapes; the
-prefill stays eager) and gives the eager step's greedy tokens (``tests/test_serve.py``).
+prefill stays eager) and gives the eager step's greedy tokens (``tests/serve/test_serve.py``).
 """
 
 from __future__ import annotations

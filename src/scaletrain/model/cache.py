@@ -122,7 +122,7 @@ def static_address(buffer: torch.Tensor) -> None:
     (``model/decode.py``'s ``FROZEN_CPU``) folded the cache it compiled with into the graph as a constant, and
     dynamo, which does not guard an unguarded static address, ran that graph for another decoder's cache of the
     same shape: the first cache's slots written, an index past its end (a crash) or the wrong keys read
-    (``tests/test_decode_compiled.py``: two decoders of one model)."""
+    (``tests/model/test_decode_compiled.py``: two decoders of one model)."""
     if buffer.device.type == "cuda":
         torch._dynamo.mark_static_address(buffer)
 

@@ -14,7 +14,7 @@ weight-only tensors), run their Linears as fused weight-streaming loops (``Strea
 int8 weights back to float) -- except int8 on a CPU without AVX-512, where inductor's int8 loops are slow: there
 the one-row step streams a float16 copy of the integers (``HalfHeldLinear``) and a batch's step is frozen, its
 int8 weights folded to float32 (``dequantized_in_step``). Greedy tokens equal today's
-(``tests/test_decode_compiled.py``).
+(``tests/model/test_decode_compiled.py``).
 
 ``stream(..., decoder=StaticDecoder(model))`` uses it (``scaletrain generate --compile``); a model it cannot run
 (prompt tuning's embedding puts positions in front of the tokens) keeps the eager decode (``supports``).

@@ -39,7 +39,7 @@ PRESETS: dict[str, dict] = {
                      moe_hidden_dim=176),
     # Published mixture-of-experts shapes, for `scaletrain plan` (their config.json; every block sparse). Our decoder
     # computes them as its own blocks, so each differs from the original where noted; the parameter counts match the
-    # published totals and active counts within a few percent (tests/test_plan_moe.py).
+    # published totals and active counts within a few percent (tests/plan/test_plan_moe.py).
     # OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924): 64 experts top-8 of width 1024, no top-k renormalisation. OLMoE's
     # q/k norm spans the whole projection (2048 wide), ours each head's (128): 2 x 1792 fewer gains a block.
     "olmoe-1b-7b": dict(dim=2048, n_layers=16, n_heads=16, ffn_hidden_dim=1024, vocab_size=50304, max_seq_len=4096,

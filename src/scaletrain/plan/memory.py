@@ -55,7 +55,7 @@ RECIPES = {
 RECIPES["mixed"] = RECIPES["bf16"]
 # DeepSpeed ZeRO (parallel.engine = "deepspeed") in fp32: its optimizer keeps a flat fp32 copy of this rank's
 # partition next to the fp32 parameters, so a master copy is there even without mixed precision (measured:
-# tests/test_deepspeed.py).
+# tests/train/test_deepspeed.py).
 RECIPES["deepspeed-fp32"] = Recipe(param=4, grad=4, master=4, optimizer=8, activation=4)
 RECIPES["fp16"] = RECIPES["bf16"]
 # The native trainer's bf16 / fp16 without FSDP's param_dtype (train/precision.autocast): the weights, their
@@ -152,7 +152,7 @@ def family_norm_elements(cfg: ModelConfig, batch: int, seq: int, autocast: bool 
     * ``qk_norm``: one norm of width head_dim over each query and key head, (H + KV) BT rows (``qk_norm_width``
       projection: one over each token's queries and one over its keys, 2 BT rows).
 
-    Checked against ``saved_tensors_hooks`` in tests/test_plan_families.py (fp32 and autocast, trained and frozen
+    Checked against ``saved_tensors_hooks`` in tests/plan/test_plan_families.py (fp32 and autocast, trained and frozen
     norms). Under autocast all of it is fp32 (``block_activation_bytes``)."""
     bt, d, hd = batch * seq, cfg.dim, head_width(cfg)
     offset_normed = norms_train and cfg.norm_plus_one  # (1 + w) saves normed x for w's gradient
@@ -243,7 +243,7 @@ def stage_expert_params(cfg: ModelConfig, pp: int, tp: int, ep: int) -> float:
 
 def moe_activation_bytes(cfg: ModelConfig, batch: int, seq: int, recipe: Recipe, ep: int = 1, tp: int = 1) -> float:
     """Bytes a sparse block's feed-forward saves for backward (in place of the dense one's 4 BT h), as autograd
-    saves them in model/moe.py (checked with ``saved_tensors_hooks`` in tests/test_plan_moe.py): for each routed
+    saves them in model/moe.py (checked with ``saved_tensors_hooks`` in tests/plan/test_plan_moe.py): for each routed
     copy of a token (N k of them; under expert parallelism the busiest rank's, ``MOE_LOAD_IMBALANCE`` times that)
     its row gathered for the experts and its slot of the combine (2 d), the experts' four SwiGLU tensors (4 h_e);
     the router's fp32 scores (N E), the choices' int64 indices (3 a copy) and fp32 weights (2 a copy), two fp32

@@ -67,7 +67,7 @@ OPS_PER_BLOCK = 206
 GPU_LAUNCH_SECONDS = 5e-6
 
 # aten ops of one cached decode step (timing.decode_ops), counted with aten_ops.count_aten_ops on torch 2.13
-# (tests/test_plan_wall.py counts them again): a Llama block's one-token forward with a KVCache, and the rest of
+# (tests/plan/test_plan_wall.py counts them again): a Llama block's one-token forward with a KVCache, and the rest of
 # the step: the embedding, final norm and last position's head (34), and the sample's draw (11: temperature,
 # top-k, softmax, multinomial, the next input). Counted, not imported here: counting loads DTensor, which
 # `scaletrain plan` must not pay for.
@@ -239,7 +239,7 @@ def _block_gemms(cfg: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int,
 # every tensor the backward saved is back (its early stop, on by default): a block's last operators, the
 # feed-forward's down projection w2 and the residual add, produce no saved tensor, so they are not run again.
 # The GEMMs a checkpointed block recomputes are therefore its forward's but the last (counted with a dispatch
-# mode on scaletrain's block: tests/test_plan_search.py::test_recompute_charges_what_checkpoint_recomputes).
+# mode on scaletrain's block: tests/plan/test_plan_search.py::test_recompute_charges_what_checkpoint_recomputes).
 RECOMPUTED_GEMMS = slice(0, -1)
 
 

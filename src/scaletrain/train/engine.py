@@ -6,7 +6,7 @@ evaluation, metrics and logging are the same for every engine. ``engine_for`` pi
 
 - ``NativeEngine``: ``train/step.py`` (``build_parallel_training``, ``training_step``) and
   ``checkpoint/training.py:TrainingCheckpoint`` (DCP, resharding across world sizes and plans);
-- ``DeepSpeedEngine`` (``train/engine_deepspeed.py``): ``deepspeed.initialize`` over the same model and AdamW
+- ``DeepSpeedEngine`` (``train/deepspeed_engine/engine.py``): ``deepspeed.initialize`` over the same model and AdamW
   param groups, DeepSpeed's own checkpoint files inside our step folders.
 
 A third engine is one file ``train/engine_<name>.py`` with a class of this interface, and one line in
@@ -27,7 +27,7 @@ from scaletrain.checkpoint.training import TrainingCheckpoint, TrainState
 from scaletrain.config import JobConfig
 from scaletrain.finetune import open_base
 from scaletrain.parallel import ParallelDims, ParallelModel
-from scaletrain.train.engine_deepspeed import DeepSpeedEngine
+from scaletrain.train.deepspeed_engine.engine import DeepSpeedEngine
 from scaletrain.train.step import (
     MicroBatch,
     StepFunction,

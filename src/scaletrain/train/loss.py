@@ -12,7 +12,7 @@
   training adds them to the objective's loss and the step logs their means (``StepResult.auxiliary``);
   evaluation drops them, so a validation loss stays the objective's own. A module leaves its terms on every
   forward (a router's balancing loss does), under every engine: the plain path adds them here, DeepSpeed's step
-  through ``with_auxiliary`` (train/engine_deepspeed.py), and under pipeline parallelism each stage's terms join
+  through ``with_auxiliary`` (train/deepspeed_engine/engine.py), and under pipeline parallelism each stage's terms join
   its own backward (``carry_stage_terms``).
 
 ``forward_backward`` (training) and ``forward_loss`` (evaluation) are the two callers; the pipeline's schedule

@@ -14,7 +14,7 @@ algorithm; ``Muon`` below is that class with three things its ``step`` lacks:
 * each operation runs once per group, not once per matrix (torch's loops over the matrices): momentum, weight
   decay and the update as ``torch._foreach_*`` ops, and Newton-Schulz on stacks of the matrices of one shape
   (``newton_schulz_batched``: 3 batched matmuls an iteration for all of a layer stack's q, k, v, o, where torch
-  issues 3 per matrix). On a CPU that is bit for bit the per-matrix computation (tests/test_muon.py; matrices
+  issues 3 per matrix). On a CPU that is bit for bit the per-matrix computation (tests/train/test_muon.py; matrices
   under ~400 multiply-adds a product go through another kernel of torch's ``bmm``: within 1e-5); on a GPU
   cuBLAS's batched kernels may round otherwise (not checked yet). Under FSDP2 the matrices are gathered one by
   one, then orthogonalized in the same stacks.
@@ -22,7 +22,7 @@ algorithm; ``Muon`` below is that class with three things its ``step`` lacks:
 Everything else - momentum as an EMA with Nesterov, decoupled weight decay at the unadjusted lr, the lr
 adjustment by shape ("original": sqrt(max(1, rows/cols)); "match_rms_adamw", Moonlight (Liu et al. 2025,
 arXiv:2502.16982): 0.2 sqrt(max(rows, cols)), which lets Muon reuse AdamW's lr and weight decay) - is
-``torch.optim.Muon``'s, and tests/test_muon.py checks the step against it bit for bit.
+``torch.optim.Muon``'s, and tests/train/test_muon.py checks the step against it bit for bit.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def newton_schulz_batched(updates: list[torch.Tensor], coefficients: tuple[float
     stacked so that each iteration is 3 batched matmuls for the stack instead of 3 per matrix (on the nano model
     28 matrices make 2 stacks: 16 x (128, 128) and 12 x (128, 344)). Each matrix is normalized by its own
     Frobenius norm, taken as ``newton_schulz`` takes it (on the matrix, not the transposed copy), so that on a CPU
-    the result is bit for bit ``newton_schulz``'s (tests/test_muon.py; tiny matrices below ~400 multiply-adds
+    the result is bit for bit ``newton_schulz``'s (tests/train/test_muon.py; tiny matrices below ~400 multiply-adds
     go through another kernel in torch's ``bmm`` and differ in the last bits)."""
     a, b, c = coefficients
     stacks: dict[tuple[int, int], list[int]] = {}  # (min, max) of the shape -> indices into updates

@@ -63,7 +63,7 @@ def build_parallel_training(cfg: JobConfig, dims: ParallelDims, device: torch.de
 @dataclass(frozen=True)
 class StepOptions:
     """How one optimizer step runs, besides its model, optimizer and micro-batches: the step signature every engine
-    shares (``training_step``, ``train/engine_deepspeed.py``, ``train/engine.py:TrainingEngine.step``).
+    shares (``training_step``, ``train/deepspeed_engine/engine.py``, ``train/engine.py:TrainingEngine.step``).
 
     ``before_update(loss, grad_norm)`` runs between the gradient and the update; returning False skips the update
     (the gradients are still cleared); a ``DeferredGuard`` reads nothing back. ``scaler``: the fp16 gradient

@@ -15,9 +15,9 @@ from scaletrain.finetune.objectives import objective_of
 from scaletrain.finetune.qat import check_qat
 from scaletrain.parallel.compile import compile_mode_refusal, compiles_whole_model
 from scaletrain.parallel.context import check_context_parallel_supported
-from scaletrain.parallel.deepspeed_engine import check_deepspeed
 from scaletrain.parallel.dims import ParallelDims, check_expert_model
 from scaletrain.train.adaptive import check_adaptive
+from scaletrain.train.deepspeed_engine.ds_config import check_deepspeed
 from scaletrain.train.fp8 import check_fp8_available
 from scaletrain.train.optimizer import OPTIMIZERS, optimizer_entry
 
