@@ -1,7 +1,8 @@
 """The bad requests ``tests/serve/test_serve.py`` sends a real ``scaletrain serve`` (and
-``benchmarks/serve_requests.py`` records with their answers): (path, body, status, a piece of the one-line message). The expectations are those of
-the tests' server: the tiny run of ``tests/serve/test_serve.py``'s fixture (context 64, model id ``run``) served with
-``SERVER_FLAGS``. A body is a dict (sent as JSON), a str (sent as is, UTF-8) or bytes."""
+``benchmarks/serve_requests.py`` records with their answers): (path, body, status, a piece of the one-line message).
+The expectations are those of the tests' server: the tiny run of ``tests/serve/test_serve.py``'s fixture (context
+64, model id ``run``) served with ``SERVER_FLAGS``. A body is a dict (sent as JSON), a str (sent as is, UTF-8) or
+bytes."""
 
 from __future__ import annotations
 
