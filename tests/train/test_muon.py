@@ -47,13 +47,21 @@ NANO_SHAPES = [(128, 128)] * 4 + [(344, 128), (128, 344), (344, 128)]  # wq wk w
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_newton_schulz_is_the_per_matrix_one_bit_for_bit(dtype):
     """Two layers of the nano model's matrices (the stacks: 8 x (128, 128) and 6 x (128, 344), tall ones
-    transposed): each result equals ``newton_schulz`` of that matrix alone, bit for bit on this CPU."""
+    transposed): each result equals ``newton_schulz`` of that matrix alone. Bit for bit on the AMD EPYCs (Zen 4,
+    Zen 5, AVX2-only) in fp32 and bf16; on a 2-vCPU Intel Xeon with AMX (2026-12-02) bf16 is bit for bit and
+    fp32 within 9.8e-7 (all 14 matrices differ: there torch's CPU ``bmm`` and ``mm`` take kernels that sum in
+    another order), so fp32 is held to the tiny matrices' bound below. A stack in the wrong orientation or order
+    differs by the entries themselves (~0.05)."""
     g = torch.Generator().manual_seed(0)
     updates = [torch.randn(shape, generator=g) for shape in NANO_SHAPES * 2]
     batched = newton_schulz_batched(updates, NS_COEFFICIENTS, 5, 1e-7, dtype)
     for update, ortho in zip(updates, batched):
         assert ortho.shape == update.shape and ortho.dtype == dtype
-        assert torch.equal(ortho, newton_schulz(update, NS_COEFFICIENTS, 5, 1e-7, dtype))
+        single = newton_schulz(update, NS_COEFFICIENTS, 5, 1e-7, dtype)
+        if dtype == torch.bfloat16:
+            assert torch.equal(ortho, single)
+        else:
+            assert (ortho - single).abs().max() <= 1e-5 * single.abs().max()
 
 
 def test_batched_newton_schulz_on_tiny_matrices_is_within_rounding():

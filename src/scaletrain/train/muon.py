@@ -14,8 +14,9 @@ algorithm; ``Muon`` below is that class with three things its ``step`` lacks:
 * each operation runs once per group, not once per matrix (torch's loops over the matrices): momentum, weight
   decay and the update as ``torch._foreach_*`` ops, and Newton-Schulz on stacks of the matrices of one shape
   (``newton_schulz_batched``: 3 batched matmuls an iteration for all of a layer stack's q, k, v, o, where torch
-  issues 3 per matrix). On a CPU that is bit for bit the per-matrix computation (tests/train/test_muon.py; matrices
-  under ~400 multiply-adds a product go through another kernel of torch's ``bmm``: within 1e-5); on a GPU
+  issues 3 per matrix). On the AMD EPYCs that is bit for bit the per-matrix computation, on an AMX Xeon within
+  1e-6 in fp32 (tests/train/test_muon.py; matrices under ~400 multiply-adds a product go through another kernel of
+  torch's ``bmm``: within 1e-5); on a GPU
   cuBLAS's batched kernels may round otherwise (not checked yet). Under FSDP2 the matrices are gathered one by
   one, then orthogonalized in the same stacks.
 
