@@ -247,7 +247,6 @@ def test_an_moe_resume_is_bitwise_exact(tmp_path, tiny):
     (["--model.moe_experts=4", "--model.family=qwen3"], "model.family = qwen3 has no mixture of experts"),
     (["--model.moe_experts=4", "--model.moe_layers=7"], "model.moe_layers [7] are not layers of this model"),
     (["--model.moe_experts=4", "--model.moe_first_dense=4"], "no layer is sparse"),
-    (["--model.moe_experts=4", "--model.parametrization=mup"], "muP's learning-rate groups"),
 ])
 def test_bad_moe_options_exit_2_with_one_line(flags, message, tmp_path, capsys):
     assert main(["train", f"--train.run_dir={tmp_path / 'run'}", *flags]) == 2

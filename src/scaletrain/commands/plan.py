@@ -317,21 +317,22 @@ def run_plan(args: argparse.Namespace) -> int:
                 check_output_path(target, f"{flag} {target}")
         cluster = parse_hardware(args.hardware, args.count, args.nodes)
         prices, as_of = load_prices(args.prices)
-        fit_doc = _fit_of(args)
-        searched = None if fit_doc is None else quality_search(
-            args, fit_doc, data_vocabulary(DataConfig(path=args.data)), cluster, prices, as_of,
+        fits = _fits_of(args)
+        searched = None if not fits else quality_search(
+            args, fits, data_vocabulary(DataConfig(path=args.data)), cluster, prices, as_of,
             planned_precision(job.cfg.train.precision, cluster.hardware, _is_auto(args.hardware)), console,
             model_given=bool(job.recipe) or job.given("model."),
             seq_len=job.cfg.data.seq_len if job.given("data.seq_len") else None)
-        if args.target_bpb is not None and fit_doc is None:
+        if args.target_bpb is not None and not fits:
             raise ConfigError("--target-bpb needs --data FOLDER (a prepared data folder with a scaling_fit.json)")
         if searched is not None:
             if args.json:
                 write_json(searched, args.json)
             return 0
         workload, chinchilla = workload_from_args(args, job, cluster.hardware, _is_auto(args.hardware))
-        if fit_doc is not None:  # what the run buys, beside what it costs
-            print_prediction(fit_doc, args.data, law_params(workload.model), workload.train_tokens, console)
+        if fits:  # what the run buys, beside what it costs: by the law of the model's own family
+            print_prediction(_family_fit(args, fits, workload.model), args.data, law_params(workload.model),
+                             workload.train_tokens, console)
         if job.given("finetune.method"):
             return _finetune_plan(args, job.cfg, _pins(args, job), workload, cluster, console)
         if args.deadline is not None or args.budget is not None:
@@ -395,13 +396,23 @@ def loop_settings(job: JobConfig, workload: Workload, plan: Plan, rows_per_examp
     return LoopSettings.of_job(job, workload.steps, rows)
 
 
-def _fit_of(args: argparse.Namespace):
-    """``--data``'s scaling fit (fit, document), or None; ScalingFitError (one line) when missing or from other data."""
+def _fits_of(args: argparse.Namespace) -> dict:
+    """``--data``'s scaling fits by family ({'dense': (fit, document), 'moe8x2': ...}; scaling/family.py), {} without
+    --data; ScalingFitError (one line) when it has none, or one is unreadable or from other data."""
     if not args.data:
-        return None
+        return {}
+    from scaletrain.scaling.store import fitted_families, load_fit
+
+    return {key: load_fit(args.data, key) for key in fitted_families(args.data) or ["dense"]}
+
+
+def _family_fit(args: argparse.Namespace, fits: dict, model):
+    """The fit of ``model``'s family (a law is one family's); ScalingFitError naming the command that makes it."""
+    from scaletrain.scaling.family import family_key
     from scaletrain.scaling.store import load_fit
 
-    return load_fit(args.data)
+    key = family_key(model)
+    return fits[key] if key in fits else load_fit(args.data, key)
 
 
 def _deadline_plan(args: argparse.Namespace, pins: dict, workload, cluster, prices: dict, as_of: str, console) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scaletrain.report.runs import RunData
+from scaletrain.scaling.family import family_key
 from scaletrain.scaling.fit import ScalingFitError, law_params
 from scaletrain.scaling.store import fit_path, load_fit
 
@@ -17,10 +18,10 @@ from scaletrain.scaling.store import fit_path, load_fit
 def frontier_row(run: RunData, steps: int, bpb: float | None) -> tuple[str, str] | None:
     """('scaling frontier', text), or None when the run's data has no fit (or the run has no config)."""
     cfg = run.config
-    if cfg is None or not cfg.data.path or not fit_path(cfg.data.path).is_file():
+    if cfg is None or not cfg.data.path or not fit_path(cfg.data.path, family_key(cfg.model)).is_file():
         return None
     try:
-        fit, _ = load_fit(Path(cfg.data.path))
+        fit, _ = load_fit(Path(cfg.data.path), family_key(cfg.model))  # the law of the run's own family
     except ScalingFitError as exc:
         return "scaling frontier", f"not shown: {exc}"
     n = law_params(cfg.model)

@@ -43,6 +43,10 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-tokens-per-param", type=float, default=1.0,
                         help="the fewest tokens per parameter of the grid's corner (largest model, fewest tokens): "
                              "lower lets a small budget reach larger models, with runs further from convergence")
+    parser.add_argument("--moe", default="",
+                        help="fit a mixture of experts instead of the dense decoder: EXPERTSxTOPK, e.g. 8x2 (the "
+                             "grid's shapes with every feed-forward routed, each expert the dense width / TOPK; the "
+                             "fit is written beside the dense one: scaling_fit.moe8x2.json)")
     parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples for the intervals")
     parser.add_argument("--dry-run", action="store_true", help="print the grid and its predicted times; train nothing")
     parser.add_argument("--fit-only", action="store_true",
@@ -61,52 +65,62 @@ def run_scale(args: argparse.Namespace) -> int:
 def _scale(args: argparse.Namespace) -> int:
     import torch
 
+    from scaletrain.scaling.family import MoEShape
     from scaletrain.scaling.grid import finished_records, plan_grid, run_grid
     from scaletrain.scaling.store import data_fingerprint
 
     if args.threads < 1 or args.bootstrap < 0 or args.min_tokens_per_param <= 0:
         raise ConfigError("--threads must be >= 1, --bootstrap >= 0 and --min-tokens-per-param > 0")
     data, out = Path(args.data), Path(args.out)
+    moe = MoEShape.parse(args.moe)
     data_fingerprint(data)  # a folder that is not prepared data: DataError naming its manifest, before any run
     torch.set_num_threads(args.threads)  # the planner below predicts for this thread count
     if args.fit_only:
-        records = finished_records(out, data)  # every run trained on this data, or one line naming the one not
+        # every run of this family trained on this data, or one line naming the one not
+        records = finished_records(out, data, f"{moe.experts}x{moe.top_k}" if moe else "")
     else:
-        runs = plan_grid(data, parse_duration(args.budget), args.hardware, args.min_tokens_per_param, say=print)
+        runs = plan_grid(data, parse_duration(args.budget), args.hardware, args.min_tokens_per_param, say=print,
+                         moe=moe)
         print_grid(runs, args.budget)
         if args.dry_run:
             return 0
         records = run_grid(runs, data, out, say=print, threads=args.threads)
-    return fit_and_write(data, records, args.bootstrap)
+    return fit_and_write(data, records, args.bootstrap, moe)
 
 
 def print_grid(runs, budget: str) -> None:
     """The grid before it starts: size, tokens, steps, predicted time, and the total against the budget."""
-    print(f"{'run':<22} {'N (non-emb)':>11} {'tokens':>10} {'tok/param':>9} {'steps':>6} {'predicted':>9}")
+    print(f"{'run':<28} {'N (non-emb)':>11} {'tokens':>10} {'tok/param':>9} {'steps':>6} {'predicted':>9}")
     for r in runs:
-        print(f"{r.name:<22} {r.params:>11,} {r.tokens:>10,} {r.tokens / r.params:>9.1f} {r.steps:>6} "
+        print(f"{r.name:<28} {r.params:>11,} {r.tokens:>10,} {r.tokens / r.params:>9.1f} {r.steps:>6} "
               f"{r.predicted_seconds:>8.0f}s")
     total = sum(r.predicted_seconds for r in runs)
     print(f"{len(runs)} runs, predicted {total / 60:.1f} min on this machine (budget {budget}); largest compute "
           f"{max(r.flops for r in runs):.3g} FLOPs (6 N D)")
 
 
-def fit_and_write(data: Path, records: list[dict], bootstrap: int) -> int:
-    """Fit the finished runs, write ``scaling_fit.json`` into the data folder, print the law."""
+def fit_and_write(data: Path, records: list[dict], bootstrap: int, moe=None) -> int:
+    """Fit the finished runs, write ``scaling_fit.json`` (``moe``, a ``MoEShape``: its own file) into the data
+    folder, print the law."""
+    from scaletrain.scaling.family import DENSE
     from scaletrain.scaling.fit import fit_law, law_params
     from scaletrain.scaling.grid import BATCH, EVAL_BATCHES, LR, MUP_BASE_WIDTH, SEQ_LEN, model_config, vocabulary
     from scaletrain.scaling.store import write_fit
 
     vocab = vocabulary(data)[0]  # N from the shape, by today's definition (``law_params``), not as recorded
-    records = [{**r, "params": law_params(model_config(r["dim"], r["n_layers"], vocab))} for r in records]
+    records = [{**r, "params": law_params(model_config(r["dim"], r["n_layers"], vocab, moe))} for r in records]
     records = [{**r, "flops": 6.0 * r["params"] * r["tokens"]} for r in records]
     fit = fit_law([r["params"] for r in records], [r["tokens"] for r in records],
                   [r["val_bpb"] for r in records], bootstrap=bootstrap)
     recipe = {"seq_len": SEQ_LEN, "batch": BATCH, "lr": LR, "parametrization": "mup", "mup_base_width": MUP_BASE_WIDTH,
               "schedule": "cosine to lr/10 over each run", "optimizer": "adamw", "eval_batches": EVAL_BATCHES}
+    if moe is not None:  # what the MoE family is: its sparsity, its experts' width rule, its balancing
+        recipe["moe"] = {"experts": moe.experts, "top_k": moe.top_k, "sparse_layers": "all",
+                         "expert_width": "the dense ffn / top_k, rounded up to 16", "balance": "the model's default "
+                         "(Switch auxiliary loss, model.moe_balance_coef)"}
     runs = [{k: r[k] for k in ("name", "dim", "n_layers", "params", "tokens", "flops", "val_bpb", "seconds",
                                "predicted_seconds")} for r in records]
-    path = write_fit(data, fit, runs, recipe)
+    path = write_fit(data, fit, runs, recipe, moe.key if moe is not None else DENSE)
     print_fit(fit, max(r["flops"] for r in records))
     print(f"wrote {path}")
     return 0

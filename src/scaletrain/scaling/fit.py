@@ -28,7 +28,7 @@ import torch
 
 from scaletrain.core.options import ConfigError
 from scaletrain.model.config import ModelConfig
-from scaletrain.model.presets import block_params
+from scaletrain.model.presets import block_params, moe_extra_params, sparse_layers
 
 HUBER_DELTA = 1e-3  # Hoffmann et al.'s delta, on log L
 MIN_RUNS = 5  # five parameters: fewer runs leave the law undetermined
@@ -55,8 +55,11 @@ TOKENS_PER_PARAM_RANGE = (1.0, 1000.0)
 def law_params(cfg: ModelConfig) -> int:
     """N of the law: the non-embedding parameters, i.e. the blocks and the final norm, without the input embedding
     and the output matrix (Kaplan et al. 2020 exclude all vocabulary matrices: at small sizes they are most of the
-    parameters and scale with the tokenizer, not with the model's capacity)."""
-    return cfg.n_layers * block_params(cfg) + cfg.dim
+    parameters and scale with the tokenizer, not with the model's capacity). A mixture of experts counts its
+    *active* ones (the router, the top-k and shared experts a token runs: scaling/family.py), so 6 N D is the
+    compute of either family."""
+    moe = sparse_layers(cfg) * moe_extra_params(cfg, active=True) if cfg.moe_experts else 0
+    return cfg.n_layers * block_params(cfg) + cfg.dim + moe
 
 
 class ScalingFitError(ConfigError):

@@ -30,6 +30,7 @@ from scaletrain.data.shards import read_manifest
 from scaletrain.plan.hardware_spec import parse_hardware
 from scaletrain.plan.timing import step_time
 from scaletrain.plan.workload import Plan, Workload
+from scaletrain.scaling.family import MoEShape
 from scaletrain.scaling.fit import law_params
 from scaletrain.scaling.store import data_fingerprint
 
@@ -57,18 +58,25 @@ class GridRun:
     n_layers: int
     tokens: int
     steps: int
-    params: int  # N of the fit: non-embedding parameters (``law_params``)
+    params: int  # N of the fit: non-embedding parameters (``law_params``; active ones of an MoE)
     predicted_seconds: float
+    moe: str = ""  # '' dense, else the family's EXPERTSxTOPK ('8x2': scaling/family.py)
+
+    @property
+    def shape(self) -> MoEShape | None:
+        return MoEShape.parse(self.moe)
 
     @property
     def flops(self) -> float:
         return 6.0 * self.params * self.tokens
 
 
-def model_config(dim: int, n_layers: int, vocab_size: int) -> ModelConfig:
-    """A member of the family (the fields the trainer's [model] section takes)."""
-    return ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=dim // HEAD_DIM, ffn_hidden_dim=0,
-                       multiple_of=16, max_seq_len=SEQ_LEN, parametrization="mup", mup_base_width=MUP_BASE_WIDTH)
+def model_config(dim: int, n_layers: int, vocab_size: int, moe: MoEShape | None = None) -> ModelConfig:
+    """A member of the family (the fields the trainer's [model] section takes); ``moe``: its mixture-of-experts
+    member (every feed-forward routed, the active width kept: scaling/family.py)."""
+    cfg = ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=dim // HEAD_DIM, ffn_hidden_dim=0,
+                      multiple_of=16, max_seq_len=SEQ_LEN, parametrization="mup", mup_base_width=MUP_BASE_WIDTH)
+    return cfg if moe is None else moe.apply(cfg)
 
 
 def predicted_seconds(model: ModelConfig, steps: int, hardware: str = "auto") -> float:
@@ -97,7 +105,7 @@ class BudgetTooSmall(ConfigError):
 
 def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto",
               min_tokens_per_param: float = MIN_TOKENS_PER_PARAM,
-              say: Callable[[str], None] | None = None) -> list[GridRun]:
+              say: Callable[[str], None] | None = None, moe: MoEShape | None = None) -> list[GridRun]:
     """The largest grid (SIZES consecutive family members x TOKEN_STEPS token counts) whose predicted total fits
     the budget, with at least ``min_tokens_per_param`` for the largest model at the smallest token count and no
     run longer than ``MAX_EPOCHS`` epochs of the training split. ``say`` is told, in one line, when the data and
@@ -108,7 +116,7 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
     data_capped = False  # a grid the budget affords was cut (fewer tokens, or smaller sizes) by MAX_EPOCHS
     for start in range(len(FAMILY) - SIZES, -1, -1):
         shapes = FAMILY[start: start + SIZES]
-        models = [model_config(d, L, vocab) for d, L in shapes]
+        models = [model_config(d, L, vocab, moe) for d, L in shapes]
         n_max = max(law_params(m) for m in models)
         ladder = [TOKEN_RATIO ** j for j in range(TOKEN_STEPS)]
         # seconds per step of each size (planner), so the budget fixes the smallest token count directly
@@ -121,7 +129,7 @@ def plan_grid(data_dir: str | Path, budget_seconds: float, hardware: str = "auto
         # the budget affords this grid but the epochs cut it: to fewer tokens (chosen below) or away (too small)
         data_capped = data_capped or least_steps <= budget_steps and most_steps < budget_steps
         if base_steps >= least_steps:
-            runs = [make_run(d, L, vocab, int(base_steps * r), hardware) for d, L in shapes for r in ladder]
+            runs = [make_run(d, L, vocab, int(base_steps * r), hardware, moe) for d, L in shapes for r in ladder]
             if data_capped and say is not None:
                 say(data_cap_line(data_dir, train_tokens, runs, budget_seconds))
             return runs
@@ -144,12 +152,15 @@ def data_cap_line(data_dir: str | Path, train_tokens: int, runs: list[GridRun], 
             f"or larger models")
 
 
-def make_run(dim: int, n_layers: int, vocab_size: int, steps: int, hardware: str = "auto") -> GridRun:
+def make_run(dim: int, n_layers: int, vocab_size: int, steps: int, hardware: str = "auto",
+             moe: MoEShape | None = None) -> GridRun:
     """A run of the family: ``dim`` x ``n_layers`` for ``steps`` steps, with the planner's predicted time."""
-    model = model_config(dim, n_layers, vocab_size)
+    model = model_config(dim, n_layers, vocab_size, moe)
     tokens = steps * BATCH * SEQ_LEN
-    return GridRun(f"d{dim}-l{n_layers}-t{tokens}", dim, n_layers, tokens, steps,
-                   law_params(model), predicted_seconds(model, steps, hardware))
+    prefix = f"{moe.key}-" if moe else ""
+    return GridRun(f"{prefix}d{dim}-l{n_layers}-t{tokens}", dim, n_layers, tokens, steps,
+                   law_params(model), predicted_seconds(model, steps, hardware),
+                   f"{moe.experts}x{moe.top_k}" if moe else "")
 
 
 def run_overrides(run: GridRun, data_dir: str | Path, run_dir: Path, threads: int = 0) -> dict[str, str]:
@@ -165,6 +176,8 @@ def run_overrides(run: GridRun, data_dir: str | Path, run_dir: Path, threads: in
             "train.run_dir": str(run_dir), "train.overwrite": "true"}
     if threads:
         over["train.threads"] = threads
+    if run.shape is not None:
+        over.update(run.shape.overrides(model_config(run.dim, run.n_layers, 0)))
     return {k: str(v) for k, v in over.items()}
 
 
@@ -200,6 +213,8 @@ def check_record(record: object, path: Path) -> None:
         raise ConfigError(f"{path}: not a run record (a JSON object expected, got {type(record).__name__}); {again}")
     if not isinstance(record.get("name"), str):
         raise ConfigError(f"{path}: name must be a string (got {record.get('name')!r}); {again}")
+    if not isinstance(record.get("moe", ""), str):
+        raise ConfigError(f"{path}: moe must be '' or EXPERTSxTOPK like '8x2' (got {record.get('moe')!r}); {again}")
     for key in (*_POSITIVE, *_NON_NEGATIVE):
         value = record.get(key)
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -281,8 +296,10 @@ def run_grid(runs: list[GridRun], data_dir: str | Path, out: Path, say: Callable
     return records
 
 
-def finished_records(out: Path, data_dir: str | Path | None = None) -> list[dict]:
-    """Every finished run under ``out`` (a grid folder), whatever grid it came from; given ``data_dir``, every one
-    must have been trained on that data (``finished``)."""
-    return [r for r in (finished(p, data_dir) for p in sorted(out.iterdir()) if p.is_dir()) if r is not None] \
+def finished_records(out: Path, data_dir: str | Path | None = None, moe: str = "") -> list[dict]:
+    """Every finished run of the family ``moe`` ('' dense, '8x2') under ``out`` (a grid folder), whatever grid it
+    came from; given ``data_dir``, every one must have been trained on that data (``finished``). The other
+    family's runs in the same folder are not this fit's (a law is one family's)."""
+    records = [r for r in (finished(p, data_dir) for p in sorted(out.iterdir()) if p.is_dir()) if r is not None] \
         if out.is_dir() else []
+    return [r for r in records if r.get("moe", "") == moe]

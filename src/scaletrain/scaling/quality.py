@@ -24,10 +24,11 @@ import numpy as np
 from scaletrain.config import ConfigError, ModelConfig
 from scaletrain.data.shards import read_manifest
 from scaletrain.hardware.catalog import Cluster
-from scaletrain.model.presets import num_params
+from scaletrain.model.presets import active_params, num_params
 from scaletrain.plan.deadline import Option, options
 from scaletrain.plan.report import duration
 from scaletrain.plan.workload import Workload
+from scaletrain.scaling.family import MoEShape, family_key, family_name, shape_of
 from scaletrain.scaling.fit import ScalingFit, check_searchable, check_target, law_params
 from scaletrain.scaling.grid import BATCH, MAX_EPOCHS, SEQ_LEN
 from scaletrain.scaling.store import fitted_flops
@@ -56,11 +57,12 @@ def quality_text(q: dict) -> str:
 
 
 def model_for_params(target: float, vocab_size: int, max_seq_len: int, low: float = 0.0,
-                     high: float = math.inf) -> ModelConfig:
+                     high: float = math.inf, moe: MoEShape | None = None) -> ModelConfig:
     """The family member whose non-embedding parameters are closest to ``target`` (log scale): widths in steps
     of 16 (head_dim 16 below 128, 64 from there), about one layer per 64 of width (at least 2; half and double
     that depth are tried too, for sizes between two widths); only members within [``low``, ``high``] (a fit's
-    scope: the nearest member could otherwise be a size the fit may not speak for) when one is."""
+    scope: the nearest member could otherwise be a size the fit may not speak for) when one is. ``moe``: the
+    members of that mixture-of-experts family (scaling/family.py), N counting their active parameters."""
     best, best_gap = None, math.inf
     for dim in (*range(16, 128, 16), *range(128, 16385, 64)):
         n_layers = max(2, round(dim / 64))
@@ -68,6 +70,7 @@ def model_for_params(target: float, vocab_size: int, max_seq_len: int, low: floa
             cfg = ModelConfig(vocab_size=vocab_size, dim=dim, n_layers=layers,
                               n_heads=dim // 16 if dim < 128 else dim // 64, ffn_hidden_dim=0, multiple_of=16,
                               max_seq_len=max_seq_len)
+            cfg = cfg if moe is None else moe.apply(cfg)
             params = law_params(cfg)
             gap = abs(math.log(params / target)) + (0.0 if low <= params <= high else 1e3)  # outside: last resort
             if gap < best_gap:
@@ -89,8 +92,11 @@ def _priced(workload: Workload, cluster: Cluster, pins: dict, prices: dict, as_o
 
 def _row(fit: ScalingFit, model: ModelConfig, tokens: float, option: Option) -> dict:
     n = law_params(model)
-    return {"model": {"dim": model.dim, "n_layers": model.n_layers, "n_heads": model.n_heads},
-            "parameters": num_params(model), **predicted_quality(fit, n, tokens), **option.as_dict()}
+    shape = {"dim": model.dim, "n_layers": model.n_layers, "n_heads": model.n_heads}
+    if model.moe_experts:
+        shape.update(moe_experts=model.moe_experts, moe_top_k=model.moe_top_k, moe_hidden_dim=model.moe_hidden_dim)
+    return {"model": shape, "family": family_key(model), "parameters": num_params(model),
+            "active_parameters": active_params(model), **predicted_quality(fit, n, tokens), **option.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -129,8 +135,9 @@ class Scope:
 
 def cheapest_for_target(fit: ScalingFit, target: float, scope: Scope, vocab_size: int, cluster: Cluster,
                         seq_len: int, global_batch: int, precision: str, pins: dict, prices: dict, as_of: str,
-                        max_nodes: int) -> dict:
-    """The cheapest (on-demand) size, tokens and device count predicted to reach ``target`` bpb."""
+                        max_nodes: int, moe: MoEShape | None = None) -> dict:
+    """The cheapest (on-demand) size, tokens and device count predicted to reach ``target`` bpb (``moe``: among
+    that mixture-of-experts family's members, ``fit`` being its law)."""
     check_target(fit, target)
     n_opt = _optimal_params_for_target(fit, target, scope)
     if not n_opt:
@@ -139,7 +146,7 @@ def cheapest_for_target(fit: ScalingFit, target: float, scope: Scope, vocab_size
     rows = []
     for factor in SIZE_FACTORS:
         model = model_for_params(min(max(n_opt * factor, scope.n_low), scope.n_high), vocab_size, seq_len,
-                                 scope.n_low, scope.n_high)
+                                 scope.n_low, scope.n_high, moe)
         n = law_params(model)
         tokens = tokens_for_target(fit, n, target)
         if tokens is None or tokens > scope.max_tokens:
@@ -169,13 +176,13 @@ def _optimal_params_for_target(fit: ScalingFit, target: float, scope: Scope) -> 
 
 def best_within(fit: ScalingFit, scope: Scope, vocab_size: int, cluster: Cluster, seq_len: int, global_batch: int,
                 precision: str, pins: dict, prices: dict, as_of: str, max_nodes: int, budget_usd: float | None,
-                deadline_h: float | None) -> dict:
+                deadline_h: float | None, moe: MoEShape | None = None) -> dict:
     """The lowest predicted bpb within the budget (on-demand USD) and/or deadline (hours) over sizes and device
     counts; cost and time are linear in the tokens, so each option affords tokens = limit / (cost per token)."""
     probe_tokens = 1e9
     rows = []
     for n in np.logspace(math.log10(scope.n_low), math.log10(scope.n_high), SIZES_WITHIN):  # within the scope
-        model = model_for_params(n, vocab_size, seq_len, scope.n_low, scope.n_high)
+        model = model_for_params(n, vocab_size, seq_len, scope.n_low, scope.n_high, moe)
         workload = Workload(model, seq_len, global_batch, probe_tokens, precision)
         for option in _priced(workload, cluster, pins, prices, as_of, max_nodes):
             limits = [probe_tokens * budget_usd / option.cost.on_demand_usd] if budget_usd else []
@@ -218,39 +225,95 @@ def add_quality_arguments(parser) -> None:
                    help="the cheapest model size, tokens and device count predicted to reach this val bpb (--data)")
 
 
-def quality_search(args, fit_doc: tuple[ScalingFit, dict] | None, vocab: int, cluster: Cluster, prices: dict,
+def quality_search(args, fits: dict[str, tuple[ScalingFit, dict]], vocab: int, cluster: Cluster, prices: dict,
                    as_of: str, precision: str, console, *, model_given: bool, seq_len: int | None) -> dict | None:
     """``--target-bpb`` or ``--budget``/``--deadline`` without a model (``model_given``: a --config or
     --model.* flags): search and print; the result, or None when the plan is the ordinary one (``--data`` only adds
-    the predicted bpb to it). ``seq_len``: a --data.seq_len flag, else the fit's own."""
+    the predicted bpb to it). ``fits``: the data's fits by family (scaling/family.py), each searched; with more
+    than one, the cheaper family (the lower bpb within a budget) is the choice and, for a target, the crossover
+    is searched (scaling/compare.py). ``seq_len``: a --data.seq_len flag, else the fit's own."""
+    from scaletrain.scaling.compare import FamilySearch
+
     wants_search = args.target_bpb is not None or (not model_given and
                                                     (args.budget is not None or args.deadline is not None))
-    if fit_doc is None or not wants_search:
+    if not fits or not wants_search:
         return None
-    fit, doc = fit_doc
-    check_searchable(fit, fitted_flops(doc.get("runs", [])))
-    # The fit's own sequence and batch on every hardware: the law was measured at that many tokens a step, and
-    # a GPU's usual ~0.5M-token step would reach the same tokens in a few hundred times fewer optimizer steps
-    # (7.3M tokens were 14 such steps), far above the small grid's critical batch; the prediction would not hold.
-    recipe = doc.get("recipe", {})
-    seq = seq_len or int(recipe.get("seq_len", SEQ_LEN))
-    batch = args.global_batch or int(recipe.get("batch", BATCH))
-    scope = Scope.of(doc, train_tokens(args.data))
-    common = (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes)
+    searches, results, refusals = [], {}, {}
+    for key, (fit, doc) in fits.items():
+        check_searchable(fit, fitted_flops(doc.get("runs", [])))
+        # The fit's own sequence and batch on every hardware: the law was measured at that many tokens a step,
+        # and a GPU's usual ~0.5M-token step would reach the same tokens in a few hundred times fewer optimizer
+        # steps (7.3M tokens were 14 such steps), far above the small grid's critical batch.
+        recipe = doc.get("recipe", {})
+        seq = seq_len or int(recipe.get("seq_len", SEQ_LEN))
+        batch = args.global_batch or int(recipe.get("batch", BATCH))
+        search = FamilySearch(key, fit, doc, Scope.of(doc, train_tokens(args.data)),
+                              (vocab, cluster, seq, batch, precision, PINS, prices, as_of, args.max_nodes),
+                              cheapest_for_target)
+        try:
+            results[key] = _search_one(args, search, console, titled=len(fits) > 1)
+        except ConfigError as exc:
+            if len(fits) == 1:
+                raise
+            refusals[key] = str(exc)
+            console.print(f"{family_name(key)}: {exc}")
+            continue
+        searches.append(search)
+    if not results:
+        raise ConfigError("; ".join(f"{family_name(k)}: {why}" for k, why in refusals.items()))
+    if len(fits) == 1:
+        return next(iter(results.values()))
+    return _families_choice(args, searches, results, refusals, cluster, console)
+
+
+def _search_one(args, search, console, titled: bool) -> dict:
+    """One family's search, printed as before (its table, choice, scope and caveats)."""
+    fit, doc, scope, moe = search.fit, search.doc, search.scope, shape_of(search.key)
+    cluster, seq, batch = search.common[1:4]
+    of = f" with {family_name(search.key)} models" if titled else ""
     if args.target_bpb is not None:
-        result = cheapest_for_target(fit, args.target_bpb, scope, *common)
-        title = f"the cheapest way to reach {args.target_bpb:g} bpb"
+        result = cheapest_for_target(fit, args.target_bpb, scope, *search.common, moe=moe)
+        title = f"the cheapest way to reach {args.target_bpb:g} bpb{of}"
     else:
-        result = best_within(fit, scope, *common, args.budget, args.deadline)
+        result = best_within(fit, scope, *search.common, args.budget, args.deadline, moe=moe)
         title = "the lowest predicted bpb within " + " and ".join(
             ([f"${args.budget:,.0f}"] if args.budget else []) + ([f"{args.deadline:g} h"] if args.deadline else []))
-    print_quality(console, result, title, cluster, as_of, seq, batch)
+        title += of
+    print_quality(console, result, title, cluster, search.common[7], seq, batch)
     console.print(f"searched within the fit's scope: {scope.describe()}")
-    print_fit_caveats(fit_doc, console)
-    drift = recipe_drift(recipe, seq, batch)
+    print_fit_caveats((fit, doc), console)
+    drift = recipe_drift(doc.get("recipe", {}), seq, batch)
     if drift:
         console.print(drift)
-    return {**result, "scope": {"n_low": scope.n_low, "n_high": scope.n_high, "max_tokens": scope.max_tokens}}
+    return {**result, "family": search.key,
+            "scope": {"n_low": scope.n_low, "n_high": scope.n_high, "max_tokens": scope.max_tokens}}
+
+
+def _families_choice(args, searches, results: dict, refusals: dict, cluster: Cluster, console) -> dict:
+    """Dense or MoE: the cheaper family's choice for a target (and the crossover), the lower bpb within limits."""
+    from scaletrain.scaling.compare import compare, crossover, crossover_lines, price
+
+    if args.target_bpb is not None:
+        verdict = compare(results)
+        best = verdict["family"]
+        others = ", ".join(f"{family_name(k)} {_money(price(results[k]), results[k])} ({r:.2f}x)"
+                           for k, r in verdict["ratios"].items())
+        console.print(f"dense or MoE: {family_name(best)} reaches {args.target_bpb:g} bpb cheapest, "
+                      f"{_money(price(results[best]), results[best])}; {others or 'no other family reaches it'}")
+        cross = crossover(searches)
+        for line in crossover_lines(cross, cluster.hardware.name):
+            console.print(line)
+    else:
+        best = min(results, key=lambda k: results[k]["choice"]["val_bpb"])
+        console.print(f"dense or MoE: {family_name(best)} buys the lowest predicted bpb within the limits, "
+                      f"{results[best]['choice']['val_bpb']:.4f}")
+        cross = None
+    return {**results[best], "families": results, "refused": refusals, "crossover": cross}
+
+
+def _money(value: float, result: dict) -> str:
+    """A family's price as ``compare.price`` counts it (dollars, or hours when the price table has none)."""
+    return _usd(value) if result["choice"]["on_demand_usd"] > 0 else duration(value * 3600)
 
 
 def train_tokens(data_dir: str) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from scaletrain.core.files import write_file
 from scaletrain.data.shards import read_manifest
+from scaletrain.scaling.family import DENSE, family_name, shape_of
 from scaletrain.scaling.fit import PARAMS, ScalingFit, ScalingFitError
 
 FIT_FILE = "scaling_fit.json"
@@ -31,33 +32,48 @@ def data_fingerprint(data_dir: str | Path) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def fit_path(data_dir: str | Path) -> Path:
-    return Path(data_dir) / FIT_FILE
+def fit_path(data_dir: str | Path, family: str = DENSE) -> Path:
+    """``scaling_fit.json`` for the dense family, ``scaling_fit.moe8x2.json`` for a mixture of experts'
+    (scaling/family.py: a law is one family's)."""
+    return Path(data_dir) / (FIT_FILE if family == DENSE else f"scaling_fit.{family}.json")
 
 
-def write_fit(data_dir: str | Path, fit: ScalingFit, runs: list[dict], recipe: dict) -> Path:
-    """Write ``scaling_fit.json`` into the data folder (atomically: a temporary file renamed into place)."""
-    path = fit_path(data_dir)
-    doc = {"format": FORMAT, "data_fingerprint": data_fingerprint(data_dir), "created": time.strftime(
+def fitted_families(data_dir: str | Path) -> list[str]:
+    """The families with a fit file in ``data_dir`` (dense first), by file name; their content is ``load_fit``'s."""
+    keys = [DENSE] if fit_path(data_dir).is_file() else []
+    moe = Path(data_dir).glob("scaling_fit.moe*.json")
+    return keys + sorted(p.name[len("scaling_fit."):-len(".json")] for p in moe)
+
+
+def write_fit(data_dir: str | Path, fit: ScalingFit, runs: list[dict], recipe: dict, family: str = DENSE) -> Path:
+    """Write the family's fit into the data folder (atomically: a temporary file renamed into place)."""
+    path = fit_path(data_dir, family)
+    doc = {"format": FORMAT, "family": family, "data_fingerprint": data_fingerprint(data_dir), "created": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "N": "non-embedding parameters", "D": "training tokens",
         "loss": "val_bpb (bits per byte, held-out split)", **fit.as_dict(fitted_flops(runs)), "runs": runs,
         "recipe": recipe}
     return write_file(path, json.dumps(doc, indent=1), f"the scaling fit {path}")
 
 
-def load_fit(data_dir: str | Path) -> tuple[ScalingFit, dict]:
-    """(fit, the whole document) of a data folder; ScalingFitError when there is none, it is unreadable, it holds
-    a value no fit has (``check_fit_doc``), or it was fitted on other data (its fingerprint differs from the
-    folder's)."""
-    path = fit_path(data_dir)
+def load_fit(data_dir: str | Path, family: str = DENSE) -> tuple[ScalingFit, dict]:
+    """(fit, the whole document) of a data folder's ``family``; ScalingFitError when there is none, it is
+    unreadable, it holds a value no fit has (``check_fit_doc``), or it was fitted on other data (its fingerprint
+    differs from the folder's)."""
+    path = fit_path(data_dir, family)
     if not path.is_file():
-        raise ScalingFitError(f"{path}: no scaling fit for this data; run `scaletrain scale {data_dir} --out DIR "
-                              f"--budget 30min` first")
+        shape = shape_of(family)
+        moe = f" --moe {shape.experts}x{shape.top_k}" if shape else ""
+        what = "" if shape is None else f" of {family_name(family)} ({shape.describe()}: a law is one family's)"
+        raise ScalingFitError(f"{path}: no scaling fit{what} for this data; run `scaletrain scale {data_dir} --out "
+                              f"DIR --budget 30min{moe}` first")
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ScalingFitError(f"{path}: not a readable scaling fit ({exc}); run `scaletrain scale` again") from None
     check_fit_doc(doc, path, data_dir)
+    if isinstance(doc.get("family", DENSE), str) and doc.get("family", DENSE) != family:  # a renamed or copied file
+        raise ScalingFitError(f"{path} holds the fit of {family_name(doc['family'])}, not of {family_name(family)}; "
+                              f"put it back under its own name ({fit_path(data_dir, doc['family']).name})")
     fit = ScalingFit.from_dict(doc)
     have = data_fingerprint(data_dir)
     if doc.get("data_fingerprint") != have:

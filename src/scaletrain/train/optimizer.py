@@ -18,6 +18,7 @@ from torch import nn
 
 from scaletrain.config import ConfigError, JobConfig, OptimConfig
 from scaletrain.finetune.method_table import method_entry
+from scaletrain.model.moe import GroupedExperts
 from scaletrain.parallel.ddp import build_zero1_optimizer
 from scaletrain.train.muon import Muon, MuonAdamW, muon_matrices
 
@@ -25,9 +26,15 @@ if TYPE_CHECKING:  # the planner reads the table: no parallelize (DTensor, pipel
     from scaletrain.parallel import ParallelModel
 
 
+def _is_matrix_module(module: nn.Module) -> bool:
+    """A Linear layer, or a mixture of experts' stacked expert weights (each expert's slice is a Linear weight)."""
+    return isinstance(module, (nn.Linear, GroupedExperts))
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay 2-D weights of Linear layers; never norms or embeddings (decaying the embedding table
-    pulls rare tokens' vectors to zero, and norm gains towards zero, neither of which helps)."""
+    """Decay 2-D weights of Linear layers and the experts' stacked (E, out, in) ones, as the dense feed-forward
+    they replace; never norms or embeddings (decaying the embedding table pulls rare tokens' vectors to zero, and
+    norm gains towards zero, neither of which helps)."""
     decay, no_decay, seen = [], [], set()
     for module_name, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
@@ -35,7 +42,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                 continue  # a tied weight is listed once
             seen.add(id(p))
             ndim = len(getattr(p, "ds_shape", p.shape))  # DeepSpeed ZeRO-3 leaves an empty tensor, ds_shape
-            (decay if isinstance(module, nn.Linear) and ndim >= 2 else no_decay).append(p)
+            (decay if _is_matrix_module(module) and ndim >= 2 else no_decay).append(p)
     # The tied output head is an nn.Linear whose weight *is* the embedding: keep it undecayed.
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     no_decay += [p for p in decay if id(p) in emb_ids]
@@ -45,12 +52,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def mup_param_groups(model: nn.Module, weight_decay: float, width_mult: float) -> list[dict]:
     """``param_groups`` split for muP (model/mup.py, as the ``mup`` package's MuAdam): the hidden matrices (the
-    Linear layers inside blocks, both dimensions growing with the width) get ``lr_scale = 1 / width_mult`` and
+    Linear layers inside blocks, both dimensions growing with the width, and the experts' stacked weights: each
+    expert's width is the dense one's / top-k, growing with it) get ``lr_scale = 1 / width_mult`` and
     weight decay ``* width_mult`` (AdamW multiplies the decay by the lr, so their product stays put); the
     embedding, norms and the readout (output) keep the base lr. The trainer sets each group's lr to the
     schedule's lr times its ``lr_scale``."""
     decay, no_decay = param_groups(model, weight_decay)
-    hidden_ids = {id(p) for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    hidden_ids = {id(p) for name, module in model.named_modules() if _is_matrix_module(module)
                   and ".layers." in f".{name}." for p in module.parameters(recurse=False)}
     hidden = [p for p in decay["params"] if id(p) in hidden_ids]
     rest = [p for p in decay["params"] if id(p) not in hidden_ids]

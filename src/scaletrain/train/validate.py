@@ -141,9 +141,6 @@ def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
     if cfg.parallel.engine == "deepspeed":
         raise ConfigError("model.moe_experts: a mixture of experts runs on the native engine only; drop "
                           "--parallel.engine=deepspeed")
-    if cfg.model.parametrization == "mup":
-        raise ConfigError("model.moe_experts: muP's learning-rate groups do not model stacked experts yet; use "
-                          "model.parametrization=standard")
     ft = cfg.finetune
     if ft.source and ft.method == "qlora":
         raise ConfigError("finetune.method=qlora: its 4-bit base (torchao NF4, linear_nf4) holds 2-D nn.Linear "
