@@ -157,7 +157,9 @@ def dims_of(world: int, **parallel) -> ParallelDims:
     (2, dict(dp_shard=2, balance="throughput", ep=2), "parallel.balance=throughput"),
     (2, dict(dp_shard=2, activation_checkpointing="full", ep=2), None),  # recomputation repeats the all-to-all
     (2, dict(dp_shard=2, tp=1, ep=1), None),  # a mixture of experts under plain FSDP2
-    (2, dict(tp=2), "a mixture of experts trains with data parallelism (DDP, FSDP2) and expert parallelism"),
+    (2, dict(tp=2), "a mixture of experts trains with data parallelism (DDP, FSDP2), pipeline parallelism and"),
+    (2, dict(pp=2), None),  # a mixture of experts in pipeline stages (test_cli_moe_pipeline_*)
+    (8, dict(pp=2, dp_replicate=2, dp_shard=2), "the data-parallel ranks of a stage are parallel.dp_shard's only"),
 ])
 def test_expert_parallel_layouts_run_or_are_refused(world, parallel, message):
     if message is None:
@@ -184,3 +186,42 @@ def test_bad_expert_parallel_options_exit_2_with_one_line(flags, message, tmp_pa
     assert main(["train", f"--train.run_dir={tmp_path / 'run'}", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+@pytest.mark.distributed
+def test_cli_moe_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_process(tmp_path):
+    """A mixture of experts in 2 pipeline stages (layers 0-1 and 2-3 sparse on different ranks), evaluating every
+    3 steps (each switch back to training makes torch's schedule run its shape inference on uninitialised tensors
+    again, whose routing must not count): losses, the expert bias (through the losses) and the logged load of
+    every stage's layers equal one process'."""
+    from test_parallel_dist import TINY_TOML
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=10))
+    cli = ["-m", "scaletrain.cli", "train", "--config", str(config), *MOE_FLAGS, "--train.eval_interval=3"]
+    single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
+                            text=True, timeout=CEILING_S)
+    assert single.returncode == 0, single.stderr[-3000:]
+    pp = tmp_path / "pp"
+    torchrun(2, *cli, f"--train.run_dir={pp}", "--parallel.pp=2")
+    expected, got = train_losses(tmp_path / "single"), train_losses(pp)
+    assert len(got) == len(expected) == 10
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL
+
+    def loads(run) -> list[dict]:
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k.startswith("moe_tokens_per_expert/")} for r in records
+                if "moe_tokens_per_expert/0" in r]
+
+    assert loads(pp) == loads(tmp_path / "single") and set(loads(pp)[0]) == {f"moe_tokens_per_expert/{i}"
+                                                                              for i in range(4)}
+    (pp / "metrics.jsonl").unlink()
+    shutil.rmtree(pp / "checkpoints" / "step-00000010")
+    torchrun(2, *cli, f"--train.run_dir={pp}", "--parallel.pp=2", "--resume")
+    assert train_losses(pp) == got[5:]
+    (pp / "metrics.jsonl").unlink()
+    shutil.rmtree(pp / "checkpoints" / "step-00000010")
+    resumed = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", f"--train.run_dir={pp}", "--resume",
+                              "--parallel.pp=1"], capture_output=True, text=True, timeout=CEILING_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(abs(a - b) / b for a, b in zip(train_losses(pp), expected[5:])) < PARITY_RTOL

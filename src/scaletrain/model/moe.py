@@ -278,6 +278,16 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
     return found
 
 
+COUNT_BUFFERS = ("tokens_since_update", "tokens_since_log", "dropped_since_log")
+
+
+def routing_counts(model: nn.Module) -> list[torch.Tensor]:
+    """Every sparse layer's count buffers (``COUNT_BUFFERS``, in a fixed order): what each forward under gradients
+    adds its routing to. A forward that is not the step's (a pipeline schedule's shape inference on uninitialised
+    tensors) has its share taken back out of them (train/loss.py ``StageTerms``)."""
+    return [getattr(layer, name) for _, layer in moe_layers(model) for name in COUNT_BUFFERS]
+
+
 def update_expert_bias(models: list[nn.Module], keep: bool | torch.Tensor = True) -> None:
     """After an optimizer step: each sparse layer's bias moved by the tokens its experts took in the step (not
     after a skipped step: ``keep``, see ``MoEFeedForward.update_bias``).

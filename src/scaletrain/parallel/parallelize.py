@@ -63,6 +63,7 @@ class ParallelModel:
     # The objective's loss on whole logits, installed once where the training is built (finetune/objectives.py);
     # None: the next-token cross-entropy, which may run by chunks (train/loss.py).
     objective_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    experts: bool = False  # a mixture of experts (model.moe_experts): the same on every rank, whatever its stages
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -84,9 +85,24 @@ class ParallelModel:
     def sum_expert_counts(self, *names: str) -> None:
         """A mixture of experts' count buffers ``names`` summed over the data-parallel ranks (parallel/expert.py);
         nothing in one process or for a dense model. Every data-parallel rank calls it (``check_moe_runnable``
-        keeps a mixture of experts to data and expert parallelism, so the world is the data-parallel group)."""
+        keeps a mixture of experts to data, expert and pipeline parallelism: without a pipeline the world is the
+        data-parallel group; with one, the ranks of this rank's stages, ``dp_shard``)."""
         if self.dims.dp_size > 1:
-            sum_expert_counts(self.modules, names, None)
+            sum_expert_counts(self.modules, names, self.group("dp_shard") if self.dims.pp > 1 else None)
+
+    def gather_over_stages(self, record: dict) -> dict:
+        """A mixture of experts' logged load (``model.moe.expert_load``: each rank has its own stages' layers)
+        merged over the pipeline, the worst layer's ``moe_max_mean_load`` recomputed; ``record`` as it is without
+        a pipeline. Every pipeline rank calls it (it gathers)."""
+        if self.pipeline is None or not self.experts:  # a dense pipeline gathers nothing
+            return record
+        every: list[dict | None] = [None] * self.dims.pp
+        dist.all_gather_object(every, record, group=self.group("pp"))
+        merged = {k: v for part in every for k, v in part.items()}
+        worst = [v for k, v in merged.items() if k.startswith("moe_max_mean_load/")]
+        if worst:
+            merged["moe_max_mean_load"] = max(worst)
+        return merged
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group of one mesh dimension (None when that degree is 1)."""
@@ -149,7 +165,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
     materialize(parts, model_cfg, device, seed, distributed=dims.world_size > 1, weights=init_weights)  # 6.
 
     pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, device=device,
-                       dp_rank=_dp_rank(mesh, dims) if mesh is not None else 0, vocab_limit=vocab_limit)
+                       dp_rank=_dp_rank(mesh, dims) if mesh is not None else 0, vocab_limit=vocab_limit,
+                       experts=bool(model_cfg.moe_experts))
     replicate = pm.group("dp_replicate")
     if replicate is not None and dims.dp_shard == 1:  # 7. replicated data parallel
         if cfg.low_comm != "none":

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletrain.model.loss import AUXILIARY, chunkable_head, rows_at_once
+from scaletrain.model.moe import routing_counts
 from scaletrain.parallel.ddp import grad_sync_context
 from scaletrain.parallel.parallelize import ParallelModel, cp_context
 from scaletrain.parallel.tensor import mask_padding
@@ -185,13 +186,22 @@ class StageTerms:
 
     A step's terms are those of each stage's last ``microbatches`` forwards: torch 2.13's schedule first runs
     every stage once on uninitialised tensors of the right shapes (its metadata inference, at the first step and
-    after each switch between evaluation and training), whose terms are garbage. ``names``: the terms the
+    after each switch between evaluation and training), whose terms are garbage. So is the routing such a
+    forward counts into a mixture of experts' load (``model.moe.routing_counts``: the expert bias would move by
+    it, and the logged load include it): its counts are taken back out at ``take``. ``names``: the terms the
     pipeline's stages leave, agreed once over its ranks (``sum_over_stages``)."""
 
     def __init__(self, scale: float, microbatches: int):
         self.scale, self.microbatches = scale, microbatches
         self.forwards: dict[int, list[dict[str, torch.Tensor]]] = {}  # id(stage) -> each forward's shares
         self.names: list[str] | None = None
+        # id(stage) -> its routing count buffers, their values before the step's first forward, after each forward
+        self.counts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]] = {}
+
+    def before_forward(self, stage: nn.Module, _inputs) -> None:
+        """A stage's forward pre-hook: at the first forward since ``take``, the routing counts it starts from."""
+        if torch.is_grad_enabled() and id(stage) not in self.forwards and (buffers := routing_counts(stage)):
+            self.counts[id(stage)] = (buffers, [b.clone() for b in buffers], [])
 
     def after_forward(self, stage: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor | None:
         """A stage's forward hook: its terms join the backward (training) or are dropped (evaluation, which runs
@@ -201,15 +211,23 @@ class StageTerms:
             return None
         self.forwards.setdefault(id(stage), []).append(
             {name: term.detach() * self.scale for name, term in terms.items()})
+        if id(stage) in self.counts:
+            self.counts[id(stage)][2].append([b.clone() for b in self.counts[id(stage)][0]])
         return _AuxiliaryBackward.apply(output, self.scale, *terms.values()) if terms else None
 
     def take(self) -> dict[str, torch.Tensor]:
         """The shares of the micro-batches since the last take, summed by name (``forward_backward``)."""
         shares: dict[str, torch.Tensor] = {}
-        for forwards in self.forwards.values():
+        for key, forwards in self.forwards.items():
             for left in forwards[-self.microbatches:]:
                 add_shares(shares, left)
-        self.forwards = {}
+            extra = len(forwards) - self.microbatches  # the schedule's shape-inference forwards, first
+            if extra > 0 and key in self.counts:
+                buffers, before, after = self.counts[key]
+                with torch.no_grad():
+                    for buffer, start, end in zip(buffers, before, after[extra - 1]):
+                        buffer -= end - start
+        self.forwards, self.counts = {}, {}
         return shares
 
 
@@ -219,6 +237,7 @@ def carry_stage_terms(pm: ParallelModel) -> None:
     terms = StageTerms(pm.pipeline.loss_scale, pm.pipeline.microbatches)
     pm.pipeline.auxiliary = terms
     for stage in pm.modules:
+        stage.register_forward_pre_hook(functools.partial(StageTerms.before_forward, terms))
         stage.register_forward_hook(functools.partial(StageTerms.after_forward, terms))
 
 

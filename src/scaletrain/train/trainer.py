@@ -382,7 +382,8 @@ class Trainer:
         """The logged record of a step: its values, speed, memory, the resource monitor's window (collective)."""
         self.pm.sum_expert_counts("tokens_since_log", "dropped_since_log")  # the load of every data-parallel rank
         return {"step": self.state.step, **record, **self.throughput.record(self.cfg.logging.log_interval),
-                **expert_load(self.pm.modules),  # a mixture of experts' load since the last log step (model/moe.py)
+                # a mixture of experts' load since the last log step (model/moe.py), of every pipeline stage
+                **self.pm.gather_over_stages(expert_load(self.pm.modules)),
                 **gathered_window(self.monitor, self.device, self.env.world_size)}
 
     def _eval_and_sample(self, logger: MetricsLogger) -> None:
