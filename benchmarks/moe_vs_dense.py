@@ -46,14 +46,15 @@ RUNS = {
 LOG_EVERY = 10  # steps a logged step time covers (its window's mean x this = the window's training seconds)
 
 
-def prepare(tmp: str) -> tuple[str, str]:
-    """The data folder both runs read (prepared once here, so neither run's wall holds the preparation)."""
+def prepare(tmp: str, source: Path = GUTENBERG) -> tuple[str, str]:
+    """The data folder every run reads: the folder of .txt ``source`` prepared once at character level into
+    ``tmp/data`` (so no run's wall holds the preparation), and its description; the bundled Tiny Shakespeare where
+    ``source`` is absent. benchmarks/moe_balance.py's ``--data`` prepares its folder here too."""
     from scaletrain.data.prepare import prepare_text
 
-    source = GUTENBERG if GUTENBERG.is_dir() else None
     out = Path(tmp) / "data"
-    if source is None:
-        return "builtin:tinyshakespeare", "Tiny Shakespeare (bundled; ../shared/data/gutenberg-shakespeare absent)"
+    if not source.is_dir():
+        return "builtin:tinyshakespeare", f"Tiny Shakespeare (bundled; {source} absent)"
     prepare_text(str(source), out, tokenizer="char", val_fraction=0.02)
     return str(out), f"{source.name} ({sum(p.stat().st_size for p in source.glob('*.txt')):,} bytes)"
 

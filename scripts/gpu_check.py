@@ -4,6 +4,7 @@
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --only fp8,lora-qlora
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --only decode-compiled   # not in the full run
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --only qlora-compiled    # not in the full run
+    PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --only moe               # not in the full run
     PYTHONPATH=src python scripts/gpu_check.py --out gpu-check --dry-run   # the rehearsal on a CPU (tests)
 
 Each check runs in its own process (``--child NAME``) with its own time limit, through the project's own
@@ -130,19 +131,21 @@ GPT2_SEQ, GPT2_STEPS = 1024, 50
 MICRO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
 
 
-def plan_gpt2(ctx: Ctx) -> tuple[Path, dict]:
-    """``scaletrain plan`` for gpt2-124m on one device of this kind at the largest micro-batch it says fits
-    (no recomputation, no accumulation): the emitted job TOML and that plan."""
+def plan_gpt2(ctx: Ctx, model: dict | None = None) -> tuple[Path, dict]:
+    """``scaletrain plan`` for gpt2-124m (with ``model``'s fields over it, e.g. its experts) on one device of this
+    kind at the largest micro-batch it says fits (no recomputation, no accumulation): the emitted job TOML and that
+    plan."""
     toml, doc = ctx.folder / "plan.toml", ctx.folder / "plan.json"
     for micro_batch in MICRO_BATCHES:
-        proc = ctx.run(scaletrain("plan", "--model.preset=gpt2-124m", "--hardware", f"{ctx.hardware}:1",
+        proc = ctx.run(scaletrain("plan", "--model.preset=gpt2-124m", *flags(model or {}), "--hardware",
+                                  f"{ctx.hardware}:1",
                                   f"--data.seq_len={GPT2_SEQ}", "--global-batch", str(micro_batch), "--micro-batch",
                                   str(micro_batch), "--parallel.activation_checkpointing=none", "--tokens", "100M",
                                   "--json", str(doc), "--emit", str(toml)),
                        f"plan-mb{micro_batch}", timeout=120, check=False)
         if proc.returncode == 0:
             return toml, json.loads(doc.read_text())["plans"][0]
-    raise Failed(f"the planner says no micro-batch of gpt2-124m fits one {ctx.hardware}")
+    raise Failed(f"the planner says no micro-batch of gpt2-124m {flags(model or {})} fits one {ctx.hardware}")
 
 
 def gpt2_overrides(ctx: Ctx, run: Path, **extra) -> dict:
@@ -168,29 +171,34 @@ def train_numbers(ctx: Ctx, run: Path) -> dict:
     from scaletrain.config import load_config
     from scaletrain.hardware.catalog import CATALOG
     from scaletrain.model.presets import flops_per_token
+    from scaletrain.train.metrics import mfu
 
     cfg = load_config(run / "config.toml")
     rec = last_step_record(run)
     datasheet = CATALOG[ctx.hardware].peak_flops["bf16"]
+    # flops_per_token counts the matmuls a token runs: of a mixture of experts the router and its top-k experts
     return {"tokens_per_second": round(rec["tokens_per_second"], 1), "step_ms": round(rec["step_ms"], 2),
             "mfu_vs_measured_peak": round(rec["mfu"], 4),
-            "mfu_vs_datasheet_bf16": round(rec["tokens_per_second"] * flops_per_token(cfg.model, cfg.data.seq_len)
-                                           / datasheet, 4),
+            "mfu_vs_datasheet_bf16": round(mfu(flops_per_token(cfg.model, cfg.data.seq_len),
+                                               rec["tokens_per_second"], datasheet), 4),
             "peak_memory_mib": round(rec["peak_memory_mb"], 1), "train_loss": rec["loss"],
             "val_loss": final_val_loss(run), "micro_batch": cfg.train.batch_size,
             "grad_accum_steps": cfg.train.grad_accum_steps,
             "cuda_max_reserved_mib": round(rec["cuda_max_reserved_mb"], 1) if "cuda_max_reserved_mb" in rec else None}
 
 
-def gpt2_check(ctx: Ctx, name: str, **extra) -> dict:
-    """Plan gpt2-124m, train the emitted job for 50 steps with ``extra`` flags, set the two side by side."""
-    toml, best = plan_gpt2(ctx)
+def gpt2_check(ctx: Ctx, name: str, model: dict | None = None, **extra) -> dict:
+    """Plan gpt2-124m (``model``'s fields over it), train the emitted job for 50 steps with ``extra`` flags, set
+    the two side by side."""
+    toml, best = plan_gpt2(ctx, model)
     run = ctx.folder / "run"
     ctx.run(scaletrain("train", "--config", str(toml), *flags(gpt2_overrides(ctx, run, **extra))), name, timeout=900)
     got = train_numbers(ctx, run)
     # Peak memory is the allocator's max allocated tensor bytes: set beside the plan's tensors, before its
     # allocator margin and runtime reserve (both in predicted_total_mib).
     predicted = {"plan": best["label"], "predicted_tokens_per_second": round(best["time"]["tokens_per_second"], 1),
+                 "predicted_step_ms": round(1000 * best["time"]["step"], 2),
+                 "predicted_mfu": round(best["time"]["mfu"], 4),
                  "predicted_tensor_mib": round(best["memory"]["tensor_total"] / 2**20, 1),
                  "predicted_total_mib": round(best["memory"]["total"] / 2**20, 1)}
     got.update(predicted)
@@ -246,6 +254,55 @@ def check_train_fp16(ctx: Ctx) -> dict:
     if out["val_loss"] is None or out["val_loss"] != out["val_loss"]:
         raise Failed(f"fp16: no finite validation loss ({out['val_loss']})")
     return {**out, "skipped_updates_logged": skipped}
+
+
+# -- mixture of experts: gpt2-124m's active parameters in 8 experts top-2 (issue 51) -----------------------
+# Over gpt2-124m: every block's SwiGLU (2048 wide) becomes 8 experts of 1024, 2 a token (the same active width):
+# 293.5M parameters, 123.7M active (the dense model's and the router's), ~3.5 GiB of bf16 weights and AdamW state.
+MOE_MODEL = {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_hidden_dim": 1024}
+DRY_MOE_MODEL = {"model.moe_experts": 4, "model.moe_hidden_dim": 64}  # over TINY_MODEL: widths of 16-byte multiples
+
+
+def grouped_gemm_path(model_cfg, device: str) -> bool:
+    """Whether the run's experts ran as ``torch._grouped_mm`` (model/moe.py's own rule, asked with the run's
+    shapes in bf16 on this device), not as the sorted-token loop."""
+    import torch
+
+    from scaletrain.model.moe import grouped_mm_fits
+    from scaletrain.model.presets import expert_hidden_dim
+
+    e, d, h = model_cfg.moe_experts, model_cfg.dim, expert_hidden_dim(model_cfg)
+    x, w1, w2 = (torch.empty(*shape, dtype=torch.bfloat16, device=device) for shape in ((1, d), (e, h, d), (e, d, h)))
+    return grouped_mm_fits(x, w1, w2)
+
+
+def check_moe(ctx: Ctx) -> dict:
+    """An MoE of gpt2-124m's active parameters as the planner plans it (the largest micro-batch it says fits one
+    device), trained 50 steps in bf16, compiled, its experts as grouped GEMMs: tokens/s, MFU of the active FLOPs and
+    the measured step beside the planner's; the expert load of the last log window. The dry run trains a tiny MoE
+    eagerly (its grouped GEMM in bf16 on the CPU)."""
+    from scaletrain.config import load_config
+    from scaletrain.model.presets import active_params, flops_per_token, num_params
+
+    compile_ = "false" if ctx.dry else "true"
+    out = gpt2_check(ctx, "train", MOE_MODEL, **{"train.precision": "bf16", "train.compile": compile_},
+                     **(DRY_MOE_MODEL if ctx.dry else {}))
+    run = ctx.folder / "run"
+    cfg, rec = load_config(run / "config.toml"), last_step_record(run)
+    out.update(parameters=num_params(cfg.model), active_parameters=active_params(cfg.model),
+               active_flops_per_token=flops_per_token(cfg.model, cfg.data.seq_len),  # the MFU's numerator
+               experts=cfg.model.moe_experts, top_k=cfg.model.moe_top_k, expert_hidden_dim=cfg.model.moe_hidden_dim,
+               grouped_gemm=grouped_gemm_path(cfg.model, ctx.device),
+               max_mean_load=rec.get("moe_max_mean_load"),
+               dropped_tokens=sum(v for k, v in rec.items() if k.startswith("moe_dropped_tokens/")))
+    if not ctx.dry:
+        out["measured_over_predicted_step_ms"] = round(out["step_ms"] / out["predicted_step_ms"], 3)
+    if not out["grouped_gemm"]:
+        raise Failed(f"the experts ran as the sorted-token loop, not grouped GEMMs ({ctx.device}, bf16, "
+                     f"{cfg.model.dim} x {cfg.model.moe_hidden_dim})")
+    if ctx.dry:
+        out["note"] = "dry run: a tiny MoE, eager, on the CPU (the MFU's datasheet and the plan are the GPU's)"
+    return out
 
 
 # -- side by side: nanoGPT's loop on the same card, shape and batch ----------------------------------------
@@ -922,6 +979,11 @@ CHECKS = [
     Check("train-bf16-eager", 60, check_train_bf16_eager, PRETRAIN_KEYS, expected_s=34),
     Check("train-fp16", 60, check_train_fp16, ("tokens_per_second", "val_loss", "skipped_updates_logged",
                                                "peak_memory_mib"), expected_s=36),
+    # An estimate (not yet run on a GPU): a cold compile of the MoE blocks and 50 steps; its own call, `--only moe`.
+    Check("moe", 200, check_moe, ("tokens_per_second", "mfu_vs_datasheet_bf16", "predicted_mfu", "step_ms",
+                                  "predicted_step_ms", "measured_over_predicted_step_ms", "parameters",
+                                  "active_parameters", "grouped_gemm", "max_mean_load", "micro_batch"),
+          expected_s=120, full_run=False),
     Check("fp8", 170, check_fp8, ("bf16_step_ms", "fp8_step_ms", "fp8_speedup", "val_loss_change", "fp8_linears"),
           expected_s=124),
     Check("resume-kill9", 90, check_resume_kill9, ("killed_at_step", "steps", "losses_differing",

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -138,4 +139,47 @@ def test_the_qlora_compiled_row_runs_lora_and_both_qlora_paths_side_by_side(dry_
     assert math.isfinite(n["qlora_compiled"]["fitted_dequant_bytes_per_weight"])
     assert "qlora-compiled" in proc.stdout and "meets_target=" in proc.stdout
     check = next(c for c in _script().CHECKS if c.name == "qlora-compiled")
+    assert not check.full_run and check.expected_s <= check.budget_s
+
+
+def moe_row_problems(row: dict) -> list[str]:
+    """What is wrong with a dry run's ``moe`` row (tiny MoE, eager, the CPU): it trained through the planner's job,
+    its experts as grouped GEMMs, its MFU the trainer's one function of the active FLOPs, the plan's step beside."""
+    from scaletrain.config import load_config
+    from scaletrain.hardware.catalog import CATALOG
+    from scaletrain.model.presets import active_params, flops_per_token, num_params
+    from scaletrain.train.metrics import mfu
+
+    n, folder = row["numbers"], Path(row["folder"])
+    if row["status"] != "ok":
+        return [f"status {row['status']}: {row['reason']}"]
+    cfg = load_config(folder / "run" / "config.toml")
+    plan = json.loads((folder / "plan.json").read_text())
+    problems = [f"{what}: {got!r}" for what, got, want in (
+        ("experts (the dry shape over the plan's job)", (n["experts"], n["top_k"], n["expert_hidden_dim"]), (4, 2, 64)),
+        ("planned model", (plan["workload"]["params_total"], plan["workload"]["params_active"]),
+         (293_530_368, 123_661_056)),  # gpt2-124m with 8 experts x 1024 top-2 on the GPU
+        ("parameters", (n["parameters"], n["active_parameters"]), (num_params(cfg.model), active_params(cfg.model))),
+        ("grouped GEMM", n["grouped_gemm"], True), ("dropped tokens", n["dropped_tokens"], 0),
+        ("active FLOPs a token", n["active_flops_per_token"], flops_per_token(cfg.model, cfg.data.seq_len)),
+        ("every expert's FLOPs a token", flops_per_token(replace(cfg.model, moe_top_k=4), cfg.data.seq_len)
+         - n["active_flops_per_token"], 6 * 2 * 2 * 3 * 64 * 64),  # 2 more experts of 3 x 64 x 64 in 2 blocks
+        ("active-FLOPs MFU", n["mfu_vs_datasheet_bf16"],
+         round(mfu(flops_per_token(cfg.model, cfg.data.seq_len), n["tokens_per_second"],
+                   CATALOG["h100-sxm"].peak_flops["bf16"]), 4)),
+        ("predicted step", n["predicted_step_ms"], round(1000 * plan["plans"][0]["time"]["step"], 2)),
+    ) if got != want]
+    if not (n["parameters"] > n["active_parameters"] and n["max_mean_load"] >= 1 and n["predicted_mfu"] > 0
+            and n["tokens_per_second"] > 0 and math.isfinite(n["train_loss"])):
+        problems.append(f"numbers out of range: {n}")
+    return problems
+
+
+@pytest.mark.slow  # reads the rehearsal's rows (the dry_run fixture)
+def test_the_moe_row_trains_grouped_experts_beside_the_plan(dry_run):
+    proc, doc, _ = dry_run
+    row = {e["name"]: e for e in doc["checks"]}["moe"]
+    assert moe_row_problems(row) == [], row
+    assert "moe" in proc.stdout and "grouped_gemm=True" in proc.stdout
+    check = next(c for c in _script().CHECKS if c.name == "moe")
     assert not check.full_run and check.expected_s <= check.budget_s
