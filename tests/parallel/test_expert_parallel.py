@@ -157,9 +157,12 @@ def dims_of(world: int, **parallel) -> ParallelDims:
     (2, dict(dp_shard=2, balance="throughput", ep=2), "parallel.balance=throughput"),
     (2, dict(dp_shard=2, activation_checkpointing="full", ep=2), None),  # recomputation repeats the all-to-all
     (2, dict(dp_shard=2, tp=1, ep=1), None),  # a mixture of experts under plain FSDP2
-    (2, dict(tp=2), "a mixture of experts trains with data parallelism (DDP, FSDP2), pipeline parallelism and"),
+    (2, dict(cp=2), "a mixture of experts trains with data parallelism (DDP, FSDP2), tensor, pipeline and expert"),
+    (2, dict(tp=2), "routes replicated tokens, not a sequence shard; set parallel.sequence_parallel=false"),
+    (2, dict(tp=2, sequence_parallel=False), None),  # the experts' hidden units split (test_cli_moe_tensor_*)
     (2, dict(pp=2), None),  # a mixture of experts in pipeline stages (test_cli_moe_pipeline_*)
-    (8, dict(pp=2, dp_replicate=2, dp_shard=2), "the data-parallel ranks of a stage are parallel.dp_shard's only"),
+    (8, dict(pp=2, dp_replicate=2, dp_shard=2), "the data-parallel ranks are parallel.dp_shard's only"),
+    (8, dict(tp=2, dp_replicate=2, dp_shard=2, sequence_parallel=False), "the data-parallel ranks are parallel.dp_"),
 ])
 def test_expert_parallel_layouts_run_or_are_refused(world, parallel, message):
     if message is None:
@@ -225,3 +228,40 @@ def test_cli_moe_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_p
                               "--parallel.pp=1"], capture_output=True, text=True, timeout=CEILING_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert max(abs(a - b) / b for a, b in zip(train_losses(pp), expected[5:])) < PARITY_RTOL
+
+
+@pytest.mark.distributed
+def test_cli_moe_tensor_parallel_matches_one_process_and_resumes_bitwise_and_onto_one_process(tmp_path):
+    """Tensor parallelism of a mixture of experts (parallel/tensor.py ``apply_expert_tp``): attention split as
+    for a dense model, each expert's hidden units split over the 2 ranks, the router replicated; the balance
+    loss, the z-loss and the expert bias all on (every rank routes the same tokens). The vocabulary is given
+    (66, a multiple of tp) so both runs build the same model: the default pads 65 to 66 under tp = 2 only."""
+    from test_parallel_dist import TINY_TOML
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=10))
+    flags = [f for f in MOE_FLAGS if "balance_coef" not in f] + ["--model.vocab_size=66"]
+    cli = ["-m", "scaletrain.cli", "train", "--config", str(config), *flags]
+    single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
+                            text=True, timeout=CEILING_S)
+    assert single.returncode == 0, single.stderr[-3000:]
+    tp = tmp_path / "tp"
+    tp_flags = [f"--train.run_dir={tp}", "--parallel.tp=2", "--parallel.sequence_parallel=false"]
+    torchrun(2, *cli, *tp_flags)
+    expected, got = train_losses(tmp_path / "single"), train_losses(tp)
+    assert len(got) == len(expected) == 10
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL
+    records = [json.loads(line) for line in (tp / "metrics.jsonl").read_text().splitlines()]
+    singles = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["moe_tokens_per_expert/3"] for r in records if "moe_tokens_per_expert/3" in r] == \
+        [r["moe_tokens_per_expert/3"] for r in singles if "moe_tokens_per_expert/3" in r]  # not counted twice
+    (tp / "metrics.jsonl").unlink()
+    shutil.rmtree(tp / "checkpoints" / "step-00000010")
+    torchrun(2, *cli, *tp_flags, "--resume")
+    assert train_losses(tp) == got[5:]
+    (tp / "metrics.jsonl").unlink()
+    shutil.rmtree(tp / "checkpoints" / "step-00000010")
+    resumed = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", f"--train.run_dir={tp}", "--resume",
+                              "--parallel.tp=1"], capture_output=True, text=True, timeout=CEILING_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(abs(a - b) / b for a, b in zip(train_losses(tp), expected[5:])) < PARITY_RTOL

@@ -85,10 +85,11 @@ class ParallelModel:
     def sum_expert_counts(self, *names: str) -> None:
         """A mixture of experts' count buffers ``names`` summed over the data-parallel ranks (parallel/expert.py);
         nothing in one process or for a dense model. Every data-parallel rank calls it (``check_moe_runnable``
-        keeps a mixture of experts to data, expert and pipeline parallelism: without a pipeline the world is the
-        data-parallel group; with one, the ranks of this rank's stages, ``dp_shard``)."""
+        keeps a mixture of experts to data, expert, tensor and pipeline parallelism: without a pipeline or tensor
+        parallelism the world is the data-parallel group; with them, ``dp_shard``)."""
         if self.dims.dp_size > 1:
-            sum_expert_counts(self.modules, names, self.group("dp_shard") if self.dims.pp > 1 else None)
+            within = self.dims.pp > 1 or self.dims.tp > 1  # the world holds other stages / tensor-parallel copies
+            sum_expert_counts(self.modules, names, self.group("dp_shard") if within else None)
 
     def gather_over_stages(self, record: dict) -> dict:
         """A mixture of experts' logged load (``model.moe.expert_load``: each rank has its own stages' layers)

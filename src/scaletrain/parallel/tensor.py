@@ -11,10 +11,13 @@ sequence: the reductions become reduce-scatter + all-gather pairs, and activatio
 
 from __future__ import annotations
 
+import types
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -24,6 +27,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scaletrain.model.hf_names import PROJECTIONS, block_suffix
+from scaletrain.model.moe import GroupedExperts, MoEFeedForward
+from scaletrain.parallel.expert import EXPERT_WEIGHTS
 
 # Projections split by input rows (their outputs are partial sums, reduced once); the others by output columns.
 ROW_SPLIT = ("o", "down")
@@ -50,6 +55,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         parallelize_module(model if name == "" else model.get_submodule(name), tp_mesh, style)
 
     for block in model.layers.values():
+        sparse = isinstance(block.feed_forward, MoEFeedForward)
         plan: dict = {
             # Enter each block with a plain local tensor (the residual stream then stays local; mixing a
             # DTensor residual with local branch outputs would fail). Hence use_local_output=True.
@@ -57,9 +63,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
                                    desired_input_layouts=(residual, None, None, None), use_local_output=True),
             "attention": PrepareModuleInput(input_layouts=(residual, None, None, None),
                                             desired_input_layouts=(Replicate(), None, None, None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+            # a sparse feed-forward computes on the local (replicated) tokens (parallel/expert.py)
+            "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),),
+                                               use_local_output=sparse),
         }
         for role in PROJECTIONS:  # the projections by role (model/hf_names.py)
+            if sparse and block_suffix(role).startswith("feed_forward."):
+                continue  # its experts: apply_expert_tp below
             plan[block_suffix(role)] = (RowwiseParallel(output_layouts=residual) if role in ROW_SPLIT
                                         else ColwiseParallel())
         if block.attention.q_norm is not None:
@@ -74,11 +84,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             plan.update({name: SequenceParallel(use_local_output=name.endswith("post_norm")) for name in norms})
         for name, style in plan.items():
             parallelize_module(block if name == "" else block.get_submodule(name), tp_mesh, style)
+        if sparse:
+            apply_expert_tp(block.feed_forward, tp_mesh)
         if not sequence_parallel:
             for name in norms:
-                _replicate(block.get_submodule(name), tp_mesh)
+                replicate_module(block.get_submodule(name), tp_mesh)
     if model.norm is not None and not sequence_parallel:
-        _replicate(model.norm, tp_mesh)
+        replicate_module(model.norm, tp_mesh)
     return model
 
 
@@ -90,7 +102,7 @@ def _residual_norms(block: nn.Module) -> list[str]:
     return names + (["attention_post_norm", "ffn_post_norm"] if getattr(block, "post_norms", False) else [])
 
 
-def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+def replicate_module(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Make a module's parameters Replicate DTensors that compute on plain full inputs.
 
     Without sequence parallelism the norms are not split, but their weights must still be DTensors:
@@ -110,6 +122,70 @@ def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         return output.to_local() if isinstance(output, DTensor) else output
 
     distribute_module(module, tp_mesh, to_replicate, inputs_as_dtensor, output_as_local)
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """The identity forward; the gradient summed over the tensor-parallel ranks in backward (each rank's experts
+    hold a slice of the hidden units, so each gives a partial gradient of their input: Megatron's "copy to the
+    tensor-parallel region")."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """The experts' partial outputs summed over the tensor-parallel ranks; the (replicated) gradient passes
+    through in backward (Megatron's "reduce from the tensor-parallel region", as RowwiseParallel's output)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = tensor.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+# Each expert's hidden units split over the tensor-parallel ranks, as the dense SwiGLU's: w1, w3 (E, h, d) by
+# their rows h, w2 (E, d, h) by its columns.
+TP_SHARDS = {"w1": Shard(1), "w3": Shard(1), "w2": Shard(2)}
+
+
+def apply_expert_tp(feed_forward: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism of one sparse feed-forward (``MoEFeedForward``) on a 1-D ``tp_mesh``, without sequence
+    parallelism: every rank routes the same (replicated) tokens; each expert's hidden units are split over the
+    ranks (``TP_SHARDS``, the dense feed-forward's column / row split), computed on the local slices by
+    ``GroupedExperts.compute`` and summed over the ranks once, at the experts' output; the router's weights are
+    replicated (its scores are the same on every rank), the shared experts split as the dense feed-forward.
+    The model's code is unchanged: the experts' forward is replaced on the instance, as ``apply_ep`` does."""
+    experts = feed_forward.experts
+    for name, placement in TP_SHARDS.items():
+        weight = getattr(experts, name)
+        sharded = distribute_tensor(weight.data, tp_mesh, [placement], src_data_rank=None)
+        setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+    experts.forward = types.MethodType(_tensor_parallel_forward, experts)
+    experts.tp_group = tp_mesh.get_group()
+    replicate_module(feed_forward.router, tp_mesh)
+    if feed_forward.shared_experts is not None:
+        plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        parallelize_module(feed_forward.shared_experts, tp_mesh, plan)
+
+
+def _tensor_parallel_forward(self: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x (M, d): the routed tokens sorted by expert (the same on every tensor-parallel rank) -> (M, d)."""
+    rows = _CopyToTensorParallel.apply(x, self.tp_group)
+    partial = self.compute(rows, counts, *(getattr(self, name).to_local() for name in EXPERT_WEIGHTS))
+    return _ReduceFromTensorParallel.apply(partial, self.tp_group)
 
 
 def mask_padding(logits: torch.Tensor, vocab_limit: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletrain.model.loss import AUXILIARY, chunkable_head, rows_at_once
@@ -111,6 +111,10 @@ def with_auxiliary(loss: torch.Tensor, terms: dict[str, torch.Tensor], accum: fl
     """``loss`` plus the auxiliary ``terms`` (what is backpropagated); each term's share of the step (term /
     ``accum``, detached) is added into ``into`` by name (the step's mean, logged)."""
     for term in terms.values():
+        if isinstance(loss, DTensor) and not isinstance(term, DTensor):
+            # tensor parallelism's loss is a replicated DTensor and each rank's term the same local value: as a
+            # 0-dim tensor DTensor would add it as a constant, and its backward would then mix the two kinds
+            term = DTensor.from_local(term, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
         loss = loss + term
     if into is not None:
         add_shares(into, {name: term.detach() / accum for name, term in terms.items()})

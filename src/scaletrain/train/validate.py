@@ -133,13 +133,17 @@ def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
     the other adapter methods, and LoRA with expert parallelism or Muon on the adapters."""
     if not cfg.model.moe_experts:
         return
-    if dims.tp > 1 or dims.cp > 1 or cfg.parallel.low_comm != "none":
+    if dims.cp > 1 or cfg.parallel.low_comm != "none":
         raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts}: a mixture of experts trains with data "
-                          f"parallelism (DDP, FSDP2), pipeline parallelism and expert parallelism (parallel.ep) for "
-                          f"now; set parallel.tp and parallel.cp to 1 and parallel.low_comm=none")
-    if dims.pp > 1 and dims.dp_replicate > 1:  # the load is summed over a stage's dp_shard ranks (parallelize.py)
-        raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts} with parallel.pp={dims.pp}: the data-parallel "
-                          f"ranks of a stage are parallel.dp_shard's only; set parallel.dp_replicate=1")
+                          f"parallelism (DDP, FSDP2), tensor, pipeline and expert parallelism (parallel.ep) for now; "
+                          f"set parallel.cp to 1 and parallel.low_comm=none")
+    if dims.tp > 1 and cfg.parallel.sequence_parallel:
+        raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts} with parallel.tp={dims.tp}: the experts' "
+                          f"tensor parallelism routes replicated tokens, not a sequence shard; set "
+                          f"parallel.sequence_parallel=false")
+    if (dims.pp > 1 or dims.tp > 1) and dims.dp_replicate > 1:  # the load is summed over dp_shard (parallelize.py)
+        raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts} with parallel.pp / parallel.tp: the "
+                          f"data-parallel ranks are parallel.dp_shard's only; set parallel.dp_replicate=1")
 
     if cfg.parallel.engine == "deepspeed":
         raise ConfigError("model.moe_experts: a mixture of experts runs on the native engine only; drop "
