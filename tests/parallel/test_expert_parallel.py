@@ -138,8 +138,8 @@ def test_cli_ep2_matches_one_process_and_resumes_bitwise_and_onto_one_process(tm
 MOE = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, max_seq_len=128, moe_experts=4)
 
 
-def dims_of(world: int, **parallel) -> ParallelDims:
-    cfg = JobConfig(model=MOE, parallel=ParallelConfig(**parallel), train=TrainConfig(compile="false"))
+def dims_of(world: int, compile: str = "false", **parallel) -> ParallelDims:
+    cfg = JobConfig(model=MOE, parallel=ParallelConfig(**parallel), train=TrainConfig(compile=compile))
     return check_runnable(cfg, world, "cpu", "fp32", here=False)
 
 
@@ -160,6 +160,7 @@ def dims_of(world: int, **parallel) -> ParallelDims:
     (2, dict(cp=2), "a mixture of experts trains with data parallelism (DDP, FSDP2), tensor, pipeline and expert"),
     (2, dict(tp=2), "routes replicated tokens, not a sequence shard; set parallel.sequence_parallel=false"),
     (2, dict(tp=2, sequence_parallel=False), None),  # the experts' hidden units split (test_cli_moe_tensor_*)
+    (2, dict(tp=2, sequence_parallel=False, compile="true"), "does not compile yet; set train.compile=false"),
     (2, dict(pp=2), None),  # a mixture of experts in pipeline stages (test_cli_moe_pipeline_*)
     (8, dict(pp=2, dp_replicate=2, dp_shard=2), "the data-parallel ranks are parallel.dp_shard's only"),
     (8, dict(tp=2, dp_replicate=2, dp_shard=2, sequence_parallel=False), "the data-parallel ranks are parallel.dp_"),

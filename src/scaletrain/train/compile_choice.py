@@ -105,6 +105,9 @@ def decide(cfg: JobConfig, device: torch.device, world_size: int, whole_model: b
     if method_entry(cfg.finetune.method).quantized_base:
         return False, ("train.compile=auto: eager (QLoRA's model runs eagerly; finetune.qlora_compile compiles the "
                        "dequantization of its 4-bit base alone)")
+    if cfg.model.moe_experts and cfg.parallel.tp > 1:
+        return False, ("train.compile=auto: eager (a tensor-parallel mixture of experts: its experts' local "
+                       "compute is not compiled, train/validate.py)")
     if device.type != "cpu":
         return True, f"train.compile=auto: compiling (a {device.type} run; a compiled step saves 20-40% there)"
     rec = read_record(shape_key(cfg, device, whole_model))
