@@ -122,7 +122,7 @@ def test_a_crossover_is_where_the_cheaper_family_changes():
     assert "MoE 8x2 is cheaper for targets below it and dense above" in line[0]
     none = crossover_lines({"targets": targets, "costs": {"dense": [4.0] * 4, "moe8x2": [2.0] * 4},
                             "crossovers": []}, "cpu")
-    assert "no crossover" in none[0] and "MoE 8x2 is cheaper at every target" in none[0]
+    assert "no crossover" in none[0] and "MoE 8x2 is cheaper or tied at every target" in none[0]
 
 
 def test_an_moe_model_is_predicted_by_the_moe_law_or_refused_in_one_line(data_dir, capsys):
@@ -138,3 +138,17 @@ def test_an_moe_model_is_predicted_by_the_moe_law_or_refused_in_one_line(data_di
     cfg = load_config(None, {"model.preset": "nano-moe", "model.vocab_size": "256"}).model
     mid = load_fit(data_dir, "moe8x2")[0].predict(law_params(cfg), 20e6)[0]
     assert f"predicted val bpb {mid:.4f}" in out
+
+
+def test_costs_within_five_percent_are_a_tie_not_a_crossover():
+    """The searches price whole family members: a cost that wobbles 1-3% either side of the other family's is a
+    tie, and no crossover is printed for it."""
+    targets = [2.0, 2.2, 2.4, 2.6, 2.8]
+    dense, moe = [1.0] * 5, [0.98, 1.02, 0.97, 1.03, 0.99]
+    assert _flips("moe8x2", targets, dense, moe) == []
+    line = crossover_lines({"targets": targets, "costs": {"dense": dense, "moe8x2": moe}, "crossovers": []}, "cpu")
+    assert "a tie at every target" in line[0]
+    # a real flip through the wobble: cheaper by 20% at the hard end, dearer by 20% at the easy end
+    moe = [0.8, 0.98, 1.02, 1.2, 1.25]
+    flips = _flips("moe8x2", targets, dense, moe)
+    assert len(flips) == 1 and 2.2 < flips[0]["bpb"] < 2.6 and flips[0]["cheaper_below"] == "moe8x2"

@@ -26,6 +26,10 @@ from scaletrain.scaling.family import DENSE, family_name, shape_of
 from scaletrain.scaling.fit import ScalingFit
 
 LADDER = 10  # targets the crossover is searched over
+TIE = 0.05  # two families' costs within 5% of each other: neither is cheaper (``_flips``)
+# Sizes tried at each target of the ladder, x the compute-optimal one: finer than one target's answer (0.5, 1, 2),
+# since the cheapest of three whole family members jumps by up to ~30% between neighbouring targets
+LADDER_FACTORS = tuple(float(f) for f in np.geomspace(0.25, 4.0, 9))
 _REACH = 1.002  # the ladder's hardest target: 0.2% above the least loss each fit's scope reaches
 
 
@@ -40,8 +44,9 @@ class FamilySearch:
     common: tuple  # vocab, cluster, seq, batch, precision, pins, prices, as_of, max_nodes
     search: Callable[..., dict]  # quality.cheapest_for_target (passed in: quality prints what this module finds)
 
-    def cheapest(self, target: float) -> dict:
-        return self.search(self.fit, target, self.scope, *self.common, moe=shape_of(self.key))
+    def cheapest(self, target: float, factors: tuple[float, ...] | None = None) -> dict:
+        extra = {"factors": factors} if factors else {}
+        return self.search(self.fit, target, self.scope, *self.common, moe=shape_of(self.key), **extra)
 
     def least_reachable(self) -> float:
         """The lowest bpb the law predicts within the scope (its largest size on its most tokens)."""
@@ -87,7 +92,7 @@ def crossover(searches: list[FamilySearch]) -> dict:
     for target in targets:
         for key, search in by_key.items():
             try:
-                costs[key].append(price(search.cheapest(target)))
+                costs[key].append(price(search.cheapest(target, LADDER_FACTORS)))
             except ConfigError:  # out of this family's scope or hardware at this target
                 costs[key].append(None)
     flips = []
@@ -99,15 +104,26 @@ def crossover(searches: list[FamilySearch]) -> dict:
 
 
 def _flips(key: str, targets: list[float], dense: list, moe: list) -> list[dict]:
-    """Where log(moe / dense) changes sign along the ladder (interpolated in log target)."""
-    points = [(t, math.log(m / d)) for t, d, m in zip(targets, dense, moe) if d and m]
+    """Where the cheaper family changes along the ladder (interpolated where log(moe / dense) crosses 0, in log
+    target) after a running median of three. Costs within ``TIE`` of each other are a tie, not a side: the
+    searches price whole family members, whose steps in size move a cost by several percent, and such steps must
+    not read as crossovers."""
+    sided = [(t, r) for t, r in _smoothed(targets, dense, moe) if abs(r) > math.log1p(TIE)]
     out = []
-    for (t0, r0), (t1, r1) in zip(points, points[1:]):
+    for (t0, r0), (t1, r1) in zip(sided, sided[1:]):
         if (r0 < 0) != (r1 < 0):
             at = math.exp(math.log(t0) + (math.log(t1) - math.log(t0)) * r0 / (r0 - r1))
             below, above = (key, DENSE) if r0 < 0 else (DENSE, key)
             out.append({"family": key, "bpb": at, "cheaper_below": below, "cheaper_above": above})
     return out
+
+
+def _smoothed(targets: list[float], dense: list, moe: list) -> list[tuple[float, float]]:
+    """(target, log(moe / dense)) where both reach it, as a running median of three: one target's cost can jump
+    ~2x where the tokens it needs meet the data's cap, and a single such target is no crossover."""
+    points = [(t, math.log(m / d)) for t, d, m in zip(targets, dense, moe) if d and m]
+    logs = [r for _, r in points]
+    return [(t, float(np.median(logs[max(0, i - 1): i + 2]))) for i, (t, _) in enumerate(points)]
 
 
 def crossover_lines(result: dict, hardware: str) -> list[str]:
@@ -128,7 +144,13 @@ def crossover_lines(result: dict, hardware: str) -> list[str]:
         if not ratios:
             lines.append(f"crossover: no target of {span} is reachable by both dense and {family_name(key)}")
             continue
-        cheaper = family_name(key) if ratios[0] < 1 else DENSE
-        lines.append(f"no crossover on {hardware} over {span}: {cheaper} is cheaper at every target "
-                     f"({family_name(key)} costs {min(ratios):.2f}x-{max(ratios):.2f}x dense's)")
+        spread = f"{family_name(key)} costs {min(ratios):.2f}x-{max(ratios):.2f}x dense's"
+        smooth = [r for _, r in _smoothed(targets, costs[DENSE], costs[key])]
+        if all(abs(r) <= math.log1p(TIE) for r in smooth):
+            lines.append(f"no crossover on {hardware} over {span}: a tie at every target ({spread}, within "
+                         f"{TIE:.0%}: the family's size steps move a cost by as much)")
+            continue
+        cheaper = family_name(key) if min(smooth) < -math.log1p(TIE) else DENSE
+        lines.append(f"no crossover on {hardware} over {span}: {cheaper} is cheaper or tied at every target "
+                     f"({spread})")
     return lines

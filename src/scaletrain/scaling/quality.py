@@ -135,16 +135,18 @@ class Scope:
 
 def cheapest_for_target(fit: ScalingFit, target: float, scope: Scope, vocab_size: int, cluster: Cluster,
                         seq_len: int, global_batch: int, precision: str, pins: dict, prices: dict, as_of: str,
-                        max_nodes: int, moe: MoEShape | None = None) -> dict:
+                        max_nodes: int, moe: MoEShape | None = None,
+                        factors: tuple[float, ...] = SIZE_FACTORS) -> dict:
     """The cheapest (on-demand) size, tokens and device count predicted to reach ``target`` bpb (``moe``: among
-    that mixture-of-experts family's members, ``fit`` being its law)."""
+    that mixture-of-experts family's members, ``fit`` being its law), over ``factors`` x the compute-optimal
+    size."""
     check_target(fit, target)
     n_opt = _optimal_params_for_target(fit, target, scope)
     if not n_opt:
         raise ConfigError(f"no model within the fit's scope ({scope.describe()}) is predicted to reach {target:g} "
                           f"bpb; aim higher, or prepare more data and fit again")
     rows = []
-    for factor in SIZE_FACTORS:
+    for factor in factors:
         model = model_for_params(min(max(n_opt * factor, scope.n_low), scope.n_high), vocab_size, seq_len,
                                  scope.n_low, scope.n_high, moe)
         n = law_params(model)
