@@ -164,7 +164,8 @@ def test_moe_full_fine_tune_exports_to_the_family_class(workdir, name, capsys):
 def test_moe_lora_on_every_expert_exports_merged_to_the_family_class(workdir, name, capsys):
     """LoRA on attention, every expert's gate / up / down and the router (3 steps): the run says its trainable
     parameters per kind and the adapter's bytes; ``export --merge`` loads in the family's own class with our
-    logits (<= 1e-4), which left the base's; the plain export (a peft adapter) is refused in one line."""
+    logits (<= 1e-4), which left the base's; so does the plain export's peft adapter (peft's target_parameters on
+    transformers 5's fused 3-D experts and the router) on the untouched base."""
     base = _base(workdir, name)
     run = workdir / "runs" / f"lora-{name}"
     capsys.readouterr()
@@ -188,10 +189,13 @@ def test_moe_lora_on_every_expert_exports_merged_to_the_family_class(workdir, na
     cls, theirs = _hf_logits(merged, ids)
     assert cls == type(_hf_model(name)).__name__
     assert (ours - theirs).abs().max().item() <= 1e-4, name
-    capsys.readouterr()
-    assert main(["export", "--run", str(run), "--out", str(workdir / "export" / f"{name}-lora-plain")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "--merge" in err and "\n" not in err
+    plain = workdir / "export" / f"{name}-lora-plain"
+    assert main(["export", "--run", str(run), "--out", str(plain)]) == 0
+    config = json.loads((plain / "adapter" / "adapter_config.json").read_text())
+    assert {"mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"} <= set(config["target_parameters"])
+    cls, theirs = _hf_logits(plain, ids, plain / "adapter")
+    assert cls == type(_hf_model(name)).__name__
+    assert (ours - theirs).abs().max().item() <= 1e-4, name
 
 
 def _job(base: Path, **finetune):
@@ -230,6 +234,10 @@ def _with_random_adapters(cfg):
     ("qwen3", {"method": "prefix", "virtual_tokens": 5}),  # q/k norms
     ("smollm3", {"method": "prefix", "virtual_tokens": 5}),  # no-rope layers
     ("llama", {"method": "prefix", "virtual_tokens": 5}),  # llama3 rope scaling
+    # experts: gate alone beside a dense layer's (mlp_only_layers), rsLoRA's alpha on the rank-2r gate_up_proj
+    ("qwen3_moe", {"method": "lora", "lora_targets": ["q", "gate", "router"], "rslora": True, "lora_rank": 2}),
+    ("mixtral", {"method": "lora", "lora_targets": ["up", "down"], "lora_dropout": 0.1}),  # block_sparse_moe
+    ("olmoe", {"method": "lora", "lora_targets": ["k", "down", "router"]}),  # down_proj alone: no base_layer.
 ])
 def test_adapter_loads_in_peft_on_the_family_class(workdir, name, finetune):
     base = _base(workdir, name)
@@ -242,6 +250,13 @@ def test_adapter_loads_in_peft_on_the_family_class(workdir, name, finetune):
         ours = model(ids)
     _, theirs = _hf_logits(base, ids, adapter)
     assert (ours - theirs).abs().max().item() <= 1e-4, (name, finetune)
+
+
+def test_dora_on_experts_has_no_peft_adapter_one_line(workdir):
+    cfg = _job(_base(workdir, "qwen3_moe"), method="lora", lora_targets=["q", "gate"], dora=True)
+    with pytest.raises(Exception) as err:
+        save_peft_adapter(build_finetuned_model(cfg), cfg, workdir / "adapters" / "dora-experts")
+    assert "finetune.dora" in str(err.value) and "--merge" in str(err.value) and "\n" not in str(err.value)
 
 
 METHODS = {"full": {"finetune.method": "full"}, "lora": {"finetune.method": "lora"},

@@ -271,12 +271,17 @@ class LoRAExperts(GroupedExperts):
             setattr(new, key, getattr(experts, key))
             getattr(new, key).requires_grad_(False)
         new.activation, new.rank, new.dora = experts.activation, rank, dora
+        new.n_experts, new.hidden, new.dim = experts.w1.shape  # kept: QLoRA stores the weights 2-D
         new.scaling = alpha / (math.sqrt(rank) if rslora else rank)
         new.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         new.adapters = nn.ModuleDict({
             key: ExpertAdapter(w.shape[0], w.shape[2], w.shape[1], rank, dora, device=w.device, dtype=w.dtype)
             for key in weights for w in (getattr(experts, key),)})
         return new
+
+    def weight_shape(self, key: str) -> tuple[int, int, int]:
+        """The stacked weight ``key``'s (E, out, in): w1, w3 (E, h, d), w2 (E, d, h)."""
+        return (self.n_experts, self.dim, self.hidden) if key == "w2" else (self.n_experts, self.hidden, self.dim)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, d): the routed tokens sorted by expert, ``counts`` (E,) of them each -> (M, d)."""
