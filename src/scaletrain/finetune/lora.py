@@ -14,7 +14,8 @@ starting at the row norms of W) rescales the direction of W + s B A: ``y = m / |
 Experts (a mixture of experts' ``GroupedExperts``): the roles gate / up / down also select the stacked expert
 weights w1 / w3 / w2 (E, out, in) of a sparse block, and ``LoRAExperts`` gives every expert its own adapter,
 A (E, r, in) and B (E, out, r), computed on the routed tokens sorted by expert with the same grouped GEMM (or
-per-expert loop) the experts use; the role ``router`` adapts the router's nn.Linear.
+per-expert loop) the experts use, ``model/moe.py:grouped_linear``; the role ``router`` adapts the router's
+nn.Linear. QLoRA holds each stacked expert weight as one 2-D NF4 tensor (``_quantize_experts``).
 
 QLoRA: the frozen ``weight`` may be a 4-bit NF4 tensor (torchao ``NF4Tensor``, see ``quantize_from_base``); the
 forward then calls torchao's ``linear_nf4``, which dequantizes block by block and differentiates with respect
@@ -34,7 +35,7 @@ from torch import nn
 
 from scaletrain.core.options import ConfigError
 from scaletrain.model.hf_names import PROJECTIONS, block_suffix
-from scaletrain.model.moe import GroupedExperts, _activation, grouped_mm_fits
+from scaletrain.model.moe import GroupedExperts, _activation, grouped_linear, grouped_mm_fits
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -305,15 +306,10 @@ class LoRAExperts(GroupedExperts):
         # the shapes alone decide the grouped GEMM (a 4-bit weight is held 2-D): meta stand-ins of the stacked ones
         shapes = [torch.empty(self.weight_shape(k), device="meta") for k in ("w1", "w2")]
         matrices = [p for a in self.adapters.values() for p in (a.lora_A, a.lora_B)]
-        fits = grouped_mm_fits(x, *shapes, *matrices)
-        offsets = counts.cumsum(0, dtype=torch.int32) if fits else None
-        sizes = None if fits else counts.tolist()
+        grouped = grouped_mm_fits(x, *shapes, *matrices)
 
         def mm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # each expert's rows @ its weight^T
-            weight = weight.to(rows.dtype)
-            if fits:
-                return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
-            return torch.cat([part @ weight[e].T for e, part in enumerate(torch.split(rows, sizes))])
+            return grouped_linear(rows, weight, counts, grouped)
 
         def frozen(rows: torch.Tensor, key: str) -> torch.Tensor:  # rows @ the frozen W_e^T
             if is_nf4(getattr(self, key)):
