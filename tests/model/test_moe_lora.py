@@ -227,3 +227,26 @@ def test_the_planners_4bit_base_is_the_quantized_models_bytes():
     assert abs(predicted / measured - 1) < 0.02, (predicted, measured)
     dense_experts = 4 * sum(m.n_experts * m.hidden * m.dim * 3 for m in model.modules() if isinstance(m, LoRAExperts))
     assert measured < sum(p.numel() * 4 for p in model.parameters()) - 0.8 * dense_experts  # the experts in 4 bits
+
+
+def test_4bit_experts_compiled_dequantization_is_eagers():
+    """``finetune.qlora_compile`` on the experts (``put_back(compiled=True)``): the stacked weights dequantized by the
+    compiled kernel are torchao's bit for bit, and the logits and adapter gradients are the eager ones."""
+    pytest.importorskip("torchao")
+    model = _adapted(4)
+    _quantized(model)
+    experts = [m for m in model.modules() if isinstance(m, LoRAExperts)]
+    eager_weights = [e.stacked(k) for e in experts for k in ("w1", "w2", "w3")]
+    runs = []
+    for compiled in (False, True):
+        for m in model.modules():
+            if hasattr(m, "nf4_compiled"):
+                m.nf4_compiled = compiled
+        model.zero_grad()
+        logits = model(_ids())
+        logits.square().mean().backward()
+        runs.append((logits.detach(), experts[0].adapters["w1"].lora_A.grad.clone()))
+    assert all(torch.equal(w, e.stacked(k)) for w, (e, k) in
+               zip(eager_weights, [(e, k) for e in experts for k in ("w1", "w2", "w3")]))
+    assert (runs[0][0] - runs[1][0]).abs().max().item() <= 1e-6
+    assert torch.allclose(runs[0][1], runs[1][1], atol=1e-7, rtol=1e-5) and runs[0][1].abs().sum() > 0
