@@ -11,6 +11,7 @@ from scaletrain.config import ConfigError, JobConfig
 from scaletrain.finetune.lora import ROUTER, LoRAExperts, LoRALinear, is_nf4
 from scaletrain.finetune.prompt import PrefixAttention, PromptEmbedding
 from scaletrain.model.config import head_width
+from scaletrain.model.families import FUSED_DOWN, FUSED_GATE_UP
 from scaletrain.model.family import family as family_entry
 from scaletrain.model.hf_names import HF_BLOCK_PREFIX, block_modules, block_suffix, hf_module_name, to_hf
 from scaletrain.model.presets import kv_heads
@@ -105,7 +106,7 @@ ROUTER_MODULE = "feed_forward.router"
 # OlmoeExperts, MixtralExperts) define them, and our stacked weights each holds in its rows: gate_up_proj (E, 2h, d)
 # = [w1; w3] an expert, down_proj (E, d, h) = w2. peft wraps a module's targeted parameters in that order, each
 # ParamWrapper around the one before, so an earlier one's tensors sit one ``base_layer.`` deeper per later one.
-EXPERT_PARAMETERS = (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",)))
+EXPERT_PARAMETERS = ((FUSED_GATE_UP, ("w1", "w3")), (FUSED_DOWN, ("w2",)))
 
 
 def _adapted_modules(model: nn.Module, family: str, feed_forward: bool) -> list[str]:
