@@ -34,7 +34,8 @@ METHODS = {"full": {}, "lora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", 
            "lora_all_r16": {"lora_rank": 16, "lora_targets": ["q", "k", "v", "o", "gate", "up", "down"]},
            "qlora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"]}, "prompt": {"virtual_tokens": 16},
            "dora": {"lora_rank": 8, "lora_targets": ["q", "k", "v", "o"], "dora": True},
-           "moe_lora": {"lora_rank": 8, "lora_targets": ["q", "v", "gate", "up", "down", "router"]}}
+           "moe_lora": {"lora_rank": 8, "lora_targets": ["q", "v", "gate", "up", "down", "router"]},
+           "moe_qlora": {"lora_rank": 8, "lora_targets": ["q", "v", "gate", "up", "down", "router"]}}
 # finetune.objective rows: name -> (method, objective); LoRA / QLoRA with METHODS["lora"]'s adapters
 PREFERENCE = {"dpo_lora": ("lora", "dpo"), "dpo_full": ("full", "dpo"), "simpo_lora": ("lora", "simpo"),
               "orpo_full": ("full", "orpo"), "dpo_qlora": ("qlora", "dpo")}
@@ -57,7 +58,8 @@ def measure(name: str, base: str) -> dict:
         ft = FinetuneConfig(source=base, method=method, objective=objective,
                             **(METHODS["lora"] if method != "full" else {}))
     else:
-        method = "qlora" if name == "qlora" else "prompt" if name == "prompt" else "full" if name == "full" else "lora"
+        method = "qlora" if name in ("qlora", "moe_qlora") else "prompt" if name == "prompt" \
+            else "full" if name == "full" else "lora"
         ft = FinetuneConfig(source=base, method=method, **METHODS[name])
     pairs = BATCH // 2 if ft.objective != "sft" else 0
     model = ModelConfig(**(MOE_MODEL if name.startswith("moe_") else MODEL))

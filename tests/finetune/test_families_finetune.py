@@ -134,7 +134,7 @@ def test_lora_run_exports_to_the_family_class_and_as_a_peft_adapter(workdir, nam
 def test_moe_full_fine_tune_exports_to_the_family_class(workdir, name, capsys):
     """A full fine-tune of an MoE family's folder (3 steps), ``scaletrain export``: the family's own class with
     one tensor per expert loads it (from_pretrained, nothing missing or left over) and computes our logits
-    (<= 1e-4); the run trained (its logits left the base's). LoRA on it is refused in one line."""
+    (<= 1e-4); the run trained (its logits left the base's)."""
     base = _base(workdir, name)
     run = workdir / "runs" / f"full-{name}"
     assert _finetune(workdir, base, run, **{"finetune.method": "full", "optim.lr": 0.01}) == 0
@@ -154,17 +154,45 @@ def test_moe_full_fine_tune_exports_to_the_family_class(workdir, name, capsys):
     experts = [k for k in safetensors_torch.load_file(str(out / "model.safetensors")) if ".experts." in k]
     assert experts and len(experts) == len([k for k in safetensors_torch.load_file(str(base / "model.safetensors"))
                                             if ".experts." in k])
-    capsys.readouterr()
-    assert _finetune(workdir, base, workdir / "runs" / f"qlora-{name}", **{"finetune.method": "qlora"}) == 2
-    err = capsys.readouterr().err.strip()
-    assert "mixture of experts" in err and "3-D" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_moe_qlora_on_every_expert_trains_and_exports_merged(workdir, name):
+    """QLoRA with every expert's gate / up / down, attention and the router as targets (3 steps): the experts'
+    stacked weights are 4-bit (one 2-D NF4 tensor each), the adapters move the function off the 4-bit base, and
+    ``export --merge`` (dequantized, adapters folded in) loads in the family's own class with our logits (<= 1e-4)."""
+    if not _has_torchao():
+        pytest.skip("finetune.method=qlora needs torchao")
+    from scaletrain.finetune.lora import LoRAExperts, adapters_disabled, is_nf4
+
+    base = _base(workdir, name)
+    run = workdir / "runs" / f"qlora-{name}"
+    assert _finetune(workdir, base, run, **{"finetune.method": "qlora", "finetune.lora_rank": 4, "optim.lr": 0.05,
+                                            "finetune.lora_targets": ALL_TARGETS + ",router"}) == 0
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert len(losses) == 3 and all(np.isfinite(losses)), losses
+    _, model, _, _ = load_run(run)
+    experts = [m for m in model.modules() if isinstance(m, LoRAExperts)]
+    assert experts and all(is_nf4(getattr(e, k)) and getattr(e, k).dim() == 2 for e in experts for k in ("w1", "w2"))
+    ids = _ids()
+    with torch.no_grad():
+        ours = model.eval()(ids)
+        with adapters_disabled(model):  # the 4-bit base alone: the adapters trained away from it
+            assert (ours - model(ids)).abs().max().item() > 1e-3
+    merged = workdir / "export" / f"{name}-qlora-merged"
+    assert main(["export", "--run", str(run), "--out", str(merged), "--merge"]) == 0
+    cls, theirs = _hf_logits(merged, ids)
+    assert cls == type(_hf_model(name)).__name__
+    assert (ours - theirs).abs().max().item() <= 1e-4, name
 
 
 @pytest.mark.parametrize("name", MOE_FAMILIES)
 def test_moe_lora_on_every_expert_exports_merged_to_the_family_class(workdir, name, capsys):
     """LoRA on attention, every expert's gate / up / down and the router (3 steps): the run says its trainable
     parameters per kind and the adapter's bytes; ``export --merge`` loads in the family's own class with our
-    logits (<= 1e-4), which left the base's; the plain export (a peft adapter) is refused in one line."""
+    logits (<= 1e-4), which left the base's; so does the plain export's peft adapter (peft's target_parameters on
+    transformers 5's fused 3-D experts and the router) on the untouched base."""
     base = _base(workdir, name)
     run = workdir / "runs" / f"lora-{name}"
     capsys.readouterr()
@@ -188,10 +216,13 @@ def test_moe_lora_on_every_expert_exports_merged_to_the_family_class(workdir, na
     cls, theirs = _hf_logits(merged, ids)
     assert cls == type(_hf_model(name)).__name__
     assert (ours - theirs).abs().max().item() <= 1e-4, name
-    capsys.readouterr()
-    assert main(["export", "--run", str(run), "--out", str(workdir / "export" / f"{name}-lora-plain")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "--merge" in err and "\n" not in err
+    plain = workdir / "export" / f"{name}-lora-plain"
+    assert main(["export", "--run", str(run), "--out", str(plain)]) == 0
+    config = json.loads((plain / "adapter" / "adapter_config.json").read_text())
+    assert {"mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"} <= set(config["target_parameters"])
+    cls, theirs = _hf_logits(plain, ids, plain / "adapter")
+    assert cls == type(_hf_model(name)).__name__
+    assert (ours - theirs).abs().max().item() <= 1e-4, name
 
 
 def _job(base: Path, **finetune):
@@ -230,6 +261,10 @@ def _with_random_adapters(cfg):
     ("qwen3", {"method": "prefix", "virtual_tokens": 5}),  # q/k norms
     ("smollm3", {"method": "prefix", "virtual_tokens": 5}),  # no-rope layers
     ("llama", {"method": "prefix", "virtual_tokens": 5}),  # llama3 rope scaling
+    # experts: gate alone beside a dense layer's (mlp_only_layers), rsLoRA's alpha on the rank-2r gate_up_proj
+    ("qwen3_moe", {"method": "lora", "lora_targets": ["q", "gate", "router"], "rslora": True, "lora_rank": 2}),
+    ("mixtral", {"method": "lora", "lora_targets": ["up", "down"], "lora_dropout": 0.1}),  # block_sparse_moe
+    ("olmoe", {"method": "lora", "lora_targets": ["k", "down", "router"]}),  # down_proj alone: no base_layer.
 ])
 def test_adapter_loads_in_peft_on_the_family_class(workdir, name, finetune):
     base = _base(workdir, name)
@@ -242,6 +277,13 @@ def test_adapter_loads_in_peft_on_the_family_class(workdir, name, finetune):
         ours = model(ids)
     _, theirs = _hf_logits(base, ids, adapter)
     assert (ours - theirs).abs().max().item() <= 1e-4, (name, finetune)
+
+
+def test_dora_on_experts_has_no_peft_adapter_one_line(workdir):
+    cfg = _job(_base(workdir, "qwen3_moe"), method="lora", lora_targets=["q", "gate"], dora=True)
+    with pytest.raises(Exception) as err:
+        save_peft_adapter(build_finetuned_model(cfg), cfg, workdir / "adapters" / "dora-experts")
+    assert "finetune.dora" in str(err.value) and "--merge" in str(err.value) and "\n" not in str(err.value)
 
 
 METHODS = {"full": {"finetune.method": "full"}, "lora": {"finetune.method": "lora"},

@@ -14,7 +14,8 @@ starting at the row norms of W) rescales the direction of W + s B A: ``y = m / |
 Experts (a mixture of experts' ``GroupedExperts``): the roles gate / up / down also select the stacked expert
 weights w1 / w3 / w2 (E, out, in) of a sparse block, and ``LoRAExperts`` gives every expert its own adapter,
 A (E, r, in) and B (E, out, r), computed on the routed tokens sorted by expert with the same grouped GEMM (or
-per-expert loop) the experts use; the role ``router`` adapts the router's nn.Linear.
+per-expert loop) the experts use, ``model/moe.py:grouped_linear``; the role ``router`` adapts the router's
+nn.Linear. QLoRA holds each stacked expert weight as one 2-D NF4 tensor (``_quantize_experts``).
 
 QLoRA: the frozen ``weight`` may be a 4-bit NF4 tensor (torchao ``NF4Tensor``, see ``quantize_from_base``); the
 forward then calls torchao's ``linear_nf4``, which dequantizes block by block and differentiates with respect
@@ -34,7 +35,7 @@ from torch import nn
 
 from scaletrain.core.options import ConfigError
 from scaletrain.model.hf_names import PROJECTIONS, block_suffix
-from scaletrain.model.moe import GroupedExperts, _activation, grouped_mm_fits
+from scaletrain.model.moe import GroupedExperts, _activation, grouped_linear, grouped_mm_fits
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -271,6 +272,7 @@ class LoRAExperts(GroupedExperts):
             setattr(new, key, getattr(experts, key))
             getattr(new, key).requires_grad_(False)
         new.activation, new.rank, new.dora = experts.activation, rank, dora
+        new.n_experts, new.hidden, new.dim = experts.w1.shape  # kept: QLoRA stores the weights 2-D
         new.scaling = alpha / (math.sqrt(rank) if rslora else rank)
         new.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         new.adapters = nn.ModuleDict({
@@ -278,34 +280,53 @@ class LoRAExperts(GroupedExperts):
             for key in weights for w in (getattr(experts, key),)})
         return new
 
+    def weight_shape(self, key: str) -> tuple[int, int, int]:
+        """The stacked weight ``key``'s (E, out, in): w1, w3 (E, h, d), w2 (E, d, h)."""
+        return (self.n_experts, self.dim, self.hidden) if key == "w2" else (self.n_experts, self.hidden, self.dim)
+
+    # Class-level default: ``put_back`` sets it on the 4-bit experts of a run with ``finetune.qlora_compile`` on.
+    nf4_compiled = False
+
+    def stacked(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The frozen stacked weight ``key`` (E, out, in): as it is, or QLoRA's 4-bit one (held 2-D, (E out, in),
+        ``quantize_from_base``) dequantized (no gradient: the base is frozen)."""
+        weight = getattr(self, key)
+        if not is_nf4(weight):
+            return weight if dtype is None else weight.to(dtype)
+        plain = compiled_dequantize_nf4(weight, dtype or weight.dtype) if self.nf4_compiled \
+            else weight.get_original_weight()
+        return plain.view(self.weight_shape(key)).to(dtype or plain.dtype)
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, d): the routed tokens sorted by expert, ``counts`` (E,) of them each -> (M, d)."""
-        if self.disabled:
+        if self.disabled and not is_nf4(self.w1):
             return super().forward(x, counts)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        # the shapes alone decide the grouped GEMM (a 4-bit weight is held 2-D): meta stand-ins of the stacked ones
+        shapes = [torch.empty(self.weight_shape(k), device="meta") for k in ("w1", "w2")]
         matrices = [p for a in self.adapters.values() for p in (a.lora_A, a.lora_B)]
-        fits = grouped_mm_fits(x, self.w1, self.w2, *matrices)
-        offsets = counts.cumsum(0, dtype=torch.int32) if fits else None
-        sizes = None if fits else counts.tolist()
+        grouped = grouped_mm_fits(x, *shapes, *matrices)
 
         def mm(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # each expert's rows @ its weight^T
-            weight = weight.to(rows.dtype)
-            if fits:
-                return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
-            return torch.cat([part @ weight[e].T for e, part in enumerate(torch.split(rows, sizes))])
+            return grouped_linear(rows, weight, counts, grouped)
+
+        def frozen(rows: torch.Tensor, key: str) -> torch.Tensor:  # rows @ the frozen W_e^T
+            if is_nf4(getattr(self, key)):
+                return FrozenExpertsMM.apply(rows, self, key, mm)
+            return mm(rows, getattr(self, key))
 
         def project(rows: torch.Tensor, key: str) -> torch.Tensor:
-            out = mm(rows, getattr(self, key))
-            if key not in self.adapters:
+            out = frozen(rows, key)
+            if key not in self.adapters or self.disabled:
                 return out
             adapter = self.adapters[key]
             dropped = self.lora_dropout(rows)
             lora = mm(mm(dropped, adapter.lora_A), adapter.lora_B)
             if not self.dora:
                 return out + lora * self.scaling
-            base = out if isinstance(self.lora_dropout, nn.Identity) else mm(dropped, getattr(self, key))
-            weight = getattr(self, key).to(adapter.lora_A.dtype)
+            base = out if isinstance(self.lora_dropout, nn.Identity) else frozen(dropped, key)
+            weight = self.stacked(key, adapter.lora_A.dtype).detach()
             norm = torch.linalg.norm(weight + self.scaling * (adapter.lora_B @ adapter.lora_A).detach(), dim=-1)
             scale = (adapter.lora_magnitude / norm.detach()).repeat_interleave(counts, dim=0)  # (M, out)
             return out + ((scale - 1) * base + scale * lora * self.scaling).to(out.dtype)
@@ -315,14 +336,36 @@ class LoRAExperts(GroupedExperts):
 
     @torch.no_grad()
     def merged_weights(self) -> dict[str, torch.Tensor]:
-        """Each adapted stacked weight W + s * B @ A (E, out, in) in fp32, DoRA's rows rescaled to m / ||.||."""
+        """Every stacked weight (E, out, in) in fp32 (a 4-bit one dequantized), the adapted ones W + s * B @ A,
+        DoRA's rows rescaled to m / ||.||."""
         out = {}
-        for key, adapter in self.adapters.items():
-            merged = getattr(self, key).float() + self.scaling * (adapter.lora_B.float() @ adapter.lora_A.float())
-            if self.dora:
-                merged = merged * (adapter.lora_magnitude.float() / torch.linalg.norm(merged, dim=-1)).unsqueeze(-1)
+        for key in ("w1", "w2", "w3"):
+            merged = self.stacked(key).float()
+            if key in self.adapters:
+                adapter = self.adapters[key]
+                merged = merged + self.scaling * (adapter.lora_B.float() @ adapter.lora_A.float())
+                if self.dora:
+                    merged = merged * (adapter.lora_magnitude.float()
+                                       / torch.linalg.norm(merged, dim=-1)).unsqueeze(-1)
             out[key] = merged
         return out
+
+
+class FrozenExpertsMM(torch.autograd.Function):
+    """Each expert's rows @ its frozen 4-bit weight^T (``mm``, LoRAExperts' grouped GEMM or loop), torchao's
+    ``LinearNF4`` for stacked experts: the gradient with respect to the rows only, the 4-bit weight kept for the
+    backward and dequantized again there, never saved in full precision (an (E, out, in) fp32 copy a projection and
+    layer would hold the whole base's experts unquantized until the backward)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, experts: LoRAExperts, key: str, mm) -> torch.Tensor:
+        ctx.experts, ctx.key, ctx.mm = experts, key, mm
+        return mm(rows, experts.stacked(key, rows.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        weight = ctx.experts.stacked(ctx.key, grad_output.dtype)  # (E, out, in)
+        return ctx.mm(grad_output, weight.transpose(-2, -1)), None, None, None
 
 
 @torch.no_grad()
@@ -342,11 +385,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
             setattr(model.get_submodule(parent_name), child, plain)
         elif isinstance(module, LoRAExperts):
             parent_name, _, child = name.rpartition(".")
-            w = module.w1
-            plain = GroupedExperts(w.shape[0], w.shape[2], w.shape[1], module.activation)
-            merged = module.merged_weights()
-            for key in ("w1", "w2", "w3"):
-                getattr(plain, key).copy_(merged.get(key, getattr(module, key)))
+            plain = GroupedExperts(module.n_experts, module.dim, module.hidden, module.activation)
+            for key, merged in module.merged_weights().items():
+                getattr(plain, key).copy_(merged)
             setattr(model.get_submodule(parent_name), child, plain)
     return model
 
@@ -492,7 +533,7 @@ def to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> nn.
 @torch.no_grad()
 def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor], block_size: int = 64,
                        scaler_block_size: int = 256, device: torch.device | str = "cpu"
-                       ) -> list[tuple[nn.Module, nn.Parameter]]:
+                       ) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """QLoRA, on the meta model before it is materialized: every frozen projection of the blocks - adapted
     (``LoRALinear``) or not (then an ``NF4Linear``) - gets its weight as torchao NF4 (4-bit NormalFloat,
     block-wise absmax scales themselves quantized to int8: "double quantization"), read from ``base_state``
@@ -502,9 +543,13 @@ def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor],
     QLoRA (and bitsandbytes' default for ``lm_head``).
 
     Each module keeps an empty placeholder through ``parallelize`` (nothing to allocate or initialise);
-    ``put_back`` returns the 4-bit weights afterwards. Returns the (module, NF4 weight) pairs."""
+    ``put_back`` returns the 4-bit weights afterwards. Returns the (module, attribute, NF4 weight) triples (a sparse
+    block's stacked experts too: ``_quantize_experts``)."""
     held = []
     for name, module in list(model.named_modules()):
+        if isinstance(module, GroupedExperts) and name.startswith("layers."):
+            held += _quantize_experts(model, name, module, base_state, block_size, scaler_block_size, device)
+            continue
         if not (isinstance(module, nn.Linear) and name.startswith("layers.")):
             continue
         if not isinstance(module, LoRALinear):
@@ -518,8 +563,27 @@ def quantize_from_base(model: nn.Module, base_state: Mapping[str, torch.Tensor],
             module = plain
         # Quantized where the model will run: the 4-bit weights must live on the training device (found by the
         # first GPU check: a CUDA QLoRA step met its NF4 base on the CPU).
-        held.append((module, to_nf4(base_state[f"{name}.weight"].to(device), block_size, scaler_block_size)))
+        held.append((module, "weight", to_nf4(base_state[f"{name}.weight"].to(device), block_size, scaler_block_size)))
         module.weight = nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
+    return held
+
+
+def _quantize_experts(model: nn.Module, name: str, experts: GroupedExperts, base_state: Mapping[str, torch.Tensor],
+                      block_size: int, scaler_block_size: int, device) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """QLoRA's experts: each stacked weight (E, out, in) as one 2-D NF4 tensor (E out, in) - torchao's NF4 holds 2-D
+    weights, and its blocks run over the flattened elements, so the rows of every expert are quantized as those of
+    one (E out, in) matrix - dequantized and viewed (E, out, in) in the forward (``LoRAExperts.stacked``). Experts
+    without adapters become a ``LoRAExperts`` with none (its forward is the one that dequantizes)."""
+    if not isinstance(experts, LoRAExperts):
+        experts = LoRAExperts.from_experts(experts, [], rank=1, alpha=1.0, dropout=0.0, rslora=False)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, experts)
+    held = []
+    for key in ("w1", "w2", "w3"):
+        n_experts, out_features, in_features = experts.weight_shape(key)
+        weight = base_state[f"{name}.{key}"].to(device).reshape(n_experts * out_features, in_features)
+        held.append((experts, key, to_nf4(weight, block_size, scaler_block_size)))
+        setattr(experts, key, nn.Parameter(torch.empty(0, device="meta"), requires_grad=False))
     return held
 
 
@@ -533,13 +597,13 @@ def qlora_compiled(setting: str, device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def put_back(held: list[tuple[nn.Module, nn.Parameter]], compiled: bool = False) -> int:
+def put_back(held: list[tuple[nn.Module, str, nn.Parameter]], compiled: bool = False) -> int:
     """After ``parallelize``: the 4-bit weights of ``quantize_from_base`` back into their modules (``compiled``: their
     forward and backward dequantize through ``CompiledLinearNF4``); their bytes."""
-    for module, weight in held:
-        module.weight = weight
+    for module, key, weight in held:
+        setattr(module, key, weight)
         module.nf4_compiled = compiled
-    return sum(nf4_bytes(weight) for _, weight in held)
+    return sum(nf4_bytes(weight) for _, _, weight in held)
 
 
 def nf4_bytes(tensor: torch.Tensor) -> int:

@@ -90,6 +90,17 @@ def grouped_mm_fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all(size * x.element_size() % 16 == 0 for size in sizes)
 
 
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Each expert's rows @ its weight^T: ``rows`` (M, in) sorted by expert, ``counts`` (E,) rows each, ``weight``
+    (E, out, in) -> (M, out). ``grouped`` (the caller's ``grouped_mm_fits``, decided once for all of a forward's
+    operands): one ``torch._grouped_mm``; else one matmul an expert (reads ``counts`` back to the host). The one
+    expert GEMM of ``GroupedExperts`` and of finetune/lora.py's ``LoRAExperts`` (their adapters' too)."""
+    weight = weight.to(rows.dtype)
+    if grouped:
+        return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=counts.cumsum(0, dtype=torch.int32))
+    return torch.cat([part @ weight[e].T for e, part in enumerate(torch.split(rows, counts.tolist()))])
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts, w2(act(w1 x) * w3 x), their weights stacked: w1, w3 (E, h, d), w2 (E, d, h)."""
 
@@ -111,22 +122,10 @@ class GroupedExperts(nn.Module):
         parallelism (parallel/expert.py) passes the slice a rank holds, on the tokens sent to it."""
         if torch.is_autocast_enabled(x.device.type):  # as nn.Linear under autocast: operands in its dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         act = _activation(self.activation)
-        if grouped_mm_fits(x, w1, w2):
-            offsets = counts.cumsum(0, dtype=torch.int32)  # (E,): where each expert's rows end
-            hidden = act(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) \
-                * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)  # (M, h)
-            return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)  # (M, d)
-        return self.loop(x, counts, w1, w2, w3)
-
-    def loop(self, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-             w3: torch.Tensor) -> torch.Tensor:
-        """The sorted-token loop: one expert's rows at a time (reads ``counts`` back to the host)."""
-        act = _activation(self.activation)
-        outputs = [act(rows @ w1[e].T) * (rows @ w3[e].T) @ w2[e].T
-                   for e, rows in enumerate(torch.split(x, counts.tolist()))]
-        return torch.cat(outputs)  # (M, d)
+        grouped = grouped_mm_fits(x, w1, w2)  # else the sorted-token loop, one expert's rows at a time
+        hidden = act(grouped_linear(x, w1, counts, grouped)) * grouped_linear(x, w3, counts, grouped)  # (M, h)
+        return grouped_linear(hidden, w2, counts, grouped)  # (M, d)
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:

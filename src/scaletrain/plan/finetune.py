@@ -36,9 +36,9 @@ from scaletrain.finetune.flops import trained_flops_per_token
 from scaletrain.finetune.method_table import method_entry
 from scaletrain.finetune.objectives import objective_entry
 from scaletrain.hardware.catalog import Cluster
-from scaletrain.model.config import head_width
+from scaletrain.model.config import head_width, is_moe_layer
 from scaletrain.model.loss import CHUNK_BYTES
-from scaletrain.model.presets import ffn_hidden_dim, matmul_params, num_params
+from scaletrain.model.presets import ffn_hidden_dim, matmul_params, moe_extra_params, num_params, sparse_layers
 from scaletrain.plan.memory import (
     RECIPES,
     RUNTIME_BYTES,
@@ -109,8 +109,15 @@ def frozen_bytes(cfg: ModelConfig, ft: FinetuneConfig, param_bytes: int = 4) -> 
     total = num_params(cfg)
     if not method_entry(ft.method).quantized_base:
         return total * param_bytes
-    projections = cfg.n_layers * sum(i * o for i, o in projection_shapes(cfg).values())
+    projections = quantized_weights(cfg)
     return projections * NF4_BYTES_PER_WEIGHT + (total - projections) * param_bytes
+
+
+def quantized_weights(cfg: ModelConfig) -> int:
+    """Weights QLoRA holds in NF4: every block's projections and, of a sparse block, the router and every expert's
+    stacked gate / up / down (``lora._quantize_experts``) in place of the dense feed-forward."""
+    dense = cfg.n_layers * sum(i * o for i, o in projection_shapes(cfg).values())
+    return dense + sparse_layers(cfg) * moe_extra_params(cfg, active=False)
 
 
 def _trains(ft: FinetuneConfig, targets: tuple[str, ...]) -> bool:
@@ -434,6 +441,11 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
                     bwd += i * o * dequant
             if method.quantized_base:
                 fwd += i * o * dequant
+        if method.quantized_base and is_moe_layer(cfg, block):
+            # the router's and every expert's 4-bit weights in place of the dense feed-forward ``shapes`` prices,
+            # dequantized in the forward and again for the input gradient (lora.FrozenExpertsMM)
+            fwd += moe_extra_params(cfg, active=False) * dequant
+            bwd += moe_extra_params(cfg, active=False) * dequant
         ops = entry["block_ops"] + family_block_ops(cfg) + OPS_PER_ADAPTER * len(targets)
         for name in targets:  # x @ A^T (r wide), then @ B^T; both train, so full backward GEMMs
             i, o = shapes[name]

@@ -153,18 +153,14 @@ def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError("model.moe_experts: a mixture of experts runs on the native engine only; drop "
                           "--parallel.engine=deepspeed")
     ft = cfg.finetune
-    if ft.source and ft.method == "qlora":
-        raise ConfigError("finetune.method=qlora: its 4-bit base (torchao NF4, linear_nf4) holds 2-D nn.Linear "
-                          "weights, and a mixture of experts' stacked 3-D expert weights have no grouped 4-bit "
-                          "matmul; use finetune.method=lora")
-    if ft.source and ft.method not in ("full", "lora"):
+    if ft.source and ft.method not in ("full", "lora", "qlora"):
         raise ConfigError(f"finetune.method={ft.method} is untested on a mixture of experts' base; use "
-                          f"finetune.method=lora or full")
-    if ft.source and ft.method == "lora" and cfg.parallel.ep > 1:
-        raise ConfigError(f"finetune.method=lora with parallel.ep={cfg.parallel.ep}: expert parallelism computes "
-                          f"slices of the stacked experts, which do not carry the experts' adapters yet; set "
+                          f"finetune.method=lora, qlora or full")
+    if ft.source and method_entry(ft.method).lora and cfg.parallel.ep > 1:
+        raise ConfigError(f"finetune.method={ft.method} with parallel.ep={cfg.parallel.ep}: expert parallelism "
+                          f"computes slices of the stacked experts, which do not carry the experts' adapters yet; set "
                           f"parallel.ep=1 (data parallelism)")
-    if ft.source and ft.method == "lora" and cfg.optim.muon_adapters:
+    if ft.source and method_entry(ft.method).lora and cfg.optim.muon_adapters:
         raise ConfigError("optim.muon_adapters: the experts' adapters are stacked (E, r, in) tensors, not Muon "
                           "matrices; set optim.muon_adapters=false on a mixture of experts")
 
