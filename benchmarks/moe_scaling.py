@@ -86,6 +86,19 @@ def heldout(data: Path, work: Path, family: str) -> dict:
             "seconds": record["seconds"], "predicted_seconds": run.predicted_seconds}
 
 
+def compute_frontier(fits: dict, largest: float) -> list[dict]:
+    """Each law's compute-optimal val bpb at 1x, 4x and 16x the grids' largest compute: bpb per FLOP."""
+    rows = []
+    for multiple in (1, 4, 16):
+        flops = largest * multiple
+        row = {"compute_multiple": multiple, "flops": flops}
+        for family, fit in fits.items():
+            n, d = fit.params.compute_optimal(flops)
+            row[family] = {"val_bpb": float(fit.params.loss(n, d)), "params": n, "tokens": d}
+        rows.append(row)
+    return rows
+
+
 def plans(data: Path, work: Path, targets: list[float]) -> list[dict]:
     """`plan --target-bpb` for each target and hardware: the family chosen, both costs, the crossover."""
     rows = []
@@ -116,6 +129,8 @@ def main() -> int:
     parser.add_argument("--work", default="", help="folder for data and runs (resumable)")
     parser.add_argument("--out", default=default_out("moe_scaling.json"), help=OUT_HELP.format(name="moe_scaling.json"))
     parser.add_argument("--heldout", default="", help=argparse.SUPPRESS)  # one family's held-out run (a child)
+    parser.add_argument("--plans-only", action="store_true",
+                        help="reuse --work's grids, fits and held-out runs (and --out's grid times); plan again")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="moe_scaling_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -126,25 +141,31 @@ def main() -> int:
     t0, load0 = time.perf_counter(), os.getloadavg()
     if not (data / "manifest.json").is_file():
         subprocess.run(cli("prepare", str(SOURCE), "--out", str(data), "--tokenizer", "char"), check=True)
-    grid_seconds = scale_both(data, work, args.budget, args.min_tokens_per_param)
     from scaletrain.scaling.store import load_fit
 
     families = ("dense", "moe" + MOE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--work", str(work), "--heldout", family], env=env)
-             for family in families]  # side by side, one thread each
-    if any(p.wait() for p in procs):
-        raise SystemExit("a held-out run failed")
+    previous = json.loads(Path(args.out).read_text()) if args.plans_only else {}
+    if args.plans_only:  # the grids, fits and held-out runs of an earlier invocation in --work
+        grid_seconds = previous["grid_seconds"]
+    else:
+        grid_seconds = scale_both(data, work, args.budget, args.min_tokens_per_param)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, __file__, "--work", str(work), "--heldout", family], env=env)
+                 for family in families]  # side by side, one thread each
+        if any(p.wait() for p in procs):
+            raise SystemExit("a held-out run failed")
     fits = {}
     for family in families:
         fit, doc = load_fit(data, family)
         fits[family] = {"params": doc["params"], "intervals": doc.get("intervals"), "runs": doc["runs"],
                         "residual_std_log": doc.get("residual_std_log"),
                         "heldout": json.loads((work / f"heldout-{family}.json").read_text())}
+    frontier = compute_frontier({f: load_fit(data, f)[0] for f in families},
+                                max(r["flops"] for f in fits.values() for r in f["runs"]))
     every = [r["val_bpb"] for f in fits.values() for r in f["runs"]]
     targets = sorted({round(min(every) * 0.97, 3), round(min(every), 3), round((min(every) + max(every)) / 2, 3)})
     doc = {"benchmark": "moe_scaling", "data": "gutenberg-shakespeare, characters", "moe": MOE,
-           "grid_budget_seconds": args.budget, "grid_seconds": grid_seconds, "fits": fits,
+           "grid_budget_seconds": args.budget, "grid_seconds": grid_seconds, "fits": fits, "frontier": frontier,
            "plans": plans(data, work, targets), "seconds": time.perf_counter() - t0,
            "load_average_start": load0, "load_average_end": os.getloadavg(),
            "note": "wall times measured on 2 cores shared with other work (see the load averages)", "work": str(work)}

@@ -192,6 +192,23 @@ def test_bad_expert_parallel_options_exit_2_with_one_line(flags, message, tmp_pa
     assert message in err and "\n" not in err
 
 
+def resumes_bitwise_and_onto_one_process(run, launch: list[str], got: list[float], expected: list[float],
+                                         one_process: str) -> None:
+    """From the step-5 checkpoint of a 10-step 2-rank run: steps 6-10 again on 2 ranks repeat ``got`` exactly;
+    in one process (``one_process``: the flag that undoes the layout) they match ``expected`` within
+    PARITY_RTOL."""
+    (run / "metrics.jsonl").unlink()
+    shutil.rmtree(run / "checkpoints" / "step-00000010")
+    torchrun(2, *launch, "--resume")
+    assert train_losses(run) == got[5:]
+    (run / "metrics.jsonl").unlink()
+    shutil.rmtree(run / "checkpoints" / "step-00000010")
+    resumed = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", f"--train.run_dir={run}", "--resume",
+                              one_process], capture_output=True, text=True, timeout=CEILING_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert max(abs(a - b) / b for a, b in zip(train_losses(run), expected[5:])) < PARITY_RTOL
+
+
 @pytest.mark.distributed
 def test_cli_moe_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_process(tmp_path):
     """A mixture of experts in 2 pipeline stages (layers 0-1 and 2-3 sparse on different ranks), evaluating every
@@ -219,16 +236,8 @@ def test_cli_moe_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_p
 
     assert loads(pp) == loads(tmp_path / "single") and set(loads(pp)[0]) == {f"moe_tokens_per_expert/{i}"
                                                                               for i in range(4)}
-    (pp / "metrics.jsonl").unlink()
-    shutil.rmtree(pp / "checkpoints" / "step-00000010")
-    torchrun(2, *cli, f"--train.run_dir={pp}", "--parallel.pp=2", "--resume")
-    assert train_losses(pp) == got[5:]
-    (pp / "metrics.jsonl").unlink()
-    shutil.rmtree(pp / "checkpoints" / "step-00000010")
-    resumed = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", f"--train.run_dir={pp}", "--resume",
-                              "--parallel.pp=1"], capture_output=True, text=True, timeout=CEILING_S)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert max(abs(a - b) / b for a, b in zip(train_losses(pp), expected[5:])) < PARITY_RTOL
+    resumes_bitwise_and_onto_one_process(pp, [*cli, f"--train.run_dir={pp}", "--parallel.pp=2"], got, expected,
+                                         "--parallel.pp=1")
 
 
 @pytest.mark.distributed
@@ -256,13 +265,4 @@ def test_cli_moe_tensor_parallel_matches_one_process_and_resumes_bitwise_and_ont
     singles = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     assert [r["moe_tokens_per_expert/3"] for r in records if "moe_tokens_per_expert/3" in r] == \
         [r["moe_tokens_per_expert/3"] for r in singles if "moe_tokens_per_expert/3" in r]  # not counted twice
-    (tp / "metrics.jsonl").unlink()
-    shutil.rmtree(tp / "checkpoints" / "step-00000010")
-    torchrun(2, *cli, *tp_flags, "--resume")
-    assert train_losses(tp) == got[5:]
-    (tp / "metrics.jsonl").unlink()
-    shutil.rmtree(tp / "checkpoints" / "step-00000010")
-    resumed = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", f"--train.run_dir={tp}", "--resume",
-                              "--parallel.tp=1"], capture_output=True, text=True, timeout=CEILING_S)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert max(abs(a - b) / b for a, b in zip(train_losses(tp), expected[5:])) < PARITY_RTOL
+    resumes_bitwise_and_onto_one_process(tp, [*cli, *tp_flags], got, expected, "--parallel.tp=1")

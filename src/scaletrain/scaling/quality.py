@@ -270,11 +270,15 @@ def quality_search(args, fits: dict[str, tuple[ScalingFit, dict]], vocab: int, c
 
 def _search_one(args, search, console, titled: bool) -> dict:
     """One family's search, printed as before (its table, choice, scope and caveats)."""
+    from scaletrain.scaling.compare import LADDER_FACTORS
+
     fit, doc, scope, moe = search.fit, search.doc, search.scope, shape_of(search.key)
     cluster, seq, batch = search.common[1:4]
     of = f" with {family_name(search.key)} models" if titled else ""
     if args.target_bpb is not None:
-        result = cheapest_for_target(fit, args.target_bpb, scope, *search.common, moe=moe)
+        # families compared: the crossover ladder's finer sizes, so the verdict and the ladder price alike
+        factors = LADDER_FACTORS if titled else SIZE_FACTORS
+        result = cheapest_for_target(fit, args.target_bpb, scope, *search.common, moe=moe, factors=factors)
         title = f"the cheapest way to reach {args.target_bpb:g} bpb{of}"
     else:
         result = best_within(fit, scope, *search.common, args.budget, args.deadline, moe=moe)
@@ -293,15 +297,18 @@ def _search_one(args, search, console, titled: bool) -> dict:
 
 def _families_choice(args, searches, results: dict, refusals: dict, cluster: Cluster, console) -> dict:
     """Dense or MoE: the cheaper family's choice for a target (and the crossover), the lower bpb within limits."""
-    from scaletrain.scaling.compare import compare, crossover, crossover_lines, price
+    from scaletrain.scaling.compare import TIE, compare, crossover, crossover_lines, price
 
     if args.target_bpb is not None:
         verdict = compare(results)
         best = verdict["family"]
         others = ", ".join(f"{family_name(k)} {_money(price(results[k]), results[k])} ({r:.2f}x)"
                            for k, r in verdict["ratios"].items())
+        tie = bool(verdict["ratios"]) and min(verdict["ratios"].values()) <= 1 + TIE
+        verdict["tie"] = tie
         console.print(f"dense or MoE: {family_name(best)} reaches {args.target_bpb:g} bpb cheapest, "
-                      f"{_money(price(results[best]), results[best])}; {others or 'no other family reaches it'}")
+                      f"{_money(price(results[best]), results[best])}; {others or 'no other family reaches it'}"
+                      + (f": a tie (within {TIE:.0%}, as the family's size steps move a cost)" if tie else ""))
         cross = crossover(searches)
         for line in crossover_lines(cross, cluster.hardware.name):
             console.print(line)
@@ -310,7 +317,8 @@ def _families_choice(args, searches, results: dict, refusals: dict, cluster: Clu
         console.print(f"dense or MoE: {family_name(best)} buys the lowest predicted bpb within the limits, "
                       f"{results[best]['choice']['val_bpb']:.4f}")
         cross = None
-    return {**results[best], "families": results, "refused": refusals, "crossover": cross}
+    return {**results[best], "families": results, "refused": refusals, "crossover": cross,
+            "tie": bool(args.target_bpb is not None and verdict["tie"])}
 
 
 def _money(value: float, result: dict) -> str:
