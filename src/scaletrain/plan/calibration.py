@@ -167,16 +167,26 @@ def measure_weight_cast(n: int = 1 << 26) -> float:
     return _best_time(lambda: weight.to(torch.bfloat16), 3) / n
 
 
-def measure_nf4_dequant_rate() -> dict:
-    """``nf4_dequant_s_per_element``: torchao's eager NF4 dequantization (QLoRA's frozen projections, forward and
-    input gradient) on a 2048 x 2048 weight, the size of a family base's projections (a 512 x 512 one stays in cache
-    and measured 14 ns an element where 2048 x 2048 and 4864 x 896 measured 19); empty without torchao."""
+def measure_nf4_dequant_rate(n: int = 2048, weights: int = 4) -> dict:
+    """``nf4_dequant_s_per_element``: torchao's eager NF4 dequantization (QLoRA's frozen projections, dequantized in
+    the forward and again for the input gradient) of ``weights`` distinct n x n weights in turn, the size of a family
+    base's projections, so that none is still in cache when its turn comes, as in a step (one 512 x 512 weight
+    dequantized again and again measured 14 ns an element where a step of 2048 x 2048 and 4864 x 896 ones spent
+    14-19); empty without torchao."""
     try:
-        from scaletrain.plan.finetune import measure_nf4_dequant
-
-        return {"nf4_dequant_s_per_element": measure_nf4_dequant(n=2048, reps=3)}
+        from scaletrain.finetune.lora import to_nf4
     except ImportError:
         return {}
+    try:
+        stack = [to_nf4(torch.randn(n, n), 64, 256) for _ in range(weights)]
+    except ImportError:  # torchao missing: no QLoRA to plan
+        return {}
+
+    def dequantize():
+        for weight in stack:
+            weight.to(torch.float32)
+
+    return {"nf4_dequant_s_per_element": _best_time(dequantize, 3) / (weights * n * n)}
 
 
 def measure_attention_curve(batch_heads: int = 16, precision: str = "fp32") -> dict[str, list[list[float]]]:
