@@ -78,6 +78,22 @@ def profile_buckets(step, cfg, rank: int) -> dict:
     return dict(out)
 
 
+def planned(spec: str) -> dict:
+    """The planner's step for the row ``spec`` (``--hardware auto``, one thread, bf16, batch 1) and its parts."""
+    from scaletrain.config import FinetuneConfig, ModelConfig
+    from scaletrain.model.presets import PRESETS
+    from scaletrain.plan.finetune import finetune_cpu_breakdown, finetune_step_time
+    from scaletrain.plan.hardware_spec import parse_hardware
+    from scaletrain.plan.workload import Plan, Workload
+
+    preset, method, seq, layers = spec.split(":")
+    model = ModelConfig(**{**PRESETS[preset], "n_layers": int(layers), "max_seq_len": max(int(seq), 1024)})
+    workload = Workload(model=model, seq_len=int(seq), global_batch=1, train_tokens=int(seq), precision="bf16")
+    cluster, ft = parse_hardware("auto"), FinetuneConfig(method=method)
+    return {"planned_step_s": finetune_step_time(workload, Plan(micro_batch=1), cluster, ft)["step_seconds"],
+            "planned_breakdown": finetune_cpu_breakdown(workload, Plan(micro_batch=1), cluster, ft)}
+
+
 def measure(spec: str, profile: bool) -> dict:
     import torch
 
@@ -90,9 +106,6 @@ def measure(spec: str, profile: bool) -> dict:
     from scaletrain.model import build_model
     from scaletrain.model.presets import PRESETS
     from scaletrain.parallel import ParallelDims
-    from scaletrain.plan.finetune import finetune_cpu_breakdown, finetune_step_time
-    from scaletrain.plan.hardware_spec import parse_hardware
-    from scaletrain.plan.workload import Plan, Workload
     from scaletrain.train.precision import autocast
     from scaletrain.train.step import StepOptions, build_parallel_training, training_step
 
@@ -120,14 +133,10 @@ def measure(spec: str, profile: bool) -> dict:
         step()
         times.append(time.thread_time() - t0)
     measured = statistics.median(times[1:])
-    workload = Workload(model=model, seq_len=seq, global_batch=1, train_tokens=seq, precision="bf16")
-    cluster = parse_hardware("auto")
-    planned = finetune_step_time(workload, Plan(micro_batch=1), cluster, ft)
     row = {"preset": preset, "method": method, "seq_len": seq, "n_layers": layers, "vocab_size": model.vocab_size,
            "dim": model.dim, "step_cpu_s": times, "measured_step_cpu_s": measured,
-           "best_step_cpu_s": min(times[1:]),
-           "planned_step_s": planned["step_seconds"], "error": planned["step_seconds"] / measured - 1,
-           "planned_breakdown": finetune_cpu_breakdown(workload, Plan(micro_batch=1), cluster, ft)}
+           "best_step_cpu_s": min(times[1:]), **planned(spec)}
+    row["error"] = row["planned_step_s"] / measured - 1
     if profile:
         raw = profile_buckets(step, model, ft.lora_rank)
         total = sum(raw.values())
@@ -141,6 +150,8 @@ def main() -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--rows", default=",".join(ROWS), help="preset:method:seq:layers, comma-separated")
     parser.add_argument("--profile", action="store_true", help="also a profiled step's buckets")
+    parser.add_argument("--replan", default="", help="a previous result JSON: keep its measurements, plan its rows "
+                                                     "again (after a calibration or a change to plan/)")
     parser.add_argument("--out", default=default_out("family_finetune_cpu.json"),
                         help=OUT_HELP.format(name="family_finetune_cpu.json"))
     args = parser.parse_args()
@@ -152,12 +163,22 @@ def main() -> int:
 
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for spec in [s.strip() for s in args.rows.split(",") if s.strip()]:
-        cmd = [sys.executable, __file__, "--one", spec] + (["--profile"] if args.profile else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            raise SystemExit(proc.stderr[-3000:])
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+    previous = {f"{r['preset']}:{r['method']}:{r['seq_len']}:{r['n_layers']}": r
+                for r in json.loads(open(args.replan).read())["rows"]} if args.replan else {}
+    if previous:
+        import torch
+
+        torch.set_num_threads(1)  # the one-thread calibration
+    for spec in list(previous) or [s.strip() for s in args.rows.split(",") if s.strip()]:
+        if spec in previous:
+            row = {**previous[spec], **planned(spec)}
+            row["error"] = row["planned_step_s"] / row["measured_step_cpu_s"] - 1
+        else:
+            cmd = [sys.executable, __file__, "--one", spec] + (["--profile"] if args.profile else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr[-3000:])
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(f"{spec:28s} measured {row['measured_step_cpu_s']:6.2f} s CPU  planned {row['planned_step_s']:6.2f} s  "
               f"error {100 * row['error']:+6.1f}%", flush=True)

@@ -186,7 +186,7 @@ def measure_nf4_dequant_rate(n: int = 2048, weights: int = 4) -> dict:
         for weight in stack:
             weight.to(torch.float32)
 
-    return {"nf4_dequant_s_per_element": _best_time(dequantize, 3) / (weights * n * n)}
+    return {"nf4_dequant_s_per_element": _best_time(dequantize, 5) / (weights * n * n)}
 
 
 def measure_attention_curve(batch_heads: int = 16, precision: str = "fp32") -> dict[str, list[list[float]]]:
