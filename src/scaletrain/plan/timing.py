@@ -166,7 +166,7 @@ def head_gemm_seconds(tokens: int, vocab: int, dim: int, entry: dict, backward: 
 # rows. Doctor measures the head's two products at those row counts (``head_chunk_curve``: hidden (n, d) @ W^T and the
 # input gradient (n, V) @ W, W already in the compute dtype, as the loss casts it once) on a weight of this shape.
 HEAD_CHUNK_ROWS = (16, 32, 64, 128, 256, 512)
-HEAD_CHUNK_VOCAB = 65536
+HEAD_CHUNK_VOCAB = 131072
 HEAD_CHUNK_DIM = 1024
 
 
