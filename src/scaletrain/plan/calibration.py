@@ -160,23 +160,30 @@ def measure_head_chunk_curve(precision: str = "fp32") -> list[list[float]]:
     return out
 
 
-def measure_weight_cast(n: int = 1 << 26) -> float:
+# The weight doctor casts fp32 -> bf16 (elements: the size of a family base's embedding), and the side of the NF4
+# weights it dequantizes (that of a family base's projections).
+WEIGHT_CAST_ELEMENTS = 1 << 26
+NF4_DEQUANT_SIDE = 2048
+
+
+def measure_weight_cast(n: int | None = None) -> float:
     """Seconds per element of casting an fp32 weight to a fresh bf16 tensor (what autocast and the chunked loss do
-    to a frozen fp32 weight each forward): a 64M-element weight, the size of a family base's embedding."""
-    weight = torch.randn(n)
-    return _best_time(lambda: weight.to(torch.bfloat16), 3) / n
+    to a frozen fp32 weight each forward): ``WEIGHT_CAST_ELEMENTS`` elements."""
+    weight = torch.randn(n or WEIGHT_CAST_ELEMENTS)
+    return _best_time(lambda: weight.to(torch.bfloat16), 3) / weight.numel()
 
 
-def measure_nf4_dequant_rate(n: int = 2048, weights: int = 4) -> dict:
+def measure_nf4_dequant_rate(n: int | None = None, weights: int = 4) -> dict:
     """``nf4_dequant_s_per_element``: torchao's eager NF4 dequantization (QLoRA's frozen projections, dequantized in
-    the forward and again for the input gradient) of ``weights`` distinct n x n weights in turn, the size of a family
-    base's projections, so that none is still in cache when its turn comes, as in a step (one 512 x 512 weight
+    the forward and again for the input gradient) of ``weights`` distinct n x n weights (``NF4_DEQUANT_SIDE``) in
+    turn, so that none is still in cache when its turn comes, as in a step (one 512 x 512 weight
     dequantized again and again measured 14 ns an element where a step of 2048 x 2048 and 4864 x 896 ones spent
     14-19); empty without torchao."""
     try:
         from scaletrain.finetune.lora import to_nf4
     except ImportError:
         return {}
+    n = n or NF4_DEQUANT_SIDE
     try:
         stack = [to_nf4(torch.randn(n, n), 64, 256) for _ in range(weights)]
     except ImportError:  # torchao missing: no QLoRA to plan
