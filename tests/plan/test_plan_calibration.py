@@ -137,6 +137,10 @@ def test_a_small_calibration_measures_bf16_under_autocast_and_says_who_measured_
     monkeypatch.setattr(calibration, "REFERENCE_SHAPE", dict(dim=64, n_heads=4, ffn_hidden_dim=128, vocab_size=64,
                                                              max_seq_len=32))
     monkeypatch.setattr(calibration, "measure_memory_bandwidth", lambda: 1e10)
+    for name, value in {"HEAD_CHUNK_VOCAB": 512, "HEAD_CHUNK_DIM": 64, "HEAD_CHUNK_ROWS": (16, 64)}.items():
+        monkeypatch.setattr(calibration.timing, name, value)
+    monkeypatch.setattr(calibration, "WEIGHT_CAST_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(calibration, "NF4_DEQUANT_SIDE", 256)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -147,6 +151,7 @@ def test_a_small_calibration_measures_bf16_under_autocast_and_says_who_measured_
         torch.set_num_threads(threads)
     if entry["matmul_flops_bf16"] >= calibration.BF16_CURVES_MIN_RATIO * entry["matmul_flops_fp32"]:
         assert all(f"{key}_bf16" in entry for key in BF16_KEYS)
+    assert [row[0] for row in entry["head_chunk_curve"]] == [16.0, 64.0] and entry["weight_cast_s_per_element"] > 0
     assert entry["measured_by"] == "the test" and "core_wait" in entry and entry["clock"] == "cpu"
     assert "by the test" in with_calibration(CATALOG["cpu"], entry).utilisation_source
 

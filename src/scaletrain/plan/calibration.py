@@ -142,6 +142,60 @@ def measure_head_curve(precision: str = "fp32") -> list[list[float]]:
     return [[float(d), *_linear_rates(HEAD_ROWS, d, HEAD_VOCAB, precision)] for d in HEAD_DIMS]
 
 
+def measure_head_chunk_curve(precision: str = "fp32") -> list[list[float]]:
+    """[[rows, forward FLOP/s, input-gradient FLOP/s], ...] of the chunked loss's head products on ``rows``
+    positions (``timing.HEAD_CHUNK_ROWS``): hidden (rows, d) @ W^T and the logits' gradient (rows, V) @ W, W (V, d)
+    of ``timing.HEAD_CHUNK_VOCAB`` x ``HEAD_CHUNK_DIM`` already in the compute dtype (model/loss.py casts it once a
+    micro-batch; that cast is ``measure_weight_cast``'s), in ``precision``."""
+    act = torch.bfloat16 if precision == "bf16" else torch.float32
+    vocab, dim = timing.HEAD_CHUNK_VOCAB, timing.HEAD_CHUNK_DIM
+    weight = torch.randn(vocab, dim, dtype=act)
+    out = []
+    for rows in timing.HEAD_CHUNK_ROWS:
+        hidden = torch.randn(rows, dim, dtype=act)
+        grad = torch.randn(rows, vocab, dtype=act)
+        flops = 2.0 * rows * dim * vocab
+        out.append([float(rows), flops / _best_time(lambda: hidden @ weight.t(), 3),
+                    flops / _best_time(lambda: grad @ weight, 3)])
+    return out
+
+
+# The weight doctor casts fp32 -> bf16 (elements: the size of a family base's embedding), and the side of the NF4
+# weights it dequantizes (that of a family base's projections).
+WEIGHT_CAST_ELEMENTS = 1 << 26
+NF4_DEQUANT_SIDE = 2048
+
+
+def measure_weight_cast(n: int | None = None) -> float:
+    """Seconds per element of casting an fp32 weight to a fresh bf16 tensor (what autocast and the chunked loss do
+    to a frozen fp32 weight each forward): ``WEIGHT_CAST_ELEMENTS`` elements."""
+    weight = torch.randn(n or WEIGHT_CAST_ELEMENTS)
+    return _best_time(lambda: weight.to(torch.bfloat16), 3) / weight.numel()
+
+
+def measure_nf4_dequant_rate(n: int | None = None, weights: int = 4) -> dict:
+    """``nf4_dequant_s_per_element``: torchao's eager NF4 dequantization (QLoRA's frozen projections, dequantized in
+    the forward and again for the input gradient) of ``weights`` distinct n x n weights (``NF4_DEQUANT_SIDE``) in
+    turn, so that none is still in cache when its turn comes, as in a step (one 512 x 512 weight
+    dequantized again and again measured 14 ns an element where a step of 2048 x 2048 and 4864 x 896 ones spent
+    14-19); empty without torchao."""
+    try:
+        from scaletrain.finetune.lora import to_nf4
+    except ImportError:
+        return {}
+    n = n or NF4_DEQUANT_SIDE
+    try:
+        stack = [to_nf4(torch.randn(n, n), 64, 256) for _ in range(weights)]
+    except ImportError:  # torchao missing: no QLoRA to plan
+        return {}
+
+    def dequantize():
+        for weight in stack:
+            weight.to(torch.float32)
+
+    return {"nf4_dequant_s_per_element": _best_time(dequantize, 5) / (weights * n * n)}
+
+
 def measure_attention_curve(batch_heads: int = 16, precision: str = "fp32") -> dict[str, list[list[float]]]:
     """{head_dim: [[seq_len, fwd FLOP/s, bwd FLOP/s], ...]} of causal SDPA, counting 4*T^2*hd per head
     forward (QK^T and AV, no causal halving: the same convention as ``flops_per_token``). ``precision="bf16"``:
@@ -423,11 +477,13 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
         log(f"matmul {dtype}: {entry[f'matmul_flops_{dtype}'] / 1e9:,.1f} GFLOP/s")
     if device.type == "cpu":
         rules = {"op_overhead_s": False, "memory_bandwidth": True, "gemm_curve_by_rows": True, "attention_curve": True,
-                 "cross_entropy_curve": False, "optimizer_curve": False, "head_curve": True}
+                 "cross_entropy_curve": False, "optimizer_curve": False, "head_curve": True,
+                 "head_chunk_curve": True, "weight_cast_s_per_element": False}
         measured = _quiet_rounds(lambda: {
             "op_overhead_s": measure_op_overhead(), "memory_bandwidth": measure_memory_bandwidth(),
             "gemm_curve_by_rows": {str(m): measure_gemm_curve(m) for m in GEMM_ROWS},
-            "head_curve": measure_head_curve(),
+            "head_curve": measure_head_curve(), "head_chunk_curve": measure_head_chunk_curve(),
+            "weight_cast_s_per_element": measure_weight_cast(),
             "attention_curve": measure_attention_curve(), "cross_entropy_curve": measure_cross_entropy_curve(),
             "optimizer_curve": measure_optimizer_curve()}, rules, rounds, clock, log, "fp32 curves", seen)
         _fill_backward_rates(measured)
@@ -448,6 +504,7 @@ def _calibrate(device: torch.device, dtypes: tuple[str, ...], log, rounds: int, 
         entry["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         entry["memory_bytes"] = total_ram_bytes()
         entry["decode_op_s"] = measure_decode_op_seconds()  # the samples a run draws (plan/wall.py)
+        entry.update(measure_nf4_dequant_rate())  # QLoRA's frozen projections (plan/finetune.py)
         log(f"eager decode: {entry['decode_op_s'] * 1e6:.1f} us an op")
     # what a checkpoint costs on this machine's disk, the whole wall's last part (plan/wall.py)
     entry.update(measure_checkpoint_write())
@@ -543,8 +600,9 @@ def _calibrate_bf16(entry: dict, rounds: int, clock: str, log, seen: dict) -> No
         "gemm_curve_by_rows": {str(m): measure_gemm_curve(m, "bf16") for m in GEMM_ROWS},
         "attention_curve": measure_attention_curve(precision="bf16"),
         "cross_entropy_curve": measure_cross_entropy_curve(precision="bf16"),
-        "head_curve": measure_head_curve("bf16")},
-        {"gemm_curve_by_rows": True, "attention_curve": True, "cross_entropy_curve": False, "head_curve": True},
+        "head_curve": measure_head_curve("bf16"), "head_chunk_curve": measure_head_chunk_curve("bf16")},
+        {"gemm_curve_by_rows": True, "attention_curve": True, "cross_entropy_curve": False, "head_curve": True,
+         "head_chunk_curve": True},
         rounds, clock, log,
         "bf16 curves", seen)
     _fill_backward_rates(measured)

@@ -28,6 +28,7 @@ value until the GPU check's ``qlora-compiled`` row measures it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -61,6 +62,7 @@ from scaletrain.plan.timing import (
     GPU_LAUNCH_SECONDS,
     OPS_PER_BLOCK,
     attention_seconds,
+    chunked_head_seconds,
     family_block_ops,
     gemm_seconds,
     gpu_utilisation,
@@ -376,16 +378,14 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
     micro_steps = max(1, workload.global_batch // (b * plan.dp))
     if hw.kind == "cpu":
         rates = precision_rates(hw.calibration, workload.precision)  # bf16: the curves measured under autocast
-        per_micro, optimizer, base_forward = _cpu_seconds(cfg, ft, plan, rates, b, seq, shapes, targets, n_ckpt,
-                                                          trainable)
+        per_micro, optimizer, base_forward = _cpu_seconds(workload, plan, ft, rates, seq, shapes, targets, n_ckpt)
     else:
         per_micro, optimizer, base_forward = _gpu_seconds(workload, cfg, ft, hw, tokens, seq, shapes, targets,
                                                           n_ckpt, trainable)
         per_micro += gpu_memory_bound_seconds(cfg, ft, hw, tokens, shapes, targets, n_ckpt,
                                               recipe_for(workload, plan).autocast)
-    # the chunked loss's recomputed logits (the head and the loss see the real positions, not prompt tuning's)
-    per_micro += loss_recompute_seconds(workload, plan, b * workload.seq_len, cluster,
-                                        rates if hw.kind == "cpu" else None)
+        # the chunked loss's recomputed logits (on a CPU part of the head's time, ``_cpu_head_parts``)
+        per_micro += loss_recompute_seconds(workload, plan, b * workload.seq_len, cluster, None)
     # Muon's Newton-Schulz over its whole matrices, on every data-parallel replica
     newton_schulz = newton_schulz_seconds(finetune_muon_shapes(workload, ft), hw) \
         if workload.optimizer_entry.orthogonalizes else 0.0
@@ -406,8 +406,34 @@ def finetune_step_time(workload: Workload, plan: Plan, cluster: Cluster, ft: Fin
                                workload.precision, cluster)}
 
 
-def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, b: int, seq: int,
-                 shapes: dict, targets: list[str], n_ckpt: int, trainable: int) -> tuple[float, float]:
+def finetune_cpu_breakdown(workload: Workload, plan: Plan, cluster: Cluster, ft: FinetuneConfig) -> dict:
+    """CPU seconds of one fine-tuning micro-batch by part (what ``finetune_step_time`` sums on a CPU): the frozen
+    base's GEMMs, LoRA's, attention, elementwise work and dispatch, NF4 dequantization, the head's GEMMs and the
+    loss's work over the vocabulary (with the chunked loss's recomputed logits), and the optimizer step.
+    ``benchmarks/family_finetune_cpu.py`` sets it beside a profiled step."""
+    cfg = workload.model
+    seq = workload.seq_len + (ft.virtual_tokens if method_entry(ft.method).input_tokens else 0)
+    shapes = projection_shapes(cfg)
+    targets = [t for t in ft.lora_targets if t in shapes] if method_entry(ft.method).lora else []
+    n_ckpt = len(checkpointed_blocks(cfg.n_layers, plan.activation_checkpointing, plan.ac_every))
+    rates = precision_rates(cluster.hardware.calibration, workload.precision)
+    parts, optimizer, _ = _cpu_parts(workload, plan, ft, rates, seq, shapes, targets, n_ckpt)
+    return {**parts, "optimizer": optimizer}
+
+
+def _cpu_seconds(workload: Workload, plan: Plan, ft: FinetuneConfig, entry: dict, seq: int, shapes: dict,
+                 targets: list[str], n_ckpt: int) -> tuple[float, float, float]:
+    parts, optimizer, base_forward = _cpu_parts(workload, plan, ft, entry, seq, shapes, targets, n_ckpt)
+    return sum(parts.values()), optimizer, base_forward
+
+
+def _cpu_parts(workload: Workload, plan: Plan, ft: FinetuneConfig, entry: dict, seq: int, shapes: dict,
+               targets: list[str], n_ckpt: int) -> tuple[dict, float, float]:
+    """({part: CPU seconds of one micro-batch}, optimizer seconds, the base's no-grad forward) of the step."""
+    cfg, b, trainable = workload.model, plan.micro_batch, trainable_parameters(workload.model, ft)
+    head_tokens = b * workload.seq_len  # the head and the loss see the real positions, not prompt tuning's
+    held = loss_rows(workload, plan, head_tokens, plan.engine == "deepspeed", "cpu")
+    autocast = recipe_for(workload, plan).autocast
     method = method_entry(ft.method)  # finetune/method_table.py
     if "elementwise_s_per_element" not in entry:
 
@@ -421,59 +447,82 @@ def _cpu_seconds(cfg: ModelConfig, ft: FinetuneConfig, plan: Plan, entry: dict, 
     att_f, att_b = attention_seconds(b * cfg.n_heads, seq, head_width(cfg), entry)
     if method.prefix_tokens:  # every query also reads the P prefix keys: causal T^2/2 -> T^2/2 + T*P
         att_f, att_b = (a * (1 + 2 * ft.virtual_tokens / seq) for a in (att_f, att_b))
-    total, base_forward = 0.0, 0.0
+    parts: dict[str, float] = collections.defaultdict(float)
+    base_forward = 0.0
+    bandwidth = entry["memory_bandwidth"]
     for block in range(cfg.n_layers):
+        recompute = block >= cfg.n_layers - n_ckpt if n_ckpt else False
+        again = 1 + recompute  # a checkpointed block runs its forward twice
         masked = masked_attention_factor(seq) if masked_attention_layers(cfg, seq, range(block, block + 1)) else 1.0
-        fwd = att_f * masked + sum(gemm_seconds(tokens, o, i, entry) for i, o in shapes.values())
+        gemms = sum(gemm_seconds(tokens, o, i, entry) for i, o in shapes.values())
+        parts["attention"] += (again * att_f + att_b) * masked
+        parts["base gemm"] += again * gemms
         # the base's no-grad forward (DPO's reference through disabled adapters, ``preference_step_time``): the
         # frozen GEMMs and attention, a forward's third of the elementwise work and dispatch (as a recompute)
-        base_forward += fwd + (units * elem + (entry["block_ops"] + family_block_ops(cfg)) * entry["op_overhead_s"]) / 3
+        base_forward += att_f * masked + gemms + (units * elem + (entry["block_ops"] + family_block_ops(cfg))
+                                                  * entry["op_overhead_s"]) / 3
         if method.quantized_base:
             base_forward += sum(i * o for i, o in shapes.values()) * dequant
-        bwd = att_b * masked
         for name, (i, o) in shapes.items():
             both = gemm_seconds(tokens, o, i, entry, backward=True)  # input and weight gradient GEMMs
             if _weight_trains(ft, block):
-                bwd += both
+                parts["base gemm"] += both
             elif _input_grad_needed(ft, block, (name,)):
-                bwd += both / 2
+                parts["base gemm"] += both / 2
                 if method.quantized_base:
-                    bwd += i * o * dequant
+                    parts["nf4 dequant"] += i * o * dequant
             if method.quantized_base:
-                fwd += i * o * dequant
+                parts["nf4 dequant"] += again * i * o * dequant
         if method.quantized_base and is_moe_layer(cfg, block):
             # the router's and every expert's 4-bit weights in place of the dense feed-forward ``shapes`` prices,
-            # dequantized in the forward and again for the input gradient (lora.FrozenExpertsMM)
-            fwd += moe_extra_params(cfg, active=False) * dequant
-            bwd += moe_extra_params(cfg, active=False) * dequant
+            # dequantized in the forward (again under recomputation) and for the input gradient
+            # (lora.FrozenExpertsMM)
+            parts["nf4 dequant"] += (again + 1) * moe_extra_params(cfg, active=False) * dequant
         ops = entry["block_ops"] + family_block_ops(cfg) + OPS_PER_ADAPTER * len(targets)
         for name in targets:  # x @ A^T (r wide), then @ B^T; both train, so full backward GEMMs
             i, o = shapes[name]
-            fwd += gemm_seconds(tokens, r, i, entry) + gemm_seconds(tokens, o, r, entry)
-            bwd += gemm_seconds(tokens, r, i, entry, True) + gemm_seconds(tokens, o, r, entry, True)
+            parts["lora gemm"] += again * (gemm_seconds(tokens, r, i, entry) + gemm_seconds(tokens, o, r, entry)) \
+                + gemm_seconds(tokens, r, i, entry, True) + gemm_seconds(tokens, o, r, entry, True)
             # Single passes over memory (not a block's fused mix, which ``elem`` prices): the scale and the
             # add to the frozen output (8 + 12 bytes an fp32 output element), the scale's gradient (8), and
             # the adapter's input gradient added to the frozen one (12 bytes an input element).
-            fwd += tokens * o * 20 / entry["memory_bandwidth"]
-            bwd += tokens * (8 * o + 12 * i) / entry["memory_bandwidth"]
+            parts["lora passes"] += again * tokens * o * 20 / bandwidth + tokens * (8 * o + 12 * i) / bandwidth
             if ft.dora:  # the row norms of W + s B A each forward (no gradient): B @ A, then add and norm passes
-                fwd += gemm_seconds(o, i, r, entry) + i * o * 24 / entry["memory_bandwidth"] \
-                    + (i * o * dequant if method.quantized_base else 0.0)
-        recompute = block >= cfg.n_layers - n_ckpt if n_ckpt else False
-        total += (1 + recompute) * fwd + bwd + units * elem * (1 + recompute / 3) \
-            + ops * (1 + recompute / 3) * entry["op_overhead_s"]
-    vocab = cfg.vocab_size
-    head_trains = method.trains_base
-    head_bwd = head_gemm_seconds(tokens, vocab, d, entry, True)
-    head = (head_gemm_seconds(tokens, vocab, d, entry) + (head_bwd if head_trains else head_bwd / 2)
-            + tokens * vocab * interp_curve(entry["cross_entropy_curve"], vocab) + 3 * tokens * d * elem
-            + (vocab * d * elem if head_trains and not ft.freeze_embeddings else 0.0))
+                parts["dora"] += again * (gemm_seconds(o, i, r, entry) + i * o * 24 / bandwidth
+                                          + (i * o * dequant if method.quantized_base else 0.0))
+        parts["elementwise"] += units * elem * (1 + recompute / 3)
+        parts["dispatch"] += ops * (1 + recompute / 3) * entry["op_overhead_s"]
+    parts.update(_cpu_head_parts(cfg, ft, entry, tokens, head_tokens, held, autocast, elem))
     optimizer = trainable * interp_curve(entry["optimizer_curve"], trainable)
     # the reference's head: logits, then a cross-entropy forward (the log-softmax: about half the measured
     # forward + backward, the backward being the softmax again less the targets)
+    vocab = cfg.vocab_size
     base_forward += head_gemm_seconds(tokens, vocab, d, entry) + tokens * vocab * interp_curve(
         entry["cross_entropy_curve"], vocab) / 2 + tokens * d * elem
-    return total + head, optimizer, base_forward
+    return dict(parts), optimizer, base_forward
+
+
+def _cpu_head_parts(cfg: ModelConfig, ft: FinetuneConfig, entry: dict, tokens: int, head_tokens: int, held: int,
+                    autocast: bool, elem: float) -> dict:
+    """CPU seconds of the head and the loss over ``head_tokens`` positions, ``held`` at a time (the chunked loss
+    when fewer than all): a frozen head's chunked products at the rates doctor measured for the chunk's rows, with
+    the loss's cast of the weight (``timing.chunked_head_seconds``); else (a trained head, an unchunked loss, an
+    older calibration) the head curve's GEMMs over all the positions and, chunked, the recomputed logits again."""
+    vocab, d = cfg.vocab_size, cfg.dim
+    head_trains = method_entry(ft.method).trains_base
+    parts = {"loss elementwise (vocab)": tokens * vocab * interp_curve(entry["cross_entropy_curve"], vocab),
+             "head other": 3 * tokens * d * elem + (vocab * d * elem if head_trains and not ft.freeze_embeddings
+                                                    else 0.0)}
+    chunked = None if head_trains or held >= head_tokens else chunked_head_seconds(head_tokens, held, vocab, d,
+                                                                                   entry, autocast)
+    if chunked is not None:
+        parts["head gemm"] = chunked
+        return parts
+    head_bwd = head_gemm_seconds(tokens, vocab, d, entry, True)
+    parts["head gemm"] = head_gemm_seconds(tokens, vocab, d, entry) + (head_bwd if head_trains else head_bwd / 2)
+    # the chunked loss's backward recomputes each chunk's logits (timing.loss_recompute_seconds)
+    parts["loss recompute"] = head_gemm_seconds(head_tokens, vocab, d, entry) if held < head_tokens else 0.0
+    return parts
 
 
 # Passes over an adapted projection's input and output activations (tokens x width, bf16) one LoRA adapter makes in

@@ -102,6 +102,8 @@ def interp_curve(curve: list[list[float]], x: float, column: int = 1, log_y: boo
 # the step runs in bf16; the optimizer's and the dispatch rates are the same (fp32 weights, same ops).
 BF16_KEYS = ("gemm_curve_by_rows", "gemm_curve", "attention_curve", "cross_entropy_curve", "elementwise_curve",
              "elementwise_s_per_element", "block_ops")
+# and those a bf16 step reads only in their bf16 version when it has one (never fp32's rates for a bf16 head)
+BF16_OPTIONAL = ("head_curve", "head_chunk_curve")
 
 
 def precision_rates(entry: dict, precision: str) -> dict:
@@ -112,8 +114,8 @@ def precision_rates(entry: dict, precision: str) -> dict:
     if DTYPE_OF_PRECISION.get(precision, "fp32") != "bf16" or "gemm_curve" not in entry:
         return entry
     if all(f"{key}_bf16" in entry for key in BF16_KEYS):
-        optional = {key: entry[f"{key}_bf16"] for key in ("head_curve",) if f"{key}_bf16" in entry}
-        return {**{k: v for k, v in entry.items() if k != "head_curve"}, **optional,
+        optional = {key: entry[f"{key}_bf16"] for key in BF16_OPTIONAL if f"{key}_bf16" in entry}
+        return {**{k: v for k, v in entry.items() if k not in BF16_OPTIONAL}, **optional,
                 **{key: entry[f"{key}_bf16"] for key in BF16_KEYS}}
     ratio = float(entry.get("matmul_flops_bf16", 0.0)) / float(entry.get("matmul_flops_fp32", 1.0))
     if ratio <= 0:
@@ -124,8 +126,9 @@ def precision_rates(entry: dict, precision: str) -> dict:
 
     rates = {**entry, "gemm_curve": scaled(entry["gemm_curve"]),
              "attention_curve": {hd: scaled(c) for hd, c in entry.get("attention_curve", {}).items()}}
-    if "head_curve" in entry:
-        rates["head_curve"] = scaled(entry["head_curve"])
+    for key in BF16_OPTIONAL:
+        if key in entry:
+            rates[key] = scaled(entry[key])
     if "gemm_curve_by_rows" in entry:
         rates["gemm_curve_by_rows"] = {m: scaled(c) for m, c in entry["gemm_curve_by_rows"].items()}
     return rates
@@ -156,6 +159,35 @@ def head_gemm_seconds(tokens: int, vocab: int, dim: int, entry: dict, backward: 
         return gemm_seconds(tokens, vocab, dim, entry, backward)
     flops = 2.0 * tokens * vocab * dim * (2 if backward else 1)
     return flops / interp_curve(entry["head_curve"], dim, 2 if backward else 1)
+
+
+# The chunked loss (model/loss.py) runs the head on ``chunk_rows(vocab)`` positions at a time (55 of a 151,936-token
+# vocabulary): few rows a product, each streaming the whole (V, d) weight, far from the rate of the head curve's 512
+# rows. Doctor measures the head's two products at those row counts (``head_chunk_curve``: hidden (n, d) @ W^T and the
+# input gradient (n, V) @ W, W already in the compute dtype, as the loss casts it once) on a weight of this shape.
+HEAD_CHUNK_ROWS = (16, 32, 64, 128, 256, 512)
+HEAD_CHUNK_VOCAB = 131072
+HEAD_CHUNK_DIM = 1024
+
+
+def chunked_head_seconds(tokens: int, rows: int, vocab: int, dim: int, entry: dict, cast: bool) -> float | None:
+    """CPU seconds of a frozen head's products in the chunked loss over ``tokens`` positions, ``rows`` a chunk: each
+    chunk's logits twice (the forward, and the backward's recomputation) and its input gradient, at the rates
+    ``head_chunk_curve`` measured for the chunk's rows (scaled to ``dim`` by the head curve), plus, when ``cast``
+    (an fp32 weight under autocast), the loss's one cast of the weight to bf16 (``weight_cast_s_per_element``;
+    without it 6 bytes an element at the copy bandwidth). None when the calibration has no such curve."""
+    curve = entry.get("head_chunk_curve")
+    if not curve:
+        return None
+    chunks = [rows] * (tokens // rows) + ([tokens % rows] if tokens % rows else [])
+    seconds = 0.0
+    for column, passes in ((1, 2), (2, 1)):  # forward (twice), input gradient
+        scale = interp_curve(entry["head_curve"], dim, column) / interp_curve(entry["head_curve"], HEAD_CHUNK_DIM,
+                                                                                column) if "head_curve" in entry else 1
+        seconds += passes * sum(2.0 * n * dim * vocab / (interp_curve(curve, n, column) * scale) for n in chunks)
+    if cast:
+        seconds += vocab * dim * entry.get("weight_cast_s_per_element", 6.0 / entry["memory_bandwidth"])
+    return seconds
 
 
 def loss_recompute_seconds(workload: Workload, plan: Plan, tokens: int, cluster: Cluster, entry: dict | None
