@@ -21,6 +21,7 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
+@pytest.mark.slow  # not in the default pass (README): 42 s; LoRA under DDP / FSDP2 stays (test_finetune_dist.py)
 def test_expert_lora_ddp_and_fsdp2_match_single_process(tmp_path):
     from scaletrain.checkpoint.export import export_hf
     from scaletrain.config import ModelConfig

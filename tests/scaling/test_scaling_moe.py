@@ -90,6 +90,7 @@ def test_each_family_has_its_own_fit_file(data_dir):
         load_fit(data_dir, "moe16x4")
 
 
+@pytest.mark.slow  # not in the default pass (README): 48 s of searches; the crossover's rules are tested below
 def test_plan_answers_dense_or_moe_with_the_crossover(data_dir, capsys):
     _write(data_dir, DENSE, "dense")
     _write(data_dir, MOE, "moe8x2")
