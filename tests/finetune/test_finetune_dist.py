@@ -40,6 +40,14 @@ def test_lora_ddp_and_fsdp2_match_single_process(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
     expected = _losses(tmp_path / "one")
     _, reference, _, _ = load_run(tmp_path / "one")
+    ddp_and_fsdp2_match(tmp_path, common, expected, reference)
+
+
+def ddp_and_fsdp2_match(tmp_path, common: list[str], expected: list[float], reference) -> None:
+    """The fine-tune ``common`` under 2-rank DDP and FSDP2 (4 rows a rank): 5 losses equal ``expected`` and every
+    trained parameter ``reference``'s (the one-process run) within PARITY_RTOL."""
+    from scaletrain.infer.load import load_run
+
     for name, plan in (("ddp", "--parallel.dp_replicate=2"), ("fsdp", "--parallel.dp_shard=2")):
         torchrun(2, *common, "--train.batch_size=4", plan, f"--train.run_dir={tmp_path / name}")
         got = _losses(tmp_path / name)

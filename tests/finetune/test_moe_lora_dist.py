@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_finetune_dist import ddp_and_fsdp2_match
 
-from helpers.launch import PARITY_RTOL, torchrun
 from helpers.tiny import CHARS
 from helpers.waits import CEILING_S
 
@@ -50,12 +50,4 @@ def test_expert_lora_ddp_and_fsdp2_match_single_process(tmp_path):
     _, reference, _, _ = load_run(tmp_path / "one")
     assert any(isinstance(m, LoRAExperts) for m in reference.modules())
     assert expected[-1] < expected[0]  # it trains
-    for name, plan in (("ddp", "--parallel.dp_replicate=2"), ("fsdp", "--parallel.dp_shard=2")):
-        torchrun(2, *common, "--train.batch_size=4", plan, f"--train.run_dir={tmp_path / name}")
-        got = _losses(tmp_path / name)
-        assert len(got) == len(expected) == 5
-        assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL, (name, got, expected)
-        _, model, _, _ = load_run(tmp_path / name)
-        for (key, ours), (_, theirs) in zip(model.named_parameters(), reference.named_parameters()):
-            relative = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-12))
-            assert relative < PARITY_RTOL, (name, key, relative)
+    ddp_and_fsdp2_match(tmp_path, common, expected, reference)
