@@ -30,17 +30,23 @@ def test_lora_ddp_and_fsdp2_match_single_process(tmp_path):
     cfg = ModelConfig(vocab_size=len(CHARS), dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64,
                       max_seq_len=32)
     export_hf(build_model(cfg, seed=0), cfg, CharTokenizer(CHARS), tmp_path / "base")
-    common = ["-m", "scaletrain.cli", "finetune", "--from", str(tmp_path / "base"), "--data.seq_len=32",
-              f"--data.cache_dir={tmp_path / 'data'}", "--train.steps=5", "--train.eval_interval=0",
-              "--train.eval_batches=1", "--train.sample_tokens=0", "--logging.progress=off",
-              "--logging.tensorboard=false", "--logging.log_interval=1", "--train.precision=fp32",
-              "--schedule.warmup_steps=2", "--optim.lr=0.01", "--finetune.lora_targets=q,k,v,o,gate,up,down"]
+    common = finetune_command(tmp_path, "--finetune.lora_targets=q,k,v,o,gate,up,down")
     single = subprocess.run([sys.executable, *common, "--train.batch_size=8", f"--train.run_dir={tmp_path / 'one'}"],
                             capture_output=True, text=True, timeout=CEILING_S)
     assert single.returncode == 0, single.stderr[-3000:]
     expected = _losses(tmp_path / "one")
     _, reference, _, _ = load_run(tmp_path / "one")
     ddp_and_fsdp2_match(tmp_path, common, expected, reference)
+
+
+def finetune_command(tmp_path, *extra: str) -> list[str]:
+    """``scaletrain finetune`` of ``tmp_path/base``: 5 fp32 steps of sequence 32, every loss logged, no evaluation
+    or samples on the way (``extra``: the method's own flags)."""
+    return ["-m", "scaletrain.cli", "finetune", "--from", str(tmp_path / "base"), "--data.seq_len=32",
+            f"--data.cache_dir={tmp_path / 'data'}", "--train.steps=5", "--train.eval_interval=0",
+            "--train.eval_batches=1", "--train.sample_tokens=0", "--logging.progress=off",
+            "--logging.tensorboard=false", "--logging.log_interval=1", "--train.precision=fp32",
+            "--schedule.warmup_steps=2", "--optim.lr=0.01", *extra]
 
 
 def ddp_and_fsdp2_match(tmp_path, common: list[str], expected: list[float], reference) -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_finetune_dist import ddp_and_fsdp2_match
+from test_finetune_dist import ddp_and_fsdp2_match, finetune_command
 
 from helpers.tiny import CHARS
 from helpers.waits import CEILING_S
@@ -37,12 +37,7 @@ def test_expert_lora_ddp_and_fsdp2_match_single_process(tmp_path):
                       max_seq_len=32, family="mixtral", moe_experts=4, moe_top_k=2, moe_hidden_dim=32,
                       moe_balance_coef=0.0)
     export_hf(build_model(cfg, seed=0), cfg, CharTokenizer(CHARS), tmp_path / "base")
-    common = ["-m", "scaletrain.cli", "finetune", "--from", str(tmp_path / "base"), "--data.seq_len=32",
-              f"--data.cache_dir={tmp_path / 'data'}", "--train.steps=5", "--train.eval_interval=0",
-              "--train.eval_batches=1", "--train.sample_tokens=0", "--logging.progress=off",
-              "--logging.tensorboard=false", "--logging.log_interval=1", "--train.precision=fp32",
-              "--schedule.warmup_steps=2", "--optim.lr=0.01", "--finetune.lora_rank=4",
-              "--finetune.lora_targets=q,v,gate,up,down,router"]
+    common = finetune_command(tmp_path, "--finetune.lora_rank=4", "--finetune.lora_targets=q,v,gate,up,down,router")
     single = subprocess.run([sys.executable, *common, "--train.batch_size=8", f"--train.run_dir={tmp_path / 'one'}"],
                             capture_output=True, text=True, timeout=CEILING_S)
     assert single.returncode == 0, single.stderr[-3000:]

@@ -77,7 +77,7 @@ def _scale(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)  # the planner below predicts for this thread count
     if args.fit_only:
         # every run of this family trained on this data, or one line naming the one not
-        records = finished_records(out, data, f"{moe.experts}x{moe.top_k}" if moe else "")
+        records = finished_records(out, data, moe.spec if moe else "")
     else:
         runs = plan_grid(data, parse_duration(args.budget), args.hardware, args.min_tokens_per_param, say=print,
                          moe=moe)

@@ -47,8 +47,13 @@ class MoEShape:
         return cls(int(m.group(1)), int(m.group(2)))
 
     @property
+    def spec(self) -> str:
+        """'8x2': what ``--moe`` takes and a grid run records."""
+        return f"{self.experts}x{self.top_k}"
+
+    @property
     def key(self) -> str:
-        return f"moe{self.experts}x{self.top_k}"
+        return f"moe{self.spec}"
 
     def expert_width(self, cfg: ModelConfig) -> int:
         """The dense feed-forward width of ``cfg`` over top-k, rounded up to a multiple of 16."""
@@ -74,10 +79,10 @@ def shape_of(key: str) -> MoEShape | None:
 
 def family_key(cfg: ModelConfig) -> str:
     """The fit a model's prediction is read from: 'dense', or 'moe{experts}x{top_k}'."""
-    return f"moe{cfg.moe_experts}x{cfg.moe_top_k}" if cfg.moe_experts else DENSE
+    return MoEShape(cfg.moe_experts, cfg.moe_top_k).key if cfg.moe_experts else DENSE
 
 
 def family_name(key: str) -> str:
     """'dense' or 'MoE 8x2' (for tables and lines)."""
     shape = shape_of(key)
-    return DENSE if shape is None else f"MoE {shape.experts}x{shape.top_k}"
+    return DENSE if shape is None else f"MoE {shape.spec}"

@@ -160,7 +160,7 @@ def make_run(dim: int, n_layers: int, vocab_size: int, steps: int, hardware: str
     prefix = f"{moe.key}-" if moe else ""
     return GridRun(f"{prefix}d{dim}-l{n_layers}-t{tokens}", dim, n_layers, tokens, steps,
                    law_params(model), predicted_seconds(model, steps, hardware),
-                   f"{moe.experts}x{moe.top_k}" if moe else "")
+                   moe.spec if moe else "")
 
 
 def run_overrides(run: GridRun, data_dir: str | Path, run_dir: Path, threads: int = 0) -> dict[str, str]:

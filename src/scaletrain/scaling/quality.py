@@ -28,6 +28,15 @@ from scaletrain.model.presets import active_params, num_params
 from scaletrain.plan.deadline import Option, options
 from scaletrain.plan.report import duration
 from scaletrain.plan.workload import Workload
+from scaletrain.scaling.compare import (
+    LADDER_FACTORS,
+    TIE,
+    FamilySearch,
+    compare,
+    crossover,
+    crossover_lines,
+    price,
+)
 from scaletrain.scaling.family import MoEShape, family_key, family_name, shape_of
 from scaletrain.scaling.fit import ScalingFit, check_searchable, check_target, law_params
 from scaletrain.scaling.grid import BATCH, MAX_EPOCHS, SEQ_LEN
@@ -234,8 +243,6 @@ def quality_search(args, fits: dict[str, tuple[ScalingFit, dict]], vocab: int, c
     the predicted bpb to it). ``fits``: the data's fits by family (scaling/family.py), each searched; with more
     than one, the cheaper family (the lower bpb within a budget) is the choice and, for a target, the crossover
     is searched (scaling/compare.py). ``seq_len``: a --data.seq_len flag, else the fit's own."""
-    from scaletrain.scaling.compare import FamilySearch
-
     wants_search = args.target_bpb is not None or (not model_given and
                                                     (args.budget is not None or args.deadline is not None))
     if not fits or not wants_search:
@@ -270,8 +277,6 @@ def quality_search(args, fits: dict[str, tuple[ScalingFit, dict]], vocab: int, c
 
 def _search_one(args, search, console, titled: bool) -> dict:
     """One family's search, printed as before (its table, choice, scope and caveats)."""
-    from scaletrain.scaling.compare import LADDER_FACTORS
-
     fit, doc, scope, moe = search.fit, search.doc, search.scope, shape_of(search.key)
     cluster, seq, batch = search.common[1:4]
     of = f" with {family_name(search.key)} models" if titled else ""
@@ -297,8 +302,6 @@ def _search_one(args, search, console, titled: bool) -> dict:
 
 def _families_choice(args, searches, results: dict, refusals: dict, cluster: Cluster, console) -> dict:
     """Dense or MoE: the cheaper family's choice for a target (and the crossover), the lower bpb within limits."""
-    from scaletrain.scaling.compare import TIE, compare, crossover, crossover_lines, price
-
     if args.target_bpb is not None:
         verdict = compare(results)
         best = verdict["family"]

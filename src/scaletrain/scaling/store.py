@@ -62,7 +62,7 @@ def load_fit(data_dir: str | Path, family: str = DENSE) -> tuple[ScalingFit, dic
     path = fit_path(data_dir, family)
     if not path.is_file():
         shape = shape_of(family)
-        moe = f" --moe {shape.experts}x{shape.top_k}" if shape else ""
+        moe = f" --moe {shape.spec}" if shape else ""
         what = "" if shape is None else f" of {family_name(family)} ({shape.describe()}: a law is one family's)"
         raise ScalingFitError(f"{path}: no scaling fit{what} for this data; run `scaletrain scale {data_dir} --out "
                               f"DIR --budget 30min{moe}` first")
