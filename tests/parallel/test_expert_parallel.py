@@ -145,8 +145,10 @@ def dims_of(world: int, compile: str = "false", **parallel) -> ParallelDims:
 
 @pytest.mark.parametrize("world,parallel,message", [
     (2, dict(dp_shard=2, ep=2, tp=1, pp=1), None),
-    (4, dict(dp_shard=2, tp=2, ep=2), "parallel.ep=2 runs with data parallelism only"),
-    (4, dict(dp_shard=2, pp=2, ep=2), "parallel.ep=2 runs with data parallelism only"),
+    (4, dict(dp_shard=2, tp=2, ep=2), "parallel.ep=2 runs with data and pipeline parallelism only"),
+    (4, dict(dp_shard=2, pp=2, ep=2), None),  # each stage's experts split over its ranks (test_cli_ep_pipeline_*)
+    (8, dict(dp_shard=4, pp=2, ep=2), None),  # ... and FSDP2-sharded over the 2 others of the stage
+    (4, dict(dp_replicate=2, pp=2, ep=2), "DDP (dp_replicate without dp_shard) is not supported with parallel.pp"),
     (4, dict(dp_replicate=2, dp_shard=2, ep=2), "with HSDP"),
     (4, dict(dp_shard=4, ep=2), None),  # each expert sharded by FSDP2 over the 2 ranks it is replicated on
     (6, dict(dp_shard=6, ep=4), "parallel.ep (4) must divide parallel.dp_shard (6)"),
@@ -193,20 +195,27 @@ def test_bad_expert_parallel_options_exit_2_with_one_line(flags, message, tmp_pa
 
 
 def resumes_bitwise_and_onto_one_process(run, launch: list[str], got: list[float], expected: list[float],
-                                         one_process: str) -> None:
-    """From the step-5 checkpoint of a 10-step 2-rank run: steps 6-10 again on 2 ranks repeat ``got`` exactly;
-    in one process (``one_process``: the flag that undoes the layout) they match ``expected`` within
+                                         *one_process: str, ranks: int = 2) -> None:
+    """From the step-5 checkpoint of a 10-step run on ``ranks`` ranks: steps 6-10 again on as many repeat ``got``
+    exactly; in one process (``one_process``: the flags that undo the layout) they match ``expected`` within
     PARITY_RTOL."""
     (run / "metrics.jsonl").unlink()
     shutil.rmtree(run / "checkpoints" / "step-00000010")
-    torchrun(2, *launch, "--resume")
+    torchrun(ranks, *launch, "--resume")
     assert train_losses(run) == got[5:]
     (run / "metrics.jsonl").unlink()
     shutil.rmtree(run / "checkpoints" / "step-00000010")
     resumed = subprocess.run([sys.executable, "-m", "scaletrain.cli", "train", f"--train.run_dir={run}", "--resume",
-                              one_process], capture_output=True, text=True, timeout=CEILING_S)
+                              *one_process], capture_output=True, text=True, timeout=CEILING_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert max(abs(a - b) / b for a, b in zip(train_losses(run), expected[5:])) < PARITY_RTOL
+
+
+def expert_loads(run) -> list[dict]:
+    """Each log step's tokens per expert of every sparse layer, from the run's metrics."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k.startswith("moe_tokens_per_expert/")} for r in records
+            if "moe_tokens_per_expert/0" in r]
 
 
 @pytest.mark.slow  # not in the default pass (README): 51 s; the layout is accepted in the default pass (layouts test)
@@ -229,16 +238,40 @@ def test_cli_moe_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_p
     expected, got = train_losses(tmp_path / "single"), train_losses(pp)
     assert len(got) == len(expected) == 10
     assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL
-
-    def loads(run) -> list[dict]:
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if k.startswith("moe_tokens_per_expert/")} for r in records
-                if "moe_tokens_per_expert/0" in r]
-
-    assert loads(pp) == loads(tmp_path / "single") and set(loads(pp)[0]) == {f"moe_tokens_per_expert/{i}"
-                                                                              for i in range(4)}
+    assert expert_loads(pp) == expert_loads(tmp_path / "single")
+    assert set(expert_loads(pp)[0]) == {f"moe_tokens_per_expert/{i}" for i in range(4)}
     resumes_bitwise_and_onto_one_process(pp, [*cli, f"--train.run_dir={pp}", "--parallel.pp=2"], got, expected,
                                          "--parallel.pp=1")
+
+
+@pytest.mark.slow  # not in the default pass (README): ~60 s (4 ranks); test_cli_ep2_* keeps EP=2 in it, and the
+# layouts test the pipeline layout accepted
+@pytest.mark.distributed
+def test_cli_ep_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_process(tmp_path):
+    """Expert parallelism in pipeline stages, 4 ranks: pp=2 x dp_shard=2 with ep=2, each stage's experts split over
+    its 2 data-parallel ranks (layers 0-1 on ranks 0-1, 2-3 on ranks 2-3), evaluating every 3 steps (the schedule's
+    shape inference after each switch back runs the all-to-all on uninitialised tensors). Losses and the logged
+    load of every stage's layers equal one process'; the DCP checkpoint resumes bitwise on 4 ranks and onto one
+    process (every expert of every layer on the one rank)."""
+    from test_parallel_dist import TINY_TOML
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=10))
+    cli = ["-m", "scaletrain.cli", "train", "--config", str(config), *MOE_FLAGS, "--train.eval_interval=3"]
+    single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
+                            text=True, timeout=CEILING_S)
+    assert single.returncode == 0, single.stderr[-3000:]
+    run = tmp_path / "pp_ep"
+    launch = [*cli, f"--train.run_dir={run}", "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2",
+              "--train.batch_size=4"]
+    torchrun(4, *launch)
+    expected, got = train_losses(tmp_path / "single"), train_losses(run)
+    assert len(got) == len(expected) == 10
+    assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL
+    assert expert_loads(run) == expert_loads(tmp_path / "single")
+    assert set(expert_loads(run)[0]) == {f"moe_tokens_per_expert/{i}" for i in range(4)}
+    resumes_bitwise_and_onto_one_process(run, launch, got, expected, "--parallel.pp=1", "--parallel.dp_shard=1",
+                                         "--parallel.ep=1", "--train.batch_size=8", ranks=4)
 
 
 @pytest.mark.distributed

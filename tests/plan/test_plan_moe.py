@@ -98,6 +98,22 @@ def test_search_includes_expert_parallel_degrees(monkeypatch):
         spec.check_plan(workload, Plan(dp_shard=8, ep=3, zero_stage=2), 8, "gpu")
 
 
+def test_search_tries_every_expert_parallel_layout_the_trainer_runs():
+    """The search asks the trainer's own checks: on 4 ranks it tries ep inside pipeline stages (pp 2 x dp_shard 2,
+    ep 2) and not what the trainer refuses (ep with DDP under a pipeline, with tensor parallelism, with HSDP)."""
+    from scaletrain.hardware.catalog import CATALOG, Cluster
+    from scaletrain.plan.search import enumerate_plans
+    from scaletrain.plan.workload import Workload
+
+    cfg = load_config(None, {"model.preset": "olmoe-1b-7b"}).model
+    plans = enumerate_plans(Workload(cfg, 2048, 256, 1e9, "bf16"), Cluster(CATALOG["h100-sxm"], 4),
+                            {"zero_stage": 3, "activation_checkpointing": "full", "micro_batch": 4})
+    layouts = {(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep) for p in plans}
+    # (dp_replicate, dp_shard, tp, pp, ep)
+    assert layouts == {(1, 4, 1, 1, 1), (1, 4, 1, 1, 2), (1, 4, 1, 1, 4), (1, 2, 1, 2, 1), (1, 2, 1, 2, 2),
+                       (2, 2, 1, 1, 1)}
+
+
 def test_active_flops_and_parameters_are_printed(capsys):
     from scaletrain.cli import main
 

@@ -2,7 +2,9 @@
 
 The degree is borrowed from the data-parallel dimension, as torchtitan's dp2ep: the ep ranks are data-parallel
 ranks (each reads its own rows), so ep adds no idle rank. ep divides ``parallel.dp_shard`` under FSDP2 or equals
-``parallel.dp_replicate`` under DDP (``ParallelDims`` refuses other layouts).
+``parallel.dp_replicate`` under DDP (``ParallelDims`` refuses other layouts). In pipeline stages (``parallel.pp``,
+FSDP2) the dimension is this rank's row of the (pp, dp_shard) mesh: each stage's experts are split over the ranks
+that hold the same stage, and only they exchange its tokens.
 
 - The experts' stacked weights (E, ., .) become DTensors ``Shard(0)`` on that dimension's mesh: rank r holds
   experts [r * E/ep, (r + 1) * E/ep). A checkpoint (DCP) therefore holds every expert once, and loads onto

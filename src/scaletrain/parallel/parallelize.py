@@ -147,13 +147,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
         num_stages = dims.pp * cfg.pp_virtual_stages
         pp_ids = stage_ids(mesh["pp"].get_local_rank(), dims.pp, cfg.pp_virtual_stages)
         parts = [split_model(model, i, num_stages) for i in pp_ids]
+    # The experts' meshes, built once for every stage of this rank: within its pipeline coordinate, the ep ranks
+    # the experts are split over, and (ep < dp_shard) those FSDP2 shards them over.
+    ep_mesh, replicated_over = (expert_meshes(mesh, "dp_shard" if dims.dp_shard > 1 else "dp_replicate", dims.ep)
+                                if dims.ep > 1 else (None, None))
     for part in parts:
         if dims.tp > 1:  # 2. tensor (+ sequence) parallel
             apply_tp(part, mesh["tp"], sequence_parallel=cfg.sequence_parallel)
-        replicated_over = None  # the mesh FSDP2 shards the experts over when ep < dp_shard
-        if dims.ep > 1:  # 2b. expert parallel, over the data-parallel dimension it borrows
-            ep_mesh, replicated_over = expert_meshes(mesh, "dp_shard" if dims.dp_shard > 1 else "dp_replicate",
-                                                     dims.ep)
+        if ep_mesh is not None:  # 2b. expert parallel, over the data-parallel dimension it borrows
             apply_ep(part, ep_mesh, grad_divisor=dims.ep)
         apply_ac(part, cfg.activation_checkpointing, cfg.ac_every)  # 3.
         if compile:  # 4.
