@@ -48,6 +48,8 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     # 4 ranks: each expert on one of 2 ranks and sharded by FSDP2 over the 2 others
     "ep2_fsdp4": (dict(dp_shard=4, ep=2), 1),
     "ep4_fsdp4": (dict(dp_shard=4, ep=4), 1),  # data parallel, every expert on every rank (FSDP2 shards them)
+    # HSDP: the experts split over the 2 ranks of each dp_shard group, their gradients all-reduced over the 2 replicas
+    "ep2_hsdp": (dict(dp_replicate=2, dp_shard=2, ep=2), 1),
     "moe_ddp": (dict(dp_replicate=2), 1),
 }
 

@@ -2,10 +2,10 @@
 
 Distributed (real gloo ranks under torchrun): the trainer's build and step on 2 and 4 ranks against one process
 for 10 steps (tests/helpers/ep_parity.py; EP=2 with FSDP2 ZeRO-3 and ZeRO-2, with accumulation, with full activation
-checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2; and MoE with
-FSDP2 / DDP without EP), and ``scaletrain train`` under torchrun with EP=2: parity with one process, a bitwise
-resume on 2 ranks and a resume onto one process (EP=1) from the same DCP checkpoint. Not distributed: the
-layouts refused, one line each.
+checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2 and EP=2 under HSDP; and MoE with
+FSDP2 / DDP without EP), and ``scaletrain train`` under torchrun with EP=2 (2 ranks; and 4 ranks in pipeline stages
+and under HSDP): parity with one process, a bitwise resume and a resume onto one process (EP=1) from the same DCP
+checkpoint. Not distributed: the layouts refused, one line each.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def ep_runs(tmp_path_factory) -> dict:
     return {r["strategy"]: r for r in json.loads(out.read_text())}
 
 
-EP_STRATEGIES_4 = ["ep2_fsdp4", "ep4_fsdp4"]  # 4 ranks: ep 2 (each expert FSDP2-sharded over 2 ranks) and 4
+# 4 ranks: ep 2 (each expert FSDP2-sharded over 2 ranks) and 4; ep 2 under HSDP (2 replicas of dp_shard 2)
+EP_STRATEGIES_4 = ["ep2_fsdp4", "ep4_fsdp4", "ep2_hsdp"]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,8 @@ def test_the_compiled_strategy_really_compiles(ep_runs):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("ep_run,share", [("ep2_fsdp", 0.5), ("ep2_ddp", 0.5), ("moe_fsdp", 0.5), ("moe_ddp", 1.0),
-                                          ("ep2_fsdp4", 0.25), ("ep4_fsdp4", 0.25)], indirect=["ep_run"])
+                                          ("ep2_fsdp4", 0.25), ("ep4_fsdp4", 0.25), ("ep2_hsdp", 0.5)],
+                         indirect=["ep_run"])
 def test_each_rank_holds_its_share_of_the_experts(ep_run, share):
     record = ep_run
     assert record["rank_expert_numel"] == [record["expert_numel"] * share] * len(record["rank_expert_numel"])
@@ -146,10 +148,12 @@ def dims_of(world: int, compile: str = "false", **parallel) -> ParallelDims:
 @pytest.mark.parametrize("world,parallel,message", [
     (2, dict(dp_shard=2, ep=2, tp=1, pp=1), None),
     (4, dict(dp_shard=2, tp=2, ep=2), "parallel.ep=2 runs with data and pipeline parallelism only"),
-    (4, dict(dp_shard=2, pp=2, ep=2), None),  # each stage's experts split over its ranks (test_cli_ep_pipeline_*)
+    (4, dict(dp_shard=2, pp=2, ep=2), None),  # each stage's experts split over its ranks (test_cli_ep_layout_*)
     (8, dict(dp_shard=4, pp=2, ep=2), None),  # ... and FSDP2-sharded over the 2 others of the stage
     (4, dict(dp_replicate=2, pp=2, ep=2), "DDP (dp_replicate without dp_shard) is not supported with parallel.pp"),
-    (4, dict(dp_replicate=2, dp_shard=2, ep=2), "with HSDP"),
+    (4, dict(dp_replicate=2, dp_shard=2, ep=2), None),  # HSDP: the experts' FSDP2 mesh (dp_replicate, 1)
+    (8, dict(dp_replicate=2, dp_shard=4, ep=2), None),  # ... (dp_replicate, dp_shard / ep = 2)
+    (8, dict(dp_replicate=2, dp_shard=2, pp=2, ep=2), "the data-parallel ranks are parallel.dp_shard's only"),
     (4, dict(dp_shard=4, ep=2), None),  # each expert sharded by FSDP2 over the 2 ranks it is replicated on
     (6, dict(dp_shard=6, ep=4), "parallel.ep (4) must divide parallel.dp_shard (6)"),
     (4, dict(dp_replicate=4, ep=2), "parallel.ep (2) must equal parallel.dp_replicate (4) under DDP"),
@@ -244,15 +248,27 @@ def test_cli_moe_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_p
                                          "--parallel.pp=1")
 
 
-@pytest.mark.slow  # not in the default pass (README): ~60 s (4 ranks); test_cli_ep2_* keeps EP=2 in it, and the
-# layouts test the pipeline layout accepted
+# 4-rank layouts of expert parallelism through ``scaletrain train``: (its flags, the flags that undo it in one process)
+EP_LAYOUTS_4 = {
+    # each stage's experts split over its 2 data-parallel ranks (layers 0-1 on ranks 0-1, 2-3 on ranks 2-3)
+    "pp2_ep2": (["--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2", "--train.batch_size=4"],
+                ["--parallel.pp=1", "--parallel.dp_shard=1", "--parallel.ep=1", "--train.batch_size=8"]),
+    # HSDP: the experts split over each dp_shard pair, replicated over the 2 pairs (FSDP2's HSDP mesh)
+    "hsdp_ep2": (["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2", "--train.batch_size=2"],
+                 ["--parallel.dp_replicate=1", "--parallel.dp_shard=1", "--parallel.ep=1", "--train.batch_size=8"]),
+}
+
+
+@pytest.mark.slow  # not in the default pass (README): 66 s and 83 s (4 ranks, 2 loaded cores); test_cli_ep2_* keeps
+# EP=2 through the CLI in it, the layouts test accepts both layouts, and ep_runs_4's ep2_hsdp checks HSDP's bias,
+# logged load and expert share there
 @pytest.mark.distributed
-def test_cli_ep_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_process(tmp_path):
-    """Expert parallelism in pipeline stages, 4 ranks: pp=2 x dp_shard=2 with ep=2, each stage's experts split over
-    its 2 data-parallel ranks (layers 0-1 on ranks 0-1, 2-3 on ranks 2-3), evaluating every 3 steps (the schedule's
-    shape inference after each switch back runs the all-to-all on uninitialised tensors). Losses and the logged
-    load of every stage's layers equal one process'; the DCP checkpoint resumes bitwise on 4 ranks and onto one
-    process (every expert of every layer on the one rank)."""
+@pytest.mark.parametrize("layout", list(EP_LAYOUTS_4))
+def test_cli_ep_layout_matches_one_process_and_resumes_bitwise_and_onto_one_process(layout, tmp_path):
+    """Expert parallelism in pipeline stages (pp=2 x dp_shard=2, ep=2) and under HSDP (dp_replicate=2 x dp_shard=2,
+    ep=2) on 4 ranks, evaluating every 3 steps (the pipeline schedule's shape inference after each switch back runs
+    the all-to-all on uninitialised tensors). Losses and the logged load of every layer equal one process'; the DCP
+    checkpoint resumes bitwise on 4 ranks and onto one process (every expert of every layer on the one rank)."""
     from test_parallel_dist import TINY_TOML
 
     config = tmp_path / "tiny.toml"
@@ -261,17 +277,16 @@ def test_cli_ep_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_pr
     single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
                             text=True, timeout=CEILING_S)
     assert single.returncode == 0, single.stderr[-3000:]
-    run = tmp_path / "pp_ep"
-    launch = [*cli, f"--train.run_dir={run}", "--parallel.pp=2", "--parallel.dp_shard=2", "--parallel.ep=2",
-              "--train.batch_size=4"]
+    run = tmp_path / layout
+    flags, one_process = EP_LAYOUTS_4[layout]
+    launch = [*cli, f"--train.run_dir={run}", *flags]
     torchrun(4, *launch)
     expected, got = train_losses(tmp_path / "single"), train_losses(run)
     assert len(got) == len(expected) == 10
     assert max(abs(a - b) / b for a, b in zip(got, expected)) < PARITY_RTOL
     assert expert_loads(run) == expert_loads(tmp_path / "single")
     assert set(expert_loads(run)[0]) == {f"moe_tokens_per_expert/{i}" for i in range(4)}
-    resumes_bitwise_and_onto_one_process(run, launch, got, expected, "--parallel.pp=1", "--parallel.dp_shard=1",
-                                         "--parallel.ep=1", "--train.batch_size=8", ranks=4)
+    resumes_bitwise_and_onto_one_process(run, launch, got, expected, *one_process, ranks=4)
 
 
 @pytest.mark.distributed

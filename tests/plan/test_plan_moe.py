@@ -100,7 +100,8 @@ def test_search_includes_expert_parallel_degrees(monkeypatch):
 
 def test_search_tries_every_expert_parallel_layout_the_trainer_runs():
     """The search asks the trainer's own checks: on 4 ranks it tries ep inside pipeline stages (pp 2 x dp_shard 2,
-    ep 2) and not what the trainer refuses (ep with DDP under a pipeline, with tensor parallelism, with HSDP)."""
+    ep 2) and under HSDP (dp_replicate 2 x dp_shard 2), and not what the trainer refuses (ep with tensor
+    parallelism, a pipeline under DDP)."""
     from scaletrain.hardware.catalog import CATALOG, Cluster
     from scaletrain.plan.search import enumerate_plans
     from scaletrain.plan.workload import Workload
@@ -111,7 +112,7 @@ def test_search_tries_every_expert_parallel_layout_the_trainer_runs():
     layouts = {(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep) for p in plans}
     # (dp_replicate, dp_shard, tp, pp, ep)
     assert layouts == {(1, 4, 1, 1, 1), (1, 4, 1, 1, 2), (1, 4, 1, 1, 4), (1, 2, 1, 2, 1), (1, 2, 1, 2, 2),
-                       (2, 2, 1, 1, 1)}
+                       (2, 2, 1, 1, 1), (2, 2, 1, 1, 2)}
 
 
 def test_active_flops_and_parameters_are_printed(capsys):

@@ -129,12 +129,9 @@ class ParallelDims:
     def _check_expert_parallel(self, cfg: ParallelConfig) -> None:
         """parallel.ep > 1: the layouts written and tested (parallel/expert.py), each refusal saying what runs."""
         if self.tp > 1 or self.cp > 1:
-            raise ConfigError(f"parallel.ep={self.ep} runs with data and pipeline parallelism only (FSDP2 or DDP, "
+            raise ConfigError(f"parallel.ep={self.ep} runs with data and pipeline parallelism only (FSDP2, HSDP, DDP; "
                               f"parallel.pp); tensor and context parallelism with experts are not written yet: set "
                               f"parallel.tp and parallel.cp to 1")
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            raise ConfigError(f"parallel.ep={self.ep} with HSDP (dp_replicate {self.dp_replicate} x dp_shard "
-                              f"{self.dp_shard}) is not written yet; use parallel.dp_shard={self.ep} alone")
         if self.dp_size == 1:
             raise ConfigError(f"parallel.ep={self.ep} splits the experts over data-parallel ranks, and there are none "
                               f"here; launch ep ranks or more under torchrun with parallel.dp_shard (or "

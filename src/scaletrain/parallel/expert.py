@@ -1,10 +1,10 @@
 """Expert parallelism (``parallel.ep``): a mixture of experts' experts split across the data-parallel ranks.
 
 The degree is borrowed from the data-parallel dimension, as torchtitan's dp2ep: the ep ranks are data-parallel
-ranks (each reads its own rows), so ep adds no idle rank. ep divides ``parallel.dp_shard`` under FSDP2 or equals
-``parallel.dp_replicate`` under DDP (``ParallelDims`` refuses other layouts). In pipeline stages (``parallel.pp``,
-FSDP2) the dimension is this rank's row of the (pp, dp_shard) mesh: each stage's experts are split over the ranks
-that hold the same stage, and only they exchange its tokens.
+ranks (each reads its own rows), so ep adds no idle rank. ep divides ``parallel.dp_shard`` under FSDP2 and HSDP, or
+equals ``parallel.dp_replicate`` under DDP (``ParallelDims`` refuses other layouts). In pipeline stages
+(``parallel.pp``, FSDP2) the dimension is this rank's row of the (pp, dp_shard) mesh: each stage's experts are
+split over the ranks that hold the same stage, and only they exchange its tokens.
 
 - The experts' stacked weights (E, ., .) become DTensors ``Shard(0)`` on that dimension's mesh: rank r holds
   experts [r * E/ep, (r + 1) * E/ep). A checkpoint (DCP) therefore holds every expert once, and loads onto
@@ -18,7 +18,9 @@ that hold the same stage, and only they exchange its tokens.
   backward (``_ScaleGradient``). With ep = the data-parallel degree FSDP2 / DDP ignore the experts, and that is
   the gradient of the mean loss, as the dense part's is. With ep < dp_shard (FSDP2 only) each expert is
   replicated over dp_shard / ep ranks (``expert_meshes``): FSDP2 shards it over them and averages its gradient
-  there, which makes the same mean.
+  there, which makes the same mean. Under HSDP (dp_replicate x dp_shard) the layout is repeated in each replica
+  and the experts' FSDP2 mesh is (dp_replicate, dp_shard / ep), an HSDP mesh: FSDP2 also all-reduces their
+  gradients over the replicas, as the dense part's.
 - The expert-bias counts and the logged load are summed over the data-parallel ranks (``sum_expert_counts``),
   so every rank moves the same bias and logs the global load.
 """
@@ -84,15 +86,20 @@ def _expert_parallel_forward(self: GroupedExperts, x: torch.Tensor, counts: torc
     return all_to_all_single_autograd(back, input_splits, output_splits, group)  # (M, d)
 
 
-def expert_meshes(mesh: DeviceMesh, dp_dim: str, ep: int) -> tuple[DeviceMesh, DeviceMesh | None]:
-    """(the mesh the experts are split over, the mesh they are replicated over: None when ep is the whole
-    ``dp_dim``). With ep < dp_shard the dimension is unflattened into (dp_shard / ep, ep), torchtitan's
-    dp_shard_mod_ep x ep: the experts are split over the inner ranks and FSDP2 shards them over the outer ones."""
+def expert_meshes(mesh: DeviceMesh, dp_dim: str, ep: int,
+                  replicas: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(the mesh the experts are split over, the mesh FSDP2 shards and averages them over: None when ep is the whole
+    ``dp_dim`` and nothing replicates them). With ep < dp_shard the dimension is unflattened into (dp_shard / ep,
+    ep), torchtitan's dp_shard_mod_ep x ep: the experts are split over the inner ranks and FSDP2 shards them over
+    the outer ones. ``replicas`` (HSDP's ``dp_replicate``): the whole layout is repeated over that dimension, and
+    the experts' FSDP2 mesh is (replicas, dp_shard_mod_ep), an HSDP mesh whose shard dimension may be 1: FSDP2
+    all-reduces the experts' gradients over the replicas, as it does the dense part's."""
     dp = mesh[dp_dim]
-    if dp.size() == ep:
+    if dp.size() == ep and replicas is None:
         return dp, None
-    split = dp._unflatten(0, (dp.size() // ep, ep), (f"{dp_dim}_mod_ep", "ep"))
-    return split["ep"], split[f"{dp_dim}_mod_ep"]
+    outer = f"{dp_dim}_mod_ep"
+    split = mesh._unflatten(dp_dim, (dp.size() // ep, ep), (outer, "ep"))
+    return split["ep"], split[(replicas, outer)] if replicas else split[outer]
 
 
 def expert_modules(model: nn.Module) -> list[GroupedExperts]:

@@ -40,7 +40,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
     Works on the meta device and on top of tensor parallelism (the DTensor params gain a dp dimension).
     ``ignored_params``: left unsharded and unreduced (expert-parallel experts, already split over the same ranks).
     ``experts``: expert-parallel expert modules and the part of the data-parallel ranks they are replicated over
-    (parallel/expert.py): each sharded there first, its own unit, so its gradient is averaged over those ranks.
+    (parallel/expert.py; 2-D under HSDP: the replicas x the rest of the shard group): each sharded there first, its
+    own unit, so its gradient is averaged over those ranks.
     """
     kwargs = fsdp_policies(param_dtype, cpu_offload)
     for module in experts[0] if experts else ():

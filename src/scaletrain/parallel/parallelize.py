@@ -148,8 +148,10 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
         pp_ids = stage_ids(mesh["pp"].get_local_rank(), dims.pp, cfg.pp_virtual_stages)
         parts = [split_model(model, i, num_stages) for i in pp_ids]
     # The experts' meshes, built once for every stage of this rank: within its pipeline coordinate, the ep ranks
-    # the experts are split over, and (ep < dp_shard) those FSDP2 shards them over.
-    ep_mesh, replicated_over = (expert_meshes(mesh, "dp_shard" if dims.dp_shard > 1 else "dp_replicate", dims.ep)
+    # the experts are split over, and (ep < dp_shard, or HSDP's replicas) those FSDP2 shards / averages them over.
+    hsdp = dims.dp_shard > 1 and dims.dp_replicate > 1
+    ep_mesh, replicated_over = (expert_meshes(mesh, "dp_shard" if dims.dp_shard > 1 else "dp_replicate", dims.ep,
+                                              replicas="dp_replicate" if hsdp else None)
                                 if dims.ep > 1 else (None, None))
     for part in parts:
         if dims.tp > 1:  # 2. tensor (+ sequence) parallel
