@@ -19,6 +19,7 @@ until every rank's wall clock is within CLEAN_WALL of its CPU time, the cleanest
 
     .venv/bin/python benchmarks/plan_moe.py --out benchmarks/results/plan_moe.json    # ~4-8 minutes
     .venv/bin/python benchmarks/plan_moe.py --parts published --out benchmarks/results/plan_moe.json  # keeps the rest
+    .venv/bin/python benchmarks/plan_moe.py --parts own --out benchmarks/results/plan_moe.json  # after doctor x 2
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ TWO_RANK_ROWS = [
 # other work on the 2 shared vCPUs inflates the CPU time too, gloo's waits burn it); up to ATTEMPTS tries a row,
 # the cleanest kept.
 CLEAN_WALL, ATTEMPTS = 1.15, 3
-PARTS = ("one", "two", "published")
+PARTS = ("one", "two", "published", "own")
 
 
 # Published MoE training throughput with its setup, against the planner's prediction for the same plan (priced only:
@@ -211,6 +212,27 @@ def two_rank_rows(steps: int) -> list[dict]:
     return rows
 
 
+def own_calibration(rows: list[dict]) -> dict:
+    """The stored two-rank rows planned again with this machine's own calibration (``--hardware auto``: ``doctor
+    --clock cpu`` in one process, then under torchrun on 2 ranks, which measures the collectives and FSDP2's host
+    overhead): which of a miss is the reference calibration's and which the model's. Nothing is measured here."""
+    from scaletrain.plan.hardware_spec import parse_hardware
+
+    hw = parse_hardware("auto").hardware
+    if "fsdp_overhead" not in hw.calibration:
+        raise SystemExit("--parts own: no 2-rank calibration of this machine; run `OMP_NUM_THREADS=1 scaletrain "
+                         "doctor --clock cpu`, then the same under `torchrun --nproc-per-node=2`")
+    out = []
+    for (name, fields, batch, seq, parallel), row in zip(TWO_RANK_ROWS, rows):
+        cfg, plan = build(ModelConfig, dict(fields), presets=PRESETS), two_rank_plan(batch, parallel)
+        seconds = step_time(Workload(cfg, seq, batch * plan.dp, 1e6), plan, Cluster(hw, 2)).step
+        out.append({"row": name, "predicted_ms": 1e3 * seconds, "measured_cpu_ms": row["measured_cpu_ms"],
+                    "time_error": 1e3 * seconds / row["measured_cpu_ms"] - 1})
+        print(f"{name:28s} own calibration {out[-1]['predicted_ms']:7.1f} ms planned: {out[-1]['time_error']:+.1%}")
+    keys = ("fsdp_overhead", "collective_latency_s", "allreduce_busbw", "corun_slowdown", "device", "clock")
+    return {"calibration": {k: hw.calibration.get(k) for k in keys}, "rows": out}
+
+
 def uptime() -> str:
     """``uptime``'s line (the load averages), or the load averages where the command is missing."""
     try:
@@ -238,9 +260,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=default_out("plan_moe.json"), help=OUT_HELP.format(name="plan_moe.json"))
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help="comma-separated parts to run: one (one-process rows), two (two-rank rows), published; "
-                             "the others are kept from --out where it exists")
+    parser.add_argument("--parts", default="one,two,published",
+                        help="comma-separated parts to run: one (one-process rows), two (two-rank rows), published, "
+                             "own (the stored two-rank rows planned with this machine's own 2-rank calibration, "
+                             "nothing measured); the others are kept from --out where it exists")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -262,8 +285,10 @@ def main() -> None:
         result["two_rank_rows"] = two_rank_rows(args.steps)
     if "published" in parts:
         result["published"] = published_rows()
+    if "own" in parts:
+        result["two_rank_own_calibration"] = own_calibration(result.get("two_rank_rows") or old["two_rank_rows"])
     uptime.append(os.getloadavg())
-    for key in ("rows", "grouped_gemm", "two_rank_rows", "published", "load_average", "steps_one_process"):
+    for key in ("rows", "grouped_gemm", "two_rank_rows", "published", "two_rank_own_calibration"):
         if key not in result and key in old:
             result[key] = old[key]
     result["load_average_by_part"] = {**old.get("load_average_by_part", {}),
