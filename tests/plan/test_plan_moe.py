@@ -2,7 +2,7 @@
 
 import pytest
 
-from scaletrain.config import load_config
+from scaletrain.config import ConfigError, load_config
 from scaletrain.model.presets import active_params, num_params
 
 # (preset, published total, published active, in billions): the model cards / papers. gpt-oss's card counts the
@@ -122,3 +122,49 @@ def test_active_flops_and_parameters_are_printed(capsys):
                  "--count", "1", "--tokens", "1e8"]) == 0
     out = capsys.readouterr().out
     assert "active a token (top-2 of 8 experts)" in out
+
+
+def test_folded_expert_layers_keep_the_ep_group_in_the_node():
+    """ep 8 x tp 2 on 8-GPU nodes: our trainer's layout (ep at stride tp) spans two nodes and its all-to-alls go over
+    InfiniBand; Megatron's folding (expert-TP 1) keeps the ep group on one node's NVLink and dispatches each rank's
+    sequence shard. A checkpointed block's recompute dispatches and combines again (6 all-to-alls, not 4)."""
+    from scaletrain.hardware.catalog import CATALOG, Cluster
+    from scaletrain.plan.timing import all_to_all_seconds, ep_group_stride, group_link
+    from scaletrain.plan.workload import Plan, Workload
+
+    cfg = load_config(None, {"model.preset": "olmoe-1b-7b"}).model
+    workload = Workload(cfg, 4096, 256, 1e9, "bf16")
+    cluster = Cluster(CATALOG["h100-sxm"], 8, 4)
+    ours, folded = Plan(dp_shard=16, tp=2, ep=8, zero_stage=3), Plan(dp_shard=16, tp=2, ep=8, zero_stage=3,
+                                                                     ep_folded=True)
+    assert (ep_group_stride(ours), ep_group_stride(folded), ep_group_stride(Plan(dp_shard=8, ep=8))) == (2, 1, 1)
+    assert "InfiniBand" in group_link(cluster, 8, ep_group_stride(ours))[1]
+    assert "NVLink" in group_link(cluster, 8, ep_group_stride(folded))[1]
+    assert "ep8 etp1" in folded.label() and "etp1" not in ours.label()
+    seconds = {plan: all_to_all_seconds(workload, plan, cluster, 4 * 4096, 0.0) for plan in (ours, folded)}
+    assert seconds[folded] < seconds[ours] / 2  # half the tokens, over NVLink
+    recompute = Plan(dp_shard=16, tp=2, ep=8, zero_stage=3, ep_folded=True, activation_checkpointing="full")
+    assert all_to_all_seconds(workload, recompute, cluster, 4 * 4096, 0.0) == pytest.approx(1.5 * seconds[folded])
+
+
+def test_folded_experts_are_whole_on_a_rank_and_priced_only():
+    """Folded (expert-TP 1): a rank holds E / ep whole experts, sharded by ZeRO-3 over dp x tp / ep ranks: the same
+    expert states a rank as our layout's E / (ep tp) over dp / ep, twice the experts in the block FSDP gathers, and,
+    without checkpointing, fewer saved activations (a rank routes its sequence shard). check_plan refuses it with
+    tp > 1 (the trainer runs ep with tp = cp = 1, where the two layouts are one)."""
+    from scaletrain.plan.memory import memory_breakdown, rank_block_params
+    from scaletrain.plan.workload import Plan, Workload, check_plan
+
+    cfg = load_config(None, {"model.preset": "olmoe-1b-7b"}).model
+    workload = Workload(cfg, 4096, 256, 1e9, "bf16")
+    ours, folded = Plan(dp_shard=16, tp=2, ep=8, zero_stage=3), Plan(dp_shard=16, tp=2, ep=8, zero_stage=3,
+                                                                     ep_folded=True)
+    assert (ours.expert_tp, folded.expert_tp) == (2, 1)
+    assert rank_block_params(cfg, 2, 8, 1) > 1.5 * rank_block_params(cfg, 2, 8, 2)
+    mine, theirs = memory_breakdown(workload, ours), memory_breakdown(workload, folded)
+    assert (theirs.params, theirs.optimizer) == pytest.approx((mine.params, mine.optimizer))
+    assert theirs.saved_activations < mine.saved_activations
+    with pytest.raises(ConfigError, match="ep_folded with tp 2"):
+        check_plan(workload, folded, 32)
+    flat = (Plan(dp_shard=32, ep=8, zero_stage=3, ep_folded=folding) for folding in (False, True))
+    assert len({memory_breakdown(workload, p).total for p in flat}) == 1

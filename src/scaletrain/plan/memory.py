@@ -202,10 +202,10 @@ def block_activation_bytes(cfg: ModelConfig, batch: int, seq: int, recipe: Recip
     return (fp32 + fp32_family) * 4 + (elements - fp32) * recipe.activation
 
 
-def block_matrix_params(cfg: ModelConfig, ep: int = 1) -> float:
-    """Parameters of one block's linear layers (what autocast casts to bf16 on each forward), a sparse block's
-    experts averaged over the blocks (``rank_block_params``)."""
-    return rank_block_params(cfg, 1, ep) - block_vector_params(cfg)
+def block_matrix_params(cfg: ModelConfig, ep: int = 1, tp: int = 1, etp: int | None = None) -> float:
+    """Parameters of one block's linear layers on a rank (what autocast casts to bf16 on each forward), a sparse
+    block's experts averaged over the blocks (``rank_block_params``)."""
+    return rank_block_params(cfg, tp, ep, etp) - block_vector_params(cfg) / tp
 
 
 # A mixture of experts' load: the busiest expert's tokens over the mean. With expert parallelism a rank computes
@@ -216,24 +216,27 @@ def block_matrix_params(cfg: ModelConfig, ep: int = 1) -> float:
 MOE_LOAD_IMBALANCE = 1.16
 
 
-def rank_block_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> float:
+def rank_block_params(cfg: ModelConfig, tp: int = 1, ep: int = 1, etp: int | None = None) -> float:
     """Parameters of one block on a rank: ``block_params`` plus, for a mixture of experts, the router, shared and
     routed experts that replace the dense feed-forward, averaged over the blocks (not every block need be sparse),
-    the routed experts split over ``ep`` ranks; all of it over ``tp``."""
-    extra = sparse_layers(cfg) * moe_extra_params(cfg, active=False) - routed_expert_params(cfg) * (1 - 1 / ep)
-    return (block_params(cfg) + extra / cfg.n_layers) / tp
+    the routed experts split over ``ep`` ranks and ``etp`` (the experts' tensor-parallel degree: ``tp`` unless
+    given, ``Plan.expert_tp``); the rest over ``tp``."""
+    routed = routed_expert_params(cfg)
+    dense = block_params(cfg) + (sparse_layers(cfg) * moe_extra_params(cfg, active=False) - routed) / cfg.n_layers
+    return dense / tp + routed / cfg.n_layers / (ep * (tp if etp is None else etp))
 
 
-def stage_params(cfg: ModelConfig, pp: int, tp: int, ep: int = 1) -> float:
+def stage_params(cfg: ModelConfig, pp: int, tp: int, ep: int = 1, etp: int | None = None) -> float:
     """Parameters held by the busiest pipeline stage, per tensor-parallel rank (the routed experts per expert-
-    parallel rank: ``ep`` of the data-parallel ranks each hold E / ep of them)."""
+    parallel rank: ``ep`` of the data-parallel ranks each hold E / ep of them, split over ``etp``, ``tp`` unless
+    given)."""
     blocks = -(-cfg.n_layers // pp)  # ceil: the first stages get the extra block
     embed = cfg.vocab_size * cfg.dim
     if pp == 1:
-        total = num_params(cfg) - routed_expert_params(cfg) * (1 - 1 / ep)
-        return total / tp if tp > 1 else float(total)
+        routed = routed_expert_params(cfg)
+        return (num_params(cfg) - routed) / tp + routed / (ep * (tp if etp is None else etp))
     # The first stage holds the embedding, the last the final norm + head (tied weights are duplicated).
-    return blocks * rank_block_params(cfg, tp, ep) + (embed + cfg.dim) / tp
+    return blocks * rank_block_params(cfg, tp, ep, etp) + (embed + cfg.dim) / tp
 
 
 def stage_expert_params(cfg: ModelConfig, pp: int, tp: int, ep: int) -> float:
@@ -346,14 +349,15 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     cfg, rec = workload.model, recipe_for(workload, plan)
     entry = OPTIMIZERS[optimizer or workload.optimizer]
     foreach = bool(foreach_optimizer)
-    tp, pp, ep = plan.tp, plan.pp, plan.ep
-    psi = stage_params(cfg, pp, tp, ep)
+    tp, pp, ep, etp = plan.tp, plan.pp, plan.ep, plan.expert_tp
+    psi = stage_params(cfg, pp, tp, ep, etp)
     deepspeed = plan.engine == "deepspeed"
     shards = plan.dp if deepspeed else plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate
     # The routed experts, split over ep ranks, are sharded by ZeRO over what is left of the shard group (the
-    # experts' own data-parallel group, torchtitan's edp); the dense part as ever.
-    experts = stage_expert_params(cfg, pp, tp, ep)
-    expert_states = model_states(experts, plan.zero_stage, max(1, shards // ep), rec)
+    # experts' own data-parallel group, torchtitan's edp; folded, Megatron's, its tp ranks too); the dense part as
+    # ever.
+    experts = stage_expert_params(cfg, pp, etp, ep)
+    expert_states = model_states(experts, plan.zero_stage, max(1, shards * tp // (ep * etp)), rec)
     states = {k: v + expert_states[k] for k, v in model_states(psi - experts, plan.zero_stage, shards, rec).items()}
     layers = -(-cfg.n_layers // pp)
     if psi:  # the entry's state bytes on its parameters (Muon: half AdamW's on the matrices, m only, no v)
@@ -377,7 +381,10 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     # A sliding-window layer's SDPA also saves its (T, T) mask (not under checkpointing: only in the recompute).
     mask = attention_mask_bytes(cfg, t, rec)
     # A sparse block saves its routed tokens' tensors instead of the dense feed-forward's four (B, T, h).
-    sparse = moe_activation_bytes(cfg, b, t, rec, ep, tp) - 4 * b * t * ffn_hidden_dim(cfg) / tp * rec.activation
+    # Folded (Plan.ep_folded): a rank's sequence-parallel share of the tokens, through experts unsplit by tp.
+    moe_t, moe_tp = (t // tp, 1) if plan.ep_folded else (t, tp)
+    sparse = (moe_activation_bytes(cfg, b, moe_t, rec, ep, moe_tp)
+              - 4 * b * t * ffn_hidden_dim(cfg) / tp * rec.activation)
     full_block = [blk + mask * masked_attention_layers(cfg, t, range(i, i + 1)) + sparse * is_moe_layer(cfg, i)
                   for i in range(layers)]
     per_block = [ckpt_input if i in ckpt else full_block[i] for i in range(layers)]
@@ -395,10 +402,10 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     fwd_logits = 2 * logits if chunked else logits * (1.5 if rec.autocast else 1.0)
     loss_bwd, loss_grads = chunked_loss_backward(held, bt, d, v, rec.autocast) if chunked else (2 * logits, 0.0)
     # Autocast's bf16 weight copies: each saved by its linear from the forward until that linear's backward.
-    cast_block = 2 * block_matrix_params(cfg, ep) / tp if rec.autocast else 0.0
+    cast_block = 2 * block_matrix_params(cfg, ep, tp, etp) if rec.autocast else 0.0
     cast_head = 2 * v * d / tp if rec.autocast else 0.0
 
-    block_p = rank_block_params(cfg, tp, ep)
+    block_p = rank_block_params(cfg, tp, ep, etp)
     head_p = psi - layers * block_p
     unsharded_p = psi * rec.param if plan.zero_stage >= 2 else 0.0  # FSDP gathers to full size on use
     comm = _comm_buffers(plan, rec, psi, block_p, bt, d)

@@ -429,13 +429,14 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
         entry["elementwise_s_per_element"]
 
     # A sparse block: its feed-forward's GEMMs, saved elements and aten ops are the mixture of experts'
-    sparse_units = units + (moe_activation_bytes(cfg, b, t, RECIPES["fp32"], plan.ep, tp) / 4
+    moe_t, moe_tp = (t // tp, 1) if plan.ep_folded else (t, tp)  # folded: a rank's sequence shard, experts unsplit
+    sparse_units = units + (moe_activation_bytes(cfg, b, moe_t, RECIPES["fp32"], plan.ep, moe_tp) / 4
                             - 4 * b * t * ffn_hidden_dim(cfg) / tp) if cfg.moe_experts else units
 
     def block(recompute: bool, sparse: bool) -> float:
         gemms = block_gemm_attention_seconds(cfg, b, t, entry, recompute, tp)
         if sparse:
-            gemms += moe_gemm_seconds(cfg, b * t, entry, recompute, tp, plan.ep)
+            gemms += moe_gemm_seconds(cfg, b * moe_t, entry, recompute, moe_tp, plan.ep)
         rate_bound = gemms + (sparse_units if sparse else units) * elem * (
             1 + recompute / 3)  # the forward is about a third of a block's elementwise work
         return rate_bound * share + (ops + sparse * moe_block_ops(cfg)) * (1 + recompute / 3) * entry["op_overhead_s"]
@@ -452,8 +453,8 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
             + tokens * vocab * interp_curve(entry["cross_entropy_curve"], vocab)
             + (3 * tokens * cfg.dim + cfg.vocab_size * cfg.dim / tp) * elem
             + loss_recompute_seconds(workload, plan, tokens, cluster, entry))
-    psi = stage_params(cfg, plan.pp, tp, plan.ep) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
-                                            plan.dp_replicate if plan.zero_stage == 1 else 1)
+    psi = stage_params(cfg, plan.pp, tp, plan.ep, plan.expert_tp) / (
+        plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate if plan.zero_stage == 1 else 1)
     tensors = layers * PARAM_TENSORS_PER_BLOCK + (2 if cfg.tie_embeddings else 3)
     return blocks + head * share, optimizer_seconds(entry, plan, cluster, psi, tensors, share)
 
@@ -556,14 +557,25 @@ def _moe_block_ops(shared: bool, bias: bool, capacity: bool) -> int:
 def all_to_all_seconds(workload: Workload, plan: Plan, cluster: Cluster, tokens: int, latency: float) -> float:
     """Seconds one micro-batch's expert-parallel all-to-alls take: each sparse block dispatches its tokens' top-k
     copies to the ranks holding their experts and combines them back, forward and again backward (4 all-to-alls
-    of tokens x top_k x dim activations, (ep - 1) / ep of them leaving the rank), over the link the ep group spans
-    (its ranks the innermost data-parallel ones, stride tp x cp); not overlapped with compute (torchtitan's
-    default)."""
+    of tokens x top_k x dim activations, (ep - 1) / ep of them leaving the rank), and a checkpointed block's
+    recomputed forward dispatches and combines again (2 more: the all-to-alls are inside the checkpointed block,
+    in our trainer as in Megatron's full recompute). Over the link the ep group spans (``ep_group_stride``); not
+    overlapped with compute (torchtitan's default; Megatron's is a separate option, "1f1b overlap")."""
     cfg = workload.model
-    bw, _ = group_link(cluster, plan.ep, plan.tp * plan.cp)
-    sent = tokens * cfg.moe_top_k * cfg.dim * RECIPES[workload.precision].activation * (plan.ep - 1) / plan.ep
-    sparse = sum(is_moe_layer(cfg, i) for i in range(-(-cfg.n_layers // plan.pp)))
-    return sparse * 4 * (sent * rank_load(plan.ep) / bw + latency)
+    bw, _ = group_link(cluster, plan.ep, ep_group_stride(plan))
+    own = tokens / plan.tp if plan.ep_folded else tokens  # folded: each rank dispatches its sequence shard
+    sent = own * cfg.moe_top_k * cfg.dim * RECIPES[workload.precision].activation * (plan.ep - 1) / plan.ep
+    layers = -(-cfg.n_layers // plan.pp)
+    ckpt = checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every)
+    collectives = sum(4 + 2 * (i in ckpt) for i in range(layers) if is_moe_layer(cfg, i))
+    return collectives * (sent * rank_load(plan.ep) / bw + latency)
+
+
+def ep_group_stride(plan: Plan) -> int:
+    """The stride of the ep group's ranks: tp x cp in our trainer's layout (the innermost data-parallel ranks,
+    parallel/expert.py; 1 for every plan the trainer runs, which has tp = cp = 1), 1 when the expert layers are
+    folded onto their own mesh (``Plan.ep_folded``: Megatron-Core's expert-TP 1)."""
+    return 1 if plan.ep_folded else plan.tp * plan.cp
 
 
 def gpu_utilisation(hw: Hardware, cfg: ModelConfig, seq_len: int) -> float:
@@ -598,7 +610,8 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     if cfg.moe_experts:  # the routed experts: the busiest rank's load, at the grouped GEMM's efficiency
         sparse = sum(is_moe_layer(cfg, i) for i in range(layers))
         expert_flops = 18.0 * cfg.dim * expert_hidden_dim(cfg) * sparse * tokens / (plan.tp * plan.cp)
-        rows = routed_rows(cfg, tokens, plan.ep) * plan.ep / cfg.moe_experts  # a local expert's
+        own = tokens / plan.tp if plan.ep_folded else tokens  # folded: a rank's sequence shard, experts unsplit
+        rows = routed_rows(cfg, own, plan.ep) * plan.ep / cfg.moe_experts  # a local expert's
         load = rank_load(plan.ep)
         executed += expert_flops * cfg.moe_top_k * (load / grouped_gemm_efficiency_gpu(hw, rows) - 1)
     # Kernels run asynchronously, but a micro-batch cannot finish faster than the host launches its kernels:
@@ -606,8 +619,8 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     launches = (layers + n_ckpt / 3) * OPS_PER_BLOCK * GPU_LAUNCH_SECONDS
     if cfg.moe_experts:
         launches += sum(is_moe_layer(cfg, i) for i in range(layers)) * moe_block_ops(cfg) * GPU_LAUNCH_SECONDS
-    psi = stage_params(cfg, plan.pp, plan.tp, plan.ep) / (plan.dp_shard * plan.cp if plan.zero_stage >= 2 else
-                                                 plan.dp_replicate if plan.zero_stage == 1 else 1)
+    psi = stage_params(cfg, plan.pp, plan.tp, plan.ep, plan.expert_tp) / (
+        plan.dp_shard * plan.cp if plan.zero_stage >= 2 else plan.dp_replicate if plan.zero_stage == 1 else 1)
     # Adam reads/writes params, grads, m, v (+ master): ~3 passes of 16-20 bytes per parameter.
     opt_bytes = psi * 3 * 20
     if plan.engine == "deepspeed" and plan.offload != "none":  # the step on the host (~20 GB/s of DRAM)
@@ -628,7 +641,8 @@ def offload_transfer_seconds(workload: Workload, plan: Plan, hw) -> float:
     written on NVMe, and at ZeRO-3 the parameters read from NVMe for forward and backward and written back."""
     if plan.engine != "deepspeed" or plan.offload == "none" or (hw.kind == "cpu" and plan.offload == "cpu"):
         return 0.0
-    psi = stage_params(workload.model, plan.pp, plan.tp, plan.ep) / (plan.dp if plan.zero_stage >= 1 else 1)
+    psi = stage_params(workload.model, plan.pp, plan.tp, plan.ep, plan.expert_tp) / (
+        plan.dp if plan.zero_stage >= 1 else 1)
     param_bytes = 2 if DTYPE_OF_PRECISION[workload.precision] in ("bf16", "fp16") else 4
     seconds = 0.0
     if hw.kind != "cpu":
@@ -677,8 +691,8 @@ def fresh_mapped_params(cfg: ModelConfig, plan: Plan) -> float:
     worker runs on glibc unless the environment preloads another malloc). The units are each block and the root
     (embedding, final norm, head)."""
     layers = -(-cfg.n_layers // plan.pp)
-    block = rank_block_params(cfg, plan.tp, plan.ep)
-    root = stage_params(cfg, plan.pp, plan.tp, plan.ep) - layers * block
+    block = rank_block_params(cfg, plan.tp, plan.ep, plan.expert_tp)
+    root = stage_params(cfg, plan.pp, plan.tp, plan.ep, plan.expert_tp) - layers * block
     return sum(n * count for n, count in ((block, layers), (root, 1)) if n * 4 > GLIBC_MMAP_THRESHOLD_MAX)
 
 
@@ -743,8 +757,8 @@ def data_parallel_units(workload: Workload, plan: Plan, per_micro: float, gather
     ready; FSDP2 reduces every micro-batch, each unit's gradients as its backward ends)."""
     cfg = workload.model
     layers = -(-cfg.n_layers // plan.pp)
-    block = rank_block_params(cfg, plan.tp, plan.ep)
-    root = stage_params(cfg, plan.pp, plan.tp, plan.ep) - layers * block
+    block = rank_block_params(cfg, plan.tp, plan.ep, plan.expert_tp)
+    root = stage_params(cfg, plan.pp, plan.tp, plan.ep, plan.expert_tp) - layers * block
     head_f, head_b, blocks = _pass_weights(workload, plan)
     again = gather if plan.zero_stage == 3 else 0.0
     forward = [Unit(root * gather, 0.0)] + [Unit(block * gather, f * per_micro) for f, _ in blocks] + [
@@ -789,7 +803,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
     """({collective: seconds per step}, exposed seconds). Mesh order outer->inner: pp, dp_rep, dp_shard, cp, tp."""
     cfg, rec = workload.model, RECIPES[workload.precision]
     gpu = cluster.hardware.kind == "gpu"
-    psi = stage_params(cfg, plan.pp, plan.tp, plan.ep)
+    psi = stage_params(cfg, plan.pp, plan.tp, plan.ep, plan.expert_tp)
     accum = plan.grad_accum(workload)
     micro = accum * (plan.microbatches if plan.pp > 1 else 1)
     tokens = plan.micro_batch * workload.seq_len // plan.cp

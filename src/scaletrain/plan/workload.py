@@ -103,6 +103,15 @@ class Plan:
     # Expert parallelism (a mixture of experts): the routed experts split over ep ranks borrowed from the
     # data-parallel ones (torchtitan's dp2ep: ep divides dp_replicate * dp_shard, adds no ranks); 1 = none.
     ep: int = 1
+    # Where the ep group sits. False: our trainer's layout (parallel/expert.py), the ep ranks are the innermost
+    # data-parallel ones, at stride tp x cp (the trainer runs ep only with tp = cp = 1: ep consecutive ranks, one
+    # node's for ep <= its devices). True: Megatron-Core's MoE parallel folding with expert-TP 1, the expert layers
+    # on a mesh of their own: ep consecutive ranks whatever tp is, each dispatching its sequence-parallel share of
+    # the tokens (tokens / tp; Megatron runs MoE with TP only under sequence parallelism), the experts unsplit by
+    # tp (``expert_tp`` 1: a rank holds E / ep whole experts, sharded by ZeRO over the dp x tp / ep others). Priced
+    # only (search.evaluate; search never proposes it, and check_plan refuses it with tp or cp > 1: the trainer
+    # runs ep with tp = cp = 1, where the two layouts are one).
+    ep_folded: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -112,6 +121,11 @@ class Plan:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_tp(self) -> int:
+        """The routed experts' tensor-parallel degree: tp in our trainer's layout, 1 folded (``ep_folded``)."""
+        return 1 if self.ep_folded else self.tp
 
     @property
     def microbatches(self) -> int:
@@ -131,7 +145,7 @@ class Plan:
             return (f"deepspeed dp{self.dp} zero{self.zero_stage} mb{self.micro_batch}"
                     + (f" offload={self.offload}" if self.offload != "none" else ""))
         if self.ep > 1:
-            parts.append(f"ep{self.ep}")
+            parts.append(f"ep{self.ep}" + (" etp1" if self.ep_folded else ""))
         return (" ".join(parts) + f" zero{self.zero_stage} mb{self.micro_batch}{ac}"
                 + (" offload" if self.cpu_offload else ""))
 
@@ -194,6 +208,9 @@ def check_plan(workload: Workload, plan: Plan, world_size: int, device_kind: str
         raise ConfigError(f"global batch {workload.global_batch} is not a multiple of dp ({plan.dp}) x micro_batch "
                           f"({plan.micro_batch})"
                           + (f" x pipeline micro-batches ({plan.microbatches})" if plan.pp > 1 else ""))
+    if plan.ep_folded and plan.tp * plan.cp > 1:
+        raise ConfigError(f"ep_folded with tp {plan.tp} x cp {plan.cp}: Megatron-Core's MoE parallel folding is "
+                          "priced only (search.evaluate); the trainer runs parallel.ep with tp = cp = 1")
     experts = workload.model.moe_experts
     if plan.ep > 1 and (plan.dp % plan.ep or not experts or experts % plan.ep):
         # the planner's own arithmetic, as the batch's: expert ranks are data-parallel ranks, each holding E / ep
