@@ -27,13 +27,25 @@ from scaletrain.train.validate import check_runnable
 # ep2_fsdp_compile: per-block torch.compile (a cold compile ~60 s on 2 cores; the inductor cache makes reruns fast)
 EP_STRATEGIES = ["ep2_fsdp", "ep2_fsdp2", "ep2_fsdp_accum2", "ep2_ddp", "ep2_fsdp_ac", "ep2_fsdp_compile", "moe_fsdp",
                  "moe_ddp"]
+# The default pass launches these (EP=2 under FSDP2 and DDP, and their EP=1 twins); the rest of the matrix, the
+# compiled strategy's cold compile among them (~170 s of launch together), runs in the slow tier.
+EP_CORE = ["ep2_fsdp", "ep2_ddp", "moe_fsdp", "moe_ddp"]
+
+
+def _launch(tmp_path_factory, name: str, world: int, strategies: list[str]) -> dict:
+    out = tmp_path_factory.mktemp(name) / "results.json"
+    torchrun(world, str(HELPERS / "ep_parity.py"), "--out", str(out), "--strategies", ",".join(strategies))
+    return {r["strategy"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def ep_runs_core(tmp_path_factory) -> dict:
+    return _launch(tmp_path_factory, "ep-core", 2, EP_CORE)
 
 
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("ep") / "results.json"
-    torchrun(2, str(HELPERS / "ep_parity.py"), "--out", str(out), "--strategies", ",".join(EP_STRATEGIES))
-    return {r["strategy"]: r for r in json.loads(out.read_text())}
+    return _launch(tmp_path_factory, "ep", 2, [s for s in EP_STRATEGIES if s not in EP_CORE])
 
 
 # 4 ranks: ep 2 (each expert FSDP2-sharded over 2 ranks) and 4; ep 2 under HSDP (2 replicas of dp_shard 2)
@@ -42,17 +54,20 @@ EP_STRATEGIES_4 = ["ep2_fsdp4", "ep4_fsdp4", "ep2_hsdp"]
 
 @pytest.fixture(scope="module")
 def ep_runs_4(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("ep4") / "results.json"
-    torchrun(4, str(HELPERS / "ep_parity.py"), "--out", str(out), "--strategies", ",".join(EP_STRATEGIES_4))
-    return {r["strategy"]: r for r in json.loads(out.read_text())}
+    return _launch(tmp_path_factory, "ep4", 4, EP_STRATEGIES_4)
 
 
 @pytest.fixture
 def ep_run(request):
     """The record of the strategy named by the test's parameter, from the launch of its world size."""
     strategy = request.param
-    runs = request.getfixturevalue("ep_runs_4" if strategy in EP_STRATEGIES_4 else "ep_runs")
-    return runs[strategy]
+    name = "ep_runs_4" if strategy in EP_STRATEGIES_4 else "ep_runs_core" if strategy in EP_CORE else "ep_runs"
+    return request.getfixturevalue(name)[strategy]
+
+
+# Each strategy once, those outside the default pass's launches marked slow
+EP_PARAMS = [s if s in EP_CORE + EP_STRATEGIES_4 else pytest.param(s, marks=pytest.mark.slow)
+             for s in EP_STRATEGIES + EP_STRATEGIES_4]
 
 
 @pytest.mark.slow  # not in the default pass (README): the EP matrix; test_cli_ep2_* keeps EP=2 in it
@@ -66,7 +81,7 @@ def test_ranks_equal_one_process_over_10_steps(ep_run):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("ep_run", EP_STRATEGIES + EP_STRATEGIES_4, indirect=True)
+@pytest.mark.parametrize("ep_run", EP_PARAMS, indirect=True)
 def test_expert_bias_and_logged_load_are_the_global_ones(ep_run):
     """Every rank moves the bias the one process moves (counts summed over the ranks), and the load logged is the
     tokens of every rank, not rank 0's."""
@@ -76,10 +91,11 @@ def test_expert_bias_and_logged_load_are_the_global_ones(ep_run):
     assert record["load"] == record["reference_load"]
 
 
+@pytest.mark.slow  # the slow tier's launch; the eager strategies' parity: the default pass's EP_CORE launch
 @pytest.mark.distributed
-def test_the_compiled_strategy_really_compiles(ep_runs):
+def test_the_compiled_strategy_really_compiles(ep_runs, ep_runs_core):
     assert ep_runs["ep2_fsdp_compile"]["compiled_frames"] > 0
-    assert ep_runs["ep2_fsdp"]["compiled_frames"] == 0
+    assert ep_runs_core["ep2_fsdp"]["compiled_frames"] == 0
 
 
 @pytest.mark.distributed
@@ -289,6 +305,7 @@ def test_cli_ep_layout_matches_one_process_and_resumes_bitwise_and_onto_one_proc
     resumes_bitwise_and_onto_one_process(run, launch, got, expected, *one_process, ranks=4)
 
 
+@pytest.mark.slow  # ~55 s; the CLI's EP=2 run, resume and resume onto one process: test_cli_ep2_* (default pass)
 @pytest.mark.distributed
 def test_cli_moe_tensor_parallel_matches_one_process_and_resumes_bitwise_and_onto_one_process(tmp_path):
     """Tensor parallelism of a mixture of experts (parallel/tensor.py ``apply_expert_tp``): attention split as

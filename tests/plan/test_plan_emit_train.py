@@ -7,7 +7,7 @@ import math
 
 from scaletrain.cli import main
 from scaletrain.config import load_config, to_toml
-from scaletrain.plan import calibration
+from scaletrain.plan import calibration, timing
 
 
 def test_emitted_cpu_plan_trains(tmp_path, tiny):
@@ -44,6 +44,13 @@ def test_doctor_smoke(tmp_path, monkeypatch, capsys):
                          ("ATTN_SEQ_LENS", (64, 128)),
                          ("CE_VOCABS", (256,)), ("OPT_SIZES", (1 << 16,)), ("ELEMENTWISE_BATCHES", (1,))):
         monkeypatch.setattr(calibration, name, points)
+    # The head's curves (a 131,072-row weight: 50 of the 77 s this test took) and the weight cast / NF4 rates, on
+    # small weights: the same code paths.
+    monkeypatch.setattr(calibration, "HEAD_DIMS", (64, 256))
+    monkeypatch.setattr(calibration, "WEIGHT_CAST_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(calibration, "NF4_DEQUANT_SIDE", 256)
+    monkeypatch.setattr(timing, "HEAD_CHUNK_ROWS", (16, 64))
+    monkeypatch.setattr(timing, "HEAD_CHUNK_VOCAB", 8192)
     report = tmp_path / "doctor.json"
     assert main(["doctor", "--rounds", "1", "--clock", "cpu", "--json", str(report)]) == 0
     doc = json.loads(report.read_text())
@@ -51,7 +58,8 @@ def test_doctor_smoke(tmp_path, monkeypatch, capsys):
     cal = doc["calibration"]
     for key in ("matmul_flops_fp32", "gemm_curve", "gemm_curve_by_rows", "attention_curve", "cross_entropy_curve",
                 "optimizer_curve",
-                "elementwise_curve", "op_overhead_s", "block_ops"):
+                "elementwise_curve", "op_overhead_s", "block_ops", "head_curve", "head_chunk_curve",
+                "weight_cast_s_per_element"):
         assert key in cal, key
     assert cal["matmul_flops_fp32"] > 1e8 and cal["op_overhead_s"] > 0
     saved = json.loads((tmp_path / "cache" / "calibration.json").read_text())

@@ -66,10 +66,9 @@ def test_fit_refusals(monkeypatch):
         fit_law(n, d, loss, bootstrap=0)
 
 
-def test_runs_that_barely_depend_on_size_fit_in_any_order_without_an_overflow():
+def _flat_char_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A real character-level grid (Tiny Shakespeare, 12 runs of 91-574 steps: 55k-332k non-embedding parameters
-    change val bpb by under 1% at a token count) leaves the N term unconstrained; starts and bootstrap replicas
-    that run off to A = e^800 once raised OverflowError out of `scale`."""
+    change val bpb by under 1% at a token count): it leaves the N term unconstrained."""
     n = np.repeat([55536, 100672, 238640, 332448], 3)
     d = np.tile([93184, 234496, 587776], 4)
     loss = np.array([  # the values `scale` fitted, in its order (another order takes another L-BFGS path)
@@ -77,10 +76,23 @@ def test_runs_that_barely_depend_on_size_fit_in_any_order_without_an_overflow():
         3.0953489956996814, 2.8452775792169516, 3.4240008246063534, 3.063541664335859,
         2.797398056371638, 3.417440959147554, 3.1153259500794226, 2.778300647065807,
     ])
+    return n, d, loss
+
+
+def test_runs_that_barely_depend_on_size_fit():
+    n, d, loss = _flat_char_grid()
+    fit = fit_law(n, d, loss, bootstrap=0)
+    assert all(np.isfinite([fit.params.E, fit.params.A, fit.params.B]))
+
+
+@pytest.mark.slow  # 200 bootstrap replicas and a second fit (~60 s); one fit: test_runs_that_barely_depend_on_size_fit
+def test_runs_that_barely_depend_on_size_fit_in_any_order_without_an_overflow():
+    """Starts and bootstrap replicas of the flat grid that ran off to A = e^800 once raised OverflowError out of
+    `scale`; the same runs listed in another order give the same fit (fit_law sorts the runs first, so the
+    bootstrap would be the same replicas again: the order is checked on the fit itself)."""
+    n, d, loss = _flat_char_grid()
     fit = fit_law(n, d, loss, bootstrap=200)
     assert all(np.isfinite([fit.params.E, fit.params.A, fit.params.B])) and fit.bootstrap
-    # The same runs listed in another order: the same fit (fit_law sorts the runs first, so the bootstrap above,
-    # 36 s of this test, would be the same replicas again: the order is checked on the fit itself)
     shuffled = np.random.default_rng(0).permutation(n.size)
     assert fit_law(n[shuffled], d[shuffled], loss[shuffled], bootstrap=0).params == fit.params
 
