@@ -13,7 +13,7 @@ import pytest
 from scaletrain.config import FinetuneConfig, ModelConfig, build
 from scaletrain.hardware.catalog import Cluster
 from scaletrain.model.loss import chunk_rows
-from scaletrain.model.presets import PRESETS
+from scaletrain.model.presets import PRESETS, projection_shapes
 from scaletrain.plan import calibration, timing
 from scaletrain.plan.finetune import finetune_cpu_breakdown, finetune_step_time
 from scaletrain.plan.hardware_spec import parse_hardware
@@ -70,8 +70,9 @@ def test_a_family_base_lora_pays_its_chunked_head_and_the_parts_add_up(method):
     assert "loss recompute" not in after  # the chunk model counts the recomputed logits in the head's products
     old_head = parts["head gemm"] + parts["loss recompute"]
     assert 6 * old_head < after["head gemm"] < 14 * old_head
-    assert {k: v for k, v in after.items() if k != "head gemm"} == {
-        k: v for k, v in parts.items() if k not in ("head gemm", "loss recompute")}
+    # (QLoRA's input-gradient dequantizations end in the same weight cast: its own test below)
+    assert {k: v for k, v in after.items() if k not in ("head gemm", "nf4 dequant")} == {
+        k: v for k, v in parts.items() if k not in ("head gemm", "loss recompute", "nf4 dequant")}
     assert finetune_step_time(workload, plan, cluster, ft)["step_seconds"] == pytest.approx(sum(after.values()))
     # the weight's cast is charged under autocast (an fp32 weight cast to bf16), not in fp32
     cast = _cluster({"head_chunk_curve_bf16": slow, "head_chunk_curve": slow, "weight_cast_s_per_element": 1e-9})
@@ -81,6 +82,34 @@ def test_a_family_base_lora_pays_its_chunked_head_and_the_parts_add_up(method):
     assert finetune_cpu_breakdown(fp32, plan, cast, ft)["head gemm"] == pytest.approx(
         finetune_cpu_breakdown(fp32, plan, _cluster({"head_chunk_curve": slow, "weight_cast_s_per_element": 0.0}),
                                ft)["head gemm"])
+
+
+def test_qlora_pays_a_weight_cast_after_each_input_gradients_dequantization():
+    """torchao's NF4 weight dequantizes to the fp32 it was quantized from and casts that to the gradient's bf16
+    (``LinearNF4``'s backward): one weight-sized cast per input-gradient dequantization under autocast (the
+    forward's cast is in the GEMM curve), none in fp32 or with the compiled dequantization."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao")
+    from scaletrain.finetune.lora import to_nf4
+
+    weight = to_nf4(torch.randn(64, 64), 64, 256)
+    assert weight.get_original_weight().dtype == torch.float32  # what the cast is from
+    assert torch.equal(weight.to(torch.bfloat16), weight.get_original_weight().to(torch.bfloat16))
+    workload = Workload(model=QWEN, seq_len=256, global_batch=1, train_tokens=256, precision="bf16")
+    plan, shapes = Plan(micro_batch=1), projection_shapes(QWEN)
+    # every projection's input gradient but the first block's q, k, v (nothing below them trains)
+    elements = QWEN.n_layers * sum(i * o for i, o in shapes.values()) - sum(
+        i * o for name, (i, o) in shapes.items() if name in ("q", "k", "v"))
+
+    def dequant(cast: float, ft: FinetuneConfig, precision: str = "bf16") -> float:
+        cluster = _cluster({"weight_cast_s_per_element": cast, "nf4_dequant_s_per_element": 1e-8})
+        return finetune_cpu_breakdown(dataclasses.replace(workload, precision=precision), plan, cluster,
+                                      ft)["nf4 dequant"]
+
+    eager, compiled = FinetuneConfig(method="qlora"), FinetuneConfig(method="qlora", qlora_compile="true")
+    assert dequant(1e-9, eager) - dequant(0.0, eager) == pytest.approx(elements * 1e-9)
+    assert dequant(1e-9, eager, "fp32") == pytest.approx(dequant(0.0, eager, "fp32"))
+    assert dequant(1e-9, compiled) == pytest.approx(dequant(0.0, compiled))
 
 
 def test_a_full_fine_tune_keeps_the_trained_heads_model():

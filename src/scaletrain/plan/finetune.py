@@ -19,7 +19,8 @@ add Newton-Schulz to the step (``timing.newton_schulz_seconds``).
 LoRA adds its two thin GEMMs a target, forward and backward (DoRA also the row norms of W + s B A each
 forward). QLoRA dequantizes every 4-bit weight once in
 the forward and once more for the input gradient (torchao's ``LinearNF4``), at the rate
-``measure_nf4_dequant`` measures (CPU) or, on a GPU, as ``GPU_NF4_DEQUANT_BYTES_PER_WEIGHT`` bytes of traffic a
+``measure_nf4_dequant`` measures (CPU; under autocast each input gradient's dequantization also casts its fp32
+result to bf16, ``nf4_gradient_cast_rate``) or, on a GPU, as ``GPU_NF4_DEQUANT_BYTES_PER_WEIGHT`` bytes of traffic a
 weight at memory bandwidth (calibrated on the GPU check's measured QLoRA step). With ``finetune.qlora_compile`` on
 (the trainer's own rule, ``finetune.lora.qlora_compiled``: auto compiles on a GPU) the dequantization is compiled
 and charged at its own named rates (``nf4_dequant_rate``): measured on the CPU, and on a GPU still today's eager
@@ -352,6 +353,20 @@ def nf4_dequant_rate(ft: FinetuneConfig, kind: str, entry: dict | None = None) -
     return float(entry.get("nf4_dequant_s_per_element", REFERENCE_NF4_DEQUANT_S_PER_ELEMENT))
 
 
+def nf4_gradient_cast_rate(ft: FinetuneConfig, entry: dict, autocast: bool) -> float:
+    """CPU seconds per element a QLoRA input gradient's dequantization adds by casting: torchao's eager NF4 weight
+    dequantizes to the fp32 it was quantized from and casts that to the gradient's bf16 under autocast
+    (``LinearNF4``'s backward, ``weight.to(grad_output.dtype)``; ``LoRAExperts.stacked`` the same), a weight-sized
+    fp32 -> bf16 cast at the rate doctor measured (``weight_cast_s_per_element``; without it 6 bytes an element at
+    the copy bandwidth). The forward's cast is autocast's, inside the measured GEMM curve; in fp32 there is none, and
+    the compiled dequantization (``finetune.qlora_compile``) writes the gradient's dtype directly."""
+    from scaletrain.finetune.lora import qlora_compiled
+
+    if not autocast or qlora_compiled(ft.qlora_compile, "cpu"):
+        return 0.0
+    return float(entry.get("weight_cast_s_per_element", 6.0 / entry["memory_bandwidth"]))
+
+
 def _input_grad_needed(ft: FinetuneConfig, block: int, targets: tuple[str, ...]) -> bool:
     """Whether the projections ``targets`` of ``block`` must pass a gradient to their input: always, except
     for the first block's q, k, v (reading the block's input through the attention norm) when nothing below
@@ -444,6 +459,7 @@ def _cpu_parts(workload: Workload, plan: Plan, ft: FinetuneConfig, entry: dict, 
     elem = interp_curve(entry["elementwise_curve"], units) if "elementwise_curve" in entry else \
         entry["elementwise_s_per_element"]
     dequant = nf4_dequant_rate(ft, "cpu", entry)
+    grad_dequant = dequant + nf4_gradient_cast_rate(ft, entry, autocast)
     att_f, att_b = attention_seconds(b * cfg.n_heads, seq, head_width(cfg), entry)
     if method.prefix_tokens:  # every query also reads the P prefix keys: causal T^2/2 -> T^2/2 + T*P
         att_f, att_b = (a * (1 + 2 * ft.virtual_tokens / seq) for a in (att_f, att_b))
@@ -470,14 +486,14 @@ def _cpu_parts(workload: Workload, plan: Plan, ft: FinetuneConfig, entry: dict, 
             elif _input_grad_needed(ft, block, (name,)):
                 parts["base gemm"] += both / 2
                 if method.quantized_base:
-                    parts["nf4 dequant"] += i * o * dequant
+                    parts["nf4 dequant"] += i * o * grad_dequant
             if method.quantized_base:
                 parts["nf4 dequant"] += again * i * o * dequant
         if method.quantized_base and is_moe_layer(cfg, block):
             # the router's and every expert's 4-bit weights in place of the dense feed-forward ``shapes`` prices,
             # dequantized in the forward (again under recomputation) and for the input gradient
             # (lora.FrozenExpertsMM)
-            parts["nf4 dequant"] += (again + 1) * moe_extra_params(cfg, active=False) * dequant
+            parts["nf4 dequant"] += moe_extra_params(cfg, active=False) * (again * dequant + grad_dequant)
         ops = entry["block_ops"] + family_block_ops(cfg) + OPS_PER_ADAPTER * len(targets)
         for name in targets:  # x @ A^T (r wide), then @ B^T; both train, so full backward GEMMs
             i, o = shapes[name]
