@@ -60,3 +60,16 @@ def run_ranks(args: list[str], ranks: int, what: str, *, threads: int = 1,
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
     return proc
+
+
+def append_rank_result(out: str | Path, result: dict) -> None:
+    """Each torchrun rank appends its ``result`` (less its per-step list) to ``out`` as one JSON line, one rank at
+    a time (a barrier between writers), then leaves the process group."""
+    import torch.distributed as dist
+
+    for rank in range(dist.get_world_size()):
+        if rank == dist.get_rank():
+            with open(out, "a") as fh:
+                fh.write(json.dumps({k: v for k, v in result.items() if k != "step_s_all"}) + "\n")
+        dist.barrier()
+    dist.destroy_process_group()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from launch import OUT_HELP, default_out, run_ranks, write_result  # benchmarks/launch.py
+from launch import OUT_HELP, append_rank_result, default_out, run_ranks, write_result  # benchmarks/launch.py
 from scaletrain.config import ModelConfig, build
 from scaletrain.hardware.catalog import CATALOG, Cluster
 from scaletrain.model.presets import PRESETS, active_params, num_params
@@ -243,17 +243,11 @@ def uptime() -> str:
 
 def worker(name: str, out: str, steps: int) -> None:
     """One torchrun rank of a TWO_RANK_ROWS row: its result appended to ``out`` as one JSON line."""
-    import torch.distributed as dist
 
     _, fields, batch, seq, parallel = next(r for r in TWO_RANK_ROWS if r[0] == name)
     torch.set_num_threads(1)
     result = distributed_run(build(ModelConfig, dict(fields), presets=PRESETS), parallel, batch, seq, steps)
-    for rank in range(dist.get_world_size()):  # one writer at a time
-        if rank == dist.get_rank():
-            with open(out, "a") as fh:
-                fh.write(json.dumps({k: v for k, v in result.items() if k != "step_s_all"}) + "\n")
-        dist.barrier()
-    dist.destroy_process_group()
+    append_rank_result(out, result)
 
 
 def main() -> None:

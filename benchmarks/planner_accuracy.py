@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch import OUT_HELP, default_out, run_ranks, write_result  # benchmarks/launch.py
+from launch import OUT_HELP, append_rank_result, default_out, run_ranks, write_result  # benchmarks/launch.py
 from scaletrain.config import ModelConfig, build
 from scaletrain.hardware.catalog import Cluster
 from scaletrain.hardware.peak import device_fingerprint
@@ -161,7 +161,6 @@ def measure(row: Row, steps: int, threads: int) -> dict:
 def worker(name: str, out: str, steps: int, threads: int) -> None:
     """One measuring process (a torchrun rank for distributed rows): append its result as one JSON line."""
     import torch
-    import torch.distributed as dist
 
     from scaletrain.plan.measure import distributed_run, single_process_run
 
@@ -174,12 +173,7 @@ def worker(name: str, out: str, steps: int, threads: int) -> None:
         return
     result = distributed_run(row.model_config(), {**row.parallel, "activation_checkpointing": row.ac,
                                                   "ac_every": row.ac_every}, row.batch, row.seq, steps)
-    for rank in range(dist.get_world_size()):  # one writer at a time
-        if rank == dist.get_rank():
-            with open(out, "a") as fh:
-                fh.write(json.dumps({k: v for k, v in result.items() if k != "step_s_all"}) + "\n")
-        dist.barrier()
-    dist.destroy_process_group()
+    append_rank_result(out, result)
 
 
 def main() -> int:

@@ -231,6 +231,20 @@ def resumes_bitwise_and_onto_one_process(run, launch: list[str], got: list[float
     assert max(abs(a - b) / b for a, b in zip(train_losses(run), expected[5:])) < PARITY_RTOL
 
 
+def moe_single_process_run(tmp_path) -> list[str]:
+    """The tiny MoE config (10 steps, evaluating every 3) trained in one process into tmp_path/single; returns the
+    command line (less its run folder) the parallel runs extend."""
+    from test_parallel_dist import TINY_TOML
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=10))
+    cli = ["-m", "scaletrain.cli", "train", "--config", str(config), *MOE_FLAGS, "--train.eval_interval=3"]
+    single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
+                            text=True, timeout=CEILING_S)
+    assert single.returncode == 0, single.stderr[-3000:]
+    return cli
+
+
 def expert_loads(run) -> list[dict]:
     """Each log step's tokens per expert of every sparse layer, from the run's metrics."""
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -245,14 +259,7 @@ def test_cli_moe_pipeline_matches_one_process_and_resumes_bitwise_and_onto_one_p
     3 steps (each switch back to training makes torch's schedule run its shape inference on uninitialised tensors
     again, whose routing must not count): losses, the expert bias (through the losses) and the logged load of
     every stage's layers equal one process'."""
-    from test_parallel_dist import TINY_TOML
-
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=10))
-    cli = ["-m", "scaletrain.cli", "train", "--config", str(config), *MOE_FLAGS, "--train.eval_interval=3"]
-    single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
-                            text=True, timeout=CEILING_S)
-    assert single.returncode == 0, single.stderr[-3000:]
+    cli = moe_single_process_run(tmp_path)
     pp = tmp_path / "pp"
     torchrun(2, *cli, f"--train.run_dir={pp}", "--parallel.pp=2")
     expected, got = train_losses(tmp_path / "single"), train_losses(pp)
@@ -285,14 +292,7 @@ def test_cli_ep_layout_matches_one_process_and_resumes_bitwise_and_onto_one_proc
     ep=2) on 4 ranks, evaluating every 3 steps (the pipeline schedule's shape inference after each switch back runs
     the all-to-all on uninitialised tensors). Losses and the logged load of every layer equal one process'; the DCP
     checkpoint resumes bitwise on 4 ranks and onto one process (every expert of every layer on the one rank)."""
-    from test_parallel_dist import TINY_TOML
-
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=10))
-    cli = ["-m", "scaletrain.cli", "train", "--config", str(config), *MOE_FLAGS, "--train.eval_interval=3"]
-    single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
-                            text=True, timeout=CEILING_S)
-    assert single.returncode == 0, single.stderr[-3000:]
+    cli = moe_single_process_run(tmp_path)
     run = tmp_path / layout
     flags, one_process = EP_LAYOUTS_4[layout]
     launch = [*cli, f"--train.run_dir={run}", *flags]
