@@ -382,8 +382,7 @@ def memory_breakdown(workload: Workload, plan: Plan, device_kind: str = "gpu",
     mask = attention_mask_bytes(cfg, t, rec)
     # A sparse block saves its routed tokens' tensors instead of the dense feed-forward's four (B, T, h).
     # Folded (Plan.ep_folded): a rank's sequence-parallel share of the tokens, through experts unsplit by tp.
-    moe_t, moe_tp = (t // tp, 1) if plan.ep_folded else (t, tp)
-    sparse = (moe_activation_bytes(cfg, b, moe_t, rec, ep, moe_tp)
+    sparse = (moe_activation_bytes(cfg, b, t // plan.expert_token_split, rec, ep, etp)
               - 4 * b * t * ffn_hidden_dim(cfg) / tp * rec.activation)
     full_block = [blk + mask * masked_attention_layers(cfg, t, range(i, i + 1)) + sparse * is_moe_layer(cfg, i)
                   for i in range(layers)]

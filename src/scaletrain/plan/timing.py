@@ -429,7 +429,7 @@ def cpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tuple
         entry["elementwise_s_per_element"]
 
     # A sparse block: its feed-forward's GEMMs, saved elements and aten ops are the mixture of experts'
-    moe_t, moe_tp = (t // tp, 1) if plan.ep_folded else (t, tp)  # folded: a rank's sequence shard, experts unsplit
+    moe_t, moe_tp = t // plan.expert_token_split, plan.expert_tp  # folded: a rank's sequence shard, experts unsplit
     sparse_units = units + (moe_activation_bytes(cfg, b, moe_t, RECIPES["fp32"], plan.ep, moe_tp) / 4
                             - 4 * b * t * ffn_hidden_dim(cfg) / tp) if cfg.moe_experts else units
 
@@ -563,7 +563,7 @@ def all_to_all_seconds(workload: Workload, plan: Plan, cluster: Cluster, tokens:
     overlapped with compute (torchtitan's default; Megatron's is a separate option, "1f1b overlap")."""
     cfg = workload.model
     bw, _ = group_link(cluster, plan.ep, ep_group_stride(plan))
-    own = tokens / plan.tp if plan.ep_folded else tokens  # folded: each rank dispatches its sequence shard
+    own = tokens / plan.expert_token_split  # folded: each rank dispatches its sequence shard
     sent = own * cfg.moe_top_k * cfg.dim * RECIPES[workload.precision].activation * (plan.ep - 1) / plan.ep
     layers = -(-cfg.n_layers // plan.pp)
     ckpt = checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every)
@@ -610,7 +610,7 @@ def _gpu_micro_seconds(workload: Workload, plan: Plan, cluster: Cluster) -> tupl
     if cfg.moe_experts:  # the routed experts: the busiest rank's load, at the grouped GEMM's efficiency
         sparse = sum(is_moe_layer(cfg, i) for i in range(layers))
         expert_flops = 18.0 * cfg.dim * expert_hidden_dim(cfg) * sparse * tokens / (plan.tp * plan.cp)
-        own = tokens / plan.tp if plan.ep_folded else tokens  # folded: a rank's sequence shard, experts unsplit
+        own = tokens / plan.expert_token_split  # folded: a rank's sequence shard, experts unsplit
         rows = routed_rows(cfg, own, plan.ep) * plan.ep / cfg.moe_experts  # a local expert's
         load = rank_load(plan.ep)
         executed += expert_flops * cfg.moe_top_k * (load / grouped_gemm_efficiency_gpu(hw, rows) - 1)

@@ -128,6 +128,12 @@ class Plan:
         return 1 if self.ep_folded else self.tp
 
     @property
+    def expert_token_split(self) -> int:
+        """What a rank's expert layers see of its micro-batch's tokens, as a divisor: folded (``ep_folded``) each tp
+        rank routes its sequence-parallel share (tokens / tp); in our trainer's layout every tp rank routes them all."""
+        return self.tp if self.ep_folded else 1
+
+    @property
     def microbatches(self) -> int:
         return self.pp_microbatches or 2 * self.pp
 
