@@ -35,6 +35,7 @@ from scaletrain.evaluation.cloze import (  # noqa: E402
     split_sentences,
 )
 from scaletrain.evaluation.lm_eval_model import ScaletrainLM  # noqa: E402
+from scaletrain.evaluation.tasks import task_manager  # noqa: E402
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "harness"
 ALL_TASKS = ["tiny-choices", "tiny-answers", "tiny-passages"]
@@ -67,7 +68,8 @@ def in_fixtures(monkeypatch):
 
 
 def _evaluate(lm, tasks: list[str]) -> dict:
-    return evaluator.simple_evaluate(model=lm, tasks=tasks, task_manager=TaskManager(include_path=str(FIXTURES)),
+    manager = task_manager(TaskManager, [str(FIXTURES)], tasks)
+    return evaluator.simple_evaluate(model=lm, tasks=tasks, task_manager=manager,
                                      log_samples=True, bootstrap_iters=0, verbosity="ERROR")
 
 
@@ -160,7 +162,7 @@ def test_chat_template_matches_the_hf_backend(chatml_base, tmp_path, tiny, in_fi
     results = []
     for lm in (ours, HFLM(pretrained=str(export), device="cpu", dtype="float32", batch_size=3)):
         results.append(evaluator.simple_evaluate(
-            model=lm, tasks=tasks, task_manager=TaskManager(include_path=str(FIXTURES)), num_fewshot=1,
+            model=lm, tasks=tasks, task_manager=task_manager(TaskManager, [str(FIXTURES)], tasks), num_fewshot=1,
             apply_chat_template=True, log_samples=True, bootstrap_iters=0, verbosity="ERROR"))
     for task in tasks:
         for a, b in zip(results[0]["samples"][task], results[1]["samples"][task]):
@@ -188,6 +190,7 @@ def test_quantized_run_scores_its_own_quantized_model(bpe_run, tmp_path, in_fixt
     lm = ScaletrainLM(model, tok, cfg.model.max_seq_len, batch_size=4)
     samples = _evaluate(lm, ["tiny-choices"])["samples"]["tiny-choices"]
     dense = _evaluate(ScaletrainLM(*load_run(bpe_run)[1:3], cfg.model.max_seq_len), ["tiny-choices"])
+    pairs = []
     for sample, dense_sample in zip(samples, dense["samples"]["tiny-choices"]):
         for (context, continuation), resp, dense_resp in zip(sample["arguments"], sample["resps"],
                                                              dense_sample["resps"]):
@@ -196,7 +199,11 @@ def test_quantized_run_scores_its_own_quantized_model(bpe_run, tmp_path, in_fixt
             with torch.no_grad():
                 logprobs = model(ids[:, :-1])[0, -len(cont):, :tok.vocab_size].float().log_softmax(-1)
             assert resp[0][0] == pytest.approx(float(logprobs.gather(1, ids[0, -len(cont):, None]).sum()), abs=1e-4)
-            assert resp[0][0] != dense_resp[0][0]
+            pairs.append((resp[0][0], dense_resp[0][0]))
+    # int8 rounding moves these tiny (32-wide) blocks' log-likelihoods by ~1e-5 to 1e-3, about what batching moves
+    # them: one sum in 32 was seen to land on the dense value bit for bit, so "each differs" was a coin toss. An
+    # unquantized model (a no-op quantization) would make every pair equal.
+    assert sum(q != d for q, d in pairs) >= 0.8 * len(pairs), pairs
 
 
 def test_eval_tasks_prints_scores_with_their_settings(bpe_run, tmp_path, in_fixtures, capsys):
@@ -371,3 +378,12 @@ def test_a_bad_local_task_is_one_line(char_run, tmp_path, capsys, case, expect):
     (folder / "tiny-choices.yaml").write_bytes(raw.encode("latin-1" if case == "latin-1 yaml" else "utf-8"))
     err = _refused(capsys, "--run", str(char_run), "--tasks", "tiny-choices", "--include-path", str(folder), *flags)
     assert expect.format(folder=folder) in err, err
+
+
+def test_local_tasks_skip_the_built_in_index():
+    """Tasks all in --include-path are indexed from it alone (lm-eval's own ~14,700 files take seconds); a
+    built-in name beside them still finds lm-eval's whole index."""
+    local = task_manager(TaskManager, [str(FIXTURES)], ["tiny-choices", "tiny-answers"])
+    assert set(local.all_tasks) == set(ALL_TASKS)
+    mixed = task_manager(TaskManager, [str(FIXTURES)], ["tiny-choices", "arc_easy"])
+    assert {"tiny-choices", "arc_easy"} <= set(mixed.all_tasks)
