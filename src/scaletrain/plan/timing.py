@@ -573,8 +573,8 @@ def all_to_all_seconds(workload: Workload, plan: Plan, cluster: Cluster, tokens:
 
 def ep_group_stride(plan: Plan) -> int:
     """The stride of the ep group's ranks: tp x cp in our trainer's layout (the innermost data-parallel ranks,
-    parallel/expert.py; 1 for every plan the trainer runs, which has tp = cp = 1), 1 when the expert layers are
-    folded onto their own mesh (``Plan.ep_folded``: Megatron-Core's expert-TP 1)."""
+    parallel/expert.py; tp for the plans the trainer runs, which have cp = 1: the ranks of one tp coordinate), 1
+    when the expert layers are folded onto their own mesh (``Plan.ep_folded``: Megatron-Core's expert-TP 1)."""
     return 1 if plan.ep_folded else plan.tp * plan.cp
 
 
