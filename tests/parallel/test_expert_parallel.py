@@ -2,10 +2,10 @@
 
 Distributed (real gloo ranks under torchrun): the trainer's build and step on 2 and 4 ranks against one process
 for 10 steps (tests/helpers/ep_parity.py; EP=2 with FSDP2 ZeRO-3 and ZeRO-2, with accumulation, with full activation
-checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2 and EP=2 under HSDP; and MoE with
-FSDP2 / DDP without EP), and ``scaletrain train`` under torchrun with EP=2 (2 ranks; and 4 ranks in pipeline stages
-and under HSDP): parity with one process, a bitwise resume and a resume onto one process (EP=1) from the same DCP
-checkpoint. Not distributed: the layouts refused, one line each.
+checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2, EP=2 under HSDP and beside TP=2; and MoE
+with FSDP2 / DDP without EP), and ``scaletrain train`` under torchrun with EP=2 (2 ranks; and 4 ranks in pipeline
+stages, under HSDP and beside tensor parallelism): parity with one process, a bitwise resume and a resume onto one
+process (EP=1) from the same DCP checkpoint. Not distributed: the layouts refused, one line each.
 """
 
 from __future__ import annotations
@@ -302,14 +302,14 @@ EP_LAYOUTS_4 = {
 }
 
 
-@pytest.mark.slow  # not in the default pass (README): 66 s and 83 s (4 ranks, 2 loaded cores); test_cli_ep2_* keeps
-# EP=2 through the CLI in it, the layouts test accepts both layouts, and ep_runs_4's ep2_hsdp checks HSDP's bias,
-# logged load and expert share there
+@pytest.mark.slow  # not in the default pass (README): 66 s, 83 s and 54 s (4 ranks, 2 loaded cores); test_cli_ep2_*
+# keeps EP=2 through the CLI in it, the layouts test accepts the three layouts, and ep_runs_4's ep2_hsdp checks
+# HSDP's bias, logged load and expert share there
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS_4))
 def test_cli_ep_layout_matches_one_process_and_resumes_bitwise_and_onto_one_process(layout, tmp_path):
-    """Expert parallelism in pipeline stages (pp=2 x dp_shard=2, ep=2) and under HSDP (dp_replicate=2 x dp_shard=2,
-    ep=2) on 4 ranks, evaluating every 3 steps (the pipeline schedule's shape inference after each switch back runs
+    """Expert parallelism in pipeline stages (pp=2 x dp_shard=2, ep=2), under HSDP (dp_replicate=2 x dp_shard=2,
+    ep=2) and with tensor parallelism (dp_shard=2 x tp=2, ep=2) on 4 ranks, evaluating every 3 steps (the pipeline schedule's shape inference after each switch back runs
     the all-to-all on uninitialised tensors). Losses and the logged load of every layer equal one process'; the DCP
     checkpoint resumes bitwise on 4 ranks and onto one process (every expert of every layer on the one rank)."""
     flags, one_process = EP_LAYOUTS_4[layout]
