@@ -309,9 +309,10 @@ EP_LAYOUTS_4 = {
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS_4))
 def test_cli_ep_layout_matches_one_process_and_resumes_bitwise_and_onto_one_process(layout, tmp_path):
     """Expert parallelism in pipeline stages (pp=2 x dp_shard=2, ep=2), under HSDP (dp_replicate=2 x dp_shard=2,
-    ep=2) and with tensor parallelism (dp_shard=2 x tp=2, ep=2) on 4 ranks, evaluating every 3 steps (the pipeline schedule's shape inference after each switch back runs
-    the all-to-all on uninitialised tensors). Losses and the logged load of every layer equal one process'; the DCP
-    checkpoint resumes bitwise on 4 ranks and onto one process (every expert of every layer on the one rank)."""
+    ep=2) and with tensor parallelism (dp_shard=2 x tp=2, ep=2) on 4 ranks, evaluating every 3 steps (the pipeline
+    schedule's shape inference after each switch back runs the all-to-all on uninitialised tensors). Losses and the
+    logged load of every layer equal one process'; the DCP checkpoint resumes bitwise on 4 ranks and onto one
+    process (every expert of every layer on the one rank)."""
     flags, one_process = EP_LAYOUTS_4[layout]
     cli = moe_single_process_run(tmp_path, *(f for f in flags if f.startswith("--model.")))
     run = tmp_path / layout

@@ -170,3 +170,19 @@ def test_folded_experts_are_whole_on_a_rank_and_priced_only():
         check_plan(workload, folded, 32)
     flat = (Plan(dp_shard=32, ep=8, zero_stage=3, ep_folded=folding) for folding in (False, True))
     assert len({memory_breakdown(workload, p).total for p in flat}) == 1
+
+
+def test_expert_tensor_parallelism_prices_the_routed_copies_all_reduce():
+    """Under expert TP (our layout, with or without ep) a sparse block's experts all-reduce the tokens' top-k routed
+    copies (parallel/tensor.py): 1 + k units of tensor-parallel traffic where a dense block has 2; folded (expert-TP
+    1) the experts take none, and a dense model is priced as before."""
+    from scaletrain.plan.timing import tp_traffic_factor
+    from scaletrain.plan.workload import Plan
+
+    cfg = load_config(None, {"model.preset": "olmoe-1b-7b"}).model  # top-8 of 64, every layer sparse, no shared
+    assert (cfg.moe_top_k, cfg.moe_shared_experts) == (8, 0)
+    for ep in (1, 2):
+        assert tp_traffic_factor(cfg, Plan(dp_shard=2, tp=2, ep=ep), cfg.n_layers) == 4.5
+    assert tp_traffic_factor(cfg, Plan(dp_shard=16, tp=2, ep=8, ep_folded=True), cfg.n_layers) == 1.0
+    dense = load_config(None, {"model.preset": "gpt2-124m"}).model
+    assert tp_traffic_factor(dense, Plan(dp_shard=2, tp=2), dense.n_layers) == 1.0
