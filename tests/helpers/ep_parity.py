@@ -56,6 +56,10 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     "ep2_tp2": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), 1),
     # 8 ranks (by hand): dp_shard 4 x tp 2, each (ep, tp) expert FSDP2-sharded over the other 2 of its tp coordinate
     "ep2_fsdp4_tp2": (dict(dp_shard=4, tp=2, ep=2, sequence_parallel=False), 1),
+    # 4 ranks (by hand): ep2_tp2 with full activation checkpointing (the recomputation's all-to-alls and tp
+    # all-reduces again) and with 2 micro-batches
+    "ep2_tp2_ac": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False, activation_checkpointing="full"), 1),
+    "ep2_tp2_accum2": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), 2),
 }
 
 
