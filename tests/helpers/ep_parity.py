@@ -51,6 +51,15 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     # HSDP: the experts split over the 2 ranks of each dp_shard group, their gradients all-reduced over the 2 replicas
     "ep2_hsdp": (dict(dp_replicate=2, dp_shard=2, ep=2), 1),
     "moe_ddp": (dict(dp_replicate=2), 1),
+    # 4 ranks, FSDP2 x TP (2 x 2): each tp pair routes the same rows, the experts split over ep = dp_shard and each
+    # expert's hidden units over tp; the dispatch among the ranks of one tp coordinate
+    "ep2_tp2": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), 1),
+    # 8 ranks (by hand): dp_shard 4 x tp 2, each (ep, tp) expert FSDP2-sharded over the other 2 of its tp coordinate
+    "ep2_fsdp4_tp2": (dict(dp_shard=4, tp=2, ep=2, sequence_parallel=False), 1),
+    # 4 ranks (by hand): ep2_tp2 with full activation checkpointing (the recomputation's all-to-alls and tp
+    # all-reduces again) and with 2 micro-batches
+    "ep2_tp2_ac": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False, activation_checkpointing="full"), 1),
+    "ep2_tp2_accum2": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), 2),
 }
 
 
@@ -61,13 +70,15 @@ def job(fields: dict, accum: int) -> JobConfig:
                      train=TrainConfig(seed=SEED, compile=compile, precision="fp32", grad_accum_steps=accum))
 
 
-def train(fields: dict, accum: int, world: int, rank: int, dp_size: int) -> dict:
-    """STEPS steps of the job on ``world`` ranks (1: one process), rank ``rank`` of ``dp_size`` data-parallel ones
+def train(fields: dict, accum: int, world: int, dp_size: int) -> dict:
+    """STEPS steps of the job on ``world`` ranks (1: one process), each of the ``dp_size`` data-parallel ranks
     taking its rows of each of the ``accum`` micro-batches (one process: every micro-batch and every rank's rows,
-    as ``accum * dp_size`` micro-batches). ``seconds``: the STEPS steps' wall time."""
+    as ``accum * dp_size`` micro-batches; a tensor-parallel group, the same rows). ``seconds``: the STEPS steps'
+    wall time."""
     cfg = job(fields, accum)
     dims = ParallelDims.from_config(cfg.parallel, world)
     pm, optimizer = build_parallel_training(cfg, dims, torch.device("cpu"))
+    rank = pm.dp_rank
     micro_per_step = accum if world > 1 else accum * dp_size
     rows = GLOBAL_BATCH // (accum * dp_size)
     frames_before = dynamo_counters["frames"]["ok"]
@@ -100,10 +111,11 @@ def main() -> int:
     records, references = [], {}
     for name in args.strategies.split(","):
         fields, accum = STRATEGIES[name]
-        if accum not in references:
-            references[accum] = train({}, accum, 1, 0, world)
-        ref = references[accum]
-        got = train(fields, accum, world, rank, world)
+        dp_size = ParallelDims.from_config(job(fields, accum).parallel, world).dp_size
+        if (accum, dp_size) not in references:
+            references[accum, dp_size] = train({}, accum, 1, dp_size)
+        ref = references[accum, dp_size]
+        got = train(fields, accum, world, dp_size)
         gathered = [None] * world
         dist.all_gather_object(gathered, {"bias": got["bias"], "expert_numel_local": got["expert_numel_local"]})
         rel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))

@@ -2,10 +2,10 @@
 
 Distributed (real gloo ranks under torchrun): the trainer's build and step on 2 and 4 ranks against one process
 for 10 steps (tests/helpers/ep_parity.py; EP=2 with FSDP2 ZeRO-3 and ZeRO-2, with accumulation, with full activation
-checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2 and EP=2 under HSDP; and MoE with
-FSDP2 / DDP without EP), and ``scaletrain train`` under torchrun with EP=2 (2 ranks; and 4 ranks in pipeline stages
-and under HSDP): parity with one process, a bitwise resume and a resume onto one process (EP=1) from the same DCP
-checkpoint. Not distributed: the layouts refused, one line each.
+checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2, EP=2 under HSDP and beside TP=2; and MoE
+with FSDP2 / DDP without EP), and ``scaletrain train`` under torchrun with EP=2 (2 ranks; and 4 ranks in pipeline
+stages, under HSDP and beside tensor parallelism): parity with one process, a bitwise resume and a resume onto one
+process (EP=1) from the same DCP checkpoint. Not distributed: the layouts refused, one line each.
 """
 
 from __future__ import annotations
@@ -57,22 +57,33 @@ def ep_runs_4(tmp_path_factory) -> dict:
     return _launch(tmp_path_factory, "ep4", 4, EP_STRATEGIES_4)
 
 
+# 4 ranks, EP with tensor parallelism (dp_shard 2 x tp 2, ep 2): the slow tier's own launch (~20 s on 2 loaded cores);
+# the default pass accepts the layout (the layouts test)
+EP_STRATEGIES_TP = ["ep2_tp2"]
+
+
+@pytest.fixture(scope="module")
+def ep_runs_tp(tmp_path_factory) -> dict:
+    return _launch(tmp_path_factory, "ep-tp", 4, EP_STRATEGIES_TP)
+
+
 @pytest.fixture
 def ep_run(request):
     """The record of the strategy named by the test's parameter, from the launch of its world size."""
     strategy = request.param
-    name = "ep_runs_4" if strategy in EP_STRATEGIES_4 else "ep_runs_core" if strategy in EP_CORE else "ep_runs"
+    name = ("ep_runs_4" if strategy in EP_STRATEGIES_4 else "ep_runs_tp" if strategy in EP_STRATEGIES_TP
+            else "ep_runs_core" if strategy in EP_CORE else "ep_runs")
     return request.getfixturevalue(name)[strategy]
 
 
 # Each strategy once, those outside the default pass's launches marked slow
 EP_PARAMS = [s if s in EP_CORE + EP_STRATEGIES_4 else pytest.param(s, marks=pytest.mark.slow)
-             for s in EP_STRATEGIES + EP_STRATEGIES_4]
+             for s in EP_STRATEGIES + EP_STRATEGIES_4 + EP_STRATEGIES_TP]
 
 
 @pytest.mark.slow  # not in the default pass (README): the EP matrix; test_cli_ep2_* keeps EP=2 in it
 @pytest.mark.distributed
-@pytest.mark.parametrize("ep_run", EP_STRATEGIES + EP_STRATEGIES_4, indirect=True)
+@pytest.mark.parametrize("ep_run", EP_STRATEGIES + EP_STRATEGIES_4 + EP_STRATEGIES_TP, indirect=True)
 def test_ranks_equal_one_process_over_10_steps(ep_run):
     record = ep_run
     assert len(record["parallel"]) == len(record["reference"]) == 10
@@ -100,7 +111,8 @@ def test_the_compiled_strategy_really_compiles(ep_runs, ep_runs_core):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("ep_run,share", [("ep2_fsdp", 0.5), ("ep2_ddp", 0.5), ("moe_fsdp", 0.5), ("moe_ddp", 1.0),
-                                          ("ep2_fsdp4", 0.25), ("ep4_fsdp4", 0.25), ("ep2_hsdp", 0.5)],
+                                          ("ep2_fsdp4", 0.25), ("ep4_fsdp4", 0.25), ("ep2_hsdp", 0.5),
+                                          pytest.param("ep2_tp2", 0.25, marks=pytest.mark.slow)],  # E/ep x h/tp
                          indirect=["ep_run"])
 def test_each_rank_holds_its_share_of_the_experts(ep_run, share):
     record = ep_run
@@ -163,7 +175,9 @@ def dims_of(world: int, compile: str = "false", **parallel) -> ParallelDims:
 
 @pytest.mark.parametrize("world,parallel,message", [
     (2, dict(dp_shard=2, ep=2, tp=1, pp=1), None),
-    (4, dict(dp_shard=2, tp=2, ep=2), "parallel.ep=2 runs with data and pipeline parallelism only"),
+    (4, dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), None),  # experts on (ep, tp): test_cli_ep_layout_*
+    (4, dict(dp_shard=2, tp=2, ep=2), "routes replicated tokens, not a sequence shard"),
+    (4, dict(dp_shard=2, cp=2, ep=2), "parallel.ep=2 runs with data, tensor and pipeline parallelism"),
     (4, dict(dp_shard=2, pp=2, ep=2), None),  # each stage's experts split over its ranks (test_cli_ep_layout_*)
     (8, dict(dp_shard=4, pp=2, ep=2), None),  # ... and FSDP2-sharded over the 2 others of the stage
     (4, dict(dp_replicate=2, pp=2, ep=2), "DDP (dp_replicate without dp_shard) is not supported with parallel.pp"),
@@ -231,14 +245,15 @@ def resumes_bitwise_and_onto_one_process(run, launch: list[str], got: list[float
     assert max(abs(a - b) / b for a, b in zip(train_losses(run), expected[5:])) < PARITY_RTOL
 
 
-def moe_single_process_run(tmp_path) -> list[str]:
-    """The tiny MoE config (10 steps, evaluating every 3) trained in one process into tmp_path/single; returns the
-    command line (less its run folder) the parallel runs extend."""
+def moe_single_process_run(tmp_path, *model_flags: str) -> list[str]:
+    """The tiny MoE config (10 steps, evaluating every 3, with ``model_flags``) trained in one process into
+    tmp_path/single; returns the command line (less its run folder) the parallel runs extend."""
     from test_parallel_dist import TINY_TOML
 
     config = tmp_path / "tiny.toml"
     config.write_text(TINY_TOML.format(cache=tmp_path / "data", steps=10))
-    cli = ["-m", "scaletrain.cli", "train", "--config", str(config), *MOE_FLAGS, "--train.eval_interval=3"]
+    cli = ["-m", "scaletrain.cli", "train", "--config", str(config), *MOE_FLAGS, *model_flags,
+           "--train.eval_interval=3"]
     single = subprocess.run([sys.executable, *cli, f"--train.run_dir={tmp_path / 'single'}"], capture_output=True,
                             text=True, timeout=CEILING_S)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -279,22 +294,28 @@ EP_LAYOUTS_4 = {
     # HSDP: the experts split over each dp_shard pair, replicated over the 2 pairs (FSDP2's HSDP mesh)
     "hsdp_ep2": (["--parallel.dp_replicate=2", "--parallel.dp_shard=2", "--parallel.ep=2", "--train.batch_size=2"],
                  ["--parallel.dp_replicate=1", "--parallel.dp_shard=1", "--parallel.ep=1", "--train.batch_size=8"]),
+    # FSDP2 x TP: the experts split over each tp coordinate's 2 dp_shard ranks and each expert's hidden units over
+    # the tp pair (2-D DTensors); the vocabulary given (66, a multiple of tp: both runs build the same model)
+    "tp2_ep2": (["--model.vocab_size=66", "--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.ep=2",
+                 "--parallel.sequence_parallel=false", "--train.batch_size=4"],
+                ["--parallel.dp_shard=1", "--parallel.tp=1", "--parallel.ep=1", "--train.batch_size=8"]),
 }
 
 
-@pytest.mark.slow  # not in the default pass (README): 66 s and 83 s (4 ranks, 2 loaded cores); test_cli_ep2_* keeps
-# EP=2 through the CLI in it, the layouts test accepts both layouts, and ep_runs_4's ep2_hsdp checks HSDP's bias,
-# logged load and expert share there
+@pytest.mark.slow  # not in the default pass (README): 66 s, 83 s and 54 s (4 ranks, 2 loaded cores); test_cli_ep2_*
+# keeps EP=2 through the CLI in it, the layouts test accepts the three layouts, and ep_runs_4's ep2_hsdp checks
+# HSDP's bias, logged load and expert share there
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS_4))
 def test_cli_ep_layout_matches_one_process_and_resumes_bitwise_and_onto_one_process(layout, tmp_path):
-    """Expert parallelism in pipeline stages (pp=2 x dp_shard=2, ep=2) and under HSDP (dp_replicate=2 x dp_shard=2,
-    ep=2) on 4 ranks, evaluating every 3 steps (the pipeline schedule's shape inference after each switch back runs
-    the all-to-all on uninitialised tensors). Losses and the logged load of every layer equal one process'; the DCP
-    checkpoint resumes bitwise on 4 ranks and onto one process (every expert of every layer on the one rank)."""
-    cli = moe_single_process_run(tmp_path)
-    run = tmp_path / layout
+    """Expert parallelism in pipeline stages (pp=2 x dp_shard=2, ep=2), under HSDP (dp_replicate=2 x dp_shard=2,
+    ep=2) and with tensor parallelism (dp_shard=2 x tp=2, ep=2) on 4 ranks, evaluating every 3 steps (the pipeline
+    schedule's shape inference after each switch back runs the all-to-all on uninitialised tensors). Losses and the
+    logged load of every layer equal one process'; the DCP checkpoint resumes bitwise on 4 ranks and onto one
+    process (every expert of every layer on the one rank)."""
     flags, one_process = EP_LAYOUTS_4[layout]
+    cli = moe_single_process_run(tmp_path, *(f for f in flags if f.startswith("--model.")))
+    run = tmp_path / layout
     launch = [*cli, f"--train.run_dir={run}", *flags]
     torchrun(4, *launch)
     expected, got = train_losses(tmp_path / "single"), train_losses(run)

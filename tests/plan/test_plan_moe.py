@@ -100,8 +100,9 @@ def test_search_includes_expert_parallel_degrees(monkeypatch):
 
 def test_search_tries_every_expert_parallel_layout_the_trainer_runs():
     """The search asks the trainer's own checks: on 4 ranks it tries ep inside pipeline stages (pp 2 x dp_shard 2,
-    ep 2) and under HSDP (dp_replicate 2 x dp_shard 2), and not what the trainer refuses (ep with tensor
-    parallelism, a pipeline under DDP)."""
+    ep 2), under HSDP (dp_replicate 2 x dp_shard 2) and with tensor parallelism (dp_shard 2 x tp 2, ep 2: the
+    experts split over ep and tp, replicated tokens, so without sequence parallelism), and not what the trainer
+    refuses (a mixture of experts' tensor parallelism over a sequence shard, a pipeline under DDP)."""
     from scaletrain.hardware.catalog import CATALOG, Cluster
     from scaletrain.plan.search import enumerate_plans
     from scaletrain.plan.workload import Workload
@@ -112,7 +113,8 @@ def test_search_tries_every_expert_parallel_layout_the_trainer_runs():
     layouts = {(p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep) for p in plans}
     # (dp_replicate, dp_shard, tp, pp, ep)
     assert layouts == {(1, 4, 1, 1, 1), (1, 4, 1, 1, 2), (1, 4, 1, 1, 4), (1, 2, 1, 2, 1), (1, 2, 1, 2, 2),
-                       (2, 2, 1, 1, 1), (2, 2, 1, 1, 2)}
+                       (2, 2, 1, 1, 1), (2, 2, 1, 1, 2), (1, 2, 2, 1, 1), (1, 2, 2, 1, 2)}
+    assert all(p.sequence_parallel == (p.tp == 1) for p in plans)
 
 
 def test_active_flops_and_parameters_are_printed(capsys):
@@ -151,7 +153,7 @@ def test_folded_experts_are_whole_on_a_rank_and_priced_only():
     """Folded (expert-TP 1): a rank holds E / ep whole experts, sharded by ZeRO-3 over dp x tp / ep ranks: the same
     expert states a rank as our layout's E / (ep tp) over dp / ep, twice the experts in the block FSDP gathers, and,
     without checkpointing, fewer saved activations (a rank routes its sequence shard). check_plan refuses it with
-    tp > 1 (the trainer runs ep with tp = cp = 1, where the two layouts are one)."""
+    tp > 1 (the trainer splits the experts over tp, our layout; with tp = cp = 1 the two layouts are one)."""
     from scaletrain.plan.memory import memory_breakdown, rank_block_params
     from scaletrain.plan.workload import Plan, Workload, check_plan
 
@@ -168,3 +170,19 @@ def test_folded_experts_are_whole_on_a_rank_and_priced_only():
         check_plan(workload, folded, 32)
     flat = (Plan(dp_shard=32, ep=8, zero_stage=3, ep_folded=folding) for folding in (False, True))
     assert len({memory_breakdown(workload, p).total for p in flat}) == 1
+
+
+def test_expert_tensor_parallelism_prices_the_routed_copies_all_reduce():
+    """Under expert TP (our layout, with or without ep) a sparse block's experts all-reduce the tokens' top-k routed
+    copies (parallel/tensor.py): 1 + k units of tensor-parallel traffic where a dense block has 2; folded (expert-TP
+    1) the experts take none, and a dense model is priced as before."""
+    from scaletrain.plan.timing import tp_traffic_factor
+    from scaletrain.plan.workload import Plan
+
+    cfg = load_config(None, {"model.preset": "olmoe-1b-7b"}).model  # top-8 of 64, every layer sparse, no shared
+    assert (cfg.moe_top_k, cfg.moe_shared_experts) == (8, 0)
+    for ep in (1, 2):
+        assert tp_traffic_factor(cfg, Plan(dp_shard=2, tp=2, ep=ep), cfg.n_layers) == 4.5
+    assert tp_traffic_factor(cfg, Plan(dp_shard=16, tp=2, ep=8, ep_folded=True), cfg.n_layers) == 1.0
+    dense = load_config(None, {"model.preset": "gpt2-124m"}).model
+    assert tp_traffic_factor(dense, Plan(dp_shard=2, tp=2), dense.n_layers) == 1.0

@@ -101,6 +101,10 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
     return torch.cat([part @ weight[e].T for e, part in enumerate(torch.split(rows, counts.tolist()))])
 
 
+# The stacked weights' names, in ``GroupedExperts.compute``'s argument order (parallelism slices them by name).
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts, w2(act(w1 x) * w3 x), their weights stacked: w1, w3 (E, h, d), w2 (E, d, h)."""
 

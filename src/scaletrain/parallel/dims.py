@@ -128,10 +128,10 @@ class ParallelDims:
 
     def _check_expert_parallel(self, cfg: ParallelConfig) -> None:
         """parallel.ep > 1: the layouts written and tested (parallel/expert.py), each refusal saying what runs."""
-        if self.tp > 1 or self.cp > 1:
-            raise ConfigError(f"parallel.ep={self.ep} runs with data and pipeline parallelism only (FSDP2, HSDP, DDP; "
-                              f"parallel.pp); tensor and context parallelism with experts are not written yet: set "
-                              f"parallel.tp and parallel.cp to 1")
+        if self.cp > 1:
+            raise ConfigError(f"parallel.ep={self.ep} runs with data, tensor and pipeline parallelism (FSDP2, HSDP, "
+                              f"DDP; parallel.tp, parallel.pp); context parallelism with experts is not written yet: "
+                              f"set parallel.cp to 1")
         if self.dp_size == 1:
             raise ConfigError(f"parallel.ep={self.ep} splits the experts over data-parallel ranks, and there are none "
                               f"here; launch ep ranks or more under torchrun with parallel.dp_shard (or "

@@ -21,6 +21,16 @@ split over the ranks that hold the same stage, and only they exchange its tokens
   there, which makes the same mean. Under HSDP (dp_replicate x dp_shard) the layout is repeated in each replica
   and the experts' FSDP2 mesh is (dp_replicate, dp_shard / ep), an HSDP mesh: FSDP2 also all-reduces their
   gradients over the replicas, as the dense part's.
+- With tensor parallelism (``parallel.tp``, FSDP2; Megatron's expert TP = tp) the mesh is (dp_shard, tp) and the
+  experts are split on both: ``tensor.apply_expert_tp`` first splits each expert's hidden units over tp, then the
+  experts become 2-D DTensors [Shard(0), that placement] on (ep, tp), a rank holding E/ep experts' h/tp slices.
+  Every tp rank routes the same (replicated) tokens, so the all-to-alls run among the ranks of one tp coordinate
+  (``mesh["dp_shard"]`` is that group) and no expert is computed twice. The tp collectives wrap the exchange
+  (Megatron's copy to / reduce from the tensor-parallel region, ``tensor.copy_to_tensor_parallel``): the way back
+  brings each rank's rows' partial outputs, summed over tp; the rows' gradient is summed over tp in the backward.
+  Both act on a rank's own (M, d) rows, whose size a pipeline's shape inference (uninitialised, different tensors
+  on the tp ranks, so different routing) cannot make differ. The loss gradient reaching an expert is still the sum
+  over the ep ranks of one tp coordinate: the division by ep stands, and tp needs no scale of its own.
 - The expert-bias counts and the logged load are summed over the data-parallel ranks (``sum_expert_counts``),
   so every rank moves the same bias and logs the global load.
 """
@@ -34,11 +44,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from scaletrain.model.moe import GroupedExperts, moe_layers
-
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
+from scaletrain.model.moe import EXPERT_WEIGHTS, GroupedExperts, moe_layers
+from scaletrain.parallel.tensor import copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -56,21 +65,41 @@ class _ScaleGradient(torch.autograd.Function):
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: int) -> None:
     """Shard every sparse layer's experts of ``model`` (on the meta device, or materialized) along their first
-    dimension over the 1-D ``ep_mesh``, and route their tokens through the ranks (the module docstring).
+    dimension over ``ep_mesh``'s first dimension, and route their tokens through its ranks (the module docstring).
+    ``ep_mesh``: 1-D (ep), or 2-D (ep, tp) when tensor parallelism has already split each expert's hidden units
+    (``tensor.apply_expert_tp``): the experts become DTensors [Shard(0), their tp placement] on it.
     ``grad_divisor``: what the experts' gradients are divided by in the backward: ep, the ranks whose losses
     their gradient sums (the module docstring)."""
     for _, layer in moe_layers(model):
         experts = layer.experts
         for name in EXPERT_WEIGHTS:
             weight = getattr(experts, name)
-            sharded = distribute_tensor(weight.data, ep_mesh, [Shard(0)], src_data_rank=None)
-            setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+            setattr(experts, name, nn.Parameter(_split_experts(weight.data, ep_mesh),
+                                                requires_grad=weight.requires_grad))
         experts.forward = types.MethodType(_expert_parallel_forward, experts)
-        experts.ep_group, experts.ep_size, experts.grad_scale = ep_mesh.get_group(), ep_mesh.size(), 1.0 / grad_divisor
+        experts.ep_group, experts.ep_size = ep_mesh.get_group(0), ep_mesh.size(0)
+        experts.grad_scale = 1.0 / grad_divisor
+
+
+def _split_experts(weight: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
+    """A stacked weight (E, ., .) as a DTensor Shard(0) over ``ep_mesh``'s first dimension. On a 2-D (ep, tp) mesh
+    ``weight`` is already a tensor-parallel DTensor (its placement on the tp mesh): this rank keeps the rows of its
+    ep coordinate's experts of its tp slice, the local shard of [Shard(0), that placement]."""
+    if ep_mesh.ndim == 1:
+        return distribute_tensor(weight, ep_mesh, [Shard(0)], src_data_rank=None)
+    ep, ep_rank = ep_mesh.size(0), ep_mesh.get_local_rank(0)
+    local = weight.to_local().chunk(ep)[ep_rank].clone()  # (E/ep, ., .) of the tp slice
+    return DTensor.from_local(local, ep_mesh, [Shard(0), *weight.placements], run_check=False, shape=weight.shape,
+                              stride=weight.stride())
 
 
 def _expert_parallel_forward(self: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x (M, d): this rank's routed tokens sorted by (global) expert, ``counts`` (E,) -> (M, d), the same rows."""
+    """x (M, d): this rank's routed tokens sorted by (global) expert, ``counts`` (E,) -> (M, d), the same rows.
+    Under expert tensor parallelism the tp ranks hold the same x and exchange with their own ep group (the ranks of
+    their tp coordinate), the way back bringing partial outputs (each rank's h/tp slices); the tp collectives wrap
+    the whole exchange, on this rank's own (M, d) rows, whose size does not depend on where they were sent (a
+    pipeline's shape inference routes uninitialised, different tensors on the tp ranks)."""
+    x = copy_to_tensor_parallel(self, x)
     ep, group = self.ep_size, self.ep_group
     send = counts.view(ep, -1)  # (ep, E/ep): rows for each rank's experts
     received = torch.empty_like(send)  # (ep, E/ep): rows each rank sends to this rank's experts
@@ -83,23 +112,24 @@ def _expert_parallel_forward(self: GroupedExperts, x: torch.Tensor, counts: torc
     weights = [_ScaleGradient.apply(getattr(self, name).to_local(), self.grad_scale) for name in EXPERT_WEIGHTS]
     out = self.compute(rows[order], received.sum(0), *weights)  # (M', d), grouped by local expert
     back = out[order.argsort()]  # (M', d) as the rows came: by source rank
-    return all_to_all_single_autograd(back, input_splits, output_splits, group)  # (M, d)
+    return reduce_from_tensor_parallel(self, all_to_all_single_autograd(back, input_splits, output_splits, group))
 
 
-def expert_meshes(mesh: DeviceMesh, dp_dim: str, ep: int,
-                  replicas: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
+def expert_meshes(mesh: DeviceMesh, dp_dim: str, ep: int, replicas: str | None = None,
+                  tp: str | None = None) -> tuple[DeviceMesh, DeviceMesh | None]:
     """(the mesh the experts are split over, the mesh FSDP2 shards and averages them over: None when ep is the whole
     ``dp_dim`` and nothing replicates them). With ep < dp_shard the dimension is unflattened into (dp_shard / ep,
     ep), torchtitan's dp_shard_mod_ep x ep: the experts are split over the inner ranks and FSDP2 shards them over
     the outer ones. ``replicas`` (HSDP's ``dp_replicate``): the whole layout is repeated over that dimension, and
     the experts' FSDP2 mesh is (replicas, dp_shard_mod_ep), an HSDP mesh whose shard dimension may be 1: FSDP2
-    all-reduces the experts' gradients over the replicas, as it does the dense part's."""
+    all-reduces the experts' gradients over the replicas, as it does the dense part's. ``tp`` (the tensor-parallel
+    dimension): the experts' mesh is 2-D, (ep, tp), each expert also split over tp (``apply_ep``)."""
     dp = mesh[dp_dim]
     if dp.size() == ep and replicas is None:
-        return dp, None
+        return (mesh[(dp_dim, tp)] if tp else dp), None
     outer = f"{dp_dim}_mod_ep"
     split = mesh._unflatten(dp_dim, (dp.size() // ep, ep), (outer, "ep"))
-    return split["ep"], split[(replicas, outer)] if replicas else split[outer]
+    return split[("ep", tp)] if tp else split["ep"], split[(replicas, outer)] if replicas else split[outer]
 
 
 def expert_modules(model: nn.Module) -> list[GroupedExperts]:

@@ -3,8 +3,8 @@
 Order (each step's reason in brackets):
   1. pipeline split     [cut the meta model into stages first: everything below applies per stage]
   2. tensor/sequence    [DTensor plans need the plain nn.Linear/RMSNorm modules, before any wrapping]
-     expert parallel    [experts split over the data-parallel ranks (parallel/expert.py): before FSDP2 and
-                         DDP, which then leave them alone]
+     expert parallel    [experts split over the data-parallel ranks (parallel/expert.py): after TP, whose
+                         expert slices it splits again, before FSDP2 and DDP, which then leave them alone]
   3. activation ckpt    [wraps block forwards; must see the TP-converted blocks]
   4. torch.compile      [after AC so recomputation is compiled too, before FSDP hooks; the whole model
                          when nothing hooks into its blocks (no PP, TP, AC, FSDP or DDP), else per block]
@@ -150,13 +150,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
     # The experts' meshes, built once for every stage of this rank: within its pipeline coordinate, the ep ranks
     # the experts are split over, and (ep < dp_shard, or HSDP's replicas) those FSDP2 shards / averages them over.
     hsdp = dims.dp_shard > 1 and dims.dp_replicate > 1
+    # With tensor parallelism the experts' mesh is (ep, tp): each expert's hidden units stay split over tp.
     ep_mesh, replicated_over = (expert_meshes(mesh, "dp_shard" if dims.dp_shard > 1 else "dp_replicate", dims.ep,
-                                              replicas="dp_replicate" if hsdp else None)
+                                              replicas="dp_replicate" if hsdp else None,
+                                              tp="tp" if dims.tp > 1 else None)
                                 if dims.ep > 1 else (None, None))
     for part in parts:
         if dims.tp > 1:  # 2. tensor (+ sequence) parallel
             apply_tp(part, mesh["tp"], sequence_parallel=cfg.sequence_parallel)
-        if ep_mesh is not None:  # 2b. expert parallel, over the data-parallel dimension it borrows
+        if ep_mesh is not None:  # 2b. expert parallel, over the data-parallel dimension it borrows (x tp)
             apply_ep(part, ep_mesh, grad_divisor=dims.ep)
         apply_ac(part, cfg.activation_checkpointing, cfg.ac_every)  # 3.
         if compile:  # 4.

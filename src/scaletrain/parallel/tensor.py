@@ -27,8 +27,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scaletrain.model.hf_names import PROJECTIONS, block_suffix
-from scaletrain.model.moe import GroupedExperts, MoEFeedForward
-from scaletrain.parallel.expert import EXPERT_WEIGHTS
+from scaletrain.model.moe import EXPERT_WEIGHTS, GroupedExperts, MoEFeedForward
 
 # Projections split by input rows (their outputs are partial sums, reduced once); the others by output columns.
 ROW_SPLIT = ("o", "down")
@@ -183,9 +182,23 @@ def apply_expert_tp(feed_forward: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def _tensor_parallel_forward(self: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x (M, d): the routed tokens sorted by expert (the same on every tensor-parallel rank) -> (M, d)."""
-    rows = _CopyToTensorParallel.apply(x, self.tp_group)
+    rows = copy_to_tensor_parallel(self, x)
     partial = self.compute(rows, counts, *(getattr(self, name).to_local() for name in EXPERT_WEIGHTS))
-    return _ReduceFromTensorParallel.apply(partial, self.tp_group)
+    return reduce_from_tensor_parallel(self, partial)
+
+
+def copy_to_tensor_parallel(experts: GroupedExperts, x: torch.Tensor) -> torch.Tensor:
+    """x (M, d), the rows a tensor-parallel rank's experts (``apply_expert_tp``) take, as it is; its gradient summed
+    over the tp ranks in the backward. ``x`` itself without expert tensor parallelism."""
+    group = getattr(experts, "tp_group", None)
+    return x if group is None else _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(experts: GroupedExperts, partial: torch.Tensor) -> torch.Tensor:
+    """The experts' partial outputs (M, d), from their local slices of the hidden units, summed over the
+    tensor-parallel ranks (``apply_expert_tp``); ``partial`` itself without expert tensor parallelism."""
+    group = getattr(experts, "tp_group", None)
+    return partial if group is None else _ReduceFromTensorParallel.apply(partial, group)
 
 
 def mask_padding(logits: torch.Tensor, vocab_limit: int) -> torch.Tensor:

@@ -92,13 +92,18 @@ def enumerate_plans(workload: Workload, cluster: Cluster, fixed: dict | None = N
             dp_rep = dp // dp_shard
             stages = [2, 3] if dp_shard > 1 else [0, 1] if dp_rep > 1 else [0]
             micro = _micro_batches(workload.global_batch, dp)
-            for zero, mb, ac, offload, ep in itertools.product(stages, micro, ("none", "selective", "full"),
-                                                               (False, True) if gpu else (False,),
-                                                               ep_degrees(dp, workload.model.moe_experts)):
+            # A mixture of experts' tensor parallelism is also tried without sequence parallelism (the trainer's
+            # checks decide which of the two it runs: replicated tokens, parallel/tensor.py:apply_expert_tp).
+            sequence = (True, False) if tp > 1 and workload.model.moe_experts else (True,)
+            for zero, mb, ac, offload, ep, sp in itertools.product(stages, micro, ("none", "selective", "full"),
+                                                                   (False, True) if gpu else (False,),
+                                                                   ep_degrees(dp, workload.model.moe_experts),
+                                                                   sequence):
                 if offload and zero < 2:
                     continue
                 plan = Plan(dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, micro_batch=mb,
-                            zero_stage=zero, activation_checkpointing=ac, cpu_offload=offload, ep=ep)
+                            zero_stage=zero, activation_checkpointing=ac, cpu_offload=offload, ep=ep,
+                            sequence_parallel=sp)
                 if _buildable(workload, plan, cluster, fixed):
                     plans.append(plan)
     return plans

@@ -573,8 +573,8 @@ def all_to_all_seconds(workload: Workload, plan: Plan, cluster: Cluster, tokens:
 
 def ep_group_stride(plan: Plan) -> int:
     """The stride of the ep group's ranks: tp x cp in our trainer's layout (the innermost data-parallel ranks,
-    parallel/expert.py; 1 for every plan the trainer runs, which has tp = cp = 1), 1 when the expert layers are
-    folded onto their own mesh (``Plan.ep_folded``: Megatron-Core's expert-TP 1)."""
+    parallel/expert.py; tp for the plans the trainer runs, which have cp = 1: the ranks of one tp coordinate), 1
+    when the expert layers are folded onto their own mesh (``Plan.ep_folded``: Megatron-Core's expert-TP 1)."""
     return 1 if plan.ep_folded else plan.tp * plan.cp
 
 
@@ -682,6 +682,19 @@ def tp_bandwidth_seconds(cfg: ModelConfig, micro_batch: int, seq: int, tp: int, 
     reduce-scatters), ring volume 2(tp-1)/tp each."""
     act = micro_batch * seq * cfg.dim * activation_bytes
     return layers * 4 * 2 * (tp - 1) / tp * act / bus_bandwidth
+
+
+def tp_traffic_factor(cfg: ModelConfig, plan: Plan, layers: int) -> float:
+    """A stage's tensor-parallel activation bytes over as many dense blocks' (attention's all-reduce and the MLP's,
+    each way). A sparse block under expert TP (``Plan.expert_tp`` > 1, parallel/tensor.py:apply_expert_tp, with or
+    without ep) all-reduces the experts' output and input gradient on the tokens' top-k routed copies, and the
+    shared experts' on the tokens once more: 1 + k (+ 1) units where a dense block has 2. Folded (expert TP 1) the
+    experts take no tp traffic; priced as a dense block, as before."""
+    if not cfg.moe_experts or plan.expert_tp == 1:
+        return 1.0
+    sparse = sum(is_moe_layer(cfg, i) for i in range(layers))
+    units = 2 * (layers - sparse) + sparse * (1 + cfg.moe_top_k + (1 if cfg.moe_shared_experts else 0))
+    return units / (2 * layers)
 
 
 def fresh_mapped_params(cfg: ModelConfig, plan: Plan) -> float:
@@ -822,7 +835,7 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
         # 4 all-gathers + 4 reduce-scatters.
         collectives = 8 if plan.sequence_parallel else 4
         bandwidth = tp_bandwidth_seconds(cfg, plan.micro_batch, workload.seq_len // plan.cp, plan.tp, bw, 1,
-                                         rec.activation)
+                                         rec.activation) * tp_traffic_factor(cfg, plan, layers)
         measured = None if gpu else calib.get("tp_overhead", {}).get(
             "sequence_parallel" if plan.sequence_parallel else "replicated")
         if measured:

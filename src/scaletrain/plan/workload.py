@@ -104,13 +104,14 @@ class Plan:
     # data-parallel ones (torchtitan's dp2ep: ep divides dp_replicate * dp_shard, adds no ranks); 1 = none.
     ep: int = 1
     # Where the ep group sits. False: our trainer's layout (parallel/expert.py), the ep ranks are the innermost
-    # data-parallel ones, at stride tp x cp (the trainer runs ep only with tp = cp = 1: ep consecutive ranks, one
-    # node's for ep <= its devices). True: Megatron-Core's MoE parallel folding with expert-TP 1, the expert layers
+    # data-parallel ones, at stride tp x cp (the trainer runs ep with cp = 1: with tp = 1 ep consecutive ranks, one
+    # node's for ep <= its devices; with tp > 1 the ranks of one tp coordinate, each expert's hidden units split
+    # over tp, ``expert_tp`` = tp). True: Megatron-Core's MoE parallel folding with expert-TP 1, the expert layers
     # on a mesh of their own: ep consecutive ranks whatever tp is, each dispatching its sequence-parallel share of
     # the tokens (tokens / tp; Megatron runs MoE with TP only under sequence parallelism), the experts unsplit by
     # tp (``expert_tp`` 1: a rank holds E / ep whole experts, sharded by ZeRO over the dp x tp / ep others). Priced
     # only (search.evaluate; search never proposes it, and check_plan refuses it with tp or cp > 1: the trainer
-    # runs ep with tp = cp = 1, where the two layouts are one).
+    # splits the experts over tp instead; with tp = cp = 1 the two layouts are one).
     ep_folded: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -216,7 +217,8 @@ def check_plan(workload: Workload, plan: Plan, world_size: int, device_kind: str
                           + (f" x pipeline micro-batches ({plan.microbatches})" if plan.pp > 1 else ""))
     if plan.ep_folded and plan.tp * plan.cp > 1:
         raise ConfigError(f"ep_folded with tp {plan.tp} x cp {plan.cp}: Megatron-Core's MoE parallel folding is "
-                          "priced only (search.evaluate); the trainer runs parallel.ep with tp = cp = 1")
+                          "priced only (search.evaluate); the trainer splits the experts over tp (expert-TP = tp, "
+                          "ep_folded false) and runs parallel.ep with cp = 1")
     experts = workload.model.moe_experts
     if plan.ep > 1 and (plan.dp % plan.ep or not experts or experts % plan.ep):
         # the planner's own arithmetic, as the batch's: expert ranks are data-parallel ranks, each holding E / ep

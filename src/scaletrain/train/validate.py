@@ -129,8 +129,8 @@ def check_distillation(cfg: JobConfig, here: bool = True) -> None:
 def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
     """What a mixture of experts (model.moe_experts > 0) does not run with yet, one line each: context parallelism,
     local SGD / DiLoCo, sequence parallelism or compile under tensor parallelism, HSDP under tensor or pipeline
-    parallelism (data parallelism, DDP or FSDP2, with or without parallel.ep, tensor and pipeline parallelism
-    run; parallel.ep's own layouts are ParallelDims'), DeepSpeed, muP (its learning-rate groups know no stacked
+    parallelism (data parallelism, DDP or FSDP2, tensor and pipeline parallelism run, each with or without
+    parallel.ep; parallel.ep's own layouts are ParallelDims'), DeepSpeed, muP (its learning-rate groups know no stacked
     experts), QLoRA (no 4-bit stacked experts), the other adapter methods, and LoRA with expert parallelism or Muon
     on the adapters."""
     if not cfg.model.moe_experts:
