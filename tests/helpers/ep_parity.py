@@ -60,6 +60,9 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     # all-reduces again) and with 2 micro-batches
     "ep2_tp2_ac": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False, activation_checkpointing="full"), 1),
     "ep2_tp2_accum2": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), 2),
+    # 8 ranks (by hand): HSDP x TP (2 x 2 x 2), the counts summed over the 4 data-parallel ranks of a tp coordinate
+    "moe_hsdp_tp2": (dict(dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=False), 1),
+    "ep2_hsdp_tp2": (dict(dp_replicate=2, dp_shard=2, tp=2, ep=2, sequence_parallel=False), 1),
 }
 
 

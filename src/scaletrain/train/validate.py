@@ -147,9 +147,6 @@ def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts} with parallel.tp={dims.tp}: the experts' "
                           f"tensor-parallel forward (local slices of DTensor weights) does not compile yet; set "
                           f"train.compile=false (or auto)")
-    if (dims.pp > 1 or dims.tp > 1) and dims.dp_replicate > 1:  # the load is summed over dp_shard (parallelize.py)
-        raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts} with parallel.pp / parallel.tp: the "
-                          f"data-parallel ranks are parallel.dp_shard's only; set parallel.dp_replicate=1")
 
     if cfg.parallel.engine == "deepspeed":
         raise ConfigError("model.moe_experts: a mixture of experts runs on the native engine only; drop "
