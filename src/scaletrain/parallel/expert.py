@@ -15,7 +15,7 @@ split over the ranks that hold the same stage, and only they exchange its tokens
   ``dist.all_to_all_single``. The model's code is unchanged.
 - The dense part is averaged over the data-parallel ranks by FSDP2 / DDP. An expert's gradient arrives through
   the all-to-all's backward as the sum over the ep ranks of each one's loss gradient: it is divided by ep in the
-  backward (``_ScaleGradient``). With ep = the data-parallel degree FSDP2 / DDP ignore the experts, and that is
+  backward (``_ScaleGradients``). With ep = the data-parallel degree FSDP2 / DDP ignore the experts, and that is
   the gradient of the mean loss, as the dense part's is. With ep < dp_shard (FSDP2 only) each expert is
   replicated over dp_shard / ep ranks (``expert_meshes``): FSDP2 shards it over them and averages its gradient
   there, which makes the same mean. Under HSDP (dp_replicate x dp_shard) the layout is repeated in each replica
@@ -41,17 +41,18 @@ from scaletrain.model.moe import GroupedExperts, moe_layers
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """The identity forward; the gradient times ``scale`` in backward."""
+class _ScaleGradients(torch.autograd.Function):
+    """The identity forward on several tensors; each one's gradient times ``scale`` in backward (one autograd node
+    for a layer's three expert weights, not one each: the node's Python call is the cost at these sizes)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, scale: float, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.scale = scale
-        return tensor.view_as(tensor)
+        return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
+    def backward(ctx, *grads: torch.Tensor):
+        return None, *(g * ctx.scale for g in grads)
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, grad_divisor: int) -> None:
@@ -75,15 +76,24 @@ def _expert_parallel_forward(self: GroupedExperts, x: torch.Tensor, counts: torc
     send = counts.view(ep, -1)  # (ep, E/ep): rows for each rank's experts
     received = torch.empty_like(send)  # (ep, E/ep): rows each rank sends to this rank's experts
     dist.all_to_all_single(received, send, group=group)
-    input_splits, output_splits = send.sum(1).tolist(), received.sum(1).tolist()  # the two reads back
+    input_splits, output_splits = torch.stack([send.sum(1), received.sum(1)]).tolist()  # the one read back
     rows = all_to_all_single_autograd(x, output_splits, input_splits, group)  # (M', d) by source rank, expert
-    local_experts = send.shape[1]
-    expert_of_row = torch.arange(local_experts, device=x.device).repeat(ep).repeat_interleave(received.flatten())
-    order = expert_of_row.argsort(stable=True)  # (M',): rows grouped by local expert, source ranks in order
-    weights = [_ScaleGradient.apply(getattr(self, name).to_local(), self.grad_scale) for name in EXPERT_WEIGHTS]
+    order = _by_local_expert(received, sum(output_splits))
+    weights = _ScaleGradients.apply(self.grad_scale, *(getattr(self, name).to_local() for name in EXPERT_WEIGHTS))
     out = self.compute(rows[order], received.sum(0), *weights)  # (M', d), grouped by local expert
-    back = out[order.argsort()]  # (M', d) as the rows came: by source rank
+    back = out.new_empty(out.shape).index_copy(0, order, out)  # (M', d) as the rows came: by source rank
     return all_to_all_single_autograd(back, input_splits, output_splits, group)  # (M, d)
+
+
+def _by_local_expert(received: torch.Tensor, rows: int) -> torch.Tensor:
+    """The permutation (M',) that groups the rows received, which come as blocks (source rank, local expert) of
+    ``received`` (ep, E/ep) rows (``rows`` of them, read back already), by local expert, source ranks in order: each
+    (expert, source) block's start in the arrival order, spread over its rows (a block transpose; no sort)."""
+    blocks = received.flatten()  # (ep * E/ep,) in arrival order
+    starts = (blocks.cumsum(0) - blocks).view_as(received).T.flatten()  # (E/ep * ep,): by (expert, source)
+    lengths = received.T.flatten()
+    shift = starts - (lengths.cumsum(0) - lengths)  # each block's arrival start less its start once grouped
+    return torch.arange(rows, device=received.device) + shift.repeat_interleave(lengths, output_size=rows)
 
 
 def expert_meshes(mesh: DeviceMesh, dp_dim: str, ep: int,
