@@ -44,7 +44,7 @@ GROUPS = {
                                         "c10d::allgather_", "c10d::reduce_scatter_", "FSDP::", "fsdp::"),
     "ep_permutations": ("aten::index", "aten::index_copy", "aten::repeat_interleave", "aten::cumsum",
                         "aten::index_select", "aten::index_add_", "aten::stack", "aten::_local_scalar_dense"),
-    "dtensor_wrappers": ("_ToTorchTensor", "_FromTorchTensor", "PythonSubclass", "_ScaleGradients"),
+    "dtensor_wrappers": ("_ToTorchTensor", "_FromTorchTensor", "PythonSubclass", "_ScaleGradient"),
 }
 
 
