@@ -69,6 +69,9 @@ TWO_RANK_ROWS = [
 # the cleanest kept.
 CLEAN_WALL, ATTEMPTS = 1.15, 3
 PARTS = ("one", "two", "published", "own")
+# what a new two-rank pass keeps of the one it replaces (two_rank_rows_previous)
+PREVIOUS_KEYS = ("row", "predicted_ms", "predicted_comm_ms", "measured_cpu_ms", "measured_wall_ms", "time_error",
+                 "predicted_mib", "measured_mib", "memory_error", "clean", "load_average_1min")
 
 
 # Published MoE training throughput with its setup, against the planner's prediction for the same plan (priced only:
@@ -276,13 +279,17 @@ def main() -> None:
         result["grouped_gemm"] = grouped_gemm_ratios()
         print("grouped GEMM / E x one expert's GEMM:", ", ".join(f"{r['ratio']:.2f}" for r in result["grouped_gemm"]))
     if "two" in parts:
+        if old.get("two_rank_rows"):  # the pass this one replaces, for a before/after (docs/planning.md)
+            result["two_rank_rows_previous"] = [{k: r[k] for k in PREVIOUS_KEYS if k in r}
+                                                for r in old["two_rank_rows"]]
         result["two_rank_rows"] = two_rank_rows(args.steps)
     if "published" in parts:
         result["published"] = published_rows()
     if "own" in parts:
         result["two_rank_own_calibration"] = own_calibration(result.get("two_rank_rows") or old["two_rank_rows"])
     uptime.append(os.getloadavg())
-    for key in ("rows", "grouped_gemm", "two_rank_rows", "published", "two_rank_own_calibration"):
+    for key in ("rows", "grouped_gemm", "two_rank_rows", "two_rank_rows_previous", "published",
+                "two_rank_own_calibration"):
         if key not in result and key in old:
             result[key] = old[key]
     result["load_average_by_part"] = {**old.get("load_average_by_part", {}),

@@ -186,3 +186,41 @@ def test_expert_tensor_parallelism_prices_the_routed_copies_all_reduce():
     assert tp_traffic_factor(cfg, Plan(dp_shard=16, tp=2, ep=8, ep_folded=True), cfg.n_layers) == 1.0
     dense = load_config(None, {"model.preset": "gpt2-124m"}).model
     assert tp_traffic_factor(dense, Plan(dp_shard=2, tp=2), dense.n_layers) == 1.0
+
+
+def test_cpu_expert_parallel_charges_every_exchange_its_fixed_cost():
+    """On gloo ranks the ep term is, per micro-batch and sparse block, the 4 rows' all-to-alls (6 under
+    checkpointing) at their bytes, the collective latency and the host cost GLOO_ALL_TO_ALL_HOST_S, plus one counts
+    exchange a forward (2 under checkpointing) at the latency: it grows with the sparse blocks and the
+    micro-batches, and there is none at ep 1. A GPU's NCCL pays the bytes alone (its latency and host cost 0)."""
+    import dataclasses
+
+    from scaletrain.hardware.catalog import CATALOG, Cluster
+    from scaletrain.plan.timing import GLOO_ALL_TO_ALL_HOST_S, all_to_all_seconds, step_time
+    from scaletrain.plan.workload import Plan, Workload
+
+    cfg = load_config(None, {"model.preset": "nano-moe", "model.vocab_size": 256}).model
+    cpu = Cluster(CATALOG["cpu"], 2)
+    latency = CATALOG["cpu"].calibration["collective_latency_s"]
+    assert GLOO_ALL_TO_ALL_HOST_S > latency > 0
+
+    def ep_seconds(model, global_batch: int, **plan) -> float:
+        plan = Plan(dp_replicate=2, micro_batch=8, **plan)
+        return step_time(Workload(model, 128, global_batch, 1e6), plan, cpu).comm_detail.get("ep", 0.0)
+
+    plan = Plan(dp_replicate=2, ep=2, micro_batch=8)
+    workload = Workload(cfg, 128, 16, 1e6)
+    wire = all_to_all_seconds(workload, plan, cpu, 8 * 128, 0.0)  # the bytes alone
+    fixed = cfg.n_layers * (4 * (latency + GLOO_ALL_TO_ALL_HOST_S) + latency)
+    assert ep_seconds(cfg, 16, ep=2) == pytest.approx(wire + fixed)
+    assert ep_seconds(cfg, 16) == 0.0
+    assert ep_seconds(cfg, 32, ep=2) == pytest.approx(2 * (wire + fixed))  # two micro-batches a step
+    deeper = dataclasses.replace(cfg, n_layers=2 * cfg.n_layers)
+    assert ep_seconds(deeper, 16, ep=2) == pytest.approx(2 * (wire + fixed))
+    recompute = ep_seconds(cfg, 16, ep=2, activation_checkpointing="full")
+    assert recompute == pytest.approx(1.5 * wire + cfg.n_layers * (6 * (latency + GLOO_ALL_TO_ALL_HOST_S)
+                                                                   + 2 * latency))
+    gpu, gpu_plan = Cluster(CATALOG["h100-sxm"], 8), Plan(dp_shard=8, ep=8, zero_stage=3, micro_batch=8)
+    gpu_workload = Workload(cfg, 128, 64, 1e6, "bf16")
+    assert step_time(gpu_workload, gpu_plan, gpu).comm_detail["ep"] == pytest.approx(
+        all_to_all_seconds(gpu_workload, gpu_plan, gpu, 8 * 128, 0.0))

@@ -108,7 +108,9 @@ def test_fsdp_on_a_cpu_pays_the_measured_host_overhead_per_unit():
     from scaletrain.plan.timing import communication
 
     cost = {"per_block_s": 0.01, "per_model_s": 0.004}
-    plain = replace(CATALOG["cpu"], calibration=dict(REFERENCE_CPU_CALIBRATION))
+    assert "fsdp_overhead" in REFERENCE_CPU_CALIBRATION  # the reference CPU's own, measured (reference_cpu.py)
+    plain = replace(CATALOG["cpu"], calibration={k: v for k, v in REFERENCE_CPU_CALIBRATION.items()
+                                                 if k != "fsdp_overhead"})
     measured = replace(plain, calibration={**REFERENCE_CPU_CALIBRATION, "fsdp_overhead": cost})
     plan = Plan(dp_shard=2, micro_batch=1, zero_stage=3)  # 4 sequences per step over 2 ranks: 2 micro-batches
     before, _ = communication(WORKLOAD, plan, Cluster(plain, 2, 1), 1.0)

@@ -14,6 +14,11 @@ measured under the trainer's bf16 autocast (keys ``*_bf16``) and the output head
 overhead) are kept from the 2026-11-22 measurement. The optimizer step on 2 ranks (``optimizer_step``: clipping +
 AdamW per parameter tensor and per element, by layout) is of 2026-11-28, ``doctor.measure_optimizer_step`` under
 ``torchrun --nproc-per-node 2`` (wall clock, under the quiet lock: benchmarks/planner_two_rank.py --doctor at 09:26).
+FSDP2's host overhead (``fsdp_overhead``: ZeRO-3's work around its collectives per block, per model and per
+parameter of the units past glibc's mmap threshold, ``doctor.measure_fsdp_overhead``) is of 2026-12-03, ``torchrun
+--nproc-per-node 2 -m scaletrain.cli doctor --clock cpu`` on this machine kind, as benchmarks/plan_moe.py --parts own
+recorded it (benchmarks/results/plan_moe.json two_rank_own_calibration): without it every reference plan of FSDP2 on
+CPUs was charged no host work for it (issue 51: the 2-rank FSDP2 rows 33-50% under their measurement).
 """
 
 REFERENCE_CPU_CALIBRATION: dict = {'allreduce_busbw': 1088000000.0,
@@ -66,6 +71,7 @@ REFERENCE_CPU_CALIBRATION: dict = {'allreduce_busbw': 1088000000.0,
  'elementwise_curve_bf16': [[1378000.0, 4.577e-09], [5511000.0, 2.498e-09], [22040000.0, 3.061e-09]],
  'elementwise_s_per_element': 9.453e-10,
  'elementwise_s_per_element_bf16': 2.498e-09,
+ 'fsdp_overhead': {'per_block_s': 0.01982, 'per_model_s': 3.693e-05, 'per_param_s': 1.003e-08},
  'gemm_curve': [[64.0, 85920000000.0, 71040000000.0],
                 [128.0, 97560000000.0, 88960000000.0],
                 [256.0, 103000000000.0, 84720000000.0],

@@ -494,6 +494,17 @@ def optimizer_seconds(entry: dict, plan: Plan, cluster: Cluster, psi: float, ten
 GROUPED_GEMM_CPU_SLOWDOWN = 1.38
 
 
+# CPU (gloo): the fixed host cost of one of the ep path's rows all-to-alls (``all_to_all_single_autograd``, forward
+# or backward) beyond the ``collective_latency_s`` every collective is charged: the functional collective's dispatch
+# and wait, gloo's alltoallv on its worker thread (a hand-off each way), the autograd node. benchmarks/ep_host.py
+# (collectives part) times it on 2 ranks of the reference CPU kind, one thread each, with a GEMM of ~2 ms between
+# calls as in a step (back to back it costs about half), at 256 and 2,048 rows of nano-moe's width: the intercept
+# of the busiest rank's CPU time through the two sizes less the 4-byte all-reduce's timed the same way, the mean
+# of the forward's (0.85 ms) and the backward's (0.83 ms), results/ep_host.json all_to_all_fit (load average ~6:
+# other sessions' work). NCCL's is a few microseconds: 0 on GPUs.
+GLOO_ALL_TO_ALL_HOST_S = 8.4e-4
+
+
 def rank_load(ep: int) -> float:
     """The busiest expert-parallel rank's load over the mean: ``memory.MOE_LOAD_IMBALANCE`` under ep > 1; one
     process computes every expert, its load is the whole batch's."""
@@ -554,21 +565,27 @@ def _moe_block_ops(shared: bool, bias: bool, capacity: bool) -> int:
     return max(0, ops(sparse) - ops(tiny))
 
 
-def all_to_all_seconds(workload: Workload, plan: Plan, cluster: Cluster, tokens: int, latency: float) -> float:
+def all_to_all_seconds(workload: Workload, plan: Plan, cluster: Cluster, tokens: int, latency: float,
+                       host: float = 0.0) -> float:
     """Seconds one micro-batch's expert-parallel all-to-alls take: each sparse block dispatches its tokens' top-k
     copies to the ranks holding their experts and combines them back, forward and again backward (4 all-to-alls
     of tokens x top_k x dim activations, (ep - 1) / ep of them leaving the rank), and a checkpointed block's
     recomputed forward dispatches and combines again (2 more: the all-to-alls are inside the checkpointed block,
-    in our trainer as in Megatron's full recompute). Over the link the ep group spans (``ep_group_stride``); not
-    overlapped with compute (torchtitan's default; Megatron's is a separate option, "1f1b overlap")."""
+    in our trainer as in Megatron's full recompute). Before dispatching, each forward (a recomputed one too)
+    exchanges the rows each rank sends each expert (parallel/expert.py: an (ep, E/ep) table, one more collective
+    of no bytes to speak of: ``latency``). ``host``: the fixed host cost of one rows' all-to-all beyond
+    ``latency`` (``GLOO_ALL_TO_ALL_HOST_S`` on a CPU, 0 on GPUs). Over the link the ep group spans
+    (``ep_group_stride``); not overlapped with compute (torchtitan's default; Megatron's is a separate option,
+    "1f1b overlap")."""
     cfg = workload.model
     bw, _ = group_link(cluster, plan.ep, ep_group_stride(plan))
     own = tokens / plan.expert_token_split  # folded: each rank dispatches its sequence shard
     sent = own * cfg.moe_top_k * cfg.dim * RECIPES[workload.precision].activation * (plan.ep - 1) / plan.ep
     layers = -(-cfg.n_layers // plan.pp)
     ckpt = checkpointed_blocks(layers, plan.activation_checkpointing, plan.ac_every)
+    forwards = sum(1 + (i in ckpt) for i in range(layers) if is_moe_layer(cfg, i))  # a sparse block's forwards
     collectives = sum(4 + 2 * (i in ckpt) for i in range(layers) if is_moe_layer(cfg, i))
-    return collectives * (sent * rank_load(plan.ep) / bw + latency)
+    return collectives * (sent * rank_load(plan.ep) / bw + latency + host) + forwards * latency
 
 
 def ep_group_stride(plan: Plan) -> int:
@@ -902,7 +919,8 @@ def communication(workload: Workload, plan: Plan, cluster: Cluster, compute: flo
     if gpu and (gather or reduce or replicate):
         exposed += data_parallel_exposed(workload, plan, compute / micro, micro, gather, reduce, replicate)
     if plan.ep > 1:  # expert parallelism: each sparse block dispatches and combines its routed tokens
-        out["ep"] = micro * all_to_all_seconds(workload, plan, cluster, tokens, latency)
+        host = 0.0 if gpu else GLOO_ALL_TO_ALL_HOST_S
+        out["ep"] = micro * all_to_all_seconds(workload, plan, cluster, tokens, latency, host)
         exposed += out["ep"]
     if plan.pp > 1:
         bw, _ = group_link(cluster, plan.pp, plan.dp * inner_cp)
