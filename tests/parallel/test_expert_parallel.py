@@ -333,17 +333,22 @@ EP_LAYOUTS_4 = {
     "tp2_ep2_sp": (["--model.vocab_size=66", "--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.ep=2",
                     "--train.batch_size=4"],
                    ["--parallel.dp_shard=1", "--parallel.tp=1", "--parallel.ep=1", "--train.batch_size=8"]),
+    # a mixture of experts (no ep) in 2 pipeline stages x tp 2 with sequence parallelism: a later stage's sparse
+    # input is its sequence shard, all-gathered; the shape inference's all-gathered garbage is the same on the tp pair
+    "pp2_tp2_sp": (["--model.vocab_size=66", "--parallel.pp=2", "--parallel.tp=2"],
+                   ["--parallel.pp=1", "--parallel.tp=1"]),
 }
 
 
-@pytest.mark.slow  # not in the default pass (README): 66 s, 83 s, 54 s and ~60 s (4 ranks, 2 loaded cores);
-# test_cli_ep2_* keeps EP=2 through the CLI in it, the layouts test accepts the four layouts, and ep_runs_4's ep2_hsdp
-# checks HSDP's bias, logged load and expert share there
+@pytest.mark.slow  # not in the default pass (README): 66 s, 83 s, 54 s, ~60 s and 68 s (4 ranks, 2 loaded cores);
+# test_cli_ep2_* keeps EP=2 through the CLI in it, the layouts test accepts the EP layouts, ep_runs_4's ep2_hsdp
+# checks HSDP's bias, logged load and expert share there, and tp_sp_runs the sparse all-gather of sequence parallelism
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS_4))
 def test_cli_ep_layout_matches_one_process_and_resumes_bitwise_and_onto_one_process(layout, tmp_path):
     """Expert parallelism in pipeline stages (pp=2 x dp_shard=2, ep=2), under HSDP (dp_replicate=2 x dp_shard=2,
-    ep=2) and with tensor parallelism (dp_shard=2 x tp=2, ep=2; with and without sequence parallelism) on 4 ranks,
+    ep=2) and with tensor parallelism (dp_shard=2 x tp=2, ep=2; with and without sequence parallelism), and an MoE
+    in 2 stages x tp 2 with sequence parallelism, on 4 ranks,
     evaluating every 3 steps (the pipeline schedule's shape inference after each switch back runs the all-to-all on
     uninitialised tensors). Losses and the
     logged load of every layer equal one process'; the DCP checkpoint resumes bitwise on 4 ranks and onto one
