@@ -15,6 +15,7 @@ curves, the expert bias each rank ends with (every rank must move the same one),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -63,13 +64,24 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     # 8 ranks (by hand): HSDP x TP (2 x 2 x 2), the counts summed over the 4 data-parallel ranks of a tp coordinate
     "moe_hsdp_tp2": (dict(dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=False), 1),
     "ep2_hsdp_tp2": (dict(dp_replicate=2, dp_shard=2, tp=2, ep=2, sequence_parallel=False), 1),
+    # 2 ranks, TP with sequence parallelism (the default): the sparse feed-forward all-gathers its sequence shard,
+    # routes the replicated tokens, and cuts its output back to the shard; with shared experts, and with full
+    # activation checkpointing (the recomputation's all-gather again)
+    "moe_tp2_sp": (dict(tp=2), 1),
+    "moe_tp2_sp_shared": (dict(tp=2, moe_shared_experts=1), 1),
+    "moe_tp2_sp_ac": (dict(tp=2, activation_checkpointing="full"), 1),
+    # 4 ranks: ep2_tp2 with sequence parallelism
+    "ep2_tp2_sp": (dict(dp_shard=2, tp=2, ep=2), 1),
 }
+# fields of STRATEGIES that are the model's (ModelConfig), not ParallelConfig's; the one process builds the same model
+MODEL_FIELDS = ("moe_shared_experts",)
 
 
 def job(fields: dict, accum: int) -> JobConfig:
     fields = dict(fields)
     compile = fields.pop("compile", "false")
-    return JobConfig(model=MODEL, optim=OPTIM, parallel=ParallelConfig(**fields),
+    model = dataclasses.replace(MODEL, **{k: fields.pop(k) for k in MODEL_FIELDS if k in fields})
+    return JobConfig(model=model, optim=OPTIM, parallel=ParallelConfig(**fields),
                      train=TrainConfig(seed=SEED, compile=compile, precision="fp32", grad_accum_steps=accum))
 
 
@@ -115,9 +127,11 @@ def main() -> int:
     for name in args.strategies.split(","):
         fields, accum = STRATEGIES[name]
         dp_size = ParallelDims.from_config(job(fields, accum).parallel, world).dp_size
-        if (accum, dp_size) not in references:
-            references[accum, dp_size] = train({}, accum, 1, dp_size)
-        ref = references[accum, dp_size]
+        model = {k: v for k, v in fields.items() if k in MODEL_FIELDS}
+        key = (accum, dp_size, tuple(sorted(model.items())))
+        if key not in references:
+            references[key] = train(model, accum, 1, dp_size)
+        ref = references[key]
         got = train(fields, accum, world, dp_size)
         gathered = [None] * world
         dist.all_gather_object(gathered, {"bias": got["bias"], "expert_numel_local": got["expert_numel_local"]})

@@ -2,9 +2,10 @@
 
 Distributed (real gloo ranks under torchrun): the trainer's build and step on 2 and 4 ranks against one process
 for 10 steps (tests/helpers/ep_parity.py; EP=2 with FSDP2 ZeRO-3 and ZeRO-2, with accumulation, with full activation
-checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2, EP=2 under HSDP and beside TP=2; and MoE
-with FSDP2 / DDP without EP), and ``scaletrain train`` under torchrun with EP=2 (2 ranks; and 4 ranks in pipeline
-stages, under HSDP and beside tensor parallelism): parity with one process, a bitwise resume and a resume onto one
+checkpointing, compiled, with DDP; on 4 ranks EP=2 and EP=4 under FSDP2, EP=2 under HSDP and beside TP=2, with and
+without sequence parallelism; MoE with FSDP2 / DDP without EP, and with TP=2 and sequence parallelism), and
+``scaletrain train`` under torchrun with EP=2 (2 ranks; and 4 ranks in pipeline stages, under HSDP and beside tensor
+parallelism, with and without sequence parallelism): parity with one process, a bitwise resume and a resume onto one
 process (EP=1) from the same DCP checkpoint. Not distributed: the layouts refused, one line each.
 """
 
@@ -57,14 +58,24 @@ def ep_runs_4(tmp_path_factory) -> dict:
     return _launch(tmp_path_factory, "ep4", 4, EP_STRATEGIES_4)
 
 
-# 4 ranks, EP with tensor parallelism (dp_shard 2 x tp 2, ep 2): the slow tier's own launch (~20 s on 2 loaded cores);
-# the default pass accepts the layout (the layouts test)
-EP_STRATEGIES_TP = ["ep2_tp2"]
+# 4 ranks, EP with tensor parallelism (dp_shard 2 x tp 2, ep 2), without and with sequence parallelism: the slow
+# tier's own launch (~20 s on 2 loaded cores); the default pass accepts the layouts (the layouts test)
+EP_STRATEGIES_TP = ["ep2_tp2", "ep2_tp2_sp"]
 
 
 @pytest.fixture(scope="module")
 def ep_runs_tp(tmp_path_factory) -> dict:
     return _launch(tmp_path_factory, "ep-tp", 4, EP_STRATEGIES_TP)
+
+
+# 2 ranks, a mixture of experts under tensor parallelism with sequence parallelism (the default): the default pass's
+# launch (~13 s on 2 loaded cores, load 9)
+TP_SP_STRATEGIES = ["moe_tp2_sp", "moe_tp2_sp_shared", "moe_tp2_sp_ac"]
+
+
+@pytest.fixture(scope="module")
+def tp_sp_runs(tmp_path_factory) -> dict:
+    return _launch(tmp_path_factory, "tp-sp", 2, TP_SP_STRATEGIES)
 
 
 @pytest.fixture
@@ -102,6 +113,23 @@ def test_expert_bias_and_logged_load_are_the_global_ones(ep_run):
     assert record["load"] == record["reference_load"]
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", TP_SP_STRATEGIES)
+def test_moe_tensor_parallel_with_sequence_parallel_equals_one_process(tp_sp_runs, strategy):
+    """Sequence parallelism around a sparse feed-forward (parallel/tensor.py ``_sparse_sequence_parallel``): the
+    losses (balance loss, z-loss, expert bias on) equal one process', every tp rank moves the same bias as the one
+    process (the all-gathered tokens counted once, not tp times), the logged load is the one process', and each
+    rank holds half of every expert's hidden units."""
+    record = tp_sp_runs[strategy]
+    assert len(record["parallel"]) == len(record["reference"]) == 10
+    assert record["reference"][-1] < record["reference"][0] - 1.0  # it learns: a wrong update would show
+    assert record["max_rel_diff"] < PARITY_RTOL, (record["reference"], record["parallel"])
+    assert all(bias == record["reference_bias"] for bias in record["rank_bias"])
+    assert any(v != 0 for bias in record["reference_bias"].values() for v in bias)  # the bias moved
+    assert record["load"] == record["reference_load"]
+    assert record["rank_expert_numel"] == [record["expert_numel"] // 2] * 2
+
+
 @pytest.mark.slow  # the slow tier's launch; the eager strategies' parity: the default pass's EP_CORE launch
 @pytest.mark.distributed
 def test_the_compiled_strategy_really_compiles(ep_runs, ep_runs_core):
@@ -112,7 +140,8 @@ def test_the_compiled_strategy_really_compiles(ep_runs, ep_runs_core):
 @pytest.mark.distributed
 @pytest.mark.parametrize("ep_run,share", [("ep2_fsdp", 0.5), ("ep2_ddp", 0.5), ("moe_fsdp", 0.5), ("moe_ddp", 1.0),
                                           ("ep2_fsdp4", 0.25), ("ep4_fsdp4", 0.25), ("ep2_hsdp", 0.5),
-                                          pytest.param("ep2_tp2", 0.25, marks=pytest.mark.slow)],  # E/ep x h/tp
+                                          pytest.param("ep2_tp2", 0.25, marks=pytest.mark.slow),  # E/ep x h/tp
+                                          pytest.param("ep2_tp2_sp", 0.25, marks=pytest.mark.slow)],
                          indirect=["ep_run"])
 def test_each_rank_holds_its_share_of_the_experts(ep_run, share):
     record = ep_run
@@ -176,7 +205,7 @@ def dims_of(world: int, compile: str = "false", **parallel) -> ParallelDims:
 @pytest.mark.parametrize("world,parallel,message", [
     (2, dict(dp_shard=2, ep=2, tp=1, pp=1), None),
     (4, dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False), None),  # experts on (ep, tp): test_cli_ep_layout_*
-    (4, dict(dp_shard=2, tp=2, ep=2), "routes replicated tokens, not a sequence shard"),
+    (4, dict(dp_shard=2, tp=2, ep=2), None),  # ... with sequence parallelism (ep_parity's ep2_tp2_sp)
     (4, dict(dp_shard=2, cp=2, ep=2), "parallel.ep=2 runs with data, tensor and pipeline parallelism"),
     (4, dict(dp_shard=2, pp=2, ep=2), None),  # each stage's experts split over its ranks (test_cli_ep_layout_*)
     (8, dict(dp_shard=4, pp=2, ep=2), None),  # ... and FSDP2-sharded over the 2 others of the stage
@@ -194,9 +223,10 @@ def dims_of(world: int, compile: str = "false", **parallel) -> ParallelDims:
     (2, dict(dp_shard=2, activation_checkpointing="full", ep=2), None),  # recomputation repeats the all-to-all
     (2, dict(dp_shard=2, tp=1, ep=1), None),  # a mixture of experts under plain FSDP2
     (2, dict(cp=2), "a mixture of experts trains with data parallelism (DDP, FSDP2), tensor, pipeline and expert"),
-    (2, dict(tp=2), "routes replicated tokens, not a sequence shard; set parallel.sequence_parallel=false"),
+    (2, dict(tp=2), None),  # sequence parallelism: the sparse input all-gathered (ep_parity's moe_tp2_sp)
     (2, dict(tp=2, sequence_parallel=False), None),  # the experts' hidden units split (test_cli_moe_tensor_*)
     (2, dict(tp=2, sequence_parallel=False, compile="true"), "does not compile yet; set train.compile=false"),
+    (2, dict(tp=2, compile="true"), "does not compile yet; set train.compile=false"),
     (2, dict(pp=2), None),  # a mixture of experts in pipeline stages (test_cli_moe_pipeline_*)
     (8, dict(pp=2, dp_replicate=2, dp_shard=2), None),
     (8, dict(tp=2, dp_replicate=2, dp_shard=2, sequence_parallel=False), None),  # ep2_hsdp_tp2 (by hand)
@@ -299,18 +329,28 @@ EP_LAYOUTS_4 = {
     "tp2_ep2": (["--model.vocab_size=66", "--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.ep=2",
                  "--parallel.sequence_parallel=false", "--train.batch_size=4"],
                 ["--parallel.dp_shard=1", "--parallel.tp=1", "--parallel.ep=1", "--train.batch_size=8"]),
+    # ... with sequence parallelism (the default): each tp pair all-gathers its sequence shards at the experts
+    "tp2_ep2_sp": (["--model.vocab_size=66", "--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.ep=2",
+                    "--train.batch_size=4"],
+                   ["--parallel.dp_shard=1", "--parallel.tp=1", "--parallel.ep=1", "--train.batch_size=8"]),
+    # a mixture of experts (no ep) in 2 pipeline stages x tp 2 with sequence parallelism: a later stage's sparse
+    # input is its sequence shard, all-gathered; the shape inference's all-gathered garbage is the same on the tp pair
+    "pp2_tp2_sp": (["--model.vocab_size=66", "--parallel.pp=2", "--parallel.tp=2"],
+                   ["--parallel.pp=1", "--parallel.tp=1"]),
 }
 
 
-@pytest.mark.slow  # not in the default pass (README): 66 s, 83 s and 54 s (4 ranks, 2 loaded cores); test_cli_ep2_*
-# keeps EP=2 through the CLI in it, the layouts test accepts the three layouts, and ep_runs_4's ep2_hsdp checks
-# HSDP's bias, logged load and expert share there
+@pytest.mark.slow  # not in the default pass (README): 66 s, 83 s, 54 s, ~60 s and 68 s (4 ranks, 2 loaded cores);
+# test_cli_ep2_* keeps EP=2 through the CLI in it, the layouts test accepts the EP layouts, ep_runs_4's ep2_hsdp
+# checks HSDP's bias, logged load and expert share there, and tp_sp_runs the sparse all-gather of sequence parallelism
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(EP_LAYOUTS_4))
 def test_cli_ep_layout_matches_one_process_and_resumes_bitwise_and_onto_one_process(layout, tmp_path):
     """Expert parallelism in pipeline stages (pp=2 x dp_shard=2, ep=2), under HSDP (dp_replicate=2 x dp_shard=2,
-    ep=2) and with tensor parallelism (dp_shard=2 x tp=2, ep=2) on 4 ranks, evaluating every 3 steps (the pipeline
-    schedule's shape inference after each switch back runs the all-to-all on uninitialised tensors). Losses and the
+    ep=2) and with tensor parallelism (dp_shard=2 x tp=2, ep=2; with and without sequence parallelism), and an MoE
+    in 2 stages x tp 2 with sequence parallelism, on 4 ranks,
+    evaluating every 3 steps (the pipeline schedule's shape inference after each switch back runs the all-to-all on
+    uninitialised tensors). Losses and the
     logged load of every layer equal one process'; the DCP checkpoint resumes bitwise on 4 ranks and onto one
     process (every expert of every layer on the one rank)."""
     check_cli_layout(tmp_path, layout, *EP_LAYOUTS_4[layout], ranks=4)
@@ -345,13 +385,17 @@ def test_cli_hsdp_pipeline_with_experts_matches_one_process_and_resumes(tmp_path
     check_cli_layout(tmp_path, "hsdp_pp2_ep2", flags, one_process, ranks=8)
 
 
-@pytest.mark.slow  # ~55 s; the CLI's EP=2 run, resume and resume onto one process: test_cli_ep2_* (default pass)
+@pytest.mark.slow  # ~55 s each; the CLI's EP=2 run, resume and resume onto one process: test_cli_ep2_* (default
+# pass), and the 2-rank tp parity with sequence parallelism: test_moe_tensor_parallel_with_sequence_parallel_* (default)
 @pytest.mark.distributed
-def test_cli_moe_tensor_parallel_matches_one_process_and_resumes_bitwise_and_onto_one_process(tmp_path):
+@pytest.mark.parametrize("sequence_parallel", ["false", "true"])
+def test_cli_moe_tensor_parallel_matches_one_process_and_resumes_bitwise_and_onto_one_process(tmp_path,
+                                                                                               sequence_parallel):
     """Tensor parallelism of a mixture of experts (parallel/tensor.py ``apply_expert_tp``): attention split as
     for a dense model, each expert's hidden units split over the 2 ranks, the router replicated; the balance
-    loss, the z-loss and the expert bias all on (every rank routes the same tokens). The vocabulary is given
-    (66, a multiple of tp) so both runs build the same model: the default pads 65 to 66 under tp = 2 only."""
+    loss, the z-loss and the expert bias all on (every rank routes the same tokens), with and without sequence
+    parallelism (the sparse input all-gathered from the sequence shard). The vocabulary is given (66, a multiple
+    of tp) so both runs build the same model: the default pads 65 to 66 under tp = 2 only."""
     from test_parallel_dist import TINY_TOML
 
     config = tmp_path / "tiny.toml"
@@ -362,7 +406,7 @@ def test_cli_moe_tensor_parallel_matches_one_process_and_resumes_bitwise_and_ont
                             text=True, timeout=CEILING_S)
     assert single.returncode == 0, single.stderr[-3000:]
     tp = tmp_path / "tp"
-    tp_flags = [f"--train.run_dir={tp}", "--parallel.tp=2", "--parallel.sequence_parallel=false"]
+    tp_flags = [f"--train.run_dir={tp}", "--parallel.tp=2", f"--parallel.sequence_parallel={sequence_parallel}"]
     torchrun(2, *cli, *tp_flags)
     expected, got = train_losses(tmp_path / "single"), train_losses(tp)
     assert len(got) == len(expected) == 10

@@ -101,8 +101,8 @@ def test_search_includes_expert_parallel_degrees(monkeypatch):
 def test_search_tries_every_expert_parallel_layout_the_trainer_runs():
     """The search asks the trainer's own checks: on 4 ranks it tries ep inside pipeline stages (pp 2 x dp_shard 2,
     ep 2), under HSDP (dp_replicate 2 x dp_shard 2) and with tensor parallelism (dp_shard 2 x tp 2, ep 2: the
-    experts split over ep and tp, replicated tokens, so without sequence parallelism), and not what the trainer
-    refuses (a mixture of experts' tensor parallelism over a sequence shard, a pipeline under DDP)."""
+    experts split over ep and tp), each tp layout with and without sequence parallelism (the sparse input
+    all-gathered, or the tokens replicated all along), and not what the trainer refuses (a pipeline under DDP)."""
     from scaletrain.hardware.catalog import CATALOG, Cluster
     from scaletrain.plan.search import enumerate_plans
     from scaletrain.plan.workload import Workload
@@ -114,7 +114,10 @@ def test_search_tries_every_expert_parallel_layout_the_trainer_runs():
     # (dp_replicate, dp_shard, tp, pp, ep)
     assert layouts == {(1, 4, 1, 1, 1), (1, 4, 1, 1, 2), (1, 4, 1, 1, 4), (1, 2, 1, 2, 1), (1, 2, 1, 2, 2),
                        (2, 2, 1, 1, 1), (2, 2, 1, 1, 2), (1, 2, 2, 1, 1), (1, 2, 2, 1, 2)}
-    assert all(p.sequence_parallel == (p.tp == 1) for p in plans)
+    assert all(p.sequence_parallel for p in plans if p.tp == 1)
+    for layout in ((1, 2, 2, 1, 1), (1, 2, 2, 1, 2)):  # both tensor-parallel layouts, with and without SP
+        assert {p.sequence_parallel for p in plans if (p.dp_replicate, p.dp_shard, p.tp, p.pp, p.ep) == layout} \
+            == {True, False}
 
 
 def test_active_flops_and_parameters_are_printed(capsys):
@@ -174,15 +177,17 @@ def test_folded_experts_are_whole_on_a_rank_and_priced_only():
 
 def test_expert_tensor_parallelism_prices_the_routed_copies_all_reduce():
     """Under expert TP (our layout, with or without ep) a sparse block's experts all-reduce the tokens' top-k routed
-    copies (parallel/tensor.py): 1 + k units of tensor-parallel traffic where a dense block has 2; folded (expert-TP
-    1) the experts take none, and a dense model is priced as before."""
+    copies (parallel/tensor.py): 1 + k units of tensor-parallel traffic where a dense block has 2, half a unit more
+    with sequence parallelism (the sparse input's all-gather, each way); folded (expert-TP 1) the experts take none,
+    and a dense model is priced as before."""
     from scaletrain.plan.timing import tp_traffic_factor
     from scaletrain.plan.workload import Plan
 
     cfg = load_config(None, {"model.preset": "olmoe-1b-7b"}).model  # top-8 of 64, every layer sparse, no shared
     assert (cfg.moe_top_k, cfg.moe_shared_experts) == (8, 0)
     for ep in (1, 2):
-        assert tp_traffic_factor(cfg, Plan(dp_shard=2, tp=2, ep=ep), cfg.n_layers) == 4.5
+        assert tp_traffic_factor(cfg, Plan(dp_shard=2, tp=2, ep=ep, sequence_parallel=False), cfg.n_layers) == 4.5
+        assert tp_traffic_factor(cfg, Plan(dp_shard=2, tp=2, ep=ep), cfg.n_layers) == 4.75  # (1 + 8 + 0.5) / 2
     assert tp_traffic_factor(cfg, Plan(dp_shard=16, tp=2, ep=8, ep_folded=True), cfg.n_layers) == 1.0
     dense = load_config(None, {"model.preset": "gpt2-124m"}).model
     assert tp_traffic_factor(dense, Plan(dp_shard=2, tp=2), dense.n_layers) == 1.0

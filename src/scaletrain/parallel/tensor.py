@@ -6,7 +6,9 @@ The embedding is split by vocabulary rows; the output head by vocabulary columns
 sharded for ``loss_parallel`` (the softmax is computed without ever gathering the full vocabulary).
 
 With sequence parallelism the norms (and the residual stream between blocks) are split along the
-sequence: the reductions become reduce-scatter + all-gather pairs, and activation memory drops by tp.
+sequence: the reductions become reduce-scatter + all-gather pairs, and activation memory drops by tp. A sparse
+feed-forward (mixture of experts) all-gathers its sequence shard and routes the replicated tokens, as without
+sequence parallelism; its output returns to the shard as a local slice (``_sparse_sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -63,8 +66,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
             "attention": PrepareModuleInput(input_layouts=(residual, None, None, None),
                                             desired_input_layouts=(Replicate(), None, None, None)),
             # a sparse feed-forward computes on the local (replicated) tokens (parallel/expert.py)
-            "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),),
-                                               use_local_output=sparse),
+            "feed_forward": (_sparse_sequence_parallel() if sparse and sequence_parallel else
+                             PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),),
+                                                use_local_output=sparse)),
         }
         for role in PROJECTIONS:  # the projections by role (model/hf_names.py)
             if sparse and block_suffix(role).startswith("feed_forward."):
@@ -91,6 +95,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
     if model.norm is not None and not sequence_parallel:
         replicate_module(model.norm, tp_mesh)
     return model
+
+
+def _sparse_sequence_parallel() -> PrepareModuleInputOutput:
+    """A sparse feed-forward under sequence parallelism: its input, the sequence shard (B, T/tp, d), all-gathered
+    over tp into the replicated tokens that ``apply_expert_tp`` routes (as without sequence parallelism, so the
+    router's terms and counts are the full batch's on every rank, once); its output, replicated after the experts'
+    all-reduce, cut back to this rank's sequence chunk (a local slice). The backward: the output gradient
+    all-gathered; the input's is replicated already (the experts' and shared experts' input gradients are summed
+    over tp, the router's is computed alike on every rank), so the all-gather's backward is a local slice too.
+    Cost: one all-gather more each way than the replicated layout (Megatron reduce-scatters instead of the
+    all-reduce; here the experts' output is in expert order, and the router's weights need the summed output)."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
 
 
 def _residual_norms(block: nn.Module) -> list[str]:
@@ -161,9 +179,10 @@ TP_SHARDS = {"w1": Shard(1), "w3": Shard(1), "w2": Shard(2)}
 
 
 def apply_expert_tp(feed_forward: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Tensor parallelism of one sparse feed-forward (``MoEFeedForward``) on a 1-D ``tp_mesh``, without sequence
-    parallelism: every rank routes the same (replicated) tokens; each expert's hidden units are split over the
-    ranks (``TP_SHARDS``, the dense feed-forward's column / row split), computed on the local slices by
+    """Tensor parallelism of one sparse feed-forward (``MoEFeedForward``) on a 1-D ``tp_mesh`` (under sequence
+    parallelism its input is all-gathered first, ``_sparse_sequence_parallel``): every rank routes the same
+    (replicated) tokens; each expert's hidden units are split over the ranks (``TP_SHARDS``, the dense
+    feed-forward's column / row split), computed on the local slices by
     ``GroupedExperts.compute`` and summed over the ranks once, at the experts' output; the router's weights are
     replicated (its scores are the same on every rank), the shared experts split as the dense feed-forward.
     The model's code is unchanged: the experts' forward is replaced on the instance, as ``apply_ep`` does."""

@@ -92,8 +92,8 @@ def enumerate_plans(workload: Workload, cluster: Cluster, fixed: dict | None = N
             dp_rep = dp // dp_shard
             stages = [2, 3] if dp_shard > 1 else [0, 1] if dp_rep > 1 else [0]
             micro = _micro_batches(workload.global_batch, dp)
-            # A mixture of experts' tensor parallelism is also tried without sequence parallelism (the trainer's
-            # checks decide which of the two it runs: replicated tokens, parallel/tensor.py:apply_expert_tp).
+            # A mixture of experts' tensor parallelism is tried with and without sequence parallelism: with it the
+            # sparse input is all-gathered over tp (more traffic, timing.tp_traffic_factor), less activation memory.
             sequence = (True, False) if tp > 1 and workload.model.moe_experts else (True,)
             for zero, mb, ac, offload, ep, sp in itertools.product(stages, micro, ("none", "selective", "full"),
                                                                    (False, True) if gpu else (False,),

@@ -705,13 +705,16 @@ def tp_traffic_factor(cfg: ModelConfig, plan: Plan, layers: int) -> float:
     """A stage's tensor-parallel activation bytes over as many dense blocks' (attention's all-reduce and the MLP's,
     each way). A sparse block under expert TP (``Plan.expert_tp`` > 1, parallel/tensor.py:apply_expert_tp, with or
     without ep) all-reduces the experts' output and input gradient on the tokens' top-k routed copies, and the
-    shared experts' on the tokens once more: 1 + k (+ 1) units where a dense block has 2. Folded (expert TP 1) the
-    experts take no tp traffic; priced as a dense block, as before."""
+    shared experts' on the tokens once more: 1 + k (+ 1) units where a dense block has 2. With sequence parallelism
+    the sparse feed-forward also all-gathers its input's sequence shard, and its output's gradient, over tp
+    (parallel/tensor.py:_sparse_sequence_parallel; the output back to the shard is a local slice): half a unit
+    more (an all-gather moves half an all-reduce's bytes). Folded (expert TP 1) the experts take no tp traffic;
+    priced as a dense block, as before."""
     if not cfg.moe_experts or plan.expert_tp == 1:
         return 1.0
     sparse = sum(is_moe_layer(cfg, i) for i in range(layers))
-    units = 2 * (layers - sparse) + sparse * (1 + cfg.moe_top_k + (1 if cfg.moe_shared_experts else 0))
-    return units / (2 * layers)
+    per_sparse = 1 + cfg.moe_top_k + (1 if cfg.moe_shared_experts else 0) + (0.5 if plan.sequence_parallel else 0)
+    return (2 * (layers - sparse) + sparse * per_sparse) / (2 * layers)
 
 
 def fresh_mapped_params(cfg: ModelConfig, plan: Plan) -> float:
