@@ -64,6 +64,7 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     # 8 ranks (by hand): HSDP x TP (2 x 2 x 2), the counts summed over the 4 data-parallel ranks of a tp coordinate
     "moe_hsdp_tp2": (dict(dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=False), 1),
     "ep2_hsdp_tp2": (dict(dp_replicate=2, dp_shard=2, tp=2, ep=2, sequence_parallel=False), 1),
+    "ep2_hsdp_tp2_sp": (dict(dp_replicate=2, dp_shard=2, tp=2, ep=2), 1),  # the same with sequence parallelism
     # 2 ranks, TP with sequence parallelism (the default): the sparse feed-forward all-gathers its sequence shard,
     # routes the replicated tokens, and cuts its output back to the shard; with shared experts, and with full
     # activation checkpointing (the recomputation's all-gather again)
