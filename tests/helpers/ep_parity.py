@@ -63,6 +63,9 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     # 8 ranks (by hand): HSDP x TP (2 x 2 x 2), the counts summed over the 4 data-parallel ranks of a tp coordinate
     "moe_hsdp_tp2": (dict(dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=False), 1),
     "ep2_hsdp_tp2": (dict(dp_replicate=2, dp_shard=2, tp=2, ep=2, sequence_parallel=False), 1),
+    # per-block torch.compile with the experts' tensor parallelism: 2 ranks tp=2; 4 ranks (by hand) beside ep=2
+    "moe_tp2_compile": (dict(tp=2, sequence_parallel=False, compile="true"), 1),
+    "ep2_tp2_compile": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False, compile="true"), 1),
 }
 
 
