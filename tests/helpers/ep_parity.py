@@ -73,6 +73,10 @@ STRATEGIES: dict[str, tuple[dict, int]] = {
     "moe_tp2_sp_ac": (dict(tp=2, activation_checkpointing="full"), 1),
     # 4 ranks: ep2_tp2 with sequence parallelism
     "ep2_tp2_sp": (dict(dp_shard=2, tp=2, ep=2), 1),
+    # per-block torch.compile with the experts' tensor parallelism: 2 ranks tp=2; 4 ranks (by hand) beside ep=2
+    "moe_tp2_compile": (dict(tp=2, sequence_parallel=False, compile="true"), 1),
+    "ep2_tp2_compile": (dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False, compile="true"), 1),
+    "moe_tp2_sp_compile": (dict(tp=2, compile="true"), 1),  # ... with sequence parallelism (2 ranks)
 }
 # fields of STRATEGIES that are the model's (ModelConfig), not ParallelConfig's; the one process builds the same model
 MODEL_FIELDS = ("moe_shared_experts",)

@@ -25,9 +25,10 @@ from scaletrain.config import ConfigError, JobConfig, ModelConfig, OptimConfig, 
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.train.validate import check_runnable
 
-# ep2_fsdp_compile: per-block torch.compile (a cold compile ~60 s on 2 cores; the inductor cache makes reruns fast)
+# ep2_fsdp_compile, moe_tp2_compile, moe_tp2_sp_compile: per-block torch.compile (a cold compile ~40-60 s each on 2
+# cores; the inductor cache makes reruns fast)
 EP_STRATEGIES = ["ep2_fsdp", "ep2_fsdp2", "ep2_fsdp_accum2", "ep2_ddp", "ep2_fsdp_ac", "ep2_fsdp_compile", "moe_fsdp",
-                 "moe_ddp"]
+                 "moe_ddp", "moe_tp2_compile", "moe_tp2_sp_compile"]
 # The default pass launches these (EP=2 under FSDP2 and DDP, and their EP=1 twins); the rest of the matrix, the
 # compiled strategy's cold compile among them (~170 s of launch together), runs in the slow tier.
 EP_CORE = ["ep2_fsdp", "ep2_ddp", "moe_fsdp", "moe_ddp"]
@@ -58,9 +59,10 @@ def ep_runs_4(tmp_path_factory) -> dict:
     return _launch(tmp_path_factory, "ep4", 4, EP_STRATEGIES_4)
 
 
-# 4 ranks, EP with tensor parallelism (dp_shard 2 x tp 2, ep 2), without and with sequence parallelism: the slow
-# tier's own launch (~20 s on 2 loaded cores); the default pass accepts the layouts (the layouts test)
-EP_STRATEGIES_TP = ["ep2_tp2", "ep2_tp2_sp"]
+# 4 ranks, EP with tensor parallelism (dp_shard 2 x tp 2, ep 2): eager without and with sequence parallelism, and
+# compiled: the slow tier's own launch (~20 s each eager, a cold compile ~110 s on 2 loaded cores); the default pass
+# accepts the layouts (the layouts test)
+EP_STRATEGIES_TP = ["ep2_tp2", "ep2_tp2_sp", "ep2_tp2_compile"]
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +132,13 @@ def test_moe_tensor_parallel_with_sequence_parallel_equals_one_process(tp_sp_run
     assert record["rank_expert_numel"] == [record["expert_numel"] // 2] * 2
 
 
-@pytest.mark.slow  # the slow tier's launch; the eager strategies' parity: the default pass's EP_CORE launch
+@pytest.mark.slow  # the slow tier's launches (cold compiles); the eager strategies' parity: the default pass's EP_CORE
 @pytest.mark.distributed
-def test_the_compiled_strategy_really_compiles(ep_runs, ep_runs_core):
-    assert ep_runs["ep2_fsdp_compile"]["compiled_frames"] > 0
+@pytest.mark.parametrize("ep_run", ["ep2_fsdp_compile", "moe_tp2_compile", "moe_tp2_sp_compile", "ep2_tp2_compile"],
+                         indirect=True)
+def test_the_compiled_strategies_really_compile(ep_run, ep_runs_core):
+    """Each compiled strategy's blocks went through dynamo (its frames counted); an eager one's did not."""
+    assert ep_run["compiled_frames"] > 0
     assert ep_runs_core["ep2_fsdp"]["compiled_frames"] == 0
 
 
@@ -225,8 +230,9 @@ def dims_of(world: int, compile: str = "false", **parallel) -> ParallelDims:
     (2, dict(cp=2), "a mixture of experts trains with data parallelism (DDP, FSDP2), tensor, pipeline and expert"),
     (2, dict(tp=2), None),  # sequence parallelism: the sparse input all-gathered (ep_parity's moe_tp2_sp)
     (2, dict(tp=2, sequence_parallel=False), None),  # the experts' hidden units split (test_cli_moe_tensor_*)
-    (2, dict(tp=2, sequence_parallel=False, compile="true"), "does not compile yet; set train.compile=false"),
-    (2, dict(tp=2, compile="true"), "does not compile yet; set train.compile=false"),
+    (2, dict(tp=2, sequence_parallel=False, compile="true"), None),  # per-block compile: moe_tp2_compile
+    (4, dict(dp_shard=2, tp=2, ep=2, sequence_parallel=False, compile="true"), None),  # ep2_tp2_compile
+    (2, dict(tp=2, compile="true"), None),  # ... with sequence parallelism: moe_tp2_sp_compile
     (2, dict(pp=2), None),  # a mixture of experts in pipeline stages (test_cli_moe_pipeline_*)
     (8, dict(pp=2, dp_replicate=2, dp_shard=2), None),
     (8, dict(tp=2, dp_replicate=2, dp_shard=2, sequence_parallel=False), None),  # ep2_hsdp_tp2 (by hand)

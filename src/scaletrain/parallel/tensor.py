@@ -18,6 +18,7 @@ import types
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -55,6 +56,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) 
         top["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     for name, style in top.items():
         parallelize_module(model if name == "" else model.get_submodule(name), tp_mesh, style)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_wait_collective)
 
     for block in model.layers.values():
         sparse = isinstance(block.feed_forward, MoEFeedForward)
@@ -109,6 +112,20 @@ def _sparse_sequence_parallel() -> PrepareModuleInputOutput:
     return PrepareModuleInputOutput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
         output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+
+
+def _wait_collective(module: nn.Module, inputs, output: DTensor) -> DTensor:
+    """The embedding's output with its all-reduce (or reduce-scatter) waited for, in eager code, before a compiled
+    block sees it. RowwiseParallel's asynchronous collective leaves an ``AsyncCollectiveTensor`` inside the
+    DTensor; AOTAutograd unwraps such a wrapper only at a graph's top level, so a block that graph-breaks (a
+    mixture of experts' data-dependent routing) hands eager code a view typed as one and then meets a plain
+    tangent for it in the backward ("Expected a AsyncCollectiveTensor tangent but got a plain Tensor").
+    ``wait_tensor`` is differentiable; the wait costs nothing, the block's first op would wait anyway."""
+    local = output.to_local()
+    if not isinstance(local, AsyncCollectiveTensor):
+        return output
+    return DTensor.from_local(wait_tensor(local), output.device_mesh, output.placements, run_check=False,
+                              shape=output.shape, stride=output.stride())
 
 
 def _residual_norms(block: nn.Module) -> list[str]:

@@ -128,8 +128,7 @@ def check_distillation(cfg: JobConfig, here: bool = True) -> None:
 
 def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
     """What a mixture of experts (model.moe_experts > 0) does not run with yet, one line each: context parallelism,
-    local SGD / DiLoCo, compile under tensor parallelism, HSDP under tensor or pipeline
-    parallelism (data parallelism, DDP or FSDP2, tensor and pipeline parallelism run, each with or without
+    local SGD / DiLoCo (data parallelism, DDP or FSDP2, tensor and pipeline parallelism run, each with or without
     parallel.ep; parallel.ep's own layouts are ParallelDims'), DeepSpeed, muP (its learning-rate groups know no stacked
     experts), QLoRA (no 4-bit stacked experts), the other adapter methods, and LoRA with expert parallelism or Muon
     on the adapters."""
@@ -139,10 +138,6 @@ def check_moe_runnable(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts}: a mixture of experts trains with data "
                           f"parallelism (DDP, FSDP2), tensor, pipeline and expert parallelism (parallel.ep) for now; "
                           f"set parallel.cp to 1 and parallel.low_comm=none")
-    if dims.tp > 1 and cfg.train.compile == "true":  # measured: AOTAutograd's tangent-metadata error (torch 2.13)
-        raise ConfigError(f"model.moe_experts = {cfg.model.moe_experts} with parallel.tp={dims.tp}: the experts' "
-                          f"tensor-parallel forward (local slices of DTensor weights) does not compile yet; set "
-                          f"train.compile=false (or auto)")
 
     if cfg.parallel.engine == "deepspeed":
         raise ConfigError("model.moe_experts: a mixture of experts runs on the native engine only; drop "
