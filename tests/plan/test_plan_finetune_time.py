@@ -169,3 +169,20 @@ def test_compiled_qlora_is_a_rate_of_its_own_that_a_gpu_measurement_can_refit(mo
     eager = json.loads(out.read_text())["finetune"]["tokens_per_second"]
     assert main(args) == 0
     assert json.loads(out.read_text())["finetune"]["tokens_per_second"] > 1.5 * eager
+
+
+def test_a_fine_tune_runs_own_config_is_planned_as_a_fine_tune(tmp_path, capsys):
+    """A fine-tune run's config.toml names its base (finetune.source) and method: `plan --config` of it plans the
+    fine-tune (the adapters' step, their checkpoint), as `--finetune.method` does, not a pretraining of every
+    weight (seen: a LoRA run's config planned a 9.7 MB full checkpoint beside its 0.4 MB adapters)."""
+    config = tmp_path / "lora.toml"
+    config.write_text('[finetune]\nsource = "runs/base"\nmethod = "lora"\n')
+    args = ["plan", "--hardware", "cpu", "--tokens", "204800", "--model.vocab_size=65"]
+    assert main([*args, "--config", str(config), "--json", str(tmp_path / "from_config.json")]) == 0
+    from_config = capsys.readouterr().out
+    assert main([*args, "--finetune.method=lora", "--json", str(tmp_path / "flag.json")]) == 0
+    flag = capsys.readouterr().out
+    assert "step time on" in from_config and "step time on" in flag, from_config
+    wall_line = [line for line in from_config.splitlines() if line.startswith("wall ")]
+    assert wall_line and wall_line == [line for line in flag.splitlines() if line.startswith("wall ")]
+    assert "finetune" in json.loads((tmp_path / "from_config.json").read_text())

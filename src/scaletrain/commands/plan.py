@@ -333,7 +333,9 @@ def run_plan(args: argparse.Namespace) -> int:
         if fits:  # what the run buys, beside what it costs: by the law of the model's own family
             print_prediction(_family_fit(args, fits, workload.model), args.data, law_params(workload.model),
                              workload.train_tokens, console)
-        if job.given("finetune.method"):
+        # A fine-tune: --finetune.method given, or a config that fine-tunes (a fine-tune run's own config.toml
+        # names its base in finetune.source): planned as pretraining it would train, and save, every weight.
+        if job.given("finetune.method") or job.cfg.finetune.source:
             return _finetune_plan(args, job.cfg, _pins(args, job), workload, cluster, console)
         if args.deadline is not None or args.budget is not None:
             return _deadline_plan(args, _pins(args, job), workload, cluster, prices, as_of, console)
