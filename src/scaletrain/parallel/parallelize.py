@@ -64,9 +64,8 @@ class ParallelModel:
     # None: the next-token cross-entropy, which may run by chunks (train/loss.py).
     objective_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     experts: bool = False  # a mixture of experts (model.moe_experts): the same on every rank, whatever its stages
-    # Every data-parallel rank of this rank's pipeline / tensor coordinate (dp_replicate x dp_shard, flattened):
-    # what a mixture of experts' counts are summed over when the world also holds other stages or tp copies.
-    # None: the world is the data-parallel group, or a single dimension's group serves.
+    # A mixture of experts' data-parallel ranks of this rank's pipeline / tensor coordinate (dp_replicate x
+    # dp_shard), what its counts are summed over (``sum_expert_counts``); None: the world is that group.
     dp_group: dist.ProcessGroup | None = None
 
     @property
@@ -90,12 +89,9 @@ class ParallelModel:
         """A mixture of experts' count buffers ``names`` summed over the data-parallel ranks (parallel/expert.py);
         nothing in one process or for a dense model. Every data-parallel rank calls it (``check_moe_runnable``
         keeps a mixture of experts to data, expert, tensor and pipeline parallelism: without a pipeline or tensor
-        parallelism the world is the data-parallel group; with them, ``dp_shard``'s, or under HSDP
-        ``dp_group``, dp_replicate x dp_shard)."""
+        parallelism the world is the data-parallel group; with them, ``dp_group``)."""
         if self.dims.dp_size > 1:
-            within = self.dims.pp > 1 or self.dims.tp > 1  # the world holds other stages / tensor-parallel copies
-            group = (self.dp_group or self.group("dp_shard") or self.group("dp_replicate")) if within else None
-            sum_expert_counts(self.modules, names, group)
+            sum_expert_counts(self.modules, names, self.dp_group)
 
     def gather_over_stages(self, record: dict) -> dict:
         """A mixture of experts' logged load (``model.moe.expert_load``: each rank has its own stages' layers)
@@ -129,13 +125,16 @@ def _dp_mesh(mesh, dims: ParallelDims):
     return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
 
 
-def _hsdp_group(mesh, dims: ParallelDims, model_cfg: ModelConfig) -> dist.ProcessGroup | None:
-    """A mixture of experts' count group under HSDP with pp or tp (``ParallelModel.dp_group``): the flattened
-    (dp_replicate, dp_shard) mesh's, created here, where every rank builds its mesh alike (a new group is a
-    collective); None elsewhere."""
-    if not (model_cfg.moe_experts and dims.dp_replicate > 1 and dims.dp_shard > 1 and (dims.pp > 1 or dims.tp > 1)):
+def _expert_count_group(mesh, dims: ParallelDims, model_cfg: ModelConfig) -> dist.ProcessGroup | None:
+    """A mixture of experts' count group (``ParallelModel.dp_group``) when the world also holds other stages or
+    tensor-parallel copies: the data-parallel dimension's group, under HSDP the flattened (dp_replicate, dp_shard)
+    mesh's (over dp_shard alone HSDP 2 x 2 x TP 2 drifted 1.2e-2 from one process), created here, where every rank
+    builds its mesh alike (a new group is a collective). None: the world is the data-parallel group."""
+    if not (model_cfg.moe_experts and dims.dp_size > 1 and (dims.pp > 1 or dims.tp > 1)):
         return None
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp_moe_counts").get_group()
+    names = [name for name in ("dp_replicate", "dp_shard") if name in dims.mesh_shape]
+    dp = mesh[names[0]] if len(names) == 1 else mesh[tuple(names)]._flatten("dp_moe_counts")
+    return dp.get_group()
 
 
 def _dp_rank(mesh, dims: ParallelDims) -> int:
@@ -187,7 +186,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig, *, me
 
     pm = ParallelModel(parts=parts, dims=dims, mesh=mesh, device=device,
                        dp_rank=_dp_rank(mesh, dims) if mesh is not None else 0, vocab_limit=vocab_limit,
-                       experts=bool(model_cfg.moe_experts), dp_group=_hsdp_group(mesh, dims, model_cfg))
+                       experts=bool(model_cfg.moe_experts), dp_group=_expert_count_group(mesh, dims, model_cfg))
     replicate = pm.group("dp_replicate")
     if replicate is not None and dims.dp_shard == 1:  # 7. replicated data parallel
         if cfg.low_comm != "none":
