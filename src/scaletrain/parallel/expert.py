@@ -51,8 +51,8 @@ from scaletrain.parallel.tensor import copy_to_tensor_parallel, reduce_from_tens
 
 
 class _ScaleGradient(torch.autograd.Function):
-    """The identity forward; the gradient times ``scale`` in backward. One node a weight, not one for a layer's
-    three: a shared node holds all three gradients until the last is computed (3.4 MiB more at nano-moe's peak)."""
+    """The identity forward; the gradient times ``scale`` in backward. One node a weight: one node for a layer's
+    three was tried and saved nothing measurable (benchmarks/ep_host.py)."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
